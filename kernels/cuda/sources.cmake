@@ -1,0 +1,1 @@
+set(LCE_CUDA_SOURCES)  # filled in by the CUDA backend

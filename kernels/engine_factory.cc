@@ -1,0 +1,32 @@
+// Backend selection: the one place that knows which engines this build has.
+#include "cpu/cpu_engine.h"
+#include "lce/engine.h"
+#ifdef LCE_WITH_CUDA
+#include "cuda/cuda_engine.h"
+#endif
+
+namespace lce {
+
+bool CudaAvailable() {
+#ifdef LCE_WITH_CUDA
+  return cuda::DeviceAvailable();
+#else
+  return false;
+#endif
+}
+
+absl::StatusOr<std::unique_ptr<LceEngine>> CreateEngine(Backend backend,
+                                                        std::shared_ptr<const HeadWeights> weights,
+                                                        const EngineConfig& config) {
+  if (weights == nullptr) return absl::InvalidArgumentError("no head weights");
+  if (absl::Status s = ValidateHeadWeights(*weights); !s.ok()) return s;
+  if (backend == Backend::kAuto) backend = CudaAvailable() ? Backend::kCuda : Backend::kCpu;
+  if (backend == Backend::kCpu) return CreateCpuEngine(std::move(weights), config);
+#ifdef LCE_WITH_CUDA
+  return cuda::CreateCudaEngine(std::move(weights), config);
+#else
+  return absl::FailedPreconditionError("this build has no CUDA backend (nvcc was not found at build time)");
+#endif
+}
+
+}  // namespace lce

@@ -1,0 +1,53 @@
+#include "lce/head.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace lce {
+
+std::string_view DTypeName(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "fp32";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat16: return "fp16";
+  }
+  return "?";
+}
+
+absl::StatusOr<DType> ParseDType(std::string_view name) {
+  if (name == "fp32" || name == "float32" || name == "F32") return DType::kFloat32;
+  if (name == "bf16" || name == "bfloat16" || name == "BF16") return DType::kBFloat16;
+  if (name == "fp16" || name == "float16" || name == "F16") return DType::kFloat16;
+  return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", name, "' (fp32, bf16, fp16)"));
+}
+
+absl::Status ValidateHeadWeights(const HeadWeights& head) {
+  const HeadShape& s = head.shape;
+  if (s.vocab_size <= 0 || s.hidden_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head shape must be positive, got V=", s.vocab_size, " H=", s.hidden_size));
+  }
+  if (s.vocab_begin < 0 || s.shard_rows <= 0 || s.vocab_end() > s.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("head shard [", s.vocab_begin, ", ", s.vocab_end(),
+                                                   ") is not inside [0, ", s.vocab_size, ")"));
+  }
+  const int64_t want = s.shard_rows * s.hidden_size * DTypeSize(s.dtype);
+  if (static_cast<int64_t>(head.weight.size()) != want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head weight holds ", head.weight.size(), " bytes, shape needs ", want));
+  }
+  if (s.has_bias != !head.bias.empty() ||
+      (s.has_bias && static_cast<int64_t>(head.bias.size()) != s.shard_rows)) {
+    return absl::InvalidArgumentError(absl::StrCat("head bias holds ", head.bias.size(),
+                                                   " values, shard has ", s.shard_rows, " rows"));
+  }
+  return absl::OkStatus();
+}
+
+VocabRange VocabShard(int64_t vocab_size, int rank, int world) {
+  const int64_t base = vocab_size / world;
+  const int64_t extra = vocab_size % world;
+  const int64_t begin = rank * base + std::min<int64_t>(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
+}
+
+}  // namespace lce

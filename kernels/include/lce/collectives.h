@@ -1,0 +1,24 @@
+// Collectives over the ranks of a tensor-parallel group, as the engine needs them. Implemented
+// outside kernels/ (NCCL on GPUs, Gloo on CPUs); the engine only calls this interface.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace lce {
+
+enum class ReduceOp : uint8_t { kSum, kMax };
+
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // In-place all-reduce of `count` floats. `device_memory` says whether data is device memory (then
+  // `stream` is the cudaStream_t the reduction is ordered on) or host memory (stream unused).
+  virtual absl::Status AllReduce(float* data, int64_t count, ReduceOp op, bool device_memory,
+                                 void* stream) = 0;
+};
+
+}  // namespace lce

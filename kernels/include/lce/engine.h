@@ -1,0 +1,109 @@
+// The fused linear-cross-entropy engine: one interface, a CPU and a CUDA backend with identical
+// semantics (docs/MATH.md). Knows nothing of gRPC; errors come back as absl::Status.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "lce/collectives.h"
+#include "lce/head.h"
+
+namespace lce {
+
+// Options of the math (docs/MATH.md). Validated by ValidateOptions before any engine call.
+struct LceOptions {
+  float temperature = 1.0f;     // T > 0
+  float softcap = 0.0f;         // s >= 0; 0 = off
+  float label_smoothing = 0.0f; // eps in [0, 1); used by the loss only
+  float z_loss = 0.0f;          // lambda >= 0; used by the loss only
+  int32_t ignore_index = -100;
+  bool allow_tf32 = false;      // fp32 heads on CUDA only
+};
+
+absl::Status ValidateOptions(const LceOptions& options);
+
+// Where the pointers of one Compute call live. Every pointer of a call lives in the same place.
+enum class MemorySpace : uint8_t { kHost, kDevice };
+
+// A block of rows to score. hidden is [rows, hidden_size] row-major in the head's dtype.
+struct RowsView {
+  const void* hidden = nullptr;
+  const int32_t* targets = nullptr;  // [rows]: in [0, vocab) or ignore_index
+  int64_t rows = 0;
+  MemorySpace space = MemorySpace::kHost;
+};
+
+// Which gradient, if any, a call computes.
+enum class GradMode : uint8_t {
+  kNone,     // forward only
+  kLoss,     // d/dh of sum_i g_i * loss_i          (g_i = grad_loss[i], or 1 when null)
+  kGeneric,  // d/dh of sum_i u_i*logprob_i + e_i*entropy_i   (null arrays mean zeros)
+};
+
+struct Upstream {
+  GradMode mode = GradMode::kNone;
+  const float* grad_loss = nullptr;      // kLoss: [rows] or null (all ones)
+  const float* grad_logprob = nullptr;   // kGeneric: [rows] or null
+  const float* grad_entropy = nullptr;   // kGeneric: [rows] or null
+};
+
+// Per-row fp32 outputs; a null pointer means "not wanted". Rows whose target is ignore_index get
+// logprob 0 and loss 0; their lse and entropy are still computed.
+struct RowOutputs {
+  float* logprob = nullptr;
+  float* entropy = nullptr;
+  float* lse = nullptr;
+  float* loss = nullptr;
+};
+
+// Gradient outputs; null means "not wanted".
+struct GradOutputs {
+  void* d_hidden = nullptr;   // [rows, hidden_size] in the head's dtype (overwritten)
+  float* d_weight = nullptr;  // [shard_rows, hidden_size] fp32, ACCUMULATED into (+=)
+};
+
+struct EngineConfig {
+  // Upper bound on scratch memory (logit tiles, converted inputs), whatever the row count.
+  int64_t workspace_bytes = int64_t{1} << 30;
+  // CUDA device ordinal (CUDA backend).
+  int device = 0;
+  // Threads of the CPU backend; 0 = hardware concurrency.
+  int cpu_threads = 0;
+  // Tensor parallelism: collectives over the ranks that hold the other vocabulary shards. Null
+  // when the head is not sharded. Not owned; must outlive the engine.
+  Collectives* collectives = nullptr;
+};
+
+class LceEngine {
+ public:
+  virtual ~LceEngine() = default;
+
+  // "cpu" or "cuda".
+  virtual std::string_view backend() const = 0;
+  virtual const HeadShape& shape() const = 0;
+
+  // One block of rows: forward always; the gradient selected by upstream.mode. Thread-safe
+  // (calls are serialised internally). Returns INVALID_ARGUMENT for bad shapes, targets out of
+  // range, or non-finite logits (NaN/Inf in the hidden states), naming the first bad row.
+  virtual absl::Status Compute(const RowsView& rows, const LceOptions& options,
+                               const Upstream& upstream, const RowOutputs& outputs,
+                               const GradOutputs& grads) = 0;
+};
+
+enum class Backend : uint8_t { kCpu, kCuda, kAuto };
+
+absl::StatusOr<Backend> ParseBackend(std::string_view name);
+
+// True when this build has the CUDA backend and a CUDA device is visible.
+bool CudaAvailable();
+
+// Builds an engine over `weights` (kept alive by the engine). kAuto picks CUDA when available.
+absl::StatusOr<std::unique_ptr<LceEngine>> CreateEngine(Backend backend,
+                                                        std::shared_ptr<const HeadWeights> weights,
+                                                        const EngineConfig& config);
+
+}  // namespace lce

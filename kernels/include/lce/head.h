@@ -1,0 +1,49 @@
+// The LM-head weight an engine serves: W [vocab, hidden] (one vocabulary shard of it under tensor
+// parallelism) and an optional fp32 bias.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace lce {
+
+enum class DType : uint8_t { kFloat32, kBFloat16, kFloat16 };
+
+inline constexpr int64_t DTypeSize(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+std::string_view DTypeName(DType d);  // "fp32", "bf16", "fp16"
+absl::StatusOr<DType> ParseDType(std::string_view name);
+
+struct HeadShape {
+  int64_t vocab_size = 0;   // V of the whole head (all shards)
+  int64_t hidden_size = 0;  // H
+  DType dtype = DType::kBFloat16;
+  int64_t vocab_begin = 0;  // first global vocabulary row this shard holds
+  int64_t shard_rows = 0;   // rows this shard holds (== vocab_size when not sharded)
+  bool has_bias = false;
+
+  int64_t vocab_end() const { return vocab_begin + shard_rows; }
+};
+
+// Host copy of a head shard. `weight` holds shard_rows * hidden_size elements of `dtype`,
+// row-major, little-endian; `bias` is empty or holds shard_rows floats.
+struct HeadWeights {
+  HeadShape shape;
+  std::vector<uint8_t> weight;
+  std::vector<float> bias;
+};
+
+// Checks sizes and ranges of a HeadWeights against its shape.
+absl::Status ValidateHeadWeights(const HeadWeights& head);
+
+// Contiguous range [begin, end) of vocabulary rows that rank `rank` of `world` owns: the first
+// V % world ranks get one row more. V need not divide by world.
+struct VocabRange {
+  int64_t begin;
+  int64_t end;
+};
+VocabRange VocabShard(int64_t vocab_size, int rank, int world);
+
+}  // namespace lce

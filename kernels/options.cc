@@ -1,0 +1,32 @@
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "lce/engine.h"
+
+namespace lce {
+
+absl::Status ValidateOptions(const LceOptions& o) {
+  if (!(o.temperature > 0.0f) || !std::isfinite(o.temperature)) {
+    return absl::InvalidArgumentError(absl::StrCat("temperature must be > 0, got ", o.temperature));
+  }
+  if (!(o.softcap >= 0.0f) || !std::isfinite(o.softcap)) {
+    return absl::InvalidArgumentError(absl::StrCat("softcap must be >= 0 (0 = off), got ", o.softcap));
+  }
+  if (!(o.label_smoothing >= 0.0f && o.label_smoothing < 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("label_smoothing must be in [0, 1), got ", o.label_smoothing));
+  }
+  if (!(o.z_loss >= 0.0f) || !std::isfinite(o.z_loss)) {
+    return absl::InvalidArgumentError(absl::StrCat("z_loss must be >= 0, got ", o.z_loss));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Backend> ParseBackend(std::string_view name) {
+  if (name == "cpu") return Backend::kCpu;
+  if (name == "cuda") return Backend::kCuda;
+  if (name == "auto") return Backend::kAuto;
+  return absl::InvalidArgumentError(absl::StrCat("unknown backend '", name, "' (cpu, cuda, auto)"));
+}
+
+}  // namespace lce
