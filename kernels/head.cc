@@ -4,7 +4,7 @@
 
 namespace lce {
 
-std::string_view DTypeName(DType d) {
+const char* DTypeName(DType d) {
   switch (d) {
     case DType::kFloat32: return "fp32";
     case DType::kBFloat16: return "bf16";
@@ -17,7 +17,7 @@ absl::StatusOr<DType> ParseDType(std::string_view name) {
   if (name == "fp32" || name == "float32" || name == "F32") return DType::kFloat32;
   if (name == "bf16" || name == "bfloat16" || name == "BF16") return DType::kBFloat16;
   if (name == "fp16" || name == "float16" || name == "F16") return DType::kFloat16;
-  return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", name, "' (fp32, bf16, fp16)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", std::string(name), "' (fp32, bf16, fp16)"));
 }
 
 absl::Status ValidateHeadWeights(const HeadWeights& head) {

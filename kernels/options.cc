@@ -26,7 +26,7 @@ absl::StatusOr<Backend> ParseBackend(std::string_view name) {
   if (name == "cpu") return Backend::kCpu;
   if (name == "cuda") return Backend::kCuda;
   if (name == "auto") return Backend::kAuto;
-  return absl::InvalidArgumentError(absl::StrCat("unknown backend '", name, "' (cpu, cuda, auto)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown backend '", std::string(name), "' (cpu, cuda, auto)"));
 }
 
 }  // namespace lce

@@ -13,7 +13,7 @@ namespace lce {
 enum class DType : uint8_t { kFloat32, kBFloat16, kFloat16 };
 
 inline constexpr int64_t DTypeSize(DType d) { return d == DType::kFloat32 ? 4 : 2; }
-std::string_view DTypeName(DType d);  // "fp32", "bf16", "fp16"
+const char* DTypeName(DType d);  // "fp32", "bf16", "fp16"
 absl::StatusOr<DType> ParseDType(std::string_view name);
 
 struct HeadShape {

@@ -1,0 +1,39 @@
+// A running gRPC server around LceService: health service, reflection, message-size limits,
+// graceful shutdown. Used by lce_server's main and by the end-to-end tests (port 0).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/server.h"
+#include "lce_service.h"
+
+namespace lce::server {
+
+struct GrpcServerOptions {
+  std::string address = "0.0.0.0:50051";  // port 0 picks a free port
+  ServiceConfig service;
+};
+
+class GrpcServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(std::shared_ptr<HeadStore> heads,
+                                                          const GrpcServerOptions& options);
+  ~GrpcServer();
+
+  int port() const { return port_; }
+  // Stops accepting, marks health NOT_SERVING, lets in-flight streams finish for up to `grace`,
+  // then cancels what remains. Idempotent.
+  void Shutdown(absl::Duration grace);
+
+ private:
+  GrpcServer() = default;
+  std::unique_ptr<LceService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+}  // namespace lce::server

@@ -1,0 +1,42 @@
+// The lce.v1.LceService implementation: translates streamed requests into engine calls on the
+// head they name and streams the answers back, chunk by chunk. Validation happens before any math.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "head_store.h"
+#include "lce/v1/lce.grpc.pb.h"
+#include "request_validator.h"
+
+namespace lce::server {
+
+struct ServiceConfig {
+  RequestLimits limits;
+  int64_t max_message_bytes = 64 << 20;
+  int tp_size = 1;
+};
+
+class LceService final : public v1::LceService::Service {
+ public:
+  LceService(std::shared_ptr<HeadStore> heads, ServiceConfig config)
+      : heads_(std::move(heads)), config_(config) {}
+
+  grpc::Status GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequest* req,
+                       v1::GetInfoResponse* resp) override;
+  grpc::Status Score(grpc::ServerContext* ctx,
+                     grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override;
+  grpc::Status ForwardBackward(grpc::ServerContext* ctx,
+                               grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override;
+  grpc::Status Backward(grpc::ServerContext* ctx,
+                        grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override;
+
+ private:
+  grpc::Status RunStream(RpcKind rpc, grpc::ServerContext* ctx,
+                         grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream);
+
+  std::shared_ptr<HeadStore> heads_;
+  ServiceConfig config_;
+};
+
+}  // namespace lce::server

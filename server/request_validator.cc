@@ -1,0 +1,146 @@
+#include "request_validator.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace lce::server {
+namespace {
+
+absl::StatusOr<DType> FromWire(v1::DType d) {
+  switch (d) {
+    case v1::DTYPE_FLOAT32: return DType::kFloat32;
+    case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
+    case v1::DTYPE_FLOAT16: return DType::kFloat16;
+    default: return absl::InvalidArgumentError(absl::StrCat("header.dtype must be set (got ", d, ")"));
+  }
+}
+
+}  // namespace
+
+const char* RpcName(RpcKind rpc) {
+  switch (rpc) {
+    case RpcKind::kScore: return "Score";
+    case RpcKind::kForwardBackward: return "ForwardBackward";
+    case RpcKind::kBackward: return "Backward";
+  }
+  return "?";
+}
+
+absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::RequestHeader& h) const {
+  RequestPlan plan;
+  plan.rpc = rpc_;
+  absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_.Get(h.head());
+  if (!head.ok()) return head.status();
+  plan.head = *head;
+  const HeadShape& shape = plan.head->engine->shape();
+  if (h.head_version() != 0 && h.head_version() != plan.head->version) {
+    return absl::FailedPreconditionError(absl::StrCat("head '", plan.head->name, "' is at version ",
+                                                      plan.head->version, ", request pins version ",
+                                                      h.head_version()));
+  }
+  if (h.hidden_size() != shape.hidden_size) {
+    return absl::InvalidArgumentError(absl::StrCat("header.hidden_size is ", h.hidden_size(), " but head '",
+                                                   plan.head->name, "' has hidden size ", shape.hidden_size));
+  }
+  absl::StatusOr<DType> dtype = FromWire(h.dtype());
+  if (!dtype.ok()) return dtype.status();
+  if (*dtype != shape.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat("header.dtype is ", DTypeName(*dtype), " but head '",
+                                                   plan.head->name, "' is ", DTypeName(shape.dtype),
+                                                   ": send hidden states in the head's dtype"));
+  }
+  LceOptions& o = plan.options;
+  o.temperature = h.has_temperature() ? h.temperature() : 1.0f;
+  o.softcap = h.softcap();
+  o.ignore_index = h.has_ignore_index() ? h.ignore_index() : -100;
+  o.allow_tf32 = h.allow_tf32();
+  const bool is_fb = rpc_ == RpcKind::kForwardBackward;
+  if (!is_fb && (h.label_smoothing() != 0.0f || h.z_loss() != 0.0f || h.reduction() != v1::REDUCTION_UNSPECIFIED ||
+                 h.has_num_valid_tokens())) {
+    return absl::InvalidArgumentError(absl::StrCat("reduction, label_smoothing, z_loss and num_valid_tokens ",
+                                                   "apply to ForwardBackward only, not ", RpcName(rpc_)));
+  }
+  o.label_smoothing = h.label_smoothing();
+  o.z_loss = h.z_loss();
+  if (absl::Status s = ValidateOptions(o); !s.ok()) return s;
+
+  if (h.outputs().empty()) {
+    plan.want_logprobs = rpc_ == RpcKind::kScore;
+    plan.want_entropy = rpc_ == RpcKind::kScore;
+    plan.want_loss = is_fb;
+  }
+  for (int out : h.outputs()) {
+    switch (out) {
+      case v1::OUTPUT_LOGPROBS: plan.want_logprobs = true; break;
+      case v1::OUTPUT_ENTROPY: plan.want_entropy = true; break;
+      case v1::OUTPUT_LOSS:
+        if (!is_fb) return absl::InvalidArgumentError("OUTPUT_LOSS is a ForwardBackward output");
+        plan.want_loss = true;
+        break;
+      default: return absl::InvalidArgumentError(absl::StrCat("unknown output ", out));
+    }
+  }
+  if (is_fb) {
+    plan.reduction = h.reduction() == v1::REDUCTION_UNSPECIFIED ? v1::REDUCTION_MEAN : h.reduction();
+    if (!v1::Reduction_IsValid(plan.reduction)) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown reduction ", h.reduction()));
+    }
+    if (plan.reduction == v1::REDUCTION_MEAN) {
+      if (!h.has_num_valid_tokens() || h.num_valid_tokens() < 0) {
+        return absl::InvalidArgumentError(
+            "REDUCTION_MEAN needs header.num_valid_tokens: the number of rows of the whole request whose "
+            "target is not ignore_index (the client libraries fill it in)");
+      }
+      plan.declared_valid_tokens = h.num_valid_tokens();
+    } else if (h.has_num_valid_tokens()) {
+      return absl::InvalidArgumentError("num_valid_tokens applies to REDUCTION_MEAN only");
+    }
+  }
+  return plan;
+}
+
+absl::StatusOr<int64_t> StreamRequestValidator::ValidateChunk(const RequestPlan& plan, const v1::RowChunk& c,
+                                                              int64_t chunk_index, int64_t first_row) const {
+  const HeadShape& shape = plan.head->engine->shape();
+  const int64_t rows = c.targets_size();
+  const std::string where = absl::StrCat("chunk ", chunk_index, ": ");
+  if (rows == 0) return absl::InvalidArgumentError(absl::StrCat(where, "no rows (targets is empty)"));
+  const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
+  if (static_cast<int64_t>(c.hidden().size()) != rows * row_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "hidden holds ", c.hidden().size(), " bytes, but ", rows,
+                                                   " targets x hidden size ", shape.hidden_size, " x ",
+                                                   DTypeSize(shape.dtype), " bytes (", DTypeName(shape.dtype),
+                                                   ") = ", rows * row_bytes));
+  }
+  if (limits_.max_rows_per_request > 0 && first_row + rows > limits_.max_rows_per_request) {
+    return absl::ResourceExhaustedError(absl::StrCat(where, "request exceeds ", limits_.max_rows_per_request,
+                                                     " rows, the server's limit per request"));
+  }
+  const int32_t ignore = plan.options.ignore_index;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int32_t y = c.targets(static_cast<int>(i));
+    if (y != ignore && (y < 0 || y >= shape.vocab_size)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "row ", first_row + i, ": target ", y,
+                                                     " is outside [0, ", shape.vocab_size,
+                                                     ") and is not ignore_index (", ignore, ")"));
+    }
+  }
+  auto check_len = [&](int n, const char* name, bool allowed) -> absl::Status {
+    if (n == 0) return absl::OkStatus();
+    if (!allowed) {
+      return absl::InvalidArgumentError(absl::StrCat(where, name, " is not used by ", RpcName(rpc_),
+                                                     (rpc_ == RpcKind::kForwardBackward ? " unless reduction is NONE" : "")));
+    }
+    if (n != rows) {
+      return absl::InvalidArgumentError(absl::StrCat(where, name, " has ", n, " values for ", rows, " rows"));
+    }
+    return absl::OkStatus();
+  };
+  const bool is_bw = rpc_ == RpcKind::kBackward;
+  if (absl::Status s = check_len(c.grad_logprob_size(), "grad_logprob", is_bw); !s.ok()) return s;
+  if (absl::Status s = check_len(c.grad_entropy_size(), "grad_entropy", is_bw); !s.ok()) return s;
+  const bool loss_grads = rpc_ == RpcKind::kForwardBackward && plan.reduction == v1::REDUCTION_NONE;
+  if (absl::Status s = check_len(c.grad_loss_size(), "grad_loss", loss_grads); !s.ok()) return s;
+  return rows;
+}
+
+}  // namespace lce::server

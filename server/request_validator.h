@@ -1,0 +1,52 @@
+// Checks every streamed request before any math: the header against the head it names, each chunk
+// against the header. Produces the RequestPlan the stream runs on. Errors carry the absl code that
+// the server edge maps to the gRPC status (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION,
+// RESOURCE_EXHAUSTED) and a message naming the problem.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "head_store.h"
+#include "lce/engine.h"
+#include "lce/v1/lce.pb.h"
+
+namespace lce::server {
+
+enum class RpcKind { kScore, kForwardBackward, kBackward };
+const char* RpcName(RpcKind rpc);
+
+struct RequestLimits {
+  int64_t max_rows_per_request = 0;  // 0: no limit
+};
+
+struct RequestPlan {
+  RpcKind rpc = RpcKind::kScore;
+  std::shared_ptr<const ServedHead> head;  // snapshot: the request runs on this version
+  LceOptions options;
+  bool want_logprobs = false;
+  bool want_entropy = false;
+  bool want_loss = false;
+  v1::Reduction reduction = v1::REDUCTION_MEAN;  // ForwardBackward
+  int64_t declared_valid_tokens = -1;            // REDUCTION_MEAN
+};
+
+class StreamRequestValidator {
+ public:
+  StreamRequestValidator(RpcKind rpc, const HeadStore& heads, RequestLimits limits)
+      : rpc_(rpc), heads_(heads), limits_(limits) {}
+
+  absl::StatusOr<RequestPlan> ValidateHeader(const v1::RequestHeader& header) const;
+
+  // Returns the chunk's row count. `chunk_index` and `first_row` only locate errors.
+  absl::StatusOr<int64_t> ValidateChunk(const RequestPlan& plan, const v1::RowChunk& chunk,
+                                        int64_t chunk_index, int64_t first_row) const;
+
+ private:
+  RpcKind rpc_;
+  const HeadStore& heads_;
+  RequestLimits limits_;
+};
+
+}  // namespace lce::server

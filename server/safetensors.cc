@@ -1,0 +1,123 @@
+#include "safetensors.h"
+
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace lce::server {
+namespace {
+
+absl::StatusOr<DType> DTypeFromSafetensors(const std::string& s) {
+  if (s == "F32") return DType::kFloat32;
+  if (s == "BF16") return DType::kBFloat16;
+  if (s == "F16") return DType::kFloat16;
+  return absl::InvalidArgumentError(absl::StrCat("unsupported safetensors dtype ", s, " (F32, BF16, F16)"));
+}
+
+const char* DTypeToSafetensors(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "F32";
+    case DType::kBFloat16: return "BF16";
+    case DType::kFloat16: return "F16";
+  }
+  return "?";
+}
+
+}  // namespace
+
+absl::StatusOr<SafetensorsEntry> ReadSafetensorsEntry(const std::string& path, const std::string& tensor) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  in.seekg(0, std::ios::end);
+  const uint64_t file_size = static_cast<uint64_t>(in.tellg());
+  in.seekg(0);
+  uint8_t len_bytes[8];
+  if (!in.read(reinterpret_cast<char*>(len_bytes), 8)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": too short for a safetensors file"));
+  }
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
+  if (header_len > (uint64_t{100} << 20) || 8 + header_len > file_size) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": bad safetensors header length ", header_len));
+  }
+  std::string header(header_len, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(header_len))) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": truncated header"));
+  }
+  nlohmann::json j = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": header is not a JSON object"));
+  }
+  auto it = j.find(tensor);
+  if (it == j.end() || !it->is_object()) {
+    return absl::NotFoundError(absl::StrCat(path, ": no tensor named '", tensor, "'"));
+  }
+  const auto& t = *it;
+  if (!t.contains("dtype") || !t["dtype"].is_string() || !t.contains("shape") || !t["shape"].is_array() ||
+      !t.contains("data_offsets") || !t["data_offsets"].is_array() || t["data_offsets"].size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": malformed entry for '", tensor, "'"));
+  }
+  absl::StatusOr<DType> dtype = DTypeFromSafetensors(t["dtype"].get<std::string>());
+  if (!dtype.ok()) return dtype.status();
+  const auto& shape = t["shape"];
+  if (shape.empty() || shape.size() > 2) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", tensor, "' must be 1-D or 2-D"));
+  }
+  SafetensorsEntry e;
+  e.dtype = *dtype;
+  e.rows = shape[0].get<int64_t>();
+  e.cols = shape.size() == 2 ? shape[1].get<int64_t>() : 1;
+  const uint64_t begin = t["data_offsets"][0].get<uint64_t>();
+  const uint64_t end = t["data_offsets"][1].get<uint64_t>();
+  const uint64_t want = static_cast<uint64_t>(e.rows * e.cols * DTypeSize(e.dtype));
+  if (e.rows <= 0 || e.cols <= 0 || end < begin || end - begin != want || 8 + header_len + end > file_size) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", tensor, "' offsets [", begin, ", ",
+                                                   end, ") do not match its shape or the file"));
+  }
+  e.data_offset = 8 + header_len + begin;
+  return e;
+}
+
+absl::StatusOr<std::vector<uint8_t>> ReadSafetensorsRows(const std::string& path,
+                                                         const SafetensorsEntry& entry,
+                                                         int64_t row_begin, int64_t row_end) {
+  if (row_begin < 0 || row_end > entry.rows || row_begin >= row_end) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("row range [", row_begin, ", ", row_end, ") outside [0, ", entry.rows, ")"));
+  }
+  const int64_t row_bytes = entry.cols * DTypeSize(entry.dtype);
+  std::vector<uint8_t> out(static_cast<size_t>((row_end - row_begin) * row_bytes));
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  in.seekg(static_cast<std::streamoff>(entry.data_offset + row_begin * row_bytes));
+  if (!in.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(out.size()))) {
+    return absl::DataLossError(absl::StrCat(path, ": short read"));
+  }
+  return out;
+}
+
+absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    header[t.name] = {{"dtype", DTypeToSafetensors(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + static_cast<uint64_t>(t.bytes)}}};
+    offset += static_cast<uint64_t>(t.bytes);
+  }
+  std::string text = header.dump();
+  while ((8 + text.size()) % 8 != 0) text.push_back(' ');  // keep tensor data 8-byte aligned
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write ", path));
+  uint8_t len[8];
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
+  out.write(reinterpret_cast<const char*>(len), 8);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  for (const auto& t : tensors) out.write(reinterpret_cast<const char*>(t.data), t.bytes);
+  if (!out) return absl::DataLossError(absl::StrCat("write to ", path, " failed"));
+  return absl::OkStatus();
+}
+
+}  // namespace lce::server

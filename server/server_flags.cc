@@ -1,0 +1,91 @@
+#include "server_flags.h"
+
+#include <functional>
+#include <map>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+
+namespace lce::server {
+
+const char* ServerUsage() {
+  return R"(lce_server: fused linear-cross-entropy loss head over gRPC (lce.v1.LceService)
+
+  --host=ADDR                 listen address (default 0.0.0.0)
+  --port=N                    listen port (default 50051; 0 picks a free one)
+  --port-file=PATH            write the port there once serving
+  --backend=cpu|cuda|auto     engine backend (default auto: cuda when a GPU is visible)
+  --head-name=NAME            name of the served head (default "default")
+  --head-file=PATH            safetensors file holding the head
+  --head-tensor=NAME          tensor in it (default lm_head.weight), [vocab, hidden]
+  --head-bias-tensor=NAME     optional bias tensor [vocab]
+  --seed-head=VxH             instead of a file: a seeded random head, e.g. 32000x512
+  --seed=N                    seed of the seeded head (default 0)
+  --head-dtype=bf16|fp16|fp32 dtype of the seeded head (default bf16)
+  --max-message-bytes=N       largest gRPC message accepted (default 67108864)
+  --max-rows-per-request=N    largest request, in rows (default 16777216; 0 = no limit)
+  --workspace-bytes=N         engine scratch budget (default 1073741824)
+  --cpu-threads=N             CPU engine threads (default: all cores)
+  --device=N                  CUDA device ordinal (default 0)
+  --shutdown-grace-seconds=S  on SIGTERM, time in-flight streams get to finish (default 30)
+  --help
+)";
+}
+
+absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
+  ServerFlags f;
+  auto str = [](std::string* dst) { return [dst](const std::string& v) { *dst = v; return true; }; };
+  auto i64 = [](int64_t* dst) { return [dst](const std::string& v) { return absl::SimpleAtoi(v, dst); }; };
+  auto i32 = [](int* dst) { return [dst](const std::string& v) { return absl::SimpleAtoi(v, dst); }; };
+  std::map<std::string, std::function<bool(const std::string&)>> setters = {
+      {"host", str(&f.host)},
+      {"port", i32(&f.port)},
+      {"port-file", str(&f.port_file)},
+      {"backend", str(&f.backend)},
+      {"head-name", str(&f.head_name)},
+      {"head-file", str(&f.head.file)},
+      {"head-tensor", str(&f.head.tensor)},
+      {"head-bias-tensor", str(&f.head.bias_tensor)},
+      {"seed-head", [&f](const std::string& v) { return ParseSeedShape(v, f.head).ok(); }},
+      {"seed", [&f](const std::string& v) { return absl::SimpleAtoi(v, &f.head.seed); }},
+      {"head-dtype", [&f](const std::string& v) {
+         absl::StatusOr<DType> d = ParseDType(v);
+         if (d.ok()) f.head.dtype = *d;
+         return d.ok();
+       }},
+      {"max-message-bytes", i64(&f.max_message_bytes)},
+      {"max-rows-per-request", i64(&f.max_rows_per_request)},
+      {"workspace-bytes", i64(&f.workspace_bytes)},
+      {"cpu-threads", i32(&f.cpu_threads)},
+      {"device", i32(&f.device)},
+      {"shutdown-grace-seconds", [&f](const std::string& v) { return absl::SimpleAtod(v, &f.shutdown_grace_seconds); }},
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      f.help = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0) return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
+    std::string name = arg.substr(2), value;
+    const size_t eq = name.find('=');
+    if (eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
+    }
+    name = absl::StrReplaceAll(name, {{"_", "-"}});
+    auto it = setters.find(name);
+    if (it == setters.end()) return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
+    if (!it->second(value)) return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", name));
+  }
+  if (f.port < 0 || f.port > 65535) return absl::InvalidArgumentError(absl::StrCat("bad --port ", f.port));
+  if (f.max_message_bytes < (1 << 16)) return absl::InvalidArgumentError("--max-message-bytes must be >= 65536");
+  return f;
+}
+
+}  // namespace lce::server

@@ -1,0 +1,31 @@
+// Command-line flags of lce_server: `--name=value` or `--name value`, dashes in names.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "head_source.h"
+
+namespace lce::server {
+
+struct ServerFlags {
+  std::string host = "0.0.0.0";
+  int port = 50051;             // 0: pick a free port
+  std::string port_file;        // written with the port once serving
+  std::string backend = "auto"; // cpu | cuda | auto
+  std::string head_name = "default";
+  HeadSource head;
+  int64_t max_message_bytes = 64 << 20;
+  int64_t max_rows_per_request = int64_t{1} << 24;
+  int64_t workspace_bytes = int64_t{1} << 30;
+  int cpu_threads = 0;
+  int device = 0;
+  double shutdown_grace_seconds = 30.0;
+  bool help = false;
+};
+
+absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv);
+const char* ServerUsage();
+
+}  // namespace lce::server

@@ -1,0 +1,357 @@
+// CPU engine against the float64 reference (tests/kernels/reference.h) on fresh random inputs.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <tuple>
+
+#include "gtest/gtest.h"
+#include "lce/engine.h"
+#include "lce/numeric.h"
+#include "reference.h"
+
+namespace lce {
+namespace {
+
+using testing::RefProblem;
+using testing::RefResult;
+
+double RelErr(const std::vector<float>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - want[i];
+    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
+    num += d * d;
+    den += want[i] * want[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+// Rounds a value to `dtype` and returns its bits (as bytes appended to `out`) and its exact value.
+double Encode(double v, DType dtype, std::vector<uint8_t>& out) {
+  const float f = static_cast<float>(v);
+  if (dtype == DType::kFloat32) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&f);
+    out.insert(out.end(), b, b + 4);
+    return f;
+  }
+  const uint16_t bits = dtype == DType::kBFloat16 ? FloatToBf16(f) : FloatToFp16(f);
+  out.push_back(static_cast<uint8_t>(bits & 0xff));
+  out.push_back(static_cast<uint8_t>(bits >> 8));
+  return dtype == DType::kBFloat16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
+}
+
+std::vector<float> Decode(const std::vector<uint8_t>& bytes, DType dtype) {
+  const int64_t n = static_cast<int64_t>(bytes.size()) / DTypeSize(dtype);
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (dtype == DType::kFloat32) {
+      std::memcpy(&out[i], bytes.data() + 4 * i, 4);
+    } else {
+      uint16_t b;
+      std::memcpy(&b, bytes.data() + 2 * i, 2);
+      out[i] = dtype == DType::kBFloat16 ? Bf16ToFloat(b) : Fp16ToFloat(b);
+    }
+  }
+  return out;
+}
+
+struct Case {
+  RefProblem ref;
+  std::shared_ptr<HeadWeights> head;
+  std::vector<uint8_t> hidden;
+};
+
+// Random problem: hidden ~ N(0, hidden_scale²), W ~ N(0, 1/H), targets uniform, a fraction ignored.
+Case MakeCase(int64_t rows, int64_t H, int64_t V, DType dtype, uint64_t seed, double hidden_scale = 1.0,
+              double ignore_fraction = 0.1, bool bias = false) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal;
+  std::uniform_real_distribution<double> unif;
+  Case c;
+  c.ref.rows = rows;
+  c.ref.hidden = H;
+  c.ref.vocab = V;
+  c.head = std::make_shared<HeadWeights>();
+  c.head->shape = {V, H, dtype, 0, V, bias};
+  for (int64_t i = 0; i < V * H; ++i) {
+    c.ref.w.push_back(Encode(normal(rng) / std::sqrt(static_cast<double>(H)), dtype, c.head->weight));
+  }
+  if (bias) {
+    for (int64_t j = 0; j < V; ++j) {
+      c.head->bias.push_back(static_cast<float>(normal(rng) * 0.5));
+      c.ref.bias.push_back(c.head->bias.back());
+    }
+  }
+  for (int64_t i = 0; i < rows * H; ++i) c.ref.h.push_back(Encode(normal(rng) * hidden_scale, dtype, c.hidden));
+  std::uniform_int_distribution<int32_t> tgt(0, static_cast<int32_t>(V - 1));
+  for (int64_t i = 0; i < rows; ++i) c.ref.targets.push_back(unif(rng) < ignore_fraction ? -100 : tgt(rng));
+  return c;
+}
+
+std::unique_ptr<LceEngine> Engine(const Case& c) {
+  absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(Backend::kCpu, c.head, EngineConfig{});
+  EXPECT_TRUE(e.ok()) << e.status();
+  return std::move(*e);
+}
+
+struct EngineRun {
+  std::vector<float> lse, logprob, entropy, loss, dw;
+  std::vector<uint8_t> dh;
+  absl::Status status;
+};
+
+constexpr float kPoison = std::numeric_limits<float>::quiet_NaN();
+
+EngineRun RunEngine(LceEngine& e, const Case& c, const std::vector<float>& g = {},
+                    const std::vector<float>& u = {}, const std::vector<float>& en = {}) {
+  const RefProblem& p = c.ref;
+  EngineRun r;
+  // Poisoned outputs: an element the engine forgets to write fails the comparison.
+  r.lse.assign(p.rows, kPoison);
+  r.logprob.assign(p.rows, kPoison);
+  r.entropy.assign(p.rows, kPoison);
+  r.loss.assign(p.rows, kPoison);
+  Upstream up;
+  up.mode = p.mode;
+  up.grad_loss = g.empty() ? nullptr : g.data();
+  up.grad_logprob = u.empty() ? nullptr : u.data();
+  up.grad_entropy = en.empty() ? nullptr : en.data();
+  GradOutputs grads;
+  if (p.mode != GradMode::kNone) {
+    r.dh.assign(p.rows * p.hidden * DTypeSize(c.head->shape.dtype), 0xff);  // NaN in every dtype
+    r.dw.assign(p.vocab * p.hidden, 0.0f);
+    grads.d_hidden = r.dh.data();
+    grads.d_weight = r.dw.data();
+  }
+  RowsView rows{c.hidden.data(), p.targets.data(), p.rows, MemorySpace::kHost};
+  r.status = e.Compute(rows, p.options, up, {r.logprob.data(), r.entropy.data(), r.lse.data(), r.loss.data()},
+                       grads);
+  return r;
+}
+
+std::vector<float> ToFloat(const std::vector<double>& v) { return {v.begin(), v.end()}; }
+
+class ForwardShapes : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, int64_t, DType>> {};
+
+TEST_P(ForwardShapes, MatchesFloat64Reference) {
+  const auto [rows, H, V, dtype] = GetParam();
+  Case c = MakeCase(rows, H, V, dtype, 1000 + rows * 7 + V);
+  auto e = Engine(c);
+  EngineRun r = RunEngine(*e, c);
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  RefResult ref = testing::ReferenceLce(c.ref);
+  EXPECT_LE(RelErr(r.lse, ref.lse), 1e-5);
+  EXPECT_LE(RelErr(r.logprob, ref.logprob), 1e-5);
+  EXPECT_LE(RelErr(r.loss, ref.loss), 1e-5);
+  EXPECT_LE(RelErr(r.entropy, ref.entropy), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, ForwardShapes,
+    ::testing::Values(std::make_tuple(1, 16, 7, DType::kFloat32), std::make_tuple(3, 8, 1, DType::kFloat32),
+                      std::make_tuple(17, 32, 2048, DType::kFloat32), std::make_tuple(130, 24, 5003, DType::kFloat32),
+                      std::make_tuple(129, 40, 4097, DType::kBFloat16), std::make_tuple(64, 64, 3001, DType::kFloat16),
+                      std::make_tuple(257, 16, 2049, DType::kBFloat16)));
+
+// Every option, forward and both gradient modes, all three dtypes.
+class Options : public ::testing::TestWithParam<std::tuple<DType, int>> {};
+
+LceOptions OptionSet(int k) {
+  LceOptions o;
+  switch (k) {
+    case 0: break;
+    case 1: o.temperature = 0.7f; break;
+    case 2: o.softcap = 3.0f; o.temperature = 1.3f; break;
+    case 3: o.label_smoothing = 0.1f; break;
+    case 4: o.z_loss = 1e-2f; break;
+    case 5: o.temperature = 0.9f; o.softcap = 5.0f; o.label_smoothing = 0.05f; o.z_loss = 1e-3f; o.ignore_index = 3; break;
+  }
+  return o;
+}
+
+TEST_P(Options, ValuesAndGradientsMatchReference) {
+  const auto [dtype, k] = GetParam();
+  for (GradMode mode : {GradMode::kLoss, GradMode::kGeneric}) {
+    Case c = MakeCase(150, 24, 2500, dtype, 77 + k * 13 + static_cast<int>(mode), 2.0, 0.1, /*bias=*/k == 5);
+    c.ref.options = OptionSet(k);
+    if (c.ref.options.ignore_index != -100) {
+      for (auto& y : c.ref.targets) if (y == -100) y = c.ref.options.ignore_index;
+    }
+    c.ref.mode = mode;
+    std::mt19937 rng(k);
+    std::normal_distribution<double> n;
+    std::vector<float> g, u, en;
+    if (mode == GradMode::kLoss) {
+      for (int64_t i = 0; i < c.ref.rows; ++i) g.push_back(static_cast<float>(n(rng)));
+      c.ref.grad_loss.assign(g.begin(), g.end());
+    } else {
+      for (int64_t i = 0; i < c.ref.rows; ++i) u.push_back(static_cast<float>(n(rng)));
+      for (int64_t i = 0; i < c.ref.rows; ++i) en.push_back(static_cast<float>(n(rng)));
+      c.ref.grad_logprob.assign(u.begin(), u.end());
+      c.ref.grad_entropy.assign(en.begin(), en.end());
+    }
+    auto e = Engine(c);
+    EngineRun r = RunEngine(*e, c, g, u, en);
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    RefResult ref = testing::ReferenceLce(c.ref);
+    EXPECT_LE(RelErr(r.logprob, ref.logprob), 1e-5) << "option set " << k;
+    EXPECT_LE(RelErr(r.loss, ref.loss), 1e-5) << "option set " << k;
+    EXPECT_LE(RelErr(r.entropy, ref.entropy), 1e-5) << "option set " << k;
+    const double dh_tol = dtype == DType::kFloat32 ? 1e-5 : 1e-2;
+    EXPECT_LE(RelErr(Decode(r.dh, dtype), ref.d_hidden), dh_tol) << "option set " << k << " mode " << int(mode);
+    EXPECT_LE(RelErr(r.dw, ref.d_weight), 1e-5) << "option set " << k << " mode " << int(mode);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Options,
+                         ::testing::Combine(::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
+                                            ::testing::Range(0, 6)));
+
+TEST(CpuEngine, ExtremeLogits) {
+  // Hidden scaled so logits reach ~1e4: softmax is nearly one-hot; nothing may overflow.
+  Case c = MakeCase(40, 32, 3000, DType::kFloat32, 5, 2e3);
+  c.ref.mode = GradMode::kLoss;
+  auto e = Engine(c);
+  EngineRun r = RunEngine(*e, c);
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  RefResult ref = testing::ReferenceLce(c.ref);
+  double max_abs_lse = 0;
+  for (double v : ref.lse) max_abs_lse = std::max(max_abs_lse, std::abs(v));
+  EXPECT_GT(max_abs_lse, 1e3);
+  EXPECT_LE(RelErr(r.logprob, ref.logprob), 1e-5);
+  EXPECT_LE(RelErr(r.lse, ref.lse), 1e-5);
+  for (int64_t i = 0; i < c.ref.rows; ++i) EXPECT_NEAR(r.entropy[i], ref.entropy[i], 1e-2) << "row " << i;
+  EXPECT_LE(RelErr(Decode(r.dh, DType::kFloat32), ref.d_hidden), 1e-4);
+}
+
+TEST(CpuEngine, AllRowsIgnored) {
+  Case c = MakeCase(20, 16, 999, DType::kBFloat16, 9, 1.0, /*ignore_fraction=*/1.0);
+  c.ref.mode = GradMode::kLoss;
+  auto e = Engine(c);
+  EngineRun r = RunEngine(*e, c);
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  RefResult ref = testing::ReferenceLce(c.ref);
+  for (int64_t i = 0; i < c.ref.rows; ++i) {
+    EXPECT_EQ(r.loss[i], 0.0f);
+    EXPECT_EQ(r.logprob[i], 0.0f);
+  }
+  EXPECT_LE(RelErr(r.entropy, ref.entropy), 1e-5);
+  for (float v : Decode(r.dh, DType::kBFloat16)) ASSERT_EQ(v, 0.0f);
+  for (float v : r.dw) ASSERT_EQ(v, 0.0f);
+}
+
+TEST(CpuEngine, FiniteDifferenceGradients) {
+  // Tiny fp32 head; the engine's d_hidden and dW against central differences of the float64
+  // objective (independent of the analytic formulas both implement).
+  for (GradMode mode : {GradMode::kLoss, GradMode::kGeneric}) {
+    Case c = MakeCase(4, 6, 11, DType::kFloat32, 31, 1.0, 0.0, /*bias=*/true);
+    c.ref.targets[2] = -100;
+    c.ref.options.temperature = 0.8f;
+    c.ref.options.softcap = 2.5f;
+    c.ref.options.label_smoothing = 0.1f;
+    c.ref.options.z_loss = 0.05f;
+    c.ref.mode = mode;
+    std::vector<float> g = {0.5f, -1.0f, 2.0f, 1.5f}, u = {1.0f, 0.3f, -0.7f, 2.0f}, en = {-0.4f, 1.1f, 0.6f, 0.2f};
+    if (mode == GradMode::kLoss) {
+      c.ref.grad_loss.assign(g.begin(), g.end());
+      u.clear();
+      en.clear();
+    } else {
+      c.ref.grad_logprob.assign(u.begin(), u.end());
+      c.ref.grad_entropy.assign(en.begin(), en.end());
+      g.clear();
+    }
+    auto e = Engine(c);
+    EngineRun r = RunEngine(*e, c, g, u, en);
+    ASSERT_TRUE(r.status.ok()) << r.status;
+    const std::vector<float> dh = Decode(r.dh, DType::kFloat32);
+    const double step = 1e-5;
+    for (size_t k = 0; k < c.ref.h.size(); ++k) {
+      RefProblem plus = c.ref, minus = c.ref;
+      plus.h[k] += step;
+      minus.h[k] -= step;
+      const double fd = (testing::ReferenceObjective(plus) - testing::ReferenceObjective(minus)) / (2 * step);
+      EXPECT_NEAR(dh[k], fd, 1e-4 * std::max(1.0, std::abs(fd))) << "d_hidden[" << k << "] mode " << int(mode);
+    }
+    for (size_t k = 0; k < c.ref.w.size(); ++k) {
+      RefProblem plus = c.ref, minus = c.ref;
+      plus.w[k] += step;
+      minus.w[k] -= step;
+      const double fd = (testing::ReferenceObjective(plus) - testing::ReferenceObjective(minus)) / (2 * step);
+      EXPECT_NEAR(r.dw[k], fd, 1e-4 * std::max(1.0, std::abs(fd))) << "d_weight[" << k << "] mode " << int(mode);
+    }
+  }
+}
+
+TEST(CpuEngine, ChunkingInvariance) {
+  // The same rows cut into differently sized calls give the same answers.
+  Case c = MakeCase(301, 32, 2100, DType::kBFloat16, 11);
+  c.ref.mode = GradMode::kLoss;
+  auto e = Engine(c);
+  EngineRun whole = RunEngine(*e, c);
+  ASSERT_TRUE(whole.status.ok());
+  const int64_t row_bytes = 32 * 2;
+  std::vector<float> lp(c.ref.rows), dw(2100 * 32, 0.0f);
+  std::vector<uint8_t> dh(c.ref.rows * row_bytes);
+  for (int64_t r0 = 0, step = 1; r0 < c.ref.rows; r0 += step, step = step * 3 + 1) {
+    const int64_t n = std::min(step, c.ref.rows - r0);
+    RowsView rows{c.hidden.data() + r0 * row_bytes, c.ref.targets.data() + r0, n, MemorySpace::kHost};
+    Upstream up;
+    up.mode = GradMode::kLoss;
+    ASSERT_TRUE(e->Compute(rows, c.ref.options, up, {lp.data() + r0, nullptr, nullptr, nullptr},
+                           {dh.data() + r0 * row_bytes, dw.data()})
+                    .ok());
+  }
+  for (int64_t i = 0; i < c.ref.rows; ++i) EXPECT_NEAR(lp[i], whole.logprob[i], 1e-6 * std::abs(whole.logprob[i]));
+  const std::vector<float> a = Decode(dh, DType::kBFloat16), b = Decode(whole.dh, DType::kBFloat16);
+  EXPECT_LE(RelErr(a, std::vector<double>(b.begin(), b.end())), 1e-2);
+  EXPECT_LE(RelErr(dw, std::vector<double>(whole.dw.begin(), whole.dw.end())), 1e-5);
+}
+
+TEST(CpuEngine, NonFiniteHiddenIsAnError) {
+  Case c = MakeCase(10, 16, 100, DType::kFloat32, 3);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  auto e = Engine(c);
+  for (float bad : {nan, inf}) {
+    Case d = c;
+    std::memcpy(d.hidden.data() + (7 * 16 + 5) * 4, &bad, 4);
+    EngineRun r = RunEngine(*e, d);
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status.message().find("row 7"), std::string::npos) << r.status;
+  }
+}
+
+TEST(CpuEngine, BadTargetsAndOptionsAreErrors) {
+  Case c = MakeCase(5, 8, 50, DType::kFloat32, 4);
+  auto e = Engine(c);
+  c.ref.targets[3] = 50;
+  EngineRun r = RunEngine(*e, c);
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status.message().find("row 3: target 50"), std::string::npos) << r.status;
+  c.ref.targets[3] = 1;
+  c.ref.options.temperature = 0.0f;
+  r = RunEngine(*e, c);
+  EXPECT_EQ(r.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status.message().find("temperature"), std::string::npos) << r.status;
+}
+
+TEST(Numeric, HalfConversionsRoundToNearestEven) {
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
+  EXPECT_EQ(FloatToBf16(Bf16ToFloat(0x3f80) + std::ldexp(1.0f, -8)), 0x3f80);  // tie -> even
+  EXPECT_EQ(FloatToBf16(Bf16ToFloat(0x3f81) + std::ldexp(1.0f, -8)), 0x3f82);  // tie -> even
+  EXPECT_EQ(FloatToFp16(1.0f), 0x3c00);
+  EXPECT_EQ(FloatToFp16(65504.0f), 0x7bff);
+  EXPECT_EQ(FloatToFp16(65520.0f), 0x7c00);
+  EXPECT_EQ(FloatToFp16(std::ldexp(1.0f, -24)), 0x0001);
+  EXPECT_EQ(FloatToFp16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);  // tie -> even
+  for (uint32_t b = 0; b < 0x10000; ++b) {  // every finite half survives the round trip
+    const uint16_t h = static_cast<uint16_t>(b);
+    if ((h & 0x7c00) == 0x7c00) continue;
+    ASSERT_EQ(FloatToFp16(Fp16ToFloat(h)), h) << std::hex << b;
+    ASSERT_EQ(FloatToBf16(Bf16ToFloat(h)), h) << std::hex << b;
+  }
+}
+
+}  // namespace
+}  // namespace lce

@@ -1,0 +1,94 @@
+#include "reference.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace lce::testing {
+
+RefResult ReferenceLce(const RefProblem& p) {
+  const int64_t N = p.rows, H = p.hidden, V = p.vocab;
+  const LceOptions& o = p.options;
+  const double T = o.temperature, s = o.softcap, eps = o.label_smoothing, lam = o.z_loss;
+  RefResult r;
+  r.lse.assign(N, 0);
+  r.logprob.assign(N, 0);
+  r.entropy.assign(N, 0);
+  r.loss.assign(N, 0);
+  const bool grad = p.mode != GradMode::kNone;
+  if (grad) {
+    r.d_hidden.assign(N * H, 0);
+    r.d_weight.assign(V * H, 0);
+  }
+  std::vector<double> a(V), z(V), pr(V), dz(V);
+  for (int64_t i = 0; i < N; ++i) {
+    for (int64_t j = 0; j < V; ++j) {
+      double acc = p.bias.empty() ? 0.0 : p.bias[j];
+      for (int64_t k = 0; k < H; ++k) acc += p.h[i * H + k] * p.w[j * H + k];
+      a[j] = acc;
+      z[j] = (s > 0 ? s * std::tanh(acc / s) : acc) / T;
+    }
+    const double m = *std::max_element(z.begin(), z.end());
+    double se = 0, sz = 0;
+    for (int64_t j = 0; j < V; ++j) {
+      se += std::exp(z[j] - m);
+      sz += z[j];
+    }
+    const double lse = m + std::log(se);
+    double pz = 0;
+    for (int64_t j = 0; j < V; ++j) {
+      pr[j] = std::exp(z[j] - lse);
+      pz += pr[j] * (z[j] - m);
+    }
+    const int32_t y = p.targets[i];
+    const bool ignored = y == o.ignore_index;
+    r.lse[i] = lse;
+    r.entropy[i] = (lse - m) - pz;
+    r.logprob[i] = ignored ? 0.0 : z[y] - lse;
+    r.loss[i] = ignored ? 0.0 : -(1 - eps) * r.logprob[i] + eps * (lse - sz / V) + lam * lse * lse;
+    if (!grad) continue;
+    for (int64_t j = 0; j < V; ++j) {
+      double d = 0;
+      if (p.mode == GradMode::kLoss) {
+        if (!ignored) {
+          const double g = p.grad_loss.empty() ? 1.0 : p.grad_loss[i];
+          d = g * ((1 + 2 * lam * lse) * pr[j] - (1 - eps) * (j == y ? 1 : 0) - eps / V);
+        }
+      } else {
+        const double u = (ignored || p.grad_logprob.empty()) ? 0.0 : p.grad_logprob[i];
+        const double e = p.grad_entropy.empty() ? 0.0 : p.grad_entropy[i];
+        d = u * ((j == y ? 1 : 0) - pr[j]) + e * (-pr[j] * ((z[j] - m) - pz));
+      }
+      d /= T;
+      if (s > 0) {
+        const double t = std::tanh(a[j] / s);
+        d *= 1 - t * t;
+      }
+      dz[j] = d;
+    }
+    for (int64_t j = 0; j < V; ++j) {
+      for (int64_t k = 0; k < H; ++k) {
+        r.d_hidden[i * H + k] += dz[j] * p.w[j * H + k];
+        r.d_weight[j * H + k] += dz[j] * p.h[i * H + k];
+      }
+    }
+  }
+  return r;
+}
+
+double ReferenceObjective(const RefProblem& p) {
+  RefProblem fwd = p;
+  fwd.mode = GradMode::kNone;
+  const RefResult r = ReferenceLce(fwd);
+  double f = 0;
+  for (int64_t i = 0; i < p.rows; ++i) {
+    if (p.mode == GradMode::kLoss) {
+      f += (p.grad_loss.empty() ? 1.0 : p.grad_loss[i]) * r.loss[i];
+    } else {
+      f += (p.grad_logprob.empty() ? 0.0 : p.grad_logprob[i]) * r.logprob[i] +
+           (p.grad_entropy.empty() ? 0.0 : p.grad_entropy[i]) * r.entropy[i];
+    }
+  }
+  return f;
+}
+
+}  // namespace lce::testing

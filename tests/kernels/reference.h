@@ -1,0 +1,34 @@
+// A naive float64 reference of docs/MATH.md over materialised logits, for tests only.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "lce/engine.h"
+
+namespace lce::testing {
+
+struct RefProblem {
+  int64_t rows = 0, hidden = 0, vocab = 0;
+  std::vector<double> h;       // [rows, hidden] (already rounded to the input dtype)
+  std::vector<double> w;       // [vocab, hidden] (already rounded to the head dtype)
+  std::vector<double> bias;    // empty or [vocab]
+  std::vector<int32_t> targets;
+  LceOptions options;
+  GradMode mode = GradMode::kNone;
+  std::vector<double> grad_loss, grad_logprob, grad_entropy;  // empty = default (1 / 0 / 0)
+};
+
+struct RefResult {
+  std::vector<double> lse, logprob, entropy, loss;
+  std::vector<double> d_hidden;  // [rows, hidden] when mode != kNone
+  std::vector<double> d_weight;  // [vocab, hidden] when mode != kNone
+};
+
+RefResult ReferenceLce(const RefProblem& p);
+
+// The scalar objective whose gradient the engine returns: Σ g·loss (kLoss) or
+// Σ u·logprob + e·entropy (kGeneric). Used by finite-difference checks.
+double ReferenceObjective(const RefProblem& p);
+
+}  // namespace lce::testing
