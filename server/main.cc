@@ -5,7 +5,7 @@
 #include <fstream>
 #include <iostream>
 
-#include <pthread.h>
+#include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "grpc_server.h"
@@ -13,6 +13,15 @@
 #include "server_flags.h"
 
 namespace {
+
+// SIGTERM/SIGINT write the signal number here; main blocks reading it. A handler (not sigwait)
+// because libraries start threads before main, and a blocked-signal mask would not cover them.
+int g_signal_pipe[2] = {-1, -1};
+
+void OnSignal(int sig) {
+  const char c = static_cast<char>(sig);
+  (void)!write(g_signal_pipe[1], &c, 1);
+}
 
 int Fail(const absl::Status& s) {
   std::cerr << "lce_server: " << s << std::endl;
@@ -24,12 +33,12 @@ int Fail(const absl::Status& s) {
 int main(int argc, char** argv) {
   using namespace lce;
   using namespace lce::server;
-  // Block the shutdown signals in every thread; main waits for them with sigwait.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  if (pipe(g_signal_pipe) != 0) return Fail(absl::InternalError("pipe() failed"));
+  struct sigaction action = {};
+  action.sa_handler = OnSignal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
 
   absl::StatusOr<ServerFlags> flags = ParseServerFlags(argc, argv);
   if (!flags.ok()) return Fail(flags.status());
@@ -69,9 +78,10 @@ int main(int argc, char** argv) {
             << "' V=" << shape.vocab_size << " H=" << shape.hidden_size << " " << DTypeName(shape.dtype) << ")"
             << std::endl;
 
-  int sig = 0;
-  sigwait(&signals, &sig);
-  std::cout << "lce_server: signal " << sig << ", draining in-flight streams" << std::endl;
+  char sig = 0;
+  while (read(g_signal_pipe[0], &sig, 1) != 1) {
+  }
+  std::cout << "lce_server: signal " << static_cast<int>(sig) << ", draining in-flight streams" << std::endl;
   (*server)->Shutdown(absl::Seconds(flags->shutdown_grace_seconds));
   std::cout << "lce_server: stopped" << std::endl;
   return 0;
