@@ -24,10 +24,14 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
   if (self->server_ == nullptr || self->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.address));
   }
-  grpc::HealthCheckServiceInterface* health = self->server_->GetHealthCheckService();
-  health->SetServingStatus("", true);
-  health->SetServingStatus(v1::LceService::service_full_name(), true);
+  self->SetServing(true);
   return self;
+}
+
+void GrpcServer::SetServing(bool serving) {
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  health->SetServingStatus("", serving);
+  health->SetServingStatus(v1::LceService::service_full_name(), serving);
 }
 
 void GrpcServer::Shutdown(absl::Duration grace) {

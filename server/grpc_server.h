@@ -24,6 +24,8 @@ class GrpcServer {
   ~GrpcServer();
 
   int port() const { return port_; }
+  // Health answers SERVING / NOT_SERVING for "" and lce.v1.LceService.
+  void SetServing(bool serving);
   // Stops accepting, marks health NOT_SERVING, lets in-flight streams finish for up to `grace`,
   // then cancels what remains. Idempotent.
   void Shutdown(absl::Duration grace);

@@ -1,27 +1,33 @@
-// lce_server: loads the head, builds the engine, serves lce.v1.LceService until SIGTERM/SIGINT,
-// then stops accepting, lets in-flight streams finish and exits 0.
+// lce_server: loads the head (this rank's shard of it), builds the engine, and either serves
+// lce.v1.LceService (rank 0) or runs the tensor-parallel peer loop (ranks > 0).
+// Rank 0 runs until SIGTERM/SIGINT, then stops accepting, lets in-flight streams finish, tells the
+// peers to stop and exits 0. A tensor-parallel failure exits every rank with code 3, so that the
+// launcher restarts the group as a unit.
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 
-#include <unistd.h>
-
 #include "absl/strings/str_cat.h"
 #include "grpc_server.h"
 #include "head_source.h"
 #include "server_flags.h"
+#include "tp_communicator.h"
+#include "tp_group.h"
 
 namespace {
 
-// SIGTERM/SIGINT write the signal number here; main blocks reading it. A handler (not sigwait)
-// because libraries start threads before main, and a blocked-signal mask would not cover them.
-int g_signal_pipe[2] = {-1, -1};
+constexpr int kExitTpFailure = 3;
 
-void OnSignal(int sig) {
-  const char c = static_cast<char>(sig);
-  (void)!write(g_signal_pipe[1], &c, 1);
-}
+// SIGTERM/SIGINT (and a tensor-parallel failure, as 'F') write a byte here; main blocks reading
+// it. A handler rather than sigwait, because libraries start threads before main and a blocked
+// signal mask would not cover them.
+int g_wake_pipe[2] = {-1, -1};
+
+void Wake(char c) { (void)!write(g_wake_pipe[1], &c, 1); }
+void OnSignal(int sig) { Wake(static_cast<char>(sig)); }
 
 int Fail(const absl::Status& s) {
   std::cerr << "lce_server: " << s << std::endl;
@@ -33,7 +39,7 @@ int Fail(const absl::Status& s) {
 int main(int argc, char** argv) {
   using namespace lce;
   using namespace lce::server;
-  if (pipe(g_signal_pipe) != 0) return Fail(absl::InternalError("pipe() failed"));
+  if (pipe(g_wake_pipe) != 0) return Fail(absl::InternalError("pipe() failed"));
   struct sigaction action = {};
   action.sa_handler = OnSignal;
   sigemptyset(&action.sa_mask);
@@ -48,23 +54,63 @@ int main(int argc, char** argv) {
   }
   absl::StatusOr<Backend> backend = ParseBackend(flags->backend);
   if (!backend.ok()) return Fail(backend.status());
-  absl::StatusOr<std::shared_ptr<HeadWeights>> weights = LoadHead(flags->head, 0, 1);
+  const bool tp = flags->tp_size > 1;
+  if (tp && *backend == Backend::kAuto) backend = CudaAvailable() ? Backend::kCuda : Backend::kCpu;
+  if (tp && *backend == Backend::kCuda) {
+    return Fail(absl::UnimplementedError("tensor parallelism over NCCL (--backend=cuda) is not built yet; use --backend=cpu"));
+  }
+
+  std::unique_ptr<TpCommunicator> comm;
+  TpBootstrap bootstrap;
+  if (tp) {
+    bootstrap.rank = flags->tp_rank;
+    bootstrap.world_size = flags->tp_size;
+    bootstrap.rendezvous_dir = flags->tp_rendezvous;
+    bootstrap.host = flags->tp_host;
+    bootstrap.timeout = absl::Seconds(flags->tp_timeout_seconds);
+    absl::StatusOr<std::unique_ptr<TpCommunicator>> c = CreateGlooCommunicator(bootstrap);
+    if (!c.ok()) return Fail(c.status());
+    comm = std::move(*c);
+  }
+  absl::StatusOr<std::shared_ptr<HeadWeights>> weights = LoadHead(flags->head, flags->tp_rank, flags->tp_size);
   if (!weights.ok()) return Fail(weights.status());
   EngineConfig config;
   config.workspace_bytes = flags->workspace_bytes;
   config.cpu_threads = flags->cpu_threads;
   config.device = flags->device;
+  config.collectives = comm.get();
   absl::StatusOr<std::unique_ptr<LceEngine>> engine = CreateEngine(*backend, *weights, config);
   if (!engine.ok()) return Fail(engine.status());
   const HeadShape shape = (*engine)->shape();
 
+  if (flags->tp_rank > 0) {
+    std::cout << "lce_server: tensor-parallel rank " << flags->tp_rank << " of " << flags->tp_size << " holds vocab rows ["
+              << shape.vocab_begin << ", " << shape.vocab_end() << ")" << std::endl;
+    absl::Status s = RunTpPeer(**engine, *comm);
+    if (!s.ok()) {
+      std::cerr << "lce_server: rank " << flags->tp_rank << ": " << s << std::endl;
+      return kExitTpFailure;
+    }
+    return 0;
+  }
+
+  std::shared_ptr<TpFrontEngine> front;
+  std::shared_ptr<LceEngine> served = std::move(*engine);
+  if (tp) {
+    front = std::make_shared<TpFrontEngine>(served, comm.get(), [](const absl::Status& s) {
+      std::cerr << "lce_server: tensor-parallel group failed: " << s << std::endl;
+      Wake('F');
+    });
+    served = front;
+  }
   auto heads = std::make_shared<HeadStore>();
-  if (absl::Status s = heads->Put(flags->head_name, std::move(*engine)); !s.ok()) return Fail(s);
+  if (absl::Status s = heads->Put(flags->head_name, served); !s.ok()) return Fail(s);
 
   GrpcServerOptions options;
   options.address = absl::StrCat(flags->host, ":", flags->port);
   options.service.max_message_bytes = flags->max_message_bytes;
   options.service.limits.max_rows_per_request = flags->max_rows_per_request;
+  options.service.tp_size = flags->tp_size;
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(heads, options);
   if (!server.ok()) return Fail(server.status());
   const int port = (*server)->port();
@@ -73,16 +119,27 @@ int main(int argc, char** argv) {
     std::ofstream(tmp) << port << "\n";
     std::rename(tmp.c_str(), flags->port_file.c_str());  // readers never see a half-written file
   }
-  std::cout << "lce_server listening on " << (flags->host == "0.0.0.0" ? "127.0.0.1" : flags->host) << ":"
-            << port << " (backend " << (*heads->Get(""))->engine->backend() << ", head '" << flags->head_name
-            << "' V=" << shape.vocab_size << " H=" << shape.hidden_size << " " << DTypeName(shape.dtype) << ")"
+  std::cout << "lce_server listening on " << (flags->host == "0.0.0.0" ? "127.0.0.1" : flags->host) << ":" << port
+            << " (backend " << served->backend() << ", head '" << flags->head_name << "' V=" << shape.vocab_size
+            << " H=" << shape.hidden_size << " " << DTypeName(shape.dtype) << ", tp " << flags->tp_size << ")"
             << std::endl;
 
-  char sig = 0;
-  while (read(g_signal_pipe[0], &sig, 1) != 1) {
+  char why = 0;
+  while (read(g_wake_pipe[0], &why, 1) != 1) {
   }
-  std::cout << "lce_server: signal " << static_cast<int>(sig) << ", draining in-flight streams" << std::endl;
+  if (why == 'F') {
+    // The group is broken: refuse new work at once, give in-flight streams a moment to receive
+    // their UNAVAILABLE, and exit for the launcher to restart every rank.
+    (*server)->SetServing(false);
+    (*server)->Shutdown(absl::Seconds(2));
+    std::cerr << "lce_server: exiting for a group restart" << std::endl;
+    return kExitTpFailure;
+  }
+  std::cout << "lce_server: signal " << static_cast<int>(why) << ", draining in-flight streams" << std::endl;
   (*server)->Shutdown(absl::Seconds(flags->shutdown_grace_seconds));
+  if (front != nullptr) {
+    if (absl::Status s = front->StopPeers(); !s.ok()) std::cerr << "lce_server: stopping peers: " << s << std::endl;
+  }
   std::cout << "lce_server: stopped" << std::endl;
   return 0;
 }

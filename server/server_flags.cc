@@ -29,6 +29,15 @@ const char* ServerUsage() {
   --cpu-threads=N             CPU engine threads (default: all cores)
   --device=N                  CUDA device ordinal (default 0)
   --shutdown-grace-seconds=S  on SIGTERM, time in-flight streams get to finish (default 30)
+  --tp-size=K                  tensor-parallel group size (default 1): the head's vocabulary is
+                              split over K processes, one per GPU (or CPU process)
+  --tp-rank=R                 this process's rank; rank 0 serves the API, the others are peers
+  --tp-rendezvous=DIR         directory the ranks share to meet (pid files, Gloo store, NCCL id);
+                              wipe it before (re)starting a group (deploy/lce_tp_launch.sh does)
+  --tp-host=ADDR              address peers reach this rank on (default 127.0.0.1)
+  --tp-timeout-seconds=S      a collective slower than this fails the group (default 30): in-flight
+                              requests get UNAVAILABLE naming the rank, health turns NOT_SERVING,
+                              and every rank exits with code 3 for its launcher to restart the group
   --help
 )";
 }
@@ -59,6 +68,11 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"workspace-bytes", i64(&f.workspace_bytes)},
       {"cpu-threads", i32(&f.cpu_threads)},
       {"device", i32(&f.device)},
+      {"tp-size", i32(&f.tp_size)},
+      {"tp-rank", i32(&f.tp_rank)},
+      {"tp-rendezvous", str(&f.tp_rendezvous)},
+      {"tp-host", str(&f.tp_host)},
+      {"tp-timeout-seconds", [&f](const std::string& v) { return absl::SimpleAtod(v, &f.tp_timeout_seconds); }},
       {"shutdown-grace-seconds", [&f](const std::string& v) { return absl::SimpleAtod(v, &f.shutdown_grace_seconds); }},
   };
   for (int i = 1; i < argc; ++i) {
@@ -84,6 +98,12 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     if (!it->second(value)) return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", name));
   }
   if (f.port < 0 || f.port > 65535) return absl::InvalidArgumentError(absl::StrCat("bad --port ", f.port));
+  if (f.tp_size < 1 || f.tp_rank < 0 || f.tp_rank >= f.tp_size) {
+    return absl::InvalidArgumentError(absl::StrCat("--tp-rank must be in [0, --tp-size), got ", f.tp_rank, " of ", f.tp_size));
+  }
+  if (f.tp_size > 1 && f.tp_rendezvous.empty()) {
+    return absl::InvalidArgumentError("--tp-size > 1 needs --tp-rendezvous=DIR");
+  }
   if (f.max_message_bytes < (1 << 16)) return absl::InvalidArgumentError("--max-message-bytes must be >= 65536");
   return f;
 }

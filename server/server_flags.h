@@ -22,6 +22,12 @@ struct ServerFlags {
   int cpu_threads = 0;
   int device = 0;
   double shutdown_grace_seconds = 30.0;
+  // Tensor parallelism: this process is rank tp_rank of tp_size; ranks meet in tp_rendezvous.
+  int tp_size = 1;
+  int tp_rank = 0;
+  std::string tp_rendezvous;
+  std::string tp_host = "127.0.0.1";
+  double tp_timeout_seconds = 30.0;
   bool help = false;
 };
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs what lce-serve needs to build and test on Debian 12 (bookworm): the C++ toolchain and
+# libraries from Debian's packages, and a Python virtual environment (.venv) with the Python
+# client's dependencies from PyPI. Idempotent: a second run installs nothing and takes seconds.
+# The CUDA toolkit is not installed here; the CUDA backend is built when /usr/local/cuda/bin/nvcc
+# (or nvcc on PATH) exists.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  build-essential cmake ninja-build pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libopenblas-dev libgtest-dev libgmock-dev
+  libcivetweb-dev libgloo-dev nlohmann-json3-dev
+  prometheus openssl python3 python3-venv python3-pip
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  echo "install-deps: apt-get install ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# Python: a venv beside the sources, so that a distribution's externally-managed Python is left alone.
+PY=${LCE_PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+REQ=client/python/requirements-dev.txt
+STAMP=.venv/.lce-deps-$(cat "$REQ" 2>/dev/null | sha1sum | cut -c1-12)
+if [ -f "$REQ" ] && [ ! -f "$STAMP" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r "$REQ"
+  touch "$STAMP"
+fi
+echo "install-deps: ok"

@@ -1,0 +1,121 @@
+// TpCommunicator over Gloo (TCP, full mesh), bootstrapped through a file store.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gloo/allreduce.h"
+#include "gloo/broadcast.h"
+#include "gloo/math.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/rendezvous/file_store.h"
+#include "gloo/transport/tcp/device.h"
+#include "tp_communicator.h"
+
+namespace lce::server {
+namespace {
+
+class GlooCommunicator final : public TpCommunicator {
+ public:
+  GlooCommunicator(TpBootstrap b, std::shared_ptr<gloo::rendezvous::Context> ctx)
+      : bootstrap_(std::move(b)), ctx_(std::move(ctx)) {}
+
+  int rank() const override { return bootstrap_.rank; }
+  int world_size() const override { return bootstrap_.world_size; }
+
+  absl::Status AllReduce(float* data, int64_t count, ReduceOp op, bool device_memory, void*) override {
+    if (device_memory) return absl::InvalidArgumentError("the Gloo communicator takes host memory only");
+    return Guard("all-reduce", [&] {
+      gloo::AllreduceOptions opts(ctx_);
+      opts.setOutput(data, static_cast<size_t>(count));
+      opts.setTag(1);
+      using Fn = void (*)(void*, const void*, const void*, size_t);
+      opts.setReduceFunction(op == ReduceOp::kSum ? static_cast<Fn>(&gloo::sum<float>)
+                                                  : static_cast<Fn>(&gloo::max<float>));
+      gloo::allreduce(opts);
+    });
+  }
+
+  absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void*) override {
+    if (device_memory) return absl::InvalidArgumentError("the Gloo communicator takes host memory only");
+    if (bytes == 0) return absl::OkStatus();
+    return Guard("broadcast", [&] {
+      gloo::BroadcastOptions opts(ctx_);
+      opts.setOutput(static_cast<uint8_t*>(data), static_cast<size_t>(bytes));
+      opts.setRoot(0);
+      opts.setTag(2);
+      gloo::broadcast(opts);
+    });
+  }
+
+  void Abort() override { aborted_ = true; }
+
+ private:
+  template <typename F>
+  absl::Status Guard(const char* what, F&& f) {
+    if (aborted_) return absl::UnavailableError("tensor-parallel group is down (aborted after a peer failure)");
+    try {
+      f();
+      return absl::OkStatus();
+    } catch (const std::exception& e) {
+      aborted_ = true;  // a failed Gloo context cannot be reused: the group restarts as a unit
+      return absl::UnavailableError(absl::StrCat("tensor-parallel ", what, " failed on rank ", bootstrap_.rank,
+                                                 ": ", DescribeDeadPeers(bootstrap_), " (", e.what(), ")"));
+    }
+  }
+
+  TpBootstrap bootstrap_;
+  std::shared_ptr<gloo::rendezvous::Context> ctx_;
+  std::atomic<bool> aborted_{false};
+};
+
+}  // namespace
+
+std::string DescribeDeadPeers(const TpBootstrap& b) {
+  std::vector<std::string> dead;
+  for (int r = 0; r < b.world_size; ++r) {
+    if (r == b.rank) continue;
+    std::ifstream in(std::filesystem::path(b.rendezvous_dir) / absl::StrCat("rank-", r, ".pid"));
+    long pid = 0;
+    if (in >> pid && pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      dead.push_back(absl::StrCat("rank ", r, " (pid ", pid, ") exited"));
+    }
+  }
+  if (dead.empty()) {
+    return absl::StrCat("a peer did not answer within ", absl::FormatDuration(b.timeout),
+                        " (no dead rank process found on this host)");
+  }
+  return absl::StrJoin(dead, ", ");
+}
+
+absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateGlooCommunicator(const TpBootstrap& b) {
+  if (b.world_size < 1 || b.rank < 0 || b.rank >= b.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("bad tensor-parallel rank ", b.rank, " of ", b.world_size));
+  }
+  if (b.rendezvous_dir.empty()) return absl::InvalidArgumentError("--tp-rendezvous directory is required");
+  std::error_code ec;
+  std::filesystem::create_directories(b.rendezvous_dir, ec);
+  {
+    std::ofstream pid(std::filesystem::path(b.rendezvous_dir) / absl::StrCat("rank-", b.rank, ".pid"));
+    pid << ::getpid() << "\n";
+  }
+  try {
+    gloo::transport::tcp::attr attr(b.host.c_str());
+    auto device = gloo::transport::tcp::CreateDevice(attr);
+    auto ctx = std::make_shared<gloo::rendezvous::Context>(b.rank, b.world_size);
+    ctx->setTimeout(absl::ToChronoMilliseconds(b.timeout));
+    gloo::rendezvous::FileStore store((std::filesystem::path(b.rendezvous_dir) / "gloo").string());
+    std::filesystem::create_directories(std::filesystem::path(b.rendezvous_dir) / "gloo", ec);
+    ctx->connectFullMesh(store, device);
+    return std::unique_ptr<TpCommunicator>(new GlooCommunicator(b, std::move(ctx)));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("tensor-parallel bootstrap of rank ", b.rank, " of ", b.world_size,
+                                               " failed: ", e.what()));
+  }
+}
+
+}  // namespace lce::server

@@ -1,0 +1,40 @@
+// The tensor-parallel group's communication: the engine's Collectives (all-reduce) plus the
+// front's broadcast of each chunk to its peers. Gloo over TCP on CPUs; NCCL on GPUs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "lce/collectives.h"
+
+namespace lce::server {
+
+class TpCommunicator : public Collectives {
+ public:
+  // Broadcasts `bytes` bytes from rank 0 to every rank, in place.
+  virtual absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void* stream) = 0;
+  // Makes every later collective fail at once with UNAVAILABLE (after a peer failure).
+  virtual void Abort() = 0;
+};
+
+// How the ranks find each other: a directory every rank can read and write (one host, or a shared
+// file system). Rank r writes rank-<r>.pid there; the Gloo file store (and NCCL's unique id, which
+// rank 0 writes as nccl-id) live there too.
+struct TpBootstrap {
+  int rank = 0;
+  int world_size = 1;
+  std::string rendezvous_dir;
+  std::string host = "127.0.0.1";        // address this rank listens on for its peers
+  absl::Duration timeout = absl::Seconds(30);  // any collective that takes longer fails
+};
+
+absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateGlooCommunicator(const TpBootstrap& bootstrap);
+
+// After a collective failed: names the ranks whose process is gone (pid files in the rendezvous
+// directory, same host), e.g. "rank 2 (pid 1234) exited"; or says none could be identified.
+std::string DescribeDeadPeers(const TpBootstrap& bootstrap);
+
+}  // namespace lce::server

@@ -1,0 +1,196 @@
+// Every RPC through the C++ client library against an in-process server on loopback; answers
+// must equal the engine's own answers on the same rows, however the client cut the stream.
+#include <cmath>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "lce/client/lce_client.h"
+#include "lce/numeric.h"
+#include "test_server.h"
+
+namespace lce::e2e {
+namespace {
+
+using client::ClientOptions;
+using client::HiddenBatch;
+using client::LceClient;
+
+std::unique_ptr<LceClient> Connect(const TestServer& ts, int64_t chunk_bytes = 4 << 20) {
+  ClientOptions o;
+  o.target = ts.target;
+  o.chunk_bytes = chunk_bytes;
+  auto c = LceClient::Create(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return std::move(*c);
+}
+
+HiddenBatch View(const Batch& b) {
+  return {b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)};
+}
+
+struct Expected {
+  std::vector<float> logprob, entropy, loss;
+  std::vector<uint8_t> d_hidden;
+};
+
+Expected EngineAnswer(LceEngine& e, const Batch& b, const LceOptions& o, const Upstream& up) {
+  Expected x;
+  x.logprob.resize(b.rows);
+  x.entropy.resize(b.rows);
+  x.loss.resize(b.rows);
+  GradOutputs g;
+  if (up.mode != GradMode::kNone) {
+    x.d_hidden.resize(b.hidden.size());
+    g.d_hidden = x.d_hidden.data();
+  }
+  RowsView rows{b.hidden.data(), b.targets.data(), b.rows, MemorySpace::kHost};
+  absl::Status s = e.Compute(rows, o, up, {x.logprob.data(), x.entropy.data(), nullptr, x.loss.data()}, g);
+  EXPECT_TRUE(s.ok()) << s;
+  return x;
+}
+
+void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, double rel, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], rel * std::max(1.0f, std::abs(want[i]))) << what << "[" << i << "]";
+  }
+}
+
+std::vector<float> Bf16(const std::vector<uint8_t>& bytes) {
+  std::vector<float> out(bytes.size() / 2);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = Bf16ToFloat(static_cast<uint16_t>(bytes[2 * i] | (bytes[2 * i + 1] << 8)));
+  return out;
+}
+
+class Service : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { ts_ = StartTestServer().release(); }
+  static void TearDownTestSuite() {
+    delete ts_;
+    ts_ = nullptr;
+  }
+  static TestServer* ts_;
+};
+TestServer* Service::ts_ = nullptr;
+
+TEST_F(Service, InfoAndHealth) {
+  auto c = Connect(*ts_);
+  auto info = c->GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->head().name(), "default");
+  EXPECT_EQ(info->head().vocab_size(), kVocab);
+  EXPECT_EQ(info->head().hidden_size(), kHidden);
+  EXPECT_EQ(info->head().dtype(), v1::DTYPE_BFLOAT16);
+  EXPECT_EQ(info->head().version(), 1);
+  EXPECT_EQ(info->backend(), "cpu");
+  EXPECT_EQ(info->tp_size(), 1);
+  EXPECT_EQ(info->heads_size(), 2);
+  auto wide = c->GetInfo("wide");
+  ASSERT_TRUE(wide.ok());
+  EXPECT_EQ(wide->head().dtype(), v1::DTYPE_FLOAT32);
+  EXPECT_EQ(c->GetInfo("nope").status().code(), absl::StatusCode::kNotFound);
+  auto health = c->Health();
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_TRUE(*health);
+}
+
+TEST_F(Service, ScoreMatchesEngineWhateverTheChunking) {
+  Batch b = MakeBatch(777, v1::DTYPE_BFLOAT16, 21);
+  v1::RequestHeader h;
+  h.set_temperature(0.8f);
+  h.set_softcap(4.0f);
+  LceOptions o;
+  o.temperature = 0.8f;
+  o.softcap = 4.0f;
+  Expected want = EngineAnswer(*ts_->bf16_engine, b, o, {});
+  for (int64_t chunk_bytes : {int64_t{64}, int64_t{64 * 13}, int64_t{4} << 20}) {
+    auto c = Connect(*ts_, chunk_bytes);
+    auto got = c->Score(View(b), h);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectClose(got->logprobs, want.logprob, 1e-6, "logprob");
+    ExpectClose(got->entropy, want.entropy, 1e-6, "entropy");
+  }
+}
+
+TEST_F(Service, ForwardBackwardEveryReduction) {
+  Batch b = MakeBatch(300, v1::DTYPE_BFLOAT16, 22);
+  int64_t valid = 0;
+  for (int32_t y : b.targets) valid += y != -100;
+  auto c = Connect(*ts_, 64 * 50);
+  for (v1::Reduction red : {v1::REDUCTION_MEAN, v1::REDUCTION_SUM, v1::REDUCTION_NONE}) {
+    v1::RequestHeader h;
+    h.set_reduction(red);
+    h.set_label_smoothing(0.1f);
+    h.set_z_loss(1e-3f);
+    LceOptions o;
+    o.label_smoothing = 0.1f;
+    o.z_loss = 1e-3f;
+    std::vector<float> g(b.rows, 1.0f);
+    if (red == v1::REDUCTION_MEAN) g.assign(b.rows, 1.0f / valid);
+    if (red == v1::REDUCTION_NONE) for (int64_t i = 0; i < b.rows; ++i) g[i] = 0.01f * static_cast<float>(i % 7) - 0.02f;
+    Upstream up;
+    up.mode = GradMode::kLoss;
+    up.grad_loss = g.data();
+    Expected want = EngineAnswer(*ts_->bf16_engine, b, o, up);
+    auto got = c->ForwardBackward(View(b), h, red == v1::REDUCTION_NONE ? absl::MakeConstSpan(g) : absl::Span<const float>{});
+    ASSERT_TRUE(got.ok()) << got.status();
+    ExpectClose(got->loss, want.loss, 1e-6, "loss");
+    ExpectClose(Bf16(got->d_hidden), Bf16(want.d_hidden), 1e-2, "d_hidden");
+    double sum = 0;
+    for (float l : want.loss) sum += l;
+    EXPECT_NEAR(got->reduced_loss, red == v1::REDUCTION_MEAN ? sum / valid : sum, 1e-5 * std::abs(sum));
+    EXPECT_EQ(got->valid_tokens, valid);
+    EXPECT_EQ(got->head_version, 1);
+  }
+}
+
+TEST_F(Service, BackwardMatchesEngine) {
+  Batch b = MakeBatch(200, v1::DTYPE_FLOAT32, 23);
+  std::vector<float> u(b.rows), e(b.rows);
+  for (int64_t i = 0; i < b.rows; ++i) {
+    u[i] = std::sin(0.1f * i);
+    e[i] = std::cos(0.3f * i);
+  }
+  Upstream up;
+  up.mode = GradMode::kGeneric;
+  up.grad_logprob = u.data();
+  up.grad_entropy = e.data();
+  Expected want = EngineAnswer(*ts_->fp32_engine, b, LceOptions{}, up);
+  auto c = Connect(*ts_, 128 * 33);
+  v1::RequestHeader h;
+  h.set_head("wide");
+  auto got = c->Backward(View(b), h, u, e);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->d_hidden.size(), want.d_hidden.size());
+  const float* g = reinterpret_cast<const float*>(got->d_hidden.data());
+  const float* w = reinterpret_cast<const float*>(want.d_hidden.data());
+  for (int64_t i = 0; i < b.rows * kHidden; ++i) ASSERT_NEAR(g[i], w[i], 1e-5 * std::max(1.0f, std::abs(w[i]))) << i;
+}
+
+TEST_F(Service, EightConcurrentClients) {
+  std::vector<std::thread> threads;
+  std::vector<int> ok(8, 0);
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([t, &ok] {
+      Batch b = MakeBatch(150 + 10 * t, v1::DTYPE_BFLOAT16, 100 + t);
+      Expected want = EngineAnswer(*ts_->bf16_engine, b, LceOptions{}, {});
+      auto c = Connect(*ts_, 64 * (7 + t));
+      for (int rep = 0; rep < 3; ++rep) {
+        auto got = c->Score(View(b), v1::RequestHeader{});
+        if (!got.ok() || got->logprobs.size() != want.logprob.size()) return;
+        for (size_t i = 0; i < want.logprob.size(); ++i) {
+          if (std::abs(got->logprobs[i] - want.logprob[i]) > 1e-5f * std::max(1.0f, std::abs(want.logprob[i]))) return;
+        }
+        v1::RequestHeader h;
+        h.set_reduction(v1::REDUCTION_SUM);
+        if (!c->ForwardBackward(View(b), h).ok()) return;
+      }
+      ok[t] = 1;
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < 8; ++t) EXPECT_EQ(ok[t], 1) << "client " << t;
+}
+
+}  // namespace
+}  // namespace lce::e2e

@@ -1,0 +1,66 @@
+#include "test_server.h"
+
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "gtest/gtest.h"
+#include "head_source.h"
+#include "lce/numeric.h"
+
+namespace lce::e2e {
+
+std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes) {
+  auto ts = std::make_unique<TestServer>();
+  ts->heads = std::make_shared<server::HeadStore>();
+  for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    server::HeadSource src;
+    src.seed_vocab = kVocab;
+    src.seed_hidden = kHidden;
+    src.seed = 7;
+    src.dtype = dtype;
+    auto w = server::LoadHead(src, 0, 1);
+    EXPECT_TRUE(w.ok()) << w.status();
+    auto e = CreateEngine(Backend::kCpu, *w, EngineConfig{});
+    EXPECT_TRUE(e.ok()) << e.status();
+    std::shared_ptr<LceEngine> engine = std::move(*e);
+    (dtype == DType::kBFloat16 ? ts->bf16_engine : ts->fp32_engine) = engine;
+    EXPECT_TRUE(ts->heads->Put(dtype == DType::kBFloat16 ? "default" : "wide", engine).ok());
+  }
+  server::GrpcServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.service.max_message_bytes = max_message_bytes;
+  options.service.limits.max_rows_per_request = 100000;
+  auto server = server::GrpcServer::Start(ts->heads, options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  ts->server = std::move(*server);
+  ts->target = "127.0.0.1:" + std::to_string(ts->server->port());
+  return ts;
+}
+
+Batch MakeBatch(int64_t rows, v1::DType dtype, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int32_t> tgt(0, kVocab - 1);
+  std::uniform_real_distribution<float> unif;
+  Batch b{dtype, rows, {}, {}};
+  const int64_t n = rows * kHidden;
+  if (dtype == v1::DTYPE_FLOAT32) {
+    b.hidden.resize(n * 4);
+    auto* p = reinterpret_cast<float*>(b.hidden.data());
+    for (int64_t i = 0; i < n; ++i) p[i] = normal(rng);
+  } else {
+    b.hidden.resize(n * 2);
+    auto* p = reinterpret_cast<uint16_t*>(b.hidden.data());
+    for (int64_t i = 0; i < n; ++i) p[i] = dtype == v1::DTYPE_BFLOAT16 ? FloatToBf16(normal(rng)) : FloatToFp16(normal(rng));
+  }
+  for (int64_t i = 0; i < rows; ++i) b.targets.push_back(unif(rng) < 0.1f ? -100 : tgt(rng));
+  return b;
+}
+
+std::unique_ptr<v1::LceService::Stub> RawStub(const std::string& target) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  return v1::LceService::NewStub(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+}
+
+}  // namespace lce::e2e

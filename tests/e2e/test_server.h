@@ -1,0 +1,41 @@
+// An in-process lce server on 127.0.0.1:0 with two seeded heads, and helpers to make batches.
+#pragma once
+
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "grpc_server.h"
+#include "head_store.h"
+#include "lce/engine.h"
+#include "lce/v1/lce.grpc.pb.h"
+
+namespace lce::e2e {
+
+constexpr int64_t kVocab = 3001;  // not a multiple of any tile
+constexpr int64_t kHidden = 32;
+
+struct TestServer {
+  std::shared_ptr<HeadStore> heads;
+  std::unique_ptr<server::GrpcServer> server;
+  std::string target;
+  // Heads: "default" (bf16) and "wide" (fp32, with the same seed).
+  std::shared_ptr<LceEngine> bf16_engine, fp32_engine;
+};
+
+std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes = 8 << 20);
+
+struct Batch {
+  v1::DType dtype;
+  int64_t rows;
+  std::vector<uint8_t> hidden;
+  std::vector<int32_t> targets;
+};
+
+// hidden ~ N(0, 1) in `dtype`, targets uniform with ~10% ignore_index (-100).
+Batch MakeBatch(int64_t rows, v1::DType dtype, uint64_t seed);
+
+std::unique_ptr<v1::LceService::Stub> RawStub(const std::string& target);
+
+}  // namespace lce::e2e

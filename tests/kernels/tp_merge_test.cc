@@ -1,0 +1,153 @@
+// The engine's vocab-parallel path: k shards in k threads, joined by an in-process Collectives,
+// must give the unsharded engine's answers for every option (docs/MATH.md, "Vocab-parallel").
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "lce/engine.h"
+#include "lce/numeric.h"
+
+namespace lce {
+namespace {
+
+// All-reduce among k threads of one process.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int k) : k_(k), barrier_(k), slots_(k) {}
+  absl::Status AllReduce(int rank, float* data, int64_t n, ReduceOp op) {
+    slots_[rank] = data;
+    barrier_.arrive_and_wait();
+    std::vector<float> out(data, data + n);
+    for (int r = 0; r < k_; ++r) {
+      if (r == rank) continue;
+      for (int64_t i = 0; i < n; ++i) out[i] = op == ReduceOp::kSum ? out[i] + slots_[r][i] : std::max(out[i], slots_[r][i]);
+    }
+    barrier_.arrive_and_wait();  // everyone has read every slot
+    std::copy(out.begin(), out.end(), data);
+    barrier_.arrive_and_wait();
+    return absl::OkStatus();
+  }
+  int size() const { return k_; }
+
+ private:
+  int k_;
+  std::barrier<> barrier_;
+  std::vector<float*> slots_;
+};
+
+class ThreadCollectives final : public Collectives {
+ public:
+  ThreadCollectives(ThreadGroup* g, int rank) : g_(g), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return g_->size(); }
+  absl::Status AllReduce(float* data, int64_t count, ReduceOp op, bool, void*) override {
+    return g_->AllReduce(rank_, data, count, op);
+  }
+
+ private:
+  ThreadGroup* g_;
+  int rank_;
+};
+
+struct Answers {
+  std::vector<float> logprob, entropy, loss;
+  std::vector<float> d_hidden;  // fp32 head
+  std::vector<float> d_weight;  // this engine's shard rows
+};
+
+Answers RunEngineOnce(LceEngine& e, const std::vector<float>& h, const std::vector<int32_t>& y, const LceOptions& o,
+            const Upstream& up) {
+  const int64_t n = static_cast<int64_t>(y.size());
+  Answers a;
+  a.logprob.assign(n, NAN);
+  a.entropy.assign(n, NAN);
+  a.loss.assign(n, NAN);
+  a.d_hidden.assign(h.size(), NAN);
+  a.d_weight.assign(e.shape().shard_rows * e.shape().hidden_size, 0.0f);
+  RowsView rows{h.data(), y.data(), n, MemorySpace::kHost};
+  absl::Status s = e.Compute(rows, o, up, {a.logprob.data(), a.entropy.data(), nullptr, a.loss.data()},
+                             {a.d_hidden.data(), a.d_weight.data()});
+  EXPECT_TRUE(s.ok()) << s;
+  return a;
+}
+
+void ExpectNear(const std::vector<float>& a, const std::vector<float>& b, double tol, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], tol * std::max(1.0f, std::abs(b[i]))) << what << "[" << i << "]";
+}
+
+TEST(VocabParallel, ShardsGiveTheUnshardedAnswers) {
+  const int64_t V = 1001, H = 24, N = 90;  // V divisible by neither 2 nor 3
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal;
+  auto full = std::make_shared<HeadWeights>();
+  full->shape = {V, H, DType::kFloat32, 0, V, true};
+  full->weight.resize(V * H * 4);
+  auto* w = reinterpret_cast<float*>(full->weight.data());
+  for (int64_t i = 0; i < V * H; ++i) w[i] = normal(rng) / std::sqrt(float(H));
+  for (int64_t j = 0; j < V; ++j) full->bias.push_back(0.3f * normal(rng));
+  std::vector<float> h(N * H);
+  for (auto& x : h) x = 2.0f * normal(rng);
+  std::vector<int32_t> y(N);
+  for (int64_t i = 0; i < N; ++i) y[i] = i % 9 == 0 ? -100 : static_cast<int32_t>((i * 97) % V);  // every shard hit
+  std::vector<float> g(N), u(N), en(N);
+  for (int64_t i = 0; i < N; ++i) {
+    g[i] = normal(rng);
+    u[i] = normal(rng);
+    en[i] = normal(rng);
+  }
+  auto reference = CreateEngine(Backend::kCpu, full, EngineConfig{});
+  ASSERT_TRUE(reference.ok());
+
+  for (int k : {2, 3}) {
+    for (int opt = 0; opt < 3; ++opt) {
+      LceOptions o;
+      if (opt == 1) { o.temperature = 0.7f; o.softcap = 4.0f; }
+      if (opt == 2) { o.label_smoothing = 0.1f; o.z_loss = 1e-3f; }
+      for (GradMode mode : {GradMode::kLoss, GradMode::kGeneric}) {
+        Upstream up;
+        up.mode = mode;
+        up.grad_loss = mode == GradMode::kLoss ? g.data() : nullptr;
+        up.grad_logprob = mode == GradMode::kGeneric ? u.data() : nullptr;
+        up.grad_entropy = mode == GradMode::kGeneric ? en.data() : nullptr;
+        Answers want = RunEngineOnce(**reference, h, y, o, up);
+        ThreadGroup group(k);
+        std::vector<Answers> got(k);
+        std::vector<std::thread> threads;
+        for (int r = 0; r < k; ++r) {
+          threads.emplace_back([&, r] {
+            const VocabRange range = VocabShard(V, r, k);
+            auto shard = std::make_shared<HeadWeights>();
+            shard->shape = {V, H, DType::kFloat32, range.begin, range.end - range.begin, true};
+            shard->weight.assign(full->weight.begin() + range.begin * H * 4, full->weight.begin() + range.end * H * 4);
+            shard->bias.assign(full->bias.begin() + range.begin, full->bias.begin() + range.end);
+            ThreadCollectives coll(&group, r);
+            EngineConfig cfg;
+            cfg.collectives = &coll;
+            cfg.cpu_threads = 1;
+            auto e = CreateEngine(Backend::kCpu, shard, cfg);
+            ASSERT_TRUE(e.ok()) << e.status();
+            got[r] = RunEngineOnce(**e, h, y, o, up);
+          });
+        }
+        for (auto& t : threads) t.join();
+        const std::string tag = "k=" + std::to_string(k) + " opt=" + std::to_string(opt) + " mode=" + std::to_string(int(mode));
+        std::vector<float> dw;
+        for (int r = 0; r < k; ++r) {
+          ExpectNear(got[r].logprob, want.logprob, 1e-5, tag + " logprob");
+          ExpectNear(got[r].entropy, want.entropy, 1e-5, tag + " entropy");
+          ExpectNear(got[r].loss, want.loss, 1e-5, tag + " loss");
+          ExpectNear(got[r].d_hidden, want.d_hidden, 1e-5, tag + " d_hidden");
+          dw.insert(dw.end(), got[r].d_weight.begin(), got[r].d_weight.end());
+        }
+        ExpectNear(dw, want.d_weight, 1e-5, tag + " d_weight");
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace lce
