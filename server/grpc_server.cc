@@ -1,5 +1,8 @@
 #include "grpc_server.h"
 
+#include <fstream>
+#include <sstream>
+
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -7,15 +10,45 @@
 #include "grpcpp/server_builder.h"
 
 namespace lce::server {
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const TlsFiles& tls) {
+  if (!tls.enabled()) return grpc::InsecureServerCredentials();
+  if (tls.key.empty()) return absl::InvalidArgumentError("--tls-cert needs --tls-key");
+  absl::StatusOr<std::string> cert = ReadPem(tls.cert), key = ReadPem(tls.key);
+  if (!cert.ok()) return cert.status();
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions opts(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  opts.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!tls.client_ca.empty()) {
+    absl::StatusOr<std::string> ca = ReadPem(tls.client_ca);
+    if (!ca.ok()) return ca.status();
+    opts.pem_root_certs = *ca;
+    opts.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(opts);
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<HeadStore> heads,
                                                               const GrpcServerOptions& options) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = Credentials(options.tls);
+  if (!creds.ok()) return creds.status();
   std::unique_ptr<GrpcServer> self(new GrpcServer());
   self->service_ = std::make_unique<LceService>(std::move(heads), options.service);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &self->port_);
+  builder.AddListeningPort(options.address, *creds, &self->port_);
   builder.RegisterService(self->service_.get());
   const int max_bytes = static_cast<int>(std::min<int64_t>(options.service.max_message_bytes, INT32_MAX));
   builder.SetMaxReceiveMessageSize(max_bytes);

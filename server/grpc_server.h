@@ -12,9 +12,16 @@
 
 namespace lce::server {
 
+// TLS: PEM file paths. With client_ca set, clients must present a certificate it signed (mTLS).
+struct TlsFiles {
+  std::string cert, key, client_ca;
+  bool enabled() const { return !cert.empty(); }
+};
+
 struct GrpcServerOptions {
   std::string address = "0.0.0.0:50051";  // port 0 picks a free port
   ServiceConfig service;
+  TlsFiles tls;
 };
 
 class GrpcServer {

@@ -33,9 +33,32 @@ float* Grow(google::protobuf::RepeatedField<float>* field, int64_t n) {
   return field->mutable_data();
 }
 
+// Holds one admission slot for the life of a stream.
+class StreamSlot {
+ public:
+  StreamSlot(std::atomic<int64_t>& counter, int64_t limit) : counter_(counter) {
+    admitted_ = counter_.fetch_add(1) < limit || limit <= 0;
+  }
+  ~StreamSlot() { counter_.fetch_sub(1); }
+  bool admitted() const { return admitted_; }
+
+ private:
+  std::atomic<int64_t>& counter_;
+  bool admitted_;
+};
+
 }  // namespace
 
-grpc::Status LceService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp) {
+absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) const {
+  if (!config_.auth.enabled()) return absl::OkStatus();
+  const auto& md = ctx->client_metadata();
+  auto it = md.find("authorization");
+  const std::string value = it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+  return config_.auth.Check(value, access);
+}
+
+grpc::Status LceService::GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp) {
+  if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
   absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
   if (!head.ok()) return ToGrpcStatus(head.status());
   Describe(**head, resp->mutable_head());
@@ -63,6 +86,13 @@ grpc::Status LceService::Backward(grpc::ServerContext* ctx,
 
 grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
                                    grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
+  if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
+  StreamSlot slot(streams_in_flight_, config_.max_concurrent_streams);
+  if (!slot.admitted()) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("server is at its limit of ", config_.max_concurrent_streams,
+                                     " concurrent streams; retry later"));
+  }
   StreamRequestValidator validator(rpc, *heads_, config_.limits);
   v1::StreamRequest msg;
   if (!stream->Read(&msg)) {
@@ -80,7 +110,7 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   const bool is_bw = rpc == RpcKind::kBackward;
   const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
 
-  int64_t rows_seen = 0, valid_seen = 0, chunk_index = 0;
+  int64_t rows_seen = 0, valid_seen = 0, chunk_index = 0, bytes_seen = 0;
   double loss_sum = 0.0;
   std::vector<float> loss_buf, grad_buf;
   v1::StreamResponse resp;
@@ -98,6 +128,12 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     absl::StatusOr<int64_t> rows = validator.ValidateChunk(*plan, chunk, chunk_index, rows_seen);
     if (!rows.ok()) return ToGrpcStatus(rows.status());
     const int64_t n = *rows;
+    bytes_seen += static_cast<int64_t>(chunk.hidden().size());
+    if (config_.max_request_bytes > 0 && bytes_seen > config_.max_request_bytes) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("chunk ", chunk_index, ": request exceeds ", config_.max_request_bytes,
+                                       " bytes of hidden states, the server's limit per request"));
+    }
     int64_t valid = 0;
     for (int32_t y : chunk.targets()) valid += y != plan->options.ignore_index ? 1 : 0;
 

@@ -111,6 +111,12 @@ int main(int argc, char** argv) {
   options.service.max_message_bytes = flags->max_message_bytes;
   options.service.limits.max_rows_per_request = flags->max_rows_per_request;
   options.service.tp_size = flags->tp_size;
+  options.service.max_concurrent_streams = flags->max_concurrent_streams;
+  options.service.max_request_bytes = flags->max_request_bytes;
+  options.tls = {flags->tls_cert, flags->tls_key, flags->tls_client_ca};
+  absl::StatusOr<RequestAuthenticator> auth = RequestAuthenticator::FromFiles(flags->auth_token_file, flags->admin_token_file);
+  if (!auth.ok()) return Fail(auth.status());
+  options.service.auth = *auth;
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(heads, options);
   if (!server.ok()) return Fail(server.status());
   const int port = (*server)->port();

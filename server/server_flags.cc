@@ -25,6 +25,12 @@ const char* ServerUsage() {
   --head-dtype=bf16|fp16|fp32 dtype of the seeded head (default bf16)
   --max-message-bytes=N       largest gRPC message accepted (default 67108864)
   --max-rows-per-request=N    largest request, in rows (default 16777216; 0 = no limit)
+  --max-concurrent-streams=N  streams served at once; more get RESOURCE_EXHAUSTED (default 64; 0 = no limit)
+  --max-request-bytes=N       largest request, in bytes of hidden states (default 16 GiB; 0 = no limit)
+  --tls-cert=PEM --tls-key=PEM  serve TLS
+  --tls-client-ca=PEM         require client certificates signed by this CA (mutual TLS)
+  --auth-token-file=PATH      bearer token for scoring RPCs (read from the file, never the command line)
+  --admin-token-file=PATH     bearer token for admin RPCs (also accepted for scoring)
   --workspace-bytes=N         engine scratch budget (default 1073741824)
   --cpu-threads=N             CPU engine threads (default: all cores)
   --device=N                  CUDA device ordinal (default 0)
@@ -66,6 +72,13 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"max-message-bytes", i64(&f.max_message_bytes)},
       {"max-rows-per-request", i64(&f.max_rows_per_request)},
       {"workspace-bytes", i64(&f.workspace_bytes)},
+      {"max-concurrent-streams", i64(&f.max_concurrent_streams)},
+      {"max-request-bytes", i64(&f.max_request_bytes)},
+      {"tls-cert", str(&f.tls_cert)},
+      {"tls-key", str(&f.tls_key)},
+      {"tls-client-ca", str(&f.tls_client_ca)},
+      {"auth-token-file", str(&f.auth_token_file)},
+      {"admin-token-file", str(&f.admin_token_file)},
       {"cpu-threads", i32(&f.cpu_threads)},
       {"device", i32(&f.device)},
       {"tp-size", i32(&f.tp_size)},

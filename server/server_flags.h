@@ -18,6 +18,10 @@ struct ServerFlags {
   HeadSource head;
   int64_t max_message_bytes = 64 << 20;
   int64_t max_rows_per_request = int64_t{1} << 24;
+  int64_t max_concurrent_streams = 64;
+  int64_t max_request_bytes = int64_t{16} << 30;
+  std::string tls_cert, tls_key, tls_client_ca;
+  std::string auth_token_file, admin_token_file;
   int64_t workspace_bytes = int64_t{1} << 30;
   int cpu_threads = 0;
   int device = 0;

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Starts a tensor-parallel group of K lce_server ranks on this host as one unit, and restarts the
+# whole group whenever any rank exits abnormally (a dead or hung peer makes every rank exit with
+# code 3). SIGTERM/SIGINT stop the group gracefully: rank 0 drains its streams, then stops its peers.
+#
+# Usage: lce_tp_launch.sh K [--restarts=N] -- LCE_SERVER_FLAGS...
+#   e.g. lce_tp_launch.sh 2 -- --port=50051 --backend=cpu --seed-head=151936x4096
+# Environment: LCE_SERVER (binary, default build/bin/lce_server next to this repo),
+#   LCE_TP_RENDEZVOUS (directory, default a fresh temporary one), CUDA_VISIBLE_DEVICES is set to
+#   the rank for each rank when LCE_TP_BIND_GPUS=1.
+set -uo pipefail
+K=${1:?usage: lce_tp_launch.sh K [--restarts=N] -- FLAGS...}
+shift
+RESTARTS=1000000
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+  case "$1" in
+    --restarts=*) RESTARTS=${1#--restarts=} ;;
+    *) echo "lce_tp_launch: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ "${1:-}" = "--" ] && shift
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+SERVER=${LCE_SERVER:-$HERE/build/bin/lce_server}
+RDV=${LCE_TP_RENDEZVOUS:-$(mktemp -d -t lce-tp-XXXXXX)}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+
+pids=()
+stopping=0
+stop_group() {
+  stopping=1
+  [ ${#pids[@]} -gt 0 ] && kill -TERM "${pids[0]}" 2>/dev/null   # the front stops its peers
+}
+trap stop_group TERM INT
+
+attempt=0
+while :; do
+  rm -rf "$RDV" && mkdir -p "$RDV"
+  pids=()
+  for ((r = 0; r < K; r++)); do
+    if [ "${LCE_TP_BIND_GPUS:-0}" = 1 ]; then export CUDA_VISIBLE_DEVICES=$r; fi
+    "$SERVER" "$@" --tp-size="$K" --tp-rank="$r" --tp-rendezvous="$RDV" &
+    pids+=($!)
+  done
+  # Wait until any rank exits; then the group is over, one way or the other.
+  wait -n "${pids[@]}"
+  code=$?
+  if [ $stopping = 1 ]; then
+    wait "${pids[@]}" 2>/dev/null
+    echo "lce_tp_launch: group stopped"
+    exit 0
+  fi
+  echo "lce_tp_launch: a rank exited with code $code; restarting the whole group" >&2
+  kill -KILL "${pids[@]}" 2>/dev/null
+  wait "${pids[@]}" 2>/dev/null
+  attempt=$((attempt + 1))
+  if [ "$attempt" -gt "$RESTARTS" ]; then
+    echo "lce_tp_launch: giving up after $RESTARTS restarts" >&2
+    exit 1
+  fi
+  sleep 1
+done

@@ -1,0 +1,193 @@
+// Tensor parallelism across processes (Gloo over loopback): k = 2 and 3 lce_server ranks give the
+// answers of one unsharded engine; a peer that dies or hangs mid-request ends the request with
+// UNAVAILABLE naming the rank, within the watchdog timeout, and the front exits for a restart.
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "head_source.h"
+#include "lce/client/lce_client.h"
+#include "test_server.h"
+
+extern char** environ;
+
+namespace lce::e2e {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TpGroup {
+ public:
+  TpGroup(int k, double timeout_seconds) : dir_(fs::temp_directory_path() / ("lce_tp_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    const std::string port_file = (dir_ / "port").string();
+    for (int r = 0; r < k; ++r) {
+      std::vector<std::string> args = {LCE_SERVER_PATH, "--port=0", "--port-file=" + port_file, "--backend=cpu",
+                                       "--seed-head=" + std::to_string(kVocab) + "x" + std::to_string(kHidden), "--seed=7",
+                                       "--head-dtype=fp32", "--cpu-threads=1", "--tp-size=" + std::to_string(k),
+                                       "--tp-rank=" + std::to_string(r), "--tp-rendezvous=" + (dir_ / "rdv").string(),
+                                       "--tp-timeout-seconds=" + std::to_string(timeout_seconds), "--host=127.0.0.1"};
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      pid_t pid = 0;
+      EXPECT_EQ(posix_spawn(&pid, LCE_SERVER_PATH, nullptr, nullptr, argv.data(), environ), 0);
+      pids_.push_back(pid);
+    }
+    for (int i = 0; i < 300 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::ifstream in(port_file);
+    int port = 0;
+    in >> port;
+    EXPECT_GT(port, 0) << "the front never wrote its port";
+    target_ = "127.0.0.1:" + std::to_string(port);
+  }
+  ~TpGroup() {
+    for (pid_t p : pids_) ::kill(p, SIGKILL);
+    for (pid_t p : pids_) ::waitpid(p, nullptr, 0);
+    fs::remove_all(dir_);
+  }
+  const std::string& target() const { return target_; }
+  pid_t pid(int rank) const { return pids_[rank]; }
+  // Exit code of `rank` once it exits within `seconds`, or -1.
+  int WaitExit(int rank, double seconds) {
+    for (int i = 0; i < seconds * 10; ++i) {
+      int status = 0;
+      if (::waitpid(pids_[rank], &status, WNOHANG) == pids_[rank]) {
+        pids_[rank] = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return -1;
+  }
+
+ private:
+  static inline int counter_ = 0;
+  fs::path dir_;
+  std::vector<pid_t> pids_;
+  std::string target_;
+};
+
+std::unique_ptr<client::LceClient> Connect(const std::string& target, int64_t chunk_bytes) {
+  client::ClientOptions o;
+  o.target = target;
+  o.chunk_bytes = chunk_bytes;
+  o.timeout = absl::Seconds(60);
+  auto c = client::LceClient::Create(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return std::move(*c);
+}
+
+std::shared_ptr<LceEngine> FullEngine() {
+  server::HeadSource src;
+  src.seed_vocab = kVocab;
+  src.seed_hidden = kHidden;
+  src.seed = 7;
+  src.dtype = DType::kFloat32;
+  auto w = server::LoadHead(src, 0, 1);
+  EXPECT_TRUE(w.ok());
+  auto e = CreateEngine(Backend::kCpu, *w, EngineConfig{});
+  EXPECT_TRUE(e.ok());
+  return std::move(*e);
+}
+
+double RelErr(const float* got, const float* want, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    den += double(want[i]) * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+TEST(TensorParallel, GroupsOfTwoAndThreeMatchOneEngine) {
+  auto engine = FullEngine();
+  Batch b = MakeBatch(400, v1::DTYPE_FLOAT32, 31);
+  for (int i = 0; i < 12; ++i) b.targets[i] = static_cast<int32_t>(i * (kVocab / 12));  // targets in every shard
+  client::HiddenBatch view{b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)};
+  std::vector<float> g(b.rows), u(b.rows), en(b.rows);
+  for (int64_t i = 0; i < b.rows; ++i) {
+    g[i] = 0.5f + std::sin(0.2f * i);
+    u[i] = std::cos(0.1f * i);
+    en[i] = std::sin(0.37f * i);
+  }
+  for (int k : {2, 3}) {
+    TpGroup group(k, 10.0);
+    auto c = Connect(group.target(), 4 * kHidden * 37);
+    auto info = c->GetInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->tp_size(), k);
+    EXPECT_EQ(info->head().vocab_size(), kVocab);
+    for (int opt = 0; opt < 3; ++opt) {
+      v1::RequestHeader h;
+      LceOptions o;
+      if (opt == 1) { h.set_temperature(0.7f); h.set_softcap(5.0f); o.temperature = 0.7f; o.softcap = 5.0f; }
+      if (opt == 2) { h.set_label_smoothing(0.1f); h.set_z_loss(1e-3f); o.label_smoothing = 0.1f; o.z_loss = 1e-3f; }
+      const std::string tag = "k=" + std::to_string(k) + " opt=" + std::to_string(opt);
+      std::vector<float> lp(b.rows), ent(b.rows), loss(b.rows), dh(b.rows * kHidden), dh2(b.rows * kHidden);
+      RowsView rows{b.hidden.data(), b.targets.data(), b.rows, MemorySpace::kHost};
+      Upstream up{GradMode::kLoss, g.data(), nullptr, nullptr};
+      ASSERT_TRUE(engine->Compute(rows, o, up, {lp.data(), ent.data(), nullptr, loss.data()}, {dh.data(), nullptr}).ok());
+      if (opt != 2) {
+        v1::RequestHeader sh = h;
+        auto score = c->Score(view, sh);
+        ASSERT_TRUE(score.ok()) << tag << " " << score.status();
+        EXPECT_LE(RelErr(score->logprobs.data(), lp.data(), lp.size()), 1e-5) << tag;
+        EXPECT_LE(RelErr(score->entropy.data(), ent.data(), ent.size()), 1e-5) << tag;
+        Upstream gen{GradMode::kGeneric, nullptr, u.data(), en.data()};
+        ASSERT_TRUE(engine->Compute(rows, o, gen, {}, {dh2.data(), nullptr}).ok());
+        auto bw = c->Backward(view, sh, u, en);
+        ASSERT_TRUE(bw.ok()) << tag << " " << bw.status();
+        EXPECT_LE(RelErr(reinterpret_cast<const float*>(bw->d_hidden.data()), dh2.data(), dh2.size()), 1e-5) << tag;
+      }
+      h.set_reduction(v1::REDUCTION_NONE);
+      auto fb = c->ForwardBackward(view, h, g);
+      ASSERT_TRUE(fb.ok()) << tag << " " << fb.status();
+      EXPECT_LE(RelErr(fb->loss.data(), loss.data(), loss.size()), 1e-5) << tag;
+      EXPECT_LE(RelErr(reinterpret_cast<const float*>(fb->d_hidden.data()), dh.data(), dh.size()), 1e-5) << tag;
+    }
+  }
+}
+
+// A request that keeps the group busy for a while: many small chunks.
+absl::Status LongRequest(const std::string& target) {
+  auto c = Connect(target, kHidden * 4 * 16);
+  Batch b = MakeBatch(200000, v1::DTYPE_FLOAT32, 1);
+  v1::RequestHeader h;
+  h.set_reduction(v1::REDUCTION_SUM);
+  return c->ForwardBackward({b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)}, h).status();
+}
+
+void ExpectPeerFailureHandled(int signal, double timeout_seconds) {
+  TpGroup group(3, timeout_seconds);
+  absl::Status result;
+  auto start = std::chrono::steady_clock::now();
+  std::thread request([&] { result = LongRequest(group.target()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  auto hit = std::chrono::steady_clock::now();
+  ::kill(group.pid(2), signal);
+  request.join();
+  const double after = std::chrono::duration<double>(std::chrono::steady_clock::now() - hit).count();
+  EXPECT_EQ(result.code(), absl::StatusCode::kUnavailable) << result;
+  EXPECT_LE(after, timeout_seconds + 5.0) << "the front took too long to give up";
+  if (signal == SIGKILL) EXPECT_NE(result.message().find("rank 2"), std::string::npos) << result;
+  EXPECT_EQ(group.WaitExit(0, timeout_seconds + 10), 3) << "the front must exit 3 for a group restart";
+  (void)start;
+  if (signal == SIGSTOP) ::kill(group.pid(2), SIGKILL);
+}
+
+TEST(TensorParallel, KilledPeerGivesUnavailable) { ExpectPeerFailureHandled(SIGKILL, 5.0); }
+
+TEST(TensorParallel, HungPeerGivesUnavailableWithinTheTimeout) { ExpectPeerFailureHandled(SIGSTOP, 3.0); }
+
+}  // namespace
+}  // namespace lce::e2e
