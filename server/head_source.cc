@@ -2,11 +2,14 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "lce/numeric.h"
+#include "nlohmann/json.hpp"
 #include "safetensors.h"
 
 namespace lce::server {
@@ -27,7 +30,105 @@ void StoreAs(DType dtype, float v, uint8_t* dst) {
   }
 }
 
+bool IsIndex(const std::string& path) {
+  const std::string suffix = ".index.json";
+  return path.size() > suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The shards listed by an index written by SaveShardedHead.
+struct IndexedShard {
+  std::string file;
+  int64_t begin, end;
+};
+struct HeadIndex {
+  int64_t vocab_size = 0, hidden_size = 0;
+  DType dtype = DType::kBFloat16;
+  bool has_bias = false;
+  std::vector<IndexedShard> shards;
+};
+
+absl::StatusOr<HeadIndex> ReadIndex(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  if (j.is_discarded() || !j.contains("shards") || !j.contains("vocab_size") || !j.contains("hidden_size") ||
+      !j.contains("dtype")) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not an lce-serve head index"));
+  }
+  HeadIndex idx;
+  idx.vocab_size = j["vocab_size"].get<int64_t>();
+  idx.hidden_size = j["hidden_size"].get<int64_t>();
+  absl::StatusOr<DType> d = ParseDType(j["dtype"].get<std::string>());
+  if (!d.ok()) return d.status();
+  idx.dtype = *d;
+  idx.has_bias = j.value("has_bias", false);
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  int64_t next = 0;
+  for (const auto& s : j["shards"]) {
+    IndexedShard sh{(dir / s["file"].get<std::string>()).string(), s["vocab_begin"].get<int64_t>(),
+                    s["vocab_end"].get<int64_t>()};
+    if (sh.begin != next || sh.end <= sh.begin) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": shards must cover the vocabulary in order"));
+    }
+    next = sh.end;
+    idx.shards.push_back(sh);
+  }
+  if (next != idx.vocab_size) return absl::InvalidArgumentError(absl::StrCat(path, ": shards do not cover the vocabulary"));
+  return idx;
+}
+
+// Appends rows [begin, end) of `tensor` gathered from the indexed shard files to `out`.
+absl::Status GatherRows(const HeadIndex& idx, const std::string& tensor, int64_t begin, int64_t end,
+                        std::vector<uint8_t>& out) {
+  for (const IndexedShard& sh : idx.shards) {
+    const int64_t lo = std::max(begin, sh.begin), hi = std::min(end, sh.end);
+    if (lo >= hi) continue;
+    absl::StatusOr<SafetensorsEntry> e = ReadSafetensorsEntry(sh.file, tensor);
+    if (!e.ok()) return e.status();
+    absl::StatusOr<std::vector<uint8_t>> rows = ReadSafetensorsRows(sh.file, *e, lo - sh.begin, hi - sh.begin);
+    if (!rows.ok()) return rows.status();
+    out.insert(out.end(), rows->begin(), rows->end());
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::StatusOr<std::vector<std::string>> SaveShardedHead(const std::string& dir, const std::string& name,
+                                                         const std::vector<const HeadWeights*>& shards) {
+  if (shards.empty()) return absl::InvalidArgumentError("no shards to save");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  const HeadShape& first = shards.front()->shape;
+  nlohmann::ordered_json index = {{"format", "lce-serve sharded head"},
+                                  {"tensor", "lm_head.weight"},
+                                  {"vocab_size", first.vocab_size},
+                                  {"hidden_size", first.hidden_size},
+                                  {"dtype", DTypeName(first.dtype)},
+                                  {"has_bias", first.has_bias},
+                                  {"shards", nlohmann::ordered_json::array()}};
+  std::vector<std::string> files;
+  const size_t k = shards.size();
+  for (size_t r = 0; r < k; ++r) {
+    const HeadWeights& w = *shards[r];
+    const std::string file = absl::StrCat(name, "-shard-", r, "-of-", k, ".safetensors");
+    const std::string path = (std::filesystem::path(dir) / file).string();
+    std::vector<SafetensorsTensor> tensors = {{"lm_head.weight", w.shape.dtype, {w.shape.shard_rows, w.shape.hidden_size},
+                                               w.weight.data(), static_cast<int64_t>(w.weight.size())}};
+    if (w.shape.has_bias) {
+      tensors.push_back({"lm_head.bias", DType::kFloat32, {w.shape.shard_rows},
+                         reinterpret_cast<const uint8_t*>(w.bias.data()), static_cast<int64_t>(w.bias.size() * 4)});
+    }
+    if (absl::Status s = WriteSafetensors(path, tensors); !s.ok()) return s;
+    index["shards"].push_back({{"file", file}, {"vocab_begin", w.shape.vocab_begin}, {"vocab_end", w.shape.vocab_end()}});
+    files.push_back(path);
+  }
+  const std::string index_path = (std::filesystem::path(dir) / (name + ".index.json")).string();
+  std::ofstream(index_path) << index.dump(1) << "\n";
+  files.push_back(index_path);
+  return files;
+}
 
 float SeededHeadValue(uint64_t seed, int64_t row, int64_t col, int64_t hidden) {
   const uint64_t idx = static_cast<uint64_t>(row) * static_cast<uint64_t>(hidden) + static_cast<uint64_t>(col);
@@ -62,6 +163,12 @@ absl::StatusOr<std::shared_ptr<HeadWeights>> LoadHead(const HeadSource& source, 
     shape.vocab_size = source.seed_vocab;
     shape.hidden_size = source.seed_hidden;
     shape.dtype = source.dtype;
+  } else if (IsIndex(source.file)) {
+    absl::StatusOr<HeadIndex> idx = ReadIndex(source.file);
+    if (!idx.ok()) return idx.status();
+    shape.vocab_size = idx->vocab_size;
+    shape.hidden_size = idx->hidden_size;
+    shape.dtype = idx->dtype;
   } else {
     absl::StatusOr<SafetensorsEntry> entry = ReadSafetensorsEntry(source.file, source.tensor);
     if (!entry.ok()) return entry.status();
@@ -88,6 +195,17 @@ absl::StatusOr<std::shared_ptr<HeadWeights>> LoadHead(const HeadSource& source, 
         StoreAs(shape.dtype, SeededHeadValue(source.seed, range.begin + r, c, shape.hidden_size),
                 head->weight.data() + (r * shape.hidden_size + c) * es);
       }
+    }
+  } else if (IsIndex(source.file)) {
+    absl::StatusOr<HeadIndex> idx = ReadIndex(source.file);
+    if (!idx.ok()) return idx.status();
+    if (absl::Status s = GatherRows(*idx, "lm_head.weight", range.begin, range.end, head->weight); !s.ok()) return s;
+    if (idx->has_bias) {
+      std::vector<uint8_t> bias;
+      if (absl::Status s = GatherRows(*idx, "lm_head.bias", range.begin, range.end, bias); !s.ok()) return s;
+      head->bias.resize(bias.size() / 4);
+      std::memcpy(head->bias.data(), bias.data(), bias.size());
+      shape.has_bias = true;
     }
   } else {
     absl::StatusOr<SafetensorsEntry> entry = ReadSafetensorsEntry(source.file, source.tensor);

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "lce/head.h"
@@ -27,8 +28,18 @@ struct HeadSource {
 // Parses "VxH", e.g. "32000x512".
 absl::Status ParseSeedShape(const std::string& text, HeadSource& source);
 
-// Loads rank `tp_rank`'s shard (VocabShard) of the head.
+// Loads rank `tp_rank`'s shard (VocabShard) of the head. `file` may also be the index written by
+// SaveShardedHead (".index.json"): then the rows come from whichever shard files hold them, so a
+// head saved by a group of one size loads into a group of any size.
+
 absl::StatusOr<std::shared_ptr<HeadWeights>> LoadHead(const HeadSource& source, int tp_rank, int tp_size);
+
+// Writes shards (in vocabulary order, together covering [0, V)) as
+// <dir>/<name>-shard-<r>-of-<k>.safetensors, each with tensor "lm_head.weight" [shard rows, H] (and
+// "lm_head.bias" when present), plus <dir>/<name>.index.json naming each file's vocabulary range.
+// Returns the shard files, then the index.
+absl::StatusOr<std::vector<std::string>> SaveShardedHead(const std::string& dir, const std::string& name,
+                                                         const std::vector<const HeadWeights*>& shards);
 
 // Element (row, col) of the seeded head, as fp32 before rounding to the head's dtype. Shared by
 // shards so that every rank generates exactly its rows of the same head.

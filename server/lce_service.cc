@@ -4,28 +4,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpc_status.h"
+#include "wire_types.h"
+#include "lce/training.h"
 
 namespace lce::server {
 namespace {
-
-v1::DType ToWire(DType d) {
-  switch (d) {
-    case DType::kFloat32: return v1::DTYPE_FLOAT32;
-    case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
-    case DType::kFloat16: return v1::DTYPE_FLOAT16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
-void Describe(const ServedHead& head, v1::HeadDescription* out) {
-  const HeadShape& s = head.engine->shape();
-  out->set_name(head.name);
-  out->set_vocab_size(s.vocab_size);
-  out->set_hidden_size(s.hidden_size);
-  out->set_dtype(ToWire(s.dtype));
-  out->set_version(head.version);
-  out->set_has_bias(s.has_bias);
-}
 
 // Points a repeated float field at `n` new zeroed elements and returns their storage.
 float* Grow(google::protobuf::RepeatedField<float>* field, int64_t n) {
@@ -61,8 +44,8 @@ grpc::Status LceService::GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequ
   if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
   absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
   if (!head.ok()) return ToGrpcStatus(head.status());
-  Describe(**head, resp->mutable_head());
-  for (const auto& h : heads_->List()) Describe(*h, resp->add_heads());
+  DescribeHead(**head, resp->mutable_head());
+  for (const auto& h : heads_->List()) DescribeHead(*h, resp->add_heads());
   resp->set_backend(std::string((*head)->engine->backend()));
   resp->set_tp_size(config_.tp_size);
   resp->set_max_message_bytes(config_.max_message_bytes);
@@ -82,6 +65,11 @@ grpc::Status LceService::ForwardBackward(grpc::ServerContext* ctx,
 grpc::Status LceService::Backward(grpc::ServerContext* ctx,
                                   grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
   return RunStream(RpcKind::kBackward, ctx, stream);
+}
+
+grpc::Status LceService::PolicyLoss(grpc::ServerContext* ctx,
+                                    grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
+  return RunStream(RpcKind::kPolicyLoss, ctx, stream);
 }
 
 grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
@@ -104,15 +92,24 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   }
   absl::StatusOr<RequestPlan> plan = validator.ValidateHeader(msg.header());
   if (!plan.ok()) return ToGrpcStatus(plan.status());
+  if (plan->accumulate_weight_grad && config_.tp_size > 1) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                        "accumulate_weight_grad on a tensor-parallel group is not supported yet");
+  }
   LceEngine& engine = *plan->head->engine;
   const HeadShape& shape = engine.shape();
   const bool is_fb = rpc == RpcKind::kForwardBackward;
   const bool is_bw = rpc == RpcKind::kBackward;
+  const bool is_pl = rpc == RpcKind::kPolicyLoss;
   const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
+  const int64_t num_seq = static_cast<int64_t>(plan->sequence_valid_tokens.size());
 
   int64_t rows_seen = 0, valid_seen = 0, chunk_index = 0, bytes_seen = 0;
   double loss_sum = 0.0;
-  std::vector<float> loss_buf, grad_buf;
+  PolicyLossSums policy_sums;
+  std::vector<int64_t> seq_seen(static_cast<size_t>(num_seq), 0);
+  std::vector<float> loss_buf, grad_buf, lp_buf, ent_buf, u_buf, e_buf, w_buf;
+  std::unique_ptr<bool[]> valid_buf;
   v1::StreamResponse resp;
   while (stream->Read(&msg)) {
     if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
@@ -150,12 +147,40 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     }
     Upstream up;
     GradOutputs grads;
-    if (is_fb || is_bw) {
+    if (is_fb || is_bw || is_pl) {
       std::string* dh = out->mutable_d_hidden();
       dh->resize(static_cast<size_t>(n * row_bytes));
       grads.d_hidden = dh->data();
     }
-    if (is_fb) {
+    RowsView view{chunk.hidden().data(), chunk.targets().data(), n, MemorySpace::kHost};
+    absl::Status s;
+    if (is_pl) {
+      // Forward for logprob and entropy, the policy loss and its upstream gradients on the host,
+      // then the generic backward (which recomputes the logits tile by tile).
+      lp_buf.assign(n, 0.0f);
+      ent_buf.assign(n, 0.0f);
+      s = engine.Compute(view, plan->options, Upstream{}, {lp_buf.data(), ent_buf.data(), nullptr, nullptr}, {});
+      if (s.ok()) {
+        w_buf.assign(n, 0.0f);
+        valid_buf.reset(new bool[n]);
+        for (int64_t i = 0; i < n; ++i) {
+          const int32_t sid = chunk.sequence_ids_size() > 0 ? chunk.sequence_ids(static_cast<int>(i)) : 0;
+          valid_buf[i] = chunk.targets(static_cast<int>(i)) != plan->options.ignore_index;
+          if (!valid_buf[i]) continue;
+          ++seq_seen[sid];
+          w_buf[i] = AggregationWeight(plan->aggregation, plan->sequence_valid_tokens[sid], plan->total_valid_tokens, num_seq);
+        }
+        loss_buf.assign(n, 0.0f);
+        u_buf.assign(n, 0.0f);
+        e_buf.assign(n, 0.0f);
+        PolicyLossRows(n, plan->policy, lp_buf.data(), ent_buf.data(), chunk.old_logprobs().data(),
+                       chunk.advantages().data(), chunk.ref_logprobs_size() > 0 ? chunk.ref_logprobs().data() : nullptr,
+                       w_buf.data(), valid_buf.get(), loss_buf.data(), u_buf.data(), e_buf.data(), &policy_sums);
+        if (plan->want_logprobs) std::copy(lp_buf.begin(), lp_buf.end(), row_out.logprob);
+        if (plan->want_entropy) std::copy(ent_buf.begin(), ent_buf.end(), row_out.entropy);
+        up = Upstream{GradMode::kGeneric, nullptr, u_buf.data(), e_buf.data()};
+      }
+    } else if (is_fb) {
       up.mode = GradMode::kLoss;
       if (plan->reduction == v1::REDUCTION_NONE) {
         up.grad_loss = chunk.grad_loss_size() > 0 ? chunk.grad_loss().data() : nullptr;
@@ -169,13 +194,22 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       up.grad_logprob = chunk.grad_logprob_size() > 0 ? chunk.grad_logprob().data() : nullptr;
       up.grad_entropy = chunk.grad_entropy_size() > 0 ? chunk.grad_entropy().data() : nullptr;
     }
-    RowsView view{chunk.hidden().data(), chunk.targets().data(), n, MemorySpace::kHost};
-    absl::Status s = engine.Compute(view, plan->options, up, row_out, grads);
+    if (s.ok()) {
+      const RowOutputs second = is_pl ? RowOutputs{} : row_out;
+      if (plan->accumulate_weight_grad) {
+        HeadTrainingState& training = *plan->head->training;
+        std::lock_guard<std::mutex> lock(training.mu);
+        grads.d_weight = training.grad.data();
+        s = engine.Compute(view, plan->options, up, second, grads);
+      } else {
+        s = engine.Compute(view, plan->options, up, second, grads);
+      }
+    }
     if (!s.ok()) {
       return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("chunk ", chunk_index, " (rows ", rows_seen, "..",
                                                               rows_seen + n - 1, "): ", s.message())));
     }
-    if (is_fb) {
+    if (is_fb || is_pl) {
       for (float l : loss_buf) loss_sum += l;
       if (plan->want_loss) out->mutable_loss()->Add(loss_buf.begin(), loss_buf.end());
     }
@@ -188,19 +222,39 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   if (rows_seen == 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request has a header but no rows");
   }
-  if (is_fb) {
-    if (plan->reduction == v1::REDUCTION_MEAN && plan->declared_valid_tokens != valid_seen) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("header.num_valid_tokens declared ", plan->declared_valid_tokens,
-                                       " but the request has ", valid_seen,
-                                       " non-ignored rows; the returned d_hidden is wrong, discard it"));
+  if (is_fb && plan->reduction == v1::REDUCTION_MEAN && plan->declared_valid_tokens != valid_seen) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("header.num_valid_tokens declared ", plan->declared_valid_tokens,
+                                     " but the request has ", valid_seen,
+                                     " non-ignored rows; the returned d_hidden is wrong, discard it"));
+  }
+  if (is_pl) {
+    for (int64_t q = 0; q < num_seq; ++q) {
+      if (seq_seen[q] != plan->sequence_valid_tokens[q]) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("policy.sequence_valid_tokens[", q, "] declared ", plan->sequence_valid_tokens[q],
+                                         " but the request has ", seq_seen[q],
+                                         " non-ignored rows in that sequence; discard the returned d_hidden"));
+      }
     }
+  }
+  if (is_fb || is_pl) {
     resp.Clear();
     v1::RequestSummary* sum = resp.mutable_summary();
     sum->set_rows(rows_seen);
     sum->set_valid_tokens(valid_seen);
-    sum->set_loss(plan->reduction == v1::REDUCTION_MEAN ? (valid_seen > 0 ? loss_sum / valid_seen : 0.0) : loss_sum);
     sum->set_head_version(plan->head->version);
+    if (is_fb) {
+      sum->set_loss(plan->reduction == v1::REDUCTION_MEAN ? (valid_seen > 0 ? loss_sum / valid_seen : 0.0) : loss_sum);
+    } else {
+      const double t = std::max<int64_t>(policy_sums.tokens, 1);
+      sum->set_loss(policy_sums.loss);
+      sum->set_clip_fraction(policy_sums.clipped / t);
+      sum->set_approx_kl(policy_sums.approx_kl / t);
+      sum->set_mean_entropy(policy_sums.entropy / t);
+      sum->set_mean_ratio(policy_sums.ratio / t);
+      sum->set_mean_kl(policy_sums.kl / t);
+    }
     if (!stream->Write(resp)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }
   return grpc::Status::OK;

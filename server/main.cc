@@ -104,7 +104,7 @@ int main(int argc, char** argv) {
     served = front;
   }
   auto heads = std::make_shared<HeadStore>();
-  if (absl::Status s = heads->Put(flags->head_name, served); !s.ok()) return Fail(s);
+  if (auto put = heads->Put(flags->head_name, served, *weights); !put.ok()) return Fail(put.status());
 
   GrpcServerOptions options;
   options.address = absl::StrCat(flags->host, ":", flags->port);
@@ -117,6 +117,14 @@ int main(int argc, char** argv) {
   absl::StatusOr<RequestAuthenticator> auth = RequestAuthenticator::FromFiles(flags->auth_token_file, flags->admin_token_file);
   if (!auth.ok()) return Fail(auth.status());
   options.service.auth = *auth;
+  if (!tp) {
+    options.service.make_engine = [b = *backend, config](std::shared_ptr<const HeadWeights> w)
+        -> absl::StatusOr<std::shared_ptr<LceEngine>> {
+      absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(b, std::move(w), config);
+      if (!e.ok()) return e.status();
+      return std::shared_ptr<LceEngine>(std::move(*e));
+    };
+  }
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(heads, options);
   if (!server.ok()) return Fail(server.status());
   const int port = (*server)->port();

@@ -1,26 +1,16 @@
 #include "request_validator.h"
 
 #include "absl/strings/str_cat.h"
+#include "wire_types.h"
 
 namespace lce::server {
-namespace {
-
-absl::StatusOr<DType> FromWire(v1::DType d) {
-  switch (d) {
-    case v1::DTYPE_FLOAT32: return DType::kFloat32;
-    case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
-    case v1::DTYPE_FLOAT16: return DType::kFloat16;
-    default: return absl::InvalidArgumentError(absl::StrCat("header.dtype must be set (got ", d, ")"));
-  }
-}
-
-}  // namespace
 
 const char* RpcName(RpcKind rpc) {
   switch (rpc) {
     case RpcKind::kScore: return "Score";
     case RpcKind::kForwardBackward: return "ForwardBackward";
     case RpcKind::kBackward: return "Backward";
+    case RpcKind::kPolicyLoss: return "PolicyLoss";
   }
   return "?";
 }
@@ -42,7 +32,7 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
                                                    plan.head->name, "' has hidden size ", shape.hidden_size));
   }
   absl::StatusOr<DType> dtype = FromWire(h.dtype());
-  if (!dtype.ok()) return dtype.status();
+  if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat("header.", dtype.status().message()));
   if (*dtype != shape.dtype) {
     return absl::InvalidArgumentError(absl::StrCat("header.dtype is ", DTypeName(*dtype), " but head '",
                                                    plan.head->name, "' is ", DTypeName(shape.dtype),
@@ -54,6 +44,44 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
   o.ignore_index = h.has_ignore_index() ? h.ignore_index() : -100;
   o.allow_tf32 = h.allow_tf32();
   const bool is_fb = rpc_ == RpcKind::kForwardBackward;
+  const bool is_pl = rpc_ == RpcKind::kPolicyLoss;
+  if (h.has_policy() && !is_pl) return absl::InvalidArgumentError("header.policy applies to PolicyLoss only");
+  if (h.accumulate_weight_grad() && !is_fb && !is_pl) {
+    return absl::InvalidArgumentError("accumulate_weight_grad applies to ForwardBackward and PolicyLoss only");
+  }
+  plan.accumulate_weight_grad = h.accumulate_weight_grad();
+  if (is_pl) {
+    const v1::PolicyLossOptions& p = h.policy();
+    if (!(p.clip_low() > 0.0f && p.clip_low() < 1.0f) || !(p.clip_high() > 0.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat("policy.clip_low must be in (0, 1) and clip_high > 0, got ",
+                                                     p.clip_low(), ", ", p.clip_high()));
+    }
+    if (p.dual_clip() != 0.0f && !(p.dual_clip() > 1.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat("policy.dual_clip must be > 1 (or 0 = off), got ", p.dual_clip()));
+    }
+    if (p.kl_coef() < 0.0f || p.entropy_coef() < 0.0f) {
+      return absl::InvalidArgumentError("policy.kl_coef and policy.entropy_coef must be >= 0");
+    }
+    if (p.sequence_valid_tokens().empty()) {
+      return absl::InvalidArgumentError(
+          "policy.sequence_valid_tokens is required: the non-ignored token count of each sequence of the request "
+          "(one entry when every row is in sequence 0; the client libraries fill it in)");
+    }
+    plan.policy = {p.clip_low(), p.clip_high(), p.dual_clip(), p.entropy_coef(), p.kl_coef(),
+                   p.kl_estimator() == v1::KL_ESTIMATOR_K3 ? KlKind::kK3 : KlKind::kK1};
+    switch (p.aggregation()) {
+      case v1::AGGREGATION_UNSPECIFIED:
+      case v1::AGGREGATION_TOKEN_MEAN: plan.aggregation = AggregationKind::kTokenMean; break;
+      case v1::AGGREGATION_SEQ_MEAN_TOKEN_SUM: plan.aggregation = AggregationKind::kSeqMeanTokenSum; break;
+      case v1::AGGREGATION_SEQ_MEAN_TOKEN_MEAN: plan.aggregation = AggregationKind::kSeqMeanTokenMean; break;
+      default: return absl::InvalidArgumentError(absl::StrCat("unknown aggregation ", p.aggregation()));
+    }
+    for (int64_t n : p.sequence_valid_tokens()) {
+      if (n < 0) return absl::InvalidArgumentError("policy.sequence_valid_tokens must be >= 0");
+      plan.sequence_valid_tokens.push_back(n);
+      plan.total_valid_tokens += n;
+    }
+  }
   if (!is_fb && (h.label_smoothing() != 0.0f || h.z_loss() != 0.0f || h.reduction() != v1::REDUCTION_UNSPECIFIED ||
                  h.has_num_valid_tokens())) {
     return absl::InvalidArgumentError(absl::StrCat("reduction, label_smoothing, z_loss and num_valid_tokens ",
@@ -66,14 +94,14 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
   if (h.outputs().empty()) {
     plan.want_logprobs = rpc_ == RpcKind::kScore;
     plan.want_entropy = rpc_ == RpcKind::kScore;
-    plan.want_loss = is_fb;
+    plan.want_loss = is_fb || is_pl;
   }
   for (int out : h.outputs()) {
     switch (out) {
       case v1::OUTPUT_LOGPROBS: plan.want_logprobs = true; break;
       case v1::OUTPUT_ENTROPY: plan.want_entropy = true; break;
       case v1::OUTPUT_LOSS:
-        if (!is_fb) return absl::InvalidArgumentError("OUTPUT_LOSS is a ForwardBackward output");
+        if (!is_fb && !is_pl) return absl::InvalidArgumentError("OUTPUT_LOSS is a ForwardBackward or PolicyLoss output");
         plan.want_loss = true;
         break;
       default: return absl::InvalidArgumentError(absl::StrCat("unknown output ", out));
@@ -140,6 +168,31 @@ absl::StatusOr<int64_t> StreamRequestValidator::ValidateChunk(const RequestPlan&
   if (absl::Status s = check_len(c.grad_entropy_size(), "grad_entropy", is_bw); !s.ok()) return s;
   const bool loss_grads = rpc_ == RpcKind::kForwardBackward && plan.reduction == v1::REDUCTION_NONE;
   if (absl::Status s = check_len(c.grad_loss_size(), "grad_loss", loss_grads); !s.ok()) return s;
+  const bool is_pl = rpc_ == RpcKind::kPolicyLoss;
+  if (absl::Status s = check_len(c.old_logprobs_size(), "old_logprobs", is_pl); !s.ok()) return s;
+  if (absl::Status s = check_len(c.advantages_size(), "advantages", is_pl); !s.ok()) return s;
+  if (absl::Status s = check_len(c.ref_logprobs_size(), "ref_logprobs", is_pl); !s.ok()) return s;
+  if (absl::Status s = check_len(c.sequence_ids_size(), "sequence_ids", is_pl); !s.ok()) return s;
+  if (is_pl) {
+    if (c.old_logprobs_size() == 0 || c.advantages_size() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "PolicyLoss needs old_logprobs and advantages for every row"));
+    }
+    if (plan.policy.kl_coef > 0.0f && c.ref_logprobs_size() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "policy.kl_coef > 0 needs ref_logprobs for every row"));
+    }
+    const int64_t num_seq = static_cast<int64_t>(plan.sequence_valid_tokens.size());
+    for (int64_t i = 0; i < c.sequence_ids_size(); ++i) {
+      const int32_t sid = c.sequence_ids(static_cast<int>(i));
+      if (sid < 0 || sid >= num_seq) {
+        return absl::InvalidArgumentError(absl::StrCat(where, "row ", first_row + i, ": sequence id ", sid,
+                                                       " is outside [0, ", num_seq, ")"));
+      }
+    }
+    if (c.sequence_ids_size() == 0 && num_seq != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "sequence_ids are required when the request declares ",
+                                                     num_seq, " sequences"));
+    }
+  }
   return rows;
 }
 

@@ -10,11 +10,12 @@
 #include "absl/status/statusor.h"
 #include "head_store.h"
 #include "lce/engine.h"
+#include "lce/training.h"
 #include "lce/v1/lce.pb.h"
 
 namespace lce::server {
 
-enum class RpcKind { kScore, kForwardBackward, kBackward };
+enum class RpcKind { kScore, kForwardBackward, kBackward, kPolicyLoss };
 const char* RpcName(RpcKind rpc);
 
 struct RequestLimits {
@@ -30,6 +31,12 @@ struct RequestPlan {
   bool want_loss = false;
   v1::Reduction reduction = v1::REDUCTION_MEAN;  // ForwardBackward
   int64_t declared_valid_tokens = -1;            // REDUCTION_MEAN
+  bool accumulate_weight_grad = false;           // ForwardBackward, PolicyLoss
+  // PolicyLoss
+  PolicyLossConfig policy;
+  AggregationKind aggregation = AggregationKind::kTokenMean;
+  std::vector<int64_t> sequence_valid_tokens;  // declared, per sequence
+  int64_t total_valid_tokens = 0;              // their sum
 };
 
 class StreamRequestValidator {

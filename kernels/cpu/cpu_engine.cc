@@ -38,42 +38,6 @@ struct RowFinal {
   float max;
 };
 
-void ConvertToFloat(const void* src, DType dtype, int64_t n, float* dst) {
-  switch (dtype) {
-    case DType::kFloat32:
-      std::copy_n(static_cast<const float*>(src), n, dst);
-      return;
-    case DType::kBFloat16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(s[i]);
-      return;
-    }
-    case DType::kFloat16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < n; ++i) dst[i] = Fp16ToFloat(s[i]);
-      return;
-    }
-  }
-}
-
-void ConvertFromFloat(const float* src, int64_t n, DType dtype, void* dst) {
-  switch (dtype) {
-    case DType::kFloat32:
-      std::copy_n(src, n, static_cast<float*>(dst));
-      return;
-    case DType::kBFloat16: {
-      auto* d = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = FloatToBf16(src[i]);
-      return;
-    }
-    case DType::kFloat16: {
-      auto* d = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = FloatToFp16(src[i]);
-      return;
-    }
-  }
-}
-
 class CpuEngine final : public LceEngine {
  public:
   CpuEngine(std::shared_ptr<const HeadWeights> weights, const EngineConfig& config)

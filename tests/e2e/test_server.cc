@@ -23,12 +23,17 @@ std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes) {
     EXPECT_TRUE(e.ok()) << e.status();
     std::shared_ptr<LceEngine> engine = std::move(*e);
     (dtype == DType::kBFloat16 ? ts->bf16_engine : ts->fp32_engine) = engine;
-    EXPECT_TRUE(ts->heads->Put(dtype == DType::kBFloat16 ? "default" : "wide", engine).ok());
+    EXPECT_TRUE(ts->heads->Put(dtype == DType::kBFloat16 ? "default" : "wide", engine, *w).ok());
   }
   server::GrpcServerOptions options;
   options.address = "127.0.0.1:0";
   options.service.max_message_bytes = max_message_bytes;
   options.service.limits.max_rows_per_request = 100000;
+  options.service.make_engine = [](std::shared_ptr<const HeadWeights> w) -> absl::StatusOr<std::shared_ptr<LceEngine>> {
+    absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(Backend::kCpu, std::move(w), EngineConfig{});
+    if (!e.ok()) return e.status();
+    return std::shared_ptr<LceEngine>(std::move(*e));
+  };
   auto server = server::GrpcServer::Start(ts->heads, options);
   EXPECT_TRUE(server.ok()) << server.status();
   ts->server = std::move(*server);

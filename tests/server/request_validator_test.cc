@@ -15,7 +15,7 @@ class ValidatorTest : public ::testing::Test {
     ASSERT_TRUE(w.ok());
     auto e = CreateEngine(Backend::kCpu, *w, EngineConfig{});
     ASSERT_TRUE(e.ok());
-    ASSERT_TRUE(heads_.Put("policy", std::move(*e)).ok());
+    ASSERT_TRUE(heads_.Put("policy", std::move(*e), *w).ok());
   }
   v1::RequestHeader Header() const {
     v1::RequestHeader h;

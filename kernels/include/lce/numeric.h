@@ -3,7 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+
+#include "lce/head.h"
 
 namespace lce {
 
@@ -67,6 +70,34 @@ inline uint16_t FloatToFp16(float f) {
   uint32_t v = abs - 0x38000000u;                        // rebias exponent 127 -> 15
   v += 0xfffu + ((v >> 13) & 1u);
   return sign | static_cast<uint16_t>(v >> 13);
+}
+
+// n elements of `dtype` at src -> fp32.
+inline void ConvertToFloat(const void* src, DType dtype, int64_t n, float* dst) {
+  if (dtype == DType::kFloat32) {
+    std::copy_n(static_cast<const float*>(src), n, dst);
+    return;
+  }
+  const auto* s = static_cast<const uint16_t*>(src);
+  if (dtype == DType::kBFloat16) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(s[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = Fp16ToFloat(s[i]);
+  }
+}
+
+// n fp32 values -> `dtype` at dst, rounding to nearest even.
+inline void ConvertFromFloat(const float* src, int64_t n, DType dtype, void* dst) {
+  if (dtype == DType::kFloat32) {
+    std::copy_n(src, n, static_cast<float*>(dst));
+    return;
+  }
+  auto* d = static_cast<uint16_t*>(dst);
+  if (dtype == DType::kBFloat16) {
+    for (int64_t i = 0; i < n; ++i) d[i] = FloatToBf16(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) d[i] = FloatToFp16(src[i]);
+  }
 }
 
 }  // namespace lce
