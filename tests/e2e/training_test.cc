@@ -1,0 +1,247 @@
+// Training RPCs end to end (CPU engine, raw stubs): accumulated dW equals the engine's, AdamW steps
+// equal the host AdamW on the same gradient, versions pin, weight updates are atomic for readers,
+// and SaveHead -> LoadHead gives the same answers.
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <thread>
+
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "lce/numeric.h"
+#include "lce/training.h"
+#include "test_server.h"
+
+namespace lce::e2e {
+namespace {
+
+using Stream = grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>;
+
+class Training : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ts_ = StartTestServer();
+    stub_ = RawStub(ts_->target);
+  }
+
+  // Runs a streamed RPC with one chunk; returns the status and fills the responses.
+  grpc::Status RunOne(const std::string& rpc, const v1::RequestHeader& h, const Batch& b,
+                      std::vector<v1::StreamResponse>* out) {
+    grpc::ClientContext ctx;
+    std::unique_ptr<Stream> s = rpc == "score" ? stub_->Score(&ctx) : stub_->ForwardBackward(&ctx);
+    v1::StreamRequest m;
+    *m.mutable_header() = h;
+    s->Write(m);
+    m.Clear();
+    m.mutable_chunk()->set_hidden(b.hidden.data(), b.hidden.size());
+    for (int32_t y : b.targets) m.mutable_chunk()->add_targets(y);
+    s->Write(m);
+    s->WritesDone();
+    v1::StreamResponse r;
+    while (s->Read(&r)) out->push_back(r);
+    return s->Finish();
+  }
+  std::vector<float> Score(const Batch& b, const std::string& head = "wide", int64_t version = 0, grpc::Status* st = nullptr) {
+    v1::RequestHeader h;
+    h.set_head(head);
+    h.set_hidden_size(kHidden);
+    h.set_dtype(b.dtype);
+    h.set_head_version(version);
+    std::vector<v1::StreamResponse> out;
+    grpc::Status s = RunOne("score", h, b, &out);
+    if (st != nullptr) *st = s;
+    if (!s.ok()) return {};
+    EXPECT_EQ(out.size(), 1u);
+    return {out[0].chunk().logprobs().begin(), out[0].chunk().logprobs().end()};
+  }
+  std::vector<float> GetGrad(const std::string& head) {
+    grpc::ClientContext ctx;
+    v1::GetGradRequest req;
+    req.set_head(head);
+    auto reader = stub_->GetGrad(&ctx, req);
+    std::vector<float> g;
+    v1::TensorChunk c;
+    while (reader->Read(&c)) {
+      EXPECT_EQ(c.first_row() * kHidden, static_cast<int64_t>(g.size()));
+      const float* p = reinterpret_cast<const float*>(c.data().data());
+      g.insert(g.end(), p, p + c.rows() * c.cols());
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    return g;
+  }
+  // The fp32 "wide" head's weight, as the test server made it.
+  std::vector<float> WideWeight() const {
+    const ServedHead& h = **ts_->heads->Get("wide");
+    const float* p = reinterpret_cast<const float*>(h.weights->weight.data());
+    return {p, p + kVocab * kHidden};
+  }
+  std::vector<float> EngineScore(const std::vector<float>& weight, const Batch& b) {
+    auto w = std::make_shared<HeadWeights>();
+    w->shape = {kVocab, kHidden, DType::kFloat32, 0, kVocab, false};
+    w->weight.resize(weight.size() * 4);
+    std::memcpy(w->weight.data(), weight.data(), w->weight.size());
+    auto e = CreateEngine(Backend::kCpu, w, EngineConfig{});
+    EXPECT_TRUE(e.ok());
+    std::vector<float> lp(b.rows);
+    RowsView rows{b.hidden.data(), b.targets.data(), b.rows, MemorySpace::kHost};
+    EXPECT_TRUE((*e)->Compute(rows, LceOptions{}, {}, {lp.data(), nullptr, nullptr, nullptr}, {}).ok());
+    return lp;
+  }
+
+  std::unique_ptr<TestServer> ts_;
+  std::unique_ptr<v1::LceService::Stub> stub_;
+};
+
+void ExpectNear(const std::vector<float>& a, const std::vector<float>& b, double tol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], tol * std::max(1.0f, std::abs(b[i]))) << i;
+}
+
+TEST_F(Training, AccumulatedGradientEqualsEngineAndAdamWStepsMatch) {
+  Batch b = MakeBatch(120, v1::DTYPE_FLOAT32, 41);
+  v1::RequestHeader h;
+  h.set_head("wide");
+  h.set_hidden_size(kHidden);
+  h.set_dtype(v1::DTYPE_FLOAT32);
+  h.set_reduction(v1::REDUCTION_SUM);
+  h.set_accumulate_weight_grad(true);
+  std::vector<v1::StreamResponse> out;
+  // Two requests accumulate: the buffer holds twice one request's dW.
+  ASSERT_TRUE(RunOne("fb", h, b, &out).ok());
+  ASSERT_TRUE(RunOne("fb", h, b, &out).ok());
+  std::vector<float> want(kVocab * kHidden, 0.0f);
+  {
+    RowsView rows{b.hidden.data(), b.targets.data(), b.rows, MemorySpace::kHost};
+    Upstream up{GradMode::kLoss, nullptr, nullptr, nullptr};
+    ASSERT_TRUE(ts_->fp32_engine->Compute(rows, LceOptions{}, up, {}, {nullptr, want.data()}).ok());
+    ASSERT_TRUE(ts_->fp32_engine->Compute(rows, LceOptions{}, up, {}, {nullptr, want.data()}).ok());
+  }
+  std::vector<float> got = GetGrad("wide");
+  ExpectNear(got, want, 1e-5);
+
+  // Two AdamW steps with clipping, against AdamWStep on the same gradient.
+  std::vector<float> master = WideWeight(), m(master.size(), 0.0f), v(master.size(), 0.0f);
+  for (int step = 1; step <= 2; ++step) {
+    grpc::ClientContext ctx;
+    v1::OptimizerStepRequest req;
+    req.set_head("wide");
+    req.set_lr(1e-2f);
+    req.set_weight_decay(0.01f);
+    req.set_max_grad_norm(0.5f);
+    v1::OptimizerStepResponse resp;
+    ASSERT_TRUE(stub_->OptimizerStep(&ctx, req, &resp).ok());
+    const double norm = std::sqrt(SquaredNorm(got.data(), static_cast<int64_t>(got.size())));
+    EXPECT_NEAR(resp.grad_norm(), norm, 1e-6 * norm);
+    EXPECT_EQ(resp.head().version(), 1 + step);
+    EXPECT_EQ(resp.step(), step);
+    AdamWParams p;
+    p.lr = 1e-2f;
+    p.weight_decay = 0.01f;
+    const float scale = norm > 0.5 ? static_cast<float>(0.5 / (norm + 1e-6)) : 1.0f;
+    AdamWStep(master.data(), m.data(), v.data(), got.data(), static_cast<int64_t>(master.size()), p, step, scale);
+  }
+  ExpectNear(Score(b), EngineScore(master, b), 1e-5);
+
+  // Version pinning: the old version is gone.
+  grpc::Status st;
+  Score(b, "wide", 1, &st);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << st.error_message();
+  EXPECT_TRUE(Score(b, "wide", 3, &st).size() == 120u && st.ok());
+
+  grpc::ClientContext zctx;
+  v1::ZeroGradRequest zreq;
+  zreq.set_head("wide");
+  v1::ZeroGradResponse zresp;
+  ASSERT_TRUE(stub_->ZeroGrad(&zctx, zreq, &zresp).ok());
+  for (float g : GetGrad("wide")) ASSERT_EQ(g, 0.0f);
+}
+
+grpc::Status Update(v1::LceService::Stub& stub, const std::vector<float>& w, int64_t expected, v1::HeadDescription* out) {
+  grpc::ClientContext ctx;
+  auto writer = stub.UpdateWeights(&ctx, out);
+  v1::UpdateWeightsRequest m;
+  m.mutable_header()->set_head("wide");
+  m.mutable_header()->set_expected_version(expected);
+  writer->Write(m);
+  for (int64_t r0 = 0; r0 < kVocab; r0 += 1000) {
+    const int64_t n = std::min<int64_t>(1000, kVocab - r0);
+    m.Clear();
+    v1::TensorChunk* c = m.mutable_chunk();
+    c->set_first_row(r0);
+    c->set_rows(n);
+    c->set_cols(kHidden);
+    c->set_rows_total(kVocab);
+    c->set_dtype(v1::DTYPE_FLOAT32);
+    c->set_data(reinterpret_cast<const char*>(w.data() + r0 * kHidden), n * kHidden * 4);
+    writer->Write(m);
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+TEST_F(Training, UpdateWeightsIsAtomicForConcurrentReaders) {
+  Batch b = MakeBatch(64, v1::DTYPE_FLOAT32, 42);
+  std::vector<float> w1 = WideWeight(), w2 = w1;
+  for (float& x : w2) x = -x;
+  const std::vector<float> a1 = EngineScore(w1, b), a2 = EngineScore(w2, b);
+  v1::HeadDescription d;
+  EXPECT_EQ(Update(*stub_, w2, /*expected=*/5, &d).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  std::atomic<bool> stop{false};
+  std::atomic<int> mixed{0}, reads{0};
+  std::thread reader([&] {
+    while (!stop) {
+      std::vector<float> lp = Score(b);
+      if (lp.empty()) continue;
+      ++reads;
+      bool is1 = true, is2 = true;
+      for (size_t i = 0; i < lp.size(); ++i) {
+        is1 = is1 && std::abs(lp[i] - a1[i]) <= 1e-5f * std::max(1.0f, std::abs(a1[i]));
+        is2 = is2 && std::abs(lp[i] - a2[i]) <= 1e-5f * std::max(1.0f, std::abs(a2[i]));
+      }
+      if (!is1 && !is2) ++mixed;
+    }
+  });
+  for (int i = 0; i < 10; ++i) {
+    ASSERT_TRUE(Update(*stub_, i % 2 == 0 ? w2 : w1, 0, &d).ok());
+    EXPECT_EQ(d.version(), 2 + i);
+  }
+  stop = true;
+  reader.join();
+  EXPECT_GT(reads.load(), 0);
+  EXPECT_EQ(mixed.load(), 0) << "a request saw a head that was neither version";
+  ExpectNear(Score(b), a1, 1e-5);  // the last update (i = 9) wrote w1
+}
+
+TEST_F(Training, SaveHeadThenLoadHeadGivesTheSameAnswers) {
+  Batch b = MakeBatch(50, v1::DTYPE_BFLOAT16, 43);
+  const std::string dir = (std::filesystem::temp_directory_path() / ("lce_save_" + std::to_string(::getpid()))).string();
+  grpc::ClientContext ctx;
+  v1::SaveHeadRequest req;
+  req.set_head("default");
+  req.set_directory(dir);
+  v1::SaveHeadResponse resp;
+  ASSERT_TRUE(stub_->SaveHead(&ctx, req, &resp).ok());
+  ASSERT_EQ(resp.files_size(), 1);
+  grpc::ClientContext lctx;
+  v1::LoadHeadRequest load;
+  load.set_name("restored");
+  load.set_safetensors_file(resp.index_file());
+  v1::HeadDescription desc;
+  grpc::Status s = stub_->LoadHead(&lctx, load, &desc);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(desc.vocab_size(), kVocab);
+  EXPECT_EQ(desc.version(), 1);
+  const std::vector<float> a = Score(b, "default"), c = Score(b, "restored");
+  ASSERT_EQ(a.size(), 50u);
+  EXPECT_EQ(a, c);
+  // A single shard file is an ordinary safetensors file too.
+  grpc::ClientContext l2;
+  load.set_name("restored2");
+  load.set_safetensors_file(resp.files(0));
+  ASSERT_TRUE(stub_->LoadHead(&l2, load, &desc).ok());
+  EXPECT_EQ(Score(b, "restored2"), a);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace lce::e2e
