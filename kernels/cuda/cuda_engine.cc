@@ -1,0 +1,520 @@
+// CUDA backend of the LCE engine (docs/MATH.md).
+//
+// Rows are processed in blocks of R rows, R as large as EngineConfig.workspace_bytes allows. For one
+// row block:
+//   forward   for each vocabulary tile of kTile columns: one cuBLAS GEMM writes the fp32 logit tile
+//             [R, tile]; TileStats reduces it to per-(row, 4096-column segment) softmax partials and,
+//             when a gradient is wanted, keeps z − m_segment in a compact [R, V_shard] buffer (fp16
+//             for 16-bit heads, fp32 for fp32 heads). MergeSegments folds the partials per row; under
+//             tensor parallelism two all-reduces (max, then sum of the rescaled partials) make them
+//             global; FinalizeRows writes logprob/entropy/lse/loss and the backward coefficients.
+//   backward  WriteGrad turns the compact buffer into dL/da in the head dtype in place; then ONE GEMM
+//             d_hidden = dA[R, V_shard] · W (fp32 out, all-reduced across ranks, converted) and ONE
+//             GEMM dW += dAᵀ · h (fp32, accumulated into the caller's buffer).
+// So a train step costs three GEMMs of N·H·V_shard (the floor) plus elementwise passes.
+#include "cuda/cuda_engine.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/cuda_check.h"
+#include "cuda/kernels.h"
+
+namespace lce::cuda {
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+constexpr int64_t kCublasWorkspace = 32 * kMiB;
+constexpr int64_t kHostDwSlabBytes = 64 * kMiB;
+constexpr int64_t kMaxRowsPerBlock = 32768;  // grid.y limit is 65535
+
+int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+int64_t EnvInt(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  return std::strtoll(v, nullptr, 10);
+}
+
+cudaDataType_t CudaType(DType d) {
+  switch (d) {
+    case DType::kBFloat16: return CUDA_R_16BF;
+    case DType::kFloat16: return CUDA_R_16F;
+    case DType::kFloat32: break;
+  }
+  return CUDA_R_32F;
+}
+
+// Bytes of device memory owned by cudaMalloc / cudaMallocHost.
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  ~DeviceMemory() { Reset(); }
+  absl::Status Allocate(int64_t bytes) {
+    Reset();
+    if (bytes <= 0) return absl::OkStatus();
+    LCE_CUDA_CHECK(cudaMalloc(&ptr_, static_cast<size_t>(bytes)));
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  void Reset() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  uint8_t* get() const { return static_cast<uint8_t*>(ptr_); }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+class PinnedMemory {
+ public:
+  PinnedMemory() = default;
+  PinnedMemory(const PinnedMemory&) = delete;
+  PinnedMemory& operator=(const PinnedMemory&) = delete;
+  ~PinnedMemory() { Reset(); }
+  absl::Status Ensure(int64_t bytes) {
+    if (bytes <= bytes_) return absl::OkStatus();
+    Reset();
+    LCE_CUDA_CHECK(cudaMallocHost(&ptr_, static_cast<size_t>(bytes)));
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  void Reset() {
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  uint8_t* get() const { return static_cast<uint8_t*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+// Carves aligned pieces out of one allocation.
+class Carver {
+ public:
+  explicit Carver(uint8_t* base) : base_(base) {}
+  template <typename T>
+  T* Take(int64_t count) {
+    off_ = RoundUp(off_, 256);
+    T* p = reinterpret_cast<T*>(base_ == nullptr ? nullptr : base_ + off_);
+    off_ += count * static_cast<int64_t>(sizeof(T));
+    return p;
+  }
+  int64_t used() const { return RoundUp(off_, 256); }
+
+ private:
+  uint8_t* base_;
+  int64_t off_ = 0;
+};
+
+// Scratch of one row block of R rows.
+struct Scratch {
+  void* cublas_ws = nullptr;
+  float* logits = nullptr;        // [R, ldz] fp32 logit tile
+  void* store = nullptr;          // [R, lds] compact z − m_seg, then dA (backward only)
+  float* part = nullptr;          // [R, nseg, 4]
+  float* packed = nullptr;        // [R, 4]
+  float* m_local = nullptr;       // [R]
+  float* m = nullptr;             // [R]
+  float* info = nullptr;          // [R, kRowInfo]
+  float* dh = nullptr;            // [R, H] fp32 (backward only)
+  unsigned long long* bad = nullptr;  // [1]
+  // kHost staging on the device.
+  void* hidden = nullptr;         // [R, H] head dtype
+  int32_t* targets = nullptr;     // [R]
+  float* up[3] = {nullptr, nullptr, nullptr};   // grad_loss, grad_logprob, grad_entropy [R]
+  float* out[4] = {nullptr, nullptr, nullptr, nullptr};  // logprob, entropy, lse, loss [R]
+  void* d_hidden = nullptr;       // [R, H] head dtype
+  float* dw_slab = nullptr;       // [slab_rows, H] fp32 (kHost with d_weight)
+};
+
+struct Layout {
+  bool backward = false;
+  bool host = false;
+  bool host_dw = false;
+};
+
+class CudaEngine final : public LceEngine {
+ public:
+  CudaEngine(std::shared_ptr<const HeadWeights> weights, const EngineConfig& config)
+      : weights_(std::move(weights)), shape_(weights_->shape), config_(config) {}
+
+  ~CudaEngine() override {
+    cudaSetDevice(config_.device);
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    workspace_.Reset();
+    weight_.Reset();
+    bias_.Reset();
+    if (cublas_ != nullptr) cublasDestroy(cublas_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Init() {
+    int count = 0;
+    LCE_CUDA_CHECK(cudaGetDeviceCount(&count));
+    if (config_.device < 0 || config_.device >= count) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("CUDA device ", config_.device, " does not exist (", count, " visible)"));
+    }
+    LCE_CUDA_CHECK(cudaSetDevice(config_.device));
+    LCE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    LCE_CUDA_CHECK(cublasCreate(&cublas_));
+    LCE_CUDA_CHECK(cublasSetStream(cublas_, stream_));
+    LCE_CUDA_CHECK(cublasSetPointerMode(cublas_, CUBLAS_POINTER_MODE_HOST));
+    LCE_CUDA_CHECK(weight_.Allocate(static_cast<int64_t>(weights_->weight.size())));
+    LCE_CUDA_CHECK(cudaMemcpy(weight_.get(), weights_->weight.data(), weights_->weight.size(),
+                              cudaMemcpyHostToDevice));
+    if (shape_.has_bias) {
+      LCE_CUDA_CHECK(bias_.Allocate(static_cast<int64_t>(weights_->bias.size() * sizeof(float))));
+      LCE_CUDA_CHECK(cudaMemcpy(bias_.get(), weights_->bias.data(), weights_->bias.size() * sizeof(float),
+                                cudaMemcpyHostToDevice));
+    }
+    tile_ = RoundUp(std::max<int64_t>(EnvInt("LCE_CUDA_VOCAB_TILE", 8192), kSegment), kSegment);
+    tile_ = std::min(tile_, RoundUp(shape_.shard_rows, kSegment));
+    ldz_ = RoundUp(std::min(tile_, shape_.shard_rows), 4);
+    lds_ = RoundUp(shape_.shard_rows, 8);
+    nseg_ = (shape_.shard_rows + kSegment - 1) / kSegment;
+    // The smallest block must fit the budget.
+    if (Bytes({true, true, true}, 1) > config_.workspace_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("workspace_bytes ", config_.workspace_bytes,
+                                                     " is too small for one row of this head (needs ",
+                                                     Bytes({true, true, true}, 1), ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  std::string_view backend() const override { return "cuda"; }
+  const HeadShape& shape() const override { return shape_; }
+
+  absl::Status Compute(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
+                       const RowOutputs& outputs, const GradOutputs& grads) override;
+
+ private:
+  // Lays out the scratch of R rows (base null: only counts); returns the bytes.
+  int64_t Carve(const Layout& l, int64_t R, uint8_t* base, Scratch* s) const {
+    const int64_t H = shape_.hidden_size;
+    const int64_t esz = DTypeSize(shape_.dtype);
+    Carver c(base);
+    s->cublas_ws = c.Take<uint8_t>(kCublasWorkspace);
+    s->logits = c.Take<float>(R * ldz_);
+    s->part = c.Take<float>(R * nseg_ * 4);
+    s->packed = c.Take<float>(R * kPacked);
+    s->m_local = c.Take<float>(R);
+    s->m = c.Take<float>(R);
+    s->info = c.Take<float>(R * kRowInfo);
+    s->bad = c.Take<unsigned long long>(1);
+    if (l.backward) {
+      s->store = c.Take<uint8_t>(R * lds_ * (shape_.dtype == DType::kFloat32 ? 4 : 2));
+      s->dh = c.Take<float>(R * H);
+    }
+    if (l.host) {
+      s->hidden = c.Take<uint8_t>(R * H * esz);
+      s->targets = c.Take<int32_t>(R);
+      for (float*& p : s->up) p = c.Take<float>(R);
+      for (float*& p : s->out) p = c.Take<float>(R);
+      if (l.backward) s->d_hidden = c.Take<uint8_t>(R * H * esz);
+    }
+    if (l.host_dw) s->dw_slab = c.Take<float>(DwSlabRows() * H);
+    return c.used();
+  }
+  int64_t Bytes(const Layout& l, int64_t R) const {
+    Scratch s;
+    return Carve(l, R, nullptr, &s);
+  }
+  int64_t DwSlabRows() const {
+    return std::clamp<int64_t>(kHostDwSlabBytes / (shape_.hidden_size * 4), 1, shape_.shard_rows);
+  }
+  // Largest R that fits the budget (at least 1: Init checked), at most `want`.
+  int64_t RowsPerBlock(const Layout& l, int64_t want) const {
+    int64_t lo = 1, hi = std::min<int64_t>(want, kMaxRowsPerBlock);
+    if (const int64_t cap = EnvInt("LCE_CUDA_MAX_ROWS", 0); cap > 0) hi = std::min(hi, cap);
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (Bytes(l, mid) <= config_.workspace_bytes) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
+
+  absl::Status Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* A,
+                    cudaDataType_t at, int64_t lda, const void* B, cudaDataType_t bt, int64_t ldb, float beta,
+                    void* C, cudaDataType_t ct, int64_t ldc, bool tf32) {
+    const float alpha = 1.0f;
+    const cublasComputeType_t compute =
+        shape_.dtype == DType::kFloat32 ? (tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F)
+                                        : CUBLAS_COMPUTE_32F;
+    for (int64_t v : {m, n, k, lda, ldb, ldc}) {
+      if (v > INT_MAX) return absl::InvalidArgumentError("GEMM dimension exceeds int32");
+    }
+    LCE_CUDA_CHECK(cublasGemmEx(cublas_, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                                &alpha, A, at, static_cast<int>(lda), B, bt, static_cast<int>(ldb), &beta, C, ct,
+                                static_cast<int>(ldc), compute, CUBLAS_GEMM_DEFAULT));
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckCall(const RowsView& rows, const LceOptions& o, const Upstream& up) const;
+  absl::Status CheckTargets(const RowsView& rows, const LceOptions& o, Scratch& s);
+
+  std::shared_ptr<const HeadWeights> weights_;
+  HeadShape shape_;
+  EngineConfig config_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  DeviceMemory weight_, bias_, workspace_;
+  PinnedMemory pinned_;
+  int64_t tile_ = 0, ldz_ = 0, lds_ = 0, nseg_ = 0;
+  std::mutex mu_;
+};
+
+absl::Status CudaEngine::CheckCall(const RowsView& rows, const LceOptions& o, const Upstream& up) const {
+  if (absl::Status s = ValidateOptions(o); !s.ok()) return s;
+  if (rows.rows < 0) return absl::InvalidArgumentError("negative row count");
+  if (rows.rows > 0 && (rows.hidden == nullptr || rows.targets == nullptr)) {
+    return absl::InvalidArgumentError("hidden and targets must be given");
+  }
+  if (rows.space != MemorySpace::kHost && rows.space != MemorySpace::kDevice) {
+    return absl::InvalidArgumentError("unknown memory space");
+  }
+  if (up.mode != GradMode::kNone && up.mode != GradMode::kLoss && up.mode != GradMode::kGeneric) {
+    return absl::InvalidArgumentError("unknown gradient mode");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::CheckTargets(const RowsView& rows, const LceOptions& o, Scratch& s) {
+  const int64_t V = shape_.vocab_size;
+  auto bad_target = [&](int64_t i, int32_t y) {
+    return absl::InvalidArgumentError(absl::StrCat("row ", i, ": target ", y, " is outside [0, ", V,
+                                                   ") and is not ignore_index ", o.ignore_index));
+  };
+  if (rows.space == MemorySpace::kHost) {
+    for (int64_t i = 0; i < rows.rows; ++i) {
+      const int32_t y = rows.targets[i];
+      if (y != o.ignore_index && (y < 0 || y >= V)) return bad_target(i, y);
+    }
+    return absl::OkStatus();
+  }
+  LCE_CUDA_CHECK(cudaMemsetAsync(s.bad, 0xff, sizeof(unsigned long long), stream_));
+  LCE_CUDA_CHECK(LaunchCheckTargets(rows.targets, rows.rows, V, o.ignore_index, s.bad, stream_));
+  unsigned long long bad = 0;
+  LCE_CUDA_CHECK(cudaMemcpyAsync(&bad, s.bad, sizeof(bad), cudaMemcpyDeviceToHost, stream_));
+  LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (bad != ULLONG_MAX) {
+    int32_t y = 0;
+    LCE_CUDA_CHECK(cudaMemcpy(&y, rows.targets + bad, sizeof(y), cudaMemcpyDeviceToHost));
+    return bad_target(static_cast<int64_t>(bad), y);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, const Upstream& up,
+                                 const RowOutputs& out, const GradOutputs& grads) {
+  if (absl::Status s = CheckCall(rows, o, up); !s.ok()) return s;
+  if (rows.rows == 0) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu_);
+  LCE_CUDA_CHECK(cudaSetDevice(config_.device));
+
+  const int64_t N = rows.rows;
+  const int64_t H = shape_.hidden_size;
+  const int64_t Vs = shape_.shard_rows;
+  const int64_t esz = DTypeSize(shape_.dtype);
+  const bool host = rows.space == MemorySpace::kHost;
+  const bool want_grad = up.mode != GradMode::kNone;
+  const bool backward = want_grad && (grads.d_hidden != nullptr || grads.d_weight != nullptr);
+  const bool tp = config_.collectives != nullptr;
+  const bool fp32 = shape_.dtype == DType::kFloat32;
+  const bool tf32 = o.allow_tf32;
+  const cudaDataType_t dt = CudaType(shape_.dtype);
+  const Layout layout{backward, host, host && backward && grads.d_weight != nullptr};
+
+  // Row blocks of near-equal size.
+  const int64_t r_max = RowsPerBlock(layout, N);
+  const int64_t nblocks = (N + r_max - 1) / r_max;
+  const int64_t R = (N + nblocks - 1) / nblocks;
+  const int64_t need = Bytes(layout, R);
+  if (workspace_.bytes() < need) {
+    LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    LCE_CUDA_CHECK(workspace_.Allocate(need));
+  }
+  Scratch s;
+  Carve(layout, R, workspace_.get(), &s);
+  LCE_CUDA_CHECK(cublasSetWorkspace(cublas_, s.cublas_ws, kCublasWorkspace));
+  const int64_t bad_off = RoundUp(R * H * esz, 64);
+  if (host) LCE_CUDA_CHECK(pinned_.Ensure(bad_off + 64));
+  unsigned long long* bad_host = nullptr;
+  if (host) bad_host = reinterpret_cast<unsigned long long*>(pinned_.get() + bad_off);
+
+  if (absl::Status st = CheckTargets(rows, o, s); !st.ok()) return st;
+
+  const LogitTransform tf{shape_.has_bias ? reinterpret_cast<const float*>(bias_.get()) : nullptr, o.softcap,
+                          o.temperature};
+  const uint8_t* w = weight_.get();
+  for (int64_t r0 = 0; r0 < N; r0 += R) {
+    const int64_t nr = std::min(R, N - r0);
+    // Inputs of this block, on the device.
+    const void* h = static_cast<const uint8_t*>(rows.hidden) + r0 * H * esz;
+    const int32_t* y = rows.targets + r0;
+    const float* gl = up.grad_loss != nullptr ? up.grad_loss + r0 : nullptr;
+    const float* glp = up.grad_logprob != nullptr ? up.grad_logprob + r0 : nullptr;
+    const float* ge = up.grad_entropy != nullptr ? up.grad_entropy + r0 : nullptr;
+    float* o_logprob = out.logprob != nullptr ? out.logprob + r0 : nullptr;
+    float* o_entropy = out.entropy != nullptr ? out.entropy + r0 : nullptr;
+    float* o_lse = out.lse != nullptr ? out.lse + r0 : nullptr;
+    float* o_loss = out.loss != nullptr ? out.loss + r0 : nullptr;
+    if (host) {
+      // Pinned staging for the bulk input; the small per-row arrays go straight.
+      std::memcpy(pinned_.get(), h, static_cast<size_t>(nr * H * esz));
+      LCE_CUDA_CHECK(cudaMemcpyAsync(s.hidden, pinned_.get(), nr * H * esz, cudaMemcpyHostToDevice, stream_));
+      LCE_CUDA_CHECK(cudaMemcpyAsync(s.targets, y, nr * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+      const float* srcs[3] = {gl, glp, ge};
+      const float** dsts[3] = {&gl, &glp, &ge};
+      for (int k = 0; k < 3; ++k) {
+        if (srcs[k] == nullptr) continue;
+        LCE_CUDA_CHECK(cudaMemcpyAsync(s.up[k], srcs[k], nr * sizeof(float), cudaMemcpyHostToDevice, stream_));
+        *dsts[k] = s.up[k];
+      }
+      h = s.hidden;
+      y = s.targets;
+      o_logprob = o_logprob != nullptr ? s.out[0] : nullptr;
+      o_entropy = o_entropy != nullptr ? s.out[1] : nullptr;
+      o_lse = o_lse != nullptr ? s.out[2] : nullptr;
+      o_loss = o_loss != nullptr ? s.out[3] : nullptr;
+    }
+
+    // Forward: logit tiles -> segment partials (+ compact copy for the backward).
+    LCE_CUDA_CHECK(cudaMemsetAsync(s.packed, 0, nr * kPacked * sizeof(float), stream_));
+    for (int64_t v0 = 0; v0 < Vs; v0 += tile_) {
+      const int64_t nv = std::min(tile_, Vs - v0);
+      // logits[nr, nv] = h[nr, H] · W[v0:v0+nv, H]ᵀ   (column-major: [nv, nr] = Wᵀ · h)
+      LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, nv, nr, H, w + v0 * H * esz, dt, H, h, dt, H, 0.0f, s.logits,
+                          CUDA_R_32F, ldz_, tf32));
+      LCE_CUDA_CHECK(LaunchTileStats(s.logits, ldz_, nr, v0, nv, tf, y, o.ignore_index, shape_.vocab_begin, s.part,
+                                     nseg_, s.packed, backward ? s.store : nullptr, lds_, fp32, stream_));
+    }
+    LCE_CUDA_CHECK(LaunchMergeSegments(s.part, nseg_, nr, s.m_local, s.m, s.packed, stream_));
+    if (tp) {
+      LCE_CUDA_CHECK(config_.collectives->AllReduce(s.m, nr, ReduceOp::kMax, true, stream_));
+      LCE_CUDA_CHECK(LaunchRescalePartials(s.m_local, s.m, nr, s.packed, stream_));
+      LCE_CUDA_CHECK(config_.collectives->AllReduce(s.packed, nr * kPacked, ReduceOp::kSum, true, stream_));
+    }
+    FinalizeArgs fa;
+    fa.rows = nr;
+    fa.targets = y;
+    fa.ignore_index = o.ignore_index;
+    fa.vocab_size = shape_.vocab_size;
+    fa.label_smoothing = o.label_smoothing;
+    fa.z_loss = o.z_loss;
+    fa.grad = !backward ? GradKind::kNone : up.mode == GradMode::kLoss ? GradKind::kLoss : GradKind::kGeneric;
+    fa.grad_loss = gl;
+    fa.grad_logprob = glp;
+    fa.grad_entropy = ge;
+    fa.lse = o_lse;
+    fa.logprob = o_logprob;
+    fa.entropy = o_entropy;
+    fa.loss = o_loss;
+    LCE_CUDA_CHECK(cudaMemsetAsync(s.bad, 0xff, sizeof(unsigned long long), stream_));
+    LCE_CUDA_CHECK(LaunchFinalizeRows(fa, s.m, s.packed, s.info, s.bad, stream_));
+    unsigned long long bad = ULLONG_MAX;
+    LCE_CUDA_CHECK(cudaMemcpyAsync(host ? bad_host : &bad, s.bad, sizeof(bad), cudaMemcpyDeviceToHost, stream_));
+    if (host) {
+      float* dsts[4] = {out.logprob, out.entropy, out.lse, out.loss};
+      for (int k = 0; k < 4; ++k) {
+        if (dsts[k] == nullptr) continue;
+        LCE_CUDA_CHECK(cudaMemcpyAsync(dsts[k] + r0, s.out[k], nr * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+      }
+    }
+    // One sync per row block: a non-finite row must stop the call before it touches d_weight.
+    LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (host) bad = *bad_host;
+    if (bad != ULLONG_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "row ", r0 + static_cast<int64_t>(bad), ": non-finite logits (NaN or Inf in the hidden states, or overflow)"));
+    }
+    if (!backward) continue;
+
+    // Backward: dA in place, then the d_hidden and dW products over the whole shard.
+    LCE_CUDA_CHECK(LaunchWriteGrad(shape_.dtype, s.store, lds_, nr, Vs, s.part, nseg_, s.info, y, o.ignore_index,
+                                   shape_.vocab_begin, o.softcap, o.temperature, stream_));
+    if (grads.d_hidden != nullptr) {
+      // dh[nr, H] = dA[nr, Vs] · W[Vs, H]   (column-major: [H, nr] = W · dA)
+      LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F,
+                          H, tf32));
+      if (tp) LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
+      void* dst = host ? s.d_hidden : static_cast<uint8_t*>(grads.d_hidden) + r0 * H * esz;
+      LCE_CUDA_CHECK(LaunchFloatToDType(s.dh, shape_.dtype, dst, nr * H, stream_));
+      if (host) {
+        LCE_CUDA_CHECK(cudaMemcpyAsync(pinned_.get(), s.d_hidden, nr * H * esz, cudaMemcpyDeviceToHost, stream_));
+        LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        std::memcpy(static_cast<uint8_t*>(grads.d_hidden) + r0 * H * esz, pinned_.get(),
+                    static_cast<size_t>(nr * H * esz));
+      }
+    }
+    if (grads.d_weight != nullptr) {
+      // dW[Vs, H] += dA[nr, Vs]ᵀ · h[nr, H]   (column-major: [H, Vs] += h · dAᵀ)
+      if (!host) {
+        LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, Vs, nr, h, dt, H, s.store, dt, lds_, 1.0f,
+                            grads.d_weight, CUDA_R_32F, H, tf32));
+      } else {
+        const int64_t slab = DwSlabRows();
+        for (int64_t v0 = 0; v0 < Vs; v0 += slab) {
+          const int64_t nv = std::min(slab, Vs - v0);
+          float* host_dw = grads.d_weight + v0 * H;
+          LCE_CUDA_CHECK(cudaMemcpyAsync(s.dw_slab, host_dw, nv * H * sizeof(float), cudaMemcpyHostToDevice, stream_));
+          LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, nv, nr, h, dt, H,
+                              static_cast<uint8_t*>(s.store) + v0 * esz, dt, lds_, 1.0f, s.dw_slab, CUDA_R_32F, H,
+                              tf32));
+          LCE_CUDA_CHECK(cudaMemcpyAsync(host_dw, s.dw_slab, nv * H * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+          LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        }
+      }
+    }
+  }
+  LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool DeviceAvailable() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    return false;
+  }
+  return count > 0;
+}
+
+absl::StatusOr<std::unique_ptr<LceEngine>> CreateCudaEngine(std::shared_ptr<const HeadWeights> weights,
+                                                            const EngineConfig& config) {
+  if (weights == nullptr) return absl::InvalidArgumentError("no head weights");
+  if (config.collectives != nullptr) {
+    const VocabRange want = VocabShard(weights->shape.vocab_size, config.collectives->rank(),
+                                       config.collectives->world_size());
+    if (want.begin != weights->shape.vocab_begin || want.end != weights->shape.vocab_end()) {
+      return absl::InvalidArgumentError(absl::StrCat("head shard [", weights->shape.vocab_begin, ", ",
+                                                     weights->shape.vocab_end(), ") does not match rank ",
+                                                     config.collectives->rank(), "'s range [", want.begin, ", ",
+                                                     want.end, ")"));
+    }
+  }
+  if (!DeviceAvailable()) return absl::FailedPreconditionError("no CUDA device is visible");
+  auto engine = std::make_unique<CudaEngine>(std::move(weights), config);
+  if (absl::Status s = engine->Init(); !s.ok()) return s;
+  return std::unique_ptr<LceEngine>(std::move(engine));
+}
+
+}  // namespace lce::cuda

@@ -1,0 +1,92 @@
+// Host-side launchers of the CUDA backend's kernels (one kernel family per .cu file). Every launcher
+// checks its arguments' shapes on the host, launches on `stream`, checks the launch, and returns an
+// absl::Status. Pointers are device pointers unless said otherwise.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "lce/head.h"
+
+namespace lce::cuda {
+
+// Columns of one reduction segment: the softmax statistics are kept per (row, segment) and merged.
+inline constexpr int kSegment = 4096;
+
+// Per-row record kept between the forward and the backward (floats, kRowInfo per row):
+// global max m, lse, and the backward coefficients A, B, C, D of
+//   dL/dz_ij = A_i·p_ij + B_i·p_ij·(z_ij − m_i) − C_i·1[j = y_i] − D_i.
+inline constexpr int kRowInfo = 8;
+enum RowInfoSlot : int { kInfoMax = 0, kInfoLse = 1, kInfoA = 2, kInfoB = 3, kInfoC = 4, kInfoD = 5 };
+
+// Per-row packed partials summed across ranks: S, Q, Σz, z_y.
+inline constexpr int kPacked = 4;
+
+// a -> z: z = (softcap > 0 ? softcap·tanh(a/softcap) : a) · inv_temperature, a = logit + bias.
+struct LogitTransform {
+  const float* bias = nullptr;  // shard bias (indexed by shard column) or null
+  float softcap = 0.0f;
+  float temperature = 1.0f;
+};
+
+// tile_stats.cu. Reduces the fp32 logit tile `logits` [rows, nv] (leading dimension ldz, a multiple
+// of 4) holding shard columns [v0, v0 + nv) (v0 a multiple of kSegment) to per-(row, segment)
+// partials part[(r·nseg + v0/kSegment + s)·4 + {0,1,2,3}] = (m, S, Q, Σz) of z, writes z_y into
+// packed[r·kPacked + 3] for rows whose target lies in the tile, and, when `store` is not null, writes
+// z − m_segment into store[r·lds + v0 + c] as fp16 (store_fp32 false) or fp32 (store_fp32 true).
+absl::Status LaunchTileStats(const float* logits, int64_t ldz, int64_t rows, int64_t v0, int64_t nv,
+                             const LogitTransform& tf, const int32_t* targets, int32_t ignore_index,
+                             int64_t vocab_begin, float* part, int64_t nseg, float* packed, void* store,
+                             int64_t lds, bool store_fp32, cudaStream_t stream);
+
+// row_finalize.cu. Merges the nseg partials of each row: m_local[r] = m[r] = max, packed S, Q, Σz.
+absl::Status LaunchMergeSegments(const float* part, int64_t nseg, int64_t rows, float* m_local, float* m,
+                                 float* packed, cudaStream_t stream);
+
+// row_finalize.cu. Tensor parallel: after m holds the global max, rescales this rank's S and Q
+// (docs/MATH.md, "Vocab-parallel") so that a sum over ranks gives the global values.
+absl::Status LaunchRescalePartials(const float* m_local, const float* m, int64_t rows, float* packed,
+                                   cudaStream_t stream);
+
+enum class GradKind : int { kNone = 0, kLoss = 1, kGeneric = 2 };
+
+struct FinalizeArgs {
+  int64_t rows = 0;
+  const int32_t* targets = nullptr;
+  int32_t ignore_index = -100;
+  int64_t vocab_size = 0;  // global V
+  float label_smoothing = 0.0f;
+  float z_loss = 0.0f;
+  GradKind grad = GradKind::kNone;
+  const float* grad_loss = nullptr;      // [rows] or null (ones)
+  const float* grad_logprob = nullptr;   // [rows] or null (zeros)
+  const float* grad_entropy = nullptr;   // [rows] or null (zeros)
+  float* lse = nullptr;                  // outputs, [rows] each, null = not wanted
+  float* logprob = nullptr;
+  float* entropy = nullptr;
+  float* loss = nullptr;
+};
+
+// row_finalize.cu. Per-row outputs and backward coefficients from m and packed; rows whose lse or
+// Σz is not finite set *bad_row = min(*bad_row, r) (an unsigned long long the caller initialised).
+absl::Status LaunchFinalizeRows(const FinalizeArgs& args, const float* m, const float* packed,
+                                float* row_info, unsigned long long* bad_row, cudaStream_t stream);
+
+// write_grad.cu. Turns store (z − m_segment, fp16 for 16-bit heads, fp32 for fp32 heads) [rows, nv]
+// (leading dimension lds, a multiple of 8) into dL/da in the head's dtype, in place.
+absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows, int64_t nv,
+                             const float* part, int64_t nseg, const float* row_info,
+                             const int32_t* targets, int32_t ignore_index, int64_t vocab_begin,
+                             float softcap, float temperature, cudaStream_t stream);
+
+// convert.cu. dst[i] = (dtype) src[i] (round to nearest even) for n elements.
+absl::Status LaunchFloatToDType(const float* src, DType dtype, void* dst, int64_t n, cudaStream_t stream);
+
+// validate.cu. Finds the first row whose target is neither ignore_index nor in [0, vocab_size):
+// *bad_row = min(*bad_row, row) (initialised by the caller to ULLONG_MAX).
+absl::Status LaunchCheckTargets(const int32_t* targets, int64_t rows, int64_t vocab_size,
+                                int32_t ignore_index, unsigned long long* bad_row, cudaStream_t stream);
+
+}  // namespace lce::cuda

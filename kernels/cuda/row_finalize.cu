@@ -1,0 +1,137 @@
+// Per-row kernels between the forward tiles and the backward: merge the segment partials, rescale
+// them for the cross-rank sum (tensor parallel), and turn them into outputs and backward coefficients.
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/cuda_check.h"
+#include "cuda/kernels.h"
+
+namespace lce::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+
+__global__ void MergeSegmentsKernel(const float* __restrict__ part, int64_t nseg, int64_t rows,
+                                    float* __restrict__ m_local, float* __restrict__ m_out,
+                                    float* __restrict__ packed) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const float* p = part + r * nseg * 4;
+  float m = -INFINITY;
+  float sum_z = 0.0f;
+  for (int64_t s = 0; s < nseg; ++s) {
+    m = fmaxf(m, p[4 * s]);
+    sum_z += p[4 * s + 3];
+  }
+  float S = 0.0f, Q = 0.0f;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const float ms = p[4 * s], ss = p[4 * s + 1], qs = p[4 * s + 2];
+    const float d = ms - m;
+    const float scale = expf(d);
+    S += ss * scale;
+    Q += (qs + d * ss) * scale;
+  }
+  m_local[r] = m;
+  m_out[r] = m;
+  packed[r * kPacked + 0] = S;
+  packed[r * kPacked + 1] = Q;
+  packed[r * kPacked + 2] = sum_z;
+}
+
+__global__ void RescaleKernel(const float* __restrict__ m_local, const float* __restrict__ m, int64_t rows,
+                              float* __restrict__ packed) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  float* pk = packed + r * kPacked;
+  const float S = pk[0];
+  if (S > 0.0f) {
+    const float d = m_local[r] - m[r];
+    const float scale = expf(d);
+    pk[1] = (pk[1] + d * S) * scale;
+    pk[0] = S * scale;
+  } else {
+    pk[0] = 0.0f;
+    pk[1] = 0.0f;
+  }
+}
+
+__global__ void FinalizeKernel(FinalizeArgs a, const float* __restrict__ m, const float* __restrict__ packed,
+                               float* __restrict__ info, unsigned long long* bad_row) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= a.rows) return;
+  const float* pk = packed + r * kPacked;
+  const float S = pk[0], Q = pk[1], sum_z = pk[2], zy = pk[3];
+  const float mm = m[r];
+  const float log_s = logf(S);
+  const float lse = mm + log_s;
+  if (!isfinite(lse) || !isfinite(sum_z) || !isfinite(Q)) atomicMin(bad_row, static_cast<unsigned long long>(r));
+  const float mean_pz = Q / S;  // Σ p (z − m)
+  const int32_t y = a.targets[r];
+  const bool ignored = y == a.ignore_index;
+  const float logprob = ignored ? 0.0f : zy - lse;
+  const float eps = a.label_smoothing;
+  if (a.lse != nullptr) a.lse[r] = lse;
+  if (a.logprob != nullptr) a.logprob[r] = logprob;
+  if (a.entropy != nullptr) a.entropy[r] = log_s - mean_pz;
+  if (a.loss != nullptr) {
+    a.loss[r] = ignored ? 0.0f
+                        : -(1.0f - eps) * logprob + eps * (lse - sum_z / static_cast<float>(a.vocab_size)) +
+                              a.z_loss * lse * lse;
+  }
+  float A = 0.0f, B = 0.0f, C = 0.0f, D = 0.0f;
+  if (a.grad == GradKind::kLoss) {
+    if (!ignored) {
+      const float g = a.grad_loss != nullptr ? a.grad_loss[r] : 1.0f;
+      A = g * (1.0f + 2.0f * a.z_loss * lse);
+      C = g * (1.0f - eps);
+      D = g * eps / static_cast<float>(a.vocab_size);
+    }
+  } else if (a.grad == GradKind::kGeneric) {
+    const float u = (ignored || a.grad_logprob == nullptr) ? 0.0f : a.grad_logprob[r];
+    const float e = a.grad_entropy != nullptr ? a.grad_entropy[r] : 0.0f;
+    A = -u + e * mean_pz;
+    B = -e;
+    C = -u;
+  }
+  float* in = info + r * kRowInfo;
+  in[kInfoMax] = mm;
+  in[kInfoLse] = lse;
+  in[kInfoA] = A;
+  in[kInfoB] = B;
+  in[kInfoC] = C;
+  in[kInfoD] = D;
+}
+
+unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
+
+}  // namespace
+
+absl::Status LaunchMergeSegments(const float* part, int64_t nseg, int64_t rows, float* m_local, float* m,
+                                 float* packed, cudaStream_t stream) {
+  if (rows <= 0) return absl::OkStatus();
+  if (nseg <= 0) return absl::InternalError(absl::StrCat("LaunchMergeSegments: nseg=", nseg));
+  MergeSegmentsKernel<<<Blocks(rows), kThreads, 0, stream>>>(part, nseg, rows, m_local, m, packed);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LaunchRescalePartials(const float* m_local, const float* m, int64_t rows, float* packed,
+                                   cudaStream_t stream) {
+  if (rows <= 0) return absl::OkStatus();
+  RescaleKernel<<<Blocks(rows), kThreads, 0, stream>>>(m_local, m, rows, packed);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LaunchFinalizeRows(const FinalizeArgs& args, const float* m, const float* packed, float* row_info,
+                                unsigned long long* bad_row, cudaStream_t stream) {
+  if (args.rows <= 0) return absl::OkStatus();
+  if (args.vocab_size <= 0 || args.targets == nullptr) {
+    return absl::InternalError("LaunchFinalizeRows: bad arguments");
+  }
+  FinalizeKernel<<<Blocks(args.rows), kThreads, 0, stream>>>(args, m, packed, row_info, bad_row);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+}  // namespace lce::cuda

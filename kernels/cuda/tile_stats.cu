@@ -1,0 +1,183 @@
+// Forward reduction of one fp32 logit tile: per-(row, segment) softmax partials, the target logit,
+// and (for the backward) a compact copy of z − m_segment.
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/cuda_check.h"
+#include "cuda/dtype_dispatch.cuh"
+#include "cuda/kernels.h"
+
+namespace lce::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kVec = 4;                                   // floats per load
+constexpr int kSteps = kSegment / (kThreads * kVec);      // 4 loads per thread
+static_assert(kSteps * kThreads * kVec == kSegment);
+
+__device__ __forceinline__ void StoreShifted(__half* dst, const float* v, int n_valid) {
+  if (n_valid == 4) {
+    __half2 a = __floats2half2_rn(v[0], v[1]);
+    __half2 b = __floats2half2_rn(v[2], v[3]);
+    uint2 u;
+    u.x = *reinterpret_cast<uint32_t*>(&a);
+    u.y = *reinterpret_cast<uint32_t*>(&b);
+    *reinterpret_cast<uint2*>(dst) = u;
+  } else {
+    for (int j = 0; j < n_valid; ++j) dst[j] = __float2half_rn(v[j]);
+  }
+}
+__device__ __forceinline__ void StoreShifted(float* dst, const float* v, int n_valid) {
+  if (n_valid == 4) {
+    *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    for (int j = 0; j < n_valid; ++j) dst[j] = v[j];
+  }
+}
+
+template <typename S>
+__global__ void __launch_bounds__(kThreads)
+TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int nv, const float* __restrict__ bias,
+                float softcap, float inv_temp, const int32_t* __restrict__ targets, int32_t ignore_index,
+                int64_t vocab_begin, float* __restrict__ part, int64_t nseg, float* __restrict__ packed,
+                S* __restrict__ store, int64_t lds) {
+  const int64_t r = blockIdx.y;
+  const int c_seg = blockIdx.x * kSegment;  // first tile column of this segment
+  const float* row = logits + r * ldz;
+  const int tid = threadIdx.x;
+
+  float z[kSteps][kVec];
+  float tmax = -INFINITY;
+  float tsum_z = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    const int c = c_seg + k * (kThreads * kVec) + tid * kVec;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c < nv) x = *reinterpret_cast<const float4*>(row + c);  // ldz % 4 == 0: in bounds
+    const float xs[kVec] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if (c + j < nv) {
+        float a = xs[j] + (bias != nullptr ? bias[v0 + c + j] : 0.0f);
+        if (softcap > 0.0f) a = softcap * tanhf(a / softcap);
+        const float zz = a * inv_temp;
+        z[k][j] = zz;
+        tmax = fmaxf(tmax, zz);
+        tsum_z += zz;
+      } else {
+        z[k][j] = -INFINITY;
+      }
+    }
+  }
+
+  __shared__ float red[3][kThreads / 32];
+  __shared__ float seg_max;
+  const int warp = tid / 32, lane = tid % 32;
+  float wm = WarpMax(tmax);
+  if (lane == 0) red[0][warp] = wm;
+  __syncthreads();
+  if (warp == 0) {
+    float v = lane < kThreads / 32 ? red[0][lane] : -INFINITY;
+    v = WarpMax(v);
+    if (lane == 0) seg_max = v;
+  }
+  __syncthreads();
+  const float m = seg_max;
+
+  // Target logit, written by the one thread that holds its column.
+  const int32_t y = targets[r];
+  if (y != ignore_index) {
+    const int64_t local = static_cast<int64_t>(y) - vocab_begin - v0 - c_seg;
+    if (local >= 0 && local < kSegment && c_seg + local < nv) {
+      const int within = static_cast<int>(local % (kThreads * kVec));
+      if (within / kVec == tid) {
+        const int k = static_cast<int>(local / (kThreads * kVec));
+        const int j = within % kVec;
+#pragma unroll
+        for (int kk = 0; kk < kSteps; ++kk)
+#pragma unroll
+          for (int jj = 0; jj < kVec; ++jj)
+            if (kk == k && jj == j) packed[r * kPacked + 3] = z[kk][jj];
+      }
+    }
+  }
+
+  float s = 0.0f, q = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float d = z[k][j] - m;  // -inf for masked columns: exp gives 0
+      const float e = expf(d);
+      s += e;
+      q += e == 0.0f ? 0.0f : e * d;
+      z[k][j] = d;
+    }
+  }
+
+  if (store != nullptr) {
+    S* dst = store + r * lds + v0;
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+      const int c = c_seg + k * (kThreads * kVec) + tid * kVec;
+      if (c < nv) StoreShifted(dst + c, z[k], min(kVec, nv - c));
+    }
+  }
+
+  s = WarpSum(s);
+  q = WarpSum(q);
+  tsum_z = WarpSum(tsum_z);
+  __syncthreads();
+  if (lane == 0) {
+    red[0][warp] = s;
+    red[1][warp] = q;
+    red[2][warp] = tsum_z;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    float a = lane < kThreads / 32 ? red[0][lane] : 0.0f;
+    float b = lane < kThreads / 32 ? red[1][lane] : 0.0f;
+    float c = lane < kThreads / 32 ? red[2][lane] : 0.0f;
+    a = WarpSum(a);
+    b = WarpSum(b);
+    c = WarpSum(c);
+    if (lane == 0) {
+      float* p = part + (r * nseg + v0 / kSegment + blockIdx.x) * 4;
+      p[0] = m;
+      p[1] = a;
+      p[2] = b;
+      p[3] = c;
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status LaunchTileStats(const float* logits, int64_t ldz, int64_t rows, int64_t v0, int64_t nv,
+                             const LogitTransform& tf, const int32_t* targets, int32_t ignore_index,
+                             int64_t vocab_begin, float* part, int64_t nseg, float* packed, void* store,
+                             int64_t lds, bool store_fp32, cudaStream_t stream) {
+  if (rows <= 0 || nv <= 0) return absl::OkStatus();
+  if (ldz % 4 != 0 || ldz < nv || v0 % kSegment != 0 || rows > 65535 ||
+      (store != nullptr && (lds % 8 != 0 || lds < v0 + nv)) || (v0 + nv + kSegment - 1) / kSegment > nseg) {
+    return absl::InternalError(absl::StrCat("LaunchTileStats: bad shape rows=", rows, " v0=", v0, " nv=", nv,
+                                            " ldz=", ldz, " lds=", lds, " nseg=", nseg));
+  }
+  const dim3 grid(static_cast<unsigned>((nv + kSegment - 1) / kSegment), static_cast<unsigned>(rows));
+  const float inv_temp = 1.0f / tf.temperature;
+  if (store_fp32) {
+    TileStatsKernel<float><<<grid, kThreads, 0, stream>>>(logits, ldz, v0, static_cast<int>(nv), tf.bias, tf.softcap,
+                                                          inv_temp, targets, ignore_index, vocab_begin, part, nseg,
+                                                          packed, static_cast<float*>(store), lds);
+  } else {
+    TileStatsKernel<__half><<<grid, kThreads, 0, stream>>>(logits, ldz, v0, static_cast<int>(nv), tf.bias, tf.softcap,
+                                                           inv_temp, targets, ignore_index, vocab_begin, part, nseg,
+                                                           packed, static_cast<__half*>(store), lds);
+  }
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+}  // namespace lce::cuda

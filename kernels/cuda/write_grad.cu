@@ -1,0 +1,92 @@
+// Backward elementwise kernel: the compact forward copy (z − m_segment) becomes dL/da in the head's
+// dtype, in place, ready for the d_hidden and dW products.
+#include "absl/strings/str_cat.h"
+#include "cuda/cuda_check.h"
+#include "cuda/dtype_dispatch.cuh"
+#include "cuda/kernels.h"
+
+namespace lce::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// S: storage type (half for 16-bit heads, float for fp32); T: output type; VEC elements = 16 bytes.
+template <typename T, typename S>
+__global__ void __launch_bounds__(kThreads)
+WriteGradKernel(S* store, int64_t lds, int nv, const float* __restrict__ part, int64_t nseg,
+                const float* __restrict__ info, const int32_t* __restrict__ targets, int32_t ignore_index,
+                int64_t vocab_begin, float softcap, float temperature) {
+  constexpr int kVec = 16 / sizeof(S);
+  static_assert(sizeof(T) == sizeof(S));
+  static_assert(kSegment % kVec == 0);
+  const int64_t r = blockIdx.y;
+  const int c0 = (blockIdx.x * kThreads + threadIdx.x) * kVec;
+  if (c0 >= nv) return;
+  const float* in = info + r * kRowInfo;
+  const float m = in[kInfoMax], lse = in[kInfoLse], A = in[kInfoA], B = in[kInfoB], C = in[kInfoC],
+              D = in[kInfoD];
+  const float m_seg = part[(r * nseg + c0 / kSegment) * 4];
+  const float inv_temp = 1.0f / temperature;
+  const float t_over_s = softcap > 0.0f ? temperature / softcap : 0.0f;
+  const int32_t y = targets[r];
+  const int64_t ylocal = y == ignore_index ? -1 : static_cast<int64_t>(y) - vocab_begin;
+  S* src = store + r * lds + c0;
+  T* dst = reinterpret_cast<T*>(src);
+  union {
+    uint4 u;
+    S s[kVec];
+  } vin;
+  union {
+    uint4 u;
+    T t[kVec];
+  } vout;
+  const int n = min(kVec, nv - c0);
+  if (n == kVec) {
+    vin.u = *reinterpret_cast<const uint4*>(src);
+  } else {
+    for (int j = 0; j < n; ++j) vin.s[j] = src[j];
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const float z = m_seg + ToFloat(vin.s[j]);
+    const float p = expf(z - lse);
+    float dz = A * p + B * p * (z - m) - D;
+    if (c0 + j == ylocal) dz -= C;
+    float da = dz * inv_temp;
+    if (softcap > 0.0f) {
+      const float t = z * t_over_s;
+      da *= 1.0f - t * t;
+    }
+    vout.t[j] = FromFloat<T>(da);
+  }
+  if (n == kVec) {
+    *reinterpret_cast<uint4*>(dst) = vout.u;
+  } else {
+    for (int j = 0; j < n; ++j) dst[j] = vout.t[j];
+  }
+}
+
+}  // namespace
+
+absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows, int64_t nv, const float* part,
+                             int64_t nseg, const float* row_info, const int32_t* targets, int32_t ignore_index,
+                             int64_t vocab_begin, float softcap, float temperature, cudaStream_t stream) {
+  if (rows <= 0 || nv <= 0) return absl::OkStatus();
+  if (lds % 8 != 0 || lds < nv || rows > 65535 || (nv + kSegment - 1) / kSegment > nseg) {
+    return absl::InternalError(absl::StrCat("LaunchWriteGrad: bad shape rows=", rows, " nv=", nv, " lds=", lds));
+  }
+  return DispatchDType(dtype, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    using S = std::conditional_t<sizeof(T) == 4, float, __half>;
+    constexpr int kVec = 16 / sizeof(S);
+    const dim3 grid(static_cast<unsigned>((nv + kThreads * kVec - 1) / (kThreads * kVec)),
+                    static_cast<unsigned>(rows));
+    WriteGradKernel<T, S><<<grid, kThreads, 0, stream>>>(static_cast<S*>(store), lds, static_cast<int>(nv), part,
+                                                         nseg, row_info, targets, ignore_index, vocab_begin,
+                                                         softcap, temperature);
+    LCE_CUDA_CHECK(cudaGetLastError());
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace lce::cuda

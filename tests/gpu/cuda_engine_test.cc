@@ -1,0 +1,573 @@
+// CUDA engine against the float64 reference (tests/kernels/reference.h), against the CPU engine, and
+// sharded over an in-process fake Collectives; fresh random inputs, outputs poisoned before each run.
+// Every test skips (GTEST_SKIP, with a message) where no CUDA device is visible.
+#include <cuda_runtime.h>
+
+#include <barrier>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "lce/engine.h"
+#include "lce/numeric.h"
+#include "reference.h"
+
+namespace lce {
+namespace {
+
+using testing::RefProblem;
+using testing::RefResult;
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+class CudaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device visible: CUDA engine tests skipped";
+  }
+};
+
+double RelErr(const std::vector<float>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
+    const double d = static_cast<double>(got[i]) - want[i];
+    num += d * d;
+    den += want[i] * want[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+double Encode(double v, DType dtype, std::vector<uint8_t>& out) {
+  const float f = static_cast<float>(v);
+  if (dtype == DType::kFloat32) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&f);
+    out.insert(out.end(), b, b + 4);
+    return f;
+  }
+  const uint16_t bits = dtype == DType::kBFloat16 ? FloatToBf16(f) : FloatToFp16(f);
+  out.push_back(static_cast<uint8_t>(bits & 0xff));
+  out.push_back(static_cast<uint8_t>(bits >> 8));
+  return dtype == DType::kBFloat16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
+}
+
+std::vector<float> Decode(const std::vector<uint8_t>& bytes, DType dtype) {
+  const int64_t n = static_cast<int64_t>(bytes.size()) / DTypeSize(dtype);
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (dtype == DType::kFloat32) {
+      std::memcpy(&out[i], bytes.data() + 4 * i, 4);
+    } else {
+      uint16_t b;
+      std::memcpy(&b, bytes.data() + 2 * i, 2);
+      out[i] = dtype == DType::kBFloat16 ? Bf16ToFloat(b) : Fp16ToFloat(b);
+    }
+  }
+  return out;
+}
+
+struct Problem {
+  RefProblem ref;
+  DType dtype = DType::kBFloat16;
+  std::shared_ptr<HeadWeights> head;
+  std::vector<uint8_t> hidden;  // encoded
+  std::vector<float> grad_loss, grad_logprob, grad_entropy;
+};
+
+struct ProblemSpec {
+  int64_t rows = 37, hidden = 64, vocab = 9001;
+  DType dtype = DType::kBFloat16;
+  bool bias = false;
+  double h_scale = 1.0, w_scale = 1.0;
+  double ignore_frac = 0.1;
+  LceOptions options;
+  GradMode mode = GradMode::kLoss;
+  bool grad_loss = false;      // random per-row upstream for kLoss
+  bool grad_generic = true;    // random u and e for kGeneric
+};
+
+Problem MakeProblem(const ProblemSpec& sp, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_real_distribution<double> unif(0.0, 1.0);
+  Problem p;
+  p.dtype = sp.dtype;
+  RefProblem& r = p.ref;
+  r.rows = sp.rows;
+  r.hidden = sp.hidden;
+  r.vocab = sp.vocab;
+  r.options = sp.options;
+  r.mode = sp.mode;
+  p.head = std::make_shared<HeadWeights>();
+  HeadShape& s = p.head->shape;
+  s.vocab_size = sp.vocab;
+  s.hidden_size = sp.hidden;
+  s.dtype = sp.dtype;
+  s.vocab_begin = 0;
+  s.shard_rows = sp.vocab;
+  s.has_bias = sp.bias;
+  const double ws = sp.w_scale / std::sqrt(static_cast<double>(sp.hidden));
+  r.w.resize(sp.vocab * sp.hidden);
+  for (auto& v : r.w) v = Encode(normal(rng) * ws, sp.dtype, p.head->weight);
+  if (sp.bias) {
+    for (int64_t j = 0; j < sp.vocab; ++j) {
+      p.head->bias.push_back(static_cast<float>(normal(rng) * 0.5));
+      r.bias.push_back(p.head->bias.back());
+    }
+  }
+  r.h.resize(sp.rows * sp.hidden);
+  for (auto& v : r.h) v = Encode(normal(rng) * sp.h_scale, sp.dtype, p.hidden);
+  std::uniform_int_distribution<int32_t> tgt(0, static_cast<int32_t>(sp.vocab - 1));
+  r.targets.resize(sp.rows);
+  for (auto& t : r.targets) t = unif(rng) < sp.ignore_frac ? sp.options.ignore_index : tgt(rng);
+  if (sp.mode == GradMode::kLoss && sp.grad_loss) {
+    for (int64_t i = 0; i < sp.rows; ++i) p.grad_loss.push_back(static_cast<float>(unif(rng) * 2 - 0.5));
+    r.grad_loss.assign(p.grad_loss.begin(), p.grad_loss.end());
+  }
+  if (sp.mode == GradMode::kGeneric && sp.grad_generic) {
+    for (int64_t i = 0; i < sp.rows; ++i) {
+      p.grad_logprob.push_back(static_cast<float>(normal(rng)));
+      p.grad_entropy.push_back(static_cast<float>(normal(rng)));
+    }
+    r.grad_logprob.assign(p.grad_logprob.begin(), p.grad_logprob.end());
+    r.grad_entropy.assign(p.grad_entropy.begin(), p.grad_entropy.end());
+  }
+  return p;
+}
+
+struct Answers {
+  absl::Status status;
+  std::vector<float> logprob, entropy, lse, loss, d_hidden, d_weight;
+};
+
+template <typename T>
+T* ToDevice(const std::vector<T>& v) {
+  if (v.empty()) return nullptr;
+  void* d = nullptr;
+  EXPECT_EQ(cudaMalloc(&d, v.size() * sizeof(T)), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  return static_cast<T*>(d);
+}
+template <typename T>
+void FromDevice(const T* d, std::vector<T>& v) {
+  EXPECT_EQ(cudaMemcpy(v.data(), d, v.size() * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+}
+
+// Runs one Compute. Row outputs and d_hidden are poisoned with NaN; d_weight starts at dw_init.
+Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::vector<float>& dw_init,
+            const std::vector<uint8_t>* hidden_override = nullptr, const std::vector<int32_t>* targets_override = nullptr) {
+  const int64_t N = p.ref.rows, H = p.ref.hidden;
+  const std::vector<uint8_t>& hidden = hidden_override ? *hidden_override : p.hidden;
+  const std::vector<int32_t>& targets = targets_override ? *targets_override : p.ref.targets;
+  const bool grad = p.ref.mode != GradMode::kNone;
+  Answers a;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  a.logprob.assign(N, nan);
+  a.entropy.assign(N, nan);
+  a.lse.assign(N, nan);
+  a.loss.assign(N, nan);
+  std::vector<uint8_t> dh(grad ? N * H * DTypeSize(p.dtype) : 0, 0xff);  // NaN in every dtype
+  a.d_weight = dw_init;
+  Upstream up;
+  up.mode = p.ref.mode;
+  if (space == MemorySpace::kHost) {
+    up.grad_loss = p.grad_loss.empty() ? nullptr : p.grad_loss.data();
+    up.grad_logprob = p.grad_logprob.empty() ? nullptr : p.grad_logprob.data();
+    up.grad_entropy = p.grad_entropy.empty() ? nullptr : p.grad_entropy.data();
+    RowsView rows{hidden.data(), targets.data(), N, MemorySpace::kHost};
+    a.status = e.Compute(rows, p.ref.options, up, {a.logprob.data(), a.entropy.data(), a.lse.data(), a.loss.data()},
+                         {grad ? dh.data() : nullptr, grad && !dw_init.empty() ? a.d_weight.data() : nullptr});
+  } else {
+    uint8_t* d_hidden = ToDevice(hidden);
+    int32_t* d_targets = ToDevice(targets);
+    float* d_gl = ToDevice(p.grad_loss);
+    float* d_glp = ToDevice(p.grad_logprob);
+    float* d_ge = ToDevice(p.grad_entropy);
+    float* d_out[4];
+    for (auto*& q : d_out) q = ToDevice(a.logprob);  // NaN-poisoned
+    uint8_t* d_dh = grad ? ToDevice(dh) : nullptr;
+    float* d_dw = grad && !dw_init.empty() ? ToDevice(dw_init) : nullptr;
+    up.grad_loss = d_gl;
+    up.grad_logprob = d_glp;
+    up.grad_entropy = d_ge;
+    RowsView rows{d_hidden, d_targets, N, MemorySpace::kDevice};
+    a.status = e.Compute(rows, p.ref.options, up, {d_out[0], d_out[1], d_out[2], d_out[3]}, {d_dh, d_dw});
+    FromDevice(d_out[0], a.logprob);
+    FromDevice(d_out[1], a.entropy);
+    FromDevice(d_out[2], a.lse);
+    FromDevice(d_out[3], a.loss);
+    if (d_dh != nullptr) FromDevice(d_dh, dh);
+    if (d_dw != nullptr) FromDevice(d_dw, a.d_weight);
+    for (void* q : {static_cast<void*>(d_hidden), static_cast<void*>(d_targets), static_cast<void*>(d_gl),
+                    static_cast<void*>(d_glp), static_cast<void*>(d_ge), static_cast<void*>(d_dh),
+                    static_cast<void*>(d_dw), static_cast<void*>(d_out[0]), static_cast<void*>(d_out[1]),
+                    static_cast<void*>(d_out[2]), static_cast<void*>(d_out[3])}) {
+      if (q != nullptr) cudaFree(q);
+    }
+  }
+  if (grad) a.d_hidden = Decode(dh, p.dtype);
+  return a;
+}
+
+std::unique_ptr<LceEngine> MakeCuda(const Problem& p, EngineConfig cfg = {}) {
+  auto e = CreateEngine(Backend::kCuda, p.head, cfg);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
+std::vector<float> RandomVec(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, 0.1f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// Checks a against the reference with the tolerances.
+void ExpectMatches(const Answers& a, const Problem& p, const std::vector<float>& dw_init, const std::string& what,
+                   double fwd_tol = 1e-4) {
+  ASSERT_TRUE(a.status.ok()) << what << ": " << a.status;
+  const RefResult ref = testing::ReferenceLce(p.ref);
+  EXPECT_LE(RelErr(a.logprob, ref.logprob), fwd_tol) << what << " logprob";
+  EXPECT_LE(RelErr(a.entropy, ref.entropy), fwd_tol) << what << " entropy";
+  EXPECT_LE(RelErr(a.lse, ref.lse), fwd_tol) << what << " lse";
+  EXPECT_LE(RelErr(a.loss, ref.loss), fwd_tol) << what << " loss";
+  if (p.ref.mode == GradMode::kNone) return;
+  const double gtol = p.dtype == DType::kFloat32 ? 1e-5 : 1e-2;
+  EXPECT_LE(RelErr(a.d_hidden, ref.d_hidden), gtol) << what << " d_hidden";
+  if (!dw_init.empty()) {
+    std::vector<float> delta(a.d_weight.size());
+    for (size_t i = 0; i < delta.size(); ++i) delta[i] = a.d_weight[i] - dw_init[i];
+    // The += itself rounds at |dw_init|; compare the increment with that slack.
+    double num = 0, den = 0;
+    for (size_t i = 0; i < delta.size(); ++i) {
+      if (!std::isfinite(a.d_weight[i])) { num = INFINITY; break; }
+      const double d = static_cast<double>(a.d_weight[i]) - (static_cast<double>(dw_init[i]) + ref.d_weight[i]);
+      num += d * d;
+      den += ref.d_weight[i] * ref.d_weight[i];
+    }
+    const double slack = p.dtype == DType::kFloat32 ? 1e-5 : 0.0;
+    EXPECT_LE(den == 0 ? std::sqrt(num) : std::sqrt(num / den), gtol + slack) << what << " d_weight";
+  }
+}
+
+struct OptCase {
+  const char* name;
+  LceOptions options;
+  GradMode mode;
+  bool bias;
+  bool grad_loss;
+};
+
+std::vector<OptCase> OptionCases() {
+  std::vector<OptCase> c;
+  c.push_back({"loss_default", {}, GradMode::kLoss, false, false});
+  LceOptions o1;
+  o1.temperature = 0.7f;
+  o1.softcap = 15.0f;
+  o1.label_smoothing = 0.1f;
+  o1.z_loss = 1e-3f;
+  o1.ignore_index = -1;
+  c.push_back({"loss_all_options", o1, GradMode::kLoss, true, true});
+  LceOptions o2;
+  o2.temperature = 1.3f;
+  o2.softcap = 4.0f;
+  c.push_back({"generic_softcap", o2, GradMode::kGeneric, true, false});
+  c.push_back({"generic_plain", {}, GradMode::kGeneric, false, false});
+  c.push_back({"score", o1, GradMode::kNone, true, false});
+  return c;
+}
+
+TEST_F(CudaTest, MatchesReferenceEveryDtypeSpaceOption) {
+  uint64_t seed = 1000;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (const OptCase& oc : OptionCases()) {
+      ProblemSpec sp;
+      sp.dtype = dt;
+      sp.options = oc.options;
+      sp.mode = oc.mode;
+      sp.bias = oc.bias;
+      sp.grad_loss = oc.grad_loss;
+      sp.h_scale = 2.0;
+      const Problem p = MakeProblem(sp, ++seed);
+      auto e = MakeCuda(p);
+      ASSERT_NE(e, nullptr);
+      const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, ++seed);
+      for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+        const std::string what = std::string(DTypeName(dt)) + "/" + oc.name + "/" +
+                                 (space == MemorySpace::kHost ? "host" : "device");
+        ExpectMatches(RunEngine(*e, p, space, dw0), p, dw0, what);
+      }
+    }
+  }
+}
+
+TEST_F(CudaTest, OddShapes) {
+  struct S { int64_t rows, hidden, vocab; };
+  uint64_t seed = 2000;
+  for (S s : {S{1, 64, 9001}, S{1, 8, 1}, S{5, 24, 7}, S{3, 40, 4097}, S{64, 16, 16384}, S{17, 72, 8193}}) {
+    for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+      ProblemSpec sp;
+      sp.rows = s.rows;
+      sp.hidden = s.hidden;
+      sp.vocab = s.vocab;
+      sp.dtype = dt;
+      sp.bias = true;
+      sp.ignore_frac = 0.0;
+      const Problem p = MakeProblem(sp, ++seed);
+      auto e = MakeCuda(p);
+      ASSERT_NE(e, nullptr);
+      const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, ++seed);
+      ExpectMatches(RunEngine(*e, p, MemorySpace::kDevice, dw0), p, dw0,
+                    absl::StrCat(s.rows, "x", s.hidden, "x", s.vocab, "/", DTypeName(dt)));
+    }
+  }
+}
+
+TEST_F(CudaTest, ManyRowBlocksUnderSmallWorkspace) {
+  ProblemSpec sp;
+  sp.rows = 301;
+  sp.options.label_smoothing = 0.05f;
+  sp.grad_loss = true;
+  const Problem p = MakeProblem(sp, 31);
+  EngineConfig cfg;
+  cfg.workspace_bytes = (int64_t{100} << 20);  // host + dW: only a few dozen rows fit
+  auto e = MakeCuda(p, cfg);
+  ASSERT_NE(e, nullptr);
+  const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 32);
+  ExpectMatches(RunEngine(*e, p, MemorySpace::kHost, dw0), p, dw0, "host, small workspace");
+  setenv("LCE_CUDA_MAX_ROWS", "7", 1);
+  ExpectMatches(RunEngine(*e, p, MemorySpace::kDevice, dw0), p, dw0, "device, 7-row blocks");
+  unsetenv("LCE_CUDA_MAX_ROWS");
+  EngineConfig tiny;
+  tiny.workspace_bytes = 1 << 20;
+  EXPECT_FALSE(CreateEngine(Backend::kCuda, p.head, tiny).ok());
+}
+
+TEST_F(CudaTest, HundredThousandRows) {
+  ProblemSpec sp;
+  sp.rows = 100003;
+  sp.hidden = 16;
+  sp.vocab = 203;
+  sp.h_scale = 3.0;
+  sp.grad_loss = true;
+  const Problem p = MakeProblem(sp, 41);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 42);
+  ExpectMatches(RunEngine(*e, p, MemorySpace::kDevice, dw0), p, dw0, "100003 rows device");
+  ExpectMatches(RunEngine(*e, p, MemorySpace::kHost, dw0), p, dw0, "100003 rows host");
+}
+
+TEST_F(CudaTest, ExtremeLogits) {
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    ProblemSpec sp;
+    sp.rows = 19;
+    sp.vocab = 5000;
+    sp.dtype = dt;
+    sp.h_scale = 30.0;
+    sp.w_scale = 30.0;  // logits ~ 1e3
+    sp.mode = GradMode::kGeneric;
+    const Problem p = MakeProblem(sp, 51);
+    auto e = MakeCuda(p);
+    ASSERT_NE(e, nullptr);
+    const Answers a = RunEngine(*e, p, MemorySpace::kDevice, {});
+    ASSERT_TRUE(a.status.ok()) << a.status;
+    const RefResult ref = testing::ReferenceLce(p.ref);
+    EXPECT_LE(RelErr(a.lse, ref.lse), 1e-4);
+    EXPECT_LE(RelErr(a.logprob, ref.logprob), 1e-4);
+    for (int64_t i = 0; i < sp.rows; ++i) EXPECT_NEAR(a.entropy[i], ref.entropy[i], 1e-3) << i;
+    EXPECT_LE(RelErr(a.d_hidden, ref.d_hidden), dt == DType::kFloat32 ? 1e-4 : 1e-2);
+  }
+}
+
+TEST_F(CudaTest, AllRowsIgnored) {
+  ProblemSpec sp;
+  sp.ignore_frac = 1.0;
+  sp.options.z_loss = 1e-2f;
+  const Problem p = MakeProblem(sp, 61);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 62);
+  const Answers a = RunEngine(*e, p, MemorySpace::kDevice, dw0);
+  ExpectMatches(a, p, dw0, "all ignored");
+  for (int64_t i = 0; i < sp.rows; ++i) {
+    EXPECT_EQ(a.loss[i], 0.0f);
+    EXPECT_EQ(a.logprob[i], 0.0f);
+  }
+  for (float v : a.d_hidden) ASSERT_EQ(v, 0.0f);
+  for (size_t i = 0; i < dw0.size(); ++i) ASSERT_EQ(a.d_weight[i], dw0[i]);
+}
+
+TEST_F(CudaTest, NonFiniteHiddenNamesTheRow) {
+  ProblemSpec sp;
+  sp.rows = 50;
+  sp.dtype = DType::kFloat32;
+  const Problem p = MakeProblem(sp, 71);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+      std::vector<uint8_t> hidden = p.hidden;
+      const int64_t row = 23;
+      std::memcpy(hidden.data() + (row * sp.hidden + 5) * 4, &bad, 4);
+      setenv("LCE_CUDA_MAX_ROWS", "10", 1);  // the bad row sits in the third block
+      const Answers a = RunEngine(*e, p, space, RandomVec(sp.vocab * sp.hidden, 72), &hidden);
+      unsetenv("LCE_CUDA_MAX_ROWS");
+      EXPECT_EQ(a.status.code(), absl::StatusCode::kInvalidArgument) << a.status;
+      EXPECT_NE(std::string(a.status.message()).find("row 23"), std::string::npos) << a.status;
+    }
+  }
+}
+
+TEST_F(CudaTest, BadTargetNamesTheRow) {
+  const Problem p = MakeProblem(ProblemSpec{}, 81);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  for (int32_t bad : {9001, -5}) {
+    std::vector<int32_t> t = p.ref.targets;
+    t[3] = bad;
+    for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+      const Answers a = RunEngine(*e, p, space, {}, nullptr, &t);
+      EXPECT_EQ(a.status.code(), absl::StatusCode::kInvalidArgument) << a.status;
+      EXPECT_NE(std::string(a.status.message()).find("row 3"), std::string::npos) << a.status;
+    }
+  }
+}
+
+TEST_F(CudaTest, AgreesWithCpuEngine) {
+  ProblemSpec sp;
+  sp.rows = 64;
+  sp.bias = true;
+  sp.options.softcap = 20.0f;
+  sp.options.label_smoothing = 0.1f;
+  sp.grad_loss = true;
+  const Problem p = MakeProblem(sp, 91);
+  auto cuda = MakeCuda(p);
+  ASSERT_NE(cuda, nullptr);
+  auto cpu = CreateEngine(Backend::kCpu, p.head, {});
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const std::vector<float> dw0(sp.vocab * sp.hidden, 0.0f);
+  const Answers a = RunEngine(*cuda, p, MemorySpace::kHost, dw0);
+  const Answers b = RunEngine(**cpu, p, MemorySpace::kHost, dw0);
+  ASSERT_TRUE(a.status.ok() && b.status.ok()) << a.status << " / " << b.status;
+  auto to_d = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+  EXPECT_LE(RelErr(a.logprob, to_d(b.logprob)), 1e-4);
+  EXPECT_LE(RelErr(a.entropy, to_d(b.entropy)), 1e-4);
+  EXPECT_LE(RelErr(a.loss, to_d(b.loss)), 1e-4);
+  EXPECT_LE(RelErr(a.d_hidden, to_d(b.d_hidden)), 1e-2);
+  EXPECT_LE(RelErr(a.d_weight, to_d(b.d_weight)), 1e-2);
+}
+
+// All-reduce among k threads of one process, over device memory.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int k) : k_(k), barrier_(k), slots_(k) {}
+  absl::Status AllReduce(int rank, float* data, int64_t n, ReduceOp op, void* stream) {
+    std::vector<float> mine(n);
+    if (cudaStreamSynchronize(static_cast<cudaStream_t>(stream)) != cudaSuccess ||
+        cudaMemcpy(mine.data(), data, n * sizeof(float), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      return absl::InternalError("fake all-reduce: copy failed");
+    }
+    slots_[rank] = &mine;
+    barrier_.arrive_and_wait();
+    std::vector<float> out = mine;
+    for (int r = 0; r < k_; ++r) {
+      if (r == rank) continue;
+      const std::vector<float>& o = *slots_[r];
+      for (int64_t i = 0; i < n; ++i) out[i] = op == ReduceOp::kSum ? out[i] + o[i] : std::max(out[i], o[i]);
+    }
+    barrier_.arrive_and_wait();
+    if (cudaMemcpy(data, out.data(), n * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) {
+      return absl::InternalError("fake all-reduce: copy back failed");
+    }
+    return absl::OkStatus();
+  }
+  int size() const { return k_; }
+
+ private:
+  int k_;
+  std::barrier<> barrier_;
+  std::vector<std::vector<float>*> slots_;
+};
+
+class ThreadCollectives final : public Collectives {
+ public:
+  ThreadCollectives(ThreadGroup* g, int rank) : g_(g), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return g_->size(); }
+  absl::Status AllReduce(float* data, int64_t count, ReduceOp op, bool device_memory, void* stream) override {
+    if (!device_memory) return absl::InternalError("the CUDA engine must reduce device memory");
+    return g_->AllReduce(rank_, data, count, op, stream);
+  }
+
+ private:
+  ThreadGroup* g_;
+  int rank_;
+};
+
+TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
+  const int k = 3;
+  for (GradMode mode : {GradMode::kLoss, GradMode::kGeneric}) {
+    ProblemSpec sp;
+    sp.rows = 29;
+    sp.vocab = 9001;
+    sp.bias = true;
+    sp.mode = mode;
+    sp.grad_loss = true;
+    sp.options.softcap = 12.0f;
+    sp.options.temperature = 0.9f;
+    sp.options.label_smoothing = 0.1f;
+    sp.options.z_loss = 1e-3f;
+    const Problem full = MakeProblem(sp, 101 + static_cast<int>(mode));
+    const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 7);
+    ThreadGroup group(k);
+    std::vector<Answers> answers(k);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < k; ++r) {
+      threads.emplace_back([&, r] {
+        const VocabRange vr = VocabShard(sp.vocab, r, k);
+        Problem shard = full;
+        auto head = std::make_shared<HeadWeights>();
+        head->shape = full.head->shape;
+        head->shape.vocab_begin = vr.begin;
+        head->shape.shard_rows = vr.end - vr.begin;
+        const int64_t esz = DTypeSize(sp.dtype);
+        head->weight.assign(full.head->weight.begin() + vr.begin * sp.hidden * esz,
+                            full.head->weight.begin() + vr.end * sp.hidden * esz);
+        head->bias.assign(full.head->bias.begin() + vr.begin, full.head->bias.begin() + vr.end);
+        shard.head = head;
+        ThreadCollectives coll(&group, r);
+        EngineConfig cfg;
+        cfg.collectives = &coll;
+        auto e = CreateEngine(Backend::kCuda, head, cfg);
+        if (!e.ok()) {
+          answers[r].status = e.status();
+          return;
+        }
+        std::vector<float> dw(dw0.begin() + vr.begin * sp.hidden, dw0.begin() + vr.end * sp.hidden);
+        answers[r] = RunEngine(**e, shard, r % 2 == 0 ? MemorySpace::kDevice : MemorySpace::kHost, dw);
+      });
+    }
+    for (auto& t : threads) t.join();
+    Answers merged = answers[0];
+    merged.d_weight.clear();
+    for (int r = 0; r < k; ++r) {
+      ASSERT_TRUE(answers[r].status.ok()) << "rank " << r << ": " << answers[r].status;
+      merged.d_weight.insert(merged.d_weight.end(), answers[r].d_weight.begin(), answers[r].d_weight.end());
+      auto to_d = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+      EXPECT_LE(RelErr(answers[r].logprob, to_d(answers[0].logprob)), 1e-6) << "rank " << r;
+      EXPECT_LE(RelErr(answers[r].d_hidden, to_d(answers[0].d_hidden)), 1e-6) << "rank " << r;
+    }
+    ExpectMatches(merged, full, dw0, mode == GradMode::kLoss ? "tp3 loss" : "tp3 generic");
+  }
+}
+
+}  // namespace
+}  // namespace lce
