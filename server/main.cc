@@ -14,6 +14,7 @@
 #include "grpc_server.h"
 #include "head_source.h"
 #include "server_flags.h"
+#include "chunk_staging.h"
 #include "tp_communicator.h"
 #include "tp_group.h"
 
@@ -56,11 +57,9 @@ int main(int argc, char** argv) {
   if (!backend.ok()) return Fail(backend.status());
   const bool tp = flags->tp_size > 1;
   if (tp && *backend == Backend::kAuto) backend = CudaAvailable() ? Backend::kCuda : Backend::kCpu;
-  if (tp && *backend == Backend::kCuda) {
-    return Fail(absl::UnimplementedError("tensor parallelism over NCCL (--backend=cuda) is not built yet; use --backend=cpu"));
-  }
 
   std::unique_ptr<TpCommunicator> comm;
+  std::unique_ptr<ChunkStaging> staging;
   TpBootstrap bootstrap;
   if (tp) {
     bootstrap.rank = flags->tp_rank;
@@ -68,7 +67,18 @@ int main(int argc, char** argv) {
     bootstrap.rendezvous_dir = flags->tp_rendezvous;
     bootstrap.host = flags->tp_host;
     bootstrap.timeout = absl::Seconds(flags->tp_timeout_seconds);
-    absl::StatusOr<std::unique_ptr<TpCommunicator>> c = CreateGlooCommunicator(bootstrap);
+    absl::StatusOr<std::unique_ptr<TpCommunicator>> c = absl::UnimplementedError("NCCL needs a CUDA build");
+    if (*backend == Backend::kCuda) {
+#ifdef LCE_WITH_CUDA
+      c = CreateNcclCommunicator(bootstrap, flags->device);
+      absl::StatusOr<std::unique_ptr<ChunkStaging>> st = CreateDeviceStaging(flags->device);
+      if (!st.ok()) return Fail(st.status());
+      staging = std::move(*st);
+#endif
+    } else {
+      c = CreateGlooCommunicator(bootstrap);
+      staging = CreateHostStaging();
+    }
     if (!c.ok()) return Fail(c.status());
     comm = std::move(*c);
   }
@@ -86,7 +96,7 @@ int main(int argc, char** argv) {
   if (flags->tp_rank > 0) {
     std::cout << "lce_server: tensor-parallel rank " << flags->tp_rank << " of " << flags->tp_size << " holds vocab rows ["
               << shape.vocab_begin << ", " << shape.vocab_end() << ")" << std::endl;
-    absl::Status s = RunTpPeer(**engine, *comm);
+    absl::Status s = RunTpPeer(**engine, *comm, *staging);
     if (!s.ok()) {
       std::cerr << "lce_server: rank " << flags->tp_rank << ": " << s << std::endl;
       return kExitTpFailure;
@@ -97,7 +107,7 @@ int main(int argc, char** argv) {
   std::shared_ptr<TpFrontEngine> front;
   std::shared_ptr<LceEngine> served = std::move(*engine);
   if (tp) {
-    front = std::make_shared<TpFrontEngine>(served, comm.get(), [](const absl::Status& s) {
+    front = std::make_shared<TpFrontEngine>(served, comm.get(), std::move(staging), [](const absl::Status& s) {
       std::cerr << "lce_server: tensor-parallel group failed: " << s << std::endl;
       Wake('F');
     });

@@ -18,6 +18,8 @@ class TpCommunicator : public Collectives {
   virtual absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void* stream) = 0;
   // Makes every later collective fail at once with UNAVAILABLE (after a peer failure).
   virtual void Abort() = 0;
+  // True when collectives move device memory (NCCL): chunks are then staged on the GPU.
+  virtual bool device_memory() const { return false; }
 };
 
 // How the ranks find each other: a directory every rank can read and write (one host, or a shared
@@ -32,6 +34,11 @@ struct TpBootstrap {
 };
 
 absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateGlooCommunicator(const TpBootstrap& bootstrap);
+
+#ifdef LCE_WITH_CUDA
+// One process per GPU: `device` is this rank's CUDA device.
+absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateNcclCommunicator(const TpBootstrap& bootstrap, int device);
+#endif
 
 // After a collective failed: names the ranks whose process is gone (pid files in the rendezvous
 // directory, same host), e.g. "rank 2 (pid 1234) exited"; or says none could be identified.
