@@ -1,0 +1,270 @@
+// Benchmark of the CUDA LCE engine against the cuBLAS GEMM floor, same process, same inputs.
+//
+// For each shape N×H×V (bf16): inputs drawn like ../shared/bench/peers.py (h ~ 0.5·N(0,1),
+// W ~ N(0,1)/sqrt(H), targets uniform with 5% ignore_index), all in device memory (MemorySpace::kDevice).
+//   floor  one bf16 [N,H]×[H,V] cublasGemmEx (fp32 accumulate, bf16 out, as torch's a @ b.t())
+//   train  Compute(kLoss, mean over valid rows): loss, d_hidden (bf16), d_weight (fp32, accumulated)
+//   score  Compute(kNone): logprob + entropy
+// Median of --reps timed calls after --warmup, CUDA events. Extra memory = device memory the engine
+// takes beyond its weight copy (cudaMemGetInfo around the first calls; outputs are the caller's).
+//
+// Usage: lce_bench [--shapes 8192x4096x128256,...] [--reps 10] [--warmup 3] [--json FILE]
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lce/engine.h"
+
+namespace {
+
+#define CHECK_CUDA(x)                                                                          \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+#define CHECK_CUBLAS(x)                                                                     \
+  do {                                                                                      \
+    cublasStatus_t s_ = (x);                                                                \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cublasGetStatusString(s_)); \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+__device__ uint64_t Mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return x;
+}
+
+__global__ void NormalBf16(__nv_bfloat16* out, int64_t n, float scale, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t r = Mix(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
+    const float u1 = ((r >> 40) + 1) * (1.0f / 16777217.0f);
+    const float u2 = ((r >> 16) & 0xffffff) * (1.0f / 16777216.0f);
+    out[i] = __float2bfloat16_rn(scale * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+  }
+}
+
+__global__ void Targets(int32_t* t, float* g, int64_t n, int64_t v, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t r = Mix(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
+    const bool ignored = (r & 0xffff) < 0.05 * 65536;
+    t[i] = ignored ? -100 : static_cast<int32_t>((r >> 20) % static_cast<uint64_t>(v));
+    g[i] = ignored ? 0.0f : 1.0f;  // rescaled to 1/N_valid on the host
+  }
+}
+
+template <typename F>
+double MedianMs(F&& f, int warmup, int reps, cudaStream_t stream) {
+  for (int i = 0; i < warmup; ++i) f();
+  std::vector<float> ms;
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaEventRecord(a, stream));
+    f();
+    CHECK_CUDA(cudaEventRecord(b, stream));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+int64_t FreeBytes() {
+  size_t free_b = 0, total = 0;
+  CHECK_CUDA(cudaMemGetInfo(&free_b, &total));
+  return static_cast<int64_t>(free_b);
+}
+
+struct Row {
+  int64_t N, H, V;
+  double gemm_ms, train_ms, score_ms, extra_gib, loss;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string shapes = "8192x4096x128256,16384x2048x151936,4096x8192x152064,16384x4096x151936";
+  std::string json;
+  int reps = 10, warmup = 3;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
+    if (a == "--shapes") shapes = next();
+    else if (a == "--json") json = next();
+    else if (a == "--reps") reps = std::atoi(next().c_str());
+    else if (a == "--warmup") warmup = std::atoi(next().c_str());
+    else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      return 2;
+    }
+  }
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s (%d SMs)  LCE_CUDA_VOCAB_TILE=%s LCE_CUDA_MAX_ROWS=%s\n", prop.name,
+              prop.multiProcessorCount, std::getenv("LCE_CUDA_VOCAB_TILE") ? std::getenv("LCE_CUDA_VOCAB_TILE") : "-",
+              std::getenv("LCE_CUDA_MAX_ROWS") ? std::getenv("LCE_CUDA_MAX_ROWS") : "-");
+  cudaStream_t stream = nullptr;  // legacy default stream: orders with the engine's syncs
+  cublasHandle_t cublas;
+  CHECK_CUBLAS(cublasCreate(&cublas));
+  std::vector<Row> rows;
+  size_t pos = 0;
+  while (pos < shapes.size()) {
+    size_t end = shapes.find(',', pos);
+    if (end == std::string::npos) end = shapes.size();
+    const std::string s = shapes.substr(pos, end - pos);
+    pos = end + 1;
+    int64_t N = 0, H = 0, V = 0;
+    if (std::sscanf(s.c_str(), "%ldx%ldx%ld", &N, &H, &V) != 3) {
+      std::fprintf(stderr, "bad shape %s\n", s.c_str());
+      return 2;
+    }
+    __nv_bfloat16 *h = nullptr, *w = nullptr, *dh = nullptr, *logits = nullptr;
+    int32_t* t = nullptr;
+    float *g = nullptr, *dw = nullptr, *lp = nullptr, *ent = nullptr, *loss = nullptr;
+    CHECK_CUDA(cudaMalloc(&h, N * H * 2));
+    CHECK_CUDA(cudaMalloc(&w, V * H * 2));
+    CHECK_CUDA(cudaMalloc(&t, N * 4));
+    CHECK_CUDA(cudaMalloc(&g, N * 4));
+    NormalBf16<<<4096, 256>>>(h, N * H, 0.5f, 1);
+    NormalBf16<<<4096, 256>>>(w, V * H, 1.0f / std::sqrt(static_cast<float>(H)), 2);
+    Targets<<<256, 256>>>(t, g, N, V, 3);
+    CHECK_CUDA(cudaGetLastError());
+    std::vector<float> gh(N);
+    CHECK_CUDA(cudaMemcpy(gh.data(), g, N * 4, cudaMemcpyDeviceToHost));
+    double valid = 0;
+    for (float x : gh) valid += x;
+    for (float& x : gh) x = x / static_cast<float>(valid);
+    CHECK_CUDA(cudaMemcpy(g, gh.data(), N * 4, cudaMemcpyHostToDevice));
+
+    // Floor: one bf16 GEMM [N,H]x[H,V] -> [N,V] bf16.
+    CHECK_CUDA(cudaMalloc(&logits, N * V * 2));
+    const float one = 1.0f, zero = 0.0f;
+    auto gemm = [&] {
+      CHECK_CUBLAS(cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(V), static_cast<int>(N),
+                                static_cast<int>(H), &one, w, CUDA_R_16BF, static_cast<int>(H), h, CUDA_R_16BF,
+                                static_cast<int>(H), &zero, logits, CUDA_R_16BF, static_cast<int>(V),
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    };
+    const double gemm_ms = MedianMs(gemm, 5, 20, stream);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaFree(logits));
+
+    // Engine over the same weights.
+    auto head = std::make_shared<lce::HeadWeights>();
+    head->shape.vocab_size = V;
+    head->shape.hidden_size = H;
+    head->shape.dtype = lce::DType::kBFloat16;
+    head->shape.shard_rows = V;
+    head->weight.resize(V * H * 2);
+    CHECK_CUDA(cudaMemcpy(head->weight.data(), w, V * H * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMalloc(&dh, N * H * 2));
+    CHECK_CUDA(cudaMalloc(&dw, V * H * 4));
+    CHECK_CUDA(cudaMemset(dw, 0, V * H * 4));
+    CHECK_CUDA(cudaMalloc(&lp, N * 4));
+    CHECK_CUDA(cudaMalloc(&ent, N * 4));
+    CHECK_CUDA(cudaMalloc(&loss, N * 4));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const int64_t free0 = FreeBytes();
+    auto created = lce::CreateEngine(lce::Backend::kCuda, head, lce::EngineConfig{});
+    if (!created.ok()) {
+      std::fprintf(stderr, "engine: %s\n", created.status().ToString().c_str());
+      return 1;
+    }
+    std::unique_ptr<lce::LceEngine> engine = std::move(*created);
+    head.reset();
+    const int64_t free1 = FreeBytes();
+    lce::RowsView view{h, t, N, lce::MemorySpace::kDevice};
+    lce::LceOptions opt;
+    lce::Upstream train_up;
+    train_up.mode = lce::GradMode::kLoss;
+    train_up.grad_loss = g;
+    auto train = [&] {
+      absl::Status st = engine->Compute(view, opt, train_up, {nullptr, nullptr, nullptr, loss}, {dh, dw});
+      if (!st.ok()) {
+        std::fprintf(stderr, "train: %s\n", st.ToString().c_str());
+        std::exit(1);
+      }
+    };
+    auto score = [&] {
+      absl::Status st = engine->Compute(view, opt, {}, {lp, ent, nullptr, nullptr}, {});
+      if (!st.ok()) {
+        std::fprintf(stderr, "score: %s\n", st.ToString().c_str());
+        std::exit(1);
+      }
+    };
+    train();
+    score();
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const int64_t free2 = FreeBytes();
+    std::vector<float> lh(N);
+    CHECK_CUDA(cudaMemcpy(lh.data(), loss, N * 4, cudaMemcpyDeviceToHost));
+    double mean_loss = 0;
+    for (float x : lh) mean_loss += x;
+    mean_loss /= valid;
+    const double train_ms = MedianMs(train, warmup, reps, stream);
+    const double score_ms = MedianMs(score, warmup, reps, stream);
+    const double extra = static_cast<double>(free1 - free2) / (1 << 30);
+    rows.push_back({N, H, V, gemm_ms, train_ms, score_ms, extra, mean_loss});
+    std::printf("N=%ld H=%ld V=%ld: gemm %.3f ms (%.0f TFLOP/s) | train %.2f ms (x%.3f of 3 GEMMs) | score %.2f ms "
+                "(x%.3f) | extra %.2f GiB (weight copy %.2f GiB) | mean loss %.4f\n",
+                N, H, V, gemm_ms, 2.0 * N * H * V / gemm_ms / 1e9, train_ms, train_ms / (3 * gemm_ms), score_ms,
+                score_ms / gemm_ms, extra, static_cast<double>(free0 - free1) / (1 << 30), mean_loss);
+    std::fflush(stdout);
+    engine.reset();
+    for (void* p : {static_cast<void*>(h), static_cast<void*>(w), static_cast<void*>(t), static_cast<void*>(g),
+                    static_cast<void*>(dh), static_cast<void*>(dw), static_cast<void*>(lp), static_cast<void*>(ent),
+                    static_cast<void*>(loss)}) {
+      CHECK_CUDA(cudaFree(p));
+    }
+  }
+  std::printf("\n| N x H x V | GEMM ms | train ms | train/floor | score ms | score/floor | extra GiB |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
+  for (const Row& r : rows) {
+    std::printf("| %ldx%ldx%ld | %.3f | %.2f | %.3f | %.2f | %.3f | %.2f |\n", r.N, r.H, r.V, r.gemm_ms, r.train_ms,
+                r.train_ms / (3 * r.gemm_ms), r.score_ms, r.score_ms / r.gemm_ms, r.extra_gib);
+  }
+  if (!json.empty()) {
+    FILE* f = std::fopen(json.c_str(), "w");
+    if (f != nullptr) {
+      std::fprintf(f, "[\n");
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const Row& r = rows[i];
+        std::fprintf(f,
+                     " {\"N\": %ld, \"H\": %ld, \"V\": %ld, \"impl\": \"lce_cuda\", \"gemm_ms\": %.4f, \"train_ms\": %.4f, "
+                     "\"score_ms\": %.4f, \"train_over_floor\": %.4f, \"score_over_floor\": %.4f, "
+                     "\"extra_gib\": %.3f, \"mean_loss\": %.5f}%s\n",
+                     r.N, r.H, r.V, r.gemm_ms, r.train_ms, r.score_ms, r.train_ms / (3 * r.gemm_ms),
+                     r.score_ms / r.gemm_ms, r.extra_gib, r.loss, i + 1 < rows.size() ? "," : "");
+      }
+      std::fprintf(f, "]\n");
+      std::fclose(f);
+    }
+  }
+  cublasDestroy(cublas);
+  return 0;
+}
