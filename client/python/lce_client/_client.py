@@ -1,0 +1,535 @@
+"""lce_client.Client: the gRPC client of lce.v1.LceService."""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+
+import grpc
+import numpy as np
+
+from . import _arrays as A
+from ._proto import lce_pb2 as pb
+from ._proto import lce_pb2_grpc as pb_grpc
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+# Replies carry d_hidden of a whole request chunk; let them be as large as the server allows.
+_MAX_RECV = 1 << 30
+
+ProgressFn = Callable[[int, int], None]
+
+
+class LceError(Exception):
+    """An lce-serve request failed. `code` is the grpc.StatusCode, `details` the server's message
+    (it names the problem, and the chunk or row where it applies). The original grpc.RpcError is
+    the exception's __cause__ where there is one."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, rpc: str = ""):
+        self.code = code
+        self.details = details or ""
+        self.rpc = rpc
+        super().__init__(f"{rpc + ': ' if rpc else ''}{code.name}: {self.details}")
+
+
+def _wrap(e: grpc.RpcError, rpc: str) -> LceError:
+    code = e.code() if hasattr(e, "code") and callable(e.code) else grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") and callable(e.details) else str(e)
+    return LceError(code, details, rpc)
+
+
+@dataclass(frozen=True)
+class HeadInfo:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    dtype: str          # "bf16" | "fp16" | "fp32"
+    version: int
+    has_bias: bool
+
+    @classmethod
+    def _from(cls, h: pb.HeadDescription) -> "HeadInfo":
+        return cls(h.name, h.vocab_size, h.hidden_size, A.dtype_name(h.dtype), h.version, h.has_bias)
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    head: HeadInfo
+    heads: List[HeadInfo]
+    backend: str
+    tp_size: int
+    max_message_bytes: int
+    max_rows_per_request: int
+    server_version: str
+
+
+@dataclass
+class ForwardBackwardResult:
+    """ForwardBackward's answer. `loss` is the reduced loss (mean or sum of loss_i, as a float);
+    `per_token_loss` is fp32 per row (0 for ignored rows), `d_hidden` the gradient of the reduced
+    loss (for reduction "none": of sum_i grad_loss_i * loss_i) w.r.t. hidden, in the caller's kind,
+    dtype and device."""
+
+    loss: float
+    per_token_loss: Any
+    d_hidden: Any
+    valid_tokens: int
+    rows: int
+    head_version: int
+    logprobs: Any = None
+    entropy: Any = None
+
+
+@dataclass
+class PolicyLossResult:
+    loss: float
+    d_hidden: Any
+    logprobs: Any
+    entropy: Any
+    valid_tokens: int
+    clip_fraction: float
+    approx_kl: float
+    mean_entropy: float
+    mean_ratio: float
+    mean_kl: float
+    head_version: int
+
+
+_REDUCTIONS = {"none": pb.REDUCTION_NONE, "sum": pb.REDUCTION_SUM, "mean": pb.REDUCTION_MEAN}
+_AGGREGATIONS = {
+    "token-mean": pb.AGGREGATION_TOKEN_MEAN,
+    "seq-mean-token-sum": pb.AGGREGATION_SEQ_MEAN_TOKEN_SUM,
+    "seq-mean-token-mean": pb.AGGREGATION_SEQ_MEAN_TOKEN_MEAN,
+}
+_KL = {"k1": pb.KL_ESTIMATOR_K1, "k3": pb.KL_ESTIMATOR_K3}
+
+
+class _Progress:
+    """Calls the user's callback and/or drives a tqdm bar, in rows."""
+
+    def __init__(self, total: int, callback: Optional[ProgressFn], use_tqdm: Union[bool, Any], desc: str):
+        self.total, self.callback, self.bar = total, callback, None
+        if use_tqdm:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError as e:  # pragma: no cover
+                raise ImportError("progress bars need tqdm: pip install tqdm") from e
+            kw = use_tqdm if isinstance(use_tqdm, dict) else {}
+            self.bar = tqdm(total=total, unit="row", desc=desc, **kw)
+
+    def update(self, done: int, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(step)
+        if self.callback is not None:
+            self.callback(done, self.total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Client:
+    """A connection to an lce_server.
+
+    Args:
+      target: "host:port".
+      timeout: deadline of each call, in seconds (None: no deadline).
+      chunk_bytes: hidden-state bytes per streamed chunk (at least one row per chunk). Results do not
+        depend on it.
+      root_certificates / private_key / certificate_chain: PEM bytes for TLS (mTLS with the last two);
+        `tls=True` uses TLS with the system's roots.
+      token: bearer token, sent as "authorization: Bearer <token>" metadata on every call.
+      head: default head name for every call ("" = the server's default head).
+      options: extra grpc channel options.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: Optional[float] = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        root_certificates: Optional[bytes] = None,
+        private_key: Optional[bytes] = None,
+        certificate_chain: Optional[bytes] = None,
+        tls: Optional[bool] = None,
+        token: Optional[str] = None,
+        head: str = "",
+        options: Sequence = (),
+    ):
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be positive")
+        self.target = target
+        self.timeout = timeout
+        self.chunk_bytes = int(chunk_bytes)
+        self.head = head
+        opts = [
+            ("grpc.max_receive_message_length", _MAX_RECV),
+            ("grpc.max_send_message_length", _MAX_RECV),
+        ] + list(options)
+        secure = tls if tls is not None else any(x is not None for x in (root_certificates, private_key, certificate_chain))
+        if secure:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_as_bytes(root_certificates),
+                private_key=_as_bytes(private_key),
+                certificate_chain=_as_bytes(certificate_chain),
+            )
+            self._channel = grpc.secure_channel(target, creds, options=opts)
+        else:
+            self._channel = grpc.insecure_channel(target, options=opts)
+        self._stub = pb_grpc.LceServiceStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._info_cache: dict = {}
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------------------------- plumbing
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _unary(self, name: str, request):
+        try:
+            return getattr(self._stub, name)(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _wrap(e, name) from e
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Blocks until the channel is connected (raises LceError UNAVAILABLE after `timeout`)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError as e:
+            raise LceError(grpc.StatusCode.UNAVAILABLE, f"no server at {self.target} after {timeout}s") from e
+
+    # ------------------------------------------------------------------------------------- unary
+    def info(self, head: Optional[str] = None) -> ServerInfo:
+        """Describes the head (default: the client's head) and the server."""
+        r = self._unary("GetInfo", pb.GetInfoRequest(head=self._head(head)))
+        info = ServerInfo(
+            head=HeadInfo._from(r.head),
+            heads=[HeadInfo._from(h) for h in r.heads],
+            backend=r.backend,
+            tp_size=r.tp_size,
+            max_message_bytes=r.max_message_bytes,
+            max_rows_per_request=r.max_rows_per_request,
+            server_version=r.server_version,
+        )
+        with self._lock:
+            self._info_cache[self._head(head)] = info
+        return info
+
+    def head_info(self, head: Optional[str] = None, refresh: bool = False) -> HeadInfo:
+        """The head's description, cached after the first call (refresh=True asks again)."""
+        key = self._head(head)
+        with self._lock:
+            cached = self._info_cache.get(key)
+        if cached is None or refresh:
+            cached = self.info(head)
+        return cached.head
+
+    def load_head(self, name: str, *, safetensors_file: Optional[str] = None, tensor: str = "",
+                  clone_of: Optional[str] = None, seeded: Optional[tuple] = None) -> HeadInfo:
+        """Adds or replaces a head: from a safetensors file on the server, a clone of another head, or
+        a seeded random head `seeded=(vocab, hidden, seed, dtype)`."""
+        req = pb.LoadHeadRequest(name=name, tensor=tensor)
+        if safetensors_file is not None:
+            req.safetensors_file = safetensors_file
+        elif clone_of is not None:
+            req.clone_of = clone_of
+        elif seeded is not None:
+            v, h, s, d = seeded
+            req.seeded.CopyFrom(pb.SeededHead(vocab_size=v, hidden_size=h, seed=s, dtype=A.parse_dtype(d)))
+        else:
+            raise ValueError("load_head needs safetensors_file, clone_of or seeded")
+        with self._lock:
+            self._info_cache.pop(name, None)
+        return HeadInfo._from(self._unary("LoadHead", req))
+
+    def zero_grad(self, head: Optional[str] = None) -> None:
+        self._unary("ZeroGrad", pb.ZeroGradRequest(head=self._head(head)))
+
+    def get_grad(self, head: Optional[str] = None) -> np.ndarray:
+        """The head's accumulated fp32 gradient dW [vocab, hidden] as numpy."""
+        out = None
+        try:
+            for c in self._stub.GetGrad(pb.GetGradRequest(head=self._head(head)), timeout=self.timeout,
+                                        metadata=self._metadata):
+                if out is None:
+                    out = np.zeros((c.rows_total, c.cols), dtype=np.float32)
+                out[c.first_row:c.first_row + c.rows] = np.frombuffer(c.data, dtype="<f4").reshape(c.rows, c.cols)
+        except grpc.RpcError as e:
+            raise _wrap(e, "GetGrad") from e
+        return out if out is not None else np.zeros((0, 0), dtype=np.float32)
+
+    def optimizer_step(self, head: Optional[str] = None, *, lr: float, beta1: float = 0.9, beta2: float = 0.999,
+                       eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
+                       zero_grad: bool = True):
+        """One AdamW step on the server's fp32 master weights. Returns (grad_norm, HeadInfo, step)."""
+        r = self._unary("OptimizerStep", pb.OptimizerStepRequest(
+            head=self._head(head), lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm, zero_grad=zero_grad))
+        return r.grad_norm, HeadInfo._from(r.head), r.step
+
+    def update_weights(self, weight: Any, head: Optional[str] = None, expected_version: int = 0) -> HeadInfo:
+        """Replaces the head's weight [vocab, hidden] (numpy or torch, of the head's dtype)."""
+        w = A.host_hidden(weight)
+        if len(w.lead_shape) != 1:
+            raise ValueError("weight must be [vocab, hidden]")
+        row_bytes = w.hidden_size * w.array.itemsize
+        step = max(1, self.chunk_bytes // max(1, row_bytes))
+        buf = w.byte_view()
+
+        def gen():
+            yield pb.UpdateWeightsRequest(header=pb.UpdateWeightsHeader(head=self._head(head),
+                                                                        expected_version=expected_version))
+            for r0 in range(0, w.rows, step):
+                r1 = min(w.rows, r0 + step)
+                yield pb.UpdateWeightsRequest(chunk=pb.TensorChunk(
+                    first_row=r0, rows=r1 - r0, cols=w.hidden_size, rows_total=w.rows, dtype=w.wire_dtype,
+                    data=bytes(buf[r0 * row_bytes:r1 * row_bytes])))
+
+        try:
+            r = self._stub.UpdateWeights(gen(), timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise _wrap(e, "UpdateWeights") from e
+        return HeadInfo._from(r)
+
+    def save_head(self, directory: str, head: Optional[str] = None):
+        r = self._unary("SaveHead", pb.SaveHeadRequest(head=self._head(head), directory=directory))
+        return list(r.files), r.index_file
+
+    # --------------------------------------------------------------------------------- streaming
+    def score(self, hidden, targets, temperature: float = 1.0, softcap: Optional[float] = None,
+              entropy: bool = True, ignore_index: int = -100, *, head: Optional[str] = None,
+              head_version: int = 0, allow_tf32: bool = False, dtype=None,
+              progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False):
+        """Per-token logprob of the target and (if `entropy`) entropy of the softmax.
+
+        hidden: [..., H] numpy or torch (bf16 / fp16 / fp32, the head's dtype); targets: [...] ints.
+        Returns (logprobs, entropy_or_None), fp32, shaped like targets, numpy or torch on hidden's device.
+        """
+        outputs = [pb.OUTPUT_LOGPROBS] + ([pb.OUTPUT_ENTROPY] if entropy else [])
+        h = A.host_hidden(hidden, dtype)
+        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
+        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
+        res = self._stream("Score", h, t, hdr, {}, want_dhidden=False, progress=progress, use_tqdm=tqdm)
+        lp = A.to_caller_rows(res["logprobs"], h)
+        ent = A.to_caller_rows(res["entropy"], h) if entropy else None
+        return lp, ent
+
+    def forward_backward(self, hidden, targets, reduction: str = "mean", ignore_index: int = -100,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, temperature: float = 1.0,
+                         softcap: Optional[float] = None, grad_loss=None, *, head: Optional[str] = None,
+                         head_version: int = 0, accumulate_weight_grad: bool = False,
+                         return_logprobs: bool = False, return_entropy: bool = False, allow_tf32: bool = False,
+                         dtype=None, progress: Optional[ProgressFn] = None,
+                         tqdm: Union[bool, dict] = False) -> ForwardBackwardResult:
+        """Loss and d_hidden in one round trip. reduction: "mean" (over non-ignored rows of the whole
+        call; the client declares their count to the server), "sum", or "none" (with optional per-row
+        upstream gradients `grad_loss`: d_hidden is then the gradient of sum_i grad_loss_i * loss_i)."""
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
+        if grad_loss is not None and reduction != "none":
+            raise ValueError("grad_loss applies to reduction='none' only")
+        outputs = [pb.OUTPUT_LOSS]
+        if return_logprobs:
+            outputs.append(pb.OUTPUT_LOGPROBS)
+        if return_entropy:
+            outputs.append(pb.OUTPUT_ENTROPY)
+        h = A.host_hidden(hidden, dtype)
+        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
+        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
+        hdr.reduction = _REDUCTIONS[reduction]
+        hdr.label_smoothing = label_smoothing
+        hdr.z_loss = z_loss
+        hdr.accumulate_weight_grad = accumulate_weight_grad
+        if reduction == "mean":
+            hdr.num_valid_tokens = int(np.count_nonzero(t != ignore_index))
+        per_row = {}
+        if grad_loss is not None:
+            per_row["grad_loss"] = A.host_rows(grad_loss, h.rows, "grad_loss", np.float32, h.lead_shape)
+        res = self._stream("ForwardBackward", h, t, hdr, per_row, want_dhidden=True, progress=progress,
+                           use_tqdm=tqdm)
+        s = res["summary"]
+        if s is None:
+            raise LceError(grpc.StatusCode.INTERNAL, "server ended ForwardBackward without a summary",
+                           "ForwardBackward")
+        return ForwardBackwardResult(
+            loss=float(s.loss),
+            per_token_loss=A.to_caller_rows(res["loss"], h),
+            d_hidden=A.to_caller_hidden(res["d_hidden"], h),
+            valid_tokens=int(s.valid_tokens), rows=int(s.rows), head_version=int(s.head_version),
+            logprobs=A.to_caller_rows(res["logprobs"], h) if return_logprobs else None,
+            entropy=A.to_caller_rows(res["entropy"], h) if return_entropy else None,
+        )
+
+    def backward(self, hidden, targets, grad_logprob=None, grad_entropy=None, temperature: float = 1.0,
+                 softcap: Optional[float] = None, ignore_index: int = -100, *, head: Optional[str] = None,
+                 head_version: int = 0, allow_tf32: bool = False, dtype=None,
+                 progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False):
+        """Generic backward: d_hidden from upstream grads of logprob and entropy (None: zeros)."""
+        h = A.host_hidden(hidden, dtype)
+        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
+        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, [], allow_tf32)
+        per_row = {}
+        if grad_logprob is not None:
+            per_row["grad_logprob"] = A.host_rows(grad_logprob, h.rows, "grad_logprob", np.float32, h.lead_shape)
+        if grad_entropy is not None:
+            per_row["grad_entropy"] = A.host_rows(grad_entropy, h.rows, "grad_entropy", np.float32, h.lead_shape)
+        res = self._stream("Backward", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm)
+        return A.to_caller_hidden(res["d_hidden"], h)
+
+    def policy_loss(self, hidden, targets, old_logprobs, advantages, *, sequence_ids=None,
+                    ref_logprobs=None, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float = 0.0,
+                    aggregation: str = "token-mean", entropy_coef: float = 0.0, kl_coef: float = 0.0,
+                    kl_estimator: str = "k1", temperature: float = 1.0, softcap: Optional[float] = None,
+                    ignore_index: int = -100, head: Optional[str] = None, head_version: int = 0,
+                    accumulate_weight_grad: bool = False, allow_tf32: bool = False, dtype=None,
+                    progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False) -> PolicyLossResult:
+        """Fused PPO/GRPO policy loss and its d_hidden (docs/MATH.md, "Policy loss").
+
+        sequence_ids: per row, the row's sequence (default: for [B, T] hidden states, the batch index;
+        otherwise one sequence). The client fills in each sequence's valid-token count."""
+        if aggregation not in _AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {sorted(_AGGREGATIONS)}")
+        if kl_estimator not in _KL:
+            raise ValueError(f"kl_estimator must be one of {sorted(_KL)}")
+        h = A.host_hidden(hidden, dtype)
+        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
+        if sequence_ids is None:
+            if len(h.lead_shape) >= 2:
+                inner = int(np.prod(h.lead_shape[1:]))
+                sequence_ids = np.repeat(np.arange(h.lead_shape[0], dtype=np.int32), inner)
+            else:
+                sequence_ids = np.zeros(h.rows, dtype=np.int32)
+        seq = A.host_rows(sequence_ids, h.rows, "sequence_ids", np.int32, h.lead_shape)
+        if seq.size and seq.min() < 0:
+            raise ValueError("sequence_ids must be >= 0")
+        nseq = int(seq.max()) + 1 if seq.size else 0
+        counts = np.bincount(seq[t != ignore_index], minlength=nseq) if nseq else np.zeros(0, np.int64)
+        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index,
+                           [pb.OUTPUT_LOGPROBS, pb.OUTPUT_ENTROPY], allow_tf32)
+        hdr.accumulate_weight_grad = accumulate_weight_grad
+        hdr.policy.CopyFrom(pb.PolicyLossOptions(
+            clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=_AGGREGATIONS[aggregation],
+            entropy_coef=entropy_coef, kl_coef=kl_coef, kl_estimator=_KL[kl_estimator],
+            sequence_valid_tokens=[int(c) for c in counts]))
+        per_row = {
+            "old_logprobs": A.host_rows(old_logprobs, h.rows, "old_logprobs", np.float32, h.lead_shape),
+            "advantages": A.host_rows(advantages, h.rows, "advantages", np.float32, h.lead_shape),
+            "sequence_ids": seq,
+        }
+        if ref_logprobs is not None:
+            per_row["ref_logprobs"] = A.host_rows(ref_logprobs, h.rows, "ref_logprobs", np.float32, h.lead_shape)
+        res = self._stream("PolicyLoss", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm)
+        s = res["summary"]
+        if s is None:
+            raise LceError(grpc.StatusCode.INTERNAL, "server ended PolicyLoss without a summary", "PolicyLoss")
+        return PolicyLossResult(
+            loss=float(s.loss), d_hidden=A.to_caller_hidden(res["d_hidden"], h),
+            logprobs=A.to_caller_rows(res["logprobs"], h), entropy=A.to_caller_rows(res["entropy"], h),
+            valid_tokens=int(s.valid_tokens), clip_fraction=s.clip_fraction, approx_kl=s.approx_kl,
+            mean_entropy=s.mean_entropy, mean_ratio=s.mean_ratio, mean_kl=s.mean_kl,
+            head_version=int(s.head_version))
+
+    # ---------------------------------------------------------------------------------- internals
+    def _head(self, head: Optional[str]) -> str:
+        return self.head if head is None else head
+
+    def _header(self, h: A.HostArray, head, head_version, temperature, softcap, ignore_index, outputs,
+                allow_tf32) -> pb.RequestHeader:
+        if temperature is None:
+            temperature = 1.0
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be a finite number, got {temperature!r}")
+        hdr = pb.RequestHeader(
+            head=self._head(head), head_version=head_version, hidden_size=h.hidden_size, dtype=h.wire_dtype,
+            temperature=float(temperature), softcap=float(softcap or 0.0), outputs=outputs,
+            ignore_index=int(ignore_index), allow_tf32=allow_tf32)
+        return hdr
+
+    def _rows_per_chunk(self, h: A.HostArray) -> int:
+        row_bytes = h.hidden_size * h.array.itemsize
+        return max(1, self.chunk_bytes // max(1, row_bytes))
+
+    def _requests(self, h: A.HostArray, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
+                  step: int) -> Iterator[pb.StreamRequest]:
+        """The request stream, made lazily: a header, then one chunk per `step` rows, each built from a
+        memoryview slice of the caller's (host) hidden states."""
+        yield pb.StreamRequest(header=header)
+        buf = h.byte_view()
+        row_bytes = h.hidden_size * h.array.itemsize
+        for r0 in range(0, h.rows, step):
+            r1 = min(h.rows, r0 + step)
+            chunk = pb.RowChunk(hidden=bytes(buf[r0 * row_bytes:r1 * row_bytes]), targets=targets[r0:r1].tolist())
+            for name, arr in per_row.items():
+                getattr(chunk, name).extend(arr[r0:r1].tolist())
+            yield pb.StreamRequest(chunk=chunk)
+
+    def _stream(self, rpc: str, h: A.HostArray, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
+                want_dhidden: bool, progress, use_tqdm) -> dict:
+        step = self._rows_per_chunk(h)
+        n = h.rows
+        out = {"logprobs": A.new_rows_out(n), "entropy": A.new_rows_out(n), "loss": A.new_rows_out(n),
+               "d_hidden": A.new_hidden_out(n, h.hidden_size, h.wire_dtype) if want_dhidden else None,
+               "summary": None}
+        dh_bytes = out["d_hidden"].reshape(-1).view(np.uint8) if want_dhidden else None
+        row_bytes = h.hidden_size * h.array.itemsize
+        prog = _Progress(n, progress, use_tqdm, rpc) if (progress or use_tqdm) else None
+        call = getattr(self._stub, rpc)(self._requests(h, targets, header, per_row, step),
+                                        timeout=self.timeout, metadata=self._metadata)
+        expect = 0
+        try:
+            for msg in call:
+                kind = msg.WhichOneof("kind")
+                if kind == "summary":
+                    out["summary"] = msg.summary
+                    continue
+                if kind != "chunk":
+                    continue
+                c = msg.chunk
+                r0, rows = int(c.first_row), int(c.rows)
+                if r0 != expect or rows <= 0 and n > 0 or r0 + rows > n:
+                    raise LceError(grpc.StatusCode.INTERNAL,
+                                   f"server answered rows [{r0}, {r0 + rows}) where rows from {expect} of {n} "
+                                   "were expected", rpc)
+                r1 = r0 + rows
+                for name in ("logprobs", "entropy", "loss"):
+                    vals = getattr(c, name)
+                    if len(vals):
+                        if len(vals) != rows:
+                            raise LceError(grpc.StatusCode.INTERNAL,
+                                           f"server sent {len(vals)} {name} for a chunk of {rows} rows", rpc)
+                        out[name][r0:r1] = vals
+                if want_dhidden:
+                    if len(c.d_hidden) != rows * row_bytes:
+                        raise LceError(grpc.StatusCode.INTERNAL,
+                                       f"server sent {len(c.d_hidden)} bytes of d_hidden for {rows} rows "
+                                       f"of {row_bytes} bytes", rpc)
+                    dh_bytes[r0 * row_bytes:r1 * row_bytes] = np.frombuffer(c.d_hidden, dtype=np.uint8)
+                expect = r1
+                if prog is not None:
+                    prog.update(r1, rows)
+        except grpc.RpcError as e:
+            raise _wrap(e, rpc) from e
+        except LceError:
+            call.cancel()
+            raise
+        finally:
+            if prog is not None:
+                prog.close()
+        if expect != n:
+            raise LceError(grpc.StatusCode.INTERNAL, f"server answered {expect} of {n} rows", rpc)
+        return out
+
+
+def _as_bytes(x):
+    if x is None or isinstance(x, bytes):
+        return x
+    if isinstance(x, str):
+        return x.encode()
+    return bytes(x)

@@ -1,0 +1,179 @@
+"""PyTorch autograd through the remote loss head.
+
+* ``RemoteLinearCrossEntropy(client, reduction=...)`` — an ``nn.Module``: ``loss = module(hidden, targets)``.
+  Its forward makes ONE ForwardBackward RPC, which returns the loss and d_hidden together; the d_hidden
+  (of the head's dtype, the size of ``hidden``) is kept on the autograd node and the backward returns it
+  scaled by the upstream gradient. This is exact, not an approximation: the loss gradient of row i is
+  linear in its upstream gradient g_i (docs/MATH.md), so for reduction "none" the server is asked for the
+  gradient with g_i = 1 and the backward multiplies row i by grad_output[i]; for "sum" and "mean" the
+  backward multiplies by the scalar grad_output (1 in the usual ``loss.backward()``). Only rounding
+  differs from a server-side scaling (d_hidden is rounded to the head's dtype before the multiply).
+  ``backward_mode="rpc"`` instead makes a second ForwardBackward RPC in the backward with grad_output
+  sent as ``grad_loss`` (reduction "none" only): exact server-side scaling, at twice the traffic.
+* ``remote_logprobs(hidden, targets, client=...)`` -> (logprobs, entropy): Score in the forward; the
+  backward makes a Backward RPC with the upstream grads of logprobs and entropy, so any loss written in
+  torch on top of them (PPO, GRPO, DPO, KL, ...) trains through the remote head.
+
+Hidden states of another floating dtype than the head's are cast to the head's dtype for the wire
+(``cast=True``, the default) and d_hidden comes back in the caller's dtype and device.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ._client import Client
+
+__all__ = ["RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy", "set_default_client",
+           "get_default_client"]
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_default_client: Optional[Client] = None
+
+
+def set_default_client(client: Optional[Client]) -> None:
+    """The client that remote_logprobs / RemoteLinearCrossEntropy use when given none."""
+    global _default_client
+    _default_client = client
+
+
+def get_default_client() -> Client:
+    """The default client: set_default_client's, else one to $LCE_TARGET."""
+    global _default_client
+    if _default_client is None:
+        target = os.environ.get("LCE_TARGET")
+        if not target:
+            raise RuntimeError("no lce client: pass client=..., call lce_client.torch.set_default_client, "
+                               "or set LCE_TARGET=host:port")
+        _default_client = Client(target)
+    return _default_client
+
+
+def _wire_hidden(client: Client, hidden: torch.Tensor, head: Optional[str], cast: bool) -> torch.Tensor:
+    want = _TORCH_DTYPES[client.head_info(head).dtype]
+    if hidden.dtype == want:
+        return hidden.detach()
+    if not cast:
+        raise TypeError(f"hidden is {hidden.dtype} but the head is {want} (pass cast=True to convert)")
+    return hidden.detach().to(want)
+
+
+class _RemoteLCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, targets, client, opts):
+        wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
+        res = client.forward_backward(
+            wire, targets, reduction=opts["reduction"], ignore_index=opts["ignore_index"],
+            label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"], temperature=opts["temperature"],
+            softcap=opts["softcap"], head=opts["head"], accumulate_weight_grad=opts["accumulate_weight_grad"])
+        ctx.client, ctx.opts, ctx.hidden_dtype = client, opts, hidden.dtype
+        ctx.d_hidden = res.d_hidden  # gradient for grad_output == 1 (per row for "none")
+        if opts["backward_mode"] == "rpc":
+            ctx.save_for_backward(hidden, targets)
+        if opts["reduction"] == "none":
+            return res.per_token_loss.to(hidden.device)
+        return torch.tensor(res.loss, dtype=torch.float32, device=hidden.device)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        opts = ctx.opts
+        if opts["backward_mode"] == "rpc":
+            hidden, targets = ctx.saved_tensors
+            wire = _wire_hidden(ctx.client, hidden, opts["head"], opts["cast"])
+            res = ctx.client.forward_backward(
+                wire, targets, reduction="none", ignore_index=opts["ignore_index"],
+                label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"], temperature=opts["temperature"],
+                softcap=opts["softcap"], head=opts["head"], grad_loss=grad_out)
+            return res.d_hidden.to(ctx.hidden_dtype), None, None, None
+        d = ctx.d_hidden
+        if opts["reduction"] == "none":
+            g = grad_out.to(device=d.device, dtype=torch.float32).unsqueeze(-1)
+        else:
+            g = grad_out.to(device=d.device, dtype=torch.float32)
+        return (d.to(torch.float32) * g).to(ctx.hidden_dtype), None, None, None
+
+
+def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, client: Optional[Client] = None, *,
+                                reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
+                                z_loss: float = 0.0, temperature: float = 1.0, softcap: Optional[float] = None,
+                                head: Optional[str] = None, cast: bool = True, accumulate_weight_grad: bool = False,
+                                backward_mode: str = "scale") -> torch.Tensor:
+    """Functional form of RemoteLinearCrossEntropy."""
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"reduction must be none, sum or mean, got {reduction!r}")
+    if backward_mode not in ("scale", "rpc"):
+        raise ValueError("backward_mode must be 'scale' or 'rpc'")
+    if backward_mode == "rpc" and reduction != "none":
+        raise ValueError("backward_mode='rpc' applies to reduction='none' (sum and mean scale by a scalar)")
+    client = client or get_default_client()
+    opts = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                temperature=temperature, softcap=softcap, head=head, cast=cast,
+                accumulate_weight_grad=accumulate_weight_grad, backward_mode=backward_mode)
+    return _RemoteLCE.apply(hidden, targets, client, opts)
+
+
+class RemoteLinearCrossEntropy(torch.nn.Module):
+    """loss = RemoteLinearCrossEntropy(client)(hidden [..., H], targets [...]): cross-entropy of the
+    server's LM head, like ``F.cross_entropy(hidden @ W.T, targets)`` with W on the server.
+
+    reduction: "mean" (over non-ignored rows), "sum" or "none" (per-row loss, shaped like targets).
+    label_smoothing, z_loss, temperature, softcap: as in docs/MATH.md. head: head name on the server.
+    accumulate_weight_grad: also accumulate dW on the server (for OptimizerStep).
+    See the module docstring for how the backward gets d_hidden (one RPC per forward by default).
+    """
+
+    def __init__(self, client: Optional[Client] = None, *, reduction: str = "mean", ignore_index: int = -100,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0, temperature: float = 1.0,
+                 softcap: Optional[float] = None, head: Optional[str] = None, cast: bool = True,
+                 accumulate_weight_grad: bool = False, backward_mode: str = "scale"):
+        super().__init__()
+        self.client = client
+        self.kw = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                       z_loss=z_loss, temperature=temperature, softcap=softcap, head=head, cast=cast,
+                       accumulate_weight_grad=accumulate_weight_grad, backward_mode=backward_mode)
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return remote_linear_cross_entropy(hidden, targets, self.client, **self.kw)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.kw.items())
+
+
+class _RemoteLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, targets, client, opts):
+        wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
+        lp, ent = client.score(wire, targets, temperature=opts["temperature"], softcap=opts["softcap"],
+                               entropy=True, ignore_index=opts["ignore_index"], head=opts["head"])
+        ctx.client, ctx.opts, ctx.hidden_dtype = client, opts, hidden.dtype
+        ctx.save_for_backward(hidden, targets)
+        ctx.set_materialize_grads(False)
+        return lp.to(hidden.device), ent.to(hidden.device)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        if not ctx.needs_input_grad[0] or (g_lp is None and g_ent is None):
+            return None, None, None, None
+        hidden, targets = ctx.saved_tensors
+        opts = ctx.opts
+        wire = _wire_hidden(ctx.client, hidden, opts["head"], opts["cast"])
+        d = ctx.client.backward(wire, targets, grad_logprob=g_lp, grad_entropy=g_ent,
+                                temperature=opts["temperature"], softcap=opts["softcap"],
+                                ignore_index=opts["ignore_index"], head=opts["head"])
+        return d.to(ctx.hidden_dtype), None, None, None
+
+
+def remote_logprobs(hidden: torch.Tensor, targets: torch.Tensor, client: Optional[Client] = None, *,
+                    temperature: float = 1.0, softcap: Optional[float] = None, ignore_index: int = -100,
+                    head: Optional[str] = None, cast: bool = True):
+    """(logprobs, entropy) of targets under the remote head, fp32, shaped like targets, differentiable
+    w.r.t. hidden: the backward makes one Backward RPC with the upstream grads of both outputs."""
+    client = client or get_default_client()
+    opts = dict(temperature=temperature, softcap=softcap, ignore_index=ignore_index, head=head, cast=cast)
+    return _RemoteLogprobs.apply(hidden, targets, client, opts)
