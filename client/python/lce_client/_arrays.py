@@ -108,7 +108,7 @@ def host_hidden(hidden: Any, dtype: Optional[Any] = None) -> HostArray:
             raise TypeError(f"hidden of numpy dtype {arr.dtype} cannot carry {dtype_name(wire)} values")
         if arr.dtype.kind == "f" and arr.dtype != want:
             raise TypeError(f"hidden is {arr.dtype}, not {dtype_name(wire)}")
-    elif arr.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
+    elif arr.dtype.name == "bfloat16" or arr.dtype == np.uint16:  # ml_dtypes.bfloat16, or raw bf16 bits
         wire = pb.DTYPE_BFLOAT16
     elif arr.dtype == np.float32:
         wire = pb.DTYPE_FLOAT32
@@ -117,7 +117,7 @@ def host_hidden(hidden: Any, dtype: Optional[Any] = None) -> HostArray:
     else:
         raise TypeError(
             f"unsupported hidden dtype {arr.dtype}: send float32 or float16 numpy arrays, raw bf16 bits as "
-            "uint16 with dtype='bf16', or torch tensors"
+            "uint16, or torch tensors"
         )
     arr = np.ascontiguousarray(arr)
     if arr.dtype.byteorder == ">":

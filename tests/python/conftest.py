@@ -1,0 +1,239 @@
+"""Fixtures: the real lce_server binary (CPU engine) on a free port, heads written as safetensors by the
+test (so the torch reference has the exact weight), and a float64 torch reference from materialised
+logits.
+
+The binary: $LCE_SERVER_BIN, else build/bin/lce_server under the repository root.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lce_client  # noqa: E402
+
+try:
+    import torch  # noqa: F401
+
+    HAVE_TORCH = True
+except ImportError:  # pragma: no cover
+    HAVE_TORCH = False
+
+requires_torch = pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed (pip install torch): the "
+                                    "reference and the autograd wrappers need it")
+
+VOCAB, HIDDEN = 389, 48
+DTYPES = ["fp32", "bf16", "fp16"]
+_ST_DTYPE = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
+
+
+def server_binary() -> Path:
+    env = os.environ.get("LCE_SERVER_BIN")
+    p = Path(env) if env else REPO / "build" / "bin" / "lce_server"
+    if not p.is_file() or not os.access(p, os.X_OK):
+        pytest.fail(f"lce_server binary not found at {p}: build it (ninja -C build lce_server) or set LCE_SERVER_BIN",
+                    pytrace=False)
+    return p
+
+
+def to_storage(w32: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values -> the head dtype's storage (uint16 bits for bf16)."""
+    if dtype == "fp32":
+        return np.ascontiguousarray(w32, dtype=np.float32)
+    if dtype == "fp16":
+        return np.ascontiguousarray(w32, dtype=np.float16)
+    return lce_client.f32_to_bf16_bits(w32)
+
+
+def to_f64(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """The exact values of stored elements, as float64."""
+    if dtype == "bf16":
+        return lce_client.bf16_bits_to_f32(stored).astype(np.float64)
+    return stored.astype(np.float64)
+
+
+def write_safetensors(path: Path, tensors: dict) -> None:
+    """Writes the safetensors format by hand: u64 LE header length, JSON header, raw LE bytes."""
+    header, blobs, off = {}, [], 0
+    for name, (arr, st_dtype) in tensors.items():
+        raw = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": st_dtype, "shape": list(arr.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little"))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+class Server:
+    def __init__(self, args, workdir: Path, name: str = "srv"):
+        self.port_file = workdir / f"{name}.port"
+        self.log_path = workdir / f"{name}.log"
+        self.log = open(self.log_path, "w")
+        cmd = [str(server_binary()), "--host=127.0.0.1", "--port=0", f"--port-file={self.port_file}",
+               "--backend=cpu", "--cpu-threads=1", "--shutdown-grace-seconds=2"] + list(args)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lce_server exited with {self.proc.returncode}: {self.log_path.read_text()}")
+            if self.port_file.exists() and self.port_file.read_text().strip():
+                break
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"lce_server did not start in 60 s: {self.log_path.read_text()}")
+            time.sleep(0.02)
+        self.port = int(self.port_file.read_text().strip())
+        self.target = f"127.0.0.1:{self.port}"
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Head:
+    """A head served by its own lce_server, with its exact weight for the reference."""
+
+    def __init__(self, dtype, server, w_stored, bias=None):
+        self.dtype = dtype
+        self.server = server
+        self.target = server.target
+        self.w_stored = w_stored
+        self.w64 = to_f64(w_stored, dtype)
+        self.bias = bias
+
+    def client(self, **kw) -> "lce_client.Client":
+        return lce_client.Client(self.target, timeout=60, **kw)
+
+    def hidden(self, rows, seed=0, scale=1.0, shape=None):
+        """Random hidden states in the head's dtype: (storage array for numpy calls, float64 values)."""
+        rng = np.random.default_rng(seed)
+        h32 = (rng.standard_normal((rows, HIDDEN)) * scale).astype(np.float32)
+        st = to_storage(h32, self.dtype)
+        if shape is not None:
+            st = st.reshape(shape + (HIDDEN,))
+        return st, to_f64(st, self.dtype).reshape(-1, HIDDEN)
+
+
+def make_weight(dtype, seed=1234, vocab=VOCAB, hidden=HIDDEN, scale=0.6):
+    rng = np.random.default_rng(seed)
+    return to_storage((rng.standard_normal((vocab, hidden)) * scale / np.sqrt(hidden) * 4).astype(np.float32), dtype)
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("lce")
+
+
+@pytest.fixture(scope="session")
+def heads(workdir):
+    """One server per dtype, each serving a head from a safetensors file this test wrote."""
+    out, servers = {}, []
+    try:
+        for i, dt in enumerate(DTYPES):
+            w = make_weight(dt, seed=100 + i)
+            path = workdir / f"head_{dt}.safetensors"
+            write_safetensors(path, {"lm_head.weight": (w, _ST_DTYPE[dt])})
+            srv = Server([f"--head-file={path}", "--head-tensor=lm_head.weight"], workdir, f"head_{dt}")
+            servers.append(srv)
+            out[dt] = Head(dt, srv, w)
+        yield out
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture(params=DTYPES)
+def head(request, heads):
+    return heads[request.param]
+
+
+@pytest.fixture
+def server_factory(workdir):
+    started = []
+
+    def start(args, name="extra"):
+        s = Server(args, workdir, f"{name}_{len(started)}")
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+# ------------------------------------------------------------------------------ float64 reference
+def reference(w64, h64, targets, *, temperature=1.0, softcap=0.0, ignore_index=-100, label_smoothing=0.0,
+              z_loss=0.0, bias=None):
+    """Materialised logits in float64 torch, as docs/MATH.md; returns a dict of differentiable tensors
+    (hidden is a leaf with requires_grad) so tests take gradients by autograd."""
+    import torch
+
+    h = torch.tensor(h64, dtype=torch.float64, requires_grad=True)
+    W = torch.tensor(w64, dtype=torch.float64)
+    y = torch.as_tensor(np.asarray(targets).reshape(-1), dtype=torch.int64)
+    a = h @ W.T
+    if bias is not None:
+        a = a + torch.tensor(bias, dtype=torch.float64)
+    z = (softcap * torch.tanh(a / softcap) if softcap else a) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    valid = y != ignore_index
+    yy = torch.where(valid, y, torch.zeros_like(y))
+    lp = torch.where(valid, z.gather(1, yy[:, None])[:, 0] - lse, torch.zeros_like(lse))
+    p = torch.softmax(z, dim=-1)
+    ent = lse - (p * z).sum(-1)
+    loss = -(1 - label_smoothing) * lp + label_smoothing * (lse - z.mean(-1)) + z_loss * lse ** 2
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    return {"h": h, "logprobs": lp, "entropy": ent, "loss": loss, "valid": valid, "lse": lse}
+
+
+def grad_of(scalar, h):
+    import torch
+
+    (g,) = torch.autograd.grad(scalar, h, retain_graph=True)
+    return g.numpy()
+
+
+def as_f64(x, dtype=None):
+    """numpy / torch (any dtype, bf16 included) -> float64 numpy."""
+    if hasattr(x, "detach"):
+        import torch
+
+        return x.detach().to("cpu", torch.float64).numpy()
+    x = np.asarray(x)
+    if dtype == "bf16" or x.dtype == np.uint16:
+        return lce_client.bf16_bits_to_f32(x).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def assert_close(got, want, *, rtol, atol, what=""):
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    scale = float(np.abs(want).max(initial=0.0))
+    err = float(np.abs(got - want).max(initial=0.0))
+    assert err <= atol + rtol * scale, f"{what}: max abs error {err:.3g} > {atol} + {rtol}*{scale:.3g}"
+
+
+# Tolerances for d_hidden by dtype: it is rounded to the dtype on the way back.
+GRAD_RTOL = {"fp32": 1e-5, "bf16": 1.2e-2, "fp16": 2e-3}
