@@ -17,7 +17,7 @@ constexpr int64_t kVocab = 3001;  // not a multiple of any tile
 constexpr int64_t kHidden = 32;
 
 struct TestServer {
-  std::shared_ptr<HeadStore> heads;
+  std::shared_ptr<server::HeadStore> heads;
   std::unique_ptr<server::GrpcServer> server;
   std::string target;
   // Heads: "default" (bf16) and "wide" (fp32, with the same seed).

@@ -1,0 +1,209 @@
+#include "lce/client/lce_client.h"
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/create_channel.h"
+
+namespace lce::client {
+namespace {
+
+absl::Status ToAbsl(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+using BidiStream = grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>;
+
+}  // namespace
+
+int64_t WireDTypeSize(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32: return 4;
+    case v1::DTYPE_BFLOAT16:
+    case v1::DTYPE_FLOAT16: return 2;
+    default: return 0;
+  }
+}
+
+std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_bytes, int64_t chunk_bytes) {
+  const int64_t per = std::max<int64_t>(1, row_bytes > 0 ? chunk_bytes / row_bytes : rows);
+  std::vector<std::pair<int64_t, int64_t>> plan;
+  for (int64_t r = 0; r < rows; r += per) plan.emplace_back(r, std::min(per, rows - r));
+  return plan;
+}
+
+LceClient::LceClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)), channel_(std::move(channel)), stub_(v1::LceService::NewStub(channel_)) {}
+
+absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions& options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("ClientOptions.target is empty");
+  if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("ClientOptions.chunk_bytes must be > 0");
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
+  args.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
+  auto creds = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
+  return std::unique_ptr<LceClient>(new LceClient(options, grpc::CreateCustomChannel(options.target, creds, args)));
+}
+
+void LceClient::Prepare(grpc::ClientContext* ctx) const {
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  if (!options_.bearer_token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.bearer_token);
+}
+
+absl::StatusOr<v1::GetInfoResponse> LceClient::GetInfo(const std::string& head) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::GetInfoRequest req;
+  req.set_head(head);
+  v1::GetInfoResponse resp;
+  grpc::Status s = stub_->GetInfo(&ctx, req, &resp);
+  if (!s.ok()) return ToAbsl(s);
+  return resp;
+}
+
+absl::StatusOr<bool> LceClient::Health(const std::string& service) {
+  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = stub->Check(&ctx, req, &resp);
+  if (!s.ok()) return ToAbsl(s);
+  return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
+                               absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
+                               absl::Span<const float> grad_entropy, ForwardBackwardResult* out) {
+  const int64_t es = WireDTypeSize(batch.dtype);
+  const int64_t row_bytes = batch.hidden_size * es;
+  if (es == 0 || batch.rows < 0 || static_cast<int64_t>(batch.hidden.size()) != batch.rows * row_bytes ||
+      static_cast<int64_t>(batch.targets.size()) != batch.rows) {
+    return absl::InvalidArgumentError(absl::StrCat("batch of ", batch.rows, " rows x ", batch.hidden_size,
+                                                   " needs ", batch.rows * row_bytes, " hidden bytes and ",
+                                                   batch.rows, " targets; got ", batch.hidden.size(), " and ",
+                                                   batch.targets.size()));
+  }
+  for (auto [name, span] : {std::pair{"grad_loss", grad_loss}, std::pair{"grad_logprob", grad_logprob},
+                            std::pair{"grad_entropy", grad_entropy}}) {
+    if (!span.empty() && static_cast<int64_t>(span.size()) != batch.rows) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " has ", span.size(), " values for ", batch.rows, " rows"));
+    }
+  }
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  std::unique_ptr<BidiStream> stream;
+  const std::string which = rpc;
+  if (which == "Score") {
+    stream = stub_->Score(&ctx);
+  } else if (which == "ForwardBackward") {
+    stream = stub_->ForwardBackward(&ctx);
+  } else {
+    stream = stub_->Backward(&ctx);
+  }
+  const auto plan = PlanChunks(batch.rows, row_bytes, options_.chunk_bytes);
+  // Write on a thread of its own: the server answers chunk k while later chunks are in flight,
+  // so reading and writing must proceed together or flow control stalls both sides.
+  std::thread writer([&] {
+    v1::StreamRequest msg;
+    *msg.mutable_header() = header;
+    msg.mutable_header()->set_hidden_size(batch.hidden_size);
+    msg.mutable_header()->set_dtype(batch.dtype);
+    if (!stream->Write(msg)) return;
+    for (auto [first, n] : plan) {
+      msg.Clear();
+      v1::RowChunk* c = msg.mutable_chunk();
+      c->set_hidden(reinterpret_cast<const char*>(batch.hidden.data()) + first * row_bytes, n * row_bytes);
+      c->mutable_targets()->Add(batch.targets.begin() + first, batch.targets.begin() + first + n);
+      if (!grad_loss.empty()) c->mutable_grad_loss()->Add(grad_loss.begin() + first, grad_loss.begin() + first + n);
+      if (!grad_logprob.empty()) {
+        c->mutable_grad_logprob()->Add(grad_logprob.begin() + first, grad_logprob.begin() + first + n);
+      }
+      if (!grad_entropy.empty()) {
+        c->mutable_grad_entropy()->Add(grad_entropy.begin() + first, grad_entropy.begin() + first + n);
+      }
+      if (!stream->Write(msg)) return;  // the server ended the call; Finish says why
+    }
+    stream->WritesDone();
+  });
+
+  int64_t covered = 0;
+  absl::Status shape_error;
+  v1::StreamResponse resp;
+  auto place = [&](const auto& src, std::vector<float>& dst, int64_t first, int64_t n) {
+    if (src.empty()) return;
+    if (src.size() != n) {
+      shape_error = absl::InternalError("answer has the wrong number of values");
+      return;
+    }
+    if (dst.empty()) dst.resize(batch.rows);
+    std::copy(src.begin(), src.end(), dst.begin() + first);
+  };
+  while (stream->Read(&resp)) {
+    if (resp.has_summary()) {
+      out->reduced_loss = resp.summary().loss();
+      out->valid_tokens = resp.summary().valid_tokens();
+      out->head_version = resp.summary().head_version();
+      continue;
+    }
+    const v1::ChunkResult& c = resp.chunk();
+    if (c.first_row() != covered || c.rows() <= 0 || covered + c.rows() > batch.rows) {
+      shape_error = absl::InternalError(absl::StrCat("answer for rows [", c.first_row(), ", ",
+                                                     c.first_row() + c.rows(), ") does not follow row ", covered));
+      continue;
+    }
+    place(c.logprobs(), out->logprobs, c.first_row(), c.rows());
+    place(c.entropy(), out->entropy, c.first_row(), c.rows());
+    place(c.loss(), out->loss, c.first_row(), c.rows());
+    if (!c.d_hidden().empty()) {
+      if (static_cast<int64_t>(c.d_hidden().size()) != c.rows() * row_bytes) {
+        shape_error = absl::InternalError("d_hidden answer has the wrong size");
+      } else {
+        if (out->d_hidden.empty()) out->d_hidden.resize(static_cast<size_t>(batch.rows * row_bytes));
+        std::copy(c.d_hidden().begin(), c.d_hidden().end(), out->d_hidden.begin() + c.first_row() * row_bytes);
+      }
+    }
+    covered += c.rows();
+  }
+  writer.join();
+  grpc::Status s = stream->Finish();
+  if (!s.ok()) return ToAbsl(s);
+  if (!shape_error.ok()) return shape_error;
+  if (covered != batch.rows) {
+    return absl::InternalError(absl::StrCat("the server answered ", covered, " of ", batch.rows, " rows"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ScoreResult> LceClient::Score(const HiddenBatch& batch, v1::RequestHeader header) {
+  ForwardBackwardResult r;
+  if (absl::Status s = Stream("Score", batch, header, {}, {}, {}, &r); !s.ok()) return s;
+  return ScoreResult{std::move(r.logprobs), std::move(r.entropy)};
+}
+
+absl::StatusOr<ForwardBackwardResult> LceClient::ForwardBackward(const HiddenBatch& batch, v1::RequestHeader header,
+                                                                 absl::Span<const float> grad_loss) {
+  const bool mean = header.reduction() == v1::REDUCTION_MEAN || header.reduction() == v1::REDUCTION_UNSPECIFIED;
+  if (mean && !header.has_num_valid_tokens()) {
+    const int32_t ignore = header.has_ignore_index() ? header.ignore_index() : -100;
+    int64_t valid = 0;
+    for (int32_t y : batch.targets) valid += y != ignore ? 1 : 0;
+    header.set_num_valid_tokens(valid);
+  }
+  ForwardBackwardResult r;
+  if (absl::Status s = Stream("ForwardBackward", batch, header, grad_loss, {}, {}, &r); !s.ok()) return s;
+  return r;
+}
+
+absl::StatusOr<BackwardResult> LceClient::Backward(const HiddenBatch& batch, v1::RequestHeader header,
+                                                   absl::Span<const float> grad_logprob,
+                                                   absl::Span<const float> grad_entropy) {
+  ForwardBackwardResult r;
+  if (absl::Status s = Stream("Backward", batch, header, {}, grad_logprob, grad_entropy, &r); !s.ok()) return s;
+  return BackwardResult{std::move(r.d_hidden)};
+}
+
+}  // namespace lce::client
