@@ -1,0 +1,50 @@
+"""The examples run end to end against the real lce_server."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import HAVE_TORCH, REPO, server_binary
+
+EXAMPLES = REPO / "examples"
+
+
+def _run(args, tmp_path, timeout=600):
+    env = dict(os.environ, LCE_SERVER_BIN=str(server_binary()))
+    p = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, f"{args} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    return p.stdout
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="train_tiny_lm.py needs torch (pip install torch)")
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained-head", "frozen-head"])
+def test_train_tiny_lm_remote_matches_local(tmp_path, frozen):
+    out = tmp_path / "losses.json"
+    png = tmp_path / "curves.png"
+    args = [str(EXAMPLES / "train_tiny_lm.py"), "--steps", "8", "--batch", "4", "--context", "32",
+            "--json", str(out), "--png", str(png)] + (["--frozen-head"] if frozen else [])
+    stdout = _run(args, tmp_path)
+    res = json.loads(out.read_text())
+    local, remote = res["local"], res["remote"]
+    assert len(local) == len(remote) == 8
+    for i, (a, b) in enumerate(zip(local, remote)):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), f"step {i + 1}: local {a} vs remote {b}"
+    assert local[-1] < local[0]  # it trains
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "max |local - remote|" in stdout
+
+
+def test_rollout_logprobs_prints_a_table(tmp_path):
+    stdout = _run([str(EXAMPLES / "rollout_logprobs.py"), "--sequences", "2", "--length", "5"], tmp_path)
+    lines = stdout.splitlines()
+    assert any(l.split()[:6] == ["seq", "pos", "token", "logprob", "prob", "entropy"] for l in lines), stdout
+    rows = [l.split() for l in lines if len(l.split()) == 6 and l.split()[0].isdigit()]
+    assert len(rows) == 2 * 5
+    ignored = [r for r in rows if r[2] == "ignored"]
+    assert len(ignored) == 2 and all(float(r[3]) == 0.0 for r in ignored)
+    assert all(float(r[3]) < 0 and float(r[5]) > 0 for r in rows if r[2] != "ignored")
