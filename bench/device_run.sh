@@ -18,8 +18,8 @@ for step in "$@"; do
     bench)
       timeout 300 ./build-cuda/bin/lce_bench --shapes "$SHAPES" --json "$OUT/lce_bench.json" > "$OUT/bench.log" 2>&1
       echo "bench rc=$?" ;;
-    bench-*)  # bench-VAR=VALUE: one variant on the first shapes
-      v=${step#bench-}; env "$v" timeout 200 ./build-cuda/bin/lce_bench --shapes "${VSHAPES:-$SHAPES}" --reps 5 \
+    bench-*)  # bench-VAR=VALUE[,VAR=VALUE]: one variant on $VSHAPES
+      v=${step#bench-}; echo "## variant $v" >> "$OUT/variants.log"; env ${v//,/ } timeout 200 ./build-cuda/bin/lce_bench --shapes "${VSHAPES:-$SHAPES}" --reps ${VREPS:-5} \
         >> "$OUT/variants.log" 2>&1; echo "variant $v rc=$?" ;;
     peers)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl \
@@ -31,7 +31,7 @@ done
 echo "== gpu"; cat "$OUT/gpu.txt"
 [ -f "$OUT/gpu_test.log" ] && { echo "== tests"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error|tests ran" "$OUT/gpu_test.log" | head -40; }
 [ -f "$OUT/sanitizer.log" ] && { echo "== sanitizer"; tail -4 "$OUT/sanitizer.log"; }
-[ -f "$OUT/variants.log" ] && { echo "== variants"; grep -E "^N=|LCE_CUDA" "$OUT/variants.log"; }
+[ -f "$OUT/variants.log" ] && { echo "== variants"; grep -E "^N=|^## |lce trace" "$OUT/variants.log" | cut -c1-200 | head -80; }
 [ -f "$OUT/peers.log" ] && { echo "== peers"; cat "$OUT/peers.log"; }
 [ -f "$OUT/bench.log" ] && { echo "== bench"; cat "$OUT/bench.log"; }
 exit 0

@@ -9,6 +9,7 @@
 // takes beyond its weight copy (cudaMemGetInfo around the first calls; outputs are the caller's).
 //
 // Usage: lce_bench [--shapes 8192x4096x128256,...] [--reps 10] [--warmup 3] [--json FILE]
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -105,12 +106,86 @@ struct Row {
   double gemm_ms, train_ms, score_ms, extra_gib, loss;
 };
 
+// --probe R: times the GEMM shapes the engine runs per row block of R rows (dW chunk, forward tile)
+// with cublasGemmEx (beta 1 / 0, fp32 / bf16 out) and every cuBLASLt heuristic candidate.
+void Probe(int64_t R, int64_t H, int64_t V, cublasHandle_t cublas) {
+  const int64_t nc = 16384, lds = (V + 7) / 8 * 8, tile = 8192;
+  __nv_bfloat16 *h, *da, *w;
+  float* c;
+  CHECK_CUDA(cudaMalloc(&h, R * H * 2));
+  CHECK_CUDA(cudaMalloc(&da, R * lds * 2));
+  CHECK_CUDA(cudaMalloc(&w, tile * H * 2));
+  CHECK_CUDA(cudaMalloc(&c, std::max(H * nc, R * tile) * 4));
+  NormalBf16<<<4096, 256>>>(h, R * H, 0.5f, 11);
+  NormalBf16<<<4096, 256>>>(da, R * lds, 1e-3f, 12);
+  NormalBf16<<<4096, 256>>>(w, tile * H, 0.02f, 13);
+  CHECK_CUDA(cudaMemset(c, 0, std::max(H * nc, R * tile) * 4));
+  const float one = 1.0f, zero = 0.0f;
+  struct G { const char* name; cublasOperation_t ta, tb; int64_t m, n, k; const void* A; int64_t lda; const void* B; int64_t ldb; int64_t ldc; };
+  const G gs[2] = {{"dW chunk  NT", CUBLAS_OP_N, CUBLAS_OP_T, H, nc, R, h, H, da, lds, H},
+                   {"fwd tile  TN", CUBLAS_OP_T, CUBLAS_OP_N, tile, R, H, w, H, h, H, tile}};
+  cublasLtHandle_t lt;
+  CHECK_CUBLAS(cublasLtCreate(&lt));
+  void* ws;
+  const size_t ws_bytes = 32 << 20;
+  CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+  for (const G& g : gs) {
+    const double flop = 2.0 * g.m * g.n * g.k;
+    for (int variant = 0; variant < 3; ++variant) {
+      const float* beta = variant == 0 ? &one : &zero;
+      const cudaDataType_t ct = variant == 2 ? CUDA_R_16BF : CUDA_R_32F;
+      auto f = [&] {
+        CHECK_CUBLAS(cublasGemmEx(cublas, g.ta, g.tb, g.m, g.n, g.k, &one, g.A, CUDA_R_16BF, g.lda, g.B, CUDA_R_16BF,
+                                  g.ldb, beta, c, ct, g.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      };
+      const double ms = MedianMs(f, 3, 10, nullptr);
+      std::printf("probe R=%ld %s GemmEx %s %s: %.3f ms (%.0f TFLOP/s)\n", R, g.name, variant == 0 ? "beta=1" : "beta=0",
+                  variant == 2 ? "bf16-out" : "fp32-out", ms, flop / ms / 1e9);
+    }
+    // cuBLASLt candidates, fp32 out, beta as the engine uses it (1 for dW, 0 for the forward).
+    const float* beta = g.ta == CUBLAS_OP_N ? &one : &zero;
+    cublasLtMatmulDesc_t desc;
+    CHECK_CUBLAS(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &g.ta, sizeof(g.ta)));
+    CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &g.tb, sizeof(g.tb)));
+    cublasLtMatrixLayout_t la, lb, lc;
+    const bool ta = g.ta == CUBLAS_OP_T, tb = g.tb == CUBLAS_OP_T;
+    CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, ta ? g.k : g.m, ta ? g.m : g.k, g.lda));
+    CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb));
+    CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, g.m, g.n, g.ldc));
+    cublasLtMatmulPreference_t pref;
+    CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+    CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                      sizeof(ws_bytes)));
+    cublasLtMatmulHeuristicResult_t res[16];
+    int found = 0;
+    CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(lt, desc, la, lb, lc, lc, pref, 16, res, &found));
+    for (int i = 0; i < found; ++i) {
+      auto f = [&] {
+        CHECK_CUBLAS(cublasLtMatmul(lt, desc, &one, g.A, la, g.B, lb, beta, c, lc, c, lc, &res[i].algo, ws, ws_bytes,
+                                    nullptr));
+      };
+      const double ms = MedianMs(f, 2, 6, nullptr);
+      std::printf("probe R=%ld %s Lt algo %2d: %.3f ms (%.0f TFLOP/s)\n", R, g.name, i, ms, flop / ms / 1e9);
+    }
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatrixLayoutDestroy(lb);
+    cublasLtMatrixLayoutDestroy(lc);
+    cublasLtMatmulDescDestroy(desc);
+  }
+  std::fflush(stdout);
+  cublasLtDestroy(lt);
+  for (void* p : {static_cast<void*>(h), static_cast<void*>(da), static_cast<void*>(w), static_cast<void*>(c), ws}) cudaFree(p);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string shapes = "8192x4096x128256,16384x2048x151936,4096x8192x152064,16384x4096x151936";
   std::string json;
   int reps = 10, warmup = 3;
+  int64_t probe_rows = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -118,6 +193,7 @@ int main(int argc, char** argv) {
     else if (a == "--json") json = next();
     else if (a == "--reps") reps = std::atoi(next().c_str());
     else if (a == "--warmup") warmup = std::atoi(next().c_str());
+    else if (a == "--probe") probe_rows = std::atoll(next().c_str());
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;
@@ -132,6 +208,12 @@ int main(int argc, char** argv) {
   cublasHandle_t cublas;
   CHECK_CUBLAS(cublasCreate(&cublas));
   std::vector<Row> rows;
+  if (probe_rows > 0) {
+    int64_t N = 0, H = 0, V = 0;
+    std::sscanf(shapes.c_str(), "%ldx%ldx%ld", &N, &H, &V);
+    Probe(probe_rows, H, V, cublas);
+    return 0;
+  }
   size_t pos = 0;
   while (pos < shapes.size()) {
     size_t end = shapes.find(',', pos);

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -125,7 +126,7 @@ class Carver {
 // Scratch of one row block of R rows.
 struct Scratch {
   void* cublas_ws = nullptr;
-  float* logits = nullptr;        // [R, ldz] fp32 logit tile
+  float* logits[2] = {nullptr, nullptr};  // [R, ldz] fp32 logit tiles (double-buffered)
   void* store = nullptr;          // [R, lds] compact z − m_seg, then dA (backward only)
   float* part = nullptr;          // [R, nseg, 4]
   float* packed = nullptr;        // [R, 4]
@@ -161,6 +162,13 @@ class CudaEngine final : public LceEngine {
     weight_.Reset();
     bias_.Reset();
     if (cublas_ != nullptr) cublasDestroy(cublas_);
+    for (cudaEvent_t e : events_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    for (cudaEvent_t e : trace_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (aux_ != nullptr) cudaStreamDestroy(aux_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -173,6 +181,9 @@ class CudaEngine final : public LceEngine {
     }
     LCE_CUDA_CHECK(cudaSetDevice(config_.device));
     LCE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    LCE_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking));
+    for (cudaEvent_t& e : events_) LCE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    for (cudaEvent_t& e : trace_) LCE_CUDA_CHECK(cudaEventCreate(&e));
     LCE_CUDA_CHECK(cublasCreate(&cublas_));
     LCE_CUDA_CHECK(cublasSetStream(cublas_, stream_));
     LCE_CUDA_CHECK(cublasSetPointerMode(cublas_, CUBLAS_POINTER_MODE_HOST));
@@ -211,7 +222,7 @@ class CudaEngine final : public LceEngine {
     const int64_t esz = DTypeSize(shape_.dtype);
     Carver c(base);
     s->cublas_ws = c.Take<uint8_t>(kCublasWorkspace);
-    s->logits = c.Take<float>(R * ldz_);
+    for (float*& p : s->logits) p = c.Take<float>(R * ldz_);
     s->part = c.Take<float>(R * nseg_ * 4);
     s->packed = c.Take<float>(R * kPacked);
     s->m_local = c.Take<float>(R);
@@ -236,6 +247,7 @@ class CudaEngine final : public LceEngine {
     Scratch s;
     return Carve(l, R, nullptr, &s);
   }
+  int64_t StoreBytes() const { return shape_.dtype == DType::kFloat32 ? 4 : 2; }
   int64_t DwSlabRows() const {
     return std::clamp<int64_t>(kHostDwSlabBytes / (shape_.hidden_size * 4), 1, shape_.shard_rows);
   }
@@ -272,7 +284,12 @@ class CudaEngine final : public LceEngine {
   std::shared_ptr<const HeadWeights> weights_;
   HeadShape shape_;
   EngineConfig config_;
-  cudaStream_t stream_ = nullptr;
+  // stream_ runs the GEMMs (cuBLAS is bound to it) and the per-row kernels; aux_ runs the elementwise
+  // tile kernels so that they overlap the next GEMM.
+  cudaStream_t stream_ = nullptr, aux_ = nullptr;
+  enum { kEvGemm0, kEvGemm1, kEvStats0, kEvStats1, kEvHandoff, kNumEvents };
+  cudaEvent_t events_[kNumEvents] = {};
+  cudaEvent_t trace_[8] = {};  // LCE_CUDA_TRACE=1: phase timings of the first row block, to stderr
   cublasHandle_t cublas_ = nullptr;
   DeviceMemory weight_, bias_, workspace_;
   PinnedMemory pinned_;
@@ -332,6 +349,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   const int64_t H = shape_.hidden_size;
   const int64_t Vs = shape_.shard_rows;
   const int64_t esz = DTypeSize(shape_.dtype);
+  const int64_t sesz = StoreBytes();
   const bool host = rows.space == MemorySpace::kHost;
   const bool want_grad = up.mode != GradMode::kNone;
   const bool backward = want_grad && (grads.d_hidden != nullptr || grads.d_weight != nullptr);
@@ -341,10 +359,13 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   const cudaDataType_t dt = CudaType(shape_.dtype);
   const Layout layout{backward, host, host && backward && grads.d_weight != nullptr};
 
-  // Row blocks of near-equal size.
+  // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t r_max = RowsPerBlock(layout, N);
   const int64_t nblocks = (N + r_max - 1) / r_max;
-  const int64_t R = (N + nblocks - 1) / nblocks;
+  int64_t R = (N + nblocks - 1) / nblocks;
+  if (nblocks > 1 && RoundUp(R, 128) <= r_max) R = RoundUp(R, 128);
+  // Timing aid only (results are wrong): 1 skips TileStats, 2 skips WriteGrad.
+  const int64_t debug_skip = EnvInt("LCE_CUDA_DEBUG_SKIP", 0);
   const int64_t need = Bytes(layout, R);
   if (workspace_.bytes() < need) {
     LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -396,15 +417,27 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     }
 
     // Forward: logit tiles -> segment partials (+ compact copy for the backward).
+    const bool trace = r0 == 0 && EnvInt("LCE_CUDA_TRACE", 0) != 0;
+    if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[0], stream_));
     LCE_CUDA_CHECK(cudaMemsetAsync(s.packed, 0, nr * kPacked * sizeof(float), stream_));
-    for (int64_t v0 = 0; v0 < Vs; v0 += tile_) {
+    // GEMM of tile t on stream_ overlaps TileStats of tile t−1 on aux_; two logit buffers.
+    int64_t t = 0;
+    for (int64_t v0 = 0; v0 < Vs; v0 += tile_, ++t) {
       const int64_t nv = std::min(tile_, Vs - v0);
+      const int b = static_cast<int>(t % 2);
+      if (t >= 2) LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvStats0 + b], 0));
       // logits[nr, nv] = h[nr, H] · W[v0:v0+nv, H]ᵀ   (column-major: [nv, nr] = Wᵀ · h)
-      LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, nv, nr, H, w + v0 * H * esz, dt, H, h, dt, H, 0.0f, s.logits,
-                          CUDA_R_32F, ldz_, tf32));
-      LCE_CUDA_CHECK(LaunchTileStats(s.logits, ldz_, nr, v0, nv, tf, y, o.ignore_index, shape_.vocab_begin, s.part,
-                                     nseg_, s.packed, backward ? s.store : nullptr, lds_, fp32, stream_));
+      LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, nv, nr, H, w + v0 * H * esz, dt, H, h, dt, H, 0.0f,
+                          s.logits[b], CUDA_R_32F, ldz_, tf32));
+      LCE_CUDA_CHECK(cudaEventRecord(events_[kEvGemm0 + b], stream_));
+      LCE_CUDA_CHECK(cudaStreamWaitEvent(aux_, events_[kEvGemm0 + b], 0));
+      if (!(debug_skip & 1)) LCE_CUDA_CHECK(LaunchTileStats(s.logits[b], ldz_, nr, v0, nv, tf, y, o.ignore_index, shape_.vocab_begin,
+                                     s.part, nseg_, s.packed, backward ? s.store : nullptr, lds_, fp32, aux_));
+      LCE_CUDA_CHECK(cudaEventRecord(events_[kEvStats0 + b], aux_));
     }
+    LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], aux_));
+    LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvHandoff], 0));
+    if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[1], stream_));
     LCE_CUDA_CHECK(LaunchMergeSegments(s.part, nseg_, nr, s.m_local, s.m, s.packed, stream_));
     if (tp) {
       LCE_CUDA_CHECK(config_.collectives->AllReduce(s.m, nr, ReduceOp::kMax, true, stream_));
@@ -440,15 +473,41 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     // One sync per row block: a non-finite row must stop the call before it touches d_weight.
     LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (host) bad = *bad_host;
-    if (bad != ULLONG_MAX) {
+    if (bad != ULLONG_MAX && debug_skip == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "row ", r0 + static_cast<int64_t>(bad), ": non-finite logits (NaN or Inf in the hidden states, or overflow)"));
     }
-    if (!backward) continue;
+    if (!backward) {
+      if (trace) {
+        float ms = 0;
+        LCE_CUDA_CHECK(cudaEventElapsedTime(&ms, trace_[0], trace_[1]));
+        std::fprintf(stderr, "lce trace: rows %ld/%ld (R=%ld) tiles fwd %.3f ms\n", static_cast<long>(nr),
+                     static_cast<long>(N), static_cast<long>(R), ms);
+      }
+      continue;
+    }
 
-    // Backward: dA in place, then the d_hidden and dW products over the whole shard.
-    LCE_CUDA_CHECK(LaunchWriteGrad(shape_.dtype, s.store, lds_, nr, Vs, s.part, nseg_, s.info, y, o.ignore_index,
-                                   shape_.vocab_begin, o.softcap, o.temperature, stream_));
+    // Backward: dA in place on aux_, chunk by chunk; on the device path each chunk's dW product runs
+    // on stream_ while aux_ writes the next chunk. Then one d_hidden product over the whole shard.
+    if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[2], stream_));
+    LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], stream_));
+    LCE_CUDA_CHECK(cudaStreamWaitEvent(aux_, events_[kEvHandoff], 0));
+    const bool dw_device = grads.d_weight != nullptr && !host;
+    const int64_t chunk = std::max<int64_t>(kSegment, RoundUp(EnvInt("LCE_CUDA_BWD_CHUNK", 16384), kSegment));
+    for (int64_t v0 = 0; v0 < Vs; v0 += chunk) {
+      const int64_t nc = std::min(chunk, Vs - v0);
+      if (!(debug_skip & 2)) LCE_CUDA_CHECK(LaunchWriteGrad(shape_.dtype, s.store, lds_, nr, v0, nc, s.part, nseg_, s.info, y,
+                                     o.ignore_index, shape_.vocab_begin, o.softcap, o.temperature, aux_));
+      LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], aux_));
+      if (dw_device) {
+        LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvHandoff], 0));
+        // dW[v0:v0+nc, H] += dA[nr, v0:v0+nc]ᵀ · h[nr, H]   (column-major: [H, nc] += h · dAᵀ)
+        LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, nc, nr, h, dt, H, static_cast<uint8_t*>(s.store) + v0 * sesz,
+                            dt, lds_, 1.0f, grads.d_weight + v0 * H, CUDA_R_32F, H, tf32));
+      }
+    }
+    LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvHandoff], 0));
+    if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
     if (grads.d_hidden != nullptr) {
       // dh[nr, H] = dA[nr, Vs] · W[Vs, H]   (column-major: [H, nr] = W · dA)
       LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F,
@@ -463,24 +522,28 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
                     static_cast<size_t>(nr * H * esz));
       }
     }
-    if (grads.d_weight != nullptr) {
-      // dW[Vs, H] += dA[nr, Vs]ᵀ · h[nr, H]   (column-major: [H, Vs] += h · dAᵀ)
-      if (!host) {
-        LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, Vs, nr, h, dt, H, s.store, dt, lds_, 1.0f,
-                            grads.d_weight, CUDA_R_32F, H, tf32));
-      } else {
-        const int64_t slab = DwSlabRows();
-        for (int64_t v0 = 0; v0 < Vs; v0 += slab) {
-          const int64_t nv = std::min(slab, Vs - v0);
-          float* host_dw = grads.d_weight + v0 * H;
-          LCE_CUDA_CHECK(cudaMemcpyAsync(s.dw_slab, host_dw, nv * H * sizeof(float), cudaMemcpyHostToDevice, stream_));
-          LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, nv, nr, h, dt, H,
-                              static_cast<uint8_t*>(s.store) + v0 * esz, dt, lds_, 1.0f, s.dw_slab, CUDA_R_32F, H,
-                              tf32));
-          LCE_CUDA_CHECK(cudaMemcpyAsync(host_dw, s.dw_slab, nv * H * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-          LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-        }
+    if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[4], stream_));
+    if (grads.d_weight != nullptr && host) {
+      // dW slabs through the device: host += dA[nr, slab]ᵀ · h.
+      const int64_t slab = DwSlabRows();
+      for (int64_t v0 = 0; v0 < Vs; v0 += slab) {
+        const int64_t nv = std::min(slab, Vs - v0);
+        float* host_dw = grads.d_weight + v0 * H;
+        LCE_CUDA_CHECK(cudaMemcpyAsync(s.dw_slab, host_dw, nv * H * sizeof(float), cudaMemcpyHostToDevice, stream_));
+        LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, nv, nr, h, dt, H, static_cast<uint8_t*>(s.store) + v0 * sesz,
+                            dt, lds_, 1.0f, s.dw_slab, CUDA_R_32F, H, tf32));
+        LCE_CUDA_CHECK(cudaMemcpyAsync(host_dw, s.dw_slab, nv * H * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+        LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
       }
+    }
+    if (trace) {
+      LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      float ms[3] = {0, 0, 0};
+      LCE_CUDA_CHECK(cudaEventElapsedTime(&ms[0], trace_[0], trace_[1]));
+      LCE_CUDA_CHECK(cudaEventElapsedTime(&ms[1], trace_[2], trace_[3]));
+      LCE_CUDA_CHECK(cudaEventElapsedTime(&ms[2], trace_[3], trace_[4]));
+      std::fprintf(stderr, "lce trace: rows %ld/%ld (R=%ld) tiles fwd %.3f ms | dA+dW %.3f ms | dh %.3f ms\n",
+                   static_cast<long>(nr), static_cast<long>(N), static_cast<long>(R), ms[0], ms[1], ms[2]);
     }
   }
   LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));

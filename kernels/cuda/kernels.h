@@ -74,9 +74,10 @@ struct FinalizeArgs {
 absl::Status LaunchFinalizeRows(const FinalizeArgs& args, const float* m, const float* packed,
                                 float* row_info, unsigned long long* bad_row, cudaStream_t stream);
 
-// write_grad.cu. Turns store (z − m_segment, fp16 for 16-bit heads, fp32 for fp32 heads) [rows, nv]
-// (leading dimension lds, a multiple of 8) into dL/da in the head's dtype, in place.
-absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows, int64_t nv,
+// write_grad.cu. Turns columns [v0, v0 + nc) of store (z − m_segment, fp16 for 16-bit heads, fp32 for
+// fp32 heads) [rows, lds] (lds a multiple of 8, v0 a multiple of kSegment) into dL/da in the head's
+// dtype, in place.
+absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows, int64_t v0, int64_t nc,
                              const float* part, int64_t nseg, const float* row_info,
                              const int32_t* targets, int32_t ignore_index, int64_t vocab_begin,
                              float softcap, float temperature, cudaStream_t stream);

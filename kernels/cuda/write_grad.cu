@@ -1,5 +1,7 @@
 // Backward elementwise kernel: the compact forward copy (z − m_segment) becomes dL/da in the head's
 // dtype, in place, ready for the d_hidden and dW products.
+#include <climits>
+
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
 #include "cuda/dtype_dispatch.cuh"
@@ -13,14 +15,14 @@ constexpr int kThreads = 256;
 // S: storage type (half for 16-bit heads, float for fp32); T: output type; VEC elements = 16 bytes.
 template <typename T, typename S>
 __global__ void __launch_bounds__(kThreads)
-WriteGradKernel(S* store, int64_t lds, int nv, const float* __restrict__ part, int64_t nseg,
+WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__ part, int64_t nseg,
                 const float* __restrict__ info, const int32_t* __restrict__ targets, int32_t ignore_index,
                 int64_t vocab_begin, float softcap, float temperature) {
   constexpr int kVec = 16 / sizeof(S);
   static_assert(sizeof(T) == sizeof(S));
   static_assert(kSegment % kVec == 0);
   const int64_t r = blockIdx.y;
-  const int c0 = (blockIdx.x * kThreads + threadIdx.x) * kVec;
+  const int c0 = v0 + (blockIdx.x * kThreads + threadIdx.x) * kVec;
   if (c0 >= nv) return;
   const float* in = info + r * kRowInfo;
   const float m = in[kInfoMax], lse = in[kInfoLse], A = in[kInfoA], B = in[kInfoB], C = in[kInfoC],
@@ -68,20 +70,24 @@ WriteGradKernel(S* store, int64_t lds, int nv, const float* __restrict__ part, i
 
 }  // namespace
 
-absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows, int64_t nv, const float* part,
-                             int64_t nseg, const float* row_info, const int32_t* targets, int32_t ignore_index,
-                             int64_t vocab_begin, float softcap, float temperature, cudaStream_t stream) {
-  if (rows <= 0 || nv <= 0) return absl::OkStatus();
-  if (lds % 8 != 0 || lds < nv || rows > 65535 || (nv + kSegment - 1) / kSegment > nseg) {
-    return absl::InternalError(absl::StrCat("LaunchWriteGrad: bad shape rows=", rows, " nv=", nv, " lds=", lds));
+absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows, int64_t v0, int64_t nc,
+                             const float* part, int64_t nseg, const float* row_info, const int32_t* targets,
+                             int32_t ignore_index, int64_t vocab_begin, float softcap, float temperature,
+                             cudaStream_t stream) {
+  if (rows <= 0 || nc <= 0) return absl::OkStatus();
+  const int64_t nv = v0 + nc;  // columns [v0, nv) are processed
+  if (lds % 8 != 0 || lds < nv || rows > 65535 || v0 % kSegment != 0 || (nv + kSegment - 1) / kSegment > nseg ||
+      nv > INT32_MAX) {
+    return absl::InternalError(absl::StrCat("LaunchWriteGrad: bad shape rows=", rows, " v0=", v0, " nc=", nc,
+                                            " lds=", lds));
   }
   return DispatchDType(dtype, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
     using S = std::conditional_t<sizeof(T) == 4, float, __half>;
     constexpr int kVec = 16 / sizeof(S);
-    const dim3 grid(static_cast<unsigned>((nv + kThreads * kVec - 1) / (kThreads * kVec)),
+    const dim3 grid(static_cast<unsigned>((nc + kThreads * kVec - 1) / (kThreads * kVec)),
                     static_cast<unsigned>(rows));
-    WriteGradKernel<T, S><<<grid, kThreads, 0, stream>>>(static_cast<S*>(store), lds, static_cast<int>(nv), part,
+    WriteGradKernel<T, S><<<grid, kThreads, 0, stream>>>(static_cast<S*>(store), lds, static_cast<int>(v0), static_cast<int>(nv), part,
                                                          nseg, row_info, targets, ignore_index, vocab_begin,
                                                          softcap, temperature);
     LCE_CUDA_CHECK(cudaGetLastError());
