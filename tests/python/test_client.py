@@ -328,3 +328,28 @@ def test_bearer_token(server_factory, workdir):
     assert ei.value.code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
     lp, _ = lce_client.Client(srv.target, timeout=30, token="s3cret-token-0123456789").score(h, y)
     assert lp.shape == (3,) and np.all(lp < 0)
+
+
+def test_empty_batch_is_answered_without_rpc():
+    c = lce_client.Client("127.0.0.1:1", timeout=1)  # nothing listens there: no RPC is made
+    h = np.zeros((0, HIDDEN), np.float32)
+    y = np.zeros(0, np.int64)
+    lp, ent = c.score(h, y)
+    assert lp.shape == (0,) and ent.shape == (0,)
+    r = c.forward_backward(h, y)
+    assert r.loss == 0.0 and r.d_hidden.shape == (0, HIDDEN) and r.valid_tokens == 0
+    assert c.backward(h, y).shape == (0, HIDDEN)
+
+
+def test_default_chunk_size_splits_large_requests(heads):
+    """More than 4 MiB of hidden states go as several default-sized chunks and reassemble in order."""
+    head = heads["fp32"]
+    rows = (5 << 20) // (HIDDEN * 4)  # 5 MiB
+    h = np.random.default_rng(50).standard_normal((rows, HIDDEN)).astype(np.float32)
+    y = targets_for(rows, seed=51)
+    calls = []
+    with head.client() as c:
+        lp, _ = c.score(h, y, progress=lambda d, t: calls.append(d))
+        lp_small, _ = c.score(h[-100:], y[-100:])
+    assert len(calls) == 2 and calls[-1] == rows
+    assert_close(lp[-100:], lp_small, rtol=2e-5, atol=1e-6, what="tail rows")

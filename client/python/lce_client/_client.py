@@ -477,6 +477,11 @@ class Client:
         out = {"logprobs": A.new_rows_out(n), "entropy": A.new_rows_out(n), "loss": A.new_rows_out(n),
                "d_hidden": A.new_hidden_out(n, h.hidden_size, h.wire_dtype) if want_dhidden else None,
                "summary": None}
+        if n == 0:
+            # The server refuses requests without rows; an empty batch has an empty answer (and a loss
+            # of 0, as a mean over no valid tokens is defined to be), so answer it here without an RPC.
+            out["summary"] = pb.RequestSummary(rows=0, valid_tokens=0, loss=0.0)
+            return out
         dh_bytes = out["d_hidden"].reshape(-1).view(np.uint8) if want_dhidden else None
         row_bytes = h.hidden_size * h.array.itemsize
         prog = _Progress(n, progress, use_tqdm, rpc) if (progress or use_tqdm) else None
