@@ -353,3 +353,108 @@ def test_default_chunk_size_splits_large_requests(heads):
         lp_small, _ = c.score(h[-100:], y[-100:])
     assert len(calls) == 2 and calls[-1] == rows
     assert_close(lp[-100:], lp_small, rtol=2e-5, atol=1e-6, what="tail rows")
+
+
+@requires_torch
+@pytest.mark.parametrize("aggregation,kl,dual", [("token-mean", "k1", 0.0), ("seq-mean-token-mean", "k3", 3.0),
+                                                  ("seq-mean-token-sum", "k3", 0.0)])
+def test_policy_loss_matches_reference(heads, aggregation, kl, dual):
+    """PolicyLoss (docs/MATH.md, "Policy loss"): loss, statistics and d_hidden against autograd."""
+    import torch
+
+    head = heads["fp32"]
+    B, T = 3, 10
+    st, h64 = head.hidden(B * T, seed=60, shape=(B, T))
+    y = targets_for(B * T, seed=61, ignore=(8, 9, 19)).reshape(B, T)
+    ref = reference(head.w64, h64, y)
+    lp0 = ref["logprobs"].detach().numpy()
+    rng = np.random.default_rng(62)
+    old = (lp0 + rng.normal(0, 0.4, B * T)).astype(np.float32)
+    adv = rng.standard_normal(B * T).astype(np.float32)
+    ref_lp = (lp0 + rng.normal(0, 0.3, B * T)).astype(np.float32)
+    cl, ch, ent_coef, kl_coef = 0.2, 0.28, 0.01, 0.05
+    with head.client(chunk_bytes=700) as c:
+        r = c.policy_loss(st, y, old.reshape(B, T), adv.reshape(B, T), ref_logprobs=ref_lp.reshape(B, T),
+                          clip_low=cl, clip_high=ch, dual_clip=dual, aggregation=aggregation,
+                          entropy_coef=ent_coef, kl_coef=kl_coef, kl_estimator=kl)
+
+    valid = ref["valid"]
+    lp, H = ref["logprobs"], ref["entropy"]
+    o, A_, rl = (torch.tensor(v, dtype=torch.float64) for v in (old, adv, ref_lp))
+    ratio = torch.exp(lp - o)
+    unclipped, clipped = -A_ * ratio, -A_ * torch.clamp(ratio, 1 - cl, 1 + ch)
+    pg = torch.maximum(unclipped, clipped)
+    if dual > 0:
+        pg = torch.where(A_ < 0, torch.minimum(pg, -A_ * dual), pg)
+    d = rl - lp
+    klt = -d if kl == "k1" else torch.exp(d) - d - 1
+    L = pg + kl_coef * klt - ent_coef * H
+    seq = torch.arange(B).repeat_interleave(T)
+    n_seq = torch.bincount(seq[valid], minlength=B).double()
+    if aggregation == "token-mean":
+        w = torch.full_like(L, 1.0 / valid.sum().item())
+    elif aggregation == "seq-mean-token-sum":
+        w = torch.full_like(L, 1.0 / B)
+    else:
+        w = 1.0 / (B * n_seq[seq])
+    loss = (torch.where(valid, w * L, torch.zeros_like(L))).sum()
+    v = valid.numpy()
+    assert r.valid_tokens == int(v.sum())
+    assert_close(r.loss, loss.detach(), rtol=1e-5, atol=1e-6, what="policy loss")
+    assert_close(r.logprobs.reshape(-1), lp.detach(), rtol=2e-6, atol=2e-5, what="logprobs")
+    assert_close(r.entropy.reshape(-1), H.detach(), rtol=2e-6, atol=2e-5, what="entropy")
+    assert_close(r.approx_kl, (o - lp)[valid].mean().detach(), rtol=1e-5, atol=1e-5, what="approx_kl")
+    assert_close(r.mean_entropy, H[valid].mean().detach(), rtol=1e-5, atol=1e-5, what="mean_entropy")
+    assert_close(r.mean_ratio, ratio[valid].mean().detach(), rtol=1e-5, atol=1e-5, what="mean_ratio")
+    assert_close(r.mean_kl, klt[valid].mean().detach(), rtol=1e-5, atol=1e-5, what="mean_kl")
+    frac = (clipped > unclipped)[valid].double().mean().item()
+    assert abs(r.clip_fraction - frac) < 1e-9 and 0 < frac < 1
+    assert_close(as_f64(r.d_hidden).reshape(-1, HIDDEN), grad_of(loss, ref["h"]), rtol=2e-5, atol=1e-8,
+                 what="d_hidden")
+
+
+def _openssl(*args, cwd):
+    import subprocess
+
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (apt-get install openssl): no certificates for the TLS test")
+    d = tmp_path_factory.mktemp("tls")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=lce-test-ca",
+             cwd=d)
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name, cn in (("server", "localhost"), ("client", "lce-test-client")):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "2", *(["-extfile", "san.ext"] if name == "server" else []), cwd=d)
+    return d
+
+
+def test_tls_and_mutual_tls(server_factory, tls_files):
+    d = tls_files
+    read = lambda n: (d / n).read_bytes()  # noqa: E731
+    h = np.random.default_rng(1).standard_normal((4, HIDDEN)).astype(np.float32)
+    y = np.array([0, 1, 2, 3])
+    head = [f"--seed-head=32x{HIDDEN}", "--head-dtype=fp32"]
+    srv = server_factory(head + [f"--tls-cert={d / 'server.pem'}", f"--tls-key={d / 'server.key'}"], name="tls")
+    lp, _ = lce_client.Client(srv.target, timeout=30, root_certificates=read("ca.pem")).score(h, y)
+    assert lp.shape == (4,)
+    with pytest.raises(lce_client.LceError) as ei:  # plaintext to a TLS server
+        lce_client.Client(srv.target, timeout=5).info()
+    assert ei.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    m = server_factory(head + [f"--tls-cert={d / 'server.pem'}", f"--tls-key={d / 'server.key'}",
+                               f"--tls-client-ca={d / 'ca.pem'}"], name="mtls")
+    c = lce_client.Client(m.target, timeout=30, root_certificates=read("ca.pem"), private_key=read("client.key"),
+                          certificate_chain=read("client.pem"))
+    assert c.info().head.vocab_size == 32
+    with pytest.raises(lce_client.LceError) as ei:  # no client certificate
+        lce_client.Client(m.target, timeout=5, root_certificates=read("ca.pem")).info()
+    assert ei.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
