@@ -1,18 +1,22 @@
 // lce_cli: command-line client of lce-serve.
 //   lce_cli health|info|score|forward-backward|bench --target=HOST:PORT [options]
-// Exit code 0 on success; on a failed call, 1 with the gRPC status code and message on stderr;
-// 2 for bad usage.
+// Exit code 0 on success; on a failed call, 1 with the gRPC status code name and message on
+// stderr; 2 for bad usage.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
-#include <map>
 #include <random>
+#include <set>
+#include <sstream>
 #include <string>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "cli_args.h"
+#include "grpcpp/security/credentials.h"
 #include "lce/client/lce_client.h"
 #include "wire_codec.h"
 
@@ -20,48 +24,106 @@ namespace {
 
 using lce::client::HiddenBatch;
 using lce::client::LceClient;
+using lce::client::cli::Args;
 namespace v1 = lce::v1;
 
-constexpr char kUsage[] = R"(lce_cli COMMAND --target=HOST:PORT [options]
+constexpr char kUsage[] = R"(usage: lce_cli COMMAND --target=HOST:PORT [options]     (lce_cli COMMAND --help for its options)
 
 commands:
-  health             grpc.health.v1 check of the server
+  health             grpc.health.v1 check of the server (exit 0 when SERVING)
   info               head and server description
   score              logprobs and entropy of a batch; prints a table of the first rows
-  forward-backward   loss and d_hidden of a batch
-  bench              throughput of repeated requests (--op=score|train)
+  forward-backward   cross-entropy loss, per-token losses and the norm of d_hidden of a batch
+  bench              throughput of repeated score or train (forward-backward) requests
 
-batch (score, forward-backward, bench):
-  --hidden-file=PATH --targets-file=PATH   raw little-endian hidden states (the head's dtype) and int32 targets
-  --rows=N --seed=S                         or generated: hidden ~ N(0, 0.5^2), uniform targets (default 16 rows)
-options:
-  --head=NAME --temperature=T --softcap=S --chunk-bytes=N --timeout-seconds=S --show=N (rows printed)
-  --token-file=PATH                         bearer token (read from a file)
-  forward-backward: --reduction=none|sum|mean --label-smoothing=E --z-loss=L --ignore-index=I
-  bench: --iterations=N --op=score|train
+Flags are --name=value or --name value. Exit code: 0 ok, 1 a call failed (gRPC status code and
+message on stderr), 2 bad usage.
 )";
 
-struct Args {
-  std::string command;
-  std::map<std::string, std::string> flags;
-  std::string Get(const std::string& k, const std::string& def = "") const {
-    auto it = flags.find(k);
-    return it == flags.end() ? def : it->second;
-  }
-  double Num(const std::string& k, double def) const {
-    double v = def;
-    auto it = flags.find(k);
-    if (it != flags.end() && !absl::SimpleAtod(it->second, &v)) {
-      std::cerr << "lce_cli: --" << k << " needs a number, got '" << it->second << "'\n";
-      std::exit(2);
-    }
-    return v;
-  }
+constexpr char kConnection[] = R"(connection:
+  --target=HOST:PORT         server address (default 127.0.0.1:50051)
+  --timeout-seconds=S        deadline of each call (default 600)
+  --token-file=PATH          bearer token, read from the file's first line (sent as authorization metadata)
+  --tls-ca=PATH              use TLS, trusting the PEM roots in PATH
+  --tls-cert=PATH --tls-key=PATH   client certificate and key for mutual TLS (with --tls-ca)
+)";
+
+constexpr char kBatch[] = R"(batch:
+  --head=NAME                head to use (default: the server's default head)
+  --hidden-file=PATH         raw little-endian hidden states [rows, hidden] in the head's dtype
+  --targets-file=PATH        raw little-endian int32 target ids [rows] (goes with --hidden-file)
+  --rows=N --seed=S          or generate N rows (default 16, seed 0): hidden ~ N(0, 0.5^2) rounded to
+                             the head's dtype, targets uniform in [0, vocab)
+  --temperature=T            softmax temperature (default 1)
+  --softcap=S                logit soft-capping (default 0: off)
+  --ignore-index=I           target id meaning "no target" (default -100)
+  --chunk-bytes=N            hidden bytes per streamed chunk (default 4194304)
+)";
+
+const std::set<std::string> kConnectionFlags = {"target", "timeout-seconds", "token-file", "tls-ca", "tls-cert",
+                                                "tls-key"};
+const std::set<std::string> kBatchFlags = {"head",        "hidden-file", "targets-file", "rows",       "seed",
+                                           "temperature", "softcap",     "ignore-index", "chunk-bytes"};
+
+struct Command {
+  const char* help;
+  std::set<std::string> flags;  // besides the connection flags
+  bool batch;                   // takes the batch flags
 };
+
+const std::map<std::string, Command>& Commands() {
+  static const auto* commands = new std::map<std::string, Command>{
+      {"health", {"lce_cli health [--service=NAME]: grpc.health.v1 Check; prints SERVING or NOT_SERVING\n"
+                  "  --service=NAME             service to check (default \"\": the server as a whole)\n",
+                  {"service"}, false}},
+      {"info", {"lce_cli info [--head=NAME]: server version, backend, TP size, limits and every head\n", {"head"},
+                false}},
+      {"score", {"lce_cli score: per-row logprob of the target and entropy; prints the first rows and a summary\n"
+                 "  --show=N                   rows printed (default 16)\n",
+                 {"show"}, true}},
+      {"forward-backward",
+       {"lce_cli forward-backward: reduced loss, valid tokens, per-token loss of the first rows, |d_hidden|\n"
+        "  --reduction=none|sum|mean  (default mean)\n"
+        "  --label-smoothing=E        in [0, 1) (default 0)\n"
+        "  --z-loss=L                 z-loss coefficient (default 0)\n"
+        "  --show=N                   rows printed (default 16)\n",
+        {"reduction", "label-smoothing", "z-loss", "show"}, true}},
+      {"bench", {"lce_cli bench: throughput of repeated requests on one batch; prints ms per request, rows/s and\n"
+                 "GB/s each way (hidden + targets up; logprob + entropy, or d_hidden + loss, down)\n"
+                 "  --op=score|train           Score, or ForwardBackward with REDUCTION_SUM (default score)\n"
+                 "  --iterations=N             timed requests (default 5)\n"
+                 "  --warmup=N                 untimed requests first (default 1)\n",
+                 {"op", "iterations", "warmup"}, true}},
+  };
+  return *commands;
+}
+
+void PrintHelp(const std::string& command) {
+  auto it = Commands().find(command);
+  if (it == Commands().end()) {
+    std::cout << kUsage << "\n" << kConnection;
+    return;
+  }
+  std::cout << it->second.help << kConnection;
+  if (it->second.batch) std::cout << kBatch;
+}
 
 int Failed(const absl::Status& s) {
   std::cerr << "lce_cli: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << std::endl;
   return 1;
+}
+
+int Usage(const absl::Status& s) {
+  std::cerr << "lce_cli: " << s.message() << " (lce_cli --help)" << std::endl;
+  return 2;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
 }
 
 struct OwnedBatch {
@@ -74,63 +136,113 @@ absl::StatusOr<OwnedBatch> MakeBatch(const Args& a, const v1::HeadDescription& h
   OwnedBatch b;
   const int64_t H = head.hidden_size();
   const int64_t es = lce::client::WireDTypeSize(head.dtype());
-  const std::string hidden_file = a.Get("hidden-file"), targets_file = a.Get("targets-file");
-  if (!hidden_file.empty() || !targets_file.empty()) {
-    if (hidden_file.empty() || targets_file.empty()) {
+  if (H <= 0 || es == 0) return absl::FailedPreconditionError("the server described a head without a hidden size or dtype");
+  if (a.Has("hidden-file") || a.Has("targets-file")) {
+    if (!a.Has("hidden-file") || !a.Has("targets-file")) {
       return absl::InvalidArgumentError("--hidden-file and --targets-file go together");
     }
-    auto slurp = [](const std::string& path, std::vector<uint8_t>& out) {
-      std::ifstream in(path, std::ios::binary);
-      out.assign(std::istreambuf_iterator<char>(in), {});
-      return static_cast<bool>(in) || in.eof();
-    };
-    std::vector<uint8_t> t;
-    if (!slurp(hidden_file, b.hidden) || !slurp(targets_file, t)) return absl::NotFoundError("cannot read the batch files");
-    if (t.size() % 4 != 0 || b.hidden.size() != t.size() / 4 * H * es) {
-      return absl::InvalidArgumentError(absl::StrCat("files hold ", b.hidden.size(), " hidden bytes and ", t.size(),
-                                                     " target bytes; expected rows x ", H, " x ", es, " and rows x 4"));
+    absl::StatusOr<std::string> h = ReadFile(a.Get("hidden-file"));
+    if (!h.ok()) return h.status();
+    absl::StatusOr<std::string> t = ReadFile(a.Get("targets-file"));
+    if (!t.ok()) return t.status();
+    if (t->size() % 4 != 0 || static_cast<int64_t>(h->size()) != static_cast<int64_t>(t->size() / 4) * H * es) {
+      return absl::InvalidArgumentError(absl::StrCat("the files hold ", h->size(), " hidden bytes and ", t->size(),
+                                                     " target bytes; expected rows x ", H, " x ", es,
+                                                     " (head '", head.name(), "', ", v1::DType_Name(head.dtype()),
+                                                     ") and rows x 4"));
     }
-    b.targets.resize(t.size() / 4);
-    std::memcpy(b.targets.data(), t.data(), t.size());
+    b.hidden.assign(h->begin(), h->end());
+    b.targets.resize(t->size() / 4);
+    std::memcpy(b.targets.data(), t->data(), t->size());
   } else {
-    const int64_t rows = static_cast<int64_t>(a.Num("rows", 16));
-    std::mt19937_64 rng(static_cast<uint64_t>(a.Num("seed", 0)));
+    absl::StatusOr<int64_t> rows = a.Int("rows", 16, 1, int64_t{1} << 31);
+    if (!rows.ok()) return rows.status();
+    absl::StatusOr<int64_t> seed = a.Int("seed", 0);
+    if (!seed.ok()) return seed.status();
+    std::mt19937_64 rng(static_cast<uint64_t>(*seed));
     std::normal_distribution<float> normal(0.0f, 0.5f);
     std::uniform_int_distribution<int32_t> tgt(0, static_cast<int32_t>(head.vocab_size() - 1));
-    std::vector<float> h(static_cast<size_t>(rows * H));
+    std::vector<float> h(static_cast<size_t>(*rows * H));
     for (float& x : h) x = normal(rng);
-    b.hidden = lce::client::EncodeFloats(h.data(), rows * H, head.dtype());
-    for (int64_t i = 0; i < rows; ++i) b.targets.push_back(tgt(rng));
+    b.hidden = lce::client::EncodeFloats(h.data(), *rows * H, head.dtype());
+    b.targets.resize(static_cast<size_t>(*rows));
+    for (int32_t& y : b.targets) y = tgt(rng);
   }
   b.view = {head.dtype(), static_cast<int64_t>(b.targets.size()), H, absl::MakeConstSpan(b.hidden),
             absl::MakeConstSpan(b.targets)};
   return b;
 }
 
-v1::RequestHeader Header(const Args& a) {
+absl::StatusOr<v1::RequestHeader> Header(const Args& a) {
   v1::RequestHeader h;
   h.set_head(a.Get("head"));
-  if (a.flags.count("temperature")) h.set_temperature(static_cast<float>(a.Num("temperature", 1)));
-  h.set_softcap(static_cast<float>(a.Num("softcap", 0)));
-  if (a.flags.count("ignore-index")) h.set_ignore_index(static_cast<int32_t>(a.Num("ignore-index", -100)));
+  if (a.Has("temperature")) {
+    absl::StatusOr<double> t = a.Number("temperature", 1);
+    if (!t.ok()) return t.status();
+    h.set_temperature(static_cast<float>(*t));
+  }
+  absl::StatusOr<double> softcap = a.Number("softcap", 0);
+  if (!softcap.ok()) return softcap.status();
+  h.set_softcap(static_cast<float>(*softcap));
+  if (a.Has("ignore-index")) {
+    absl::StatusOr<int64_t> ii = a.Int("ignore-index", -100, INT32_MIN, INT32_MAX);
+    if (!ii.ok()) return ii.status();
+    h.set_ignore_index(static_cast<int32_t>(*ii));
+  }
   return h;
 }
 
-int Main(const Args& a) {
+absl::StatusOr<lce::client::ClientOptions> Options(const Args& a) {
   lce::client::ClientOptions o;
   o.target = a.Get("target", "127.0.0.1:50051");
-  o.chunk_bytes = static_cast<int64_t>(a.Num("chunk-bytes", 4 << 20));
-  o.timeout = absl::Seconds(a.Num("timeout-seconds", 600));
-  if (!a.Get("token-file").empty()) {
-    std::ifstream in(a.Get("token-file"));
-    std::getline(in, o.bearer_token);
+  absl::StatusOr<int64_t> chunk = a.Int("chunk-bytes", 4 << 20, 1);
+  if (!chunk.ok()) return chunk.status();
+  o.chunk_bytes = *chunk;
+  absl::StatusOr<double> timeout = a.Number("timeout-seconds", 600);
+  if (!timeout.ok()) return timeout.status();
+  if (*timeout <= 0) return absl::InvalidArgumentError("--timeout-seconds must be > 0");
+  o.timeout = absl::Seconds(*timeout);
+  if (a.Has("token-file")) {
+    absl::StatusOr<std::string> tok = ReadFile(a.Get("token-file"));
+    if (!tok.ok()) return tok.status();
+    o.bearer_token = tok->substr(0, tok->find_first_of("\r\n"));
   }
-  absl::StatusOr<std::unique_ptr<LceClient>> client = LceClient::Create(o);
-  if (!client.ok()) return Failed(client.status());
+  if (a.Has("tls-ca")) {
+    grpc::SslCredentialsOptions ssl;
+    absl::StatusOr<std::string> ca = ReadFile(a.Get("tls-ca"));
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+    if (a.Has("tls-cert") != a.Has("tls-key")) return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+    if (a.Has("tls-cert")) {
+      absl::StatusOr<std::string> cert = ReadFile(a.Get("tls-cert")), key = ReadFile(a.Get("tls-key"));
+      if (!cert.ok()) return cert.status();
+      if (!key.ok()) return key.status();
+      ssl.pem_cert_chain = *cert;
+      ssl.pem_private_key = *key;
+    }
+    o.credentials = grpc::SslCredentials(ssl);
+  } else if (a.Has("tls-cert") || a.Has("tls-key")) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key need --tls-ca");
+  }
+  return o;
+}
+
+int Main(const Args& a) {
+  auto cmd = Commands().find(a.command);
+  if (cmd == Commands().end()) return Usage(absl::InvalidArgumentError(absl::StrCat("unknown command '", a.command, "'")));
+  std::set<std::string> allowed = kConnectionFlags;
+  allowed.insert(cmd->second.flags.begin(), cmd->second.flags.end());
+  if (cmd->second.batch) allowed.insert(kBatchFlags.begin(), kBatchFlags.end());
+  if (absl::Status s = lce::client::cli::CheckKnownFlags(a, allowed); !s.ok()) return Usage(s);
+
+  absl::StatusOr<lce::client::ClientOptions> o = Options(a);
+  if (!o.ok()) return Usage(o.status());
+  absl::StatusOr<std::unique_ptr<LceClient>> client = LceClient::Create(*o);
+  if (!client.ok()) return Usage(client.status());
   LceClient& c = **client;
 
   if (a.command == "health") {
-    absl::StatusOr<bool> ok = c.Health();
+    absl::StatusOr<bool> ok = c.Health(a.Get("service"));
     if (!ok.ok()) return Failed(ok.status());
     std::cout << (*ok ? "SERVING" : "NOT_SERVING") << std::endl;
     return *ok ? 0 : 1;
@@ -139,110 +251,136 @@ int Main(const Args& a) {
   if (!info.ok()) return Failed(info.status());
   if (a.command == "info") {
     std::cout << "server " << info->server_version() << ", backend " << info->backend() << ", tp_size "
-              << info->tp_size() << ", max message " << info->max_message_bytes() << " bytes\n";
+              << info->tp_size() << ", max message " << info->max_message_bytes() << " bytes, max rows/request "
+              << (info->max_rows_per_request() ? absl::StrCat(info->max_rows_per_request()) : "unlimited") << "\n";
     for (const auto& h : info->heads()) {
-      std::cout << "head '" << h.name() << "' version " << h.version() << ": vocab " << h.vocab_size() << " x hidden "
-                << h.hidden_size() << " " << v1::DType_Name(h.dtype()) << (h.has_bias() ? " (bias)" : "") << "\n";
+      std::cout << "head '" << h.name() << "'" << (h.name() == info->head().name() ? " (default)" : "") << " version "
+                << h.version() << ": vocab " << h.vocab_size() << " x hidden " << h.hidden_size() << " "
+                << v1::DType_Name(h.dtype()) << (h.has_bias() ? " with bias" : "") << "\n";
     }
     return 0;
   }
+
+  absl::StatusOr<v1::RequestHeader> header = Header(a);
+  if (!header.ok()) return Usage(header.status());
+  absl::StatusOr<int64_t> show_flag = a.Int("show", 16, 0);
+  if (!show_flag.ok()) return Usage(show_flag.status());
   absl::StatusOr<OwnedBatch> batch = MakeBatch(a, info->head());
-  if (!batch.ok()) return Failed(batch.status());
-  const int64_t show = std::min<int64_t>(static_cast<int64_t>(a.Num("show", 16)), batch->view.rows);
+  if (!batch.ok()) return absl::IsInvalidArgument(batch.status()) || absl::IsNotFound(batch.status())
+                              ? Usage(batch.status())
+                              : Failed(batch.status());
+  const HiddenBatch& view = batch->view;
+  const int64_t show = std::min(*show_flag, view.rows);
+  const int32_t ignore = header->has_ignore_index() ? header->ignore_index() : -100;
+  int64_t valid = 0;
+  for (int32_t y : batch->targets) valid += y != ignore;
 
   if (a.command == "score") {
-    absl::StatusOr<lce::client::ScoreResult> r = c.Score(batch->view, Header(a));
+    absl::StatusOr<lce::client::ScoreResult> r = c.Score(view, *header);
     if (!r.ok()) return Failed(r.status());
-    std::printf("%6s %8s %12s %10s\n", "row", "target", "logprob", "entropy");
+    const bool has_lp = !r->logprobs.empty(), has_ent = !r->entropy.empty();
+    std::printf("%8s %8s %12s %12s\n", "row", "target", "logprob", "entropy");
     for (int64_t i = 0; i < show; ++i) {
-      std::printf("%6lld %8d %12.5f %10.5f\n", static_cast<long long>(i), batch->targets[i], r->logprobs[i], r->entropy[i]);
+      std::printf("%8lld %8d %12.5f %12.5f\n", static_cast<long long>(i), batch->targets[i],
+                  has_lp ? r->logprobs[i] : NAN, has_ent ? r->entropy[i] : NAN);
     }
     double lp = 0, ent = 0;
-    for (int64_t i = 0; i < batch->view.rows; ++i) {
-      lp += r->logprobs[i];
-      ent += r->entropy[i];
+    for (int64_t i = 0; i < view.rows; ++i) {
+      if (has_lp && batch->targets[i] != ignore) lp += r->logprobs[i];
+      if (has_ent) ent += r->entropy[i];
     }
-    std::printf("rows %lld  mean logprob %.5f  mean entropy %.5f  loss (mean -logprob) %.5f\n",
-                static_cast<long long>(batch->view.rows), lp / batch->view.rows, ent / batch->view.rows,
-                -lp / batch->view.rows);
+    std::printf("rows %lld (valid %lld), head '%s' %s: mean logprob %.6f, mean entropy %.6f, loss (mean -logprob) %.6f\n",
+                static_cast<long long>(view.rows), static_cast<long long>(valid), info->head().name().c_str(),
+                v1::DType_Name(view.dtype).c_str(), valid ? lp / valid : 0.0, ent / view.rows, valid ? -lp / valid : 0.0);
     return 0;
   }
+
   if (a.command == "forward-backward") {
-    v1::RequestHeader h = Header(a);
+    v1::RequestHeader h = *header;
     const std::string red = a.Get("reduction", "mean");
-    h.set_reduction(red == "none" ? v1::REDUCTION_NONE : red == "sum" ? v1::REDUCTION_SUM : v1::REDUCTION_MEAN);
-    h.set_label_smoothing(static_cast<float>(a.Num("label-smoothing", 0)));
-    h.set_z_loss(static_cast<float>(a.Num("z-loss", 0)));
-    absl::StatusOr<lce::client::ForwardBackwardResult> r = c.ForwardBackward(batch->view, h);
+    if (red == "none") {
+      h.set_reduction(v1::REDUCTION_NONE);
+    } else if (red == "sum") {
+      h.set_reduction(v1::REDUCTION_SUM);
+    } else if (red == "mean") {
+      h.set_reduction(v1::REDUCTION_MEAN);
+    } else {
+      return Usage(absl::InvalidArgumentError(absl::StrCat("--reduction must be none, sum or mean, got '", red, "'")));
+    }
+    absl::StatusOr<double> eps = a.Number("label-smoothing", 0), z = a.Number("z-loss", 0);
+    if (!eps.ok()) return Usage(eps.status());
+    if (!z.ok()) return Usage(z.status());
+    h.set_label_smoothing(static_cast<float>(*eps));
+    h.set_z_loss(static_cast<float>(*z));
+    absl::StatusOr<lce::client::ForwardBackwardResult> r = c.ForwardBackward(view, h);
     if (!r.ok()) return Failed(r.status());
-    const std::vector<float> dh = lce::client::DecodeFloats(r->d_hidden.data(), batch->view.rows * batch->view.hidden_size,
-                                                             batch->view.dtype);
+    const std::vector<float> dh = lce::client::DecodeFloats(r->d_hidden.data(),
+                                                             static_cast<int64_t>(r->d_hidden.size()) /
+                                                                 lce::client::WireDTypeSize(view.dtype),
+                                                             view.dtype);
     double norm = 0;
-    for (float x : dh) norm += double(x) * x;
-    std::printf("loss (%s) %.6f over %lld valid tokens; |d_hidden| %.6e; head version %lld\n", red.c_str(),
-                r->reduced_loss, static_cast<long long>(r->valid_tokens), std::sqrt(norm),
+    for (float x : dh) norm += static_cast<double>(x) * x;
+    std::printf("loss (%s) %.6f over %lld valid tokens of %lld rows; |d_hidden| %.6e; head '%s' version %lld\n",
+                red.c_str(), r->reduced_loss, static_cast<long long>(r->valid_tokens),
+                static_cast<long long>(view.rows), std::sqrt(norm), info->head().name().c_str(),
                 static_cast<long long>(r->head_version));
-    for (int64_t i = 0; i < show && i < static_cast<int64_t>(r->loss.size()); ++i) {
-      std::printf("  row %lld target %d loss %.5f\n", static_cast<long long>(i), batch->targets[i], r->loss[i]);
+    if (!r->loss.empty()) {
+      std::printf("%8s %8s %12s\n", "row", "target", "loss");
+      for (int64_t i = 0; i < show; ++i) {
+        std::printf("%8lld %8d %12.5f\n", static_cast<long long>(i), batch->targets[i], r->loss[i]);
+      }
     }
     return 0;
   }
-  if (a.command == "bench") {
-    const int iters = static_cast<int>(a.Num("iterations", 5));
-    const bool train = a.Get("op", "score") == "train";
-    v1::RequestHeader h = Header(a);
-    if (train) h.set_reduction(v1::REDUCTION_SUM);
-    double best = 1e30, total = 0;
-    for (int i = 0; i < iters; ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      absl::Status s = train ? c.ForwardBackward(batch->view, h).status() : c.Score(batch->view, h).status();
-      if (!s.ok()) return Failed(s);
-      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      best = std::min(best, dt);
-      total += dt;
-    }
-    const double bytes_in = static_cast<double>(batch->hidden.size() + batch->targets.size() * 4);
-    const double bytes_out = train ? static_cast<double>(batch->hidden.size()) : batch->view.rows * 8.0;
-    std::printf("%s: %lld rows x %d iterations: %.2f ms/request (best %.2f), %.0f rows/s, %.3f GB/s in, %.3f GB/s out\n",
-                train ? "train" : "score", static_cast<long long>(batch->view.rows), iters, 1e3 * total / iters,
-                1e3 * best, batch->view.rows * iters / total, bytes_in * iters / total / 1e9,
-                bytes_out * iters / total / 1e9);
-    return 0;
+
+  // bench
+  const std::string op = a.Get("op", "score");
+  if (op != "score" && op != "train") {
+    return Usage(absl::InvalidArgumentError(absl::StrCat("--op must be score or train, got '", op, "'")));
   }
-  std::cerr << "lce_cli: unknown command '" << a.command << "'\n" << kUsage;
-  return 2;
+  absl::StatusOr<int64_t> iters = a.Int("iterations", 5, 1), warmup = a.Int("warmup", 1, 0);
+  if (!iters.ok()) return Usage(iters.status());
+  if (!warmup.ok()) return Usage(warmup.status());
+  const bool train = op == "train";
+  v1::RequestHeader h = *header;
+  if (train) h.set_reduction(v1::REDUCTION_SUM);
+  auto once = [&]() -> absl::Status {
+    return train ? c.ForwardBackward(view, h).status() : c.Score(view, h).status();
+  };
+  for (int64_t i = 0; i < *warmup; ++i) {
+    if (absl::Status s = once(); !s.ok()) return Failed(s);
+  }
+  double best = 1e30, total = 0;
+  for (int64_t i = 0; i < *iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (absl::Status s = once(); !s.ok()) return Failed(s);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::min(best, dt);
+    total += dt;
+  }
+  const double n = static_cast<double>(*iters);
+  const double bytes_up = static_cast<double>(batch->hidden.size() + batch->targets.size() * 4);
+  const double bytes_down = train ? static_cast<double>(batch->hidden.size()) + view.rows * 4.0 : view.rows * 8.0;
+  std::printf("%s: %lld rows x %lld hidden (%s), %lld iterations: %.3f ms/request (best %.3f), %.0f rows/s, "
+              "%.3f GB/s up, %.3f GB/s down\n",
+              op.c_str(), static_cast<long long>(view.rows), static_cast<long long>(view.hidden_size),
+              v1::DType_Name(view.dtype).c_str(), static_cast<long long>(*iters), 1e3 * total / n, 1e3 * best,
+              view.rows * n / total, bytes_up * n / total / 1e9, bytes_down * n / total / 1e9);
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string s = argv[i];
-    if (s == "--help" || s == "-h") {
-      std::cout << kUsage;
-      return 0;
-    }
-    if (s.rfind("--", 0) == 0) {
-      std::string name = s.substr(2), value;
-      const size_t eq = name.find('=');
-      if (eq != std::string::npos) {
-        value = name.substr(eq + 1);
-        name = name.substr(0, eq);
-      } else if (i + 1 < argc) {
-        value = argv[++i];
-      }
-      a.flags[name] = value;
-    } else if (a.command.empty()) {
-      a.command = s;
-    } else {
-      std::cerr << "lce_cli: unexpected argument '" << s << "'\n";
-      return 2;
-    }
+  absl::StatusOr<Args> a = lce::client::cli::Parse(std::vector<std::string>(argv + 1, argv + argc));
+  if (!a.ok()) return Usage(a.status());
+  if (a->help) {
+    PrintHelp(a->command);
+    return 0;
   }
-  if (a.command.empty()) {
+  if (a->command.empty()) {
     std::cerr << kUsage;
     return 2;
   }
-  return Main(a);
+  return Main(*a);
 }

@@ -80,7 +80,13 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
                                absl::Span<const float> grad_entropy, ForwardBackwardResult* out) {
   const int64_t es = WireDTypeSize(batch.dtype);
   const int64_t row_bytes = batch.hidden_size * es;
-  if (es == 0 || batch.rows < 0 || static_cast<int64_t>(batch.hidden.size()) != batch.rows * row_bytes ||
+  if (es == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("batch dtype ", v1::DType_Name(batch.dtype), " is not a wire dtype"));
+  }
+  if (batch.hidden_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("batch hidden_size must be > 0, got ", batch.hidden_size));
+  }
+  if (batch.rows < 0 || static_cast<int64_t>(batch.hidden.size()) != batch.rows * row_bytes ||
       static_cast<int64_t>(batch.targets.size()) != batch.rows) {
     return absl::InvalidArgumentError(absl::StrCat("batch of ", batch.rows, " rows x ", batch.hidden_size,
                                                    " needs ", batch.rows * row_bytes, " hidden bytes and ",
@@ -130,19 +136,25 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
     stream->WritesDone();
   });
 
-  int64_t covered = 0;
+  // Answers are placed by first_row/rows; together they must cover every row exactly once, and an
+  // output present in one answer must be present in all of them.
+  std::vector<uint8_t> seen(static_cast<size_t>(batch.rows), 0);
+  int64_t covered = 0, n_logprobs = 0, n_entropy = 0, n_loss = 0, n_dhidden = 0;
   absl::Status shape_error;
   v1::StreamResponse resp;
-  auto place = [&](const auto& src, std::vector<float>& dst, int64_t first, int64_t n) {
+  auto place = [&](const auto& src, std::vector<float>& dst, int64_t first, int64_t n, int64_t& count,
+                   const char* what) {
     if (src.empty()) return;
-    if (src.size() != n) {
-      shape_error = absl::InternalError("answer has the wrong number of values");
+    if (static_cast<int64_t>(src.size()) != n) {
+      shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n, ") has ", src.size(),
+                                                     " ", what, " values"));
       return;
     }
-    if (dst.empty()) dst.resize(batch.rows);
+    if (dst.empty()) dst.resize(static_cast<size_t>(batch.rows));
     std::copy(src.begin(), src.end(), dst.begin() + first);
+    count += n;
   };
-  while (stream->Read(&resp)) {
+  while (shape_error.ok() && stream->Read(&resp)) {
     if (resp.has_summary()) {
       out->reduced_loss = resp.summary().loss();
       out->valid_tokens = resp.summary().valid_tokens();
@@ -150,30 +162,51 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
       continue;
     }
     const v1::ChunkResult& c = resp.chunk();
-    if (c.first_row() != covered || c.rows() <= 0 || covered + c.rows() > batch.rows) {
-      shape_error = absl::InternalError(absl::StrCat("answer for rows [", c.first_row(), ", ",
-                                                     c.first_row() + c.rows(), ") does not follow row ", covered));
-      continue;
+    const int64_t first = c.first_row(), n = c.rows();
+    if (first < 0 || n <= 0 || first > batch.rows - n) {
+      shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n,
+                                                     ") is outside the request's ", batch.rows, " rows"));
+      break;
     }
-    place(c.logprobs(), out->logprobs, c.first_row(), c.rows());
-    place(c.entropy(), out->entropy, c.first_row(), c.rows());
-    place(c.loss(), out->loss, c.first_row(), c.rows());
-    if (!c.d_hidden().empty()) {
-      if (static_cast<int64_t>(c.d_hidden().size()) != c.rows() * row_bytes) {
-        shape_error = absl::InternalError("d_hidden answer has the wrong size");
-      } else {
-        if (out->d_hidden.empty()) out->d_hidden.resize(static_cast<size_t>(batch.rows * row_bytes));
-        std::copy(c.d_hidden().begin(), c.d_hidden().end(), out->d_hidden.begin() + c.first_row() * row_bytes);
+    for (int64_t r = first; r < first + n; ++r) {
+      if (seen[r]++) {
+        shape_error = absl::InternalError(absl::StrCat("row ", r, " was answered twice"));
+        break;
       }
     }
-    covered += c.rows();
+    if (!shape_error.ok()) break;
+    place(c.logprobs(), out->logprobs, first, n, n_logprobs, "logprob");
+    place(c.entropy(), out->entropy, first, n, n_entropy, "entropy");
+    place(c.loss(), out->loss, first, n, n_loss, "loss");
+    if (!c.d_hidden().empty()) {
+      if (static_cast<int64_t>(c.d_hidden().size()) != n * row_bytes) {
+        shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n, ") has ",
+                                                       c.d_hidden().size(), " d_hidden bytes, not ", n * row_bytes));
+      } else {
+        if (out->d_hidden.empty()) out->d_hidden.resize(static_cast<size_t>(batch.rows * row_bytes));
+        std::copy(c.d_hidden().begin(), c.d_hidden().end(), out->d_hidden.begin() + first * row_bytes);
+        n_dhidden += n;
+      }
+    }
+    covered += n;
+  }
+  if (!shape_error.ok()) {
+    ctx.TryCancel();  // stop the server's work and our writer; the answer is unusable
+    while (stream->Read(&resp)) {
+    }
   }
   writer.join();
   grpc::Status s = stream->Finish();
-  if (!s.ok()) return ToAbsl(s);
   if (!shape_error.ok()) return shape_error;
+  if (!s.ok()) return ToAbsl(s);
   if (covered != batch.rows) {
     return absl::InternalError(absl::StrCat("the server answered ", covered, " of ", batch.rows, " rows"));
+  }
+  for (auto [count, what] : {std::pair{n_logprobs, "logprobs"}, std::pair{n_entropy, "entropy"},
+                             std::pair{n_loss, "loss"}, std::pair{n_dhidden, "d_hidden"}}) {
+    if (count != 0 && count != batch.rows) {
+      return absl::InternalError(absl::StrCat("the server answered ", what, " for ", count, " of ", batch.rows, " rows"));
+    }
   }
   return absl::OkStatus();
 }
