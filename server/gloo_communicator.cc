@@ -75,13 +75,27 @@ class GlooCommunicator final : public TpCommunicator {
 
 }  // namespace
 
+namespace {
+
+// A process is gone when it no longer exists or is a zombie (exited, not yet reaped).
+bool ProcessGone(long pid) {
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  std::getline(stat, line);
+  const size_t paren = line.rfind(')');
+  return paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z';
+}
+
+}  // namespace
+
 std::string DescribeDeadPeers(const TpBootstrap& b) {
   std::vector<std::string> dead;
   for (int r = 0; r < b.world_size; ++r) {
     if (r == b.rank) continue;
     std::ifstream in(std::filesystem::path(b.rendezvous_dir) / absl::StrCat("rank-", r, ".pid"));
     long pid = 0;
-    if (in >> pid && pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+    if (in >> pid && pid > 0 && ProcessGone(pid)) {
       dead.push_back(absl::StrCat("rank ", r, " (pid ", pid, ") exited"));
     }
   }
@@ -108,8 +122,8 @@ absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateGlooCommunicator(const TpB
     auto device = gloo::transport::tcp::CreateDevice(attr);
     auto ctx = std::make_shared<gloo::rendezvous::Context>(b.rank, b.world_size);
     ctx->setTimeout(absl::ToChronoMilliseconds(b.timeout));
-    gloo::rendezvous::FileStore store((std::filesystem::path(b.rendezvous_dir) / "gloo").string());
     std::filesystem::create_directories(std::filesystem::path(b.rendezvous_dir) / "gloo", ec);
+    gloo::rendezvous::FileStore store((std::filesystem::path(b.rendezvous_dir) / "gloo").string());
     ctx->connectFullMesh(store, device);
     return std::unique_ptr<TpCommunicator>(new GlooCommunicator(b, std::move(ctx)));
   } catch (const std::exception& e) {

@@ -46,6 +46,8 @@ int main(int argc, char** argv) {
   sigemptyset(&action.sa_mask);
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
+  // A peer that dies closes its sockets; writing to them must fail with EPIPE, not kill us.
+  signal(SIGPIPE, SIG_IGN);
 
   absl::StatusOr<ServerFlags> flags = ParseServerFlags(argc, argv);
   if (!flags.ok()) return Fail(flags.status());

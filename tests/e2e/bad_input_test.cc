@@ -82,7 +82,7 @@ TEST_F(BadInput, MissingHeader) {
 }
 
 TEST_F(BadInput, RepeatedHeader) {
-  ExpectError(Run(kForwardBackward, {Header(), Header()}), grpc::StatusCode::INVALID_ARGUMENT, "repeated header");
+  ExpectError(Run(kScore, {Header(), Header()}), grpc::StatusCode::INVALID_ARGUMENT, "repeated header");
 }
 
 TEST_F(BadInput, UnknownHead) {

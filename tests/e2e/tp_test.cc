@@ -51,12 +51,19 @@ class TpGroup {
     target_ = "127.0.0.1:" + std::to_string(port);
   }
   ~TpGroup() {
-    for (pid_t p : pids_) ::kill(p, SIGKILL);
-    for (pid_t p : pids_) ::waitpid(p, nullptr, 0);
+    for (pid_t p : pids_) {
+      if (p > 0) ::kill(p, SIGKILL);  // never kill(-1): that signals every process we may
+    }
+    for (pid_t p : pids_) {
+      if (p > 0) ::waitpid(p, nullptr, 0);
+    }
     fs::remove_all(dir_);
   }
   const std::string& target() const { return target_; }
   pid_t pid(int rank) const { return pids_[rank]; }
+  void Signal(int rank, int sig) const {
+    if (pids_[rank] > 0) ::kill(pids_[rank], sig);
+  }
   // Exit code of `rank` once it exits within `seconds`, or -1.
   int WaitExit(int rank, double seconds) {
     for (int i = 0; i < seconds * 10; ++i) {
@@ -174,7 +181,7 @@ void ExpectPeerFailureHandled(int signal, double timeout_seconds) {
   std::thread request([&] { result = LongRequest(group.target()); });
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   auto hit = std::chrono::steady_clock::now();
-  ::kill(group.pid(2), signal);
+  group.Signal(2, signal);
   request.join();
   const double after = std::chrono::duration<double>(std::chrono::steady_clock::now() - hit).count();
   EXPECT_EQ(result.code(), absl::StatusCode::kUnavailable) << result;
@@ -182,7 +189,7 @@ void ExpectPeerFailureHandled(int signal, double timeout_seconds) {
   if (signal == SIGKILL) EXPECT_NE(result.message().find("rank 2"), std::string::npos) << result;
   EXPECT_EQ(group.WaitExit(0, timeout_seconds + 10), 3) << "the front must exit 3 for a group restart";
   (void)start;
-  if (signal == SIGSTOP) ::kill(group.pid(2), SIGKILL);
+  if (signal == SIGSTOP) group.Signal(2, SIGKILL);
 }
 
 TEST(TensorParallel, KilledPeerGivesUnavailable) { ExpectPeerFailureHandled(SIGKILL, 5.0); }

@@ -71,7 +71,7 @@ class Training : public ::testing::Test {
   }
   // The fp32 "wide" head's weight, as the test server made it.
   std::vector<float> WideWeight() const {
-    const ServedHead& h = **ts_->heads->Get("wide");
+    const server::ServedHead& h = **ts_->heads->Get("wide");
     const float* p = reinterpret_cast<const float*>(h.weights->weight.data());
     return {p, p + kVocab * kHidden};
   }
