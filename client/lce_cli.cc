@@ -113,8 +113,12 @@ int Failed(const absl::Status& s) {
   return 1;
 }
 
+std::string g_command;  // for the hint in usage errors
+
 int Usage(const absl::Status& s) {
-  std::cerr << "lce_cli: " << s.message() << " (lce_cli --help)" << std::endl;
+  const bool known = Commands().count(g_command) != 0;
+  std::cerr << "lce_cli: " << s.message() << " (see lce_cli " << (known ? g_command + " " : "") << "--help)"
+            << std::endl;
   return 2;
 }
 
@@ -374,6 +378,7 @@ int Main(const Args& a) {
 int main(int argc, char** argv) {
   absl::StatusOr<Args> a = lce::client::cli::Parse(std::vector<std::string>(argv + 1, argv + argc));
   if (!a.ok()) return Usage(a.status());
+  g_command = a->command;
   if (a->help) {
     PrintHelp(a->command);
     return 0;
