@@ -24,6 +24,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// LCE_TEST_TP_BACKEND=cuda runs the same groups on GPUs (one per rank, NCCL); default cpu (Gloo).
+std::string Backend() {
+  const char* b = std::getenv("LCE_TEST_TP_BACKEND");
+  return b != nullptr && *b != 0 ? b : "cpu";
+}
+
 class TpGroup {
  public:
   TpGroup(int k, double timeout_seconds) : dir_(fs::temp_directory_path() / ("lce_tp_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
@@ -31,7 +37,8 @@ class TpGroup {
     fs::create_directories(dir_);
     const std::string port_file = (dir_ / "port").string();
     for (int r = 0; r < k; ++r) {
-      std::vector<std::string> args = {LCE_SERVER_PATH, "--port=0", "--port-file=" + port_file, "--backend=cpu",
+      std::vector<std::string> args = {LCE_SERVER_PATH, "--port=0", "--port-file=" + port_file, "--backend=" + Backend(),
+                                       "--device=" + std::to_string(r),
                                        "--seed-head=" + std::to_string(kVocab) + "x" + std::to_string(kHidden), "--seed=7",
                                        "--head-dtype=fp32", "--cpu-threads=1", "--tp-size=" + std::to_string(k),
                                        "--tp-rank=" + std::to_string(r), "--tp-rendezvous=" + (dir_ / "rdv").string(),
