@@ -458,3 +458,46 @@ def test_tls_and_mutual_tls(server_factory, tls_files):
     with pytest.raises(lce_client.LceError) as ei:  # no client certificate
         lce_client.Client(m.target, timeout=5, root_certificates=read("ca.pem")).info()
     assert ei.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _read_safetensors(path):
+    import json as _json
+
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = _json.loads(raw[8:8 + n])
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        dt = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[meta["dtype"]]
+        out[name] = np.frombuffer(raw[8 + n + a:8 + n + b], dtype=dt).reshape(meta["shape"])
+    return out
+
+
+def test_head_management_roundtrip(server_factory, workdir):
+    """load_head (seeded, clone), update_weights, info versions, save_head, and scoring a named head."""
+    srv = server_factory([f"--seed-head=16x{HIDDEN}", "--head-dtype=bf16"], name="heads")
+    rng = np.random.default_rng(70)
+    w = lce_client.f32_to_bf16_bits((rng.standard_normal((40, HIDDEN)) * 0.3).astype(np.float32))
+    with lce_client.Client(srv.target, timeout=60, chunk_bytes=HIDDEN * 2 * 7) as c:
+        hi = c.load_head("extra", seeded=(40, HIDDEN, 3, "bf16"))
+        assert (hi.name, hi.vocab_size, hi.hidden_size, hi.dtype) == ("extra", 40, HIDDEN, "bf16")
+        hi2 = c.update_weights(w, head="extra")  # several chunks of 7 rows
+        assert hi2.version == hi.version + 1
+        with pytest.raises(lce_client.LceError) as ei:
+            c.update_weights(w, head="extra", expected_version=hi.version)  # stale
+        assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        c.load_head("extra_ref", clone_of="extra")
+        names = {h.name for h in c.info().heads}
+        assert {"extra", "extra_ref"} <= names
+        h = lce_client.f32_to_bf16_bits(rng.standard_normal((5, HIDDEN)).astype(np.float32))
+        lp1, _ = c.score(h, [0, 1, 2, 3, 39], head="extra")
+        lp2, _ = c.score(h, [0, 1, 2, 3, 39], head="extra_ref")
+        np.testing.assert_array_equal(lp1, lp2)
+        files, index = c.save_head(str(workdir / "saved"), head="extra")
+    assert index and files
+    saved = _read_safetensors(files[0])
+    (tensor,) = saved.values()
+    np.testing.assert_array_equal(tensor, w)
