@@ -26,6 +26,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
+#include "cuda/gemm.h"
 #include "cuda/kernels.h"
 
 namespace lce::cuda {
@@ -133,8 +134,10 @@ struct Scratch {
   float* m_local = nullptr;       // [R]
   float* m = nullptr;             // [R]
   float* info = nullptr;          // [R, kRowInfo]
-  float* dh = nullptr;            // [R, H] fp32 (backward only)
-  unsigned long long* bad = nullptr;  // [1]
+  float* dh = nullptr;            // [R, H] fp32 (backward only; may alias the logit tiles)
+  unsigned long long* bad = nullptr;  // [2]: first non-finite row; [1] holds the overflow flag (float bits)
+  float* row_c = nullptr;         // [R] fast path: c_row
+  void* h_scaled = nullptr;       // [R, H] bf16, fast path with d_weight
   // kHost staging on the device.
   void* hidden = nullptr;         // [R, H] head dtype
   int32_t* targets = nullptr;     // [R]
@@ -148,6 +151,7 @@ struct Layout {
   bool backward = false;
   bool host = false;
   bool host_dw = false;
+  bool fast = false;  // fast loss path with d_weight: needs the scaled copy of h
 };
 
 class CudaEngine final : public LceEngine {
@@ -187,6 +191,7 @@ class CudaEngine final : public LceEngine {
     LCE_CUDA_CHECK(cublasCreate(&cublas_));
     LCE_CUDA_CHECK(cublasSetStream(cublas_, stream_));
     LCE_CUDA_CHECK(cublasSetPointerMode(cublas_, CUBLAS_POINTER_MODE_HOST));
+    LCE_CUDA_CHECK(gemm_.Init());
     LCE_CUDA_CHECK(weight_.Allocate(static_cast<int64_t>(weights_->weight.size())));
     LCE_CUDA_CHECK(cudaMemcpy(weight_.get(), weights_->weight.data(), weights_->weight.size(),
                               cudaMemcpyHostToDevice));
@@ -195,7 +200,7 @@ class CudaEngine final : public LceEngine {
       LCE_CUDA_CHECK(cudaMemcpy(bias_.get(), weights_->bias.data(), weights_->bias.size() * sizeof(float),
                                 cudaMemcpyHostToDevice));
     }
-    tile_ = RoundUp(std::max<int64_t>(EnvInt("LCE_CUDA_VOCAB_TILE", 8192), kSegment), kSegment);
+    tile_ = RoundUp(std::max<int64_t>(EnvInt("LCE_CUDA_VOCAB_TILE", 4096), kSegment), kSegment);
     tile_ = std::min(tile_, RoundUp(shape_.shard_rows, kSegment));
     ldz_ = RoundUp(std::min(tile_, shape_.shard_rows), 4);
     lds_ = RoundUp(shape_.shard_rows, 8);
@@ -222,16 +227,20 @@ class CudaEngine final : public LceEngine {
     const int64_t esz = DTypeSize(shape_.dtype);
     Carver c(base);
     s->cublas_ws = c.Take<uint8_t>(kCublasWorkspace);
-    for (float*& p : s->logits) p = c.Take<float>(R * ldz_);
+    s->logits[0] = c.Take<float>(2 * R * ldz_);
+    s->logits[1] = s->logits[0] == nullptr ? nullptr : s->logits[0] + R * ldz_;
     s->part = c.Take<float>(R * nseg_ * 4);
     s->packed = c.Take<float>(R * kPacked);
     s->m_local = c.Take<float>(R);
     s->m = c.Take<float>(R);
     s->info = c.Take<float>(R * kRowInfo);
-    s->bad = c.Take<unsigned long long>(1);
+    s->bad = c.Take<unsigned long long>(2);
+    s->row_c = c.Take<float>(R);
+    if (l.fast) s->h_scaled = c.Take<uint8_t>(R * H * 2);
     if (l.backward) {
       s->store = c.Take<uint8_t>(R * lds_ * (shape_.dtype == DType::kFloat32 ? 4 : 2));
-      s->dh = c.Take<float>(R * H);
+      // d_hidden's fp32 accumulator reuses the logit tiles (free by then) where it fits.
+      s->dh = H <= 2 * ldz_ ? s->logits[0] : c.Take<float>(R * H);
     }
     if (l.host) {
       s->hidden = c.Take<uint8_t>(R * H * esz);
@@ -262,15 +271,36 @@ class CudaEngine final : public LceEngine {
     return lo;
   }
 
+  // C (fp32, column-major) = op(A)·op(B) + beta·C. Through cuBLASLt with a tuned algorithm (GemmRunner;
+  // c_is_scratch says C may be overwritten while tuning), cublasGemmEx when LCE_CUDA_GEMMEX=1.
   absl::Status Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* A,
                     cudaDataType_t at, int64_t lda, const void* B, cudaDataType_t bt, int64_t ldb, float beta,
-                    void* C, cudaDataType_t ct, int64_t ldc, bool tf32) {
+                    void* C, cudaDataType_t ct, int64_t ldc, bool tf32, bool c_is_scratch = false) {
     const float alpha = 1.0f;
     const cublasComputeType_t compute =
         shape_.dtype == DType::kFloat32 ? (tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F)
                                         : CUBLAS_COMPUTE_32F;
     for (int64_t v : {m, n, k, lda, ldb, ldc}) {
       if (v > INT_MAX) return absl::InvalidArgumentError("GEMM dimension exceeds int32");
+    }
+    if (EnvInt("LCE_CUDA_GEMMEX", 0) == 0) {
+      GemmSpec g;
+      g.ta = ta;
+      g.tb = tb;
+      g.m = m;
+      g.n = n;
+      g.k = k;
+      g.a = A;
+      g.lda = lda;
+      g.b = B;
+      g.ldb = ldb;
+      g.c = C;
+      g.ldc = ldc;
+      g.ab_type = at;
+      g.c_type = ct;
+      g.compute = compute;
+      g.beta = beta;
+      return gemm_.Run(g, c_is_scratch, tune_scratch_, tune_floats_, cublas_ws_, kCublasWorkspace, stream_);
     }
     LCE_CUDA_CHECK(cublasGemmEx(cublas_, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                                 &alpha, A, at, static_cast<int>(lda), B, bt, static_cast<int>(ldb), &beta, C, ct,
@@ -291,6 +321,10 @@ class CudaEngine final : public LceEngine {
   cudaEvent_t events_[kNumEvents] = {};
   cudaEvent_t trace_[8] = {};  // LCE_CUDA_TRACE=1: phase timings of the first row block, to stderr
   cublasHandle_t cublas_ = nullptr;
+  GemmRunner gemm_;
+  float* tune_scratch_ = nullptr;  // the logit tiles, free during the backward: where GEMMs are tuned
+  int64_t tune_floats_ = 0;
+  void* cublas_ws_ = nullptr;
   DeviceMemory weight_, bias_, workspace_;
   PinnedMemory pinned_;
   int64_t tile_ = 0, ldz_ = 0, lds_ = 0, nseg_ = 0;
@@ -357,7 +391,12 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   const bool fp32 = shape_.dtype == DType::kFloat32;
   const bool tf32 = o.allow_tf32;
   const cudaDataType_t dt = CudaType(shape_.dtype);
-  const Layout layout{backward, host, host && backward && grads.d_weight != nullptr};
+  // Fast loss path (fast_grad.cu): no dA pass; the per-row factors go around the GEMMs.
+  const bool fast = backward && shape_.dtype == DType::kBFloat16 && up.mode == GradMode::kLoss &&
+                    o.softcap == 0.0f && o.label_smoothing == 0.0f && !(host && grads.d_weight != nullptr) &&
+                    EnvInt("LCE_CUDA_NO_FAST", 0) == 0;
+  const Layout layout{backward, host, host && backward && grads.d_weight != nullptr,
+                      fast && grads.d_weight != nullptr};
 
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t r_max = RowsPerBlock(layout, N);
@@ -374,7 +413,10 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   Scratch s;
   Carve(layout, R, workspace_.get(), &s);
   LCE_CUDA_CHECK(cublasSetWorkspace(cublas_, s.cublas_ws, kCublasWorkspace));
-  const int64_t bad_off = RoundUp(R * H * esz, 64);
+  cublas_ws_ = s.cublas_ws;
+  tune_scratch_ = s.logits[0];
+  tune_floats_ = 2 * R * ldz_;
+  const int64_t bad_off = RoundUp(R * H * esz, 64);  // 2 × u64 after the staging
   if (host) LCE_CUDA_CHECK(pinned_.Ensure(bad_off + 64));
   unsigned long long* bad_host = nullptr;
   if (host) bad_host = reinterpret_cast<unsigned long long*>(pinned_.get() + bad_off);
@@ -416,10 +458,16 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       o_loss = o_loss != nullptr ? s.out[3] : nullptr;
     }
 
-    // Forward: logit tiles -> segment partials (+ compact copy for the backward).
+    // Forward: logit tiles -> segment partials (+ compact copy for the backward). The fast path
+    // runs it again on the general path if exp(z − c_row) could overflow (extreme logit spread).
     const bool trace = r0 == 0 && EnvInt("LCE_CUDA_TRACE", 0) != 0;
+    bool block_fast = fast;
+   forward:
+    const StoreMode mode = block_fast ? StoreMode::kExpBf16 : fp32 ? StoreMode::kShiftedFloat : StoreMode::kShiftedHalf;
     if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[0], stream_));
     LCE_CUDA_CHECK(cudaMemsetAsync(s.packed, 0, nr * kPacked * sizeof(float), stream_));
+    LCE_CUDA_CHECK(cudaMemsetAsync(s.bad + 1, 0, sizeof(unsigned long long), stream_));
+    unsigned* overflow = reinterpret_cast<unsigned*>(s.bad + 1);
     // GEMM of tile t on stream_ overlaps TileStats of tile t−1 on aux_; two logit buffers.
     int64_t t = 0;
     for (int64_t v0 = 0; v0 < Vs; v0 += tile_, ++t) {
@@ -428,11 +476,21 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       if (t >= 2) LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvStats0 + b], 0));
       // logits[nr, nv] = h[nr, H] · W[v0:v0+nv, H]ᵀ   (column-major: [nv, nr] = Wᵀ · h)
       LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, nv, nr, H, w + v0 * H * esz, dt, H, h, dt, H, 0.0f,
-                          s.logits[b], CUDA_R_32F, ldz_, tf32));
+                          s.logits[b], CUDA_R_32F, ldz_, tf32, /*c_is_scratch=*/true));
       LCE_CUDA_CHECK(cudaEventRecord(events_[kEvGemm0 + b], stream_));
       LCE_CUDA_CHECK(cudaStreamWaitEvent(aux_, events_[kEvGemm0 + b], 0));
-      if (!(debug_skip & 1)) LCE_CUDA_CHECK(LaunchTileStats(s.logits[b], ldz_, nr, v0, nv, tf, y, o.ignore_index, shape_.vocab_begin,
-                                     s.part, nseg_, s.packed, backward ? s.store : nullptr, lds_, fp32, aux_));
+      if (!(debug_skip & 1)) {
+        // The fast path's first segment sets c_row before the rest of the shard is stored.
+        const int64_t first = (block_fast && v0 == 0) ? std::min<int64_t>(nv, kSegment) : nv;
+        LCE_CUDA_CHECK(LaunchTileStats(s.logits[b], ldz_, nr, v0, first, tf, y, o.ignore_index, shape_.vocab_begin,
+                                       s.part, nseg_, s.packed, backward ? s.store : nullptr, lds_, mode, s.row_c,
+                                       overflow, aux_));
+        if (first < nv) {
+          LCE_CUDA_CHECK(LaunchTileStats(s.logits[b] + first, ldz_, nr, v0 + first, nv - first, tf, y, o.ignore_index,
+                                         shape_.vocab_begin, s.part, nseg_, s.packed, s.store, lds_, mode, s.row_c,
+                                         overflow, aux_));
+        }
+      }
       LCE_CUDA_CHECK(cudaEventRecord(events_[kEvStats0 + b], aux_));
     }
     LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], aux_));
@@ -440,6 +498,9 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[1], stream_));
     LCE_CUDA_CHECK(LaunchMergeSegments(s.part, nseg_, nr, s.m_local, s.m, s.packed, stream_));
     if (tp) {
+      // Every rank takes part (and retries together), whatever path it is on.
+      LCE_CUDA_CHECK(config_.collectives->AllReduce(reinterpret_cast<float*>(overflow), 1, ReduceOp::kMax, true,
+                                                    stream_));
       LCE_CUDA_CHECK(config_.collectives->AllReduce(s.m, nr, ReduceOp::kMax, true, stream_));
       LCE_CUDA_CHECK(LaunchRescalePartials(s.m_local, s.m, nr, s.packed, stream_));
       LCE_CUDA_CHECK(config_.collectives->AllReduce(s.packed, nr * kPacked, ReduceOp::kSum, true, stream_));
@@ -459,10 +520,12 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     fa.logprob = o_logprob;
     fa.entropy = o_entropy;
     fa.loss = o_loss;
+    fa.row_c = block_fast ? s.row_c : nullptr;
+    fa.temperature = o.temperature;
     LCE_CUDA_CHECK(cudaMemsetAsync(s.bad, 0xff, sizeof(unsigned long long), stream_));
     LCE_CUDA_CHECK(LaunchFinalizeRows(fa, s.m, s.packed, s.info, s.bad, stream_));
-    unsigned long long bad = ULLONG_MAX;
-    LCE_CUDA_CHECK(cudaMemcpyAsync(host ? bad_host : &bad, s.bad, sizeof(bad), cudaMemcpyDeviceToHost, stream_));
+    unsigned long long flags[2] = {ULLONG_MAX, 0};
+    LCE_CUDA_CHECK(cudaMemcpyAsync(host ? bad_host : flags, s.bad, sizeof(flags), cudaMemcpyDeviceToHost, stream_));
     if (host) {
       float* dsts[4] = {out.logprob, out.entropy, out.lse, out.loss};
       for (int k = 0; k < 4; ++k) {
@@ -472,10 +535,15 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     }
     // One sync per row block: a non-finite row must stop the call before it touches d_weight.
     LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    if (host) bad = *bad_host;
+    if (host) std::memcpy(flags, bad_host, sizeof(flags));
+    const unsigned long long bad = flags[0];
     if (bad != ULLONG_MAX && debug_skip == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "row ", r0 + static_cast<int64_t>(bad), ": non-finite logits (NaN or Inf in the hidden states, or overflow)"));
+    }
+    if (flags[1] != 0 && debug_skip == 0) {
+      block_fast = false;  // logit spread too wide for exp(z − c_row): redo this block exactly
+      goto forward;
     }
     if (!backward) {
       if (trace) {
@@ -487,6 +555,43 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       continue;
     }
 
+    if (block_fast) {
+      // dW += qᵀ · (s ⊙ h) − scatter(t ⊙ h);  d_hidden = s ⊙ (q · W) − t ⊙ W[y].
+      if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[2], stream_));
+      if (grads.d_weight != nullptr) {
+        LCE_CUDA_CHECK(LaunchScaleRows(h, nr, H, s.info, s.h_scaled, stream_));
+        LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, Vs, nr, s.h_scaled, dt, H, s.store, dt, lds_, 1.0f,
+                            grads.d_weight, CUDA_R_32F, H, tf32));
+        LCE_CUDA_CHECK(LaunchScatterTargetDW(grads.d_weight, nr, H, s.info, h, y, o.ignore_index, shape_.vocab_begin,
+                                             Vs, stream_));
+      }
+      if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
+      if (grads.d_hidden != nullptr) {
+        LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F,
+                            H, tf32, /*c_is_scratch=*/true));
+        LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, y, o.ignore_index, shape_.vocab_begin, Vs, stream_));
+        if (tp) LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
+        void* dst = host ? s.d_hidden : static_cast<uint8_t*>(grads.d_hidden) + r0 * H * esz;
+        LCE_CUDA_CHECK(LaunchFloatToDType(s.dh, shape_.dtype, dst, nr * H, stream_));
+        if (host) {
+          LCE_CUDA_CHECK(cudaMemcpyAsync(pinned_.get(), s.d_hidden, nr * H * esz, cudaMemcpyDeviceToHost, stream_));
+          LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+          std::memcpy(static_cast<uint8_t*>(grads.d_hidden) + r0 * H * esz, pinned_.get(),
+                      static_cast<size_t>(nr * H * esz));
+        }
+      }
+      if (trace) {
+        LCE_CUDA_CHECK(cudaEventRecord(trace_[4], stream_));
+        LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        float ms[3] = {0, 0, 0};
+        LCE_CUDA_CHECK(cudaEventElapsedTime(&ms[0], trace_[0], trace_[1]));
+        LCE_CUDA_CHECK(cudaEventElapsedTime(&ms[1], trace_[2], trace_[3]));
+        LCE_CUDA_CHECK(cudaEventElapsedTime(&ms[2], trace_[3], trace_[4]));
+        std::fprintf(stderr, "lce trace (fast): rows %ld/%ld (R=%ld) tiles fwd %.3f ms | dW %.3f ms | dh %.3f ms\n",
+                     static_cast<long>(nr), static_cast<long>(N), static_cast<long>(R), ms[0], ms[1], ms[2]);
+      }
+      continue;
+    }
     // Backward: dA in place on aux_, chunk by chunk; on the device path each chunk's dW product runs
     // on stream_ while aux_ writes the next chunk. Then one d_hidden product over the whole shard.
     if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[2], stream_));
@@ -511,7 +616,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     if (grads.d_hidden != nullptr) {
       // dh[nr, H] = dA[nr, Vs] · W[Vs, H]   (column-major: [H, nr] = W · dA)
       LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F,
-                          H, tf32));
+                          H, tf32, /*c_is_scratch=*/true));
       if (tp) LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
       void* dst = host ? s.d_hidden : static_cast<uint8_t*>(grads.d_hidden) + r0 * H * esz;
       LCE_CUDA_CHECK(LaunchFloatToDType(s.dh, shape_.dtype, dst, nr * H, stream_));

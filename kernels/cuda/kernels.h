@@ -19,7 +19,11 @@ inline constexpr int kSegment = 4096;
 // global max m, lse, and the backward coefficients A, B, C, D of
 //   dL/dz_ij = A_i·p_ij + B_i·p_ij·(z_ij − m_i) − C_i·1[j = y_i] − D_i.
 inline constexpr int kRowInfo = 8;
-enum RowInfoSlot : int { kInfoMax = 0, kInfoLse = 1, kInfoA = 2, kInfoB = 3, kInfoC = 4, kInfoD = 5 };
+// Fast loss path (StoreMode::kExpBf16): dL/da_ij = s_i·exp(z_ij − c_i) − t_i·1[j = y_i], with
+// s_i = A_i·exp(c_i − lse_i)/T in kInfoScale and t_i = C_i/T in kInfoTarget.
+enum RowInfoSlot : int {
+  kInfoMax = 0, kInfoLse = 1, kInfoA = 2, kInfoB = 3, kInfoC = 4, kInfoD = 5, kInfoScale = 6, kInfoTarget = 7
+};
 
 // Per-row packed partials summed across ranks: S, Q, Σz, z_y.
 inline constexpr int kPacked = 4;
@@ -31,15 +35,26 @@ struct LogitTransform {
   float temperature = 1.0f;
 };
 
+// What TileStats keeps of z for the backward.
+enum class StoreMode : int {
+  kShiftedHalf = 0,   // fp16 z − m_segment (16-bit heads, general path)
+  kShiftedFloat = 1,  // fp32 z − m_segment (fp32 heads)
+  kExpBf16 = 2,       // bf16 exp(z − c_row), c_row = max of the row's first segment (fast loss path)
+};
+
 // tile_stats.cu. Reduces the fp32 logit tile `logits` [rows, nv] (leading dimension ldz, a multiple
 // of 4) holding shard columns [v0, v0 + nv) (v0 a multiple of kSegment) to per-(row, segment)
 // partials part[(r·nseg + v0/kSegment + s)·4 + {0,1,2,3}] = (m, S, Q, Σz) of z, writes z_y into
 // packed[r·kPacked + 3] for rows whose target lies in the tile, and, when `store` is not null, writes
-// z − m_segment into store[r·lds + v0 + c] as fp16 (store_fp32 false) or fp32 (store_fp32 true).
+// into store[r·lds + v0 + c] what `mode` says. kExpBf16: the launch holding shard column 0 must hold
+// only segment 0 (it writes row_c[r]); later launches read row_c and set *overflow = 1 when a
+// segment's max exceeds c_row by more than kExpHeadroom (exp could overflow the products); *overflow
+// holds the bits of 1.0f then, so that ranks can all-reduce it as a float (max).
+inline constexpr float kExpHeadroom = 60.0f;
 absl::Status LaunchTileStats(const float* logits, int64_t ldz, int64_t rows, int64_t v0, int64_t nv,
                              const LogitTransform& tf, const int32_t* targets, int32_t ignore_index,
                              int64_t vocab_begin, float* part, int64_t nseg, float* packed, void* store,
-                             int64_t lds, bool store_fp32, cudaStream_t stream);
+                             int64_t lds, StoreMode mode, float* row_c, unsigned* overflow, cudaStream_t stream);
 
 // row_finalize.cu. Merges the nseg partials of each row: m_local[r] = m[r] = max, packed S, Q, Σz.
 absl::Status LaunchMergeSegments(const float* part, int64_t nseg, int64_t rows, float* m_local, float* m,
@@ -67,6 +82,8 @@ struct FinalizeArgs {
   float* logprob = nullptr;
   float* entropy = nullptr;
   float* loss = nullptr;
+  const float* row_c = nullptr;          // fast loss path: c_i (else null)
+  float temperature = 1.0f;
 };
 
 // row_finalize.cu. Per-row outputs and backward coefficients from m and packed; rows whose lse or
@@ -81,6 +98,19 @@ absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows
                              const float* part, int64_t nseg, const float* row_info,
                              const int32_t* targets, int32_t ignore_index, int64_t vocab_begin,
                              float softcap, float temperature, cudaStream_t stream);
+
+// fast_grad.cu (fast loss path, bf16 heads). h_scaled[r, :] = bf16(s_r · h[r, :]).
+absl::Status LaunchScaleRows(const void* h, int64_t rows, int64_t hidden, const float* row_info, void* h_scaled,
+                             cudaStream_t stream);
+// fast_grad.cu. dh[r, :] = s_r · dh[r, :] − t_r · W[y_r − vocab_begin, :] (the target term only where
+// y_r lies in this shard). W is the shard's bf16 weight [shard_rows, hidden].
+absl::Status LaunchFinishDHidden(float* dh, int64_t rows, int64_t hidden, const float* row_info, const void* w,
+                                 const int32_t* targets, int32_t ignore_index, int64_t vocab_begin,
+                                 int64_t shard_rows, cudaStream_t stream);
+// fast_grad.cu. d_weight[y_r − vocab_begin, :] −= t_r · h[r, :] for rows whose target lies in the shard.
+absl::Status LaunchScatterTargetDW(float* d_weight, int64_t rows, int64_t hidden, const float* row_info,
+                                   const void* h, const int32_t* targets, int32_t ignore_index,
+                                   int64_t vocab_begin, int64_t shard_rows, cudaStream_t stream);
 
 // convert.cu. dst[i] = (dtype) src[i] (round to nearest even) for n elements.
 absl::Status LaunchFloatToDType(const float* src, DType dtype, void* dst, int64_t n, cudaStream_t stream);

@@ -100,6 +100,11 @@ __global__ void FinalizeKernel(FinalizeArgs a, const float* __restrict__ m, cons
   in[kInfoB] = B;
   in[kInfoC] = C;
   in[kInfoD] = D;
+  if (a.row_c != nullptr) {
+    const float inv_t = 1.0f / a.temperature;
+    in[kInfoScale] = A == 0.0f ? 0.0f : A * expf(a.row_c[r] - lse) * inv_t;
+    in[kInfoTarget] = C * inv_t;
+  }
 }
 
 unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }

@@ -1,5 +1,6 @@
 // Forward reduction of one fp32 logit tile: per-(row, segment) softmax partials, the target logit,
 // and (for the backward) a compact copy of z − m_segment.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cmath>
@@ -29,6 +30,18 @@ __device__ __forceinline__ void StoreShifted(__half* dst, const float* v, int n_
     for (int j = 0; j < n_valid; ++j) dst[j] = __float2half_rn(v[j]);
   }
 }
+__device__ __forceinline__ void StoreShifted(__nv_bfloat16* dst, const float* v, int n_valid) {
+  if (n_valid == 4) {
+    __nv_bfloat162 a = __floats2bfloat162_rn(v[0], v[1]);
+    __nv_bfloat162 b = __floats2bfloat162_rn(v[2], v[3]);
+    uint2 u;
+    u.x = *reinterpret_cast<uint32_t*>(&a);
+    u.y = *reinterpret_cast<uint32_t*>(&b);
+    *reinterpret_cast<uint2*>(dst) = u;
+  } else {
+    for (int j = 0; j < n_valid; ++j) dst[j] = __float2bfloat16_rn(v[j]);
+  }
+}
 __device__ __forceinline__ void StoreShifted(float* dst, const float* v, int n_valid) {
   if (n_valid == 4) {
     *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
@@ -37,12 +50,13 @@ __device__ __forceinline__ void StoreShifted(float* dst, const float* v, int n_v
   }
 }
 
-template <typename S>
+// S: storage element; kExp: store exp(z − c_row) instead of z − m_segment.
+template <typename S, bool kExp>
 __global__ void __launch_bounds__(kThreads)
 TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int nv, const float* __restrict__ bias,
                 float softcap, float inv_temp, const int32_t* __restrict__ targets, int32_t ignore_index,
                 int64_t vocab_begin, float* __restrict__ part, int64_t nseg, float* __restrict__ packed,
-                S* __restrict__ store, int64_t lds) {
+                S* __restrict__ store, int64_t lds, float* __restrict__ row_c, unsigned* overflow) {
   const int64_t r = blockIdx.y;
   const int c_seg = blockIdx.x * kSegment;  // first tile column of this segment
   const float* row = logits + r * ldz;
@@ -117,7 +131,22 @@ TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int n
     }
   }
 
-  if (store != nullptr) {
+  if (kExp && store != nullptr) {
+    // c_row: this segment's max for the row's first segment, else what that segment wrote.
+    const bool first = v0 + c_seg == 0;
+    const float c = first ? m : row_c[r];
+    if (first && tid == 0) row_c[r] = m;
+    if (!first && tid == 0 && !(m - c <= kExpHeadroom)) atomicExch(overflow, 0x3f800000u);  // 1.0f: all-reducible (max)
+    const float shift = m - c;
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+      float e[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) e[j] = expf(z[k][j] + shift);
+      const int cc = c_seg + k * (kThreads * kVec) + tid * kVec;
+      if (cc < nv) StoreShifted(store + r * lds + v0 + cc, e, min(kVec, nv - cc));
+    }
+  } else if (store != nullptr) {
     S* dst = store + r * lds + v0;
 #pragma unroll
     for (int k = 0; k < kSteps; ++k) {
@@ -158,23 +187,34 @@ TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int n
 absl::Status LaunchTileStats(const float* logits, int64_t ldz, int64_t rows, int64_t v0, int64_t nv,
                              const LogitTransform& tf, const int32_t* targets, int32_t ignore_index,
                              int64_t vocab_begin, float* part, int64_t nseg, float* packed, void* store,
-                             int64_t lds, bool store_fp32, cudaStream_t stream) {
+                             int64_t lds, StoreMode mode, float* row_c, unsigned* overflow, cudaStream_t stream) {
   if (rows <= 0 || nv <= 0) return absl::OkStatus();
   if (ldz % 4 != 0 || ldz < nv || v0 % kSegment != 0 || rows > 65535 ||
-      (store != nullptr && (lds % 8 != 0 || lds < v0 + nv)) || (v0 + nv + kSegment - 1) / kSegment > nseg) {
+      (store != nullptr && (lds % 8 != 0 || lds < v0 + nv)) || (v0 + nv + kSegment - 1) / kSegment > nseg ||
+      (store != nullptr && mode == StoreMode::kExpBf16 &&
+       (row_c == nullptr || overflow == nullptr || (v0 == 0 && nv > kSegment)))) {
     return absl::InternalError(absl::StrCat("LaunchTileStats: bad shape rows=", rows, " v0=", v0, " nv=", nv,
                                             " ldz=", ldz, " lds=", lds, " nseg=", nseg));
   }
   const dim3 grid(static_cast<unsigned>((nv + kSegment - 1) / kSegment), static_cast<unsigned>(rows));
   const float inv_temp = 1.0f / tf.temperature;
-  if (store_fp32) {
-    TileStatsKernel<float><<<grid, kThreads, 0, stream>>>(logits, ldz, v0, static_cast<int>(nv), tf.bias, tf.softcap,
-                                                          inv_temp, targets, ignore_index, vocab_begin, part, nseg,
-                                                          packed, static_cast<float*>(store), lds);
-  } else {
-    TileStatsKernel<__half><<<grid, kThreads, 0, stream>>>(logits, ldz, v0, static_cast<int>(nv), tf.bias, tf.softcap,
-                                                           inv_temp, targets, ignore_index, vocab_begin, part, nseg,
-                                                           packed, static_cast<__half*>(store), lds);
+  const int inv = static_cast<int>(nv);
+  switch (mode) {
+    case StoreMode::kShiftedFloat:
+      TileStatsKernel<float, false><<<grid, kThreads, 0, stream>>>(
+          logits, ldz, v0, inv, tf.bias, tf.softcap, inv_temp, targets, ignore_index, vocab_begin, part, nseg,
+          packed, static_cast<float*>(store), lds, row_c, overflow);
+      break;
+    case StoreMode::kShiftedHalf:
+      TileStatsKernel<__half, false><<<grid, kThreads, 0, stream>>>(
+          logits, ldz, v0, inv, tf.bias, tf.softcap, inv_temp, targets, ignore_index, vocab_begin, part, nseg,
+          packed, static_cast<__half*>(store), lds, row_c, overflow);
+      break;
+    case StoreMode::kExpBf16:
+      TileStatsKernel<__nv_bfloat16, true><<<grid, kThreads, 0, stream>>>(
+          logits, ldz, v0, inv, tf.bias, tf.softcap, inv_temp, targets, ignore_index, vocab_begin, part, nseg,
+          packed, static_cast<__nv_bfloat16*>(store), lds, row_c, overflow);
+      break;
   }
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();

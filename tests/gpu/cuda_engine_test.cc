@@ -350,6 +350,30 @@ TEST_F(CudaTest, ManyRowBlocksUnderSmallWorkspace) {
   EXPECT_FALSE(CreateEngine(Backend::kCuda, p.head, tiny).ok());
 }
 
+TEST_F(CudaTest, FastLossPathMatchesGeneralPath) {
+  ProblemSpec sp;
+  sp.rows = 300;
+  sp.vocab = 20000;
+  sp.bias = true;
+  sp.grad_loss = true;
+  sp.h_scale = 3.0;
+  sp.options.temperature = 0.8f;
+  sp.options.z_loss = 1e-3f;
+  const Problem p = MakeProblem(sp, 111);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 112);
+  setenv("LCE_CUDA_MAX_ROWS", "128", 1);
+  const Answers fast = RunEngine(*e, p, MemorySpace::kDevice, dw0);
+  setenv("LCE_CUDA_NO_FAST", "1", 1);
+  const Answers general = RunEngine(*e, p, MemorySpace::kDevice, dw0);
+  unsetenv("LCE_CUDA_NO_FAST");
+  unsetenv("LCE_CUDA_MAX_ROWS");
+  ExpectMatches(fast, p, dw0, "fast path");
+  ExpectMatches(general, p, dw0, "general path");
+  ExpectMatches(RunEngine(*e, p, MemorySpace::kHost, {}), p, {}, "fast path, host, d_hidden only");
+}
+
 TEST_F(CudaTest, HundredThousandRows) {
   ProblemSpec sp;
   sp.rows = 100003;
@@ -366,15 +390,16 @@ TEST_F(CudaTest, HundredThousandRows) {
 }
 
 TEST_F(CudaTest, ExtremeLogits) {
-  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+  for (int variant = 0; variant < 3; ++variant) {
+    const DType dt = variant == 1 ? DType::kFloat32 : DType::kBFloat16;
     ProblemSpec sp;
     sp.rows = 19;
     sp.vocab = 5000;
     sp.dtype = dt;
     sp.h_scale = 30.0;
     sp.w_scale = 30.0;  // logits ~ 1e3
-    sp.mode = GradMode::kGeneric;
-    const Problem p = MakeProblem(sp, 51);
+    sp.mode = variant == 2 ? GradMode::kLoss : GradMode::kGeneric;  // kLoss bf16: the fast path falls back
+    const Problem p = MakeProblem(sp, 51 + variant);
     auto e = MakeCuda(p);
     ASSERT_NE(e, nullptr);
     const Answers a = RunEngine(*e, p, MemorySpace::kDevice, {});
@@ -514,18 +539,21 @@ class ThreadCollectives final : public Collectives {
 
 TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
   const int k = 3;
-  for (GradMode mode : {GradMode::kLoss, GradMode::kGeneric}) {
+  for (int variant = 0; variant < 3; ++variant) {
+    const GradMode mode = variant == 1 ? GradMode::kGeneric : GradMode::kLoss;
     ProblemSpec sp;
     sp.rows = 29;
     sp.vocab = 9001;
     sp.bias = true;
     sp.mode = mode;
     sp.grad_loss = true;
-    sp.options.softcap = 12.0f;
     sp.options.temperature = 0.9f;
-    sp.options.label_smoothing = 0.1f;
     sp.options.z_loss = 1e-3f;
-    const Problem full = MakeProblem(sp, 101 + static_cast<int>(mode));
+    if (variant < 2) {  // variant 2: plain loss, the fast path on the device ranks
+      sp.options.softcap = 12.0f;
+      sp.options.label_smoothing = 0.1f;
+    }
+    const Problem full = MakeProblem(sp, 101 + variant);
     const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 7);
     ThreadGroup group(k);
     std::vector<Answers> answers(k);
@@ -565,7 +593,7 @@ TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
       EXPECT_LE(RelErr(answers[r].logprob, to_d(answers[0].logprob)), 1e-6) << "rank " << r;
       EXPECT_LE(RelErr(answers[r].d_hidden, to_d(answers[0].d_hidden)), 1e-6) << "rank " << r;
     }
-    ExpectMatches(merged, full, dw0, mode == GradMode::kLoss ? "tp3 loss" : "tp3 generic");
+    ExpectMatches(merged, full, dw0, absl::StrCat("tp3 variant ", variant));
   }
 }
 

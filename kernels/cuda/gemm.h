@@ -1,0 +1,62 @@
+// The CUDA backend's matrix products: cuBLASLt with fp32 accumulation, the algorithm for each distinct
+// problem chosen once by timing cuBLASLt's heuristic candidates (on scratch memory, never on the
+// caller's buffers) and cached. Host functions only.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+#include "absl/status/status.h"
+
+namespace lce::cuda {
+
+// Column-major D = alpha·op(A)·op(B) + beta·C with C == D.
+struct GemmSpec {
+  cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  void* c = nullptr;
+  int64_t ldc = 0;
+  cudaDataType_t ab_type = CUDA_R_16BF;
+  cudaDataType_t c_type = CUDA_R_32F;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  float beta = 0.0f;
+};
+
+class GemmRunner {
+ public:
+  GemmRunner() = default;
+  GemmRunner(const GemmRunner&) = delete;
+  GemmRunner& operator=(const GemmRunner&) = delete;
+  ~GemmRunner();
+
+  absl::Status Init();
+  // Runs g on stream. On the first call for a problem, times the candidates: in place when g writes
+  // scratch (c_is_scratch), else on tune_scratch (tune_floats floats) with n cut to fit.
+  absl::Status Run(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
+                   size_t workspace_bytes, cudaStream_t stream);
+
+ private:
+  struct Plan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+    bool has_algo = false;
+  };
+  using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, int, int, int>;
+  absl::Status MakePlan(const GemmSpec& g, int64_t n, Plan* plan) const;
+  static void FreePlan(Plan* plan);
+
+  cublasLtHandle_t lt_ = nullptr;
+  cudaEvent_t ev_[2] = {nullptr, nullptr};
+  std::map<Key, Plan> plans_;
+};
+
+}  // namespace lce::cuda
