@@ -32,6 +32,25 @@ class StreamSlot {
 
 }  // namespace
 
+std::string StatusCodeName(grpc::StatusCode code) {
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+}
+
+absl::Status LceService::RunEngine(const char* method, const char* op, LceEngine& engine, const RowsView& rows,
+                                   const LceOptions& options, const Upstream& up, const RowOutputs& out,
+                                   const GradOutputs& grads) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  const auto t1 = std::chrono::steady_clock::now();
+  absl::Status s = engine.Compute(rows, options, up, out, grads);
+  if (config_.metrics != nullptr) {
+    const auto t2 = std::chrono::steady_clock::now();
+    config_.metrics->queue_wait.WithLabels({method}).Observe(std::chrono::duration<double>(t1 - t0).count());
+    config_.metrics->engine_seconds.WithLabels({op, "compute"}).Observe(std::chrono::duration<double>(t2 - t1).count());
+  }
+  return s;
+}
+
 absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) const {
   if (!config_.auth.enabled()) return absl::OkStatus();
   const auto& md = ctx->client_metadata();
@@ -41,6 +60,10 @@ absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) c
 }
 
 grpc::Status LceService::GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp) {
+  return Recorded("GetInfo", [&] { return GetInfoBody(ctx, req, resp); });
+}
+
+grpc::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp) {
   if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
   absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
   if (!head.ok()) return ToGrpcStatus(head.status());
@@ -56,20 +79,20 @@ grpc::Status LceService::GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequ
 
 grpc::Status LceService::Score(grpc::ServerContext* ctx,
                                grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return RunStream(RpcKind::kScore, ctx, stream);
+  return Recorded("Score", [&] { return RunStream(RpcKind::kScore, ctx, stream); });
 }
 grpc::Status LceService::ForwardBackward(grpc::ServerContext* ctx,
                                          grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return RunStream(RpcKind::kForwardBackward, ctx, stream);
+  return Recorded("ForwardBackward", [&] { return RunStream(RpcKind::kForwardBackward, ctx, stream); });
 }
 grpc::Status LceService::Backward(grpc::ServerContext* ctx,
                                   grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return RunStream(RpcKind::kBackward, ctx, stream);
+  return Recorded("Backward", [&] { return RunStream(RpcKind::kBackward, ctx, stream); });
 }
 
 grpc::Status LceService::PolicyLoss(grpc::ServerContext* ctx,
                                     grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return RunStream(RpcKind::kPolicyLoss, ctx, stream);
+  return Recorded("PolicyLoss", [&] { return RunStream(RpcKind::kPolicyLoss, ctx, stream); });
 }
 
 grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
@@ -77,6 +100,7 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
   StreamSlot slot(streams_in_flight_, config_.max_concurrent_streams);
   if (!slot.admitted()) {
+    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"concurrent_streams"}).Increment();
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         absl::StrCat("server is at its limit of ", config_.max_concurrent_streams,
                                      " concurrent streams; retry later"));
@@ -103,6 +127,8 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   const bool is_pl = rpc == RpcKind::kPolicyLoss;
   const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
   const int64_t num_seq = static_cast<int64_t>(plan->sequence_valid_tokens.size());
+  const char* method = RpcName(rpc);
+  const char* op = is_fb ? "forward_backward" : is_bw ? "backward" : is_pl ? "policy_loss" : "score";
 
   int64_t rows_seen = 0, valid_seen = 0, chunk_index = 0, bytes_seen = 0;
   double loss_sum = 0.0;
@@ -123,10 +149,16 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     }
     const v1::RowChunk& chunk = msg.chunk();
     absl::StatusOr<int64_t> rows = validator.ValidateChunk(*plan, chunk, chunk_index, rows_seen);
-    if (!rows.ok()) return ToGrpcStatus(rows.status());
+    if (!rows.ok()) {
+      if (rows.status().code() == absl::StatusCode::kResourceExhausted && config_.metrics != nullptr) {
+        config_.metrics->rejections.WithLabels({"request_rows"}).Increment();
+      }
+      return ToGrpcStatus(rows.status());
+    }
     const int64_t n = *rows;
     bytes_seen += static_cast<int64_t>(chunk.hidden().size());
     if (config_.max_request_bytes > 0 && bytes_seen > config_.max_request_bytes) {
+      if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"request_bytes"}).Increment();
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                           absl::StrCat("chunk ", chunk_index, ": request exceeds ", config_.max_request_bytes,
                                        " bytes of hidden states, the server's limit per request"));
@@ -159,7 +191,8 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       // then the generic backward (which recomputes the logits tile by tile).
       lp_buf.assign(n, 0.0f);
       ent_buf.assign(n, 0.0f);
-      s = engine.Compute(view, plan->options, Upstream{}, {lp_buf.data(), ent_buf.data(), nullptr, nullptr}, {});
+      s = RunEngine(method, "policy_forward", engine, view, plan->options, Upstream{},
+                    {lp_buf.data(), ent_buf.data(), nullptr, nullptr}, {});
       if (s.ok()) {
         w_buf.assign(n, 0.0f);
         valid_buf.reset(new bool[n]);
@@ -200,9 +233,9 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
         HeadTrainingState& training = *plan->head->training;
         std::lock_guard<std::mutex> lock(training.mu);
         grads.d_weight = training.grad.data();
-        s = engine.Compute(view, plan->options, up, second, grads);
+        s = RunEngine(method, op, engine, view, plan->options, up, second, grads);
       } else {
-        s = engine.Compute(view, plan->options, up, second, grads);
+        s = RunEngine(method, op, engine, view, plan->options, up, second, grads);
       }
     }
     if (!s.ok()) {
@@ -216,6 +249,11 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     rows_seen += n;
     valid_seen += valid;
     ++chunk_index;
+    if (config_.metrics != nullptr) {
+      config_.metrics->tokens.WithLabels({op}).Increment(static_cast<double>(n));
+      config_.metrics->bytes_received.Increment(static_cast<double>(msg.ByteSizeLong()));
+      config_.metrics->bytes_sent.Increment(static_cast<double>(resp.ByteSizeLong()));
+    }
     if (!stream->Write(resp)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }
   if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");

@@ -3,13 +3,16 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <functional>
+#include <mutex>
 #include <memory>
 #include <string>
 
 #include "head_store.h"
 #include "lce/v1/lce.grpc.pb.h"
 #include "request_authenticator.h"
+#include "service_metrics.h"
 #include "request_validator.h"
 
 namespace lce::server {
@@ -23,9 +26,14 @@ struct ServiceConfig {
   int64_t max_request_bytes = 0;
   int tp_size = 1;
   RequestAuthenticator auth;
+  // Metrics to update (null: none). Not owned.
+  ServiceMetrics* metrics = nullptr;
   // Builds the engine of a new head version (LoadHead, OptimizerStep, UpdateWeights).
   std::function<absl::StatusOr<std::shared_ptr<LceEngine>>(std::shared_ptr<const HeadWeights>)> make_engine;
 };
+
+// "OK", "INVALID_ARGUMENT", ...: the label value of a gRPC status code.
+std::string StatusCodeName(grpc::StatusCode code);
 
 class LceService final : public v1::LceService::Service {
  public:
@@ -55,16 +63,38 @@ class LceService final : public v1::LceService::Service {
   grpc::Status SaveHead(grpc::ServerContext* ctx, const v1::SaveHeadRequest* req, v1::SaveHeadResponse* resp) override;
 
  private:
+  grpc::Status GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp);
   grpc::Status RunStream(RpcKind rpc, grpc::ServerContext* ctx,
                          grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream);
 
   absl::Status Authenticate(grpc::ServerContext* ctx, Access access) const;
+  // Runs one RPC body, counting it in the metrics (requests by code, duration, in flight).
+  template <typename F>
+  grpc::Status Recorded(const char* method, F&& body);
+  // One engine call, after waiting for the engine (one device, one call at a time); the wait is
+  // the request's queue time.
+  absl::Status RunEngine(const char* method, const char* op, LceEngine& engine, const RowsView& rows,
+                         const LceOptions& options, const Upstream& up, const RowOutputs& out, const GradOutputs& grads);
   // The head a training RPC names, refusing tensor-parallel groups (not supported yet).
   absl::StatusOr<std::shared_ptr<const ServedHead>> TrainableHead(const std::string& name) const;
 
   std::shared_ptr<HeadStore> heads_;
   ServiceConfig config_;
   std::atomic<int64_t> streams_in_flight_{0};
+  std::mutex engine_mu_;
 };
+
+template <typename F>
+grpc::Status LceService::Recorded(const char* method, F&& body) {
+  if (config_.metrics == nullptr) return body();
+  ServiceMetrics& m = *config_.metrics;
+  const auto start = std::chrono::steady_clock::now();
+  m.inflight.Increment();
+  grpc::Status s = body();
+  m.inflight.Decrement();
+  m.requests.WithLabels({method, StatusCodeName(s.error_code())}).Increment();
+  m.duration.WithLabels({method}).Observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return s;
+}
 
 }  // namespace lce::server

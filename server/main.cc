@@ -5,6 +5,7 @@
 // launcher restarts the group as a unit.
 #include <unistd.h>
 
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -13,6 +14,9 @@
 #include "absl/strings/str_cat.h"
 #include "grpc_server.h"
 #include "head_source.h"
+#include "metrics.h"
+#include "metrics_http.h"
+#include "service_metrics.h"
 #include "server_flags.h"
 #include "chunk_staging.h"
 #include "tp_communicator.h"
@@ -60,6 +64,10 @@ int main(int argc, char** argv) {
   const bool tp = flags->tp_size > 1;
   if (tp && *backend == Backend::kAuto) backend = CudaAvailable() ? Backend::kCuda : Backend::kCpu;
 
+  metrics::Registry registry;
+  ServiceMetrics service_metrics(registry);
+  service_metrics.tp_size.Set(flags->tp_size);
+  for (int r = 0; r < flags->tp_size; ++r) service_metrics.peer_up.WithLabels({std::to_string(r)}).Set(1);
   std::unique_ptr<TpCommunicator> comm;
   std::unique_ptr<ChunkStaging> staging;
   TpBootstrap bootstrap;
@@ -82,7 +90,7 @@ int main(int argc, char** argv) {
       staging = CreateHostStaging();
     }
     if (!c.ok()) return Fail(c.status());
-    comm = std::move(*c);
+    comm = TimeCollectives(std::move(*c), &service_metrics.collective_seconds.WithLabels({std::to_string(flags->tp_rank)}));
   }
   absl::StatusOr<std::shared_ptr<HeadWeights>> weights = LoadHead(flags->head, flags->tp_rank, flags->tp_size);
   if (!weights.ok()) return Fail(weights.status());
@@ -109,8 +117,9 @@ int main(int argc, char** argv) {
   std::shared_ptr<TpFrontEngine> front;
   std::shared_ptr<LceEngine> served = std::move(*engine);
   if (tp) {
-    front = std::make_shared<TpFrontEngine>(served, comm.get(), std::move(staging), [](const absl::Status& s) {
+    front = std::make_shared<TpFrontEngine>(served, comm.get(), std::move(staging), [&](const absl::Status& s) {
       std::cerr << "lce_server: tensor-parallel group failed: " << s << std::endl;
+      for (int r = 1; r < flags->tp_size; ++r) service_metrics.peer_up.WithLabels({std::to_string(r)}).Set(0);
       Wake('F');
     });
     served = front;
@@ -129,6 +138,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<RequestAuthenticator> auth = RequestAuthenticator::FromFiles(flags->auth_token_file, flags->admin_token_file);
   if (!auth.ok()) return Fail(auth.status());
   options.service.auth = *auth;
+  options.service.metrics = &service_metrics;
   if (!tp) {
     options.service.make_engine = [b = *backend, config](std::shared_ptr<const HeadWeights> w)
         -> absl::StatusOr<std::shared_ptr<LceEngine>> {
@@ -140,6 +150,17 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(heads, options);
   if (!server.ok()) return Fail(server.status());
   const int port = (*server)->port();
+  std::atomic<bool> serving{true};
+  std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
+  if (flags->metrics_port >= 0) {
+    registry.AddCollectHook([&] { service_metrics.Sample(*heads); });
+    absl::StatusOr<std::unique_ptr<metrics::MetricsHttpServer>> m = metrics::MetricsHttpServer::Start(
+        &registry, {flags->metrics_host, flags->metrics_port, 2, [&] { return serving.load(); }});
+    if (!m.ok()) return Fail(m.status());
+    metrics_http = std::move(*m);
+    std::cout << "lce_server: metrics on http://" << (flags->metrics_host == "0.0.0.0" ? "127.0.0.1" : flags->metrics_host)
+              << ":" << metrics_http->port() << "/metrics" << std::endl;
+  }
   if (!flags->port_file.empty()) {
     const std::string tmp = flags->port_file + ".tmp";
     std::ofstream(tmp) << port << "\n";
@@ -153,6 +174,7 @@ int main(int argc, char** argv) {
   char why = 0;
   while (read(g_wake_pipe[0], &why, 1) != 1) {
   }
+  serving = false;
   if (why == 'F') {
     // The group is broken: refuse new work at once, give in-flight streams a moment to receive
     // their UNAVAILABLE, and exit for the launcher to restart every rank.

@@ -25,6 +25,9 @@ const char* ServerUsage() {
   --head-dtype=bf16|fp16|fp32 dtype of the seeded head (default bf16)
   --max-message-bytes=N       largest gRPC message accepted (default 67108864)
   --max-rows-per-request=N    largest request, in rows (default 16777216; 0 = no limit)
+  --metrics-port=N            serve Prometheus metrics at http://HOST:N/metrics (and /healthz); rank 0 only;
+                              default off, 0 picks a free port
+  --metrics-host=ADDR         listen address of the metrics endpoint (default 0.0.0.0)
   --max-concurrent-streams=N  streams served at once; more get RESOURCE_EXHAUSTED (default 64; 0 = no limit)
   --max-request-bytes=N       largest request, in bytes of hidden states (default 16 GiB; 0 = no limit)
   --tls-cert=PEM --tls-key=PEM  serve TLS
@@ -73,6 +76,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"max-rows-per-request", i64(&f.max_rows_per_request)},
       {"workspace-bytes", i64(&f.workspace_bytes)},
       {"max-concurrent-streams", i64(&f.max_concurrent_streams)},
+      {"metrics-port", i32(&f.metrics_port)},
+      {"metrics-host", str(&f.metrics_host)},
       {"max-request-bytes", i64(&f.max_request_bytes)},
       {"tls-cert", str(&f.tls_cert)},
       {"tls-key", str(&f.tls_key)},

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "lce/collectives.h"
+#include "metrics.h"
 
 namespace lce::server {
 
@@ -39,6 +40,9 @@ absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateGlooCommunicator(const TpB
 // One process per GPU: `device` is this rank's CUDA device.
 absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateNcclCommunicator(const TpBootstrap& bootstrap, int device);
 #endif
+
+// Wraps a communicator so that the wall time of every collective is added to `seconds`.
+std::unique_ptr<TpCommunicator> TimeCollectives(std::unique_ptr<TpCommunicator> inner, metrics::Counter* seconds);
 
 // After a collective failed: names the ranks whose process is gone (pid files in the rendezvous
 // directory, same host), e.g. "rank 2 (pid 1234) exited"; or says none could be identified.

@@ -50,6 +50,10 @@ class CpuEngine final : public LceEngine {
 
   std::string_view backend() const override { return "cpu"; }
   const HeadShape& shape() const override { return shape_; }
+  EngineMemory memory() const override {
+    return {static_cast<int64_t>(w_.size() * sizeof(float) + weights_->weight.size()),
+            (kRowBlock * (kVocabTile + 2 * shape_.hidden_size)) * static_cast<int64_t>(sizeof(float))};
+  }
 
   absl::Status Compute(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
                        const RowOutputs& outputs, const GradOutputs& grads) override;

@@ -78,6 +78,12 @@ struct EngineConfig {
   Collectives* collectives = nullptr;
 };
 
+// Memory an engine holds (device memory for CUDA, host memory for the CPU backend).
+struct EngineMemory {
+  int64_t weights_bytes = 0;    // the head shard and any copy of it
+  int64_t workspace_bytes = 0;  // scratch currently allocated
+};
+
 class LceEngine {
  public:
   virtual ~LceEngine() = default;
@@ -85,6 +91,8 @@ class LceEngine {
   // "cpu" or "cuda".
   virtual std::string_view backend() const = 0;
   virtual const HeadShape& shape() const = 0;
+  // For metrics; engines that do not track it report zeros.
+  virtual EngineMemory memory() const { return {}; }
 
   // One block of rows: forward always; the gradient selected by upstream.mode. Thread-safe
   // (calls are serialised internally). Returns INVALID_ARGUMENT for bad shapes, targets out of

@@ -1,0 +1,38 @@
+#include "service_metrics.h"
+
+namespace lce::server {
+
+ServiceMetrics::ServiceMetrics(metrics::Registry& r)
+    : requests(r.AddCounter("lce_requests", "RPCs finished, by method and gRPC status code.", {"method", "code"})),
+      duration(r.AddHistogram("lce_request_duration_seconds", "Wall time of RPCs, from first byte to status.",
+                              {"method"}, metrics::ExponentialBuckets(0.001, 2, 18))),
+      tokens(r.AddCounter("lce_tokens", "Rows (tokens) processed, by operation.", {"op"})),
+      bytes_received(r.AddCounter("lce_bytes_received", "Hidden-state and gradient bytes received.").WithLabels({})),
+      bytes_sent(r.AddCounter("lce_bytes_sent", "Answer bytes sent (per-row outputs and d_hidden).").WithLabels({})),
+      engine_seconds(r.AddHistogram("lce_engine_seconds", "Engine time per chunk, by operation and phase.",
+                                    {"op", "phase"}, metrics::ExponentialBuckets(0.0001, 2, 20))),
+      queue_wait(r.AddHistogram("lce_queue_wait_seconds", "Time a stream waited between admission and its header.",
+                                {"method"}, metrics::ExponentialBuckets(0.0001, 2, 16))),
+      inflight(r.AddGauge("lce_inflight_requests", "Streams being served now.").WithLabels({})),
+      rejections(r.AddCounter("lce_admission_rejections", "Requests refused by admission control, by reason.",
+                              {"reason"})),
+      memory(r.AddGauge("lce_device_memory_bytes", "Engine memory by kind (weights, workspace), all heads.", {"kind"})),
+      head_version(r.AddGauge("lce_head_version", "Current version of each head.", {"head"})),
+      tp_size(r.AddGauge("lce_tp_size", "Tensor-parallel group size.").WithLabels({})),
+      collective_seconds(r.AddCounter("lce_collective_seconds", "Time the front spent in tensor-parallel collectives.",
+                                      {"rank"})),
+      peer_up(r.AddGauge("lce_peer_up", "1 while the tensor-parallel rank is healthy, 0 after it failed.", {"rank"})) {}
+
+void ServiceMetrics::Sample(const HeadStore& heads) {
+  double weights = 0, workspace = 0;
+  for (const auto& h : heads.List()) {
+    head_version.WithLabels({h->name}).Set(static_cast<double>(h->version));
+    const EngineMemory m = h->engine->memory();
+    weights += static_cast<double>(m.weights_bytes);
+    workspace += static_cast<double>(m.workspace_bytes);
+  }
+  memory.WithLabels({"weights"}).Set(weights);
+  memory.WithLabels({"workspace"}).Set(workspace);
+}
+
+}  // namespace lce::server

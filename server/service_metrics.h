@@ -1,0 +1,36 @@
+// The metrics lce_server exports (Prometheus names, base units), registered once and updated by
+// the service. Handles are looked up per request, never per row.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "head_store.h"
+#include "metrics.h"
+
+namespace lce::server {
+
+class ServiceMetrics {
+ public:
+  explicit ServiceMetrics(metrics::Registry& registry);
+
+  metrics::Family<metrics::Counter>& requests;          // lce_requests_total{method,code}
+  metrics::Family<metrics::Histogram>& duration;        // lce_request_duration_seconds{method}
+  metrics::Family<metrics::Counter>& tokens;            // lce_tokens_total{op}
+  metrics::Counter& bytes_received;                     // lce_bytes_received_total
+  metrics::Counter& bytes_sent;                         // lce_bytes_sent_total
+  metrics::Family<metrics::Histogram>& engine_seconds;  // lce_engine_seconds{op,phase}
+  metrics::Family<metrics::Histogram>& queue_wait;      // lce_queue_wait_seconds{method}
+  metrics::Gauge& inflight;                             // lce_inflight_requests
+  metrics::Family<metrics::Counter>& rejections;        // lce_admission_rejections_total{reason}
+  metrics::Family<metrics::Gauge>& memory;              // lce_device_memory_bytes{kind}
+  metrics::Family<metrics::Gauge>& head_version;        // lce_head_version{head}
+  metrics::Gauge& tp_size;                              // lce_tp_size
+  metrics::Family<metrics::Counter>& collective_seconds;  // lce_collective_seconds_total{rank}
+  metrics::Family<metrics::Gauge>& peer_up;             // lce_peer_up{rank}
+
+  // Refreshes the sampled gauges (head versions, engine memory) from the head store.
+  void Sample(const HeadStore& heads);
+};
+
+}  // namespace lce::server

@@ -1,0 +1,42 @@
+// TimeCollectives: a TpCommunicator decorator that feeds lce_collective_seconds_total.
+#include <chrono>
+
+#include "tp_communicator.h"
+
+namespace lce::server {
+namespace {
+
+class TimedCommunicator final : public TpCommunicator {
+ public:
+  TimedCommunicator(std::unique_ptr<TpCommunicator> inner, metrics::Counter* seconds)
+      : inner_(std::move(inner)), seconds_(seconds) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  bool device_memory() const override { return inner_->device_memory(); }
+  void Abort() override { inner_->Abort(); }
+  absl::Status AllReduce(float* data, int64_t count, ReduceOp op, bool device, void* stream) override {
+    return Timed([&] { return inner_->AllReduce(data, count, op, device, stream); });
+  }
+  absl::Status Broadcast(void* data, int64_t bytes, bool device, void* stream) override {
+    return Timed([&] { return inner_->Broadcast(data, bytes, device, stream); });
+  }
+
+ private:
+  template <typename F>
+  absl::Status Timed(F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status s = f();
+    seconds_->Increment(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    return s;
+  }
+  std::unique_ptr<TpCommunicator> inner_;
+  metrics::Counter* seconds_;
+};
+
+}  // namespace
+
+std::unique_ptr<TpCommunicator> TimeCollectives(std::unique_ptr<TpCommunicator> inner, metrics::Counter* seconds) {
+  return std::make_unique<TimedCommunicator>(std::move(inner), seconds);
+}
+
+}  // namespace lce::server
