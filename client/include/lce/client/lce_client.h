@@ -67,11 +67,12 @@ class LceClient {
   absl::StatusOr<BackwardResult> Backward(const HiddenBatch& batch, v1::RequestHeader header,
                                           absl::Span<const float> grad_logprob, absl::Span<const float> grad_entropy);
 
+  // Hidden bytes per streamed chunk (at least one row); changeable between calls, e.g. to cut the
+  // same batch differently. Not thread-safe with calls in flight.
   int64_t chunk_bytes() const { return options_.chunk_bytes; }
   void set_chunk_bytes(int64_t bytes) { options_.chunk_bytes = bytes; }
 
  private:
-  struct Call;
   LceClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   absl::Status Stream(const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
                       absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
