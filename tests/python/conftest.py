@@ -84,6 +84,7 @@ class Server:
         self.port_file = workdir / f"{name}.port"
         self.log_path = workdir / f"{name}.log"
         self.log = open(self.log_path, "w")
+        self.port_file.unlink(missing_ok=True)  # a stale file from an earlier server of the same name
         cmd = [str(server_binary()), "--host=127.0.0.1", "--port=0", f"--port-file={self.port_file}",
                "--backend=cpu", "--cpu-threads=1", "--shutdown-grace-seconds=2"] + list(args)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
