@@ -30,6 +30,18 @@ std::string Backend() {
   return b != nullptr && *b != 0 ? b : "cpu";
 }
 
+// LCE_TEST_TP_SIZES=1,2 picks the group sizes compared with one unsharded engine (default 2,3).
+std::vector<int> GroupSizes() {
+  const char* env = std::getenv("LCE_TEST_TP_SIZES");
+  std::vector<int> sizes;
+  for (const char* p = env != nullptr && *env != 0 ? env : "2,3"; *p != 0;) {
+    sizes.push_back(std::atoi(p));
+    while (*p != 0 && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return sizes;
+}
+
 class TpGroup {
  public:
   TpGroup(int k, double timeout_seconds) : dir_(fs::temp_directory_path() / ("lce_tp_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
@@ -134,7 +146,7 @@ TEST(TensorParallel, GroupsOfTwoAndThreeMatchOneEngine) {
     u[i] = std::cos(0.1f * i);
     en[i] = std::sin(0.37f * i);
   }
-  for (int k : {2, 3}) {
+  for (int k : GroupSizes()) {
     TpGroup group(k, 10.0);
     auto c = Connect(group.target(), 4 * kHidden * 37);
     auto info = c->GetInfo();
