@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "async_stream_writer.h"
 #include "grpc_status.h"
 #include "wire_types.h"
 #include "lce/training.h"
@@ -130,6 +131,8 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   const char* method = RpcName(rpc);
   const char* op = is_fb ? "forward_backward" : is_bw ? "backward" : is_pl ? "policy_loss" : "score";
 
+  // Answers leave from their own thread while the next chunk computes (two in flight at most).
+  AsyncStreamWriter<v1::StreamResponse> writer(stream, 2);
   int64_t rows_seen = 0, valid_seen = 0, chunk_index = 0, bytes_seen = 0;
   double loss_sum = 0.0;
   PolicyLossSums policy_sums;
@@ -254,7 +257,8 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       config_.metrics->bytes_received.Increment(static_cast<double>(msg.ByteSizeLong()));
       config_.metrics->bytes_sent.Increment(static_cast<double>(resp.ByteSizeLong()));
     }
-    if (!stream->Write(resp)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    if (!writer.Push(std::move(resp))) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    resp = v1::StreamResponse();
   }
   if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
   if (rows_seen == 0) {
@@ -293,8 +297,9 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       sum->set_mean_ratio(policy_sums.ratio / t);
       sum->set_mean_kl(policy_sums.kl / t);
     }
-    if (!stream->Write(resp)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    if (!writer.Push(std::move(resp))) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }
+  if (!writer.Finish()) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   return grpc::Status::OK;
 }
 
