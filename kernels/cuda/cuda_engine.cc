@@ -1,16 +1,22 @@
-// CUDA backend of the LCE engine (docs/MATH.md).
+// CUDA backend of the LCE engine (docs/MATH.md). Design, measurements and every variant tried:
+// bench/NOTES.md.
 //
-// Rows are processed in blocks of R rows, R as large as EngineConfig.workspace_bytes allows. For one
-// row block:
-//   forward   for each vocabulary tile of kTile columns: one cuBLAS GEMM writes the fp32 logit tile
-//             [R, tile]; TileStats reduces it to per-(row, 4096-column segment) softmax partials and,
-//             when a gradient is wanted, keeps z − m_segment in a compact [R, V_shard] buffer (fp16
-//             for 16-bit heads, fp32 for fp32 heads). MergeSegments folds the partials per row; under
-//             tensor parallelism two all-reduces (max, then sum of the rescaled partials) make them
-//             global; FinalizeRows writes logprob/entropy/lse/loss and the backward coefficients.
-//   backward  WriteGrad turns the compact buffer into dL/da in the head dtype in place; then ONE GEMM
-//             d_hidden = dA[R, V_shard] · W (fp32 out, all-reduced across ranks, converted) and ONE
-//             GEMM dW += dAᵀ · h (fp32, accumulated into the caller's buffer).
+// Rows are processed in blocks of R rows, R as large as EngineConfig.workspace_bytes allows (the
+// workspace is allocated once, grown up to that budget, and reused). For one row block:
+//   forward   for each vocabulary tile (8192 columns; LCE_CUDA_VOCAB_TILE): one cuBLASLt GEMM writes the
+//             fp32 logit tile [R, tile] (stream_); TileStats reduces it to per-(row, kSegment-column
+//             segment) softmax partials (aux_, overlapping the next GEMM) and, when a gradient is
+//             wanted, keeps a compact [R, V_shard] copy: z − m_segment (fp16; fp32 for fp32 heads) on
+//             the general path, exp(z − c_row) (bf16) on the fast loss path. MergeSegments folds the
+//             partials per row; under tensor parallelism two all-reduces (max, then sum of the
+//             rescaled partials) make them global; FinalizeRows writes logprob/entropy/lse/loss and
+//             the backward coefficients. One host sync per block: a non-finite row stops the call
+//             before d_weight is touched.
+//   backward  general path: WriteGrad turns the compact copy into dL/da in the head dtype in place
+//             (aux_, chunk by chunk, each chunk's dW product on stream_ behind it), then ONE GEMM
+//             d_hidden = dA[R, V_shard] · W (fp32, all-reduced across ranks, converted).
+//             fast loss path (bf16, kLoss, no softcap, no label smoothing): no dA pass at all;
+//             dW += qᵀ·(s ⊙ h) − scatter(t ⊙ h) and d_hidden = s ⊙ (q·W) − t ⊙ W[y] (fast_grad.cu).
 // So a train step costs three GEMMs of N·H·V_shard (the floor) plus elementwise passes.
 #include "cuda/cuda_engine.h"
 
@@ -200,7 +206,12 @@ class CudaEngine final : public LceEngine {
       LCE_CUDA_CHECK(cudaMemcpy(bias_.get(), weights_->bias.data(), weights_->bias.size() * sizeof(float),
                                 cudaMemcpyHostToDevice));
     }
-    tile_ = RoundUp(std::max<int64_t>(EnvInt("LCE_CUDA_VOCAB_TILE", 4096), kSegment), kSegment);
+    cudaDeviceProp prop{};
+    LCE_CUDA_CHECK(cudaGetDeviceProperties(&prop, config_.device));
+    // Forward logit GEMMs leave this many multiprocessors to the tile reductions on aux_.
+    const int64_t spare = std::clamp<int64_t>(EnvInt("LCE_CUDA_STATS_SMS", 0), 0, prop.multiProcessorCount / 2);
+    fwd_sm_target_ = spare > 0 ? prop.multiProcessorCount - static_cast<int>(spare) : 0;
+    tile_ = RoundUp(std::max<int64_t>(EnvInt("LCE_CUDA_VOCAB_TILE", 8192), kSegment), kSegment);
     tile_ = std::min(tile_, RoundUp(shape_.shard_rows, kSegment));
     ldz_ = RoundUp(std::min(tile_, shape_.shard_rows), 4);
     lds_ = RoundUp(shape_.shard_rows, 8);
@@ -275,7 +286,8 @@ class CudaEngine final : public LceEngine {
   // c_is_scratch says C may be overwritten while tuning), cublasGemmEx when LCE_CUDA_GEMMEX=1.
   absl::Status Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* A,
                     cudaDataType_t at, int64_t lda, const void* B, cudaDataType_t bt, int64_t ldb, float beta,
-                    void* C, cudaDataType_t ct, int64_t ldc, bool tf32, bool c_is_scratch = false) {
+                    void* C, cudaDataType_t ct, int64_t ldc, bool tf32, bool c_is_scratch = false,
+                    int sm_target = 0) {
     const float alpha = 1.0f;
     const cublasComputeType_t compute =
         shape_.dtype == DType::kFloat32 ? (tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F)
@@ -300,6 +312,7 @@ class CudaEngine final : public LceEngine {
       g.c_type = ct;
       g.compute = compute;
       g.beta = beta;
+      g.sm_target = sm_target;
       return gemm_.Run(g, c_is_scratch, tune_scratch_, tune_floats_, cublas_ws_, kCublasWorkspace, stream_);
     }
     LCE_CUDA_CHECK(cublasGemmEx(cublas_, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
@@ -328,6 +341,7 @@ class CudaEngine final : public LceEngine {
   DeviceMemory weight_, bias_, workspace_;
   PinnedMemory pinned_;
   int64_t tile_ = 0, ldz_ = 0, lds_ = 0, nseg_ = 0;
+  int fwd_sm_target_ = 0;
   std::mutex mu_;
 };
 
@@ -476,7 +490,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       if (t >= 2) LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvStats0 + b], 0));
       // logits[nr, nv] = h[nr, H] · W[v0:v0+nv, H]ᵀ   (column-major: [nv, nr] = Wᵀ · h)
       LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, nv, nr, H, w + v0 * H * esz, dt, H, h, dt, H, 0.0f,
-                          s.logits[b], CUDA_R_32F, ldz_, tf32, /*c_is_scratch=*/true));
+                          s.logits[b], CUDA_R_32F, ldz_, tf32, /*c_is_scratch=*/true, fwd_sm_target_));
       LCE_CUDA_CHECK(cudaEventRecord(events_[kEvGemm0 + b], stream_));
       LCE_CUDA_CHECK(cudaStreamWaitEvent(aux_, events_[kEvGemm0 + b], 0));
       if (!(debug_skip & 1)) {

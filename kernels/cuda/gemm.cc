@@ -46,6 +46,10 @@ absl::Status GemmRunner::MakePlan(const GemmSpec& g, int64_t n, Plan* p) const {
   LCE_CUDA_CHECK(cublasLtMatmulDescCreate(&p->desc, g.compute, CUDA_R_32F));
   LCE_CUDA_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &g.ta, sizeof(g.ta)));
   LCE_CUDA_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &g.tb, sizeof(g.tb)));
+  if (g.sm_target > 0) {
+    const int32_t sms = g.sm_target;
+    LCE_CUDA_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof(sms)));
+  }
   const bool ta = g.ta == CUBLAS_OP_T, tb = g.tb == CUBLAS_OP_T;
   LCE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->la, g.ab_type, ta ? g.k : g.m, ta ? g.m : g.k, g.lda));
   LCE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->lb, g.ab_type, tb ? n : g.k, tb ? g.k : n, g.ldb));
@@ -59,7 +63,7 @@ absl::Status GemmRunner::Run(const GemmSpec& g, bool c_is_scratch, float* tune_s
   if (g.k <= 0) return absl::InternalError("GEMM with k = 0");
   const uint32_t al_a = Alignment(g.a), al_b = Alignment(g.b), al_c = Alignment(g.c);
   const Key key{g.ta, g.tb, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.ab_type, g.c_type, g.compute, g.beta != 0.0f,
-                static_cast<int>(al_a), static_cast<int>(al_b), static_cast<int>(al_c)};
+                static_cast<int>(al_a), static_cast<int>(al_b), static_cast<int>(al_c), g.sm_target};
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     Plan plan;

@@ -28,6 +28,7 @@ struct GemmSpec {
   cudaDataType_t c_type = CUDA_R_32F;
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   float beta = 0.0f;
+  int sm_target = 0;  // > 0: leave the other multiprocessors to a concurrent stream
 };
 
 class GemmRunner {
@@ -50,7 +51,7 @@ class GemmRunner {
     cublasLtMatmulAlgo_t algo{};
     bool has_algo = false;
   };
-  using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, int, int, int>;
+  using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, int, int, int, int>;
   absl::Status MakePlan(const GemmSpec& g, int64_t n, Plan* plan) const;
   static void FreePlan(Plan* plan);
 

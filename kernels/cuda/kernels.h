@@ -13,7 +13,8 @@
 namespace lce::cuda {
 
 // Columns of one reduction segment: the softmax statistics are kept per (row, segment) and merged.
-inline constexpr int kSegment = 4096;
+// Vocabulary tiles are whole multiples of it.
+inline constexpr int kSegment = 2048;
 
 // Per-row record kept between the forward and the backward (floats, kRowInfo per row):
 // global max m, lse, and the backward coefficients A, B, C, D of
