@@ -1,0 +1,207 @@
+// Tensor-parallel benchmark: one process per GPU (rank), the CUDA engine over a vocabulary shard,
+// NCCL collectives through the server's communicator (the same code lce_server runs). Every rank
+// gets the same hidden states and targets in device memory; the time of a call is the slowest
+// rank's, measured between two NCCL barriers.
+//
+//   train  Compute(kLoss, mean over valid rows): d_hidden (bf16, all-reduced) and dW (fp32) of the shard
+//   score  Compute(kNone): logprob + entropy
+//   floor  one bf16 [N,H]x[H,V/k] cuBLAS GEMM on rank 0 (train's per-rank floor is three, score's one)
+//   comm   time inside collectives per train call (all-reduces of partials and of d_hidden)
+//
+// Usage (see bench/device_tp_run.sh): lce_tp_bench --rank=R --world=K --rendezvous=DIR
+//          [--shapes=16384x4096x151936,...] [--reps=10] [--warmup=3]
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "lce/engine.h"
+#include "metrics.h"
+#include "tp_communicator.h"
+
+namespace {
+
+#define CHECK(x)                                                                                 \
+  do {                                                                                           \
+    auto e_ = (x);                                                                               \
+    if (e_ != decltype(e_){}) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s failed (%d)\n", __FILE__, __LINE__, #x, static_cast<int>(e_)); \
+      std::exit(1);                                                                              \
+    }                                                                                            \
+  } while (0)
+
+void Ok(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, std::string(s.message()).c_str());
+    std::exit(1);
+  }
+}
+
+__device__ uint64_t Mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  return x ^ (x >> 33);
+}
+
+// N(0, scale²) in bf16; element i of a tensor drawn with `seed` is the same on every rank.
+__global__ void NormalBf16(__nv_bfloat16* out, int64_t n, int64_t offset, float scale, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t r = Mix(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i + offset));
+    const float u1 = ((r >> 40) + 1) * (1.0f / 16777217.0f);
+    const float u2 = ((r >> 16) & 0xffffff) * (1.0f / 16777216.0f);
+    out[i] = __float2bfloat16_rn(scale * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+  }
+}
+
+__global__ void Targets(int32_t* t, float* g, int64_t n, int64_t v, uint64_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t r = Mix(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
+    const bool ignored = (r & 0xffff) < 0.05 * 65536;
+    t[i] = ignored ? -100 : static_cast<int32_t>((r >> 20) % static_cast<uint64_t>(v));
+    g[i] = ignored ? 0.0f : 1.0f;
+  }
+}
+
+std::string Flag(int argc, char** argv, const std::string& name, const std::string& def) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--" + name + "=", 0) == 0) return a.substr(name.size() + 3);
+  }
+  return def;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace lce;
+  const int rank = std::stoi(Flag(argc, argv, "rank", "0"));
+  const int world = std::stoi(Flag(argc, argv, "world", "1"));
+  const int reps = std::stoi(Flag(argc, argv, "reps", "10"));
+  const int warmup = std::stoi(Flag(argc, argv, "warmup", "3"));
+  const std::string shapes = Flag(argc, argv, "shapes", "16384x4096x151936");
+  server::TpBootstrap b;
+  b.rank = rank;
+  b.world_size = world;
+  b.rendezvous_dir = Flag(argc, argv, "rendezvous", "/tmp/lce_tp_bench");
+  b.timeout = absl::Seconds(300);
+  server::metrics::Registry registry;
+  server::metrics::Counter& comm_seconds = registry.AddCounter("comm_seconds", "").WithLabels({});
+  auto raw = server::CreateNcclCommunicator(b, rank);
+  Ok(raw.status(), "NCCL");
+  std::unique_ptr<server::TpCommunicator> comm = server::TimeCollectives(std::move(*raw), &comm_seconds);
+  CHECK(cudaSetDevice(rank));
+  cudaStream_t stream;
+  CHECK(cudaStreamCreate(&stream));
+  float* one;
+  CHECK(cudaMalloc(&one, 4));
+  auto barrier = [&] { Ok(comm->AllReduce(one, 1, ReduceOp::kSum, true, stream), "barrier"); };
+  cublasHandle_t blas;
+  CHECK(cublasCreate(&blas));
+  CHECK(cublasSetStream(blas, stream));
+
+  size_t pos = 0;
+  while (pos < shapes.size()) {
+    const size_t comma = shapes.find(',', pos);
+    const std::string shape = shapes.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    pos = comma == std::string::npos ? shapes.size() : comma + 1;
+    int64_t N, H, V;
+    if (std::sscanf(shape.c_str(), "%ldx%ldx%ld", &N, &H, &V) != 3) return 2;
+    const VocabRange range = VocabShard(V, rank, world);
+    const int64_t rows = range.end - range.begin;
+
+    // The shard: rows [begin, end) of the same seeded head on every rank (device -> host -> engine).
+    __nv_bfloat16* wdev;
+    CHECK(cudaMalloc(&wdev, rows * H * 2));
+    NormalBf16<<<1024, 256, 0, stream>>>(wdev, rows * H, range.begin * H, 1.0f / std::sqrt(float(H)), 7);
+    auto weights = std::make_shared<HeadWeights>();
+    weights->shape = {V, H, DType::kBFloat16, range.begin, rows, false};
+    weights->weight.resize(rows * H * 2);
+    CHECK(cudaMemcpyAsync(weights->weight.data(), wdev, rows * H * 2, cudaMemcpyDeviceToHost, stream));
+    CHECK(cudaStreamSynchronize(stream));
+    EngineConfig cfg;
+    cfg.device = rank;
+    cfg.collectives = world > 1 ? comm.get() : nullptr;
+    auto engine = CreateEngine(Backend::kCuda, weights, cfg);
+    Ok(engine.status(), "engine");
+    weights.reset();
+
+    __nv_bfloat16 *h, *dh;
+    int32_t* t;
+    float *g, *lp, *ent, *loss, *dw, *floor_out;
+    CHECK(cudaMalloc(&h, N * H * 2));
+    CHECK(cudaMalloc(&dh, N * H * 2));
+    CHECK(cudaMalloc(&t, N * 4));
+    CHECK(cudaMalloc(&g, N * 4));
+    CHECK(cudaMalloc(&lp, N * 4));
+    CHECK(cudaMalloc(&ent, N * 4));
+    CHECK(cudaMalloc(&loss, N * 4));
+    CHECK(cudaMalloc(&dw, rows * H * 4));
+    CHECK(cudaMalloc(&floor_out, N * rows * 2));
+    CHECK(cudaMemsetAsync(dw, 0, rows * H * 4, stream));
+    NormalBf16<<<1024, 256, 0, stream>>>(h, N * H, 0, 0.5f, 11);
+    Targets<<<256, 256, 0, stream>>>(t, g, N, V, 13);
+    std::vector<float> gh(N);
+    CHECK(cudaMemcpyAsync(gh.data(), g, N * 4, cudaMemcpyDeviceToHost, stream));
+    CHECK(cudaStreamSynchronize(stream));
+    double valid = 0;
+    for (float x : gh) valid += x;
+    for (float& x : gh) x /= static_cast<float>(valid);
+    CHECK(cudaMemcpy(g, gh.data(), N * 4, cudaMemcpyHostToDevice));
+
+    RowsView view{h, t, N, MemorySpace::kDevice};
+    LceOptions opts;
+    auto time_ms = [&](auto&& f) {
+      for (int i = 0; i < warmup; ++i) f();
+      std::vector<double> ms;
+      for (int i = 0; i < reps; ++i) {
+        barrier();
+        CHECK(cudaStreamSynchronize(stream));
+        const auto t0 = std::chrono::steady_clock::now();
+        f();
+        barrier();  // the slowest rank ends the call
+        CHECK(cudaStreamSynchronize(stream));
+        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      }
+      std::sort(ms.begin(), ms.end());
+      return ms[ms.size() / 2];
+    };
+    const double comm0 = comm_seconds.Value();
+    const double train = time_ms([&] {
+      Ok((*engine)->Compute(view, opts, {GradMode::kLoss, g, nullptr, nullptr}, {nullptr, nullptr, nullptr, loss}, {dh, dw}),
+         "train");
+    });
+    const double comm_per_train = (comm_seconds.Value() - comm0) * 1e3 / (warmup + reps) ;
+    const double score = time_ms([&] {
+      Ok((*engine)->Compute(view, opts, {}, {lp, ent, nullptr, nullptr}, {}), "score");
+    });
+    const float alpha = 1.0f, beta = 0.0f;
+    const double gemm = time_ms([&] {
+      CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), static_cast<int>(N), static_cast<int>(H),
+                         &alpha, wdev, CUDA_R_16BF, static_cast<int>(H), h, CUDA_R_16BF, static_cast<int>(H), &beta,
+                         floor_out, CUDA_R_16BF, static_cast<int>(rows), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    });
+    if (rank == 0) {
+      std::printf("k=%d %ldx%ldx%ld  train %8.2f ms (x%.3f of 3 GEMMs of V/k)  score %8.2f ms (x%.3f)  "
+                  "floor GEMM %7.2f ms (%4.0f TFLOP/s)  in collectives %.2f ms/train (barriers included)\n",
+                  world, N, H, V, train, train / (3 * gemm), score, score / gemm, gemm, 2.0 * N * H * rows / gemm / 1e9,
+                  comm_per_train);
+      std::fflush(stdout);
+    }
+    for (void* p : {static_cast<void*>(wdev), static_cast<void*>(h), static_cast<void*>(dh), static_cast<void*>(t),
+                    static_cast<void*>(g), static_cast<void*>(lp), static_cast<void*>(ent), static_cast<void*>(loss),
+                    static_cast<void*>(dw), static_cast<void*>(floor_out)}) {
+      CHECK(cudaFree(p));
+    }
+  }
+  return 0;
+}
