@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call on a multi-GPU machine (nvidia-h200-x2): the tensor-parallel process tests on GPUs
+# (NCCL; the served CUDA engine at k=1 and k=2 against the CPU engine, a killed and a hung peer), then
+# the TP benchmark at k=1 and k=2. Logs under $OUT; a short table last.
+# Usage (on the device, from the repo root, with build-gpu/ and .rt/ carried): bench/device_tp_run.sh
+set -u
+export LD_LIBRARY_PATH=$PWD/.rt/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SHAPES=${SHAPES:-16384x4096x151936,32768x8192x262144}
+NGPU=$(nvidia-smi -L | wc -l)
+nvidia-smi -L > "$OUT/gpu.txt" 2>&1
+LCE_TEST_TP_BACKEND=cuda LCE_TEST_TP_SIZES=1,$NGPU LCE_TEST_TP_FAULT_SIZE=$NGPU timeout 400 \
+  ./build-gpu/bin/e2e_test --gtest_filter='TensorParallel.*' > "$OUT/tp_test.log" 2>&1
+echo "tp tests (cuda, k=1,$NGPU) rc=$?"
+: > "$OUT/tp_bench.log"
+for k in 1 $NGPU; do
+  rdv=$(mktemp -d)
+  for ((r = 1; r < k; r++)); do
+    ./build-gpu/bin/lce_tp_bench --rank=$r --world=$k --rendezvous=$rdv --shapes=$SHAPES > "$OUT/tp_bench_rank$r.log" 2>&1 &
+  done
+  timeout 300 ./build-gpu/bin/lce_tp_bench --rank=0 --world=$k --rendezvous=$rdv --shapes=$SHAPES >> "$OUT/tp_bench.log" 2>&1
+  echo "tp bench k=$k rc=$?"
+  wait
+done
+grep -E "OK|FAILED|PASSED" "$OUT/tp_test.log" | tail -8
+cat "$OUT/tp_bench.log"
