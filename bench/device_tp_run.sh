@@ -23,5 +23,15 @@ for k in 1 $NGPU; do
   echo "tp bench k=$k rc=$?"
   wait
 done
+# verl's kernel with its process group, same shapes, same machine.
+: > "$OUT/verl_tp.log"
+if [ -d .whl ] && [ -f .peers/peers.py ]; then
+  for k in 1 $NGPU; do
+    timeout 300 python3 -m torch.distributed.run --nproc_per_node=$k bench/verl_tp_peer.py \
+      --verl-wheel .whl/verl-*.whl --peers .peers/peers.py --shapes "$SHAPES" >> "$OUT/verl_tp.log" 2>&1
+    echo "verl k=$k rc=$?"
+  done
+fi
 grep -E "OK|FAILED|PASSED" "$OUT/tp_test.log" | tail -8
 cat "$OUT/tp_bench.log"
+grep -E "^verl" "$OUT/verl_tp.log"
