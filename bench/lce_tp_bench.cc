@@ -11,17 +11,18 @@
 // Usage (see bench/device_tp_run.sh): lce_tp_bench --rank=R --world=K --rendezvous=DIR
 //          [--shapes=16384x4096x151936,...] [--reps=10] [--warmup=3]
 #include <cublas_v2.h>
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "lce/engine.h"
+#include "lce/numeric.h"
 #include "metrics.h"
 #include "tp_communicator.h"
 
@@ -43,7 +44,7 @@ void Ok(const absl::Status& s, const char* what) {
   }
 }
 
-__device__ uint64_t Mix(uint64_t x) {
+uint64_t Mix(uint64_t x) {
   x ^= x >> 33;
   x *= 0xff51afd7ed558ccdULL;
   x ^= x >> 33;
@@ -51,24 +52,14 @@ __device__ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 33);
 }
 
-// N(0, scale²) in bf16; element i of a tensor drawn with `seed` is the same on every rank.
-__global__ void NormalBf16(__nv_bfloat16* out, int64_t n, int64_t offset, float scale, uint64_t seed) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+// N(0, scale²) in bf16 (bits); element i of a tensor drawn with `seed` is the same on every rank.
+void NormalBf16(uint16_t* out, int64_t n, int64_t offset, float scale, uint64_t seed) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
     const uint64_t r = Mix(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i + offset));
     const float u1 = ((r >> 40) + 1) * (1.0f / 16777217.0f);
     const float u2 = ((r >> 16) & 0xffffff) * (1.0f / 16777216.0f);
-    out[i] = __float2bfloat16_rn(scale * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
-  }
-}
-
-__global__ void Targets(int32_t* t, float* g, int64_t n, int64_t v, uint64_t seed) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint64_t r = Mix(seed * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
-    const bool ignored = (r & 0xffff) < 0.05 * 65536;
-    t[i] = ignored ? -100 : static_cast<int32_t>((r >> 20) % static_cast<uint64_t>(v));
-    g[i] = ignored ? 0.0f : 1.0f;
+    out[i] = lce::FloatToBf16(scale * std::sqrt(-2.0f * std::log(u1)) * std::cos(6.283185307f * u2));
   }
 }
 
@@ -119,25 +110,24 @@ int main(int argc, char** argv) {
     const VocabRange range = VocabShard(V, rank, world);
     const int64_t rows = range.end - range.begin;
 
-    // The shard: rows [begin, end) of the same seeded head on every rank (device -> host -> engine).
-    __nv_bfloat16* wdev;
-    CHECK(cudaMalloc(&wdev, rows * H * 2));
-    NormalBf16<<<1024, 256, 0, stream>>>(wdev, rows * H, range.begin * H, 1.0f / std::sqrt(float(H)), 7);
+    // The shard: rows [begin, end) of the same seeded head on every rank.
     auto weights = std::make_shared<HeadWeights>();
     weights->shape = {V, H, DType::kBFloat16, range.begin, rows, false};
     weights->weight.resize(rows * H * 2);
-    CHECK(cudaMemcpyAsync(weights->weight.data(), wdev, rows * H * 2, cudaMemcpyDeviceToHost, stream));
-    CHECK(cudaStreamSynchronize(stream));
+    NormalBf16(reinterpret_cast<uint16_t*>(weights->weight.data()), rows * H, range.begin * H, 1.0f / std::sqrt(float(H)), 7);
+    void* wdev;  // a device copy for the floor GEMM
+    CHECK(cudaMalloc(&wdev, rows * H * 2));
+    CHECK(cudaMemcpy(wdev, weights->weight.data(), rows * H * 2, cudaMemcpyHostToDevice));
     EngineConfig cfg;
     cfg.device = rank;
     cfg.collectives = world > 1 ? comm.get() : nullptr;
     auto engine = CreateEngine(Backend::kCuda, weights, cfg);
     Ok(engine.status(), "engine");
-    weights.reset();
+    weights.reset();  // the engine keeps what it needs
 
-    __nv_bfloat16 *h, *dh;
+    void *h, *dh, *floor_out;
     int32_t* t;
-    float *g, *lp, *ent, *loss, *dw, *floor_out;
+    float *g, *lp, *ent, *loss, *dw;
     CHECK(cudaMalloc(&h, N * H * 2));
     CHECK(cudaMalloc(&dh, N * H * 2));
     CHECK(cudaMalloc(&t, N * 4));
@@ -147,16 +137,24 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&loss, N * 4));
     CHECK(cudaMalloc(&dw, rows * H * 4));
     CHECK(cudaMalloc(&floor_out, N * rows * 2));
-    CHECK(cudaMemsetAsync(dw, 0, rows * H * 4, stream));
-    NormalBf16<<<1024, 256, 0, stream>>>(h, N * H, 0, 0.5f, 11);
-    Targets<<<256, 256, 0, stream>>>(t, g, N, V, 13);
-    std::vector<float> gh(N);
-    CHECK(cudaMemcpyAsync(gh.data(), g, N * 4, cudaMemcpyDeviceToHost, stream));
-    CHECK(cudaStreamSynchronize(stream));
-    double valid = 0;
-    for (float x : gh) valid += x;
-    for (float& x : gh) x /= static_cast<float>(valid);
-    CHECK(cudaMemcpy(g, gh.data(), N * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemset(dw, 0, rows * H * 4));
+    {
+      std::vector<uint16_t> hh(N * H);
+      NormalBf16(hh.data(), N * H, 0, 0.5f, 11);
+      CHECK(cudaMemcpy(h, hh.data(), N * H * 2, cudaMemcpyHostToDevice));
+      std::vector<int32_t> th(N);
+      std::vector<float> gh(N);
+      int64_t valid = 0;
+      for (int64_t i = 0; i < N; ++i) {
+        const uint64_t r = Mix(13 * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(i));
+        const bool ignored = (r & 0xffff) < 0.05 * 65536;
+        th[i] = ignored ? -100 : static_cast<int32_t>((r >> 20) % static_cast<uint64_t>(V));
+        valid += ignored ? 0 : 1;
+      }
+      for (int64_t i = 0; i < N; ++i) gh[i] = th[i] == -100 ? 0.0f : 1.0f / static_cast<float>(valid);
+      CHECK(cudaMemcpy(t, th.data(), N * 4, cudaMemcpyHostToDevice));
+      CHECK(cudaMemcpy(g, gh.data(), N * 4, cudaMemcpyHostToDevice));
+    }
 
     RowsView view{h, t, N, MemorySpace::kDevice};
     LceOptions opts;
@@ -197,7 +195,7 @@ int main(int argc, char** argv) {
                   comm_per_train);
       std::fflush(stdout);
     }
-    for (void* p : {static_cast<void*>(wdev), static_cast<void*>(h), static_cast<void*>(dh), static_cast<void*>(t),
+    for (void* p : {wdev, h, dh, static_cast<void*>(t),
                     static_cast<void*>(g), static_cast<void*>(lp), static_cast<void*>(ent), static_cast<void*>(loss),
                     static_cast<void*>(dw), static_cast<void*>(floor_out)}) {
       CHECK(cudaFree(p));
