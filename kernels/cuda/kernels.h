@@ -40,7 +40,7 @@ struct LogitTransform {
 enum class StoreMode : int {
   kShiftedHalf = 0,   // fp16 z − m_segment (16-bit heads, general path)
   kShiftedFloat = 1,  // fp32 z − m_segment (fp32 heads)
-  kExpBf16 = 2,       // bf16 exp(z − c_row), c_row = max of the row's first segment (fast loss path)
+  kExpBf16 = 2,       // bf16 exp(z − c_row), c_row = max of the row's first segment + kExpLift
 };
 
 // tile_stats.cu. Reduces the fp32 logit tile `logits` [rows, nv] (leading dimension ldz, a multiple
@@ -51,7 +51,10 @@ enum class StoreMode : int {
 // only segment 0 (it writes row_c[r]); later launches read row_c and set *overflow = 1 when a
 // segment's max exceeds c_row by more than kExpHeadroom (exp could overflow the products); *overflow
 // holds the bits of 1.0f then, so that ranks can all-reduce it as a float (max).
+// c_row = (max of the row's first segment) + kExpLift, so that a row max up to kExpLift + kExpHeadroom
+// above the first segment's still fits, and e^{c − lse} stays far from fp32/bf16 underflow.
 inline constexpr float kExpHeadroom = 60.0f;
+inline constexpr float kExpLift = 30.0f;
 absl::Status LaunchTileStats(const float* logits, int64_t ldz, int64_t rows, int64_t v0, int64_t nv,
                              const LogitTransform& tf, const int32_t* targets, int32_t ignore_index,
                              int64_t vocab_begin, float* part, int64_t nseg, float* packed, void* store,

@@ -134,8 +134,8 @@ TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int n
   if (kExp && store != nullptr) {
     // c_row: this segment's max for the row's first segment, else what that segment wrote.
     const bool first = v0 + c_seg == 0;
-    const float c = first ? m : row_c[r];
-    if (first && tid == 0) row_c[r] = m;
+    const float c = first ? m + kExpLift : row_c[r];
+    if (first && tid == 0) row_c[r] = c;
     if (!first && tid == 0 && !(m - c <= kExpHeadroom)) atomicExch(overflow, 0x3f800000u);  // 1.0f: all-reducible (max)
     const float shift = m - c;
 #pragma unroll
