@@ -217,10 +217,10 @@ class CudaEngine final : public LceEngine {
     lds_ = RoundUp(shape_.shard_rows, 8);
     nseg_ = (shape_.shard_rows + kSegment - 1) / kSegment;
     // The smallest block must fit the budget.
-    if (Bytes({true, true, true}, 1) > config_.workspace_bytes) {
+    if (Bytes({true, true, true, true}, 1) > config_.workspace_bytes) {
       return absl::InvalidArgumentError(absl::StrCat("workspace_bytes ", config_.workspace_bytes,
                                                      " is too small for one row of this head (needs ",
-                                                     Bytes({true, true, true}, 1), ")"));
+                                                     Bytes({true, true, true, true}, 1), ")"));
     }
     return absl::OkStatus();
   }
