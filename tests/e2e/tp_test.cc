@@ -31,6 +31,13 @@ std::string Backend() {
 }
 
 // LCE_TEST_TP_SIZES=1,2 picks the group sizes compared with one unsharded engine (default 2,3).
+// The lce_server binary: $LCE_SERVER_BIN (a tree copied elsewhere, e.g. to a GPU machine), else the
+// one this build made.
+std::string ServerPath() {
+  const char* env = std::getenv("LCE_SERVER_BIN");
+  return env != nullptr && *env != 0 ? env : LCE_SERVER_PATH;
+}
+
 std::vector<int> GroupSizes() {
   const char* env = std::getenv("LCE_TEST_TP_SIZES");
   std::vector<int> sizes;
@@ -49,7 +56,8 @@ class TpGroup {
     fs::create_directories(dir_);
     const std::string port_file = (dir_ / "port").string();
     for (int r = 0; r < k; ++r) {
-      std::vector<std::string> args = {LCE_SERVER_PATH, "--port=0", "--port-file=" + port_file, "--backend=" + Backend(),
+      const std::string server = ServerPath();
+      std::vector<std::string> args = {server, "--port=0", "--port-file=" + port_file, "--backend=" + Backend(),
                                        "--device=" + std::to_string(r),
                                        "--seed-head=" + std::to_string(kVocab) + "x" + std::to_string(kHidden), "--seed=7",
                                        "--head-dtype=fp32", "--cpu-threads=1", "--tp-size=" + std::to_string(k),
@@ -59,7 +67,7 @@ class TpGroup {
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
       pid_t pid = 0;
-      EXPECT_EQ(posix_spawn(&pid, LCE_SERVER_PATH, nullptr, nullptr, argv.data(), environ), 0);
+      EXPECT_EQ(posix_spawn(&pid, server.c_str(), nullptr, nullptr, argv.data(), environ), 0);
       pids_.push_back(pid);
     }
     for (int i = 0; i < 300 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
