@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -109,7 +110,7 @@ int main(int argc, char** argv) {
     absl::Status s = RunTpPeer(**engine, *comm, *staging);
     if (!s.ok()) {
       std::cerr << "lce_server: rank " << flags->tp_rank << ": " << s << std::endl;
-      return kExitTpFailure;
+      std::_Exit(kExitTpFailure);
     }
     return 0;
   }
@@ -181,7 +182,8 @@ int main(int argc, char** argv) {
     (*server)->SetServing(false);
     (*server)->Shutdown(absl::Seconds(2));
     std::cerr << "lce_server: exiting for a group restart" << std::endl;
-    return kExitTpFailure;
+    // No destructors: the device may hold work of the aborted communicator; the launcher restarts us.
+    std::_Exit(kExitTpFailure);
   }
   std::cout << "lce_server: signal " << static_cast<int>(why) << ", draining in-flight streams" << std::endl;
   (*server)->Shutdown(absl::Seconds(flags->shutdown_grace_seconds));

@@ -32,11 +32,7 @@ class NcclCommunicator final : public TpCommunicator {
  public:
   NcclCommunicator(TpBootstrap b, ncclComm_t comm) : bootstrap_(std::move(b)), comm_(comm) {}
   ~NcclCommunicator() override {
-    if (aborted_) {
-      ncclCommAbort(comm_);
-    } else {
-      ncclCommDestroy(comm_);
-    }
+    if (!aborted_.exchange(true)) ncclCommDestroy(comm_);  // an aborted communicator is already freed
   }
 
   int rank() const override { return bootstrap_.rank; }
@@ -81,8 +77,7 @@ class NcclCommunicator final : public TpCommunicator {
       ncclCommGetAsyncError(comm_, &async);
       const bool late = std::chrono::steady_clock::now() > deadline;
       if (async != ncclSuccess || late) {
-        aborted_ = true;
-        ncclCommAbort(comm_);
+        if (!aborted_.exchange(true)) ncclCommAbort(comm_);
         return absl::UnavailableError(absl::StrCat("tensor-parallel ", what, " failed on rank ", bootstrap_.rank, ": ",
                                                    DescribeDeadPeers(bootstrap_),
                                                    async != ncclSuccess ? absl::StrCat(" (NCCL: ", ncclGetErrorString(async), ")")
