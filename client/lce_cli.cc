@@ -238,6 +238,18 @@ int Main(const Args& a) {
   allowed.insert(cmd->second.flags.begin(), cmd->second.flags.end());
   if (cmd->second.batch) allowed.insert(kBatchFlags.begin(), kBatchFlags.end());
   if (absl::Status s = lce::client::cli::CheckKnownFlags(a, allowed); !s.ok()) return Usage(s);
+  // Every value is checked before anything is sent, so that a typo is a usage error (exit 2).
+  for (const char* name : {"rows", "seed", "show", "iterations", "warmup", "ignore-index", "chunk-bytes"}) {
+    if (!a.Has(name)) continue;
+    if (absl::StatusOr<int64_t> v = a.Int(name, 0); !v.ok()) return Usage(v.status());
+  }
+  for (const char* name : {"temperature", "softcap", "label-smoothing", "z-loss", "timeout-seconds"}) {
+    if (!a.Has(name)) continue;
+    if (absl::StatusOr<double> v = a.Number(name, 0); !v.ok()) return Usage(v.status());
+  }
+  if (a.Has("reduction") && a.Get("reduction") != "none" && a.Get("reduction") != "sum" && a.Get("reduction") != "mean") {
+    return Usage(absl::InvalidArgumentError(absl::StrCat("--reduction must be none, sum or mean, got '", a.Get("reduction"), "'")));
+  }
 
   absl::StatusOr<lce::client::ClientOptions> o = Options(a);
   if (!o.ok()) return Usage(o.status());
