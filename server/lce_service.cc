@@ -61,7 +61,7 @@ absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) c
 }
 
 grpc::Status LceService::GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp) {
-  return Recorded("GetInfo", [&] { return GetInfoBody(ctx, req, resp); });
+  return Recorded("GetInfo", ctx, [&] { return GetInfoBody(ctx, req, resp); });
 }
 
 grpc::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp) {
@@ -80,20 +80,20 @@ grpc::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfo
 
 grpc::Status LceService::Score(grpc::ServerContext* ctx,
                                grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return Recorded("Score", [&] { return RunStream(RpcKind::kScore, ctx, stream); });
+  return Recorded("Score", ctx, [&] { return RunStream(RpcKind::kScore, ctx, stream); });
 }
 grpc::Status LceService::ForwardBackward(grpc::ServerContext* ctx,
                                          grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return Recorded("ForwardBackward", [&] { return RunStream(RpcKind::kForwardBackward, ctx, stream); });
+  return Recorded("ForwardBackward", ctx, [&] { return RunStream(RpcKind::kForwardBackward, ctx, stream); });
 }
 grpc::Status LceService::Backward(grpc::ServerContext* ctx,
                                   grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return Recorded("Backward", [&] { return RunStream(RpcKind::kBackward, ctx, stream); });
+  return Recorded("Backward", ctx, [&] { return RunStream(RpcKind::kBackward, ctx, stream); });
 }
 
 grpc::Status LceService::PolicyLoss(grpc::ServerContext* ctx,
                                     grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return Recorded("PolicyLoss", [&] { return RunStream(RpcKind::kPolicyLoss, ctx, stream); });
+  return Recorded("PolicyLoss", ctx, [&] { return RunStream(RpcKind::kPolicyLoss, ctx, stream); });
 }
 
 grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,

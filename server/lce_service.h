@@ -12,6 +12,7 @@
 #include "head_store.h"
 #include "lce/v1/lce.grpc.pb.h"
 #include "request_authenticator.h"
+#include "request_log.h"
 #include "service_metrics.h"
 #include "request_validator.h"
 
@@ -26,6 +27,8 @@ struct ServiceConfig {
   int64_t max_request_bytes = 0;
   int tp_size = 1;
   RequestAuthenticator auth;
+  // One JSON line per finished RPC on stderr (request_log.h).
+  bool log_requests = false;
   // Metrics to update (null: none). Not owned.
   ServiceMetrics* metrics = nullptr;
   // Builds the engine of a new head version (LoadHead, OptimizerStep, UpdateWeights).
@@ -70,7 +73,7 @@ class LceService final : public v1::LceService::Service {
   absl::Status Authenticate(grpc::ServerContext* ctx, Access access) const;
   // Runs one RPC body, counting it in the metrics (requests by code, duration, in flight).
   template <typename F>
-  grpc::Status Recorded(const char* method, F&& body);
+  grpc::Status Recorded(const char* method, grpc::ServerContext* ctx, F&& body);
   // One engine call, after waiting for the engine (one device, one call at a time); the wait is
   // the request's queue time.
   absl::Status RunEngine(const char* method, const char* op, LceEngine& engine, const RowsView& rows,
@@ -85,15 +88,19 @@ class LceService final : public v1::LceService::Service {
 };
 
 template <typename F>
-grpc::Status LceService::Recorded(const char* method, F&& body) {
-  if (config_.metrics == nullptr) return body();
-  ServiceMetrics& m = *config_.metrics;
+grpc::Status LceService::Recorded(const char* method, grpc::ServerContext* ctx, F&& body) {
+  const std::string request_id = AssignRequestId(ctx);
   const auto start = std::chrono::steady_clock::now();
-  m.inflight.Increment();
+  if (config_.metrics != nullptr) config_.metrics->inflight.Increment();
   grpc::Status s = body();
-  m.inflight.Decrement();
-  m.requests.WithLabels({method, StatusCodeName(s.error_code())}).Increment();
-  m.duration.WithLabels({method}).Observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (config_.metrics != nullptr) {
+    ServiceMetrics& m = *config_.metrics;
+    m.inflight.Decrement();
+    m.requests.WithLabels({method, StatusCodeName(s.error_code())}).Increment();
+    m.duration.WithLabels({method}).Observe(seconds);
+  }
+  if (config_.log_requests) LogRequest(request_id, method, ctx, s, seconds);
   return s;
 }
 

@@ -39,7 +39,7 @@ absl::StatusOr<std::shared_ptr<const ServedHead>> LceService::TrainableHead(cons
 }
 
 grpc::Status LceService::LoadHead(grpc::ServerContext* ctx, const v1::LoadHeadRequest* req, v1::HeadDescription* resp) {
-  return Recorded("LoadHead", [&]() -> grpc::Status {
+  return Recorded("LoadHead", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
     if (config_.tp_size > 1) return ToGrpcStatus(absl::UnimplementedError("LoadHead on a tensor-parallel group is not supported yet"));
     if (!config_.make_engine) return ToGrpcStatus(absl::FailedPreconditionError("this server cannot build heads"));
@@ -84,7 +84,7 @@ grpc::Status LceService::LoadHead(grpc::ServerContext* ctx, const v1::LoadHeadRe
 }
 
 grpc::Status LceService::ZeroGrad(grpc::ServerContext* ctx, const v1::ZeroGradRequest* req, v1::ZeroGradResponse*) {
-  return Recorded("ZeroGrad", [&]() -> grpc::Status {
+  return Recorded("ZeroGrad", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = TrainableHead(req->head());
     if (!head.ok()) return ToGrpcStatus(head.status());
@@ -97,7 +97,7 @@ grpc::Status LceService::ZeroGrad(grpc::ServerContext* ctx, const v1::ZeroGradRe
 
 grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequest* req,
                                  grpc::ServerWriter<v1::TensorChunk>* writer) {
-  return Recorded("GetGrad", [&]() -> grpc::Status {
+  return Recorded("GetGrad", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = TrainableHead(req->head());
     if (!head.ok()) return ToGrpcStatus(head.status());
@@ -128,7 +128,7 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
 
 grpc::Status LceService::OptimizerStep(grpc::ServerContext* ctx, const v1::OptimizerStepRequest* req,
                                        v1::OptimizerStepResponse* resp) {
-  return Recorded("OptimizerStep", [&]() -> grpc::Status {
+  return Recorded("OptimizerStep", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = TrainableHead(req->head());
     if (!head.ok()) return ToGrpcStatus(head.status());
@@ -180,7 +180,7 @@ grpc::Status LceService::OptimizerStep(grpc::ServerContext* ctx, const v1::Optim
 
 grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerReader<v1::UpdateWeightsRequest>* reader,
                                        v1::HeadDescription* resp) {
-  return Recorded("UpdateWeights", [&]() -> grpc::Status {
+  return Recorded("UpdateWeights", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
     v1::UpdateWeightsRequest msg;
     if (!reader->Read(&msg) || !msg.has_header()) {
@@ -231,7 +231,7 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
 }
 
 grpc::Status LceService::SaveHead(grpc::ServerContext* ctx, const v1::SaveHeadRequest* req, v1::SaveHeadResponse* resp) {
-  return Recorded("SaveHead", [&]() -> grpc::Status {
+  return Recorded("SaveHead", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = TrainableHead(req->head());
     if (!head.ok()) return ToGrpcStatus(head.status());

@@ -140,6 +140,7 @@ int main(int argc, char** argv) {
   if (!auth.ok()) return Fail(auth.status());
   options.service.auth = *auth;
   options.service.metrics = &service_metrics;
+  options.service.log_requests = flags->log_requests;
   if (!tp) {
     options.service.make_engine = [b = *backend, config](std::shared_ptr<const HeadWeights> w)
         -> absl::StatusOr<std::shared_ptr<LceEngine>> {

@@ -25,6 +25,7 @@ const char* ServerUsage() {
   --head-dtype=bf16|fp16|fp32 dtype of the seeded head (default bf16)
   --max-message-bytes=N       largest gRPC message accepted (default 67108864)
   --max-rows-per-request=N    largest request, in rows (default 16777216; 0 = no limit)
+  --log-requests=true|false   one JSON line per finished RPC on stderr, with its request id (default true)
   --metrics-port=N            serve Prometheus metrics at http://HOST:N/metrics (and /healthz); rank 0 only;
                               default off, 0 picks a free port
   --metrics-host=ADDR         listen address of the metrics endpoint (default 0.0.0.0)
@@ -77,6 +78,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"workspace-bytes", i64(&f.workspace_bytes)},
       {"max-concurrent-streams", i64(&f.max_concurrent_streams)},
       {"metrics-port", i32(&f.metrics_port)},
+      {"log-requests", [&f](const std::string& v) { return absl::SimpleAtob(v, &f.log_requests); }},
       {"metrics-host", str(&f.metrics_host)},
       {"max-request-bytes", i64(&f.max_request_bytes)},
       {"tls-cert", str(&f.tls_cert)},

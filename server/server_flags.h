@@ -18,6 +18,7 @@ struct ServerFlags {
   HeadSource head;
   int64_t max_message_bytes = 64 << 20;
   int64_t max_rows_per_request = int64_t{1} << 24;
+  bool log_requests = true;     // one JSON line per finished RPC on stderr
   int metrics_port = -1;        // -1: no metrics endpoint; 0: pick a free port
   std::string metrics_host = "0.0.0.0";
   int64_t max_concurrent_streams = 64;

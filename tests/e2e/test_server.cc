@@ -8,7 +8,7 @@
 
 namespace lce::e2e {
 
-std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes) {
+std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_requests) {
   auto ts = std::make_unique<TestServer>();
   ts->heads = std::make_shared<server::HeadStore>();
   for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
@@ -28,6 +28,7 @@ std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes) {
   server::GrpcServerOptions options;
   options.address = "127.0.0.1:0";
   options.service.max_message_bytes = max_message_bytes;
+  options.service.log_requests = log_requests;
   options.service.limits.max_rows_per_request = 100000;
   options.service.make_engine = [](std::shared_ptr<const HeadWeights> w) -> absl::StatusOr<std::shared_ptr<LceEngine>> {
     absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(Backend::kCpu, std::move(w), EngineConfig{});

@@ -24,7 +24,7 @@ struct TestServer {
   std::shared_ptr<LceEngine> bf16_engine, fp32_engine;
 };
 
-std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes = 8 << 20);
+std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes = 8 << 20, bool log_requests = false);
 
 struct Batch {
   v1::DType dtype;

@@ -1,0 +1,46 @@
+#include "request_log.h"
+
+#include <cstdio>
+#include <random>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "nlohmann/json.hpp"
+
+namespace lce::server {
+
+std::string AssignRequestId(grpc::ServerContext* ctx) {
+  std::string id;
+  const auto& md = ctx->client_metadata();
+  if (auto it = md.find("x-request-id"); it != md.end()) {
+    for (char c : std::string(it->second.data(), std::min<size_t>(it->second.size(), 64))) {
+      if (std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.') id.push_back(c);
+    }
+  }
+  if (id.empty()) {
+    thread_local std::mt19937_64 rng(std::random_device{}());
+    id = absl::StrFormat("%016x", rng());
+  }
+  ctx->AddInitialMetadata("x-request-id", id);
+  return id;
+}
+
+void LogRequest(const std::string& request_id, const char* method, grpc::ServerContext* ctx,
+                const grpc::Status& status, double seconds) {
+  nlohmann::json line = {
+      {"ts", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone())},
+      {"level", status.ok() ? "info" : "warn"},
+      {"request_id", request_id},
+      {"method", method},
+      {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()))},
+      {"duration_ms", seconds * 1e3},
+      {"peer", ctx->peer()},
+  };
+  if (!status.ok()) line["message"] = status.error_message();
+  const std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  std::fwrite(text.data(), 1, text.size(), stderr);  // one write per line: lines never interleave
+}
+
+}  // namespace lce::server
