@@ -40,13 +40,13 @@ class GlooCommunicator final : public TpCommunicator {
     });
   }
 
-  absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void*) override {
+  absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void*, int root) override {
     if (device_memory) return absl::InvalidArgumentError("the Gloo communicator takes host memory only");
     if (bytes == 0) return absl::OkStatus();
     return Guard("broadcast", [&] {
       gloo::BroadcastOptions opts(ctx_);
       opts.setOutput(static_cast<uint8_t*>(data), static_cast<size_t>(bytes));
-      opts.setRoot(0);
+      opts.setRoot(root);
       opts.setTag(2);
       gloo::broadcast(opts);
     });

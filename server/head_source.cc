@@ -35,7 +35,7 @@ bool IsIndex(const std::string& path) {
   return path.size() > suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// The shards listed by an index written by SaveShardedHead.
+// The shards listed by an index written by WriteHeadIndex.
 struct IndexedShard {
   std::string file;
   int64_t begin, end;
@@ -94,40 +94,44 @@ absl::Status GatherRows(const HeadIndex& idx, const std::string& tensor, int64_t
 
 }  // namespace
 
-absl::StatusOr<std::vector<std::string>> SaveShardedHead(const std::string& dir, const std::string& name,
-                                                         const std::vector<const HeadWeights*>& shards) {
-  if (shards.empty()) return absl::InvalidArgumentError("no shards to save");
+absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::string& name, const HeadWeights& w,
+                                           int rank, int world) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
-  const HeadShape& first = shards.front()->shape;
+  const std::string path = (std::filesystem::path(dir) / ShardFileName(name, rank, world)).string();
+  std::vector<SafetensorsTensor> tensors = {{"lm_head.weight", w.shape.dtype, {w.shape.shard_rows, w.shape.hidden_size},
+                                             w.weight.data(), static_cast<int64_t>(w.weight.size())}};
+  if (w.shape.has_bias) {
+    tensors.push_back({"lm_head.bias", DType::kFloat32, {w.shape.shard_rows},
+                       reinterpret_cast<const uint8_t*>(w.bias.data()), static_cast<int64_t>(w.bias.size() * 4)});
+  }
+  if (absl::Status s = WriteSafetensors(path, tensors); !s.ok()) return s;
+  return path;
+}
+
+absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::string& name, const HeadShape& shape,
+                                           int world) {
   nlohmann::ordered_json index = {{"format", "lce-serve sharded head"},
                                   {"tensor", "lm_head.weight"},
-                                  {"vocab_size", first.vocab_size},
-                                  {"hidden_size", first.hidden_size},
-                                  {"dtype", DTypeName(first.dtype)},
-                                  {"has_bias", first.has_bias},
+                                  {"vocab_size", shape.vocab_size},
+                                  {"hidden_size", shape.hidden_size},
+                                  {"dtype", DTypeName(shape.dtype)},
+                                  {"has_bias", shape.has_bias},
                                   {"shards", nlohmann::ordered_json::array()}};
-  std::vector<std::string> files;
-  const size_t k = shards.size();
-  for (size_t r = 0; r < k; ++r) {
-    const HeadWeights& w = *shards[r];
-    const std::string file = absl::StrCat(name, "-shard-", r, "-of-", k, ".safetensors");
-    const std::string path = (std::filesystem::path(dir) / file).string();
-    std::vector<SafetensorsTensor> tensors = {{"lm_head.weight", w.shape.dtype, {w.shape.shard_rows, w.shape.hidden_size},
-                                               w.weight.data(), static_cast<int64_t>(w.weight.size())}};
-    if (w.shape.has_bias) {
-      tensors.push_back({"lm_head.bias", DType::kFloat32, {w.shape.shard_rows},
-                         reinterpret_cast<const uint8_t*>(w.bias.data()), static_cast<int64_t>(w.bias.size() * 4)});
-    }
-    if (absl::Status s = WriteSafetensors(path, tensors); !s.ok()) return s;
-    index["shards"].push_back({{"file", file}, {"vocab_begin", w.shape.vocab_begin}, {"vocab_end", w.shape.vocab_end()}});
-    files.push_back(path);
+  for (int r = 0; r < world; ++r) {
+    const VocabRange range = VocabShard(shape.vocab_size, r, world);
+    index["shards"].push_back({{"file", ShardFileName(name, r, world)}, {"vocab_begin", range.begin}, {"vocab_end", range.end}});
   }
-  const std::string index_path = (std::filesystem::path(dir) / (name + ".index.json")).string();
-  std::ofstream(index_path) << index.dump(1) << "\n";
-  files.push_back(index_path);
-  return files;
+  const std::string path = (std::filesystem::path(dir) / (name + ".index.json")).string();
+  std::ofstream out(path);
+  out << index.dump(1) << "\n";
+  if (!out) return absl::DataLossError(absl::StrCat("cannot write ", path));
+  return path;
+}
+
+std::string ShardFileName(const std::string& name, int rank, int world) {
+  return absl::StrCat(name, "-shard-", rank, "-of-", world, ".safetensors");
 }
 
 float SeededHeadValue(uint64_t seed, int64_t row, int64_t col, int64_t hidden) {

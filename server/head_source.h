@@ -29,17 +29,20 @@ struct HeadSource {
 absl::Status ParseSeedShape(const std::string& text, HeadSource& source);
 
 // Loads rank `tp_rank`'s shard (VocabShard) of the head. `file` may also be the index written by
-// SaveShardedHead (".index.json"): then the rows come from whichever shard files hold them, so a
+// WriteHeadIndex (".index.json"): then the rows come from whichever shard files hold them, so a
 // head saved by a group of one size loads into a group of any size.
 
 absl::StatusOr<std::shared_ptr<HeadWeights>> LoadHead(const HeadSource& source, int tp_rank, int tp_size);
 
-// Writes shards (in vocabulary order, together covering [0, V)) as
-// <dir>/<name>-shard-<r>-of-<k>.safetensors, each with tensor "lm_head.weight" [shard rows, H] (and
-// "lm_head.bias" when present), plus <dir>/<name>.index.json naming each file's vocabulary range.
-// Returns the shard files, then the index.
-absl::StatusOr<std::vector<std::string>> SaveShardedHead(const std::string& dir, const std::string& name,
-                                                         const std::vector<const HeadWeights*>& shards);
+// A head saved by a group of `world` ranks: <dir>/<name>-shard-<r>-of-<world>.safetensors per rank,
+// each with tensor "lm_head.weight" [shard rows, H] (and "lm_head.bias" when present), plus
+// <dir>/<name>.index.json naming each file's vocabulary range (VocabShard). Each rank writes its
+// own shard; rank 0 also writes the index. Both return the path written.
+std::string ShardFileName(const std::string& name, int rank, int world);
+absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::string& name, const HeadWeights& shard,
+                                           int rank, int world);
+absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::string& name, const HeadShape& shape,
+                                           int world);
 
 // Element (row, col) of the seeded head, as fp32 before rounding to the head's dtype. Shared by
 // shards so that every rank generates exactly its rows of the same head.

@@ -96,6 +96,46 @@ grpc::Status LceService::PolicyLoss(grpc::ServerContext* ctx,
   return Recorded("PolicyLoss", ctx, [&] { return RunStream(RpcKind::kPolicyLoss, ctx, stream); });
 }
 
+grpc::Status LceService::OpenSession(grpc::ServerContext* ctx,
+                                     grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
+  return Recorded("OpenSession", ctx, [&] { return OpenSessionBody(ctx, stream); });
+}
+
+grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
+                                         grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
+  if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
+  const std::string session = RegionRegistry::NewSessionId();
+  // Whatever ends the stream (half-close, cancel, disconnect, shutdown), the regions go with it.
+  struct Release {
+    RegionRegistry& regions;
+    const std::string& session;
+    ~Release() { regions.ReleaseSession(session); }
+  } release{regions_, session};
+  v1::SessionResponse resp;
+  resp.set_session_id(session);
+  if (!stream->Write(resp)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  v1::SessionRequest req;
+  while (stream->Read(&req)) {
+    resp.Clear();
+    absl::Status s;
+    if (req.has_register_region()) {
+      const v1::RegisterRegion& r = req.register_region();
+      absl::StatusOr<uint64_t> id = regions_.Register(session, r.name(), r.shm_name(), r.offset(), r.byte_size());
+      if (id.ok()) resp.set_region_id(*id);
+      s = id.status();
+    } else if (req.has_unregister_region()) {
+      s = regions_.Unregister(session, req.unregister_region().region_id());
+    } else {
+      s = absl::InvalidArgumentError("SessionRequest has neither register_region nor unregister_region");
+    }
+    resp.set_code(static_cast<int32_t>(s.code()));
+    resp.set_message(std::string(s.message()));
+    if (!stream->Write(resp)) break;
+  }
+  if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "session cancelled");
+  return grpc::Status::OK;
+}
+
 grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
                                    grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
   if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
@@ -117,9 +157,10 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   }
   absl::StatusOr<RequestPlan> plan = validator.ValidateHeader(msg.header());
   if (!plan.ok()) return ToGrpcStatus(plan.status());
-  if (plan->accumulate_weight_grad && config_.tp_size > 1) {
+  if (plan->accumulate_weight_grad && config_.tp_size > 1 &&
+      (config_.tp_front == nullptr || !config_.tp_front->trainable())) {
     return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                        "accumulate_weight_grad on a tensor-parallel group is not supported yet");
+                        "accumulate_weight_grad on a GPU tensor-parallel group is not supported yet");
   }
   LceEngine& engine = *plan->head->engine;
   const HeadShape& shape = engine.shape();
@@ -159,7 +200,32 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       return ToGrpcStatus(rows.status());
     }
     const int64_t n = *rows;
-    bytes_seen += static_cast<int64_t>(chunk.hidden().size());
+    // Co-located clients: hidden states read from, and d_hidden written to, shared-memory regions
+    // of the request's session (checked: owner, bounds, size). The slices stay mapped until the
+    // chunk is done.
+    const char* hidden_ptr = chunk.hidden().data();
+    RegionRegistry::Slice hidden_slice, dh_slice;
+    if (chunk.has_hidden_region() || chunk.has_d_hidden_region()) {
+      const auto& md = ctx->client_metadata();
+      auto it = md.find("lce-session");
+      const std::string session = it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+      auto fail = [&](const absl::Status& e) {
+        return ToGrpcStatus(absl::Status(e.code(), absl::StrCat("chunk ", chunk_index, ": ", e.message())));
+      };
+      if (chunk.has_hidden_region()) {
+        absl::StatusOr<RegionRegistry::Slice> r = regions_.Resolve(session, chunk.hidden_region(), n * row_bytes, "hidden_region");
+        if (!r.ok()) return fail(r.status());
+        hidden_slice = *std::move(r);
+        hidden_ptr = reinterpret_cast<const char*>(hidden_slice.bytes.data());
+      }
+      if (chunk.has_d_hidden_region()) {
+        if (!(is_fb || is_bw || is_pl)) return fail(absl::InvalidArgumentError("d_hidden_region: Score returns no d_hidden"));
+        absl::StatusOr<RegionRegistry::Slice> r = regions_.Resolve(session, chunk.d_hidden_region(), n * row_bytes, "d_hidden_region");
+        if (!r.ok()) return fail(r.status());
+        dh_slice = *std::move(r);
+      }
+    }
+    bytes_seen += n * row_bytes;
     if (config_.max_request_bytes > 0 && bytes_seen > config_.max_request_bytes) {
       if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"request_bytes"}).Increment();
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -182,12 +248,14 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     }
     Upstream up;
     GradOutputs grads;
-    if (is_fb || is_bw || is_pl) {
+    if (dh_slice.hold != nullptr) {
+      grads.d_hidden = dh_slice.bytes.data();
+    } else if (is_fb || is_bw || is_pl) {
       std::string* dh = out->mutable_d_hidden();
       dh->resize(static_cast<size_t>(n * row_bytes));
       grads.d_hidden = dh->data();
     }
-    RowsView view{chunk.hidden().data(), chunk.targets().data(), n, MemorySpace::kHost};
+    RowsView view{hidden_ptr, chunk.targets().data(), n, MemorySpace::kHost};
     absl::Status s;
     if (is_pl) {
       // Forward for logprob and entropy, the policy loss and its upstream gradients on the host,

@@ -10,10 +10,12 @@
 #include <string>
 
 #include "head_store.h"
+#include "region_registry.h"
 #include "lce/v1/lce.grpc.pb.h"
 #include "request_authenticator.h"
 #include "request_log.h"
 #include "service_metrics.h"
+#include "tp_group.h"
 #include "request_validator.h"
 
 namespace lce::server {
@@ -31,6 +33,8 @@ struct ServiceConfig {
   bool log_requests = false;
   // Metrics to update (null: none). Not owned.
   ServiceMetrics* metrics = nullptr;
+  // Rank 0 of a tensor-parallel group (null without one): training RPCs drive the peers through it.
+  TpFrontEngine* tp_front = nullptr;
   // Builds the engine of a new head version (LoadHead, OptimizerStep, UpdateWeights).
   std::function<absl::StatusOr<std::shared_ptr<LceEngine>>(std::shared_ptr<const HeadWeights>)> make_engine;
 };
@@ -65,8 +69,15 @@ class LceService final : public v1::LceService::Service {
                              v1::HeadDescription* resp) override;
   grpc::Status SaveHead(grpc::ServerContext* ctx, const v1::SaveHeadRequest* req, v1::SaveHeadResponse* resp) override;
 
+  // Co-located clients: a session owning shared-memory regions (region_registry.h).
+  grpc::Status OpenSession(grpc::ServerContext* ctx,
+                           grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) override;
+  const RegionRegistry& regions() const { return regions_; }
+
  private:
   grpc::Status GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp);
+  grpc::Status OpenSessionBody(grpc::ServerContext* ctx,
+                               grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream);
   grpc::Status RunStream(RpcKind rpc, grpc::ServerContext* ctx,
                          grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream);
 
@@ -85,6 +96,7 @@ class LceService final : public v1::LceService::Service {
   ServiceConfig config_;
   std::atomic<int64_t> streams_in_flight_{0};
   std::mutex engine_mu_;
+  RegionRegistry regions_;
 };
 
 template <typename F>

@@ -31,8 +31,8 @@ std::shared_ptr<HeadWeights> WeightsFromFloat(const HeadWeights& base, const std
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const ServedHead>> LceService::TrainableHead(const std::string& name) const {
-  if (config_.tp_size > 1) {
-    return absl::UnimplementedError("training RPCs on a tensor-parallel group are not supported yet");
+  if (config_.tp_size > 1 && (config_.tp_front == nullptr || !config_.tp_front->trainable())) {
+    return absl::UnimplementedError("training RPCs on a GPU tensor-parallel group are not supported yet");
   }
   if (!config_.make_engine) return absl::FailedPreconditionError("this server cannot build new head versions");
   return heads_->Get(name);
@@ -91,6 +91,7 @@ grpc::Status LceService::ZeroGrad(grpc::ServerContext* ctx, const v1::ZeroGradRe
     HeadTrainingState& t = *(*head)->training;
     std::lock_guard<std::mutex> lock(t.mu);
     std::fill(t.grad.begin(), t.grad.end(), 0.0f);
+    if (config_.tp_front != nullptr) return ToGrpcStatus(config_.tp_front->ZeroGradPeers());
     return grpc::Status::OK;
   });
 }
@@ -122,6 +123,19 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
       chunk.set_data(reinterpret_cast<const char*>(copy.data() + r0 * H), static_cast<size_t>(n * H * 4));
       if (!writer->Write(chunk)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     }
+    if (config_.tp_front != nullptr) {  // the other shards, in rank order
+      absl::Status s = config_.tp_front->FetchPeerGrads([&](int64_t first, int64_t rows, const float* data) {
+        for (int64_t r0 = 0; r0 < rows; r0 += rows_per_chunk) {
+          const int64_t n = std::min(rows_per_chunk, rows - r0);
+          chunk.set_first_row(first + r0);
+          chunk.set_rows(n);
+          chunk.set_data(reinterpret_cast<const char*>(data + r0 * H), static_cast<size_t>(n * H * 4));
+          if (!writer->Write(chunk)) return absl::CancelledError("client went away");
+        }
+        return absl::OkStatus();
+      });
+      if (!s.ok()) return ToGrpcStatus(s);
+    }
     return grpc::Status::OK;
   });
 }
@@ -147,30 +161,48 @@ grpc::Status LceService::OptimizerStep(grpc::ServerContext* ctx, const v1::Optim
     const ServedHead& h = **head;
     HeadTrainingState& t = *h.training;
     std::shared_ptr<HeadWeights> next;
-    double norm = 0;
-    {
-      std::lock_guard<std::mutex> lock(t.mu);
-      const int64_t n = static_cast<int64_t>(t.grad.size());
-      if (t.master.empty()) {  // first step: fp32 master weights from the current weight
-        t.master.resize(n);
-        ConvertToFloat(h.weights->weight.data(), h.weights->shape.dtype, n, t.master.data());
-        t.exp_avg.assign(n, 0.0f);
-        t.exp_avg_sq.assign(n, 0.0f);
-      }
-      norm = std::sqrt(SquaredNorm(t.grad.data(), n));
-      float scale = 1.0f;
-      if (req->max_grad_norm() > 0.0f && norm > req->max_grad_norm()) {
-        scale = static_cast<float>(req->max_grad_norm() / (norm + 1e-6));  // as torch's clip_grad_norm_
-      }
+    std::lock_guard<std::mutex> lock(t.mu);
+    const int64_t n = static_cast<int64_t>(t.grad.size());
+    if (t.master.empty()) {  // first step: fp32 master weights from the current weight
+      t.master.resize(n);
+      ConvertToFloat(h.weights->weight.data(), h.weights->shape.dtype, n, t.master.data());
+      t.exp_avg.assign(n, 0.0f);
+      t.exp_avg_sq.assign(n, 0.0f);
+    }
+    // Steps this rank's shard with the (global) clipping scale and builds its new engine.
+    auto step_local = [&](float scale) -> absl::StatusOr<std::shared_ptr<LceEngine>> {
       ++t.step;
       AdamWStep(t.master.data(), t.exp_avg.data(), t.exp_avg_sq.data(), t.grad.data(), n, p, t.step, scale);
       next = WeightsFromFloat(*h.weights, t.master);
-      if (req->zero_grad()) std::fill(t.grad.begin(), t.grad.end(), 0.0f);
-      resp->set_step(t.step);
+      return config_.make_engine(next);
+    };
+    const double local_sq = SquaredNorm(t.grad.data(), n);
+    double norm = 0;
+    std::shared_ptr<LceEngine> served;
+    if (config_.tp_front != nullptr) {
+      // Every rank steps its shard with the scale of the global norm; the front's engine object
+      // stays (its local shard engine is replaced inside the group lock).
+      absl::StatusOr<double> global = config_.tp_front->Step(p, req->max_grad_norm(), local_sq, step_local);
+      if (!global.ok()) return ToGrpcStatus(global.status());
+      norm = *global;
+      served = h.engine;
+    } else {
+      norm = std::sqrt(local_sq);
+      const float scale = req->max_grad_norm() > 0.0f && norm > req->max_grad_norm()
+                              ? static_cast<float>(req->max_grad_norm() / (norm + 1e-6))  // as torch's clip_grad_norm_
+                              : 1.0f;
+      absl::StatusOr<std::shared_ptr<LceEngine>> engine = step_local(scale);
+      if (!engine.ok()) return ToGrpcStatus(engine.status());
+      served = std::move(*engine);
     }
-    absl::StatusOr<std::shared_ptr<LceEngine>> engine = config_.make_engine(next);
-    if (!engine.ok()) return ToGrpcStatus(engine.status());
-    absl::StatusOr<std::shared_ptr<const ServedHead>> put = heads_->Put(h.name, std::move(*engine), next);
+    if (req->zero_grad()) {
+      std::fill(t.grad.begin(), t.grad.end(), 0.0f);
+      if (config_.tp_front != nullptr) {
+        if (absl::Status s = config_.tp_front->ZeroGradPeers(); !s.ok()) return ToGrpcStatus(s);
+      }
+    }
+    resp->set_step(t.step);
+    absl::StatusOr<std::shared_ptr<const ServedHead>> put = heads_->Put(h.name, std::move(served), next);
     if (!put.ok()) return ToGrpcStatus(put.status());
     resp->set_grad_norm(norm);
     DescribeHead(**put, resp->mutable_head());
@@ -187,6 +219,9 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
       return ToGrpcStatus(absl::InvalidArgumentError("UpdateWeights starts with a header message"));
     }
     const v1::UpdateWeightsHeader header = msg.header();
+    if (config_.tp_size > 1) {
+      return ToGrpcStatus(absl::UnimplementedError("UpdateWeights on a tensor-parallel group is not supported yet"));
+    }
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = TrainableHead(header.head());
     if (!head.ok()) return ToGrpcStatus(head.status());
     const ServedHead& h = **head;
@@ -237,10 +272,19 @@ grpc::Status LceService::SaveHead(grpc::ServerContext* ctx, const v1::SaveHeadRe
     if (!head.ok()) return ToGrpcStatus(head.status());
     if (req->directory().empty()) return ToGrpcStatus(absl::InvalidArgumentError("SaveHead needs a directory"));
     const ServedHead& h = **head;
-    absl::StatusOr<std::vector<std::string>> files = SaveShardedHead(req->directory(), h.name, {h.weights.get()});
-    if (!files.ok()) return ToGrpcStatus(files.status());
-    for (size_t i = 0; i + 1 < files->size(); ++i) resp->add_files((*files)[i]);
-    resp->set_index_file(files->back());
+    const int world = config_.tp_size;
+    absl::StatusOr<std::string> shard = WriteHeadShard(req->directory(), h.name, *h.weights, 0, world);
+    if (!shard.ok()) return ToGrpcStatus(shard.status());
+    if (config_.tp_front != nullptr) {  // every peer writes its own shard
+      if (absl::Status s = config_.tp_front->SaveShards(req->directory(), h.name); !s.ok()) return ToGrpcStatus(s);
+    }
+    absl::StatusOr<std::string> index = WriteHeadIndex(req->directory(), h.name, h.weights->shape, world);
+    if (!index.ok()) return ToGrpcStatus(index.status());
+    resp->add_files(*shard);
+    for (int r = 1; r < world; ++r) {
+      resp->add_files((std::filesystem::path(req->directory()) / ShardFileName(h.name, r, world)).string());
+    }
+    resp->set_index_file(*index);
     return grpc::Status::OK;
   });
 }

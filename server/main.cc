@@ -100,14 +100,21 @@ int main(int argc, char** argv) {
   config.cpu_threads = flags->cpu_threads;
   config.device = flags->device;
   config.collectives = comm.get();
-  absl::StatusOr<std::unique_ptr<LceEngine>> engine = CreateEngine(*backend, *weights, config);
+  // Builds the engine of a head version (this rank's shard; collectives included under TP).
+  EngineFactory make_engine = [b = *backend, config](std::shared_ptr<const HeadWeights> w)
+      -> absl::StatusOr<std::shared_ptr<LceEngine>> {
+    absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(b, std::move(w), config);
+    if (!e.ok()) return e.status();
+    return std::shared_ptr<LceEngine>(std::move(*e));
+  };
+  absl::StatusOr<std::shared_ptr<LceEngine>> engine = make_engine(*weights);
   if (!engine.ok()) return Fail(engine.status());
   const HeadShape shape = (*engine)->shape();
 
   if (flags->tp_rank > 0) {
     std::cout << "lce_server: tensor-parallel rank " << flags->tp_rank << " of " << flags->tp_size << " holds vocab rows ["
               << shape.vocab_begin << ", " << shape.vocab_end() << ")" << std::endl;
-    absl::Status s = RunTpPeer(**engine, *comm, *staging);
+    absl::Status s = RunTpPeer(*weights, *engine, make_engine, *comm, *staging);
     if (!s.ok()) {
       std::cerr << "lce_server: rank " << flags->tp_rank << ": " << s << std::endl;
       std::_Exit(kExitTpFailure);
@@ -116,7 +123,7 @@ int main(int argc, char** argv) {
   }
 
   std::shared_ptr<TpFrontEngine> front;
-  std::shared_ptr<LceEngine> served = std::move(*engine);
+  std::shared_ptr<LceEngine> served = *engine;
   if (tp) {
     front = std::make_shared<TpFrontEngine>(served, comm.get(), std::move(staging), [&](const absl::Status& s) {
       std::cerr << "lce_server: tensor-parallel group failed: " << s << std::endl;
@@ -141,14 +148,8 @@ int main(int argc, char** argv) {
   options.service.auth = *auth;
   options.service.metrics = &service_metrics;
   options.service.log_requests = flags->log_requests;
-  if (!tp) {
-    options.service.make_engine = [b = *backend, config](std::shared_ptr<const HeadWeights> w)
-        -> absl::StatusOr<std::shared_ptr<LceEngine>> {
-      absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(b, std::move(w), config);
-      if (!e.ok()) return e.status();
-      return std::shared_ptr<LceEngine>(std::move(*e));
-    };
-  }
+  options.service.make_engine = make_engine;
+  options.service.tp_front = front.get();
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(heads, options);
   if (!server.ok()) return Fail(server.status());
   const int port = (*server)->port();

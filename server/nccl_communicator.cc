@@ -47,11 +47,11 @@ class NcclCommunicator final : public TpCommunicator {
     return Watch(static_cast<cudaStream_t>(stream), "all-reduce");
   }
 
-  absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void* stream) override {
+  absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void* stream, int root) override {
     if (!device_memory) return absl::InvalidArgumentError("the NCCL communicator takes device memory only");
     if (aborted_) return Down();
     if (bytes == 0) return absl::OkStatus();
-    LCE_CUDA_CHECK(ncclBroadcast(data, data, static_cast<size_t>(bytes), ncclUint8, 0, comm_,
+    LCE_CUDA_CHECK(ncclBroadcast(data, data, static_cast<size_t>(bytes), ncclUint8, root, comm_,
                                  static_cast<cudaStream_t>(stream)));
     return Watch(static_cast<cudaStream_t>(stream), "broadcast");
   }

@@ -133,7 +133,13 @@ absl::StatusOr<int64_t> StreamRequestValidator::ValidateChunk(const RequestPlan&
   const std::string where = absl::StrCat("chunk ", chunk_index, ": ");
   if (rows == 0) return absl::InvalidArgumentError(absl::StrCat(where, "no rows (targets is empty)"));
   const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
-  if (static_cast<int64_t>(c.hidden().size()) != rows * row_bytes) {
+  if (c.has_hidden_region()) {
+    // Co-located: the hidden states are in a shared-memory region; the service resolves and
+    // bounds-checks the slice (RegionRegistry::Resolve).
+    if (!c.hidden().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "hidden and hidden_region are both set; send one"));
+    }
+  } else if (static_cast<int64_t>(c.hidden().size()) != rows * row_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(where, "hidden holds ", c.hidden().size(), " bytes, but ", rows,
                                                    " targets x hidden size ", shape.hidden_size, " x ",
                                                    DTypeSize(shape.dtype), " bytes (", DTypeName(shape.dtype),

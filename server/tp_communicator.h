@@ -15,8 +15,8 @@ namespace lce::server {
 
 class TpCommunicator : public Collectives {
  public:
-  // Broadcasts `bytes` bytes from rank 0 to every rank, in place.
-  virtual absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void* stream) = 0;
+  // Broadcasts `bytes` bytes from rank `root` to every rank, in place.
+  virtual absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void* stream, int root = 0) = 0;
   // Makes every later collective fail at once with UNAVAILABLE (after a peer failure).
   virtual void Abort() = 0;
   // True when collectives move device memory (NCCL): chunks are then staged on the GPU.

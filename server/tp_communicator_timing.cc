@@ -17,8 +17,8 @@ class TimedCommunicator final : public TpCommunicator {
   absl::Status AllReduce(float* data, int64_t count, ReduceOp op, bool device, void* stream) override {
     return Timed([&] { return inner_->AllReduce(data, count, op, device, stream); });
   }
-  absl::Status Broadcast(void* data, int64_t bytes, bool device, void* stream) override {
-    return Timed([&] { return inner_->Broadcast(data, bytes, device, stream); });
+  absl::Status Broadcast(void* data, int64_t bytes, bool device, void* stream, int root) override {
+    return Timed([&] { return inner_->Broadcast(data, bytes, device, stream, root); });
   }
 
  private:

@@ -8,10 +8,12 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "absl/status/status.h"
 #include "chunk_staging.h"
 #include "lce/engine.h"
+#include "lce/training.h"
 #include "tp_communicator.h"
 
 namespace lce::server {
@@ -33,6 +35,21 @@ class TpFrontEngine final : public LceEngine {
   // Tells the peers to exit their loops. Call once, when the front shuts down.
   absl::Status StopPeers();
 
+  // Training the sharded head (CPU groups; each rank owns the gradient and optimizer state of its
+  // shard). True when this group supports it.
+  bool trainable() const { return !staging_->device(); }
+  absl::Status ZeroGradPeers();
+  // One AdamW step on every rank under the group lock: the global gradient norm is the square root
+  // of the all-reduced sum of the ranks' squared norms (`local_sq_norm` is the front's);
+  // `step_front(scale)` steps the front's own shard and returns its new engine, which replaces the
+  // local one before any other call runs. Returns the global norm (before clipping).
+  absl::StatusOr<double> Step(const AdamWParams& params, float max_grad_norm, double local_sq_norm,
+                              const std::function<absl::StatusOr<std::shared_ptr<LceEngine>>(float)>& step_front);
+  // Each peer's gradient shard, in rank order: sink(first_row, rows, data).
+  absl::Status FetchPeerGrads(const std::function<absl::Status(int64_t, int64_t, const float*)>& sink);
+  // Every peer writes its shard of the current weight (head_source.h, WriteHeadShard).
+  absl::Status SaveShards(const std::string& dir, const std::string& name);
+
  private:
   absl::Status ComputeLocked(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
                              const RowOutputs& outputs, const GradOutputs& grads);
@@ -46,8 +63,12 @@ class TpFrontEngine final : public LceEngine {
   bool failed_ = false;
 };
 
+// Builds the engine of a new weight version (a peer after an optimizer step).
+using EngineFactory = std::function<absl::StatusOr<std::shared_ptr<LceEngine>>(std::shared_ptr<const HeadWeights>)>;
+
 // A peer's loop: runs the calls the front broadcasts until it says stop (OK) or the group fails
-// (UNAVAILABLE).
-absl::Status RunTpPeer(LceEngine& engine, TpCommunicator& comm, ChunkStaging& staging);
+// (UNAVAILABLE). The peer owns its shard's gradient and optimizer state.
+absl::Status RunTpPeer(std::shared_ptr<const HeadWeights> weights, std::shared_ptr<LceEngine> engine,
+                       const EngineFactory& make_engine, TpCommunicator& comm, ChunkStaging& staging);
 
 }  // namespace lce::server

@@ -1,4 +1,4 @@
-// metrics.h (registry, families, text exposition 0.0.4) and metrics_http.h (civetweb /metrics).
+// metrics.h (registry, families, text exposition 0.0.4) and metrics_http.h (the /metrics server).
 #include "metrics.h"
 
 #include <arpa/inet.h>

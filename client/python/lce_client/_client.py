@@ -12,6 +12,7 @@ import numpy as np
 from . import _arrays as A
 from ._proto import lce_pb2 as pb
 from ._proto import lce_pb2_grpc as pb_grpc
+from ._shm import SESSION_METADATA_KEY, Region, SharedMemorySession
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 # Replies carry d_hidden of a whole request chunk; let them be as large as the server allows.
@@ -205,6 +206,14 @@ class Client:
         except grpc.FutureTimeoutError as e:
             raise LceError(grpc.StatusCode.UNAVAILABLE, f"no server at {self.target} after {timeout}s") from e
 
+    def shared_memory_session(self) -> SharedMemorySession:
+        """Opens a co-located session (server on this host): `with client.shared_memory_session() as s:`,
+        then `region = s.create(nbytes)` and pass `hidden_region=region` (hidden being an array inside
+        it, e.g. `region.ndarray(shape, dtype)`) and `d_hidden_region=` to score / forward_backward /
+        backward / policy_loss: hidden states are read and d_hidden written in place, with no bytes on
+        the wire. See lce_client._shm."""
+        return SharedMemorySession(self._stub, self._metadata)
+
     # ------------------------------------------------------------------------------------- unary
     def info(self, head: Optional[str] = None) -> ServerInfo:
         """Describes the head (default: the client's head) and the server."""
@@ -306,17 +315,21 @@ class Client:
     def score(self, hidden, targets, temperature: float = 1.0, softcap: Optional[float] = None,
               entropy: bool = True, ignore_index: int = -100, *, head: Optional[str] = None,
               head_version: int = 0, allow_tf32: bool = False, dtype=None,
-              progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False):
+              progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
+              hidden_region: Optional[Region] = None):
         """Per-token logprob of the target and (if `entropy`) entropy of the softmax.
 
         hidden: [..., H] numpy or torch (bf16 / fp16 / fp32, the head's dtype); targets: [...] ints.
         Returns (logprobs, entropy_or_None), fp32, shaped like targets, numpy or torch on hidden's device.
+        hidden_region: a shared-memory Region that `hidden` lies in (shared_memory_session()): the
+        server reads the hidden states there instead of receiving them.
         """
         outputs = [pb.OUTPUT_LOGPROBS] + ([pb.OUTPUT_ENTROPY] if entropy else [])
         h = A.host_hidden(hidden, dtype)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
-        res = self._stream("Score", h, t, hdr, {}, want_dhidden=False, progress=progress, use_tqdm=tqdm)
+        res = self._stream("Score", h, t, hdr, {}, want_dhidden=False, progress=progress, use_tqdm=tqdm,
+                           hidden_region=hidden_region)
         lp = A.to_caller_rows(res["logprobs"], h)
         ent = A.to_caller_rows(res["entropy"], h) if entropy else None
         return lp, ent
@@ -327,10 +340,13 @@ class Client:
                          head_version: int = 0, accumulate_weight_grad: bool = False,
                          return_logprobs: bool = False, return_entropy: bool = False, allow_tf32: bool = False,
                          dtype=None, progress: Optional[ProgressFn] = None,
-                         tqdm: Union[bool, dict] = False) -> ForwardBackwardResult:
+                         tqdm: Union[bool, dict] = False, hidden_region: Optional[Region] = None,
+                         d_hidden_region: Optional[Region] = None, d_hidden_offset: int = 0) -> ForwardBackwardResult:
         """Loss and d_hidden in one round trip. reduction: "mean" (over non-ignored rows of the whole
         call; the client declares their count to the server), "sum", or "none" (with optional per-row
-        upstream gradients `grad_loss`: d_hidden is then the gradient of sum_i grad_loss_i * loss_i)."""
+        upstream gradients `grad_loss`: d_hidden is then the gradient of sum_i grad_loss_i * loss_i).
+        hidden_region / d_hidden_region (+ d_hidden_offset): co-located, as in score(); d_hidden is
+        written in place into d_hidden_region at d_hidden_offset and returned as a view of it."""
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
         if grad_loss is not None and reduction != "none":
@@ -353,7 +369,8 @@ class Client:
         if grad_loss is not None:
             per_row["grad_loss"] = A.host_rows(grad_loss, h.rows, "grad_loss", np.float32, h.lead_shape)
         res = self._stream("ForwardBackward", h, t, hdr, per_row, want_dhidden=True, progress=progress,
-                           use_tqdm=tqdm)
+                           use_tqdm=tqdm, hidden_region=hidden_region, d_hidden_region=d_hidden_region,
+                           d_hidden_offset=d_hidden_offset)
         s = res["summary"]
         if s is None:
             raise LceError(grpc.StatusCode.INTERNAL, "server ended ForwardBackward without a summary",
@@ -370,8 +387,11 @@ class Client:
     def backward(self, hidden, targets, grad_logprob=None, grad_entropy=None, temperature: float = 1.0,
                  softcap: Optional[float] = None, ignore_index: int = -100, *, head: Optional[str] = None,
                  head_version: int = 0, allow_tf32: bool = False, dtype=None,
-                 progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False):
-        """Generic backward: d_hidden from upstream grads of logprob and entropy (None: zeros)."""
+                 progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
+                 hidden_region: Optional[Region] = None, d_hidden_region: Optional[Region] = None,
+                 d_hidden_offset: int = 0):
+        """Generic backward: d_hidden from upstream grads of logprob and entropy (None: zeros).
+        hidden_region / d_hidden_region: co-located, as in forward_backward()."""
         h = A.host_hidden(hidden, dtype)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, [], allow_tf32)
@@ -380,7 +400,9 @@ class Client:
             per_row["grad_logprob"] = A.host_rows(grad_logprob, h.rows, "grad_logprob", np.float32, h.lead_shape)
         if grad_entropy is not None:
             per_row["grad_entropy"] = A.host_rows(grad_entropy, h.rows, "grad_entropy", np.float32, h.lead_shape)
-        res = self._stream("Backward", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm)
+        res = self._stream("Backward", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm,
+                           hidden_region=hidden_region, d_hidden_region=d_hidden_region,
+                           d_hidden_offset=d_hidden_offset)
         return A.to_caller_hidden(res["d_hidden"], h)
 
     def policy_loss(self, hidden, targets, old_logprobs, advantages, *, sequence_ids=None,
@@ -389,7 +411,9 @@ class Client:
                     kl_estimator: str = "k1", temperature: float = 1.0, softcap: Optional[float] = None,
                     ignore_index: int = -100, head: Optional[str] = None, head_version: int = 0,
                     accumulate_weight_grad: bool = False, allow_tf32: bool = False, dtype=None,
-                    progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False) -> PolicyLossResult:
+                    progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
+                    hidden_region: Optional[Region] = None, d_hidden_region: Optional[Region] = None,
+                    d_hidden_offset: int = 0) -> PolicyLossResult:
         """Fused PPO/GRPO policy loss and its d_hidden (docs/MATH.md, "Policy loss").
 
         sequence_ids: per row, the row's sequence (default: for [B, T] hidden states, the batch index;
@@ -425,7 +449,9 @@ class Client:
         }
         if ref_logprobs is not None:
             per_row["ref_logprobs"] = A.host_rows(ref_logprobs, h.rows, "ref_logprobs", np.float32, h.lead_shape)
-        res = self._stream("PolicyLoss", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm)
+        res = self._stream("PolicyLoss", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm,
+                           hidden_region=hidden_region, d_hidden_region=d_hidden_region,
+                           d_hidden_offset=d_hidden_offset)
         s = res["summary"]
         if s is None:
             raise LceError(grpc.StatusCode.INTERNAL, "server ended PolicyLoss without a summary", "PolicyLoss")
@@ -465,18 +491,42 @@ class Client:
         row_bytes = h.hidden_size * h.array.itemsize
         for r0 in range(0, h.rows, step):
             r1 = min(h.rows, r0 + step)
-            chunk = pb.RowChunk(hidden=bytes(buf[r0 * row_bytes:r1 * row_bytes]), targets=targets[r0:r1].tolist())
+            if hidden_at is None:
+                chunk = pb.RowChunk(hidden=bytes(buf[r0 * row_bytes:r1 * row_bytes]), targets=targets[r0:r1].tolist())
+            else:  # co-located: a slice of a shared-memory region, no bytes
+                chunk = pb.RowChunk(targets=targets[r0:r1].tolist(), hidden_region=pb.RegionSlice(
+                    region_id=hidden_at[0], offset=hidden_at[1] + r0 * row_bytes, byte_size=(r1 - r0) * row_bytes))
+            if d_hidden_at is not None:
+                chunk.d_hidden_region.CopyFrom(pb.RegionSlice(
+                    region_id=d_hidden_at[0], offset=d_hidden_at[1] + r0 * row_bytes, byte_size=(r1 - r0) * row_bytes))
             for name, arr in per_row.items():
                 getattr(chunk, name).extend(arr[r0:r1].tolist())
             yield pb.StreamRequest(chunk=chunk)
 
     def _stream(self, rpc: str, h: A.HostArray, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
-                want_dhidden: bool, progress, use_tqdm) -> dict:
+                want_dhidden: bool, progress, use_tqdm, hidden_region: Optional[Region] = None,
+                d_hidden_region: Optional[Region] = None, d_hidden_offset: int = 0) -> dict:
         step = self._rows_per_chunk(h)
         n = h.rows
         out = {"logprobs": A.new_rows_out(n), "entropy": A.new_rows_out(n), "loss": A.new_rows_out(n),
-               "d_hidden": A.new_hidden_out(n, h.hidden_size, h.wire_dtype) if want_dhidden else None,
-               "summary": None}
+               "d_hidden": None, "summary": None}
+        metadata, hidden_at, d_hidden_at = self._metadata, None, None
+        if d_hidden_region is not None and not want_dhidden:
+            raise ValueError(f"{rpc} returns no d_hidden: d_hidden_region does not apply")
+        if hidden_region is not None or d_hidden_region is not None:
+            sessions = {r.session_id for r in (hidden_region, d_hidden_region) if r is not None}
+            if len(sessions) != 1:
+                raise ValueError("hidden_region and d_hidden_region must belong to one session")
+            metadata = tuple(self._metadata or ()) + ((SESSION_METADATA_KEY, sessions.pop()),)
+            if hidden_region is not None:
+                hidden_at = (hidden_region.id, hidden_region.offset_of(h.array))
+        if want_dhidden:
+            if d_hidden_region is not None:
+                out["d_hidden"] = d_hidden_region.ndarray((n, h.hidden_size), A.storage_dtype(h.wire_dtype),
+                                                          d_hidden_offset)
+                d_hidden_at = (d_hidden_region.id, d_hidden_offset)
+            else:
+                out["d_hidden"] = A.new_hidden_out(n, h.hidden_size, h.wire_dtype)
         if n == 0:
             # The server refuses requests without rows; an empty batch has an empty answer (and a loss
             # of 0, as a mean over no valid tokens is defined to be), so answer it here without an RPC.

@@ -1,0 +1,154 @@
+#include "region_registry.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace lce::server {
+
+// One mapping; unmapped when the last holder (registry or in-flight request) lets go.
+struct RegionRegistry::Region {
+  std::string session, name, shm_name;
+  void* map_base = nullptr;
+  size_t map_len = 0;
+  uint8_t* data = nullptr;  // map_base + (offset - page-aligned offset)
+  int64_t byte_size = 0;
+  ~Region() {
+    if (map_base != nullptr) munmap(map_base, map_len);
+  }
+};
+
+std::string RegionRegistry::NewSessionId() {
+  uint8_t raw[16];
+  size_t got = 0;
+  while (got < sizeof(raw)) {
+    const ssize_t r = getrandom(raw + got, sizeof(raw) - got, 0);
+    if (r > 0) got += static_cast<size_t>(r);
+  }
+  static const char kHex[] = "0123456789abcdef";
+  std::string id(32, '0');
+  for (int i = 0; i < 16; ++i) {
+    id[2 * i] = kHex[raw[i] >> 4];
+    id[2 * i + 1] = kHex[raw[i] & 15];
+  }
+  return id;
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, const std::string& name,
+                                                  const std::string& shm_name, int64_t offset, int64_t byte_size) {
+  const std::string what = absl::StrCat("region '", name, "' (", shm_name, ")");
+  if (shm_name.size() < 2 || shm_name[0] != '/' || shm_name.find('/', 1) != std::string::npos ||
+      shm_name.size() > 255) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": shm_name must be \"/\" followed by a name without \"/\""));
+  }
+  if (offset < 0 || byte_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": offset must be >= 0 and byte_size > 0, got offset ", offset, ", byte_size ", byte_size));
+  }
+  const int fd = shm_open(shm_name.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    const int e = errno;
+    const std::string msg = absl::StrCat(what, ": shm_open failed: ", std::strerror(e));
+    if (e == ENOENT) return absl::NotFoundError(msg);
+    if (e == EACCES || e == EPERM) return absl::PermissionDeniedError(msg);
+    return absl::InvalidArgumentError(msg);
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    const int e = errno;
+    close(fd);
+    return absl::InternalError(absl::StrCat(what, ": fstat failed: ", std::strerror(e)));
+  }
+  if (offset > st.st_size || byte_size > st.st_size - offset) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", offset, " + byte_size ", byte_size,
+                                                   " exceeds the object's size of ", st.st_size, " bytes"));
+  }
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  const int64_t aligned = offset / page * page;
+  auto region = std::make_shared<Region>();
+  region->session = session;
+  region->name = name;
+  region->shm_name = shm_name;
+  region->map_len = static_cast<size_t>(byte_size + (offset - aligned));
+  void* p = mmap(nullptr, region->map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, aligned);
+  const int e = errno;
+  close(fd);
+  if (p == MAP_FAILED) return absl::InternalError(absl::StrCat(what, ": mmap failed: ", std::strerror(e)));
+  region->map_base = p;
+  region->data = static_cast<uint8_t*>(p) + (offset - aligned);
+  region->byte_size = byte_size;
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = next_id_++;
+  regions_.emplace(id, std::move(region));
+  return id;
+}
+
+absl::Status RegionRegistry::Unregister(const std::string& session, uint64_t region_id) {
+  std::shared_ptr<const Region> gone;  // unmapped outside the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(region_id);
+  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("region ", region_id, " is not registered"));
+  if (it->second->session != session) {
+    return absl::PermissionDeniedError(absl::StrCat("region ", region_id, " belongs to another session"));
+  }
+  gone = std::move(it->second);
+  regions_.erase(it);
+  return absl::OkStatus();
+}
+
+int RegionRegistry::ReleaseSession(const std::string& session) {
+  std::vector<std::shared_ptr<const Region>> gone;  // unmapped after the lock is released
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    if (it->second->session == session) {
+      gone.push_back(std::move(it->second));
+      it = regions_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return static_cast<int>(gone.size());
+}
+
+absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string& session, const v1::RegionSlice& slice,
+                                                             int64_t bytes_needed, const char* what) const {
+  std::shared_ptr<const Region> r;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = regions_.find(slice.region_id());
+    if (it != regions_.end()) r = it->second;
+  }
+  if (r == nullptr) {
+    return absl::NotFoundError(absl::StrCat(what, ": region ", slice.region_id(),
+                                            " is not registered (never, unregistered, or its session ended)"));
+  }
+  if (session.empty() || r->session != session) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": region ", slice.region_id(), " belongs to another session",
+        session.empty() ? " (the request carries no lce-session metadata)" : " than the request's lce-session"));
+  }
+  if (slice.offset() < 0 || slice.byte_size() != bytes_needed || slice.offset() > r->byte_size ||
+      slice.byte_size() > r->byte_size - slice.offset()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": slice at offset ", slice.offset(), " of ", slice.byte_size(), " bytes does not fit: region ",
+        slice.region_id(), " ('", r->name, "') has ", r->byte_size, " bytes and the chunk needs exactly ",
+        bytes_needed, " bytes there"));
+  }
+  return Slice{absl::Span<uint8_t>(r->data + slice.offset(), static_cast<size_t>(bytes_needed)), r};
+}
+
+size_t RegionRegistry::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return regions_.size();
+}
+
+}  // namespace lce::server

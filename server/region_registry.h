@@ -1,0 +1,58 @@
+// Shared-memory regions of co-located clients (OpenSession): POSIX shm objects that a client
+// creates and the server maps read-write (MAP_SHARED), so that requests read hidden states and write
+// d_hidden in place instead of carrying them as bytes. Every region belongs to the session that
+// registered it; only requests of that session may use it, and every use is bounds-checked. Ending a
+// session unmaps its regions (a request still using one keeps its mapping until it finishes).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "lce/v1/lce.pb.h"
+
+namespace lce::server {
+
+class RegionRegistry {
+ public:
+  // A resolved slice: its bytes, valid while `hold` (the region's mapping) is alive.
+  struct Slice {
+    absl::Span<uint8_t> bytes;
+    std::shared_ptr<const void> hold;
+  };
+
+  // A new session id: 128 random bits as 32 lowercase hex digits.
+  static std::string NewSessionId();
+
+  // Opens and maps [offset, offset + byte_size) of the shm object `shm_name` for `session`.
+  // NOT_FOUND: no such object; PERMISSION_DENIED: the server may not open it; INVALID_ARGUMENT:
+  // a bad name, offset or size (beyond the object's size).
+  absl::StatusOr<uint64_t> Register(const std::string& session, const std::string& name, const std::string& shm_name,
+                                    int64_t offset, int64_t byte_size);
+  // NOT_FOUND: no such region; PERMISSION_DENIED: it belongs to another session.
+  absl::Status Unregister(const std::string& session, uint64_t region_id);
+  // Drops every region of the session; returns how many.
+  int ReleaseSession(const std::string& session);
+
+  // The bytes of `slice` for a request of `session` that needs exactly `bytes_needed` bytes there.
+  // NOT_FOUND: unknown region; PERMISSION_DENIED: the region belongs to another session (or the
+  // request names none); INVALID_ARGUMENT: the slice is out of the region's bounds or not
+  // `bytes_needed` long. `what` ("hidden_region", ...) names the field in messages.
+  absl::StatusOr<Slice> Resolve(const std::string& session, const v1::RegionSlice& slice, int64_t bytes_needed,
+                                const char* what) const;
+
+  // Regions registered now (all sessions).
+  size_t size() const;
+
+ private:
+  struct Region;
+  mutable std::mutex mu_;
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, std::shared_ptr<const Region>> regions_;
+};
+
+}  // namespace lce::server
