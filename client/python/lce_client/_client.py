@@ -483,7 +483,7 @@ class Client:
         return max(1, self.chunk_bytes // max(1, row_bytes))
 
     def _requests(self, h: A.HostArray, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
-                  step: int) -> Iterator[pb.StreamRequest]:
+                  step: int, hidden_at=None, d_hidden_at=None) -> Iterator[pb.StreamRequest]:
         """The request stream, made lazily: a header, then one chunk per `step` rows, each built from a
         memoryview slice of the caller's (host) hidden states."""
         yield pb.StreamRequest(header=header)
@@ -535,8 +535,8 @@ class Client:
         dh_bytes = out["d_hidden"].reshape(-1).view(np.uint8) if want_dhidden else None
         row_bytes = h.hidden_size * h.array.itemsize
         prog = _Progress(n, progress, use_tqdm, rpc) if (progress or use_tqdm) else None
-        call = getattr(self._stub, rpc)(self._requests(h, targets, header, per_row, step),
-                                        timeout=self.timeout, metadata=self._metadata)
+        call = getattr(self._stub, rpc)(self._requests(h, targets, header, per_row, step, hidden_at, d_hidden_at),
+                                        timeout=self.timeout, metadata=metadata)
         expect = 0
         try:
             for msg in call:
@@ -560,7 +560,7 @@ class Client:
                             raise LceError(grpc.StatusCode.INTERNAL,
                                            f"server sent {len(vals)} {name} for a chunk of {rows} rows", rpc)
                         out[name][r0:r1] = vals
-                if want_dhidden:
+                if want_dhidden and d_hidden_at is None:
                     if len(c.d_hidden) != rows * row_bytes:
                         raise LceError(grpc.StatusCode.INTERNAL,
                                        f"server sent {len(c.d_hidden)} bytes of d_hidden for {rows} rows "
