@@ -1,6 +1,8 @@
 // Every malformed request gets the right gRPC status and a message naming the problem, and the
 // server keeps serving afterwards. Uses the raw generated stub so that it can send what the
 // client library never would.
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -185,7 +187,10 @@ TEST_F(BadInput, ClientCancelsMidStream) {
 
 TEST_F(BadInput, ClientProcessKilledMidStream) {
   // A real client process (lce_cli bench) is SIGKILLed while its stream is in flight.
-  const std::string cmd = std::string(LCE_CLI_PATH) + " bench --target=" + server_->target +
+  const char* cli_env = std::getenv("LCE_CLI_BIN");  // a tree copied elsewhere (GPU machine)
+  const std::string cli = cli_env != nullptr && *cli_env != 0 ? cli_env : LCE_CLI_PATH;
+  ASSERT_EQ(access(cli.c_str(), X_OK), 0) << "lce_cli not found at " << cli;
+  const std::string cmd = cli + " bench --target=" + server_->target +
                           " --op=train --rows=4000 --iterations=100000 >/dev/null 2>&1 & pid=$!; sleep 1.5; kill -9 $pid; wait $pid";
   ASSERT_NE(std::system(cmd.c_str()), -1);
   for (int i = 0; i < 3; ++i) ExpectStillServing();

@@ -82,7 +82,7 @@ TEST_F(Service, InfoAndHealth) {
   EXPECT_EQ(info->head().hidden_size(), kHidden);
   EXPECT_EQ(info->head().dtype(), v1::DTYPE_BFLOAT16);
   EXPECT_EQ(info->head().version(), 1);
-  EXPECT_EQ(info->backend(), "cpu");
+  EXPECT_EQ(info->backend(), TestBackend() == Backend::kCuda ? "cuda" : "cpu");
   EXPECT_EQ(info->tp_size(), 1);
   EXPECT_EQ(info->heads_size(), 2);
   auto wide = c->GetInfo("wide");

@@ -8,6 +8,11 @@
 
 namespace lce::e2e {
 
+Backend TestBackend() {
+  const char* env = std::getenv("LCE_TEST_BACKEND");
+  return env != nullptr && std::string(env) == "cuda" ? Backend::kCuda : Backend::kCpu;
+}
+
 std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_requests) {
   auto ts = std::make_unique<TestServer>();
   ts->heads = std::make_shared<server::HeadStore>();
@@ -19,7 +24,7 @@ std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_
     src.dtype = dtype;
     auto w = server::LoadHead(src, 0, 1);
     EXPECT_TRUE(w.ok()) << w.status();
-    auto e = CreateEngine(Backend::kCpu, *w, EngineConfig{});
+    auto e = CreateEngine(TestBackend(), *w, EngineConfig{});
     EXPECT_TRUE(e.ok()) << e.status();
     std::shared_ptr<LceEngine> engine = std::move(*e);
     (dtype == DType::kBFloat16 ? ts->bf16_engine : ts->fp32_engine) = engine;
@@ -31,7 +36,7 @@ std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_
   options.service.log_requests = log_requests;
   options.service.limits.max_rows_per_request = 100000;
   options.service.make_engine = [](std::shared_ptr<const HeadWeights> w) -> absl::StatusOr<std::shared_ptr<LceEngine>> {
-    absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(Backend::kCpu, std::move(w), EngineConfig{});
+    absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(TestBackend(), std::move(w), EngineConfig{});
     if (!e.ok()) return e.status();
     return std::shared_ptr<LceEngine>(std::move(*e));
   };

@@ -24,6 +24,9 @@ struct TestServer {
   std::shared_ptr<LceEngine> bf16_engine, fp32_engine;
 };
 
+// The engines of the in-process server: LCE_TEST_BACKEND=cuda on a GPU machine, else the CPU engine.
+Backend TestBackend();
+
 std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes = 8 << 20, bool log_requests = false);
 
 struct Batch {

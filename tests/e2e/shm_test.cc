@@ -1,0 +1,180 @@
+// The co-located path through the C++ client: shared-memory regions registered over OpenSession give
+// the same answers as bytes on the wire, d_hidden lands in place, every misuse gets its status, and
+// the server drops a session's mappings when the session's stream goes away.
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "lce/client/lce_client.h"
+#include "test_server.h"
+
+namespace lce::e2e {
+namespace {
+
+using client::ClientOptions;
+using client::HiddenBatch;
+using client::LceClient;
+using client::RegionRef;
+using client::SharedMemorySession;
+
+std::unique_ptr<LceClient> Connect(const TestServer& ts, int64_t chunk_bytes) {
+  ClientOptions o;
+  o.target = ts.target;
+  o.chunk_bytes = chunk_bytes;
+  auto c = LceClient::Create(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return std::move(*c);
+}
+
+HiddenBatch View(const Batch& b) {
+  return {b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)};
+}
+
+// Lines of this process's memory map that map `shm_name` (client and in-process server alike).
+int Mappings(const std::string& shm_name) {
+  std::ifstream f("/proc/self/maps");
+  std::string line;
+  int n = 0;
+  while (std::getline(f, line)) n += line.find("/dev/shm" + shm_name) != std::string::npos ? 1 : 0;
+  return n;
+}
+
+bool WaitFor(const std::function<bool()>& pred) {
+  for (int i = 0; i < 300 && !pred(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  return pred();
+}
+
+TEST(SharedMemory, AnswersEqualTheBytesPathAndDHiddenLandsInPlace) {
+  auto ts = StartTestServer();
+  const Batch b = MakeBatch(50, v1::DTYPE_BFLOAT16, 11);
+  const int64_t row_bytes = kHidden * 2;
+  auto c = Connect(*ts, 7 * row_bytes);  // 8 chunks: slices at many offsets
+  auto session = c->OpenSession();
+  ASSERT_TRUE(session.ok()) << session.status();
+  SharedMemorySession& s = **session;
+  EXPECT_EQ(s.id().size(), 32u);
+  const int64_t off = 3 * row_bytes + 2;  // not at the start of the region
+  auto in = s.CreateRegion(off + static_cast<int64_t>(b.hidden.size()), "hidden");
+  auto out = s.CreateRegion(static_cast<int64_t>(b.hidden.size()), "d_hidden");
+  ASSERT_TRUE(in.ok() && out.ok()) << in.status() << out.status();
+  std::memcpy(in->bytes.data() + off, b.hidden.data(), b.hidden.size());
+
+  HiddenBatch shm = View(b);
+  shm.hidden = {};
+  shm.hidden_region = in->Ref(off);
+  v1::RequestHeader h;
+  h.set_temperature(0.9f);
+  auto want_s = c->Score(View(b), h);
+  auto got_s = c->Score(shm, h);
+  ASSERT_TRUE(want_s.ok() && got_s.ok()) << want_s.status() << got_s.status();
+  EXPECT_EQ(got_s->logprobs, want_s->logprobs);
+  EXPECT_EQ(got_s->entropy, want_s->entropy);
+
+  v1::RequestHeader fb;
+  auto want = c->ForwardBackward(View(b), fb);
+  shm.d_hidden_region = out->Ref();
+  auto got = c->ForwardBackward(shm, fb);
+  ASSERT_TRUE(want.ok() && got.ok()) << want.status() << got.status();
+  EXPECT_EQ(got->reduced_loss, want->reduced_loss);
+  EXPECT_EQ(got->loss, want->loss);
+  EXPECT_TRUE(got->d_hidden.empty());  // written in place instead
+  ASSERT_EQ(want->d_hidden.size(), out->bytes.size());
+  EXPECT_EQ(0, std::memcmp(out->bytes.data(), want->d_hidden.data(), out->bytes.size()));
+
+  std::vector<float> gl(b.rows, 0.5f), ge(b.rows, -0.25f);
+  auto want_b = c->Backward(View(b), {}, gl, ge);
+  std::memset(out->bytes.data(), 0, out->bytes.size());
+  auto got_b = c->Backward(shm, {}, gl, ge);
+  ASSERT_TRUE(want_b.ok() && got_b.ok()) << want_b.status() << got_b.status();
+  EXPECT_EQ(0, std::memcmp(out->bytes.data(), want_b->d_hidden.data(), out->bytes.size()));
+}
+
+TEST(SharedMemory, MisuseGetsItsStatusAndTheServerKeepsServing) {
+  auto ts = StartTestServer();
+  const Batch b = MakeBatch(6, v1::DTYPE_FLOAT32, 12);  // head "wide" is fp32
+  auto c = Connect(*ts, 4 << 20);
+  auto s1 = c->OpenSession();
+  auto s2 = c->OpenSession();
+  ASSERT_TRUE(s1.ok() && s2.ok());
+  EXPECT_NE((*s1)->id(), (*s2)->id());
+  auto region = (*s1)->CreateRegion(static_cast<int64_t>(b.hidden.size()));
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::memcpy(region->bytes.data(), b.hidden.data(), b.hidden.size());
+  v1::RequestHeader h;
+  h.set_head("wide");
+  HiddenBatch shm = View(b);
+  shm.hidden = {};
+
+  // out of bounds: one byte past the region's end
+  shm.hidden_region = region->Ref(1);
+  auto r = c->Score(shm, h);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("offset 1"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find(absl::StrCat("has ", b.hidden.size(), " bytes")), std::string::npos)
+      << r.status();
+  // another session's id with this session's region
+  RegionRef stolen = region->Ref();
+  stolen.session_id = (*s2)->id();
+  shm.hidden_region = stolen;
+  r = c->Score(shm, h);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << r.status();
+  // unknown region
+  shm.hidden_region = RegionRef{(*s1)->id(), uint64_t{1} << 40, 0};
+  r = c->Score(shm, h);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+  // registrations: beyond the object, no such object; the session goes on
+  auto bad = (*s1)->Register(region->shm_name, 0, static_cast<int64_t>(b.hidden.size()) + 1);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  bad = (*s1)->Register("/lce-no-such-object", 0, 16);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kNotFound) << bad.status();
+  EXPECT_EQ((*s2)->Unregister(region->id).code(), absl::StatusCode::kPermissionDenied);
+  // the owner's request works, as does the bytes path
+  shm.hidden_region = region->Ref();
+  auto ok = c->Score(shm, h);
+  auto ref = c->Score(View(b), h);
+  ASSERT_TRUE(ok.ok() && ref.ok()) << ok.status() << ref.status();
+  EXPECT_EQ(ok->logprobs, ref->logprobs);
+}
+
+TEST(SharedMemory, SessionEndReleasesTheServersMappings) {
+  auto ts = StartTestServer();
+  const Batch b = MakeBatch(4, v1::DTYPE_BFLOAT16, 13);
+  auto c = Connect(*ts, 4 << 20);
+  HiddenBatch shm = View(b);
+  shm.hidden = {};
+  std::string name;
+  {
+    auto s = c->OpenSession();
+    ASSERT_TRUE(s.ok());
+    auto region = (*s)->CreateRegion(static_cast<int64_t>(b.hidden.size()));
+    ASSERT_TRUE(region.ok());
+    name = region->shm_name;
+    EXPECT_EQ(Mappings(name), 2);  // ours and the (in-process) server's
+    std::memcpy(region->bytes.data(), b.hidden.data(), b.hidden.size());
+    shm.hidden_region = region->Ref();
+    ASSERT_TRUE(c->Score(shm, {}).ok());
+    (*s)->Cancel();  // as a client that goes away
+    EXPECT_TRUE(WaitFor([&] { return Mappings(name) == 1; })) << "the server kept its mapping";
+    auto r = c->Score(shm, {});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+    // unregistering a region explicitly also unmaps it
+    auto s2 = c->OpenSession();
+    ASSERT_TRUE(s2.ok());
+    auto r2 = (*s2)->CreateRegion(64);
+    ASSERT_TRUE(r2.ok());
+    EXPECT_EQ(Mappings(r2->shm_name), 2);
+    ASSERT_TRUE((*s2)->ReleaseRegion(r2->id).ok());
+    EXPECT_EQ(Mappings(r2->shm_name), 0);
+  }
+  EXPECT_EQ(Mappings(name), 0);  // the session's destructor unmapped and unlinked ours
+  EXPECT_NE(access(("/dev/shm" + name).c_str(), F_OK), 0);
+  EXPECT_TRUE(c->Score(View(b), {}).ok());  // still serving
+}
+
+}  // namespace
+}  // namespace lce::e2e
