@@ -1,5 +1,14 @@
 #include "lce/client/lce_client.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -86,7 +95,12 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   if (batch.hidden_size <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("batch hidden_size must be > 0, got ", batch.hidden_size));
   }
-  if (batch.rows < 0 || static_cast<int64_t>(batch.hidden.size()) != batch.rows * row_bytes ||
+  const bool hidden_in_region = batch.hidden_region.has_value();
+  if (batch.hidden_region && batch.d_hidden_region &&
+      batch.hidden_region->session_id != batch.d_hidden_region->session_id) {
+    return absl::InvalidArgumentError("hidden_region and d_hidden_region must belong to one session");
+  }
+  if (batch.rows < 0 || (!hidden_in_region && static_cast<int64_t>(batch.hidden.size()) != batch.rows * row_bytes) ||
       static_cast<int64_t>(batch.targets.size()) != batch.rows) {
     return absl::InvalidArgumentError(absl::StrCat("batch of ", batch.rows, " rows x ", batch.hidden_size,
                                                    " needs ", batch.rows * row_bytes, " hidden bytes and ",
@@ -101,6 +115,10 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   }
   grpc::ClientContext ctx;
   Prepare(&ctx);
+  if (batch.hidden_region || batch.d_hidden_region) {
+    ctx.AddMetadata("lce-session", batch.hidden_region ? batch.hidden_region->session_id
+                                                       : batch.d_hidden_region->session_id);
+  }
   std::unique_ptr<BidiStream> stream;
   const std::string which = rpc;
   if (which == "Score") {
@@ -122,7 +140,20 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
     for (auto [first, n] : plan) {
       msg.Clear();
       v1::RowChunk* c = msg.mutable_chunk();
-      c->set_hidden(reinterpret_cast<const char*>(batch.hidden.data()) + first * row_bytes, n * row_bytes);
+      if (hidden_in_region) {  // co-located: a slice of the region, no bytes
+        v1::RegionSlice* r = c->mutable_hidden_region();
+        r->set_region_id(batch.hidden_region->region_id);
+        r->set_offset(batch.hidden_region->offset + first * row_bytes);
+        r->set_byte_size(n * row_bytes);
+      } else {
+        c->set_hidden(reinterpret_cast<const char*>(batch.hidden.data()) + first * row_bytes, n * row_bytes);
+      }
+      if (batch.d_hidden_region) {
+        v1::RegionSlice* r = c->mutable_d_hidden_region();
+        r->set_region_id(batch.d_hidden_region->region_id);
+        r->set_offset(batch.d_hidden_region->offset + first * row_bytes);
+        r->set_byte_size(n * row_bytes);
+      }
       c->mutable_targets()->Add(batch.targets.begin() + first, batch.targets.begin() + first + n);
       if (!grad_loss.empty()) c->mutable_grad_loss()->Add(grad_loss.begin() + first, grad_loss.begin() + first + n);
       if (!grad_logprob.empty()) {
@@ -237,6 +268,112 @@ absl::StatusOr<BackwardResult> LceClient::Backward(const HiddenBatch& batch, v1:
   ForwardBackwardResult r;
   if (absl::Status s = Stream("Backward", batch, header, {}, grad_logprob, grad_entropy, &r); !s.ok()) return s;
   return BackwardResult{std::move(r.d_hidden)};
+}
+
+}  // namespace lce::client
+
+namespace lce::client {
+
+absl::StatusOr<std::unique_ptr<SharedMemorySession>> LceClient::OpenSession() {
+  std::unique_ptr<SharedMemorySession> s(new SharedMemorySession());
+  // No deadline: a session lives as long as its owner.
+  if (!options_.bearer_token.empty()) s->ctx_.AddMetadata("authorization", "Bearer " + options_.bearer_token);
+  s->stream_ = stub_->OpenSession(&s->ctx_);
+  v1::SessionResponse first;
+  if (!s->stream_->Read(&first)) {
+    s->broken_ = true;
+    return ToAbsl(s->stream_->Finish());
+  }
+  s->session_id_ = first.session_id();
+  if (s->session_id_.empty()) return absl::InternalError("the server's first session message has no session_id");
+  return s;
+}
+
+absl::StatusOr<v1::SessionResponse> SharedMemorySession::Ask(const v1::SessionRequest& req) {
+  std::lock_guard<std::mutex> lock(mu_);
+  v1::SessionResponse resp;
+  if (broken_ || !stream_->Write(req) || !stream_->Read(&resp)) {
+    broken_ = true;
+    return absl::UnavailableError("the session stream has ended");
+  }
+  if (resp.code() != 0) return absl::Status(static_cast<absl::StatusCode>(resp.code()), resp.message());
+  return resp;
+}
+
+absl::StatusOr<uint64_t> SharedMemorySession::Register(const std::string& shm_name, int64_t offset,
+                                                       int64_t byte_size, const std::string& name) {
+  v1::SessionRequest req;
+  v1::RegisterRegion* r = req.mutable_register_region();
+  r->set_name(name.empty() ? shm_name : name);
+  r->set_shm_name(shm_name);
+  r->set_offset(offset);
+  r->set_byte_size(byte_size);
+  absl::StatusOr<v1::SessionResponse> resp = Ask(req);
+  if (!resp.ok()) return resp.status();
+  return resp->region_id();
+}
+
+absl::Status SharedMemorySession::Unregister(uint64_t region_id) {
+  v1::SessionRequest req;
+  req.mutable_unregister_region()->set_region_id(region_id);
+  return Ask(req).status();
+}
+
+absl::StatusOr<SharedMemorySession::Region> SharedMemorySession::CreateRegion(int64_t bytes, const std::string& name) {
+  if (bytes <= 0) return absl::InvalidArgumentError(absl::StrCat("region size must be > 0, got ", bytes));
+  static std::atomic<uint64_t> counter{0};
+  const std::string shm_name = absl::StrCat("/lce-", getpid(), "-", counter++, "-", std::random_device{}());
+  const int fd = shm_open(shm_name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) return absl::InternalError(absl::StrCat("shm_open(", shm_name, "): ", std::strerror(errno)));
+  void* addr = MAP_FAILED;
+  if (ftruncate(fd, bytes) == 0) addr = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int e = errno;
+  close(fd);
+  if (addr == MAP_FAILED) {
+    shm_unlink(shm_name.c_str());
+    return absl::InternalError(absl::StrCat("ftruncate/mmap of ", shm_name, ": ", std::strerror(e)));
+  }
+  absl::StatusOr<uint64_t> id = Register(shm_name, 0, bytes, name);
+  if (!id.ok()) {
+    munmap(addr, static_cast<size_t>(bytes));
+    shm_unlink(shm_name.c_str());
+    return id.status();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    owned_.push_back({*id, shm_name, addr, static_cast<size_t>(bytes)});
+  }
+  return Region{*id, shm_name, absl::Span<uint8_t>(static_cast<uint8_t*>(addr), static_cast<size_t>(bytes)),
+                session_id_};
+}
+
+absl::Status SharedMemorySession::ReleaseRegion(uint64_t region_id) {
+  Owned o{};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find_if(owned_.begin(), owned_.end(), [&](const Owned& x) { return x.id == region_id; });
+    if (it == owned_.end()) return absl::NotFoundError(absl::StrCat("region ", region_id, " was not created here"));
+    o = *it;
+    owned_.erase(it);
+  }
+  absl::Status s = Unregister(region_id);
+  munmap(o.addr, o.len);
+  shm_unlink(o.shm_name.c_str());
+  return s;
+}
+
+SharedMemorySession::~SharedMemorySession() {
+  if (stream_ != nullptr) {
+    if (!broken_) stream_->WritesDone();
+    v1::SessionResponse resp;
+    while (stream_->Read(&resp)) {
+    }
+    stream_->Finish();
+  }
+  for (const Owned& o : owned_) {
+    munmap(o.addr, o.len);
+    shm_unlink(o.shm_name.c_str());
+  }
 }
 
 }  // namespace lce::client

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +27,14 @@ struct ClientOptions {
   int64_t max_message_bytes = 64 << 20;
 };
 
+// Where a co-located batch's bytes are: `offset` into region `region_id` of session `session_id`
+// (SharedMemorySession::Region::Ref). Rows follow each other from there, row-major.
+struct RegionRef {
+  std::string session_id;
+  uint64_t region_id = 0;
+  int64_t offset = 0;
+};
+
 // A batch of rows, borrowed (not copied) for the duration of a call.
 struct HiddenBatch {
   v1::DType dtype = v1::DTYPE_BFLOAT16;
@@ -32,6 +42,59 @@ struct HiddenBatch {
   int64_t hidden_size = 0;
   absl::Span<const uint8_t> hidden;   // rows * hidden_size elements of dtype, little-endian
   absl::Span<const int32_t> targets;  // rows
+  // Co-located (OpenSession): the server reads the hidden states from this region instead (then
+  // `hidden` is not sent and may be empty) ...
+  std::optional<RegionRef> hidden_region;
+  // ... and writes d_hidden into this one, in place (ForwardBackward/Backward); the result's
+  // d_hidden is then empty. Both regions must belong to one session.
+  std::optional<RegionRef> d_hidden_region;
+};
+
+// A co-located session (lce.v1 OpenSession): shared-memory regions registered with the server, owned
+// by this object. Destroying it ends the session (the server unmaps every region) and unmaps and
+// unlinks the regions it created. Thread-safe.
+class SharedMemorySession {
+ public:
+  struct Region {
+    uint64_t id = 0;
+    std::string shm_name;        // "/lce-<pid>-<n>-<random>"
+    absl::Span<uint8_t> bytes;   // this process's mapping, writable
+    std::string session_id;
+    RegionRef Ref(int64_t offset = 0) const { return RegionRef{session_id, id, offset}; }
+  };
+
+  ~SharedMemorySession();
+  SharedMemorySession(const SharedMemorySession&) = delete;
+  SharedMemorySession& operator=(const SharedMemorySession&) = delete;
+
+  const std::string& id() const { return session_id_; }
+  // Creates a shm object of `bytes`, maps it here and registers it.
+  absl::StatusOr<Region> CreateRegion(int64_t bytes, const std::string& name = "");
+  // Unregisters a region created here, unmaps and unlinks it.
+  absl::Status ReleaseRegion(uint64_t region_id);
+  // Registers [offset, offset + byte_size) of an existing shm object; returns the region id.
+  absl::StatusOr<uint64_t> Register(const std::string& shm_name, int64_t offset, int64_t byte_size,
+                                    const std::string& name = "");
+  absl::Status Unregister(uint64_t region_id);
+  // Cancels the session stream, as a client that goes away would (the server releases the regions).
+  void Cancel() { ctx_.TryCancel(); }
+
+ private:
+  friend class LceClient;
+  SharedMemorySession() = default;
+  absl::StatusOr<v1::SessionResponse> Ask(const v1::SessionRequest& req);
+  struct Owned {
+    uint64_t id;
+    std::string shm_name;
+    void* addr;
+    size_t len;
+  };
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
+  std::string session_id_;
+  std::mutex mu_;
+  bool broken_ = false;
+  std::vector<Owned> owned_;
 };
 
 struct ScoreResult {
@@ -66,6 +129,10 @@ class LceClient {
                                                         absl::Span<const float> grad_loss = {});
   absl::StatusOr<BackwardResult> Backward(const HiddenBatch& batch, v1::RequestHeader header,
                                           absl::Span<const float> grad_logprob, absl::Span<const float> grad_entropy);
+
+  // Opens a co-located session (server on this host): see SharedMemorySession and HiddenBatch's
+  // hidden_region / d_hidden_region.
+  absl::StatusOr<std::unique_ptr<SharedMemorySession>> OpenSession();
 
   // Hidden bytes per streamed chunk (at least one row); changeable between calls, e.g. to cut the
   // same batch differently. Not thread-safe with calls in flight.
