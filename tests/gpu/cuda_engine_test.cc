@@ -23,6 +23,9 @@ namespace {
 
 using testing::RefProblem;
 using testing::RefResult;
+using testing::Decode;
+using testing::Encode;
+using testing::RelErr;
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
@@ -33,44 +36,8 @@ class CudaTest : public ::testing::Test {
   }
 };
 
-double RelErr(const std::vector<float>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
-    const double d = static_cast<double>(got[i]) - want[i];
-    num += d * d;
-    den += want[i] * want[i];
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-}
 
-double Encode(double v, DType dtype, std::vector<uint8_t>& out) {
-  const float f = static_cast<float>(v);
-  if (dtype == DType::kFloat32) {
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(&f);
-    out.insert(out.end(), b, b + 4);
-    return f;
-  }
-  const uint16_t bits = dtype == DType::kBFloat16 ? FloatToBf16(f) : FloatToFp16(f);
-  out.push_back(static_cast<uint8_t>(bits & 0xff));
-  out.push_back(static_cast<uint8_t>(bits >> 8));
-  return dtype == DType::kBFloat16 ? Bf16ToFloat(bits) : Fp16ToFloat(bits);
-}
 
-std::vector<float> Decode(const std::vector<uint8_t>& bytes, DType dtype) {
-  const int64_t n = static_cast<int64_t>(bytes.size()) / DTypeSize(dtype);
-  std::vector<float> out(n);
-  for (int64_t i = 0; i < n; ++i) {
-    if (dtype == DType::kFloat32) {
-      std::memcpy(&out[i], bytes.data() + 4 * i, 4);
-    } else {
-      uint16_t b;
-      std::memcpy(&b, bytes.data() + 2 * i, 2);
-      out[i] = dtype == DType::kBFloat16 ? Bf16ToFloat(b) : Fp16ToFloat(b);
-    }
-  }
-  return out;
-}
 
 struct Problem {
   RefProblem ref;

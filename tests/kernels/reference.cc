@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+
+#include "lce/numeric.h"
 
 namespace lce::testing {
 
@@ -73,6 +76,33 @@ RefResult ReferenceLce(const RefProblem& p) {
     }
   }
   return r;
+}
+
+double RelErr(const std::vector<float>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
+    const double d = static_cast<double>(got[i]) - want[i];
+    num += d * d;
+    den += want[i] * want[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+double Encode(double v, DType dtype, std::vector<uint8_t>& out) {
+  const float f = static_cast<float>(v);
+  std::vector<uint8_t> bytes(static_cast<size_t>(DTypeSize(dtype)));
+  ConvertFromFloat(&f, 1, dtype, bytes.data());
+  out.insert(out.end(), bytes.begin(), bytes.end());
+  float back = 0;
+  ConvertToFloat(bytes.data(), dtype, 1, &back);
+  return back;
+}
+
+std::vector<float> Decode(const std::vector<uint8_t>& bytes, DType dtype) {
+  std::vector<float> out(bytes.size() / static_cast<size_t>(DTypeSize(dtype)));
+  ConvertToFloat(bytes.data(), dtype, static_cast<int64_t>(out.size()), out.data());
+  return out;
 }
 
 double ReferenceObjective(const RefProblem& p) {

@@ -27,6 +27,16 @@ struct RefResult {
 
 RefResult ReferenceLce(const RefProblem& p);
 
+// ‖got − want‖ / ‖want‖ (absolute when want is all zeros); infinity when got holds a non-finite value.
+double RelErr(const std::vector<float>& got, const std::vector<double>& want);
+
+// Rounds v to `dtype` (round to nearest even), appends its little-endian bytes to `out` and returns
+// the rounded value, so a reference can run on exactly the engine's inputs.
+double Encode(double v, DType dtype, std::vector<uint8_t>& out);
+
+// Little-endian `dtype` bytes -> fp32 values.
+std::vector<float> Decode(const std::vector<uint8_t>& bytes, DType dtype);
+
 // The scalar objective whose gradient the engine returns: Σ g·loss (kLoss) or
 // Σ u·logprob + e·entropy (kGeneric). Used by finite-difference checks.
 double ReferenceObjective(const RefProblem& p);
