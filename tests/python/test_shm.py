@@ -290,3 +290,56 @@ def test_shm_release_when_client_process_dies(own_server):
         except (FileNotFoundError, NameError, UnboundLocalError):
             pass
     assert srv.proc.poll() is None
+
+
+def test_shm_session_needs_the_scoring_token(server_factory, workdir):
+    tok = workdir / "shm_token"
+    tok.write_text("shm-token-0123456789\n")
+    srv = server_factory([f"--seed-head=64x{HIDDEN}", "--head-dtype=fp32", f"--auth-token-file={tok}"],
+                         name="shm_auth")
+    with pytest.raises(lce_client.LceError) as ei:
+        lce_client.Client(srv.target, timeout=30).shared_memory_session()
+    assert ei.value.code == grpc.StatusCode.UNAUTHENTICATED
+    st = np.random.default_rng(2).standard_normal((3, HIDDEN)).astype(np.float32)
+    y = np.array([1, 2, 3])
+    with lce_client.Client(srv.target, timeout=30, token="shm-token-0123456789") as c, \
+            c.shared_memory_session() as s:
+        region, h = in_region(s, st)
+        lp, _ = c.score(h, y, hidden_region=region)
+        np.testing.assert_array_equal(lp, c.score(st, y)[0])
+
+
+def test_shm_region_survives_until_a_request_using_it_ends(own_server):
+    """Cancelling a session while requests use its region: they finish or fail cleanly (never a crash),
+    and the mapping goes once they are done."""
+    srv = own_server
+    rows = 2000
+    st = np.random.default_rng(6).standard_normal((rows, HIDDEN)).astype(np.float32)
+    y = targets_for(rows)
+    import threading
+
+    with lce_client.Client(srv.target, timeout=60, chunk_bytes=HIDDEN * 4 * 50) as c:
+        s = c.shared_memory_session()
+        region, h = in_region(s, st)
+        out = s.create(st.nbytes)
+        results = []
+
+        def run():
+            try:
+                results.append(c.forward_backward(h, y, hidden_region=region, d_hidden_region=out))
+            except lce_client.LceError as e:
+                results.append(e)
+
+        threads = [threading.Thread(target=run) for _ in range(3)]
+        for t in threads:
+            t.start()
+        s.cancel()  # at once: some requests may be mid-way
+        for t in threads:
+            t.join()
+        for r in results:
+            assert not isinstance(r, lce_client.LceError) or r.code == grpc.StatusCode.NOT_FOUND, r
+        assert wait_until(lambda: region.shm_name not in maps_of(srv.proc.pid))
+        assert srv.proc.poll() is None
+        np.testing.assert_array_equal(c.score(st[:4], y[:4])[0], c.score(st[:4], y[:4])[0])
+        for r in (region, out):
+            os.unlink("/dev/shm" + r.shm_name)
