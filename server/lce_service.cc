@@ -223,6 +223,12 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
         absl::StatusOr<RegionRegistry::Slice> r = regions_.Resolve(session, chunk.d_hidden_region(), n * row_bytes, "d_hidden_region");
         if (!r.ok()) return fail(r.status());
         dh_slice = *std::move(r);
+        // The engine reads hidden after it starts writing d_hidden: the two must not share bytes.
+        const uint8_t* hp = reinterpret_cast<const uint8_t*>(hidden_ptr);
+        const uint8_t* dp = dh_slice.bytes.data();
+        if (hp < dp + n * row_bytes && dp < hp + n * row_bytes) {
+          return fail(absl::InvalidArgumentError("d_hidden_region overlaps the chunk's hidden states"));
+        }
       }
     }
     bytes_seen += n * row_bytes;

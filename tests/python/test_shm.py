@@ -154,6 +154,12 @@ def test_shm_bounds_and_registration_errors(heads):
                                                                              byte_size=rows * rb),
                                        pb.RegionSlice(region_id=region.id, offset=0, byte_size=rows * rb)),
                      grpc.StatusCode.INVALID_ARGUMENT, "Score")
+        # d_hidden over the hidden states it is computed from
+        expect_error(lambda: raw_score(c, sid, "fp32", rows, pb.RegionSlice(region_id=region.id, offset=0,
+                                                                             byte_size=rows * rb),
+                                       pb.RegionSlice(region_id=region.id, offset=0, byte_size=rows * rb),
+                                       rpc="ForwardBackward"),
+                     grpc.StatusCode.INVALID_ARGUMENT, "overlaps")
         # client side: an array outside the region
         with pytest.raises(ValueError):
             c.score(st, y, hidden_region=region)
