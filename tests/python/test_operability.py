@@ -186,7 +186,7 @@ def test_cancelled_request_frees_its_resources(server_factory):
     port = free_port()
     srv = server_factory([f"--seed-head=4096x{HIDDEN}", "--head-dtype=fp32", "--max-concurrent-streams=1",
                           f"--metrics-port={port}", "--metrics-host=127.0.0.1", "--cpu-threads=1"], name="cancel")
-    h, y = batch(20000, seed=4)
+    h, y = batch(80000, seed=4)  # ~30 GFLOP on one CPU thread: far longer than the 1 s deadline
     c = lce_client.Client(srv.target, timeout=1.0, chunk_bytes=HIDDEN * 4 * 100)  # deadline expires mid-request
     with pytest.raises(lce_client.LceError) as ei:
         c.score(h, y)
