@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lce_client  # noqa: E402
+import lce_client.local  # noqa: E402
 
 try:
     import torch  # noqa: F401
@@ -63,20 +64,12 @@ def to_f64(stored: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def write_safetensors(path: Path, tensors: dict) -> None:
-    """Writes the safetensors format by hand: u64 LE header length, JSON header, raw LE bytes."""
-    header, blobs, off = {}, [], 0
+    """{name: (array, safetensors dtype)} -> file, through the package's own writer (uint16 arrays are
+    bf16 bits); the declared dtype must be the one the array's type implies."""
     for name, (arr, st_dtype) in tensors.items():
-        raw = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": st_dtype, "shape": list(arr.shape), "data_offsets": [off, off + len(raw)]}
-        blobs.append(raw)
-        off += len(raw)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(len(h).to_bytes(8, "little"))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
+        implied = {"float32": "F32", "float16": "F16", "uint16": "BF16"}.get(np.asarray(arr).dtype.name)
+        assert implied == st_dtype, f"{name}: a {np.asarray(arr).dtype} array is not {st_dtype}"
+    lce_client.local.write_safetensors(str(path), {name: arr for name, (arr, _) in tensors.items()})
 
 
 class Server:
