@@ -14,9 +14,12 @@ rm -f /tmp/lce.port
   --log-requests=false --max-message-bytes=67108864 > "$OUT/server.log" 2>&1 &
 for _ in $(seq 600); do [ -s /tmp/lce.port ] && break; sleep 0.2; done
 T=127.0.0.1:$(cat /tmp/lce.port)
-for op in train score; do
-  ./.devbin/lce_cli bench --target="$T" --op=$op --rows="$N" --iterations=5 --warmup=1 --chunk-bytes=4194304 \
-    >> "$OUT/e2e.log" 2>&1
+for chunk in ${CHUNKS:-4194304}; do
+  for op in train score; do
+    echo "chunk-bytes $chunk" >> "$OUT/e2e.log"
+    ./.devbin/lce_cli bench --target="$T" --op=$op --rows="$N" --iterations=5 --warmup=1 --chunk-bytes=$chunk \
+      >> "$OUT/e2e.log" 2>&1
+  done
 done
 kill %1; wait
 cat "$OUT/engine.log" | tail -4; cat "$OUT/e2e.log"
