@@ -11,7 +11,9 @@ ninja -C "$BUILD" -j "$(nproc)" lce_server lce_cli
 
 PORT_FILE=$(mktemp)
 rm -f "$PORT_FILE"
-"$BUILD/bin/lce_server" --port=0 --port-file="$PORT_FILE" --backend=cpu --seed-head=32000x512 --seed=0 &
+SERVER_LOG="$BUILD/quickstart-server.log"   # its JSON request logs, one line per RPC
+"$BUILD/bin/lce_server" --port=0 --port-file="$PORT_FILE" --backend=cpu --seed-head=32000x512 --seed=0 \
+  > "$SERVER_LOG" 2>&1 &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; rm -f "$PORT_FILE"' EXIT
 for _ in $(seq 100); do [ -s "$PORT_FILE" ] && break; sleep 0.1; done
@@ -21,3 +23,4 @@ echo "== health";            "$CLI" health --target="$TARGET"
 echo "== info";              "$CLI" info --target="$TARGET"
 echo "== score (16 rows)";   "$CLI" score --target="$TARGET" --rows=16 --seed=1
 echo "== forward-backward";  "$CLI" forward-backward --target="$TARGET" --rows=256 --seed=2 --reduction=mean
+echo "== server log ($SERVER_LOG)"; tail -n 3 "$SERVER_LOG"
