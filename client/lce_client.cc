@@ -49,11 +49,25 @@ LceClient::LceClient(ClientOptions options, std::shared_ptr<grpc::Channel> chann
 absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("ClientOptions.target is empty");
   if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("ClientOptions.chunk_bytes must be > 0");
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
-  args.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
+  if (options.streams < 1 || options.streams > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("ClientOptions.streams must be in [1, 64], got ", options.streams));
+  }
   auto creds = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
-  return std::unique_ptr<LceClient>(new LceClient(options, grpc::CreateCustomChannel(options.target, creds, args)));
+  auto make_channel = [&](int index) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
+    args.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
+    // Channels with equal arguments share one connection (gRPC's global subchannel pool): each
+    // stream of a split request gets a pool, and so a TCP connection, of its own.
+    if (options.streams > 1) {
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+      args.SetInt("lce.connection_index", index);
+    }
+    return grpc::CreateCustomChannel(options.target, creds, args);
+  };
+  std::unique_ptr<LceClient> client(new LceClient(options, make_channel(0)));
+  for (int i = 1; i < options.streams; ++i) client->extra_stubs_.push_back(v1::LceService::NewStub(make_channel(i)));
+  return client;
 }
 
 void LceClient::Prepare(grpc::ClientContext* ctx) const {
@@ -82,6 +96,56 @@ absl::StatusOr<bool> LceClient::Health(const std::string& service) {
   grpc::Status s = stub->Check(&ctx, req, &resp);
   if (!s.ok()) return ToAbsl(s);
   return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+// Answers of every stream of one request land here, each at its rows. Outputs are sized on first
+// use (under the lock); afterwards parts write disjoint row ranges without it.
+struct LceClient::Assembly {
+  int64_t rows = 0, row_bytes = 0;
+  ForwardBackwardResult* out = nullptr;
+  std::mutex mu;
+  std::vector<uint8_t> seen;  // rows answered; each part touches only its own range
+  std::atomic<int64_t> covered{0}, n_logprobs{0}, n_entropy{0}, n_loss{0}, n_dhidden{0};
+
+  float* Floats(std::vector<float>& v) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (v.empty()) v.resize(static_cast<size_t>(rows));
+    return v.data();
+  }
+  uint8_t* DHidden() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (out->d_hidden.empty()) out->d_hidden.resize(static_cast<size_t>(rows * row_bytes));
+    return out->d_hidden.data();
+  }
+};
+
+std::vector<std::pair<int64_t, int64_t>> PlanStreams(int64_t rows, int64_t row_bytes, int64_t chunk_bytes, int streams,
+                                                     int64_t min_stream_bytes) {
+  const int64_t total = rows * row_bytes;
+  int64_t k = std::max<int64_t>(1, streams);
+  if (min_stream_bytes > 0) k = std::min<int64_t>(k, total / min_stream_bytes);
+  k = std::clamp<int64_t>(k, 1, std::max<int64_t>(1, rows));
+  if (k == 1) return {{0, rows}};
+  // Whole chunks per part where the batch allows, so that every stream's chunks are full.
+  const int64_t chunk_rows = std::max<int64_t>(1, row_bytes > 0 ? chunk_bytes / row_bytes : rows);
+  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+  std::vector<std::pair<int64_t, int64_t>> parts;
+  if (chunks >= k) {
+    int64_t first = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t c = chunks / k + (i < chunks % k ? 1 : 0);
+      const int64_t n = std::min(c * chunk_rows, rows - first);
+      parts.emplace_back(first, n);
+      first += n;
+    }
+  } else {
+    for (int64_t i = 0, first = 0; i < k; ++i) {
+      const int64_t n = rows / k + (i < rows % k ? 1 : 0);
+      parts.emplace_back(first, n);
+      first += n;
+    }
+  }
+  return parts;
 }
 
 absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
@@ -113,7 +177,87 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
       return absl::InvalidArgumentError(absl::StrCat(name, " has ", span.size(), " values for ", batch.rows, " rows"));
     }
   }
-  grpc::ClientContext ctx;
+  Assembly assembly;
+  assembly.rows = batch.rows;
+  assembly.row_bytes = row_bytes;
+  assembly.out = out;
+  assembly.seen.assign(static_cast<size_t>(batch.rows), 0);
+
+  const auto parts = hidden_in_region ? std::vector<std::pair<int64_t, int64_t>>{{0, batch.rows}}
+                                      : PlanStreams(batch.rows, row_bytes, options_.chunk_bytes,
+                                                    1 + static_cast<int>(extra_stubs_.size()), options_.min_stream_bytes);
+  const bool split = parts.size() > 1;
+  v1::RequestHeader part_header = header;
+  if (split) part_header.set_partial(true);
+  std::vector<grpc::ClientContext> contexts(parts.size());
+  std::vector<PartSummary> summaries(parts.size());
+  std::vector<absl::Status> results(parts.size());
+  std::atomic<bool> cancelled{false};
+  auto run_part = [&](size_t i) {
+    v1::LceService::Stub& stub = i == 0 ? *stub_ : *extra_stubs_[i - 1];
+    results[i] = StreamPart(stub, contexts[i], rpc, batch, part_header, grad_loss, grad_logprob, grad_entropy,
+                            parts[i].first, parts[i].second, assembly, &summaries[i]);
+    if (split && !results[i].ok()) {  // the server counts rows from the part's start: say where it is
+      results[i] = absl::Status(results[i].code(),
+                                absl::StrCat("stream ", i + 1, " of ", parts.size(), " (rows ", parts[i].first, "..",
+                                             parts[i].first + parts[i].second - 1, " of the request): ",
+                                             results[i].message()));
+    }
+    // One failed part fails the request: stop the others rather than let them run to the end.
+    if (!results[i].ok() && !cancelled.exchange(true)) {
+      for (size_t j = 0; j < contexts.size(); ++j) {
+        if (j != i) contexts[j].TryCancel();
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < parts.size(); ++i) threads.emplace_back(run_part, i);
+  run_part(0);
+  for (std::thread& t : threads) t.join();
+  // The first real error, not the CANCELLED that it caused in the other parts.
+  absl::Status first_error;
+  for (const absl::Status& r : results) {
+    if (!r.ok() && (first_error.ok() || (absl::IsCancelled(first_error) && !absl::IsCancelled(r)))) first_error = r;
+  }
+  if (!first_error.ok()) return first_error;
+
+  if (assembly.covered != batch.rows) {
+    return absl::InternalError(absl::StrCat("the server answered ", assembly.covered.load(), " of ", batch.rows, " rows"));
+  }
+  for (auto [count, what] : {std::pair{assembly.n_logprobs.load(), "logprobs"}, std::pair{assembly.n_entropy.load(), "entropy"},
+                             std::pair{assembly.n_loss.load(), "loss"}, std::pair{assembly.n_dhidden.load(), "d_hidden"}}) {
+    if (count != 0 && count != batch.rows) {
+      return absl::InternalError(absl::StrCat("the server answered ", what, " for ", count, " of ", batch.rows, " rows"));
+    }
+  }
+  // Parts' losses add up (RequestHeader.partial); so do their valid tokens, which must then match
+  // the declared count that every part's mean used.
+  out->reduced_loss = 0;
+  out->valid_tokens = 0;
+  out->head_version = summaries[0].head_version;
+  for (const PartSummary& p : summaries) {
+    out->reduced_loss += p.loss;
+    out->valid_tokens += p.valid_tokens;
+    if (p.head_version != out->head_version) {
+      return absl::AbortedError(absl::StrCat("the head changed version during the request (", out->head_version,
+                                             " and ", p.head_version, "); retry it"));
+    }
+  }
+  if (split && header.has_num_valid_tokens() && out->valid_tokens != header.num_valid_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat("header.num_valid_tokens declared ", header.num_valid_tokens(),
+                                                   " but the request has ", out->valid_tokens,
+                                                   " non-ignored rows; the returned d_hidden is wrong, discard it"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientContext& ctx, const char* rpc,
+                                   const HiddenBatch& batch, const v1::RequestHeader& header,
+                                   absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
+                                   absl::Span<const float> grad_entropy, int64_t part_first, int64_t part_rows,
+                                   Assembly& assembly, PartSummary* summary) {
+  const int64_t row_bytes = assembly.row_bytes;
+  const bool hidden_in_region = batch.hidden_region.has_value();
   Prepare(&ctx);
   if (batch.hidden_region || batch.d_hidden_region) {
     ctx.AddMetadata("lce-session", batch.hidden_region ? batch.hidden_region->session_id
@@ -122,13 +266,17 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   std::unique_ptr<BidiStream> stream;
   const std::string which = rpc;
   if (which == "Score") {
-    stream = stub_->Score(&ctx);
+    stream = stub.Score(&ctx);
   } else if (which == "ForwardBackward") {
-    stream = stub_->ForwardBackward(&ctx);
+    stream = stub.ForwardBackward(&ctx);
   } else {
-    stream = stub_->Backward(&ctx);
+    stream = stub.Backward(&ctx);
   }
-  const auto plan = PlanChunks(batch.rows, row_bytes, options_.chunk_bytes);
+  // A region-backed chunk carries no hidden bytes: one chunk (of at most kRegionChunkRows rows) lets
+  // the server run the part as one engine call.
+  constexpr int64_t kRegionChunkRows = 1 << 16;
+  auto plan = PlanChunks(part_rows, row_bytes, hidden_in_region ? kRegionChunkRows * row_bytes : options_.chunk_bytes);
+  for (auto& [first, n] : plan) first += part_first;
   // Write on a thread of its own: the server answers chunk k while later chunks are in flight,
   // so reading and writing must proceed together or flow control stalls both sides.
   std::thread writer([&] {
@@ -167,13 +315,11 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
     stream->WritesDone();
   });
 
-  // Answers are placed by first_row/rows; together they must cover every row exactly once, and an
-  // output present in one answer must be present in all of them.
-  std::vector<uint8_t> seen(static_cast<size_t>(batch.rows), 0);
-  int64_t covered = 0, n_logprobs = 0, n_entropy = 0, n_loss = 0, n_dhidden = 0;
+  // Answers are placed by first_row/rows (relative to the part); together they must cover the
+  // part's rows exactly once.
   absl::Status shape_error;
   v1::StreamResponse resp;
-  auto place = [&](const auto& src, std::vector<float>& dst, int64_t first, int64_t n, int64_t& count,
+  auto place = [&](const auto& src, std::vector<float>& dst, int64_t first, int64_t n, std::atomic<int64_t>& count,
                    const char* what) {
     if (src.empty()) return;
     if (static_cast<int64_t>(src.size()) != n) {
@@ -181,45 +327,45 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
                                                      " ", what, " values"));
       return;
     }
-    if (dst.empty()) dst.resize(static_cast<size_t>(batch.rows));
-    std::copy(src.begin(), src.end(), dst.begin() + first);
+    std::copy(src.begin(), src.end(), assembly.Floats(dst) + first);
     count += n;
   };
+  ForwardBackwardResult* out = assembly.out;
   while (shape_error.ok() && stream->Read(&resp)) {
     if (resp.has_summary()) {
-      out->reduced_loss = resp.summary().loss();
-      out->valid_tokens = resp.summary().valid_tokens();
-      out->head_version = resp.summary().head_version();
+      summary->loss = resp.summary().loss();
+      summary->valid_tokens = resp.summary().valid_tokens();
+      summary->head_version = resp.summary().head_version();
       continue;
     }
     const v1::ChunkResult& c = resp.chunk();
-    const int64_t first = c.first_row(), n = c.rows();
-    if (first < 0 || n <= 0 || first > batch.rows - n) {
+    const int64_t n = c.rows(), first = part_first + c.first_row();
+    if (c.first_row() < 0 || n <= 0 || c.first_row() > part_rows - n) {
       shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n,
-                                                     ") is outside the request's ", batch.rows, " rows"));
+                                                     ") is outside the stream's rows [", part_first, ", ",
+                                                     part_first + part_rows, ")"));
       break;
     }
     for (int64_t r = first; r < first + n; ++r) {
-      if (seen[r]++) {
+      if (assembly.seen[r]++) {
         shape_error = absl::InternalError(absl::StrCat("row ", r, " was answered twice"));
         break;
       }
     }
     if (!shape_error.ok()) break;
-    place(c.logprobs(), out->logprobs, first, n, n_logprobs, "logprob");
-    place(c.entropy(), out->entropy, first, n, n_entropy, "entropy");
-    place(c.loss(), out->loss, first, n, n_loss, "loss");
+    place(c.logprobs(), out->logprobs, first, n, assembly.n_logprobs, "logprob");
+    place(c.entropy(), out->entropy, first, n, assembly.n_entropy, "entropy");
+    place(c.loss(), out->loss, first, n, assembly.n_loss, "loss");
     if (!c.d_hidden().empty()) {
       if (static_cast<int64_t>(c.d_hidden().size()) != n * row_bytes) {
         shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n, ") has ",
                                                        c.d_hidden().size(), " d_hidden bytes, not ", n * row_bytes));
       } else {
-        if (out->d_hidden.empty()) out->d_hidden.resize(static_cast<size_t>(batch.rows * row_bytes));
-        std::copy(c.d_hidden().begin(), c.d_hidden().end(), out->d_hidden.begin() + first * row_bytes);
-        n_dhidden += n;
+        std::copy(c.d_hidden().begin(), c.d_hidden().end(), assembly.DHidden() + first * row_bytes);
+        assembly.n_dhidden += n;
       }
     }
-    covered += n;
+    assembly.covered += n;
   }
   if (!shape_error.ok()) {
     ctx.TryCancel();  // stop the server's work and our writer; the answer is unusable
@@ -229,17 +375,7 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   writer.join();
   grpc::Status s = stream->Finish();
   if (!shape_error.ok()) return shape_error;
-  if (!s.ok()) return ToAbsl(s);
-  if (covered != batch.rows) {
-    return absl::InternalError(absl::StrCat("the server answered ", covered, " of ", batch.rows, " rows"));
-  }
-  for (auto [count, what] : {std::pair{n_logprobs, "logprobs"}, std::pair{n_entropy, "entropy"},
-                             std::pair{n_loss, "loss"}, std::pair{n_dhidden, "d_hidden"}}) {
-    if (count != 0 && count != batch.rows) {
-      return absl::InternalError(absl::StrCat("the server answered ", what, " for ", count, " of ", batch.rows, " rows"));
-    }
-  }
-  return absl::OkStatus();
+  return ToAbsl(s);
 }
 
 absl::StatusOr<ScoreResult> LceClient::Score(const HiddenBatch& batch, v1::RequestHeader header) {
@@ -306,6 +442,19 @@ absl::StatusOr<uint64_t> SharedMemorySession::Register(const std::string& shm_na
   v1::RegisterRegion* r = req.mutable_register_region();
   r->set_name(name.empty() ? shm_name : name);
   r->set_shm_name(shm_name);
+  r->set_offset(offset);
+  r->set_byte_size(byte_size);
+  absl::StatusOr<v1::SessionResponse> resp = Ask(req);
+  if (!resp.ok()) return resp.status();
+  return resp->region_id();
+}
+
+absl::StatusOr<uint64_t> SharedMemorySession::RegisterCudaIpc(absl::string_view ipc_handle, int64_t offset,
+                                                              int64_t byte_size, const std::string& name) {
+  v1::SessionRequest req;
+  v1::RegisterRegion* r = req.mutable_register_region();
+  r->set_name(name.empty() ? "cuda-ipc" : name);
+  r->set_cuda_ipc_handle(std::string(ipc_handle));
   r->set_offset(offset);
   r->set_byte_size(byte_size);
   absl::StatusOr<v1::SessionResponse> resp = Ask(req);

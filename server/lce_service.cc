@@ -52,6 +52,77 @@ absl::Status LceService::RunEngine(const char* method, const char* op, LceEngine
   return s;
 }
 
+absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, LceEngine& engine,
+                                           const RowsView& rows, const LceOptions& options, const Upstream& up,
+                                           const RowOutputs& out, const GradOutputs& grads, bool d_hidden_on_device) {
+#ifdef LCE_WITH_CUDA
+  if (grads.d_weight != nullptr) {
+    return absl::UnimplementedError("accumulate_weight_grad with hidden states in a CUDA IPC region is not supported yet");
+  }
+  std::lock_guard<std::mutex> lock(device_staging_mu_);
+  if (device_staging_ == nullptr) {
+    absl::StatusOr<std::unique_ptr<ChunkStaging>> s = CreateDeviceStaging(config_.cuda_device);
+    if (!s.ok()) return s.status();
+    device_staging_ = *std::move(s);
+  }
+  ChunkStaging& st = *device_staging_;
+  const int64_t n = rows.rows;
+  const int64_t row_bytes = engine.shape().hidden_size * DTypeSize(engine.shape().dtype);
+  // Slots: 0 targets; 1-3 grad_loss, grad_logprob, grad_entropy; 4-7 logprob, entropy, lse, loss; 8 d_hidden.
+  auto up_array = [&](int slot, const void* host, int64_t bytes) -> absl::StatusOr<void*> {
+    if (host == nullptr) return nullptr;
+    absl::StatusOr<void*> d = st.Buffer(slot, bytes);
+    if (!d.ok()) return d.status();
+    if (absl::Status s = st.Upload(*d, host, bytes); !s.ok()) return s;
+    return *d;
+  };
+  absl::StatusOr<void*> targets = up_array(0, rows.targets, n * 4);
+  absl::StatusOr<void*> gl = up_array(1, up.grad_loss, n * 4);
+  absl::StatusOr<void*> glp = up_array(2, up.grad_logprob, n * 4);
+  absl::StatusOr<void*> gen = up_array(3, up.grad_entropy, n * 4);
+  for (const auto* r : {&targets, &gl, &glp, &gen}) {
+    if (!r->ok()) return r->status();
+  }
+  float* host_out[4] = {out.logprob, out.entropy, out.lse, out.loss};
+  float* dev_out[4] = {nullptr, nullptr, nullptr, nullptr};
+  for (int k = 0; k < 4; ++k) {
+    if (host_out[k] == nullptr) continue;
+    absl::StatusOr<void*> d = st.Buffer(4 + k, n * 4);
+    if (!d.ok()) return d.status();
+    dev_out[k] = static_cast<float*>(*d);
+  }
+  GradOutputs dev_grads;
+  if (grads.d_hidden != nullptr) {
+    if (d_hidden_on_device) {
+      dev_grads.d_hidden = grads.d_hidden;
+    } else {
+      absl::StatusOr<void*> d = st.Buffer(8, n * row_bytes);
+      if (!d.ok()) return d.status();
+      dev_grads.d_hidden = *d;
+    }
+  }
+  const RowsView dev_rows{rows.hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice};
+  const Upstream dev_up{up.mode, static_cast<const float*>(*gl), static_cast<const float*>(*glp),
+                        static_cast<const float*>(*gen)};
+  const RowOutputs dev_outs{dev_out[0], dev_out[1], dev_out[2], dev_out[3]};
+  if (absl::Status s = RunEngine(method, op, engine, dev_rows, options, dev_up, dev_outs, dev_grads); !s.ok()) {
+    return s;
+  }
+  for (int k = 0; k < 4; ++k) {
+    if (host_out[k] == nullptr) continue;
+    if (absl::Status s = st.Download(host_out[k], dev_out[k], n * 4); !s.ok()) return s;
+  }
+  if (grads.d_hidden != nullptr && !d_hidden_on_device) {
+    if (absl::Status s = st.Download(grads.d_hidden, dev_grads.d_hidden, n * row_bytes); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+#else
+  (void)method, (void)op, (void)engine, (void)rows, (void)options, (void)up, (void)out, (void)grads,
+      (void)d_hidden_on_device;
+  return absl::UnimplementedError("this build has no CUDA backend");
+#endif
+}
+
 absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) const {
   if (!config_.auth.enabled()) return absl::OkStatus();
   const auto& md = ctx->client_metadata();
@@ -120,7 +191,7 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
     absl::Status s;
     if (req.has_register_region()) {
       const v1::RegisterRegion& r = req.register_region();
-      absl::StatusOr<uint64_t> id = regions_.Register(session, r.name(), r.shm_name(), r.offset(), r.byte_size());
+      absl::StatusOr<uint64_t> id = regions_.Register(session, r);
       if (id.ok()) resp.set_region_id(*id);
       s = id.status();
     } else if (req.has_unregister_region()) {
@@ -223,14 +294,19 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
         absl::StatusOr<RegionRegistry::Slice> r = regions_.Resolve(session, chunk.d_hidden_region(), n * row_bytes, "d_hidden_region");
         if (!r.ok()) return fail(r.status());
         dh_slice = *std::move(r);
+        if (dh_slice.device && !hidden_slice.device) {
+          return fail(absl::InvalidArgumentError(
+              "d_hidden_region is device memory (CUDA IPC) but the hidden states are not: put both on the GPU"));
+        }
         // The engine reads hidden after it starts writing d_hidden: the two must not share bytes.
         const uint8_t* hp = reinterpret_cast<const uint8_t*>(hidden_ptr);
         const uint8_t* dp = dh_slice.bytes.data();
-        if (hp < dp + n * row_bytes && dp < hp + n * row_bytes) {
+        if (dh_slice.device == hidden_slice.device && hp < dp + n * row_bytes && dp < hp + n * row_bytes) {
           return fail(absl::InvalidArgumentError("d_hidden_region overlaps the chunk's hidden states"));
         }
       }
     }
+    const bool on_device = hidden_slice.device;
     bytes_seen += n * row_bytes;
     if (config_.max_request_bytes > 0 && bytes_seen > config_.max_request_bytes) {
       if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"request_bytes"}).Increment();
@@ -262,14 +338,17 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       grads.d_hidden = dh->data();
     }
     RowsView view{hidden_ptr, chunk.targets().data(), n, MemorySpace::kHost};
+    auto compute = [&](const char* what, const Upstream& u, const RowOutputs& o, const GradOutputs& g) {
+      return on_device ? RunEngineOnDevice(method, what, engine, view, plan->options, u, o, g, dh_slice.device)
+                       : RunEngine(method, what, engine, view, plan->options, u, o, g);
+    };
     absl::Status s;
     if (is_pl) {
       // Forward for logprob and entropy, the policy loss and its upstream gradients on the host,
       // then the generic backward (which recomputes the logits tile by tile).
       lp_buf.assign(n, 0.0f);
       ent_buf.assign(n, 0.0f);
-      s = RunEngine(method, "policy_forward", engine, view, plan->options, Upstream{},
-                    {lp_buf.data(), ent_buf.data(), nullptr, nullptr}, {});
+      s = compute("policy_forward", Upstream{}, {lp_buf.data(), ent_buf.data(), nullptr, nullptr}, {});
       if (s.ok()) {
         w_buf.assign(n, 0.0f);
         valid_buf.reset(new bool[n]);
@@ -310,9 +389,9 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
         HeadTrainingState& training = *plan->head->training;
         std::lock_guard<std::mutex> lock(training.mu);
         grads.d_weight = training.grad.data();
-        s = RunEngine(method, op, engine, view, plan->options, up, second, grads);
+        s = compute(op, up, second, grads);
       } else {
-        s = RunEngine(method, op, engine, view, plan->options, up, second, grads);
+        s = compute(op, up, second, grads);
       }
     }
     if (!s.ok()) {
@@ -338,13 +417,16 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   if (rows_seen == 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request has a header but no rows");
   }
-  if (is_fb && plan->reduction == v1::REDUCTION_MEAN && plan->declared_valid_tokens != valid_seen) {
+  // A part of a split request (header.partial) carries the whole request's counts: the client checks
+  // that its parts add up.
+  const bool partial = plan->partial;
+  if (is_fb && !partial && plan->reduction == v1::REDUCTION_MEAN && plan->declared_valid_tokens != valid_seen) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         absl::StrCat("header.num_valid_tokens declared ", plan->declared_valid_tokens,
                                      " but the request has ", valid_seen,
                                      " non-ignored rows; the returned d_hidden is wrong, discard it"));
   }
-  if (is_pl) {
+  if (is_pl && !partial) {
     for (int64_t q = 0; q < num_seq; ++q) {
       if (seq_seen[q] != plan->sequence_valid_tokens[q]) {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -361,7 +443,9 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     sum->set_valid_tokens(valid_seen);
     sum->set_head_version(plan->head->version);
     if (is_fb) {
-      sum->set_loss(plan->reduction == v1::REDUCTION_MEAN ? (valid_seen > 0 ? loss_sum / valid_seen : 0.0) : loss_sum);
+      // The mean's denominator is the declared count; for a whole request it equals valid_seen.
+      const int64_t denom = partial ? plan->declared_valid_tokens : valid_seen;
+      sum->set_loss(plan->reduction == v1::REDUCTION_MEAN ? (denom > 0 ? loss_sum / denom : 0.0) : loss_sum);
     } else {
       const double t = std::max<int64_t>(policy_sums.tokens, 1);
       sum->set_loss(policy_sums.loss);

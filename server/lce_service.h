@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "chunk_staging.h"
 #include "head_store.h"
 #include "region_registry.h"
 #include "lce/v1/lce.grpc.pb.h"
@@ -28,6 +29,9 @@ struct ServiceConfig {
   // Largest total hidden bytes of one request (0: no limit).
   int64_t max_request_bytes = 0;
   int tp_size = 1;
+  // The GPU of the engine (CUDA backend, one rank): CUDA IPC regions are opened there and requests
+  // that use them run on device memory. -1: no device regions.
+  int cuda_device = -1;
   RequestAuthenticator auth;
   // One JSON line per finished RPC on stderr (request_log.h).
   bool log_requests = false;
@@ -45,7 +49,7 @@ std::string StatusCodeName(grpc::StatusCode code);
 class LceService final : public v1::LceService::Service {
  public:
   LceService(std::shared_ptr<HeadStore> heads, ServiceConfig config)
-      : heads_(std::move(heads)), config_(config) {}
+      : heads_(std::move(heads)), config_(config), regions_(config.cuda_device) {}
 
   grpc::Status GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequest* req,
                        v1::GetInfoResponse* resp) override;
@@ -89,6 +93,12 @@ class LceService final : public v1::LceService::Service {
   // the request's queue time.
   absl::Status RunEngine(const char* method, const char* op, LceEngine& engine, const RowsView& rows,
                          const LceOptions& options, const Upstream& up, const RowOutputs& out, const GradOutputs& grads);
+  // One engine call whose hidden states (and maybe d_hidden) are device memory (a CUDA IPC region).
+  // The engine then takes every pointer on the device: the per-row arrays go up and the per-row
+  // outputs (and a d_hidden that is not in a region) come back through device staging buffers.
+  absl::Status RunEngineOnDevice(const char* method, const char* op, LceEngine& engine, const RowsView& rows,
+                                 const LceOptions& options, const Upstream& up, const RowOutputs& out,
+                                 const GradOutputs& grads, bool d_hidden_on_device);
   // The head a training RPC names, refusing tensor-parallel groups (not supported yet).
   absl::StatusOr<std::shared_ptr<const ServedHead>> TrainableHead(const std::string& name) const;
 
@@ -96,6 +106,8 @@ class LceService final : public v1::LceService::Service {
   ServiceConfig config_;
   std::atomic<int64_t> streams_in_flight_{0};
   std::mutex engine_mu_;
+  std::mutex device_staging_mu_;  // guards device_staging_ across upload, compute and download
+  std::unique_ptr<ChunkStaging> device_staging_;
   RegionRegistry regions_;
 };
 

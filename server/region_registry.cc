@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "lce/device_memory.h"
 
 namespace lce::server {
 
@@ -19,8 +20,9 @@ struct RegionRegistry::Region {
   std::string session, name, shm_name;
   void* map_base = nullptr;
   size_t map_len = 0;
-  uint8_t* data = nullptr;  // map_base + (offset - page-aligned offset)
+  uint8_t* data = nullptr;  // map_base + (offset - page-aligned offset), or into device_memory
   int64_t byte_size = 0;
+  std::unique_ptr<ImportedDeviceMemory> device_memory;  // CUDA IPC regions
   ~Region() {
     if (map_base != nullptr) munmap(map_base, map_len);
   }
@@ -86,7 +88,54 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
   region->map_base = p;
   region->data = static_cast<uint8_t*>(p) + (offset - aligned);
   region->byte_size = byte_size;
+  return Add(session, std::move(region));
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::RegisterCudaIpc(const std::string& session, const std::string& name,
+                                                         const std::string& ipc_handle, int64_t offset,
+                                                         int64_t byte_size) {
+  const std::string what = absl::StrCat("region '", name, "' (CUDA IPC)");
+  if (cuda_device_ < 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        what, ": this server's engine is not on a GPU (start it with --backend=cuda and --tp-size=1 for device regions)"));
+  }
+  if (offset < 0 || byte_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": offset must be >= 0 and byte_size > 0, got offset ", offset, ", byte_size ", byte_size));
+  }
+  absl::StatusOr<std::unique_ptr<ImportedDeviceMemory>> mem = ImportCudaIpcMemory(ipc_handle, cuda_device_);
+  if (!mem.ok()) return absl::Status(mem.status().code(), absl::StrCat(what, ": ", mem.status().message()));
+  if (offset > (*mem)->size() || byte_size > (*mem)->size() - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", offset, " + byte_size ", byte_size,
+                                                   " exceeds the allocation's size of ", (*mem)->size(), " bytes"));
+  }
+  auto region = std::make_shared<Region>();
+  region->session = session;
+  region->name = name;
+  region->data = (*mem)->data() + offset;
+  region->byte_size = byte_size;
+  region->device_memory = *std::move(mem);
+  return Add(session, std::move(region));
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, const v1::RegisterRegion& r) {
+  const bool shm = !r.shm_name().empty(), ipc = !r.cuda_ipc_handle().empty();
+  if (shm == ipc) {
+    return absl::InvalidArgumentError(absl::StrCat("region '", r.name(),
+                                                   "': set exactly one of shm_name and cuda_ipc_handle"));
+  }
+  if (ipc) return RegisterCudaIpc(session, r.name(), r.cuda_ipc_handle(), r.offset(), r.byte_size());
+  return Register(session, r.name(), r.shm_name(), r.offset(), r.byte_size());
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::Add(const std::string& session, std::shared_ptr<Region> region) {
   std::lock_guard<std::mutex> lock(mu_);
+  size_t held = 0;
+  for (const auto& [_, r] : regions_) held += r->session == session ? 1 : 0;
+  if (held >= kMaxRegionsPerSession) {
+    return absl::ResourceExhaustedError(absl::StrCat("the session already holds ", held,
+                                                     " regions, the most one session may register"));
+  }
   const uint64_t id = next_id_++;
   regions_.emplace(id, std::move(region));
   return id;
@@ -143,7 +192,8 @@ absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string&
         slice.region_id(), " ('", r->name, "') has ", r->byte_size, " bytes and the chunk needs exactly ",
         bytes_needed, " bytes there"));
   }
-  return Slice{absl::Span<uint8_t>(r->data + slice.offset(), static_cast<size_t>(bytes_needed)), r};
+  return Slice{absl::Span<uint8_t>(r->data + slice.offset(), static_cast<size_t>(bytes_needed)), r,
+               r->device_memory != nullptr};
 }
 
 size_t RegionRegistry::size() const {

@@ -1,6 +1,7 @@
 // Shared-memory regions of co-located clients (OpenSession): POSIX shm objects that a client
-// creates and the server maps read-write (MAP_SHARED), so that requests read hidden states and write
-// d_hidden in place instead of carrying them as bytes. Every region belongs to the session that
+// creates and the server maps read-write (MAP_SHARED), or CUDA allocations of the client's that the
+// server opens through CUDA IPC, so that requests read hidden states and write d_hidden in place
+// instead of carrying them as bytes. Every region belongs to the session that
 // registered it; only requests of that session may use it, and every use is bounds-checked. Ending a
 // session unmaps its regions (a request still using one keeps its mapping until it finishes).
 #pragma once
@@ -23,7 +24,15 @@ class RegionRegistry {
   struct Slice {
     absl::Span<uint8_t> bytes;
     std::shared_ptr<const void> hold;
+    bool device = false;  // bytes are device memory (a CUDA IPC region) on the server's GPU
   };
+
+  // Most regions one session may hold at once (RESOURCE_EXHAUSTED beyond).
+  static constexpr size_t kMaxRegionsPerSession = 256;
+
+  // `cuda_device`: the GPU that CUDA IPC regions are opened on; -1 when the server's engine is not
+  // on a GPU (such registrations are then UNIMPLEMENTED).
+  explicit RegionRegistry(int cuda_device = -1) : cuda_device_(cuda_device) {}
 
   // A new session id: 128 random bits as 32 lowercase hex digits.
   static std::string NewSessionId();
@@ -33,6 +42,13 @@ class RegionRegistry {
   // a bad name, offset or size (beyond the object's size).
   absl::StatusOr<uint64_t> Register(const std::string& session, const std::string& name, const std::string& shm_name,
                                     int64_t offset, int64_t byte_size);
+  // Opens the CUDA allocation of `ipc_handle` (cudaIpcGetMemHandle, 64 bytes) and registers
+  // [offset, offset + byte_size) of it for `session`. INVALID_ARGUMENT: a bad handle, offset or size
+  // (beyond the allocation); UNIMPLEMENTED: no GPU engine here.
+  absl::StatusOr<uint64_t> RegisterCudaIpc(const std::string& session, const std::string& name,
+                                           const std::string& ipc_handle, int64_t offset, int64_t byte_size);
+  // Either of the above, as the RegisterRegion message says.
+  absl::StatusOr<uint64_t> Register(const std::string& session, const v1::RegisterRegion& r);
   // NOT_FOUND: no such region; PERMISSION_DENIED: it belongs to another session.
   absl::Status Unregister(const std::string& session, uint64_t region_id);
   // Drops every region of the session; returns how many.
@@ -50,6 +66,8 @@ class RegionRegistry {
 
  private:
   struct Region;
+  absl::StatusOr<uint64_t> Add(const std::string& session, std::shared_ptr<Region> region);
+  int cuda_device_;
   mutable std::mutex mu_;
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::shared_ptr<const Region>> regions_;

@@ -91,6 +91,7 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
   o.z_loss = h.z_loss();
   if (absl::Status s = ValidateOptions(o); !s.ok()) return s;
 
+  plan.partial = h.partial();
   if (h.outputs().empty()) {
     plan.want_logprobs = rpc_ == RpcKind::kScore;
     plan.want_entropy = rpc_ == RpcKind::kScore;

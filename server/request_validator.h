@@ -32,6 +32,7 @@ struct RequestPlan {
   v1::Reduction reduction = v1::REDUCTION_MEAN;  // ForwardBackward
   int64_t declared_valid_tokens = -1;            // REDUCTION_MEAN
   bool accumulate_weight_grad = false;           // ForwardBackward, PolicyLoss
+  bool partial = false;                          // one part of a request split over streams
   // PolicyLoss
   PolicyLossConfig policy;
   AggregationKind aggregation = AggregationKind::kTokenMean;

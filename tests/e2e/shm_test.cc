@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "lce/client/lce_client.h"
+#include "region_registry.h"
 #include "test_server.h"
 
 namespace lce::e2e {
@@ -139,6 +140,52 @@ TEST(SharedMemory, MisuseGetsItsStatusAndTheServerKeepsServing) {
   auto ref = c->Score(View(b), h);
   ASSERT_TRUE(ok.ok() && ref.ok()) << ok.status() << ref.status();
   EXPECT_EQ(ok->logprobs, ref->logprobs);
+}
+
+TEST(SharedMemory, DeviceRegionsNeedAGpuEngineAndOneSourceAndSessionsHaveACap) {
+  auto ts = StartTestServer();  // engines on the CPU: no device regions
+  auto c = Connect(*ts, 4 << 20);
+  auto s = c->OpenSession();
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string handle(64, '\0');
+  auto ipc = (*s)->RegisterCudaIpc(handle, 0, 1024);
+  EXPECT_EQ(ipc.status().code(), absl::StatusCode::kUnimplemented) << ipc.status();
+  EXPECT_NE(ipc.status().message().find("--backend=cuda"), std::string::npos) << ipc.status();
+
+  // Both sources (or neither) in one registration: INVALID_ARGUMENT, and the session goes on.
+  auto region = (*s)->CreateRegion(4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  auto stub = RawStub(ts->target);
+  grpc::ClientContext ctx;
+  auto raw = stub->OpenSession(&ctx);
+  v1::SessionResponse resp;
+  ASSERT_TRUE(raw->Read(&resp));
+  v1::SessionRequest req;
+  req.mutable_register_region()->set_shm_name(region->shm_name);
+  req.mutable_register_region()->set_cuda_ipc_handle(handle);
+  req.mutable_register_region()->set_byte_size(16);
+  ASSERT_TRUE(raw->Write(req) && raw->Read(&resp));
+  EXPECT_EQ(resp.code(), static_cast<int>(absl::StatusCode::kInvalidArgument)) << resp.message();
+  EXPECT_NE(resp.message().find("exactly one of shm_name and cuda_ipc_handle"), std::string::npos) << resp.message();
+  req.mutable_register_region()->clear_shm_name();
+  req.mutable_register_region()->clear_cuda_ipc_handle();
+  ASSERT_TRUE(raw->Write(req) && raw->Read(&resp));
+  EXPECT_EQ(resp.code(), static_cast<int>(absl::StatusCode::kInvalidArgument)) << resp.message();
+
+  // A session holds at most kMaxRegionsPerSession regions; another session is not affected.
+  req.mutable_register_region()->set_shm_name(region->shm_name);
+  int registered = 0;
+  for (size_t i = 0; i < server::RegionRegistry::kMaxRegionsPerSession; ++i) {
+    ASSERT_TRUE(raw->Write(req) && raw->Read(&resp));
+    registered += resp.code() == 0 ? 1 : 0;
+  }
+  EXPECT_EQ(registered, static_cast<int>(server::RegionRegistry::kMaxRegionsPerSession));
+  ASSERT_TRUE(raw->Write(req) && raw->Read(&resp));
+  EXPECT_EQ(resp.code(), static_cast<int>(absl::StatusCode::kResourceExhausted)) << resp.message();
+  auto other = (*s)->Register(region->shm_name, 0, 16);
+  EXPECT_TRUE(other.ok()) << other.status();
+  raw->WritesDone();
+  EXPECT_TRUE(raw->Finish().ok());
 }
 
 TEST(SharedMemory, SessionEndReleasesTheServersMappings) {

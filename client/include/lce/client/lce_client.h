@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "grpcpp/security/credentials.h"
@@ -25,6 +26,13 @@ struct ClientOptions {
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
   std::string bearer_token;                // sent as "authorization: Bearer <token>" when set
   int64_t max_message_bytes = 64 << 20;
+  // A request with more than 2 * min_stream_bytes of hidden states is split into up to `streams`
+  // row ranges, each sent as its own stream (RequestHeader.partial) on its own connection, all at
+  // once: one HTTP/2 connection carries about 1 GB/s on loopback, several carry several times that.
+  // The answers are the same as over one stream. Requests whose hidden states are in a region are
+  // never split (no bytes to carry).
+  int streams = 1;
+  int64_t min_stream_bytes = 8 << 20;
 };
 
 // Where a co-located batch's bytes are: `offset` into region `region_id` of session `session_id`
@@ -76,6 +84,14 @@ class SharedMemorySession {
   absl::StatusOr<uint64_t> Register(const std::string& shm_name, int64_t offset, int64_t byte_size,
                                     const std::string& name = "");
   absl::Status Unregister(uint64_t region_id);
+  // Registers [offset, offset + byte_size) of a CUDA allocation of this process by its IPC handle
+  // (the 64 bytes of the cudaIpcMemHandle_t that cudaIpcGetMemHandle gave for the allocation; offset
+  // counts from the allocation's start). The server reads hidden states and writes d_hidden there
+  // on its GPU; keep the allocation alive while registered and synchronize your writes before a
+  // request. A server without a GPU engine answers UNIMPLEMENTED. Returns the region id (use it in
+  // RegionRef with id()).
+  absl::StatusOr<uint64_t> RegisterCudaIpc(absl::string_view ipc_handle, int64_t offset, int64_t byte_size,
+                                           const std::string& name = "");
   // Cancels the session stream, as a client that goes away would (the server releases the regions).
   void Cancel() { ctx_.TryCancel(); }
 
@@ -141,15 +157,34 @@ class LceClient {
 
  private:
   LceClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  struct Assembly;
+  struct PartSummary {
+    double loss = 0;
+    int64_t valid_tokens = 0;
+    int64_t head_version = 0;
+  };
   absl::Status Stream(const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
                       absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
                       absl::Span<const float> grad_entropy, ForwardBackwardResult* out);
+  // Rows [first, first + count) of the batch as one stream on `stub`; answers go into `assembly`.
+  absl::Status StreamPart(v1::LceService::Stub& stub, grpc::ClientContext& ctx, const char* rpc,
+                          const HiddenBatch& batch, const v1::RequestHeader& header, absl::Span<const float> grad_loss,
+                          absl::Span<const float> grad_logprob, absl::Span<const float> grad_entropy, int64_t first,
+                          int64_t count, Assembly& assembly, PartSummary* summary);
   void Prepare(grpc::ClientContext* ctx) const;
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::LceService::Stub> stub_;
+  // Connections 1..streams-1 for split requests (stub_ is the first).
+  std::vector<std::unique_ptr<v1::LceService::Stub>> extra_stubs_;
 };
+
+// Splits `rows` rows of `row_bytes` into at most `streams` contiguous [first, count) ranges of at
+// least `min_stream_bytes` each (one range when the batch is smaller than two), each a whole number
+// of chunks of `chunk_bytes` where possible.
+std::vector<std::pair<int64_t, int64_t>> PlanStreams(int64_t rows, int64_t row_bytes, int64_t chunk_bytes, int streams,
+                                                     int64_t min_stream_bytes);
 
 // Plans the chunks of a batch: [first_row, rows) pairs of at most max(1, chunk_bytes / row_bytes) rows.
 std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_bytes, int64_t chunk_bytes);

@@ -1,0 +1,34 @@
+// Device memory that another process on this host shares with us through CUDA IPC
+// (cudaIpcGetMemHandle there, cudaIpcOpenMemHandle here): co-located clients hand the server their
+// GPU tensors this way, so hidden states and d_hidden never cross a wire or the host.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace lce {
+
+// Bytes of a cudaIpcMemHandle_t.
+inline constexpr size_t kCudaIpcHandleBytes = 64;
+
+// An opened allocation of another process; closed (cudaIpcCloseMemHandle) when destroyed.
+class ImportedDeviceMemory {
+ public:
+  virtual ~ImportedDeviceMemory() = default;
+  // Device pointer to the start of the exporter's allocation (valid on `device()`).
+  virtual uint8_t* data() const = 0;
+  // Size of that allocation in bytes, as the driver reports it (bounds for every slice).
+  virtual int64_t size() const = 0;
+  virtual int device() const = 0;
+};
+
+// Opens `handle` (kCudaIpcHandleBytes bytes) on CUDA device `device`. INVALID_ARGUMENT: a handle of
+// the wrong length, or one the driver refuses (not exported, already freed, this process's own);
+// UNIMPLEMENTED: a build without CUDA; FAILED_PRECONDITION: no such device.
+absl::StatusOr<std::unique_ptr<ImportedDeviceMemory>> ImportCudaIpcMemory(absl::string_view handle, int device);
+
+}  // namespace lce

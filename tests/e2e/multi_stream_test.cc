@@ -1,0 +1,151 @@
+// One request split over several streams on several connections (ClientOptions.streams, the
+// server's RequestHeader.partial) gives the answers of one stream: per-row outputs, d_hidden, the
+// reduced loss for every reduction, and the declared-count check the server skips for parts.
+#include <cmath>
+#include <set>
+#include <sstream>
+
+#include "gtest/gtest.h"
+#include "lce/client/lce_client.h"
+#include "nlohmann/json.hpp"
+#include "test_server.h"
+
+namespace lce::e2e {
+namespace {
+
+using client::ClientOptions;
+using client::HiddenBatch;
+using client::LceClient;
+
+std::unique_ptr<LceClient> Connect(const TestServer& ts, int streams, int64_t chunk_bytes) {
+  ClientOptions o;
+  o.target = ts.target;
+  o.chunk_bytes = chunk_bytes;
+  o.streams = streams;
+  o.min_stream_bytes = 3 * chunk_bytes;  // small, so that a test-sized batch splits
+  auto c = LceClient::Create(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return std::move(*c);
+}
+
+HiddenBatch View(const Batch& b) {
+  return {b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)};
+}
+
+void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], 1e-5 * (1 + std::fabs(want[i]))) << what << " row " << i;
+  }
+}
+
+TEST(PlanStreams, SplitsIntoWholeChunksAndKeepsSmallBatchesWhole) {
+  // 1000 rows of 64 bytes, chunks of 10 rows: 4 parts of 25 chunks.
+  auto p = client::PlanStreams(1000, 64, 640, 4, 1000);
+  ASSERT_EQ(p.size(), 4u);
+  int64_t next = 0;
+  for (auto [first, n] : p) {
+    EXPECT_EQ(first, next);
+    EXPECT_EQ(n % 10, 0);
+    next += n;
+  }
+  EXPECT_EQ(next, 1000);
+  // Parts of at least min_stream_bytes: 64000 bytes allow 2 parts of 32000, not 4.
+  EXPECT_EQ(client::PlanStreams(1000, 64, 640, 4, 32000).size(), 2u);
+  EXPECT_EQ(client::PlanStreams(1000, 64, 640, 4, 64001).size(), 1u);
+  EXPECT_EQ(client::PlanStreams(1000, 64, 640, 1, 1).size(), 1u);
+  // Fewer chunks than streams: rows are split evenly instead.
+  auto q = client::PlanStreams(7, 64, 1 << 20, 3, 1);
+  ASSERT_EQ(q.size(), 3u);
+  EXPECT_EQ(q[0].second + q[1].second + q[2].second, 7);
+}
+
+TEST(MultiStream, AnswersEqualOneStreamOverSeveralConnections) {
+  auto ts = StartTestServer(8 << 20, /*log_requests=*/true);
+  const int64_t row_bytes = kHidden * 2;
+  const int64_t chunk = 16 * row_bytes;
+  auto one = Connect(*ts, 1, chunk);
+  auto four = Connect(*ts, 4, chunk);
+  const Batch b = MakeBatch(1000, v1::DTYPE_BFLOAT16, 21);
+
+  v1::RequestHeader h;
+  h.set_temperature(0.8f);
+  auto s1 = one->Score(View(b), h);
+  ::testing::internal::CaptureStderr();
+  auto s4 = four->Score(View(b), h);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(s1.ok() && s4.ok()) << s1.status() << s4.status();
+  ExpectNear(s4->logprobs, s1->logprobs, "logprobs");
+  ExpectNear(s4->entropy, s1->entropy, "entropy");
+  // The request went out as four Score streams, from four client connections (peer ports).
+  std::set<std::string> peers;
+  int scores = 0;
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);) {
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || j.value("method", "") != "Score") continue;
+    ++scores;
+    peers.insert(j.value("peer", ""));
+  }
+  EXPECT_EQ(scores, 4);
+  EXPECT_EQ(peers.size(), 4u) << log;
+
+  for (v1::Reduction red : {v1::REDUCTION_MEAN, v1::REDUCTION_SUM, v1::REDUCTION_NONE}) {
+    SCOPED_TRACE(v1::Reduction_Name(red));
+    v1::RequestHeader fb;
+    fb.set_reduction(red);
+    fb.set_label_smoothing(0.1f);
+    fb.set_z_loss(1e-3f);
+    fb.add_outputs(v1::OUTPUT_LOSS);
+    fb.add_outputs(v1::OUTPUT_LOGPROBS);
+    auto r1 = one->ForwardBackward(View(b), fb);
+    auto r4 = four->ForwardBackward(View(b), fb);
+    ASSERT_TRUE(r1.ok() && r4.ok()) << r1.status() << r4.status();
+    ExpectNear(r4->loss, r1->loss, "loss");
+    ExpectNear(r4->logprobs, r1->logprobs, "logprobs");
+    EXPECT_NEAR(r4->reduced_loss, r1->reduced_loss, 1e-9 * std::fabs(r1->reduced_loss) + 1e-12);
+    EXPECT_EQ(r4->valid_tokens, r1->valid_tokens);
+    // Each row's d_hidden depends on that row alone: the bytes agree exactly.
+    EXPECT_EQ(r4->d_hidden, r1->d_hidden);
+  }
+
+  std::vector<float> glp(b.rows), gent(b.rows);
+  for (int64_t i = 0; i < b.rows; ++i) {
+    glp[i] = 0.01f * static_cast<float>(i % 7) - 0.03f;
+    gent[i] = 0.002f * static_cast<float>(i % 5);
+  }
+  auto bw1 = one->Backward(View(b), v1::RequestHeader(), glp, gent);
+  auto bw4 = four->Backward(View(b), v1::RequestHeader(), glp, gent);
+  ASSERT_TRUE(bw1.ok() && bw4.ok()) << bw1.status() << bw4.status();
+  EXPECT_EQ(bw4->d_hidden, bw1->d_hidden);
+}
+
+TEST(MultiStream, AWrongDeclaredCountIsCaughtAcrossParts) {
+  auto ts = StartTestServer();
+  auto four = Connect(*ts, 4, 16 * kHidden * 2);
+  const Batch b = MakeBatch(1000, v1::DTYPE_BFLOAT16, 22);
+  v1::RequestHeader fb;
+  fb.set_reduction(v1::REDUCTION_MEAN);
+  fb.set_num_valid_tokens(3);  // not the batch's count
+  auto r = four->ForwardBackward(View(b), fb);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("num_valid_tokens declared 3"), std::string::npos) << r.status();
+}
+
+TEST(MultiStream, AnErrorInOnePartFailsTheRequestWithThatError) {
+  auto ts = StartTestServer();
+  auto four = Connect(*ts, 4, 16 * kHidden * 2);
+  Batch b = MakeBatch(1000, v1::DTYPE_BFLOAT16, 23);
+  b.targets[900] = static_cast<int32_t>(kVocab) + 5;  // in the last part
+  auto r = four->Score(View(b), v1::RequestHeader());
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find(std::to_string(kVocab + 5)), std::string::npos) << r.status();
+  // The server keeps serving.
+  auto ok = four->Score(View(MakeBatch(1000, v1::DTYPE_BFLOAT16, 24)), v1::RequestHeader());
+  EXPECT_TRUE(ok.ok()) << ok.status();
+}
+
+}  // namespace
+}  // namespace lce::e2e
