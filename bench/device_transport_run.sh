@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
-# Transport baseline on one GPU: engine-only time (lce_bench, device memory) against end-to-end time
-# of the same train/score request through lce_server over gRPC on loopback (lce_cli bench: one
-# stream, host memory, bf16). Usage on the device, with .devbin/ and .rtpack/ carried:
-#   bench/device_transport_run.sh [ROWS] [HIDDEN] [VOCAB]
+# Transport on one GPU (issue 7), in one device call with .devbin/ and .rtpack/ carried:
+#   1. the CUDA IPC test (this process's GPU memory used by lce_server in a second process);
+#   2. lce_transport_bench: the same score and train requests as engine only (in process, device
+#      memory), over gRPC on loopback with 1..S streams, over shared memory, and over CUDA IPC.
+# Usage: bench/device_transport_run.sh [ROWS] [HIDDEN] [VOCAB]   (env STREAMS="1,2,4,8", CHUNK=4194304)
 set -u
 [ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
 export LD_LIBRARY_PATH=$PWD/.rt/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${1:-8192} H=${2:-4096} V=${3:-128256}
-./.devbin/lce_bench --shapes "${N}x${H}x${V}" > "$OUT/engine.log" 2>&1
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+if [ -x .devbin/gpu_ipc_test ]; then
+  LCE_SERVER_BIN=$PWD/.devbin/lce_server ./.devbin/gpu_ipc_test > "$OUT/gpu_ipc_test.log" 2>&1
+  echo "gpu_ipc_test exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |OK \]|Failure|error" "$OUT/gpu_ipc_test.log" | head -20
+fi
 rm -f /tmp/lce.port
-./.devbin/lce_server --port=0 --port-file=/tmp/lce.port --backend=cuda --seed-head="${V}x${H}" --head-dtype=bf16 \
-  --log-requests=false --max-message-bytes=67108864 > "$OUT/server.log" 2>&1 &
+./.devbin/lce_server --port=0 --port-file=/tmp/lce.port --backend=cuda --seed-head="${V}x${H}" --seed=0 \
+  --head-dtype=bf16 --log-requests=false --max-message-bytes=67108864 > "$OUT/server.log" 2>&1 &
+SERVER=$!
 for _ in $(seq 600); do [ -s /tmp/lce.port ] && break; sleep 0.2; done
-T=127.0.0.1:$(cat /tmp/lce.port)
-for chunk in ${CHUNKS:-4194304}; do
-  for op in train score; do
-    echo "chunk-bytes $chunk" >> "$OUT/e2e.log"
-    ./.devbin/lce_cli bench --target="$T" --op=$op --rows="$N" --iterations=5 --warmup=1 --chunk-bytes=$chunk \
-      >> "$OUT/e2e.log" 2>&1
-  done
-done
-kill %1; wait
-cat "$OUT/engine.log" | tail -4; cat "$OUT/e2e.log"
+./.devbin/lce_transport_bench --target=127.0.0.1:$(cat /tmp/lce.port) --rows="$N" --hidden="$H" --vocab="$V" --seed=0 \
+  --streams="${STREAMS:-1,2,4,8}" --chunk-bytes="${CHUNK:-4194304}" --iterations="${ITERS:-5}" --warmup=1 \
+  ${MODES:+--modes=$MODES} 2>&1 | tee "$OUT/transport.log"
+kill $SERVER; wait $SERVER 2>/dev/null
+tail -5 "$OUT/server.log"

@@ -57,6 +57,10 @@ absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
     args.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
+    if (options.http2_window_bytes > 0) {
+      args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
+                  static_cast<int>(std::min<int64_t>(options.http2_window_bytes, INT32_MAX)));
+    }
     // Channels with equal arguments share one connection (gRPC's global subchannel pool): each
     // stream of a split request gets a pool, and so a TCP connection, of its own.
     if (options.streams > 1) {
@@ -379,8 +383,10 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
 }
 
 absl::StatusOr<ScoreResult> LceClient::Score(const HiddenBatch& batch, v1::RequestHeader header) {
+  HiddenBatch b = batch;
+  b.d_hidden_region.reset();  // Score returns no d_hidden: a batch set up for training scores as it is
   ForwardBackwardResult r;
-  if (absl::Status s = Stream("Score", batch, header, {}, {}, {}, &r); !s.ok()) return s;
+  if (absl::Status s = Stream("Score", b, header, {}, {}, {}, &r); !s.ok()) return s;
   return ScoreResult{std::move(r.logprobs), std::move(r.entropy)};
 }
 

@@ -22,6 +22,8 @@ struct GrpcServerOptions {
   std::string address = "0.0.0.0:50051";  // port 0 picks a free port
   ServiceConfig service;
   TlsFiles tls;
+  // HTTP/2 flow-control window per stream (grpc.http2.lookahead_bytes); 0: gRPC's default.
+  int64_t http2_window_bytes = 0;
 };
 
 class GrpcServer {

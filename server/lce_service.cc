@@ -44,8 +44,13 @@ absl::Status LceService::RunEngine(const char* method, const char* op, LceEngine
   std::lock_guard<std::mutex> lock(engine_mu_);
   const auto t1 = std::chrono::steady_clock::now();
   absl::Status s = engine.Compute(rows, options, up, out, grads);
+  const auto t2 = std::chrono::steady_clock::now();
+  if (RequestWork* w = RequestWork::Current(); w != nullptr) {
+    ++w->engine_calls;
+    w->engine_seconds += std::chrono::duration<double>(t2 - t1).count();
+    w->queue_seconds += std::chrono::duration<double>(t1 - t0).count();
+  }
   if (config_.metrics != nullptr) {
-    const auto t2 = std::chrono::steady_clock::now();
     config_.metrics->queue_wait.WithLabels({method}).Observe(std::chrono::duration<double>(t1 - t0).count());
     config_.metrics->engine_seconds.WithLabels({op, "compute"}).Observe(std::chrono::duration<double>(t2 - t1).count());
   }

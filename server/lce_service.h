@@ -116,7 +116,12 @@ grpc::Status LceService::Recorded(const char* method, grpc::ServerContext* ctx, 
   const std::string request_id = AssignRequestId(ctx);
   const auto start = std::chrono::steady_clock::now();
   if (config_.metrics != nullptr) config_.metrics->inflight.Increment();
-  grpc::Status s = body();
+  RequestWork work;
+  grpc::Status s;
+  {
+    RequestWork::Scope scope(&work);
+    s = body();
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (config_.metrics != nullptr) {
     ServiceMetrics& m = *config_.metrics;
@@ -124,7 +129,7 @@ grpc::Status LceService::Recorded(const char* method, grpc::ServerContext* ctx, 
     m.requests.WithLabels({method, StatusCodeName(s.error_code())}).Increment();
     m.duration.WithLabels({method}).Observe(seconds);
   }
-  if (config_.log_requests) LogRequest(request_id, method, ctx, s, seconds);
+  if (config_.log_requests) LogRequest(request_id, method, ctx, s, seconds, work);
   return s;
 }
 

@@ -27,8 +27,16 @@ std::string AssignRequestId(grpc::ServerContext* ctx) {
   return id;
 }
 
+namespace {
+thread_local RequestWork* current_work = nullptr;
+}  // namespace
+
+RequestWork* RequestWork::Current() { return current_work; }
+RequestWork::Scope::Scope(RequestWork* work) : prev_(current_work) { current_work = work; }
+RequestWork::Scope::~Scope() { current_work = prev_; }
+
 void LogRequest(const std::string& request_id, const char* method, grpc::ServerContext* ctx,
-                const grpc::Status& status, double seconds) {
+                const grpc::Status& status, double seconds, const RequestWork& work) {
   nlohmann::json line = {
       {"ts", absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone())},
       {"level", status.ok() ? "info" : "warn"},
@@ -38,6 +46,11 @@ void LogRequest(const std::string& request_id, const char* method, grpc::ServerC
       {"duration_ms", seconds * 1e3},
       {"peer", ctx->peer()},
   };
+  if (work.engine_calls > 0) {
+    line["engine_calls"] = work.engine_calls;
+    line["engine_ms"] = work.engine_seconds * 1e3;
+    line["queue_ms"] = work.queue_seconds * 1e3;
+  }
   if (!status.ok()) line["message"] = status.error_message();
   const std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   std::fwrite(text.data(), 1, text.size(), stderr);  // one write per line: lines never interleave

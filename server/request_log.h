@@ -3,6 +3,7 @@
 // client in the initial metadata.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "grpcpp/server_context.h"
@@ -13,9 +14,28 @@ namespace lce::server {
 // the client as initial metadata. Call before the first message is written.
 std::string AssignRequestId(grpc::ServerContext* ctx);
 
+// Engine work of one request, gathered while it runs (RequestWork::Current on the handler's thread).
+struct RequestWork {
+  int64_t engine_calls = 0;
+  double engine_seconds = 0;  // inside LceEngine::Compute
+  double queue_seconds = 0;   // waiting for the engine (other requests' calls)
+  // The request the calling thread is serving now (null outside one).
+  static RequestWork* Current();
+  // Makes `work` the calling thread's current request for the scope's life.
+  class Scope {
+   public:
+    explicit Scope(RequestWork* work);
+    ~Scope();
+
+   private:
+    RequestWork* prev_;
+  };
+};
+
 // {"ts":"2026-11-22T22:19:00.123Z","level":"info","request_id":"...","method":"Score","code":"OK",
-//  "duration_ms":12.3,"peer":"ipv4:127.0.0.1:5555","message":"..."} ("warn" for errors).
+//  "duration_ms":12.3,"peer":"ipv4:127.0.0.1:5555","message":"..."} ("warn" for errors), and for
+// requests that ran the engine "engine_calls", "engine_ms" and "queue_ms".
 void LogRequest(const std::string& request_id, const char* method, grpc::ServerContext* ctx,
-                const grpc::Status& status, double seconds);
+                const grpc::Status& status, double seconds, const RequestWork& work = {});
 
 }  // namespace lce::server

@@ -24,6 +24,8 @@ const char* ServerUsage() {
   --seed=N                    seed of the seeded head (default 0)
   --head-dtype=bf16|fp16|fp32 dtype of the seeded head (default bf16)
   --max-message-bytes=N       largest gRPC message accepted (default 67108864)
+  --http2-window-bytes=N      HTTP/2 flow-control window per stream (default 0: gRPC's, adapted by
+                              its bandwidth probe); larger lets a client stream further ahead
   --max-rows-per-request=N    largest request, in rows (default 16777216; 0 = no limit)
   --log-requests=true|false   one JSON line per finished RPC on stderr, with its request id (default true)
   --metrics-port=N            serve Prometheus metrics at http://HOST:N/metrics (and /healthz); rank 0 only;
@@ -74,6 +76,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
          return d.ok();
        }},
       {"max-message-bytes", i64(&f.max_message_bytes)},
+      {"http2-window-bytes", i64(&f.http2_window_bytes)},
       {"max-rows-per-request", i64(&f.max_rows_per_request)},
       {"workspace-bytes", i64(&f.workspace_bytes)},
       {"max-concurrent-streams", i64(&f.max_concurrent_streams)},
@@ -125,6 +128,9 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError("--tp-size > 1 needs --tp-rendezvous=DIR");
   }
   if (f.max_message_bytes < (1 << 16)) return absl::InvalidArgumentError("--max-message-bytes must be >= 65536");
+  if (f.http2_window_bytes < 0 || f.http2_window_bytes > INT32_MAX) {
+    return absl::InvalidArgumentError("--http2-window-bytes must be in [0, 2147483647]");
+  }
   return f;
 }
 

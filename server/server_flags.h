@@ -17,6 +17,7 @@ struct ServerFlags {
   std::string head_name = "default";
   HeadSource head;
   int64_t max_message_bytes = 64 << 20;
+  int64_t http2_window_bytes = 0;
   int64_t max_rows_per_request = int64_t{1} << 24;
   bool log_requests = true;     // one JSON line per finished RPC on stderr
   int metrics_port = -1;        // -1: no metrics endpoint; 0: pick a free port

@@ -71,9 +71,55 @@ class HostArray:
     def hidden_size(self) -> int:
         return self.array.shape[1]
 
+    @property
+    def itemsize(self) -> int:
+        return self.array.itemsize
+
     def byte_view(self) -> memoryview:
         """A flat memoryview of the rows' bytes (no copy)."""
         return memoryview(self.array.reshape(-1).view(np.uint8))
+
+
+@dataclass
+class DeviceArray:
+    """A caller's hidden states left in GPU memory (a contiguous torch CUDA tensor, not copied): for
+    requests whose hidden states the server reads from a registered CUDA IPC region."""
+
+    tensor: Any                # [rows, hidden] view of the caller's tensor, of the wire dtype
+    wire_dtype: int
+    lead_shape: tuple
+    kind: str = "torch"
+    device: Any = None
+    torch_dtype: Any = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.tensor.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.tensor.shape[1])
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.tensor.element_size())
+
+    def byte_view(self) -> memoryview:  # pragma: no cover - guarded by the callers
+        raise TypeError("hidden states in GPU memory travel through a CUDA IPC region, not as bytes")
+
+
+def device_hidden(hidden: Any) -> DeviceArray:
+    """Wraps a contiguous torch CUDA tensor [..., H] without copying it (for CUDA IPC regions)."""
+    if not is_torch_tensor(hidden) or hidden.device.type != "cuda":
+        raise TypeError("hidden_region is a CUDA region: pass the torch CUDA tensor that lies in it as hidden "
+                        f"(got {type(hidden).__name__}{' on ' + str(hidden.device) if is_torch_tensor(hidden) else ''})")
+    t = hidden.detach()
+    if t.dim() < 1:
+        raise ValueError("hidden must have shape [..., hidden_size]")
+    if not t.is_contiguous():
+        raise ValueError("hidden in a CUDA region must be contiguous")
+    wire = parse_dtype(t.dtype)
+    return DeviceArray(t.reshape(-1, t.shape[-1]), wire, tuple(t.shape[:-1]), "torch", t.device, t.dtype)
 
 
 def host_hidden(hidden: Any, dtype: Optional[Any] = None) -> HostArray:
@@ -161,6 +207,13 @@ def storage_dtype(wire: int) -> np.dtype:
     return _STORAGE[wire]
 
 
+def torch_dtype(wire: int):
+    """The torch dtype of a wire dtype (imports torch)."""
+    import torch
+
+    return {pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_BFLOAT16: torch.bfloat16, pb.DTYPE_FLOAT16: torch.float16}[wire]
+
+
 def to_caller_rows(arr: np.ndarray, like: HostArray):
     """Per-row fp32 outputs in the caller's kind: numpy, or a torch fp32 tensor on the caller's device."""
     arr = arr.reshape(like.lead_shape)
@@ -174,7 +227,13 @@ def to_caller_rows(arr: np.ndarray, like: HostArray):
 
 def to_caller_hidden(arr: np.ndarray, like: HostArray):
     """d_hidden in the caller's kind: numpy of the wire dtype (uint16 bits for bf16 unless ml_dtypes
-    is present), or a torch tensor with the caller's device and dtype."""
+    is present), or a torch tensor with the caller's device and dtype. A torch tensor `arr` (d_hidden
+    written in place into a CUDA IPC region) is returned as a view, whatever the caller's kind."""
+    if is_torch_tensor(arr):
+        t = arr.reshape(like.lead_shape + (arr.shape[-1],))
+        if like.kind == "torch" and like.torch_dtype is not None and t.dtype != like.torch_dtype:
+            t = t.to(like.torch_dtype)
+        return t
     arr = arr.reshape(like.lead_shape + (arr.shape[-1],))
     if like.kind == "torch":
         import torch

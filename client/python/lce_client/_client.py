@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
@@ -15,6 +16,7 @@ from ._proto import lce_pb2_grpc as pb_grpc
 from ._shm import SESSION_METADATA_KEY, Region, SharedMemorySession
 
 DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_MIN_STREAM_BYTES = 8 << 20
 # Replies carry d_hidden of a whole request chunk; let them be as large as the server allows.
 _MAX_RECV = 1 << 30
 
@@ -142,6 +144,13 @@ class Client:
       token: bearer token, sent as "authorization: Bearer <token>" metadata on every call.
       head: default head name for every call ("" = the server's default head).
       options: extra grpc channel options.
+      streams: split one score / forward_backward / backward / policy_loss call over up to this many
+        concurrent streams, each on its own channel (TCP connection), when its hidden states are
+        large: contiguous row ranges of at least `min_stream_bytes` each, sent as parts
+        (RequestHeader.partial) and combined here. 1 (the default) never splits; each call may
+        override it with `streams=`. Results equal the unsplit call's (the reduced loss up to
+        float64 rounding of the parts' sum).
+      min_stream_bytes: the least hidden-state bytes of one part (default 8 MiB).
     """
 
     def __init__(
@@ -157,35 +166,55 @@ class Client:
         token: Optional[str] = None,
         head: str = "",
         options: Sequence = (),
+        streams: int = 1,
+        min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
     ):
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be positive")
+        if int(streams) < 1:
+            raise ValueError("streams must be >= 1")
+        if min_stream_bytes < 0:
+            raise ValueError("min_stream_bytes must be >= 0")
         self.target = target
         self.timeout = timeout
         self.chunk_bytes = int(chunk_bytes)
         self.head = head
-        opts = [
+        self.streams = int(streams)
+        self.min_stream_bytes = int(min_stream_bytes)
+        self._options = [
             ("grpc.max_receive_message_length", _MAX_RECV),
             ("grpc.max_send_message_length", _MAX_RECV),
         ] + list(options)
         secure = tls if tls is not None else any(x is not None for x in (root_certificates, private_key, certificate_chain))
+        self._creds = None
         if secure:
-            creds = grpc.ssl_channel_credentials(
+            self._creds = grpc.ssl_channel_credentials(
                 root_certificates=_as_bytes(root_certificates),
                 private_key=_as_bytes(private_key),
                 certificate_chain=_as_bytes(certificate_chain),
             )
-            self._channel = grpc.secure_channel(target, creds, options=opts)
-        else:
-            self._channel = grpc.insecure_channel(target, options=opts)
+        self._channel = self._new_channel()
         self._stub = pb_grpc.LceServiceStub(self._channel)
+        # Channels of the parts of split requests (streams > 1), made on first use.
+        self._part_channels: list = []
+        self._part_stubs: list = []
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._info_cache: dict = {}
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------------------- plumbing
+    def _new_channel(self, extra: Sequence = ()):
+        opts = self._options + list(extra)
+        if self._creds is not None:
+            return grpc.secure_channel(self.target, self._creds, options=opts)
+        return grpc.insecure_channel(self.target, options=opts)
+
     def close(self) -> None:
         self._channel.close()
+        with self._lock:
+            chans, self._part_channels, self._part_stubs = self._part_channels, [], []
+        for ch in chans:
+            ch.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -211,7 +240,8 @@ class Client:
         then `region = s.create(nbytes)` and pass `hidden_region=region` (hidden being an array inside
         it, e.g. `region.ndarray(shape, dtype)`) and `d_hidden_region=` to score / forward_backward /
         backward / policy_loss: hidden states are read and d_hidden written in place, with no bytes on
-        the wire. See lce_client._shm."""
+        the wire. `s.register_cuda(tensor)` registers GPU memory instead (CUDA IPC; servers with the
+        CUDA backend). See lce_client._shm."""
         return SharedMemorySession(self._stub, self._metadata)
 
     # ------------------------------------------------------------------------------------- unary
@@ -316,20 +346,23 @@ class Client:
               entropy: bool = True, ignore_index: int = -100, *, head: Optional[str] = None,
               head_version: int = 0, allow_tf32: bool = False, dtype=None,
               progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
-              hidden_region: Optional[Region] = None):
+              hidden_region: Optional[Region] = None, streams: Optional[int] = None):
         """Per-token logprob of the target and (if `entropy`) entropy of the softmax.
 
         hidden: [..., H] numpy or torch (bf16 / fp16 / fp32, the head's dtype); targets: [...] ints.
         Returns (logprobs, entropy_or_None), fp32, shaped like targets, numpy or torch on hidden's device.
         hidden_region: a shared-memory Region that `hidden` lies in (shared_memory_session()): the
-        server reads the hidden states there instead of receiving them.
+        server reads the hidden states there instead of receiving them. For a CUDA region
+        (session.register_cuda), `hidden` is the torch CUDA tensor in it (not copied).
+        streams: overrides the client's `streams` for this call (a large request is split over that
+        many concurrent streams; see Client).
         """
         outputs = [pb.OUTPUT_LOGPROBS] + ([pb.OUTPUT_ENTROPY] if entropy else [])
-        h = A.host_hidden(hidden, dtype)
+        h = self._hidden(hidden, dtype, hidden_region)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
         res = self._stream("Score", h, t, hdr, {}, want_dhidden=False, progress=progress, use_tqdm=tqdm,
-                           hidden_region=hidden_region)
+                           hidden_region=hidden_region, streams=streams)
         lp = A.to_caller_rows(res["logprobs"], h)
         ent = A.to_caller_rows(res["entropy"], h) if entropy else None
         return lp, ent
@@ -341,7 +374,8 @@ class Client:
                          return_logprobs: bool = False, return_entropy: bool = False, allow_tf32: bool = False,
                          dtype=None, progress: Optional[ProgressFn] = None,
                          tqdm: Union[bool, dict] = False, hidden_region: Optional[Region] = None,
-                         d_hidden_region: Optional[Region] = None, d_hidden_offset: int = 0) -> ForwardBackwardResult:
+                         d_hidden_region: Optional[Region] = None, d_hidden_offset: int = 0,
+                         streams: Optional[int] = None) -> ForwardBackwardResult:
         """Loss and d_hidden in one round trip. reduction: "mean" (over non-ignored rows of the whole
         call; the client declares their count to the server), "sum", or "none" (with optional per-row
         upstream gradients `grad_loss`: d_hidden is then the gradient of sum_i grad_loss_i * loss_i).
@@ -356,21 +390,23 @@ class Client:
             outputs.append(pb.OUTPUT_LOGPROBS)
         if return_entropy:
             outputs.append(pb.OUTPUT_ENTROPY)
-        h = A.host_hidden(hidden, dtype)
+        h = self._hidden(hidden, dtype, hidden_region)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
         hdr.reduction = _REDUCTIONS[reduction]
         hdr.label_smoothing = label_smoothing
         hdr.z_loss = z_loss
         hdr.accumulate_weight_grad = accumulate_weight_grad
+        valid = int(np.count_nonzero(t != ignore_index)) if reduction == "mean" else None
         if reduction == "mean":
-            hdr.num_valid_tokens = int(np.count_nonzero(t != ignore_index))
+            hdr.num_valid_tokens = valid
         per_row = {}
         if grad_loss is not None:
             per_row["grad_loss"] = A.host_rows(grad_loss, h.rows, "grad_loss", np.float32, h.lead_shape)
         res = self._stream("ForwardBackward", h, t, hdr, per_row, want_dhidden=True, progress=progress,
                            use_tqdm=tqdm, hidden_region=hidden_region, d_hidden_region=d_hidden_region,
-                           d_hidden_offset=d_hidden_offset)
+                           d_hidden_offset=d_hidden_offset, streams=streams,
+                           expect_valid=valid if reduction == "mean" else None)
         s = res["summary"]
         if s is None:
             raise LceError(grpc.StatusCode.INTERNAL, "server ended ForwardBackward without a summary",
@@ -389,10 +425,10 @@ class Client:
                  head_version: int = 0, allow_tf32: bool = False, dtype=None,
                  progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
                  hidden_region: Optional[Region] = None, d_hidden_region: Optional[Region] = None,
-                 d_hidden_offset: int = 0):
+                 d_hidden_offset: int = 0, streams: Optional[int] = None):
         """Generic backward: d_hidden from upstream grads of logprob and entropy (None: zeros).
         hidden_region / d_hidden_region: co-located, as in forward_backward()."""
-        h = A.host_hidden(hidden, dtype)
+        h = self._hidden(hidden, dtype, hidden_region)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, [], allow_tf32)
         per_row = {}
@@ -402,7 +438,7 @@ class Client:
             per_row["grad_entropy"] = A.host_rows(grad_entropy, h.rows, "grad_entropy", np.float32, h.lead_shape)
         res = self._stream("Backward", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm,
                            hidden_region=hidden_region, d_hidden_region=d_hidden_region,
-                           d_hidden_offset=d_hidden_offset)
+                           d_hidden_offset=d_hidden_offset, streams=streams)
         return A.to_caller_hidden(res["d_hidden"], h)
 
     def policy_loss(self, hidden, targets, old_logprobs, advantages, *, sequence_ids=None,
@@ -413,7 +449,7 @@ class Client:
                     accumulate_weight_grad: bool = False, allow_tf32: bool = False, dtype=None,
                     progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
                     hidden_region: Optional[Region] = None, d_hidden_region: Optional[Region] = None,
-                    d_hidden_offset: int = 0) -> PolicyLossResult:
+                    d_hidden_offset: int = 0, streams: Optional[int] = None) -> PolicyLossResult:
         """Fused PPO/GRPO policy loss and its d_hidden (docs/MATH.md, "Policy loss").
 
         sequence_ids: per row, the row's sequence (default: for [B, T] hidden states, the batch index;
@@ -422,7 +458,7 @@ class Client:
             raise ValueError(f"aggregation must be one of {sorted(_AGGREGATIONS)}")
         if kl_estimator not in _KL:
             raise ValueError(f"kl_estimator must be one of {sorted(_KL)}")
-        h = A.host_hidden(hidden, dtype)
+        h = self._hidden(hidden, dtype, hidden_region)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         if sequence_ids is None:
             if len(h.lead_shape) >= 2:
@@ -451,7 +487,8 @@ class Client:
             per_row["ref_logprobs"] = A.host_rows(ref_logprobs, h.rows, "ref_logprobs", np.float32, h.lead_shape)
         res = self._stream("PolicyLoss", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm,
                            hidden_region=hidden_region, d_hidden_region=d_hidden_region,
-                           d_hidden_offset=d_hidden_offset)
+                           d_hidden_offset=d_hidden_offset, streams=streams,
+                           expect_valid=int(sum(hdr.policy.sequence_valid_tokens)))
         s = res["summary"]
         if s is None:
             raise LceError(grpc.StatusCode.INTERNAL, "server ended PolicyLoss without a summary", "PolicyLoss")
@@ -466,7 +503,7 @@ class Client:
     def _head(self, head: Optional[str]) -> str:
         return self.head if head is None else head
 
-    def _header(self, h: A.HostArray, head, head_version, temperature, softcap, ignore_index, outputs,
+    def _header(self, h, head, head_version, temperature, softcap, ignore_index, outputs,
                 allow_tf32) -> pb.RequestHeader:
         if temperature is None:
             temperature = 1.0
@@ -478,19 +515,69 @@ class Client:
             ignore_index=int(ignore_index), allow_tf32=allow_tf32)
         return hdr
 
-    def _rows_per_chunk(self, h: A.HostArray) -> int:
-        row_bytes = h.hidden_size * h.array.itemsize
+    @staticmethod
+    def _hidden(hidden, dtype, hidden_region: Optional[Region]):
+        """The caller's hidden states: host memory (copied from a GPU if need be), or left on the GPU
+        when the server reads them from a CUDA IPC region."""
+        if hidden_region is not None and hidden_region.is_cuda:
+            return A.device_hidden(hidden)
+        return A.host_hidden(hidden, dtype)
+
+    def _rows_per_chunk(self, h) -> int:
+        row_bytes = h.hidden_size * h.itemsize
         return max(1, self.chunk_bytes // max(1, row_bytes))
 
-    def _requests(self, h: A.HostArray, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
-                  step: int, hidden_at=None, d_hidden_at=None) -> Iterator[pb.StreamRequest]:
-        """The request stream, made lazily: a header, then one chunk per `step` rows, each built from a
-        memoryview slice of the caller's (host) hidden states."""
+    def _stream_stub(self, i: int):
+        """The stub of the i-th extra channel for the parts of split requests (made on first use). Each
+        is its own TCP connection: the channels differ in an argument and use no shared subchannel."""
+        with self._lock:
+            while len(self._part_stubs) <= i:
+                k = len(self._part_stubs)
+                ch = self._new_channel([("grpc.use_local_subchannel_pool", 1), ("lce.stream_channel", k)])
+                self._part_channels.append(ch)
+                self._part_stubs.append(pb_grpc.LceServiceStub(ch))
+            return self._part_stubs[i]
+
+    def _plan_parts(self, n: int, row_bytes: int, step: int, streams: Optional[int]) -> List[tuple]:
+        """Contiguous row ranges [(r0, r1), ...] for the parts of a request: up to `streams`, each of
+        at least min_stream_bytes of hidden states, cut at multiples of the chunk rows where the chunks
+        allow it. One range (no split) for small requests."""
+        k = self.streams if streams is None else int(streams)
+        if k < 1:
+            raise ValueError(f"streams must be >= 1, got {streams!r}")
+        total = n * row_bytes
+        if self.min_stream_bytes > 0:
+            k = min(k, total // self.min_stream_bytes)
+        k = min(k, n)
+        while k > 1:
+            nchunks = -(-n // step)
+            if nchunks >= k:
+                # Whole chunks per part; the later parts take the spare ones (the last chunk may be short).
+                base, extra = divmod(nchunks, k)
+                bounds, c = [], 0
+                for i in range(k):
+                    c += base + (1 if i >= k - extra else 0)
+                    bounds.append(min(n, c * step))
+            else:  # chunks larger than a part: split the rows evenly
+                bounds = [n * (i + 1) // k for i in range(k)]
+            parts = list(zip([0] + bounds[:-1], bounds))
+            if min(r1 - r0 for r0, r1 in parts) * row_bytes >= self.min_stream_bytes:
+                return parts
+            k -= 1
+        return [(0, n)]
+
+    def _requests(self, h, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
+                  step: int, hidden_at=None, d_hidden_at=None, begin: int = 0,
+                  end: Optional[int] = None) -> Iterator[pb.StreamRequest]:
+        """The request stream of rows [begin, end), made lazily: a header, then one chunk per `step`
+        rows, each built from a memoryview slice of the caller's (host) hidden states, or naming a
+        slice of a registered region (at the rows' offset in it)."""
         yield pb.StreamRequest(header=header)
-        buf = h.byte_view()
-        row_bytes = h.hidden_size * h.array.itemsize
-        for r0 in range(0, h.rows, step):
-            r1 = min(h.rows, r0 + step)
+        end = h.rows if end is None else end
+        buf = h.byte_view() if hidden_at is None else None
+        row_bytes = h.hidden_size * h.itemsize
+        for r0 in range(begin, end, step):
+            r1 = min(end, r0 + step)
             if hidden_at is None:
                 chunk = pb.RowChunk(hidden=bytes(buf[r0 * row_bytes:r1 * row_bytes]), targets=targets[r0:r1].tolist())
             else:  # co-located: a slice of a shared-memory region, no bytes
@@ -503,9 +590,10 @@ class Client:
                 getattr(chunk, name).extend(arr[r0:r1].tolist())
             yield pb.StreamRequest(chunk=chunk)
 
-    def _stream(self, rpc: str, h: A.HostArray, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
+    def _stream(self, rpc: str, h, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
                 want_dhidden: bool, progress, use_tqdm, hidden_region: Optional[Region] = None,
-                d_hidden_region: Optional[Region] = None, d_hidden_offset: int = 0) -> dict:
+                d_hidden_region: Optional[Region] = None, d_hidden_offset: int = 0,
+                streams: Optional[int] = None, expect_valid: Optional[int] = None) -> dict:
         step = self._rows_per_chunk(h)
         n = h.rows
         out = {"logprobs": A.new_rows_out(n), "entropy": A.new_rows_out(n), "loss": A.new_rows_out(n),
@@ -513,15 +601,21 @@ class Client:
         metadata, hidden_at, d_hidden_at = self._metadata, None, None
         if d_hidden_region is not None and not want_dhidden:
             raise ValueError(f"{rpc} returns no d_hidden: d_hidden_region does not apply")
+        cuda_regions = [r for r in (hidden_region, d_hidden_region) if r is not None and r.is_cuda]
         if hidden_region is not None or d_hidden_region is not None:
             sessions = {r.session_id for r in (hidden_region, d_hidden_region) if r is not None}
             if len(sessions) != 1:
                 raise ValueError("hidden_region and d_hidden_region must belong to one session")
             metadata = tuple(self._metadata or ()) + ((SESSION_METADATA_KEY, sessions.pop()),)
             if hidden_region is not None:
-                hidden_at = (hidden_region.id, hidden_region.offset_of(h.array))
+                hidden_at = (hidden_region.id, hidden_region.offset_of(
+                    h.tensor if isinstance(h, A.DeviceArray) else h.array))
         if want_dhidden:
-            if d_hidden_region is not None:
+            if d_hidden_region is not None and d_hidden_region.is_cuda:
+                out["d_hidden"] = d_hidden_region.tensor_view((n, h.hidden_size), A.torch_dtype(h.wire_dtype),
+                                                              d_hidden_offset)
+                d_hidden_at = (d_hidden_region.id, d_hidden_offset)
+            elif d_hidden_region is not None:
                 out["d_hidden"] = d_hidden_region.ndarray((n, h.hidden_size), A.storage_dtype(h.wire_dtype),
                                                           d_hidden_offset)
                 d_hidden_at = (d_hidden_region.id, d_hidden_offset)
@@ -532,54 +626,189 @@ class Client:
             # of 0, as a mean over no valid tokens is defined to be), so answer it here without an RPC.
             out["summary"] = pb.RequestSummary(rows=0, valid_tokens=0, loss=0.0)
             return out
-        dh_bytes = out["d_hidden"].reshape(-1).view(np.uint8) if want_dhidden else None
-        row_bytes = h.hidden_size * h.array.itemsize
+        if cuda_regions:
+            # The server's GPU reads (and writes) this memory: the caller's queued work on it goes first.
+            import torch
+
+            for dev in {r.tensor.device for r in cuda_regions}:
+                torch.cuda.current_stream(dev).synchronize()
+        row_bytes = h.hidden_size * h.itemsize
+        dh_bytes = out["d_hidden"].reshape(-1).view(np.uint8) if want_dhidden and d_hidden_at is None else None
+        parts = self._plan_parts(n, row_bytes, step, streams)
         prog = _Progress(n, progress, use_tqdm, rpc) if (progress or use_tqdm) else None
-        call = getattr(self._stub, rpc)(self._requests(h, targets, header, per_row, step, hidden_at, d_hidden_at),
-                                        timeout=self.timeout, metadata=metadata)
-        expect = 0
+        args = (rpc, h, targets, per_row, step, hidden_at, d_hidden_at, metadata, out, dh_bytes)
+        try:
+            if len(parts) == 1:
+                on_rows = (lambda r1, rows: prog.update(r1, rows)) if prog is not None else None
+                out["summary"] = self._run_part(self._stub, header, 0, n, on_rows, None, *args)
+            else:
+                out["summary"] = self._run_parts(parts, header, prog, expect_valid, *args)
+        finally:
+            if prog is not None:
+                prog.close()
+        return out
+
+    def _run_part(self, stub, header, begin, end, on_rows, on_call, rpc, h, targets, per_row, step, hidden_at,
+                  d_hidden_at, metadata, out, dh_bytes):
+        """One stream: rows [begin, end) of the request, answers written into `out` at their rows.
+        Returns the RequestSummary (or None). on_rows(done_in_part, rows) per answered chunk; on_call(call)
+        once the call exists (to cancel it from elsewhere)."""
+        n = end - begin
+        row_bytes = h.hidden_size * h.itemsize
+        call = getattr(stub, rpc)(self._requests(h, targets, header, per_row, step, hidden_at, d_hidden_at,
+                                                 begin, end),
+                                  timeout=self.timeout, metadata=metadata)
+        if on_call is not None:
+            on_call(call)
+        expect, summary = 0, None
         try:
             for msg in call:
                 kind = msg.WhichOneof("kind")
                 if kind == "summary":
-                    out["summary"] = msg.summary
+                    summary = msg.summary
                     continue
                 if kind != "chunk":
                     continue
                 c = msg.chunk
                 r0, rows = int(c.first_row), int(c.rows)
-                if r0 != expect or rows <= 0 and n > 0 or r0 + rows > n:
+                if r0 != expect or rows <= 0 or r0 + rows > n:
                     raise LceError(grpc.StatusCode.INTERNAL,
                                    f"server answered rows [{r0}, {r0 + rows}) where rows from {expect} of {n} "
-                                   "were expected", rpc)
+                                   "were expected" + (f" (in the part of rows {begin}..{end - 1})" if header.partial
+                                                      else ""), rpc)
                 r1 = r0 + rows
+                g0, g1 = begin + r0, begin + r1
                 for name in ("logprobs", "entropy", "loss"):
                     vals = getattr(c, name)
                     if len(vals):
                         if len(vals) != rows:
                             raise LceError(grpc.StatusCode.INTERNAL,
                                            f"server sent {len(vals)} {name} for a chunk of {rows} rows", rpc)
-                        out[name][r0:r1] = vals
-                if want_dhidden and d_hidden_at is None:
+                        out[name][g0:g1] = vals
+                if dh_bytes is not None:
                     if len(c.d_hidden) != rows * row_bytes:
                         raise LceError(grpc.StatusCode.INTERNAL,
                                        f"server sent {len(c.d_hidden)} bytes of d_hidden for {rows} rows "
                                        f"of {row_bytes} bytes", rpc)
-                    dh_bytes[r0 * row_bytes:r1 * row_bytes] = np.frombuffer(c.d_hidden, dtype=np.uint8)
+                    dh_bytes[g0 * row_bytes:g1 * row_bytes] = np.frombuffer(c.d_hidden, dtype=np.uint8)
                 expect = r1
-                if prog is not None:
-                    prog.update(r1, rows)
+                if on_rows is not None:
+                    on_rows(r1, rows)
         except grpc.RpcError as e:
             raise _wrap(e, rpc) from e
-        except LceError:
+        except BaseException:
             call.cancel()
             raise
-        finally:
-            if prog is not None:
-                prog.close()
         if expect != n:
             raise LceError(grpc.StatusCode.INTERNAL, f"server answered {expect} of {n} rows", rpc)
-        return out
+        return summary
+
+    def _run_parts(self, parts, header, prog, expect_valid, rpc, *args):
+        """A request split over len(parts) streams (header.partial), one thread and one channel each.
+        The first failing part cancels the others; its error is raised once all have stopped. Progress
+        is reported from the calling thread. Returns the parts' summaries combined (or None)."""
+        events: "queue.Queue" = queue.Queue()
+        lock = threading.Lock()
+        calls: list = [None] * len(parts)
+        stopping = [False]
+
+        def cancel_all():
+            with lock:
+                stopping[0] = True
+                live = [c for c in calls if c is not None]
+            for c in live:
+                c.cancel()
+
+        def worker(i, r0, r1, stub, hdr):
+            def on_call(call):
+                with lock:
+                    calls[i] = call
+                    stop = stopping[0]
+                if stop:
+                    call.cancel()
+
+            try:
+                s = self._run_part(stub, hdr, r0, r1, lambda done, rows: events.put(("rows", rows)), on_call,
+                                   rpc, *args)
+                events.put(("done", i, s))
+            except BaseException as e:  # handed to the calling thread
+                events.put(("error", i, e))
+
+        threads = []
+        for i, (r0, r1) in enumerate(parts):
+            hdr = pb.RequestHeader()
+            hdr.CopyFrom(header)
+            hdr.partial = True
+            t = threading.Thread(target=worker, args=(i, r0, r1, self._stream_stub(i), hdr),
+                                 name=f"lce-{rpc}-part{i}", daemon=True)
+            threads.append(t)
+        summaries: list = [None] * len(parts)
+        error: Optional[BaseException] = None
+        try:
+            for t in threads:
+                t.start()
+            remaining, done = len(parts), 0
+            while remaining:
+                try:
+                    ev = events.get(timeout=0.25)
+                except queue.Empty:
+                    continue
+                if ev[0] == "rows":
+                    done += ev[1]
+                    if prog is not None and error is None:
+                        prog.update(done, ev[1])
+                elif ev[0] == "done":
+                    remaining -= 1
+                    summaries[ev[1]] = ev[2]
+                else:
+                    remaining -= 1
+                    if error is None:
+                        error = ev[2]
+                        cancel_all()
+        except BaseException:  # e.g. KeyboardInterrupt, or the progress callback raised
+            cancel_all()
+            raise
+        for t in threads:
+            t.join()
+        if error is not None:
+            raise error
+        if all(s is None for s in summaries):
+            return None
+        return _combine_summaries(rpc, parts, summaries, expect_valid)
+
+
+_POLICY_STATS = ("clip_fraction", "approx_kl", "mean_entropy", "mean_ratio", "mean_kl")
+
+
+def _combine_summaries(rpc: str, parts, summaries, expect_valid: Optional[int]) -> pb.RequestSummary:
+    """The RequestSummary of a split request from its parts': losses add up (each part's is its share of
+    the whole request's), PolicyLoss statistics are means over each part's valid tokens. Checks that the
+    parts' valid tokens add up to the declared count and that all ran on one head version."""
+    for i, s in enumerate(summaries):
+        if s is None:
+            r0, r1 = parts[i]
+            raise LceError(grpc.StatusCode.INTERNAL, f"server ended the part of rows {r0}..{r1 - 1} without a summary",
+                           rpc)
+    valid = [int(s.valid_tokens) for s in summaries]
+    total = sum(valid)
+    if expect_valid is not None and total != expect_valid:
+        detail = ", ".join(f"rows {r0}..{r1 - 1}: {v}" for (r0, r1), v in zip(parts, valid))
+        raise LceError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"the request was split over {len(parts)} streams whose valid tokens add up to {total} "
+                       f"({detail}), but {expect_valid} were declared (num_valid_tokens / "
+                       "sequence_valid_tokens); the loss and d_hidden are wrong, discard them", rpc)
+    versions = sorted({int(s.head_version) for s in summaries})
+    if len(versions) != 1:
+        raise LceError(grpc.StatusCode.ABORTED,
+                       f"the parts of the split request ran on different head versions {versions} (the head was "
+                       "updated meanwhile); pin head_version or retry", rpc)
+    out = pb.RequestSummary(rows=sum(int(s.rows) for s in summaries), valid_tokens=total,
+                            loss=math.fsum(s.loss for s in summaries), head_version=versions[0])
+    if rpc == "PolicyLoss":
+        for name in _POLICY_STATS:
+            val = math.fsum(getattr(s, name) * v for s, v in zip(summaries, valid)) / total if total else 0.0
+            setattr(out, name, val)
+    return out
 
 
 def _as_bytes(x):

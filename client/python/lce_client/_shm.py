@@ -12,6 +12,20 @@
 Linux only (the objects live in /dev/shm). The session's regions are unmapped by the server when the
 session ends (close(), the with-block's end, or the client process going away); the client unmaps
 and unlinks its objects on close().
+
+GPU memory (servers with the CUDA backend, on the same host):
+
+    h = torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda")   # cudaMalloc'd by torch
+    region = s.register_cuda(h)                          # its cudaIpcMemHandle_t, opened by the server
+    out = s.register_cuda(torch.empty_like(h))
+    r = client.forward_backward(h, targets, hidden_region=region, d_hidden_region=out)
+    # r.d_hidden is a view of out's tensor, written in place by the server
+
+The client synchronizes the device's current CUDA stream before it sends a request that uses a CUDA
+region; writes made on other streams must be synchronized by the caller (torch.cuda.synchronize()).
+The tensor must stay alive, and its storage unresized, while it is registered: the region holds a
+reference to it until it is released or the session is closed. CUDA IPC shares the whole cudaMalloc block the tensor lies in (PyTorch's caching allocator
+may place other tensors there) with the server process. A CPU server answers UNIMPLEMENTED.
 """
 from __future__ import annotations
 
@@ -30,6 +44,15 @@ from ._proto import lce_pb2 as pb
 
 _COUNTER = itertools.count()
 SESSION_METADATA_KEY = "lce-session"
+CUDA_IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
+
+# PyTorch's CUDA IPC bookkeeping (torch/multiprocessing/reductions.py): _share_cuda_() puts the storage
+# behind a reference counter in a shared-memory file, set to 1 for the consumer, and a freed storage's
+# block stays reserved ("limbo") until a consumer decrements it. The server is no torch consumer, so
+# the client decrements it once the last region over that storage is released (and never twice).
+_IPC_LOCK = threading.Lock()
+_IPC_LIVE: dict = {}        # (ref_counter_handle, ref_counter_offset) -> live regions over it
+_IPC_RELEASED: set = set()  # counters already given back
 
 
 @dataclass
@@ -42,19 +65,57 @@ class Region:
     name: str
     shm_name: str
     nbytes: int
-    array: np.ndarray
+    array: Optional[np.ndarray]
     _mmap: Any = None
+    # CUDA IPC regions (SharedMemorySession.register_cuda): the registered tensor (kept alive here),
+    # the device address of the region's first byte, and torch's IPC reference counter of its storage.
+    tensor: Any = None
+    device_ptr: int = 0
+    _ipc_key: Any = None
+
+    @property
+    def is_cuda(self) -> bool:
+        """True for a region of GPU memory (registered by register_cuda)."""
+        return self.tensor is not None
 
     def ndarray(self, shape, dtype, offset: int = 0) -> np.ndarray:
         """A numpy view of the region's bytes from `offset`, of `shape` and `dtype` (no copy)."""
+        if self.is_cuda:
+            raise TypeError(f"region '{self.name}' is GPU memory: use region.tensor_view(shape, dtype, offset)")
         dt = np.dtype(dtype)
         n = int(np.prod(shape)) * dt.itemsize
         if offset < 0 or offset + n > self.nbytes:
             raise ValueError(f"{n} bytes at offset {offset} do not fit region '{self.name}' of {self.nbytes} bytes")
         return self.array[offset:offset + n].view(dt).reshape(shape)
 
-    def offset_of(self, arr: np.ndarray) -> int:
-        """Byte offset of the C-contiguous array `arr` within this region (ValueError if it is not in it)."""
+    def tensor_view(self, shape, dtype, offset: int = 0):
+        """CUDA regions: a torch view of the region's bytes from `offset`, of `shape` and torch `dtype`."""
+        if not self.is_cuda:
+            raise TypeError(f"region '{self.name}' is host shared memory: use region.ndarray(shape, dtype, offset)")
+        import torch
+
+        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or offset + n > self.nbytes:
+            raise ValueError(f"{n} bytes at offset {offset} do not fit region '{self.name}' of {self.nbytes} bytes")
+        flat = self.tensor.detach().reshape(-1).view(torch.uint8)
+        return flat[offset:offset + n].view(dtype).reshape(shape)
+
+    def offset_of(self, arr: Any) -> int:
+        """Byte offset of the C-contiguous array `arr` within this region (ValueError if it is not in it);
+        for a CUDA region, `arr` is a contiguous torch tensor on the region's device."""
+        if self.is_cuda:
+            from ._arrays import is_torch_tensor
+
+            if not is_torch_tensor(arr) or arr.device != self.tensor.device:
+                raise ValueError(f"region '{self.name}' is memory of {self.tensor.device}: the array must be a "
+                                 "torch tensor on that device inside it")
+            if not arr.is_contiguous():
+                raise ValueError("an array in a region must be C-contiguous")
+            off = int(arr.data_ptr()) - self.device_ptr
+            nbytes = arr.numel() * arr.element_size()
+            if off < 0 or off + nbytes > self.nbytes:
+                raise ValueError(f"the tensor is not inside CUDA region '{self.name}'")
+            return off
         a = np.asarray(arr)
         if not a.flags["C_CONTIGUOUS"]:
             raise ValueError("an array in a region must be C-contiguous")
@@ -106,6 +167,55 @@ class SharedMemorySession:
             name=name or shm_name, shm_name=shm_name, offset=offset, byte_size=byte_size)), "RegisterRegion")
         return int(r.region_id)
 
+    def register_cuda_ipc(self, handle: bytes, byte_size: int, offset: int = 0, name: str = "") -> int:
+        """Registers `byte_size` bytes from `offset` of a CUDA allocation of this process, given the
+        64-byte cudaIpcMemHandle_t of the allocation (from cudaIpcGetMemHandle; offset counts from the
+        allocation's start); returns the region id. Low level: register_cuda(tensor) does this for a
+        torch tensor and returns a Region usable in requests. Servers without CUDA answer UNIMPLEMENTED."""
+        handle = bytes(handle)
+        if len(handle) != CUDA_IPC_HANDLE_SIZE:
+            raise ValueError(f"a cudaIpcMemHandle_t has {CUDA_IPC_HANDLE_SIZE} bytes, got {len(handle)}")
+        r = self._ask(pb.SessionRequest(register_region=pb.RegisterRegion(
+            name=name or "cuda-ipc", cuda_ipc_handle=handle, offset=offset, byte_size=byte_size)), "RegisterRegion")
+        return int(r.region_id)
+
+    def register_cuda(self, tensor, name: str = "") -> Region:
+        """Registers the GPU memory of a contiguous torch CUDA tensor (CUDA IPC, no copies): pass the
+        returned region as hidden_region= (with the tensor itself, or a contiguous slice of it, as
+        `hidden`) or d_hidden_region= (d_hidden is then written into the tensor's memory and returned
+        as a view of it). The region holds a reference to the tensor until it is released or the
+        session closed (do not resize or free its storage meanwhile). The client synchronizes the
+        device's current CUDA stream before each request that uses the region; work on other streams
+        must be synchronized by the caller (torch.cuda.synchronize()). CUDA IPC shares the whole
+        cudaMalloc block that holds the tensor with the server process."""
+        from ._arrays import is_torch_tensor
+
+        if not is_torch_tensor(tensor) or tensor.device.type != "cuda":
+            raise TypeError("register_cuda takes a torch tensor on a CUDA device")
+        if not tensor.is_contiguous():
+            raise ValueError("register_cuda needs a contiguous tensor")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= 0:
+            raise ValueError("register_cuda needs a non-empty tensor")
+        share = tensor.untyped_storage()._share_cuda_()
+        # (device, handle, storage_size_bytes, storage_offset_bytes, ref_counter_handle, ref_counter_offset,
+        #  event_handle, event_sync_required)
+        raw = _cuda_ipc_handle(share[1])
+        offset = int(share[3]) + int(tensor.storage_offset()) * tensor.element_size()
+        key = (share[4], share[5]) if share[4] is not None else None
+        label = name or f"cuda:{tensor.device.index}:{tensor.data_ptr():#x}"
+        rid = self.register_cuda_ipc(raw, nbytes, offset=offset, name=label)
+        if key is not None:
+            with _IPC_LOCK:
+                if key in _IPC_RELEASED:
+                    key = None  # torch's counter was given back already: the tensor's lifetime rules
+                else:
+                    _IPC_LIVE[key] = _IPC_LIVE.get(key, 0) + 1
+        region = Region(rid, self.session_id, label, "", nbytes, None, None, tensor=tensor,
+                        device_ptr=int(tensor.data_ptr()), _ipc_key=key)
+        self._regions.append(region)
+        return region
+
     def unregister(self, region_id: int) -> None:
         self._ask(pb.SessionRequest(unregister_region=pb.UnregisterRegion(region_id=region_id)), "UnregisterRegion")
 
@@ -140,7 +250,7 @@ class SharedMemorySession:
                 if not self._closed:
                     self.unregister(region.id)
             finally:
-                _unlink(region.shm_name)
+                _forget(region)
 
     def close(self) -> None:
         """Ends the session (the server unmaps every region) and deletes this session's shm objects."""
@@ -154,11 +264,12 @@ class SharedMemorySession:
         except grpc.RpcError:
             pass
         for r in self._regions:
-            _unlink(r.shm_name)
+            _forget(r)
         self._regions.clear()
 
     def cancel(self) -> None:
-        """Cancels the session stream, as a client that goes away would (regions stay linked here)."""
+        """Cancels the session stream, as a client that goes away would (regions stay linked here; the
+        memory of CUDA regions stays reserved by PyTorch, as the server may still have it open)."""
         self._closed = True
         self._call.cancel()
         self._requests.put(None)
@@ -168,6 +279,45 @@ class SharedMemorySession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _forget(region: Region) -> None:
+    """After the server has let go of a region: unlink its shm object, or give back torch's IPC
+    reference of its storage (once the last region over it is gone) and drop the tensor."""
+    if not region.is_cuda:
+        _unlink(region.shm_name)
+        return
+    key, region._ipc_key = region._ipc_key, None
+    region.tensor = None
+    if key is None:
+        return
+    with _IPC_LOCK:
+        left = _IPC_LIVE.get(key, 1) - 1
+        if left > 0:
+            _IPC_LIVE[key] = left
+            return
+        _IPC_LIVE.pop(key, None)
+        _IPC_RELEASED.add(key)
+    try:
+        import torch
+
+        torch.UntypedStorage._release_ipc_counter_cuda(key[0], key[1])
+    except Exception:  # best effort, as torch's own consumers do
+        pass
+
+
+def _cuda_ipc_handle(handle) -> bytes:
+    """The 64-byte cudaIpcMemHandle_t inside torch's storage handle: raw in older torch; newer torch
+    writes a version byte and a type byte ('c': a cudaMalloc block) before it."""
+    b = bytes(handle)
+    if len(b) == CUDA_IPC_HANDLE_SIZE:
+        return b
+    if len(b) == CUDA_IPC_HANDLE_SIZE + 2 and b[1] == ord("c"):
+        return b[2:]
+    if len(b) >= 2 and b[1] == ord("e"):
+        raise ValueError("the tensor lives in an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:"
+                         "True), which has no cudaIpcMemHandle_t: allocate it with expandable segments off")
+    raise ValueError(f"unrecognised CUDA IPC handle from torch ({len(b)} bytes)")
 
 
 def _unlink(shm_name: str) -> None:

@@ -16,6 +16,12 @@
 
 Hidden states of another floating dtype than the head's are cast to the head's dtype for the wire
 (``cast=True``, the default) and d_hidden comes back in the caller's dtype and device.
+
+``cuda_session=client.shared_memory_session()`` (server with the CUDA backend on the same host): CUDA
+hidden states are then not copied to the host and sent; for each RPC the (cast, contiguous) hidden states
+and a fresh d_hidden buffer are registered as CUDA IPC regions of that session, the server reads and
+writes them in place on the GPU, and the regions are released when the RPC returns. The session must be
+one of the same server; CPU tensors take the usual path.
 """
 from __future__ import annotations
 
@@ -51,6 +57,26 @@ def get_default_client() -> Client:
     return _default_client
 
 
+def _via_cuda_ipc(session, wire: torch.Tensor, want_dhidden: bool, call):
+    """call(wire, region_kwargs): with CUDA IPC regions of `session` for the hidden states (and a new
+    d_hidden buffer) when the session is given and the tensor is on a GPU; released afterwards."""
+    if session is None or wire.device.type != "cuda" or wire.numel() == 0:
+        return call(wire, {})
+    wire = wire.contiguous()
+    tensors = [wire] + ([torch.empty_like(wire)] if want_dhidden else [])
+    regions = []
+    try:
+        for t in tensors:
+            regions.append(session.register_cuda(t))
+        kw = {"hidden_region": regions[0]}
+        if want_dhidden:
+            kw["d_hidden_region"] = regions[1]
+        return call(wire, kw)
+    finally:
+        for r in regions:
+            session.release(r)
+
+
 def _wire_hidden(client: Client, hidden: torch.Tensor, head: Optional[str], cast: bool) -> torch.Tensor:
     want = _TORCH_DTYPES[client.head_info(head).dtype]
     if hidden.dtype == want:
@@ -64,10 +90,10 @@ class _RemoteLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, client, opts):
         wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
-        res = client.forward_backward(
-            wire, targets, reduction=opts["reduction"], ignore_index=opts["ignore_index"],
+        res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.forward_backward(
+            w, targets, reduction=opts["reduction"], ignore_index=opts["ignore_index"],
             label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"], temperature=opts["temperature"],
-            softcap=opts["softcap"], head=opts["head"], accumulate_weight_grad=opts["accumulate_weight_grad"])
+            softcap=opts["softcap"], head=opts["head"], accumulate_weight_grad=opts["accumulate_weight_grad"], **kw))
         ctx.client, ctx.opts, ctx.hidden_dtype = client, opts, hidden.dtype
         ctx.d_hidden = res.d_hidden  # gradient for grad_output == 1 (per row for "none")
         if opts["backward_mode"] == "rpc":
@@ -85,10 +111,10 @@ class _RemoteLCE(torch.autograd.Function):
         if opts["backward_mode"] == "rpc":
             hidden, targets = ctx.saved_tensors
             wire = _wire_hidden(ctx.client, hidden, opts["head"], opts["cast"])
-            res = ctx.client.forward_backward(
-                wire, targets, reduction="none", ignore_index=opts["ignore_index"],
+            res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: ctx.client.forward_backward(
+                w, targets, reduction="none", ignore_index=opts["ignore_index"],
                 label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"], temperature=opts["temperature"],
-                softcap=opts["softcap"], head=opts["head"], grad_loss=grad_out)
+                softcap=opts["softcap"], head=opts["head"], grad_loss=grad_out, **kw))
             return res.d_hidden.to(ctx.hidden_dtype), None, None, None
         d = ctx.d_hidden
         if opts["reduction"] == "none":
@@ -102,7 +128,7 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
                                 reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
                                 z_loss: float = 0.0, temperature: float = 1.0, softcap: Optional[float] = None,
                                 head: Optional[str] = None, cast: bool = True, accumulate_weight_grad: bool = False,
-                                backward_mode: str = "scale") -> torch.Tensor:
+                                backward_mode: str = "scale", cuda_session=None) -> torch.Tensor:
     """Functional form of RemoteLinearCrossEntropy."""
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be none, sum or mean, got {reduction!r}")
@@ -113,7 +139,7 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
     client = client or get_default_client()
     opts = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
                 temperature=temperature, softcap=softcap, head=head, cast=cast,
-                accumulate_weight_grad=accumulate_weight_grad, backward_mode=backward_mode)
+                accumulate_weight_grad=accumulate_weight_grad, backward_mode=backward_mode, cuda_session=cuda_session)
     return _RemoteLCE.apply(hidden, targets, client, opts)
 
 
@@ -124,21 +150,24 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
     reduction: "mean" (over non-ignored rows), "sum" or "none" (per-row loss, shaped like targets).
     label_smoothing, z_loss, temperature, softcap: as in docs/MATH.md. head: head name on the server.
     accumulate_weight_grad: also accumulate dW on the server (for OptimizerStep).
+    cuda_session: a shared-memory session of the same server (CUDA backend, same host): CUDA hidden
+    states and d_hidden then stay on the GPU (CUDA IPC regions), see the module docstring.
     See the module docstring for how the backward gets d_hidden (one RPC per forward by default).
     """
 
     def __init__(self, client: Optional[Client] = None, *, reduction: str = "mean", ignore_index: int = -100,
                  label_smoothing: float = 0.0, z_loss: float = 0.0, temperature: float = 1.0,
                  softcap: Optional[float] = None, head: Optional[str] = None, cast: bool = True,
-                 accumulate_weight_grad: bool = False, backward_mode: str = "scale"):
+                 accumulate_weight_grad: bool = False, backward_mode: str = "scale", cuda_session=None):
         super().__init__()
         self.client = client
         self.kw = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                        z_loss=z_loss, temperature=temperature, softcap=softcap, head=head, cast=cast,
                        accumulate_weight_grad=accumulate_weight_grad, backward_mode=backward_mode)
+        self.cuda_session = cuda_session
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return remote_linear_cross_entropy(hidden, targets, self.client, **self.kw)
+        return remote_linear_cross_entropy(hidden, targets, self.client, cuda_session=self.cuda_session, **self.kw)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.kw.items())
@@ -148,8 +177,9 @@ class _RemoteLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, client, opts):
         wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
-        lp, ent = client.score(wire, targets, temperature=opts["temperature"], softcap=opts["softcap"],
-                               entropy=True, ignore_index=opts["ignore_index"], head=opts["head"])
+        lp, ent = _via_cuda_ipc(opts["cuda_session"], wire, False, lambda w, kw: client.score(
+            w, targets, temperature=opts["temperature"], softcap=opts["softcap"], entropy=True,
+            ignore_index=opts["ignore_index"], head=opts["head"], **kw))
         ctx.client, ctx.opts, ctx.hidden_dtype = client, opts, hidden.dtype
         ctx.save_for_backward(hidden, targets)
         ctx.set_materialize_grads(False)
@@ -163,17 +193,19 @@ class _RemoteLogprobs(torch.autograd.Function):
         hidden, targets = ctx.saved_tensors
         opts = ctx.opts
         wire = _wire_hidden(ctx.client, hidden, opts["head"], opts["cast"])
-        d = ctx.client.backward(wire, targets, grad_logprob=g_lp, grad_entropy=g_ent,
-                                temperature=opts["temperature"], softcap=opts["softcap"],
-                                ignore_index=opts["ignore_index"], head=opts["head"])
+        d = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: ctx.client.backward(
+            w, targets, grad_logprob=g_lp, grad_entropy=g_ent, temperature=opts["temperature"],
+            softcap=opts["softcap"], ignore_index=opts["ignore_index"], head=opts["head"], **kw))
         return d.to(ctx.hidden_dtype), None, None, None
 
 
 def remote_logprobs(hidden: torch.Tensor, targets: torch.Tensor, client: Optional[Client] = None, *,
                     temperature: float = 1.0, softcap: Optional[float] = None, ignore_index: int = -100,
-                    head: Optional[str] = None, cast: bool = True):
+                    head: Optional[str] = None, cast: bool = True, cuda_session=None):
     """(logprobs, entropy) of targets under the remote head, fp32, shaped like targets, differentiable
-    w.r.t. hidden: the backward makes one Backward RPC with the upstream grads of both outputs."""
+    w.r.t. hidden: the backward makes one Backward RPC with the upstream grads of both outputs.
+    cuda_session: as in RemoteLinearCrossEntropy (CUDA IPC regions instead of bytes on the wire)."""
     client = client or get_default_client()
-    opts = dict(temperature=temperature, softcap=softcap, ignore_index=ignore_index, head=head, cast=cast)
+    opts = dict(temperature=temperature, softcap=softcap, ignore_index=ignore_index, head=head, cast=cast,
+                cuda_session=cuda_session)
     return _RemoteLogprobs.apply(hidden, targets, client, opts)

@@ -33,6 +33,8 @@ struct ClientOptions {
   // never split (no bytes to carry).
   int streams = 1;
   int64_t min_stream_bytes = 8 << 20;
+  // HTTP/2 flow-control window per stream for the answers (grpc.http2.lookahead_bytes); 0: gRPC's.
+  int64_t http2_window_bytes = 0;
 };
 
 // Where a co-located batch's bytes are: `offset` into region `region_id` of session `session_id`
@@ -54,7 +56,7 @@ struct HiddenBatch {
   // `hidden` is not sent and may be empty) ...
   std::optional<RegionRef> hidden_region;
   // ... and writes d_hidden into this one, in place (ForwardBackward/Backward); the result's
-  // d_hidden is then empty. Both regions must belong to one session.
+  // d_hidden is then empty (Score ignores it). Both regions must belong to one session.
   std::optional<RegionRef> d_hidden_region;
 };
 

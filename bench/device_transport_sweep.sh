@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Where the gRPC path's time goes (issue 7): lce_bench at several row counts (the engine's cost of
+# one chunk), then lce_transport_bench over gRPC for each "STREAMS:CHUNK_BYTES:WINDOW_BYTES" of
+# $CONFIGS, each followed by the server's own account of the requests (request log: duration,
+# engine time, engine calls, queue time). .devbin/ and .rtpack/ carried.
+# Usage: bench/device_transport_sweep.sh [ROWS] [HIDDEN] [VOCAB]
+set -u
+[ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
+export LD_LIBRARY_PATH=$PWD/.rt/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+N=${1:-8192} H=${2:-4096} V=${3:-128256}
+if [ -n "${ENGINE_ROWS:-}" ]; then
+  shapes=$(for r in $ENGINE_ROWS; do printf "%sx%sx%s," "$r" "$H" "$V"; done)
+  ./.devbin/lce_bench --shapes "${shapes%,}" --reps 5 --warmup 2 > "$OUT/engine_rows.log" 2>&1
+  grep -E "^\||rows|train|score" "$OUT/engine_rows.log" | tail -20
+fi
+start_server() {  # $1: window bytes
+  rm -f /tmp/lce.port
+  ./.devbin/lce_server --port=0 --port-file=/tmp/lce.port --backend=cuda --seed-head="${V}x${H}" --seed=0 \
+    --head-dtype=bf16 --log-requests=true --max-message-bytes=134217728 --http2-window-bytes="$1" \
+    2> "$OUT/server_w$1.log" > /dev/null &
+  SERVER=$!
+  for _ in $(seq 600); do [ -s /tmp/lce.port ] && break; sleep 0.2; done
+}
+for cfg in ${CONFIGS:-1:4194304:0 4:4194304:0}; do
+  IFS=: read -r s chunk w <<< "$cfg"
+  start_server "$w"
+  echo "== streams $s, chunk $chunk bytes, http2 window $w"
+  ./.devbin/lce_transport_bench --target=127.0.0.1:$(cat /tmp/lce.port) --rows="$N" --hidden="$H" --vocab="$V" \
+    --seed=0 --modes=grpc --streams="$s" --chunk-bytes="$chunk" --http2-window-bytes="$w" --iterations=4 --warmup=1 \
+    2>&1 | grep "^| grpc"
+  python3 bench/transport_log_summary.py "$OUT/server_w$w.log"
+  kill $SERVER; wait $SERVER 2>/dev/null
+done

@@ -1,0 +1,316 @@
+// End-to-end transport benchmark (issue 7): the same score and train requests, timed
+//   engine   in this process: the CUDA engine on the server's head (same seed), inputs already in
+//            device memory: the floor of every path below;
+//   grpc-S   lce_server over gRPC on loopback, hidden states and d_hidden as bytes, the request split
+//            over S streams/connections (ClientOptions.streams; S=1 is one stream);
+//   shm      co-located, host memory: hidden states and d_hidden in POSIX shared-memory regions;
+//   ipc      co-located, GPU memory: hidden states and d_hidden in this process's cudaMalloc memory,
+//            registered with the server through CUDA IPC (no bytes anywhere but on the GPU).
+// score = logprobs + entropy; train = ForwardBackward (mean loss, per-row loss, d_hidden), which is
+// what the engine row times as well. Each path's answers are compared with the engine's (max
+// |logprob| and |d_hidden| differences), so that a fast wrong path shows.
+//
+// Usage (server already running with --backend=cuda --seed-head=VxH --seed=S --head-dtype=bf16):
+//   lce_transport_bench --target=127.0.0.1:PORT --vocab=V --hidden=H --seed=S [--rows=8192]
+//       [--streams=1,2,4,8] [--chunk-bytes=4194304] [--iterations=5] [--warmup=1] [--modes=engine,grpc,shm,ipc]
+//       [--http2-window-bytes=0]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "head_source.h"
+#include "lce/client/lce_client.h"
+#include "lce/engine.h"
+#include "lce/numeric.h"
+
+namespace v1 = lce::v1;
+
+namespace {
+
+#define CHECK_CUDA(x)                                                                          \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+template <typename T>
+T Check(absl::StatusOr<T> v, const char* what) {
+  if (!v.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, v.status().ToString().c_str());
+    std::exit(1);
+  }
+  return *std::move(v);
+}
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+std::map<std::string, std::string> ParseFlags(int argc, char** argv) {
+  std::map<std::string, std::string> f;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) != 0 || a.find('=') == std::string::npos) {
+      std::fprintf(stderr, "flags are --name=value, got '%s'\n", a.c_str());
+      std::exit(2);
+    }
+    f[a.substr(2, a.find('=') - 2)] = a.substr(a.find('=') + 1);
+  }
+  return f;
+}
+
+std::vector<std::string> Split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string x; std::getline(ss, x, ',');) out.push_back(x);
+  return out;
+}
+
+struct Timing {
+  double mean_ms = 0, best_ms = 1e30;
+};
+
+Timing Time(int warmup, int iterations, const std::function<void()>& once) {
+  for (int i = 0; i < warmup; ++i) once();
+  Timing t;
+  for (int i = 0; i < iterations; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    once();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    t.mean_ms += ms / iterations;
+    t.best_ms = std::min(t.best_ms, ms);
+  }
+  return t;
+}
+
+// Outputs of one path, to compare with the engine's.
+struct Answers {
+  std::vector<float> logprobs, loss;
+  std::vector<uint16_t> d_hidden;
+};
+
+double MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+  return m;
+}
+double MaxDiffBf16(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(static_cast<double>(lce::Bf16ToFloat(a[i])) - lce::Bf16ToFloat(b[i])));
+  return m;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto f = ParseFlags(argc, argv);
+  auto get = [&](const char* k, const char* d) { return f.count(k) ? f[k] : std::string(d); };
+  const std::string target = get("target", "127.0.0.1:50051");
+  const int64_t N = std::stoll(get("rows", "8192")), H = std::stoll(get("hidden", "4096")),
+                V = std::stoll(get("vocab", "128256"));
+  const uint64_t seed = std::stoull(get("seed", "0"));
+  const int64_t chunk_bytes = std::stoll(get("chunk-bytes", "4194304"));
+  const int iterations = std::stoi(get("iterations", "5")), warmup = std::stoi(get("warmup", "1"));
+  const auto modes = Split(get("modes", "engine,grpc,shm,ipc"));
+  auto has = [&](const char* m) { return std::find(modes.begin(), modes.end(), m) != modes.end(); };
+  const int64_t bytes = N * H * 2;
+
+  // Inputs: h ~ 0.5·N(0, 1) in bf16, targets uniform with 5% ignored (as bench/lce_bench).
+  std::mt19937_64 rng(1234);
+  std::normal_distribution<float> normal(0.0f, 0.5f);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(V - 1));
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::vector<uint16_t> hidden(N * H);
+  for (auto& x : hidden) x = lce::FloatToBf16(normal(rng));
+  std::vector<int32_t> targets(N);
+  int64_t valid = 0;
+  for (auto& y : targets) {
+    y = u(rng) < 0.05f ? -100 : tok(rng);
+    valid += y != -100;
+  }
+  const auto* hidden_bytes = reinterpret_cast<const uint8_t*>(hidden.data());
+  std::printf("transport bench: %lld rows x %lld hidden, vocab %lld, bf16: %.1f MiB of hidden states each way\n",
+              static_cast<long long>(N), static_cast<long long>(H), static_cast<long long>(V), bytes / 1048576.0);
+
+  struct Row {
+    std::string path, op;
+    Timing t;
+    double in_gbs, out_gbs, lp_diff, dh_diff;
+  };
+  std::vector<Row> rows;
+  Answers ref_score, ref_train;
+
+  // --- engine only: this process, the server's head, device-resident inputs.
+  if (has("engine")) {
+    lce::server::HeadSource src;
+    src.seed_vocab = V;
+    src.seed_hidden = H;
+    src.seed = seed;
+    src.dtype = lce::DType::kBFloat16;
+    auto weights = Check(lce::server::LoadHead(src, 0, 1), "seeded head");
+    lce::EngineConfig cfg;
+    auto engine = Check(lce::CreateEngine(lce::Backend::kCuda, weights, cfg), "CUDA engine");
+    void *d_h = nullptr, *d_y = nullptr, *d_dh = nullptr, *d_g = nullptr, *d_lp = nullptr, *d_ent = nullptr,
+         *d_loss = nullptr;
+    CHECK_CUDA(cudaMalloc(&d_h, bytes));
+    CHECK_CUDA(cudaMalloc(&d_dh, bytes));
+    CHECK_CUDA(cudaMalloc(&d_y, N * 4));
+    CHECK_CUDA(cudaMalloc(&d_g, N * 4));
+    CHECK_CUDA(cudaMalloc(&d_lp, N * 4));
+    CHECK_CUDA(cudaMalloc(&d_ent, N * 4));
+    CHECK_CUDA(cudaMalloc(&d_loss, N * 4));
+    CHECK_CUDA(cudaMemcpy(d_h, hidden.data(), bytes, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d_y, targets.data(), N * 4, cudaMemcpyHostToDevice));
+    std::vector<float> g(N, 1.0f / static_cast<float>(valid));  // the mean, as the server passes it
+    CHECK_CUDA(cudaMemcpy(d_g, g.data(), N * 4, cudaMemcpyHostToDevice));
+    const lce::RowsView view{d_h, static_cast<const int32_t*>(d_y), N, lce::MemorySpace::kDevice};
+    lce::LceOptions opt;
+    Timing ts = Time(warmup, iterations, [&] {
+      Check(engine->Compute(view, opt, {}, {static_cast<float*>(d_lp), static_cast<float*>(d_ent), nullptr, nullptr}, {}),
+            "engine score");
+    });
+    lce::Upstream up{lce::GradMode::kLoss, static_cast<const float*>(d_g), nullptr, nullptr};
+    Timing tt = Time(warmup, iterations, [&] {
+      Check(engine->Compute(view, opt, up, {nullptr, nullptr, nullptr, static_cast<float*>(d_loss)}, {d_dh, nullptr}),
+            "engine train");
+    });
+    ref_score.logprobs.resize(N);
+    ref_train.loss.resize(N);
+    ref_train.d_hidden.resize(N * H);
+    CHECK_CUDA(cudaMemcpy(ref_score.logprobs.data(), d_lp, N * 4, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(ref_train.loss.data(), d_loss, N * 4, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(ref_train.d_hidden.data(), d_dh, bytes, cudaMemcpyDeviceToHost));
+    for (void* p : {d_h, d_dh, d_y, d_g, d_lp, d_ent, d_loss}) cudaFree(p);
+    engine.reset();  // give the GPU back to the server for the paths below
+    rows.push_back({"engine only", "score", ts, 0, 0, 0, 0});
+    rows.push_back({"engine only", "train", tt, 0, 0, 0, 0});
+  }
+
+  v1::RequestHeader score_h;  // default outputs: logprobs and entropy
+  v1::RequestHeader train_h;
+  train_h.set_reduction(v1::REDUCTION_MEAN);
+  train_h.add_outputs(v1::OUTPUT_LOSS);
+  auto diff = [&](const Answers& a, bool train) -> std::pair<double, double> {
+    if (ref_score.logprobs.empty()) return {NAN, NAN};
+    if (!train) return {MaxDiff(a.logprobs, ref_score.logprobs), NAN};
+    return {MaxDiff(a.loss, ref_train.loss), MaxDiffBf16(a.d_hidden, ref_train.d_hidden)};
+  };
+  auto to_bf16 = [](const std::vector<uint8_t>& b) {
+    std::vector<uint16_t> v(b.size() / 2);
+    std::memcpy(v.data(), b.data(), b.size());
+    return v;
+  };
+  // Runs score and train through `c` with `batch`; `read_dh` fetches d_hidden when it is not on the wire.
+  auto run_path = [&](const std::string& name, lce::client::LceClient& c, const lce::client::HiddenBatch& batch,
+                      const std::function<std::vector<uint16_t>()>& read_dh) {
+    Answers s, t;
+    lce::client::HiddenBatch score_batch = batch;  // Score returns no d_hidden
+    score_batch.d_hidden_region.reset();
+    Timing ts = Time(warmup, iterations, [&] {
+      auto r = Check(c.Score(score_batch, score_h), (name + " score").c_str());
+      s.logprobs = std::move(r.logprobs);
+    });
+    Timing tt = Time(warmup, iterations, [&] {
+      auto r = Check(c.ForwardBackward(batch, train_h), (name + " train").c_str());
+      t.loss = std::move(r.loss);
+      if (!r.d_hidden.empty()) t.d_hidden = to_bf16(r.d_hidden);
+    });
+    if (read_dh) t.d_hidden = read_dh();
+    const bool wire = !batch.hidden_region.has_value();
+    auto [lp, _] = diff(s, false);
+    auto [loss, dh] = diff(t, true);
+    const double in = wire ? bytes / 1e9 : 0.0;
+    const double out_train = wire && !batch.d_hidden_region ? bytes / 1e9 : 0.0;
+    rows.push_back({name, "score", ts, in / (ts.mean_ms / 1e3), 0, lp, NAN});
+    rows.push_back({name, "train", tt, in / (tt.mean_ms / 1e3), out_train / (tt.mean_ms / 1e3), loss, dh});
+  };
+
+  lce::client::HiddenBatch wire{v1::DTYPE_BFLOAT16, N, H, absl::MakeConstSpan(hidden_bytes, bytes),
+                                absl::MakeConstSpan(targets)};
+  if (has("grpc")) {
+    for (const std::string& s : Split(get("streams", "1,2,4,8"))) {
+      lce::client::ClientOptions o;
+      o.target = target;
+      o.chunk_bytes = chunk_bytes;
+      o.streams = std::stoi(s);
+      o.http2_window_bytes = std::stoll(get("http2-window-bytes", "0"));
+      o.min_stream_bytes = std::min<int64_t>(8 << 20, bytes / o.streams);
+      auto c = Check(lce::client::LceClient::Create(o), "client");
+      run_path("grpc, " + s + (s == "1" ? " stream" : " streams"), *c, wire, nullptr);
+    }
+  }
+  lce::client::ClientOptions o1;
+  o1.target = target;
+  o1.chunk_bytes = chunk_bytes;
+  auto c1 = Check(lce::client::LceClient::Create(o1), "client");
+  if (has("shm")) {
+    auto session = Check(c1->OpenSession(), "OpenSession");
+    auto in = Check(session->CreateRegion(bytes, "hidden"), "shm hidden");
+    auto out = Check(session->CreateRegion(bytes, "d_hidden"), "shm d_hidden");
+    std::memcpy(in.bytes.data(), hidden.data(), bytes);
+    lce::client::HiddenBatch b = wire;
+    b.hidden = {};
+    b.hidden_region = in.Ref();
+    b.d_hidden_region = out.Ref();
+    run_path("co-located, shm (host)", *c1, b, [&] {
+      std::vector<uint16_t> v(N * H);
+      std::memcpy(v.data(), out.bytes.data(), bytes);
+      return v;
+    });
+  }
+  if (has("ipc")) {
+    void *d_in = nullptr, *d_out = nullptr;
+    CHECK_CUDA(cudaMalloc(&d_in, bytes));
+    CHECK_CUDA(cudaMalloc(&d_out, bytes));
+    CHECK_CUDA(cudaMemcpy(d_in, hidden.data(), bytes, cudaMemcpyHostToDevice));
+    cudaIpcMemHandle_t hin, hout;
+    CHECK_CUDA(cudaIpcGetMemHandle(&hin, d_in));
+    CHECK_CUDA(cudaIpcGetMemHandle(&hout, d_out));
+    auto session = Check(c1->OpenSession(), "OpenSession");
+    const uint64_t in_id = Check(session->RegisterCudaIpc(absl::string_view(reinterpret_cast<const char*>(&hin), 64), 0, bytes, "hidden"), "ipc hidden");
+    const uint64_t out_id = Check(session->RegisterCudaIpc(absl::string_view(reinterpret_cast<const char*>(&hout), 64), 0, bytes, "d_hidden"), "ipc d_hidden");
+    lce::client::HiddenBatch b = wire;
+    b.hidden = {};
+    b.hidden_region = lce::client::RegionRef{session->id(), in_id, 0};
+    b.d_hidden_region = lce::client::RegionRef{session->id(), out_id, 0};
+    run_path("co-located, CUDA IPC (GPU)", *c1, b, [&] {
+      std::vector<uint16_t> v(N * H);
+      CHECK_CUDA(cudaMemcpy(v.data(), d_out, bytes, cudaMemcpyDeviceToHost));
+      return v;
+    });
+    session.reset();
+    cudaFree(d_in);
+    cudaFree(d_out);
+  }
+
+  double engine_ms[2] = {NAN, NAN};
+  for (const Row& r : rows) {
+    if (r.path == "engine only") engine_ms[r.op == "train"] = r.t.mean_ms;
+  }
+  std::printf("\n| path | op | mean ms | best ms | x engine | GB/s in | GB/s out | max |d logprob or loss| | max |d d_hidden| |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  for (const Row& r : rows) {
+    std::printf("| %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2e | %.2e |\n", r.path.c_str(), r.op.c_str(),
+                r.t.mean_ms, r.t.best_ms, r.t.mean_ms / engine_ms[r.op == "train"], r.in_gbs, r.out_gbs, r.lp_diff,
+                r.dh_diff);
+  }
+  return 0;
+}

@@ -1,0 +1,190 @@
+// CUDA IPC regions, end to end: this process (the client) allocates GPU memory, exports it with
+// cudaIpcGetMemHandle and registers it with an lce_server --backend=cuda running as a second
+// process; requests that name the region give the answers of the bytes-over-gRPC path, write
+// d_hidden into the client's GPU memory in place, and every misuse gets its status.
+// Skips (GTEST_SKIP, with a message) where no CUDA device is visible.
+#include <cuda_runtime.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "lce/client/lce_client.h"
+#include "lce/engine.h"
+#include "lce/numeric.h"
+
+extern char** environ;
+
+namespace lce {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr int64_t kVocab = 5003, kHidden = 256, kRows = 777;
+
+std::string ServerPath() {
+  const char* env = std::getenv("LCE_SERVER_BIN");
+  return env != nullptr && *env != 0 ? env : LCE_SERVER_PATH;
+}
+
+// lce_server --backend=cuda as a child process: a second process, as CUDA IPC requires.
+class ServerProcess {
+ public:
+  ServerProcess() : dir_(fs::temp_directory_path() / ("lce_ipc_" + std::to_string(::getpid()))) {
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    const std::string port_file = (dir_ / "port").string();
+    std::vector<std::string> args = {ServerPath(), "--port=0", "--port-file=" + port_file, "--backend=cuda",
+                                     "--seed-head=" + std::to_string(kVocab) + "x" + std::to_string(kHidden),
+                                     "--seed=5", "--head-dtype=bf16", "--host=127.0.0.1", "--log-requests=false"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    EXPECT_EQ(posix_spawn(&pid_, args[0].c_str(), nullptr, nullptr, argv.data(), environ), 0);
+    for (int i = 0; i < 600 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::ifstream in(port_file);
+    int port = 0;
+    in >> port;
+    EXPECT_GT(port, 0) << "lce_server never wrote its port";
+    target_ = "127.0.0.1:" + std::to_string(port);
+  }
+  ~ServerProcess() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);  // never kill(-1)
+      ::waitpid(pid_, nullptr, 0);
+    }
+    fs::remove_all(dir_);
+  }
+  const std::string& target() const { return target_; }
+
+ private:
+  fs::path dir_;
+  pid_t pid_ = -1;
+  std::string target_;
+};
+
+struct DeviceBuffer {
+  void* p = nullptr;
+  explicit DeviceBuffer(size_t bytes) { EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess); }
+  ~DeviceBuffer() { cudaFree(p); }
+  std::string Handle() const {
+    cudaIpcMemHandle_t h;
+    EXPECT_EQ(cudaIpcGetMemHandle(&h, p), cudaSuccess);
+    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+};
+
+TEST(CudaIpc, RegionsInTheClientsGpuMemoryGiveTheAnswersOfTheBytesPath) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device visible: CUDA IPC test skipped";
+  ServerProcess server;
+  client::ClientOptions o;
+  o.target = server.target();
+  o.chunk_bytes = 100 * kHidden * 2;  // several chunks on the bytes path
+  auto c = client::LceClient::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  client::LceClient& cl = **c;
+
+  // Fresh random bf16 hidden states and targets (some ignored).
+  std::mt19937_64 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int32_t> tok(0, kVocab - 1);
+  std::vector<uint16_t> hidden(kRows * kHidden);
+  for (auto& x : hidden) x = FloatToBf16(normal(rng));
+  std::vector<int32_t> targets(kRows);
+  for (int64_t i = 0; i < kRows; ++i) targets[i] = i % 11 == 3 ? -100 : tok(rng);
+  const int64_t bytes = kRows * kHidden * 2;
+  client::HiddenBatch wire{v1::DTYPE_BFLOAT16, kRows, kHidden,
+                           absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(hidden.data()), bytes),
+                           absl::MakeConstSpan(targets)};
+
+  // The client's GPU memory: hidden at an offset inside its allocation, d_hidden in another one.
+  const int64_t off = 4096 + 2 * kHidden;
+  DeviceBuffer in(off + bytes), out(bytes);
+  ASSERT_EQ(cudaMemcpy(static_cast<uint8_t*>(in.p) + off, hidden.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(out.p, 0, bytes), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  auto session = cl.OpenSession();
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto in_id = (*session)->RegisterCudaIpc(in.Handle(), 0, off + bytes, "hidden");
+  auto out_id = (*session)->RegisterCudaIpc(out.Handle(), 0, bytes, "d_hidden");
+  ASSERT_TRUE(in_id.ok()) << in_id.status();
+  ASSERT_TRUE(out_id.ok()) << out_id.status();
+  const std::string sid = (*session)->id();
+  client::HiddenBatch ipc = wire;
+  ipc.hidden = {};
+  ipc.hidden_region = client::RegionRef{sid, *in_id, off};
+
+  v1::RequestHeader h;
+  h.set_temperature(0.9f);
+  auto want_s = cl.Score(wire, h);
+  auto got_s = cl.Score(ipc, h);
+  ASSERT_TRUE(want_s.ok()) << want_s.status();
+  ASSERT_TRUE(got_s.ok()) << got_s.status();
+  ASSERT_EQ(got_s->logprobs.size(), static_cast<size_t>(kRows));
+  for (int64_t i = 0; i < kRows; ++i) {
+    // One engine call over all rows against several chunked ones: the same math per row.
+    ASSERT_NEAR(got_s->logprobs[i], want_s->logprobs[i], 1e-4 * (1 + std::fabs(want_s->logprobs[i]))) << i;
+    ASSERT_NEAR(got_s->entropy[i], want_s->entropy[i], 1e-4 * (1 + want_s->entropy[i])) << i;
+  }
+
+  v1::RequestHeader fb;
+  fb.add_outputs(v1::OUTPUT_LOSS);
+  auto want = cl.ForwardBackward(wire, fb);
+  ipc.d_hidden_region = client::RegionRef{sid, *out_id, 0};
+  auto got = cl.ForwardBackward(ipc, fb);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(got->d_hidden.empty()) << "d_hidden went to the region, not the wire";
+  EXPECT_NEAR(got->reduced_loss, want->reduced_loss, 1e-5 * std::fabs(want->reduced_loss));
+  EXPECT_EQ(got->valid_tokens, want->valid_tokens);
+  std::vector<uint16_t> dh(kRows * kHidden);
+  ASSERT_EQ(cudaMemcpy(dh.data(), out.p, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  const auto* want_dh = reinterpret_cast<const uint16_t*>(want->d_hidden.data());
+  double max_err = 0, max_ref = 0;
+  for (int64_t i = 0; i < kRows * kHidden; ++i) {
+    max_err = std::max<double>(max_err, std::fabs(Bf16ToFloat(dh[i]) - Bf16ToFloat(want_dh[i])));
+    max_ref = std::max<double>(max_ref, std::fabs(Bf16ToFloat(want_dh[i])));
+  }
+  EXPECT_GT(max_ref, 0.0);
+  EXPECT_LE(max_err, 1e-2 * max_ref) << "d_hidden in the region differs from the bytes path";
+
+  // d_hidden over the wire while hidden stays on the GPU.
+  client::HiddenBatch half = ipc;
+  half.d_hidden_region.reset();
+  auto mixed = cl.ForwardBackward(half, fb);
+  ASSERT_TRUE(mixed.ok()) << mixed.status();
+  ASSERT_EQ(mixed->d_hidden.size(), want->d_hidden.size());
+  EXPECT_EQ(mixed->d_hidden, std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(dh.data()),
+                                                  reinterpret_cast<const uint8_t*>(dh.data()) + bytes));
+
+  // Misuse: out of bounds, beyond the allocation, a handle that is not one; the server keeps serving.
+  client::HiddenBatch oob = ipc;
+  oob.hidden_region->offset = off + 2;
+  auto r = cl.Score(oob, h);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  auto too_big = (*session)->RegisterCudaIpc(out.Handle(), 0, bytes + 1);
+  EXPECT_EQ(too_big.status().code(), absl::StatusCode::kInvalidArgument) << too_big.status();
+  auto junk = (*session)->RegisterCudaIpc(std::string(64, '\x5a'), 0, 16);
+  EXPECT_EQ(junk.status().code(), absl::StatusCode::kInvalidArgument) << junk.status();
+  auto again = cl.Score(ipc, h);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->logprobs, got_s->logprobs);
+
+  // Unregistered: the id is gone.
+  ASSERT_TRUE((*session)->Unregister(*in_id).ok());
+  r = cl.Score(ipc, h);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+}
+
+}  // namespace
+}  // namespace lce
