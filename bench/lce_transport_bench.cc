@@ -13,7 +13,7 @@
 // Usage (server already running with --backend=cuda --seed-head=VxH --seed=S --head-dtype=bf16):
 //   lce_transport_bench --target=127.0.0.1:PORT --vocab=V --hidden=H --seed=S [--rows=8192]
 //       [--streams=1,2,4,8] [--chunk-bytes=4194304] [--iterations=5] [--warmup=1] [--modes=engine,grpc,shm,ipc]
-//       [--http2-window-bytes=0]
+//       [--http2-window-bytes=0] [--grpc-channel-args=K=V,...]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -252,6 +252,9 @@ int main(int argc, char** argv) {
       o.chunk_bytes = chunk_bytes;
       o.streams = std::stoi(s);
       o.http2_window_bytes = std::stoll(get("http2-window-bytes", "0"));
+      for (const std::string& kv : Split(get("grpc-channel-args", ""))) {
+        o.channel_args.emplace_back(kv.substr(0, kv.find('=')), std::stoi(kv.substr(kv.find('=') + 1)));
+      }
       o.min_stream_bytes = std::min<int64_t>(8 << 20, bytes / o.streams);
       auto c = Check(lce::client::LceClient::Create(o), "client");
       run_path("grpc, " + s + (s == "1" ? " stream" : " streams"), *c, wire, nullptr);

@@ -61,6 +61,7 @@ absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions
       args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
                   static_cast<int>(std::min<int64_t>(options.http2_window_bytes, INT32_MAX)));
     }
+    for (const auto& [name, value] : options.channel_args) args.SetInt(name, value);
     // Channels with equal arguments share one connection (gRPC's global subchannel pool): each
     // stream of a split request gets a pool, and so a TCP connection, of its own.
     if (options.streams > 1) {
@@ -70,7 +71,10 @@ absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions
     return grpc::CreateCustomChannel(options.target, creds, args);
   };
   std::unique_ptr<LceClient> client(new LceClient(options, make_channel(0)));
-  for (int i = 1; i < options.streams; ++i) client->extra_stubs_.push_back(v1::LceService::NewStub(make_channel(i)));
+  for (int i = 1; i < options.streams; ++i) {
+    client->extra_channels_.push_back(make_channel(i));
+    client->extra_stubs_.push_back(v1::LceService::NewStub(client->extra_channels_.back()));
+  }
   return client;
 }
 
@@ -191,6 +195,16 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
                                       : PlanStreams(batch.rows, row_bytes, options_.chunk_bytes,
                                                     1 + static_cast<int>(extra_stubs_.size()), options_.min_stream_bytes);
   const bool split = parts.size() > 1;
+  // The first split request connects the extra channels all at once; a connection that fails its
+  // first attempt is retried here, where a fail-fast call would give up at once.
+  if (split && !extra_connected_.load()) {
+    const auto deadline = std::chrono::system_clock::now() +
+                          std::min<std::chrono::system_clock::duration>(absl::ToChronoSeconds(options_.timeout),
+                                                                       std::chrono::seconds(30));
+    bool all = true;
+    for (auto& ch : extra_channels_) all = ch->WaitForConnected(deadline) && all;
+    extra_connected_ = all;
+  }
   v1::RequestHeader part_header = header;
   if (split) part_header.set_partial(true);
   std::vector<grpc::ClientContext> contexts(parts.size());

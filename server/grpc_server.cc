@@ -1,5 +1,8 @@
 #include "grpc_server.h"
 
+#include <algorithm>
+#include <thread>
+
 #include <fstream>
 #include <sstream>
 
@@ -53,6 +56,13 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
   const int max_bytes = static_cast<int>(std::min<int64_t>(options.service.max_message_bytes, INT32_MAX));
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);
+  const int cqs = options.completion_queues > 0
+                      ? options.completion_queues
+                      : static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 16));
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::NUM_CQS, cqs);
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 1);
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 4);
+  for (const auto& [name, value] : options.channel_args) builder.AddChannelArgument(name, value);
   if (options.http2_window_bytes > 0) {
     builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
                                static_cast<int>(std::min<int64_t>(options.http2_window_bytes, INT32_MAX)));

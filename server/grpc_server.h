@@ -4,6 +4,8 @@
 
 #include <memory>
 #include <string>
+#include <vector>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -24,6 +26,11 @@ struct GrpcServerOptions {
   TlsFiles tls;
   // HTTP/2 flow-control window per stream (grpc.http2.lookahead_bytes); 0: gRPC's default.
   int64_t http2_window_bytes = 0;
+  // Completion queues of the sync server; connections are spread over their pollsets, so that
+  // several connections' bytes are handled by several threads. 0: one per core, at most 16.
+  int completion_queues = 0;
+  // Extra integer channel arguments (transport tuning).
+  std::vector<std::pair<std::string, int>> channel_args;
 };
 
 class GrpcServer {

@@ -57,23 +57,39 @@ absl::Status LceService::RunEngine(const char* method, const char* op, LceEngine
   return s;
 }
 
-absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, LceEngine& engine,
-                                           const RowsView& rows, const LceOptions& options, const Upstream& up,
-                                           const RowOutputs& out, const GradOutputs& grads, bool d_hidden_on_device) {
+absl::StatusOr<std::unique_ptr<ChunkStaging>> LceService::TakeStaging() {
+  {
+    std::lock_guard<std::mutex> lock(staging_pool_mu_);
+    if (!staging_pool_.empty()) {
+      std::unique_ptr<ChunkStaging> s = std::move(staging_pool_.back());
+      staging_pool_.pop_back();
+      return s;
+    }
+  }
 #ifdef LCE_WITH_CUDA
+  return CreateDeviceStaging(config_.cuda_device);
+#else
+  return absl::UnimplementedError("this build has no CUDA backend");
+#endif
+}
+
+void LceService::ReturnStaging(std::unique_ptr<ChunkStaging> staging) {
+  if (staging == nullptr) return;
+  std::lock_guard<std::mutex> lock(staging_pool_mu_);
+  staging_pool_.push_back(std::move(staging));
+}
+
+absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, LceEngine& engine, ChunkStaging& st,
+                                           const RowsView& rows, bool hidden_on_device, const LceOptions& options,
+                                           const Upstream& up, const RowOutputs& out, const GradOutputs& grads,
+                                           bool d_hidden_on_device) {
   if (grads.d_weight != nullptr) {
     return absl::UnimplementedError("accumulate_weight_grad with hidden states in a CUDA IPC region is not supported yet");
   }
-  std::lock_guard<std::mutex> lock(device_staging_mu_);
-  if (device_staging_ == nullptr) {
-    absl::StatusOr<std::unique_ptr<ChunkStaging>> s = CreateDeviceStaging(config_.cuda_device);
-    if (!s.ok()) return s.status();
-    device_staging_ = *std::move(s);
-  }
-  ChunkStaging& st = *device_staging_;
   const int64_t n = rows.rows;
   const int64_t row_bytes = engine.shape().hidden_size * DTypeSize(engine.shape().dtype);
-  // Slots: 0 targets; 1-3 grad_loss, grad_logprob, grad_entropy; 4-7 logprob, entropy, lse, loss; 8 d_hidden.
+  // Slots: 0 targets; 1-3 grad_loss, grad_logprob, grad_entropy; 4-7 logprob, entropy, lse, loss;
+  // 8 d_hidden; 9 hidden.
   auto up_array = [&](int slot, const void* host, int64_t bytes) -> absl::StatusOr<void*> {
     if (host == nullptr) return nullptr;
     absl::StatusOr<void*> d = st.Buffer(slot, bytes);
@@ -81,11 +97,13 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
     if (absl::Status s = st.Upload(*d, host, bytes); !s.ok()) return s;
     return *d;
   };
+  absl::StatusOr<void*> hidden = hidden_on_device ? absl::StatusOr<void*>(const_cast<void*>(rows.hidden))
+                                                  : up_array(9, rows.hidden, n * row_bytes);
   absl::StatusOr<void*> targets = up_array(0, rows.targets, n * 4);
   absl::StatusOr<void*> gl = up_array(1, up.grad_loss, n * 4);
   absl::StatusOr<void*> glp = up_array(2, up.grad_logprob, n * 4);
   absl::StatusOr<void*> gen = up_array(3, up.grad_entropy, n * 4);
-  for (const auto* r : {&targets, &gl, &glp, &gen}) {
+  for (const auto* r : {&hidden, &targets, &gl, &glp, &gen}) {
     if (!r->ok()) return r->status();
   }
   float* host_out[4] = {out.logprob, out.entropy, out.lse, out.loss};
@@ -106,7 +124,7 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
       dev_grads.d_hidden = *d;
     }
   }
-  const RowsView dev_rows{rows.hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice};
+  const RowsView dev_rows{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice};
   const Upstream dev_up{up.mode, static_cast<const float*>(*gl), static_cast<const float*>(*glp),
                         static_cast<const float*>(*gen)};
   const RowOutputs dev_outs{dev_out[0], dev_out[1], dev_out[2], dev_out[3]};
@@ -121,11 +139,6 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
     if (absl::Status s = st.Download(grads.d_hidden, dev_grads.d_hidden, n * row_bytes); !s.ok()) return s;
   }
   return absl::OkStatus();
-#else
-  (void)method, (void)op, (void)engine, (void)rows, (void)options, (void)up, (void)out, (void)grads,
-      (void)d_hidden_on_device;
-  return absl::UnimplementedError("this build has no CUDA backend");
-#endif
 }
 
 absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) const {
@@ -248,6 +261,15 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   const char* method = RpcName(rpc);
   const char* op = is_fb ? "forward_backward" : is_bw ? "backward" : is_pl ? "policy_loss" : "score";
 
+  // The stream's device staging (GPU engines), back to the pool when the stream ends.
+  struct StagingLease {
+    LceService* service;
+    std::unique_ptr<ChunkStaging> held;
+    ChunkStaging* get() const { return held.get(); }
+    ChunkStaging& operator*() const { return *held; }
+    void reset(ChunkStaging* s) { held.reset(s); }
+    ~StagingLease() { service->ReturnStaging(std::move(held)); }
+  } staging{this, nullptr};
   // Answers leave from their own thread while the next chunk computes (two in flight at most).
   AsyncStreamWriter<v1::StreamResponse> writer(stream, 2);
   int64_t rows_seen = 0, valid_seen = 0, chunk_index = 0, bytes_seen = 0;
@@ -257,7 +279,16 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   std::vector<float> loss_buf, grad_buf, lp_buf, ent_buf, u_buf, e_buf, w_buf;
   std::unique_ptr<bool[]> valid_buf;
   v1::StreamResponse resp;
-  while (stream->Read(&msg)) {
+  RequestWork* work = RequestWork::Current();
+  // Time spent in `f`, added to `*acc` (request log), when the request is being accounted.
+  auto timed = [work](double RequestWork::*acc, auto&& f) {
+    if (work == nullptr) return f();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = f();
+    work->*acc += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  };
+  while (timed(&RequestWork::read_wait_seconds, [&] { return stream->Read(&msg); })) {
     if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
     if (msg.has_header()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -343,9 +374,18 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       grads.d_hidden = dh->data();
     }
     RowsView view{hidden_ptr, chunk.targets().data(), n, MemorySpace::kHost};
+    // A GPU engine of one rank gets every chunk in device memory, copied on this stream's thread
+    // (outside the engine's lock); weight-gradient accumulation (a host buffer) keeps the host path.
+    const bool device_path = on_device || (config_.cuda_device >= 0 && !plan->accumulate_weight_grad);
+    if (device_path && staging.get() == nullptr) {
+      absl::StatusOr<std::unique_ptr<ChunkStaging>> st = TakeStaging();
+      if (!st.ok()) return ToGrpcStatus(st.status());
+      staging.reset(st->release());
+    }
     auto compute = [&](const char* what, const Upstream& u, const RowOutputs& o, const GradOutputs& g) {
-      return on_device ? RunEngineOnDevice(method, what, engine, view, plan->options, u, o, g, dh_slice.device)
-                       : RunEngine(method, what, engine, view, plan->options, u, o, g);
+      return device_path ? RunEngineOnDevice(method, what, engine, *staging, view, on_device, plan->options, u, o, g,
+                                             dh_slice.device)
+                         : RunEngine(method, what, engine, view, plan->options, u, o, g);
     };
     absl::Status s;
     if (is_pl) {
@@ -415,7 +455,9 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       config_.metrics->bytes_received.Increment(static_cast<double>(msg.ByteSizeLong()));
       config_.metrics->bytes_sent.Increment(static_cast<double>(resp.ByteSizeLong()));
     }
-    if (!writer.Push(std::move(resp))) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    if (!timed(&RequestWork::write_wait_seconds, [&] { return writer.Push(std::move(resp)); })) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    }
     resp = v1::StreamResponse();
   }
   if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
@@ -462,7 +504,9 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     }
     if (!writer.Push(std::move(resp))) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }
-  if (!writer.Finish()) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  if (!timed(&RequestWork::drain_seconds, [&] { return writer.Finish(); })) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  }
   return grpc::Status::OK;
 }
 

@@ -93,12 +93,18 @@ class LceService final : public v1::LceService::Service {
   // the request's queue time.
   absl::Status RunEngine(const char* method, const char* op, LceEngine& engine, const RowsView& rows,
                          const LceOptions& options, const Upstream& up, const RowOutputs& out, const GradOutputs& grads);
-  // One engine call whose hidden states (and maybe d_hidden) are device memory (a CUDA IPC region).
-  // The engine then takes every pointer on the device: the per-row arrays go up and the per-row
-  // outputs (and a d_hidden that is not in a region) come back through device staging buffers.
-  absl::Status RunEngineOnDevice(const char* method, const char* op, LceEngine& engine, const RowsView& rows,
-                                 const LceOptions& options, const Upstream& up, const RowOutputs& out,
-                                 const GradOutputs& grads, bool d_hidden_on_device);
+  // One engine call of a GPU engine through the stream's device staging `st`: hidden states that
+  // are on the host (bytes, shm) go up, the per-row arrays go up, and the per-row outputs (and a
+  // d_hidden that is not in a device region) come back, all on the stream's own thread and CUDA
+  // stream. Only the compute holds the engine, so one stream's copies overlap another's compute.
+  // rows.hidden is device memory when hidden_on_device (a CUDA IPC region), else host memory.
+  absl::Status RunEngineOnDevice(const char* method, const char* op, LceEngine& engine, ChunkStaging& st,
+                                 const RowsView& rows, bool hidden_on_device, const LceOptions& options,
+                                 const Upstream& up, const RowOutputs& out, const GradOutputs& grads,
+                                 bool d_hidden_on_device);
+  // Device staging for one stream, reused across streams (allocation is slow, pinned or not).
+  absl::StatusOr<std::unique_ptr<ChunkStaging>> TakeStaging();
+  void ReturnStaging(std::unique_ptr<ChunkStaging> staging);
   // The head a training RPC names, refusing tensor-parallel groups (not supported yet).
   absl::StatusOr<std::shared_ptr<const ServedHead>> TrainableHead(const std::string& name) const;
 
@@ -106,8 +112,8 @@ class LceService final : public v1::LceService::Service {
   ServiceConfig config_;
   std::atomic<int64_t> streams_in_flight_{0};
   std::mutex engine_mu_;
-  std::mutex device_staging_mu_;  // guards device_staging_ across upload, compute and download
-  std::unique_ptr<ChunkStaging> device_staging_;
+  std::mutex staging_pool_mu_;
+  std::vector<std::unique_ptr<ChunkStaging>> staging_pool_;  // idle device stagings
   RegionRegistry regions_;
 };
 

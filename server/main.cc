@@ -141,6 +141,8 @@ int main(int argc, char** argv) {
   options.service.limits.max_rows_per_request = flags->max_rows_per_request;
   options.service.tp_size = flags->tp_size;
   options.http2_window_bytes = flags->http2_window_bytes;
+  options.completion_queues = flags->grpc_cqs;
+  options.channel_args = flags->grpc_channel_args;
   // Co-located clients may hand over GPU memory (CUDA IPC) when the engine is one GPU's.
   if (!tp && (*engine)->backend() == "cuda") options.service.cuda_device = flags->device;
   options.service.max_concurrent_streams = flags->max_concurrent_streams;

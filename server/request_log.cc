@@ -50,6 +50,9 @@ void LogRequest(const std::string& request_id, const char* method, grpc::ServerC
     line["engine_calls"] = work.engine_calls;
     line["engine_ms"] = work.engine_seconds * 1e3;
     line["queue_ms"] = work.queue_seconds * 1e3;
+    line["read_wait_ms"] = work.read_wait_seconds * 1e3;
+    line["write_wait_ms"] = work.write_wait_seconds * 1e3;
+    line["drain_ms"] = work.drain_seconds * 1e3;
   }
   if (!status.ok()) line["message"] = status.error_message();
   const std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";

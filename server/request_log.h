@@ -19,6 +19,9 @@ struct RequestWork {
   int64_t engine_calls = 0;
   double engine_seconds = 0;  // inside LceEngine::Compute
   double queue_seconds = 0;   // waiting for the engine (other requests' calls)
+  // Streams: waiting for the client's next message, for room in the answer queue, and for the last
+  // answers to be written at the end.
+  double read_wait_seconds = 0, write_wait_seconds = 0, drain_seconds = 0;
   // The request the calling thread is serving now (null outside one).
   static RequestWork* Current();
   // Makes `work` the calling thread's current request for the scope's life.

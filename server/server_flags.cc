@@ -5,6 +5,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/str_replace.h"
 
 namespace lce::server {
@@ -26,6 +27,10 @@ const char* ServerUsage() {
   --max-message-bytes=N       largest gRPC message accepted (default 67108864)
   --http2-window-bytes=N      HTTP/2 flow-control window per stream (default 0: gRPC's, adapted by
                               its bandwidth probe); larger lets a client stream further ahead
+  --grpc-cqs=N                gRPC completion queues (each with its own pollers), over which
+                              connections are spread (default 0: one per core, at most 16)
+  --grpc-channel-args=K=V,... extra integer gRPC channel arguments, for transport tuning, e.g.
+                              grpc.http2.max_frame_size=16777215
   --max-rows-per-request=N    largest request, in rows (default 16777216; 0 = no limit)
   --log-requests=true|false   one JSON line per finished RPC on stderr, with its request id (default true)
   --metrics-port=N            serve Prometheus metrics at http://HOST:N/metrics (and /healthz); rank 0 only;
@@ -77,6 +82,16 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
        }},
       {"max-message-bytes", i64(&f.max_message_bytes)},
       {"http2-window-bytes", i64(&f.http2_window_bytes)},
+      {"grpc-cqs", i32(&f.grpc_cqs)},
+      {"grpc-channel-args", [&f](const std::string& v) {
+         for (absl::string_view kv : absl::StrSplit(v, ',', absl::SkipEmpty())) {
+           std::pair<absl::string_view, absl::string_view> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+           int value = 0;
+           if (p.first.empty() || !absl::SimpleAtoi(p.second, &value)) return false;
+           f.grpc_channel_args.emplace_back(std::string(p.first), value);
+         }
+         return true;
+       }},
       {"max-rows-per-request", i64(&f.max_rows_per_request)},
       {"workspace-bytes", i64(&f.workspace_bytes)},
       {"max-concurrent-streams", i64(&f.max_concurrent_streams)},
@@ -131,6 +146,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (f.http2_window_bytes < 0 || f.http2_window_bytes > INT32_MAX) {
     return absl::InvalidArgumentError("--http2-window-bytes must be in [0, 2147483647]");
   }
+  if (f.grpc_cqs < 0 || f.grpc_cqs > 256) return absl::InvalidArgumentError("--grpc-cqs must be in [0, 256]");
   return f;
 }
 

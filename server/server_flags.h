@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "head_source.h"
@@ -18,6 +20,8 @@ struct ServerFlags {
   HeadSource head;
   int64_t max_message_bytes = 64 << 20;
   int64_t http2_window_bytes = 0;
+  int grpc_cqs = 0;
+  std::vector<std::pair<std::string, int>> grpc_channel_args;  // extra integer gRPC channel arguments
   int64_t max_rows_per_request = int64_t{1} << 24;
   bool log_requests = true;     // one JSON line per finished RPC on stderr
   int metrics_port = -1;        // -1: no metrics endpoint; 0: pick a free port

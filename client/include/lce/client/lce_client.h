@@ -3,6 +3,7 @@
 // generated lce.v1 API and Abseil only.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -35,6 +36,8 @@ struct ClientOptions {
   int64_t min_stream_bytes = 8 << 20;
   // HTTP/2 flow-control window per stream for the answers (grpc.http2.lookahead_bytes); 0: gRPC's.
   int64_t http2_window_bytes = 0;
+  // Extra integer gRPC channel arguments (transport tuning), e.g. {"grpc.http2.max_frame_size", 16777215}.
+  std::vector<std::pair<std::string, int>> channel_args;
 };
 
 // Where a co-located batch's bytes are: `offset` into region `region_id` of session `session_id`
@@ -180,6 +183,8 @@ class LceClient {
   std::unique_ptr<v1::LceService::Stub> stub_;
   // Connections 1..streams-1 for split requests (stub_ is the first).
   std::vector<std::unique_ptr<v1::LceService::Stub>> extra_stubs_;
+  std::vector<std::shared_ptr<grpc::Channel>> extra_channels_;
+  std::atomic<bool> extra_connected_{false};
 };
 
 // Splits `rows` rows of `row_bytes` into at most `streams` contiguous [first, count) ranges of at
