@@ -120,7 +120,9 @@ struct LceClient::Assembly {
     if (v.empty()) v.resize(static_cast<size_t>(rows));
     return v.data();
   }
+  absl::Span<uint8_t> d_hidden_out;  // the caller's destination, if any
   uint8_t* DHidden() {
+    if (!d_hidden_out.empty()) return d_hidden_out.data();
     std::lock_guard<std::mutex> lock(mu);
     if (out->d_hidden.empty()) out->d_hidden.resize(static_cast<size_t>(rows * row_bytes));
     return out->d_hidden.data();
@@ -185,7 +187,12 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
       return absl::InvalidArgumentError(absl::StrCat(name, " has ", span.size(), " values for ", batch.rows, " rows"));
     }
   }
+  if (!batch.d_hidden_out.empty() && static_cast<int64_t>(batch.d_hidden_out.size()) != batch.rows * row_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("d_hidden_out has ", batch.d_hidden_out.size(), " bytes; ",
+                                                   batch.rows, " rows need ", batch.rows * row_bytes));
+  }
   Assembly assembly;
+  assembly.d_hidden_out = batch.d_hidden_out;
   assembly.rows = batch.rows;
   assembly.row_bytes = row_bytes;
   assembly.out = out;
@@ -398,7 +405,9 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
 
 absl::StatusOr<ScoreResult> LceClient::Score(const HiddenBatch& batch, v1::RequestHeader header) {
   HiddenBatch b = batch;
-  b.d_hidden_region.reset();  // Score returns no d_hidden: a batch set up for training scores as it is
+  // Score returns no d_hidden: a batch set up for training scores as it is.
+  b.d_hidden_region.reset();
+  b.d_hidden_out = {};
   ForwardBackwardResult r;
   if (absl::Status s = Stream("Score", b, header, {}, {}, {}, &r); !s.ok()) return s;
   return ScoreResult{std::move(r.logprobs), std::move(r.entropy)};

@@ -107,6 +107,14 @@ TEST(MultiStream, AnswersEqualOneStreamOverSeveralConnections) {
     EXPECT_EQ(r4->valid_tokens, r1->valid_tokens);
     // Each row's d_hidden depends on that row alone: the bytes agree exactly.
     EXPECT_EQ(r4->d_hidden, r1->d_hidden);
+    // Into the caller's buffer instead: the same bytes, and none in the result.
+    std::vector<uint8_t> mine(r1->d_hidden.size(), 0xAB);
+    HiddenBatch into = View(b);
+    into.d_hidden_out = absl::MakeSpan(mine);
+    auto r5 = four->ForwardBackward(into, fb);
+    ASSERT_TRUE(r5.ok()) << r5.status();
+    EXPECT_TRUE(r5->d_hidden.empty());
+    EXPECT_EQ(mine, r1->d_hidden);
   }
 
   std::vector<float> glp(b.rows), gent(b.rows);

@@ -61,6 +61,9 @@ struct HiddenBatch {
   // ... and writes d_hidden into this one, in place (ForwardBackward/Backward); the result's
   // d_hidden is then empty (Score ignores it). Both regions must belong to one session.
   std::optional<RegionRef> d_hidden_region;
+  // Or d_hidden from the wire lands here (rows * hidden_size elements of dtype), not in the
+  // result's d_hidden, which is then empty: a caller that owns the destination saves a copy.
+  absl::Span<uint8_t> d_hidden_out;
 };
 
 // A co-located session (lce.v1 OpenSession): shared-memory regions registered with the server, owned
