@@ -13,7 +13,7 @@
 // Usage (server already running with --backend=cuda --seed-head=VxH --seed=S --head-dtype=bf16):
 //   lce_transport_bench --target=127.0.0.1:PORT --vocab=V --hidden=H --seed=S [--rows=8192]
 //       [--streams=1,2,4,8] [--chunk-bytes=4194304] [--iterations=5] [--warmup=1] [--modes=engine,grpc,shm,ipc]
-//       [--http2-window-bytes=0] [--grpc-channel-args=K=V,...]
+//       [--http2-window-bytes=0] [--grpc-channel-args=K=V,...] [--first-chunk-bytes=0 (chunk/4)]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -257,6 +257,7 @@ int main(int argc, char** argv) {
       lce::client::ClientOptions o;
       o.target = target;
       o.chunk_bytes = chunk_bytes;
+      o.first_chunk_bytes = std::stoll(get("first-chunk-bytes", "0"));
       o.streams = std::stoi(s);
       o.http2_window_bytes = std::stoll(get("http2-window-bytes", "0"));
       for (const std::string& kv : Split(get("grpc-channel-args", ""))) {

@@ -36,10 +36,18 @@ int64_t WireDTypeSize(v1::DType dtype) {
   }
 }
 
-std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_bytes, int64_t chunk_bytes) {
+std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_bytes, int64_t chunk_bytes,
+                                                    int64_t first_chunk_bytes) {
   const int64_t per = std::max<int64_t>(1, row_bytes > 0 ? chunk_bytes / row_bytes : rows);
+  const int64_t first =
+      first_chunk_bytes > 0 ? std::min(per, std::max<int64_t>(1, row_bytes > 0 ? first_chunk_bytes / row_bytes : rows))
+                            : per;
   std::vector<std::pair<int64_t, int64_t>> plan;
-  for (int64_t r = 0; r < rows; r += per) plan.emplace_back(r, std::min(per, rows - r));
+  for (int64_t r = 0; r < rows;) {
+    const int64_t n = std::min(r == 0 ? first : per, rows - r);
+    plan.emplace_back(r, n);
+    r += n;
+  }
   return plan;
 }
 
@@ -49,6 +57,7 @@ LceClient::LceClient(ClientOptions options, std::shared_ptr<grpc::Channel> chann
 absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("ClientOptions.target is empty");
   if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("ClientOptions.chunk_bytes must be > 0");
+  if (options.first_chunk_bytes < 0) return absl::InvalidArgumentError("ClientOptions.first_chunk_bytes must be >= 0");
   if (options.streams < 1 || options.streams > 64) {
     return absl::InvalidArgumentError(absl::StrCat("ClientOptions.streams must be in [1, 64], got ", options.streams));
   }
@@ -300,7 +309,10 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   // A region-backed chunk carries no hidden bytes: one chunk (of at most kRegionChunkRows rows) lets
   // the server run the part as one engine call.
   constexpr int64_t kRegionChunkRows = 1 << 16;
-  auto plan = PlanChunks(part_rows, row_bytes, hidden_in_region ? kRegionChunkRows * row_bytes : options_.chunk_bytes);
+  auto plan = hidden_in_region ? PlanChunks(part_rows, row_bytes, kRegionChunkRows * row_bytes)
+                               : PlanChunks(part_rows, row_bytes, options_.chunk_bytes,
+                                            options_.first_chunk_bytes > 0 ? options_.first_chunk_bytes
+                                                                           : options_.chunk_bytes / 4);
   for (auto& [first, n] : plan) first += part_first;
   // Write on a thread of its own: the server answers chunk k while later chunks are in flight,
   // so reading and writing must proceed together or flow control stalls both sides.

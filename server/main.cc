@@ -60,6 +60,8 @@ int main(int argc, char** argv) {
     std::cout << ServerUsage();
     return 0;
   }
+  // Read by gRPC when it first initialises, which is later than this.
+  if (!flags->grpc_poll_strategy.empty()) setenv("GRPC_POLL_STRATEGY", flags->grpc_poll_strategy.c_str(), 1);
   absl::StatusOr<Backend> backend = ParseBackend(flags->backend);
   if (!backend.ok()) return Fail(backend.status());
   const bool tp = flags->tp_size > 1;

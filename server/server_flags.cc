@@ -29,6 +29,8 @@ const char* ServerUsage() {
                               its bandwidth probe); larger lets a client stream further ahead
   --grpc-cqs=N                gRPC completion queues (each with its own pollers), over which
                               connections are spread (default 0: one per core, at most 16)
+  --grpc-poll-strategy=NAME   gRPC's I/O poller (GRPC_POLL_STRATEGY): epoll1 (gRPC's default) or
+                              poll (each completion queue polls its own connections); default: gRPC's
   --grpc-channel-args=K=V,... extra integer gRPC channel arguments, for transport tuning, e.g.
                               grpc.http2.max_frame_size=16777215
   --max-rows-per-request=N    largest request, in rows (default 16777216; 0 = no limit)
@@ -83,6 +85,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"max-message-bytes", i64(&f.max_message_bytes)},
       {"http2-window-bytes", i64(&f.http2_window_bytes)},
       {"grpc-cqs", i32(&f.grpc_cqs)},
+      {"grpc-poll-strategy", str(&f.grpc_poll_strategy)},
       {"grpc-channel-args", [&f](const std::string& v) {
          for (absl::string_view kv : absl::StrSplit(v, ',', absl::SkipEmpty())) {
            std::pair<absl::string_view, absl::string_view> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));

@@ -152,6 +152,7 @@ class Streaming : public ::testing::Test {
     ClientOptions o;
     o.target = target_;
     o.chunk_bytes = chunk_bytes;
+    o.first_chunk_bytes = chunk_bytes;  // equal chunks: the fake's faults are placed by chunk
     o.timeout = timeout;
     o.bearer_token = std::move(token);
     absl::StatusOr<std::unique_ptr<LceClient>> c = LceClient::Create(o);

@@ -202,6 +202,17 @@ TEST(PlanChunks, CutsAtChunkBytesWithAtLeastOneRow) {
   EXPECT_TRUE(PlanChunks(0, 100, 1000).empty());
 }
 
+TEST(PlanChunks, ASmallerFirstChunkThenFullOnes) {
+  auto p = PlanChunks(10, 100, 400, 100);
+  ASSERT_EQ(p.size(), 4u);
+  EXPECT_EQ(p[0], std::make_pair(int64_t{0}, int64_t{1}));
+  EXPECT_EQ(p[1], std::make_pair(int64_t{1}, int64_t{4}));
+  EXPECT_EQ(p[3], std::make_pair(int64_t{9}, int64_t{1}));
+  // never more than a full chunk, never less than a row
+  EXPECT_EQ(PlanChunks(10, 100, 400, 4000)[0].second, 4);
+  EXPECT_EQ(PlanChunks(10, 100, 400, 1)[0].second, 1);
+}
+
 TEST(PlanChunks, RandomShapesTileTheRows) {
   std::mt19937 rng(3);
   for (int i = 0; i < 500; ++i) {

@@ -24,6 +24,9 @@ struct ClientOptions {
   std::string target;                      // host:port
   absl::Duration timeout = absl::Minutes(10);  // deadline of each call
   int64_t chunk_bytes = 4 << 20;           // hidden bytes per streamed chunk (at least one row)
+  // Hidden bytes of each stream's first chunk (0: chunk_bytes / 4). The server computes a chunk
+  // once it has all of it: a small first chunk starts the GPU while the rest is on the wire.
+  int64_t first_chunk_bytes = 0;
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
   std::string bearer_token;                // sent as "authorization: Bearer <token>" when set
   int64_t max_message_bytes = 64 << 20;
@@ -196,8 +199,10 @@ class LceClient {
 std::vector<std::pair<int64_t, int64_t>> PlanStreams(int64_t rows, int64_t row_bytes, int64_t chunk_bytes, int streams,
                                                      int64_t min_stream_bytes);
 
-// Plans the chunks of a batch: [first_row, rows) pairs of at most max(1, chunk_bytes / row_bytes) rows.
-std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_bytes, int64_t chunk_bytes);
+// Plans the chunks of a batch: [first_row, rows) pairs of at most max(1, chunk_bytes / row_bytes) rows;
+// with first_chunk_bytes > 0 the first chunk holds at most max(1, first_chunk_bytes / row_bytes).
+std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_bytes, int64_t chunk_bytes,
+                                                    int64_t first_chunk_bytes = 0);
 
 // Bytes per element of a wire dtype (0 for DTYPE_UNSPECIFIED).
 int64_t WireDTypeSize(v1::DType dtype);
