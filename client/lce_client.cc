@@ -310,9 +310,7 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   // the server run the part as one engine call.
   constexpr int64_t kRegionChunkRows = 1 << 16;
   auto plan = hidden_in_region ? PlanChunks(part_rows, row_bytes, kRegionChunkRows * row_bytes)
-                               : PlanChunks(part_rows, row_bytes, options_.chunk_bytes,
-                                            options_.first_chunk_bytes > 0 ? options_.first_chunk_bytes
-                                                                           : options_.chunk_bytes / 4);
+                               : PlanChunks(part_rows, row_bytes, options_.chunk_bytes, options_.first_chunk_bytes);
   for (auto& [first, n] : plan) first += part_first;
   // Write on a thread of its own: the server answers chunk k while later chunks are in flight,
   // so reading and writing must proceed together or flow control stalls both sides.

@@ -62,7 +62,29 @@ absl::StatusOr<int64_t> AllocationSize(void* p) {
   return static_cast<int64_t>(size);
 }
 
+class CudaPinnedHostRange final : public PinnedHostRange {
+ public:
+  explicit CudaPinnedHostRange(void* p) : p_(p) {}
+  ~CudaPinnedHostRange() override { cudaHostUnregister(p_); }
+
+ private:
+  void* p_;
+};
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<PinnedHostRange>> PinHostMemory(void* data, int64_t bytes, int device) {
+  int prev = 0;
+  LCE_CUDA_CHECK(cudaGetDevice(&prev));
+  LCE_CUDA_CHECK(cudaSetDevice(device));
+  const cudaError_t e = cudaHostRegister(data, static_cast<size_t>(bytes), cudaHostRegisterDefault);
+  cudaSetDevice(prev);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InternalError(absl::StrCat("cudaHostRegister of ", bytes, " bytes failed: ", cudaGetErrorName(e)));
+  }
+  return std::unique_ptr<PinnedHostRange>(new CudaPinnedHostRange(data));
+}
 
 absl::StatusOr<std::unique_ptr<ImportedDeviceMemory>> ImportCudaIpcMemory(absl::string_view handle, int device) {
   if (handle.size() != kCudaIpcHandleBytes) {
@@ -97,6 +119,10 @@ absl::StatusOr<std::unique_ptr<ImportedDeviceMemory>> ImportCudaIpcMemory(absl::
 }
 
 #else
+
+absl::StatusOr<std::unique_ptr<PinnedHostRange>> PinHostMemory(void*, int64_t, int) {
+  return absl::UnimplementedError("this build has no CUDA backend");
+}
 
 absl::StatusOr<std::unique_ptr<ImportedDeviceMemory>> ImportCudaIpcMemory(absl::string_view, int) {
   return absl::UnimplementedError("this build has no CUDA backend: CUDA IPC regions are not available");

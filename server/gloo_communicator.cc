@@ -3,8 +3,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -91,12 +93,17 @@ bool ProcessGone(long pid) {
 
 std::string DescribeDeadPeers(const TpBootstrap& b) {
   std::vector<std::string> dead;
-  for (int r = 0; r < b.world_size; ++r) {
-    if (r == b.rank) continue;
-    std::ifstream in(std::filesystem::path(b.rendezvous_dir) / absl::StrCat("rank-", r, ".pid"));
-    long pid = 0;
-    if (in >> pid && pid > 0 && ProcessGone(pid)) {
-      dead.push_back(absl::StrCat("rank ", r, " (pid ", pid, ") exited"));
+  // A killed peer's sockets close while it is still exiting, before it is a zombie: the reset that
+  // brought us here can beat the process table, so look again for up to a second.
+  for (int attempt = 0; attempt < 50 && dead.empty(); ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    for (int r = 0; r < b.world_size; ++r) {
+      if (r == b.rank) continue;
+      std::ifstream in(std::filesystem::path(b.rendezvous_dir) / absl::StrCat("rank-", r, ".pid"));
+      long pid = 0;
+      if (in >> pid && pid > 0 && ProcessGone(pid)) {
+        dead.push_back(absl::StrCat("rank ", r, " (pid ", pid, ") exited"));
+      }
     }
   }
   if (dead.empty()) {

@@ -23,7 +23,9 @@ struct RegionRegistry::Region {
   uint8_t* data = nullptr;  // map_base + (offset - page-aligned offset), or into device_memory
   int64_t byte_size = 0;
   std::unique_ptr<ImportedDeviceMemory> device_memory;  // CUDA IPC regions
+  std::unique_ptr<PinnedHostRange> pinned;              // shm regions of a GPU server
   ~Region() {
+    pinned.reset();  // before the mapping goes
     if (map_base != nullptr) munmap(map_base, map_len);
   }
 };
@@ -88,6 +90,12 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
   region->map_base = p;
   region->data = static_cast<uint8_t*>(p) + (offset - aligned);
   region->byte_size = byte_size;
+  // A GPU server copies chunks between the region and the device: page-locked, they move at the
+  // bus's speed instead of through the driver's bounce buffers. Best effort (locked-memory limits).
+  if (cuda_device_ >= 0) {
+    absl::StatusOr<std::unique_ptr<PinnedHostRange>> pinned = PinHostMemory(p, static_cast<int64_t>(region->map_len), cuda_device_);
+    if (pinned.ok()) region->pinned = *std::move(pinned);
+  }
   return Add(session, std::move(region));
 }
 

@@ -26,6 +26,17 @@ class ImportedDeviceMemory {
   virtual int device() const = 0;
 };
 
+// Host memory registered with CUDA (cudaHostRegister: page-locked and mapped for DMA), so that
+// copies between it and a GPU run at the bus's speed; unregistered when destroyed.
+class PinnedHostRange {
+ public:
+  virtual ~PinnedHostRange() = default;
+};
+
+// Pins [data, data + bytes) for copies to and from `device`'s context. UNIMPLEMENTED without CUDA;
+// INTERNAL when the driver refuses (e.g. over the locked-memory limit).
+absl::StatusOr<std::unique_ptr<PinnedHostRange>> PinHostMemory(void* data, int64_t bytes, int device);
+
 // Opens `handle` (kCudaIpcHandleBytes bytes) on CUDA device `device`. INVALID_ARGUMENT: a handle of
 // the wrong length, or one the driver refuses (not exported, already freed, this process's own);
 // UNIMPLEMENTED: a build without CUDA; FAILED_PRECONDITION: no such device.

@@ -24,8 +24,9 @@ struct ClientOptions {
   std::string target;                      // host:port
   absl::Duration timeout = absl::Minutes(10);  // deadline of each call
   int64_t chunk_bytes = 4 << 20;           // hidden bytes per streamed chunk (at least one row)
-  // Hidden bytes of each stream's first chunk (0: chunk_bytes / 4). The server computes a chunk
-  // once it has all of it: a small first chunk starts the GPU while the rest is on the wire.
+  // Hidden bytes of each stream's first chunk (0: chunk_bytes). The server computes a chunk once it
+  // has all of it; a smaller first chunk starts the GPU earlier (measured on an H100 host: no gain
+  // at 8192x4096, where the wire binds; bench/RESULTS.md).
   int64_t first_chunk_bytes = 0;
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
   std::string bearer_token;                // sent as "authorization: Bearer <token>" when set
