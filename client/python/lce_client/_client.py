@@ -630,7 +630,7 @@ class Client:
             # The server's GPU reads (and writes) this memory: the caller's queued work on it goes first.
             import torch
 
-            for dev in {r.tensor.device for r in cuda_regions}:
+            for dev in {r.tensor.device for r in cuda_regions if r.tensor is not None}:
                 torch.cuda.current_stream(dev).synchronize()
         row_bytes = h.hidden_size * h.itemsize
         dh_bytes = out["d_hidden"].reshape(-1).view(np.uint8) if want_dhidden and d_hidden_at is None else None

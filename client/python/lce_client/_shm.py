@@ -72,11 +72,12 @@ class Region:
     tensor: Any = None
     device_ptr: int = 0
     _ipc_key: Any = None
+    cuda: bool = False  # GPU memory; stays True after release (the tensor is dropped then)
 
     @property
     def is_cuda(self) -> bool:
-        """True for a region of GPU memory (registered by register_cuda)."""
-        return self.tensor is not None
+        """True for a region of GPU memory (registered by register_cuda), released or not."""
+        return self.cuda
 
     def ndarray(self, shape, dtype, offset: int = 0) -> np.ndarray:
         """A numpy view of the region's bytes from `offset`, of `shape` and `dtype` (no copy)."""
@@ -106,8 +107,11 @@ class Region:
         if self.is_cuda:
             from ._arrays import is_torch_tensor
 
-            if not is_torch_tensor(arr) or arr.device != self.tensor.device:
-                raise ValueError(f"region '{self.name}' is memory of {self.tensor.device}: the array must be a "
+            # A released region has dropped its tensor: the request still names it, and the server
+            # answers NOT_FOUND.
+            if not is_torch_tensor(arr) or (self.tensor is not None and arr.device != self.tensor.device):
+                where = self.tensor.device if self.tensor is not None else "a GPU"
+                raise ValueError(f"region '{self.name}' is memory of {where}: the array must be a "
                                  "torch tensor on that device inside it")
             if not arr.is_contiguous():
                 raise ValueError("an array in a region must be C-contiguous")
@@ -211,7 +215,7 @@ class SharedMemorySession:
                     key = None  # torch's counter was given back already: the tensor's lifetime rules
                 else:
                     _IPC_LIVE[key] = _IPC_LIVE.get(key, 0) + 1
-        region = Region(rid, self.session_id, label, "", nbytes, None, None, tensor=tensor,
+        region = Region(rid, self.session_id, label, "", nbytes, None, None, cuda=True, tensor=tensor,
                         device_ptr=int(tensor.data_ptr()), _ipc_key=key)
         self._regions.append(region)
         return region
