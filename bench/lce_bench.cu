@@ -23,26 +23,10 @@
 #include <string>
 #include <vector>
 
+#include "bench_check.h"
 #include "lce/engine.h"
 
 namespace {
-
-#define CHECK_CUDA(x)                                                                          \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
-#define CHECK_CUBLAS(x)                                                                     \
-  do {                                                                                      \
-    cublasStatus_t s_ = (x);                                                                \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                      \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cublasGetStatusString(s_)); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 __device__ uint64_t Mix(uint64_t x) {
   x ^= x >> 33;

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_check.h"
 #include "head_source.h"
 #include "lce/client/lce_client.h"
 #include "lce/engine.h"
@@ -37,15 +38,6 @@
 namespace v1 = lce::v1;
 
 namespace {
-
-#define CHECK_CUDA(x)                                                                          \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
 
 template <typename T>
 T Check(absl::StatusOr<T> v, const char* what) {
