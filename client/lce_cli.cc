@@ -46,6 +46,7 @@ constexpr char kConnection[] = R"(connection:
   --token-file=PATH          bearer token, read from the file's first line (sent as authorization metadata)
   --tls-ca=PATH              use TLS, trusting the PEM roots in PATH
   --tls-cert=PATH --tls-key=PATH   client certificate and key for mutual TLS (with --tls-ca)
+  --streams=N                split a large request over up to N streams and connections (default 1)
 )";
 
 constexpr char kBatch[] = R"(batch:
@@ -61,7 +62,7 @@ constexpr char kBatch[] = R"(batch:
 )";
 
 const std::set<std::string> kConnectionFlags = {"target", "timeout-seconds", "token-file", "tls-ca", "tls-cert",
-                                                "tls-key"};
+                                                "tls-key",  "streams"};
 const std::set<std::string> kBatchFlags = {"head",        "hidden-file", "targets-file", "rows",       "seed",
                                            "temperature", "softcap",     "ignore-index", "chunk-bytes"};
 
@@ -202,6 +203,9 @@ absl::StatusOr<lce::client::ClientOptions> Options(const Args& a) {
   absl::StatusOr<int64_t> chunk = a.Int("chunk-bytes", 4 << 20, 1);
   if (!chunk.ok()) return chunk.status();
   o.chunk_bytes = *chunk;
+  absl::StatusOr<int64_t> streams = a.Int("streams", 1, 1, 64);
+  if (!streams.ok()) return streams.status();
+  o.streams = static_cast<int>(*streams);
   absl::StatusOr<double> timeout = a.Number("timeout-seconds", 600);
   if (!timeout.ok()) return timeout.status();
   if (*timeout <= 0) return absl::InvalidArgumentError("--timeout-seconds must be > 0");

@@ -47,7 +47,8 @@ TEST(Cli, HelpForEachCommand) {
 TEST(Cli, UsageErrorsExitTwo) {
   for (const char* args : {"", "frobnicate", "score --rows", "score --row=3", "health --rows=3",
                            "score --target=127.0.0.1:1 --rows=abc", "score --target 127.0.0.1:1 extra",
-                           "forward-backward --target=127.0.0.1:1 --reduction=avg"}) {
+                           "forward-backward --target=127.0.0.1:1 --reduction=avg",
+                           "score --target=127.0.0.1:1 --streams=0"}) {
     CliRun r = Cli(args);
     EXPECT_EQ(r.code, 2) << "'" << args << "': " << r.output;
     EXPECT_FALSE(r.output.empty()) << args;

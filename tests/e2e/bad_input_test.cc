@@ -190,10 +190,13 @@ TEST_F(BadInput, ClientProcessKilledMidStream) {
   const char* cli_env = std::getenv("LCE_CLI_BIN");  // a tree copied elsewhere (GPU machine)
   const std::string cli = cli_env != nullptr && *cli_env != 0 ? cli_env : LCE_CLI_PATH;
   ASSERT_EQ(access(cli.c_str(), X_OK), 0) << "lce_cli not found at " << cli;
-  const std::string cmd = cli + " bench --target=" + server_->target +
-                          " --op=train --rows=4000 --iterations=100000 >/dev/null 2>&1 & pid=$!; sleep 1.5; kill -9 $pid; wait $pid";
-  ASSERT_NE(std::system(cmd.c_str()), -1);
-  for (int i = 0; i < 3; ++i) ExpectStillServing();
+  // One stream, then one request split over four connections (300000 rows: above two 8 MiB parts).
+  for (const char* flags : {"--rows=4000", "--rows=300000 --streams=4"}) {
+    const std::string cmd = cli + " bench --target=" + server_->target + " --op=train " + flags +
+                            " --iterations=100000 >/dev/null 2>&1 & pid=$!; sleep 1.5; kill -9 $pid; wait $pid";
+    ASSERT_NE(std::system(cmd.c_str()), -1);
+    for (int i = 0; i < 3; ++i) ExpectStillServing();
+  }
 }
 
 }  // namespace
