@@ -75,8 +75,11 @@ absl::StatusOr<std::unique_ptr<ChunkStaging>> LceService::TakeStaging() {
 
 void LceService::ReturnStaging(std::unique_ptr<ChunkStaging> staging) {
   if (staging == nullptr) return;
+  // Each holds device buffers the size of the largest chunk it has seen: keep a few for the next
+  // streams, free the rest (a burst of streams must not pin its peak of GPU memory for good).
+  constexpr size_t kIdleStagings = 8;
   std::lock_guard<std::mutex> lock(staging_pool_mu_);
-  staging_pool_.push_back(std::move(staging));
+  if (staging_pool_.size() < kIdleStagings) staging_pool_.push_back(std::move(staging));
 }
 
 absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, LceEngine& engine, ChunkStaging& st,
