@@ -22,7 +22,7 @@ struct RegionRegistry::Region {
   size_t map_len = 0;
   uint8_t* data = nullptr;  // map_base + (offset - page-aligned offset), or into device_memory
   int64_t byte_size = 0;
-  std::unique_ptr<ImportedDeviceMemory> device_memory;  // CUDA IPC regions
+  std::shared_ptr<ImportedDeviceMemory> device_memory;  // CUDA IPC regions (shared by handle)
   std::unique_ptr<PinnedHostRange> pinned;              // shm regions of a GPU server
   ~Region() {
     pinned.reset();  // before the mapping goes
@@ -111,7 +111,7 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterCudaIpc(const std::string& sess
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": offset must be >= 0 and byte_size > 0, got offset ", offset, ", byte_size ", byte_size));
   }
-  absl::StatusOr<std::unique_ptr<ImportedDeviceMemory>> mem = ImportCudaIpcMemory(ipc_handle, cuda_device_);
+  absl::StatusOr<std::shared_ptr<ImportedDeviceMemory>> mem = OpenIpc(ipc_handle);
   if (!mem.ok()) return absl::Status(mem.status().code(), absl::StrCat(what, ": ", mem.status().message()));
   if (offset > (*mem)->size() || byte_size > (*mem)->size() - offset) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", offset, " + byte_size ", byte_size,
@@ -124,6 +124,21 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterCudaIpc(const std::string& sess
   region->byte_size = byte_size;
   region->device_memory = *std::move(mem);
   return Add(session, std::move(region));
+}
+
+absl::StatusOr<std::shared_ptr<ImportedDeviceMemory>> RegionRegistry::OpenIpc(const std::string& ipc_handle) {
+  std::lock_guard<std::mutex> lock(ipc_mu_);
+  auto it = ipc_open_.find(ipc_handle);
+  if (it != ipc_open_.end()) {
+    if (std::shared_ptr<ImportedDeviceMemory> open = it->second.lock()) return open;
+  }
+  absl::StatusOr<std::unique_ptr<ImportedDeviceMemory>> mem = ImportCudaIpcMemory(ipc_handle, cuda_device_);
+  if (!mem.ok()) return mem.status();
+  std::shared_ptr<ImportedDeviceMemory> open(std::move(*mem));
+  ipc_open_[ipc_handle] = open;
+  // Forget handles whose mappings are gone (the client may free and reuse allocations).
+  for (auto j = ipc_open_.begin(); j != ipc_open_.end();) j = j->second.expired() ? ipc_open_.erase(j) : std::next(j);
+  return open;
 }
 
 absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, const v1::RegisterRegion& r) {

@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "lce/device_memory.h"
 #include "lce/v1/lce.pb.h"
 
 namespace lce::server {
@@ -67,7 +68,12 @@ class RegionRegistry {
  private:
   struct Region;
   absl::StatusOr<uint64_t> Add(const std::string& session, std::shared_ptr<Region> region);
+  // The mapping of an IPC handle, opened once: CUDA refuses to open one handle twice in a process,
+  // and two tensors of a client often share one allocation (PyTorch's caching allocator).
+  absl::StatusOr<std::shared_ptr<ImportedDeviceMemory>> OpenIpc(const std::string& ipc_handle);
   int cuda_device_;
+  std::mutex ipc_mu_;
+  std::map<std::string, std::weak_ptr<ImportedDeviceMemory>> ipc_open_;  // by handle bytes
   mutable std::mutex mu_;
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::shared_ptr<const Region>> regions_;

@@ -167,6 +167,26 @@ TEST(CudaIpc, RegionsInTheClientsGpuMemoryGiveTheAnswersOfTheBytesPath) {
   EXPECT_EQ(mixed->d_hidden, std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(dh.data()),
                                                   reinterpret_cast<const uint8_t*>(dh.data()) + bytes));
 
+  // A second region over the same allocation (as two tensors of PyTorch's caching allocator share
+  // one), here from the hidden states' first byte, and the same from a second session: CUDA opens a
+  // handle once per process, so the server must share its mapping.
+  auto again_id = (*session)->RegisterCudaIpc(in.Handle(), off, bytes, "hidden again");
+  ASSERT_TRUE(again_id.ok()) << again_id.status();
+  auto session2 = cl.OpenSession();
+  ASSERT_TRUE(session2.ok()) << session2.status();
+  auto other_id = (*session2)->RegisterCudaIpc(in.Handle(), 0, off + bytes, "hidden, session 2");
+  ASSERT_TRUE(other_id.ok()) << other_id.status();
+  for (const client::RegionRef& ref : {client::RegionRef{sid, *again_id, 0},
+                                       client::RegionRef{(*session2)->id(), *other_id, off}}) {
+    client::HiddenBatch b2 = wire;
+    b2.hidden = {};
+    b2.hidden_region = ref;
+    auto r2 = cl.Score(b2, h);
+    ASSERT_TRUE(r2.ok()) << r2.status();
+    EXPECT_EQ(r2->logprobs, got_s->logprobs);
+  }
+  session2->reset();  // ends that session; the first one's regions over the allocation stay usable
+
   // Misuse: out of bounds, beyond the allocation, a handle that is not one; the server keeps serving.
   client::HiddenBatch oob = ipc;
   oob.hidden_region->offset = off + 2;
