@@ -197,12 +197,25 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
                                          grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
   if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
   const std::string session = RegionRegistry::NewSessionId();
+  auto count_regions = [this] {
+    if (config_.metrics == nullptr) return;
+    const size_t device = regions_.device_regions();
+    config_.metrics->regions.WithLabels({"host"}).Set(static_cast<double>(regions_.size() - device));
+    config_.metrics->regions.WithLabels({"device"}).Set(static_cast<double>(device));
+  };
+  if (config_.metrics != nullptr) config_.metrics->sessions.Increment();
   // Whatever ends the stream (half-close, cancel, disconnect, shutdown), the regions go with it.
   struct Release {
     RegionRegistry& regions;
     const std::string& session;
-    ~Release() { regions.ReleaseSession(session); }
-  } release{regions_, session};
+    ServiceMetrics* metrics;
+    std::function<void()> recount;
+    ~Release() {
+      regions.ReleaseSession(session);
+      if (metrics != nullptr) metrics->sessions.Decrement();
+      recount();
+    }
+  } release{regions_, session, config_.metrics, count_regions};
   v1::SessionResponse resp;
   resp.set_session_id(session);
   if (!stream->Write(resp)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
@@ -220,6 +233,7 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
     } else {
       s = absl::InvalidArgumentError("SessionRequest has neither register_region nor unregister_region");
     }
+    count_regions();
     resp.set_code(static_cast<int32_t>(s.code()));
     resp.set_message(std::string(s.message()));
     if (!stream->Write(resp)) break;

@@ -219,6 +219,13 @@ absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string&
                r->device_memory != nullptr};
 }
 
+size_t RegionRegistry::device_regions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto& [_, r] : regions_) n += r->device_memory != nullptr ? 1 : 0;
+  return n;
+}
+
 size_t RegionRegistry::size() const {
   std::lock_guard<std::mutex> lock(mu_);
   return regions_.size();

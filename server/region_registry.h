@@ -62,8 +62,9 @@ class RegionRegistry {
   absl::StatusOr<Slice> Resolve(const std::string& session, const v1::RegionSlice& slice, int64_t bytes_needed,
                                 const char* what) const;
 
-  // Regions registered now (all sessions).
+  // Regions registered now (all sessions), and of those in device memory.
   size_t size() const;
+  size_t device_regions() const;
 
  private:
   struct Region;

@@ -21,7 +21,10 @@ ServiceMetrics::ServiceMetrics(metrics::Registry& r)
       tp_size(r.AddGauge("lce_tp_size", "Tensor-parallel group size.").WithLabels({})),
       collective_seconds(r.AddCounter("lce_collective_seconds", "Time the front spent in tensor-parallel collectives.",
                                       {"rank"})),
-      peer_up(r.AddGauge("lce_peer_up", "1 while the tensor-parallel rank is healthy, 0 after it failed.", {"rank"})) {}
+      peer_up(r.AddGauge("lce_peer_up", "1 while the tensor-parallel rank is healthy, 0 after it failed.", {"rank"})),
+      sessions(r.AddGauge("lce_sessions", "Open co-located sessions (OpenSession streams).").WithLabels({})),
+      regions(r.AddGauge("lce_regions", "Registered regions of co-located clients, by kind (host shm, device CUDA IPC).",
+                         {"kind"})) {}
 
 void ServiceMetrics::Sample(const HeadStore& heads) {
   double weights = 0, workspace = 0;

@@ -28,6 +28,8 @@ class ServiceMetrics {
   metrics::Gauge& tp_size;                              // lce_tp_size
   metrics::Family<metrics::Counter>& collective_seconds;  // lce_collective_seconds_total{rank}
   metrics::Family<metrics::Gauge>& peer_up;             // lce_peer_up{rank}
+  metrics::Gauge& sessions;                             // lce_sessions
+  metrics::Family<metrics::Gauge>& regions;             // lce_regions{kind}
 
   // Refreshes the sampled gauges (head versions, engine memory) from the head store.
   void Sample(const HeadStore& heads);

@@ -31,6 +31,8 @@ EXPORTED = {
     "lce_tp_size": ("gauge", set()),
     "lce_collective_seconds_total": ("counter", {"rank"}),
     "lce_peer_up": ("gauge", {"rank"}),
+    "lce_sessions": ("gauge", set()),
+    "lce_regions": ("gauge", {"kind"}),
 }
 TARGET_LABELS = {"instance", "job", "service", "pod", "namespace"}  # added by Prometheus
 

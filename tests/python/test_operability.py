@@ -92,6 +92,26 @@ def test_metrics_under_traffic_are_valid_and_count_right(metrics_server):
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+def test_sessions_and_regions_are_counted_and_released(metrics_server):
+    port = metrics_server.metrics_port
+    assert sample(scrape(port), "lce_sessions") == 0
+    with lce_client.Client(metrics_server.target, timeout=30) as c:
+        with c.shared_memory_session() as s:
+            s.create(4096)
+            s.create(8192)
+            m = scrape(port)
+            assert sample(m, "lce_sessions") == 1
+            assert sample(m, "lce_regions", kind="host") == 2
+            assert sample(m, "lce_regions", kind="device") == 0
+        # the session's end releases its regions (the server notices the stream's end)
+        for _ in range(100):
+            m = scrape(port)
+            if sample(m, "lce_sessions") == 0 and sample(m, "lce_regions", kind="host") == 0:
+                break
+            time.sleep(0.05)
+        assert sample(m, "lce_sessions") == 0 and sample(m, "lce_regions", kind="host") == 0, m
+
+
 @pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (apt-get install prometheus)")
 def test_real_prometheus_scrapes_the_server(metrics_server, tmp_path):
     c = lce_client.Client(metrics_server.target, timeout=30)
