@@ -3,6 +3,11 @@
 //            device memory: the floor of every path below;
 //   grpc-S   lce_server over gRPC on loopback, hidden states and d_hidden as bytes, the request split
 //            over S streams/connections (ClientOptions.streams; S=1 is one stream);
+//   tcp-S    lce_server's data plane (ClientOptions.data_plane): the bytes over plain TCP sockets into
+//            and out of server memory, one per direction per stream, the messages over gRPC naming
+//            slices of it; S streams as for grpc (the server needs --data-port);
+//   wire     the data plane's sockets alone (no engine, no gRPC): 64 MiB up, down, and both at
+//            once over S sockets per direction: the transfer term of max(transfer, compute);
 //   shm      co-located, host memory: hidden states and d_hidden in POSIX shared-memory regions;
 //   ipc      co-located, GPU memory: hidden states and d_hidden in this process's cudaMalloc memory,
 //            registered with the server through CUDA IPC (no bytes anywhere but on the GPU).
@@ -12,8 +17,9 @@
 //
 // Usage (server already running with --backend=cuda --seed-head=VxH --seed=S --head-dtype=bf16):
 //   lce_transport_bench --target=127.0.0.1:PORT --vocab=V --hidden=H --seed=S [--rows=8192]
-//       [--streams=1,2,4,8] [--chunk-bytes=4194304] [--iterations=5] [--warmup=1] [--modes=engine,grpc,shm,ipc]
-//       [--http2-window-bytes=0] [--grpc-channel-args=K=V,...] [--first-chunk-bytes=0 (chunk/4)]
+//       [--streams=1,2,4,8] [--tcp-streams=1,2,4] [--tcp-sockets=4] [--chunk-bytes=4194304] [--iterations=5] [--warmup=1]
+//       [--modes=engine,grpc,tcp,wire,shm,ipc]
+//       [--http2-window-bytes=0] [--grpc-channel-args=K=V,...] [--first-chunk-bytes=0] [--last-chunk-bytes=0]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,7 +35,10 @@
 #include <string>
 #include <vector>
 
+#include <thread>
+
 #include "bench_check.h"
+#include "data_plane_connection.h"
 #include "head_source.h"
 #include "lce/client/lce_client.h"
 #include "lce/engine.h"
@@ -121,7 +130,7 @@ int main(int argc, char** argv) {
   const uint64_t seed = std::stoull(get("seed", "0"));
   const int64_t chunk_bytes = std::stoll(get("chunk-bytes", "4194304"));
   const int iterations = std::stoi(get("iterations", "5")), warmup = std::stoi(get("warmup", "1"));
-  const auto modes = Split(get("modes", "engine,grpc,shm,ipc"));
+  const auto modes = Split(get("modes", "engine,grpc,tcp,wire,shm,ipc"));
   auto has = [&](const char* m) { return std::find(modes.begin(), modes.end(), m) != modes.end(); };
   const int64_t bytes = N * H * 2;
 
@@ -260,10 +269,79 @@ int main(int argc, char** argv) {
       run_path("grpc, " + s + (s == "1" ? " stream" : " streams"), *c, wire, nullptr);
     }
   }
+  if (has("tcp")) {
+    for (const std::string& s : Split(get("tcp-streams", "1,2,4"))) {
+      lce::client::ClientOptions o;
+      o.target = target;
+      o.chunk_bytes = chunk_bytes;
+      o.first_chunk_bytes = std::stoll(get("first-chunk-bytes", "0"));
+      o.last_chunk_bytes = std::stoll(get("last-chunk-bytes", "0"));
+      o.streams = std::stoi(s);
+      o.min_stream_bytes = std::min<int64_t>(8 << 20, bytes / o.streams);
+      o.data_plane = true;
+      o.data_plane_sockets = std::stoi(get("tcp-sockets", "4"));
+      auto c = Check(lce::client::LceClient::Create(o), "client");
+      run_path("data plane (TCP), " + s + (s == "1" ? " stream" : " streams"), *c, wire, nullptr);
+    }
+  }
   lce::client::ClientOptions o1;
   o1.target = target;
   o1.chunk_bytes = chunk_bytes;
   auto c1 = Check(lce::client::LceClient::Create(o1), "client");
+  struct WireRow {
+    int sockets;
+    Timing up, down, both;
+  };
+  std::vector<WireRow> wire_rows;
+  if (has("wire")) {
+    const int port = Check(c1->GetInfo(), "GetInfo").data_port();
+    if (port <= 0) Check(absl::FailedPreconditionError("the server has no data plane (--data-port)"), "wire");
+    const std::string host = target.substr(0, target.rfind(':'));
+    std::vector<uint8_t> back(static_cast<size_t>(bytes));
+    for (const std::string& s : Split(get("tcp-streams", "1,2,4"))) {
+      const int k = std::stoi(s);
+      auto session = Check(c1->OpenSession(), "OpenSession");
+      const uint64_t in = Check(session->AllocateServerMemory(bytes, "wire-in"), "wire region");
+      const uint64_t out = Check(session->AllocateServerMemory(bytes, "wire-out"), "wire region");
+      std::vector<std::unique_ptr<lce::client::DataPlaneConnection>> up, down;
+      for (int i = 0; i < k; ++i) {
+        up.push_back(Check(lce::client::DataPlaneConnection::Connect(host, port), "data plane connect"));
+        down.push_back(Check(lce::client::DataPlaneConnection::Connect(host, port), "data plane connect"));
+      }
+      // Socket i moves the i-th share of the bytes, in chunk-sized transfers, as a request's stream does.
+      auto move = [&](bool send, bool recv, uint64_t from) {
+        std::vector<std::thread> t;
+        for (int i = 0; i < k; ++i) {
+          const int64_t lo = bytes * i / k, hi = bytes * (i + 1) / k;
+          if (send) {
+            t.emplace_back([&, i, lo, hi] {
+              for (int64_t o = lo; o < hi; o += chunk_bytes) {
+                const int64_t n = std::min(chunk_bytes, hi - o);
+                Check(up[i]->Write(session->id(), in, o, absl::MakeConstSpan(hidden_bytes + o, n)), "wire write");
+              }
+            });
+          }
+          if (recv) {
+            t.emplace_back([&, i, lo, hi] {
+              for (int64_t o = lo; o < hi; o += chunk_bytes) {
+                const int64_t n = std::min(chunk_bytes, hi - o);
+                Check(down[i]->Read(session->id(), from, o, absl::MakeSpan(back.data() + o, n)), "wire read");
+              }
+            });
+          }
+        }
+        for (auto& x : t) x.join();
+      };
+      WireRow w{k};
+      w.up = Time(warmup, iterations, [&] { move(true, false, in); });
+      w.down = Time(warmup, iterations, [&] { move(false, true, in); });
+      if (std::memcmp(back.data(), hidden_bytes, static_cast<size_t>(bytes)) != 0) {
+        Check(absl::DataLossError("bytes read back differ from those written"), "wire");
+      }
+      w.both = Time(warmup, iterations, [&] { move(true, true, out); });
+      wire_rows.push_back(w);
+    }
+  }
   if (has("shm")) {
     auto session = Check(c1->OpenSession(), "OpenSession");
     auto in = Check(session->CreateRegion(bytes, "hidden"), "shm hidden");
@@ -314,6 +392,13 @@ int main(int argc, char** argv) {
     std::printf("| %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2e | %.2e |\n", r.path.c_str(), r.op.c_str(),
                 r.t.mean_ms, r.t.best_ms, r.t.mean_ms / engine_ms[r.op == "train"], r.in_gbs, r.out_gbs, r.lp_diff,
                 r.dh_diff);
+  }
+  if (!wire_rows.empty()) {
+    std::printf("\n| data plane wire only | up GB/s | down GB/s | both at once, GB/s each way |\n| --- | --- | --- | --- |\n");
+    for (const WireRow& w : wire_rows) {
+      std::printf("| %d socket%s per direction | %.2f | %.2f | %.2f |\n", w.sockets, w.sockets == 1 ? "" : "s",
+                  bytes / 1e6 / w.up.mean_ms, bytes / 1e6 / w.down.mean_ms, bytes / 1e6 / w.both.mean_ms);
+    }
   }
   return 0;
 }

@@ -47,6 +47,8 @@ constexpr char kConnection[] = R"(connection:
   --tls-ca=PATH              use TLS, trusting the PEM roots in PATH
   --tls-cert=PATH --tls-key=PATH   client certificate and key for mutual TLS (with --tls-ca)
   --streams=N                split a large request over up to N streams and connections (default 1)
+  --data-plane=1             carry hidden states and d_hidden over the server's data plane (plain TCP
+                             beside gRPC; the server runs with --data-port) (default 0)
 )";
 
 constexpr char kBatch[] = R"(batch:
@@ -62,7 +64,7 @@ constexpr char kBatch[] = R"(batch:
 )";
 
 const std::set<std::string> kConnectionFlags = {"target", "timeout-seconds", "token-file", "tls-ca", "tls-cert",
-                                                "tls-key",  "streams"};
+                                                "tls-key",  "streams",    "data-plane"};
 const std::set<std::string> kBatchFlags = {"head",        "hidden-file", "targets-file", "rows",       "seed",
                                            "temperature", "softcap",     "ignore-index", "chunk-bytes"};
 
@@ -206,6 +208,9 @@ absl::StatusOr<lce::client::ClientOptions> Options(const Args& a) {
   absl::StatusOr<int64_t> streams = a.Int("streams", 1, 1, 64);
   if (!streams.ok()) return streams.status();
   o.streams = static_cast<int>(*streams);
+  absl::StatusOr<int64_t> data_plane = a.Int("data-plane", 0, 0, 1);
+  if (!data_plane.ok()) return data_plane.status();
+  o.data_plane = *data_plane == 1;
   absl::StatusOr<double> timeout = a.Number("timeout-seconds", 600);
   if (!timeout.ok()) return timeout.status();
   if (*timeout <= 0) return absl::InvalidArgumentError("--timeout-seconds must be > 0");

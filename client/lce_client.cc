@@ -8,10 +8,12 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "data_plane_connection.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
 
@@ -37,27 +39,149 @@ int64_t WireDTypeSize(v1::DType dtype) {
 }
 
 std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_bytes, int64_t chunk_bytes,
-                                                    int64_t first_chunk_bytes) {
+                                                    int64_t first_chunk_bytes, int64_t last_chunk_bytes) {
   const int64_t per = std::max<int64_t>(1, row_bytes > 0 ? chunk_bytes / row_bytes : rows);
-  const int64_t first =
-      first_chunk_bytes > 0 ? std::min(per, std::max<int64_t>(1, row_bytes > 0 ? first_chunk_bytes / row_bytes : rows))
-                            : per;
+  auto edge = [&](int64_t b) {
+    return b > 0 ? std::min(per, std::max<int64_t>(1, row_bytes > 0 ? b / row_bytes : rows)) : per;
+  };
+  const int64_t first = edge(first_chunk_bytes);
+  // A smaller last chunk only where the rows go past the first chunk and one more.
+  const int64_t last = last_chunk_bytes > 0 && rows > first + edge(last_chunk_bytes) ? edge(last_chunk_bytes) : 0;
   std::vector<std::pair<int64_t, int64_t>> plan;
-  for (int64_t r = 0; r < rows;) {
-    const int64_t n = std::min(r == 0 ? first : per, rows - r);
+  for (int64_t r = 0; r < rows - last;) {
+    const int64_t n = std::min(r == 0 ? first : per, rows - last - r);
     plan.emplace_back(r, n);
     r += n;
   }
+  if (last > 0) plan.emplace_back(rows - last, last);
   return plan;
 }
 
+struct LceClient::DataPlane {
+  std::mutex mu;  // held by the call using the regions
+  std::unique_ptr<SharedMemorySession> session;
+  int port = 0;
+  uint64_t hidden_region = 0, d_hidden_region = 0;
+  int64_t hidden_bytes = 0, d_hidden_bytes = 0;  // their sizes (0: none yet)
+  std::vector<std::unique_ptr<DataPlaneConnection>> up, down;  // by stream
+
+  void Reset() {  // after a failure: the server may have restarted, a socket be mid-transfer
+    session.reset();
+    hidden_bytes = d_hidden_bytes = 0;
+    up.clear();
+    down.clear();
+  }
+};
+
+struct LceClient::DataPlaneLane {
+  std::vector<DataPlaneConnection*> up, down;  // ClientOptions.data_plane_sockets each
+  const std::string* session_id;
+  uint64_t hidden_region, d_hidden_region;
+};
+
 LceClient::LceClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
-    : options_(std::move(options)), channel_(std::move(channel)), stub_(v1::LceService::NewStub(channel_)) {}
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::LceService::NewStub(channel_)),
+      data_plane_(std::make_unique<DataPlane>()) {}
+
+LceClient::~LceClient() = default;
+
+namespace {
+
+// The host of a gRPC target ("host:port", "[v6]:port", "dns:///host:port", "ipv4:host:port").
+std::string TargetHost(std::string t) {
+  for (const char* scheme : {"dns:///", "dns:", "ipv4:", "ipv6:"}) {
+    if (t.rfind(scheme, 0) == 0) {
+      t = t.substr(std::strlen(scheme));
+      break;
+    }
+  }
+  const size_t colon = t.rfind(':');
+  std::string host = colon == std::string::npos ? t : t.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  return host;
+}
+
+// Moves `bytes` over the sockets at once, an equal share each (whole 4 KiB pages where possible):
+// `move(socket, offset, length)`. The first failure is returned.
+absl::Status SplitTransfer(const std::vector<DataPlaneConnection*>& sockets, int64_t bytes,
+                           const std::function<absl::Status(DataPlaneConnection&, int64_t, int64_t)>& move) {
+  const int64_t k = static_cast<int64_t>(sockets.size());
+  if (k == 1 || bytes < (int64_t{1} << 16)) return move(*sockets[0], 0, bytes);
+  std::vector<absl::Status> results(static_cast<size_t>(k));
+  std::vector<std::thread> helpers;
+  auto part = [&](int64_t i) {
+    const int64_t lo = bytes * i / k / 4096 * 4096, hi = i + 1 == k ? bytes : bytes * (i + 1) / k / 4096 * 4096;
+    results[static_cast<size_t>(i)] = move(*sockets[static_cast<size_t>(i)], lo, hi - lo);
+  };
+  for (int64_t i = 1; i < k; ++i) helpers.emplace_back(part, i);
+  part(0);
+  for (std::thread& t : helpers) t.join();
+  for (const absl::Status& s : results) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LceClient::PrepareDataPlane(size_t parts, int64_t hidden_bytes, bool d_hidden) {
+  DataPlane& dp = *data_plane_;
+  if (dp.session == nullptr) {
+    dp.Reset();
+    absl::StatusOr<v1::GetInfoResponse> info = GetInfo();
+    if (!info.ok()) return info.status();
+    if (info->data_port() <= 0) {
+      return absl::FailedPreconditionError(
+          "ClientOptions.data_plane: the server has no data plane (start lce_server with --data-port)");
+    }
+    absl::StatusOr<std::unique_ptr<SharedMemorySession>> session = OpenSession();
+    if (!session.ok()) return session.status();
+    dp.session = *std::move(session);
+    dp.port = info->data_port();
+  }
+  // Regions sized to the batch, in whole MiB so that nearby sizes reuse them.
+  auto ensure = [&](uint64_t& id, int64_t& size, const char* name) -> absl::Status {
+    if (size >= hidden_bytes) return absl::OkStatus();
+    if (size > 0) {
+      if (absl::Status s = dp.session->Unregister(id); !s.ok()) return s;
+      size = 0;
+    }
+    const int64_t bytes = (hidden_bytes + (1 << 20) - 1) / (1 << 20) * (1 << 20);
+    absl::StatusOr<uint64_t> r = dp.session->AllocateServerMemory(bytes, name);
+    if (!r.ok()) return r.status();
+    id = *r;
+    size = bytes;
+    return absl::OkStatus();
+  };
+  if (absl::Status s = ensure(dp.hidden_region, dp.hidden_bytes, "data-plane-hidden"); !s.ok()) return s;
+  if (d_hidden) {
+    if (absl::Status s = ensure(dp.d_hidden_region, dp.d_hidden_bytes, "data-plane-d-hidden"); !s.ok()) return s;
+  }
+  const std::string host = TargetHost(options_.target);
+  const size_t needed = parts * static_cast<size_t>(options_.data_plane_sockets);
+  for (auto* conns : {&dp.up, &dp.down}) {
+    if (conns->size() < needed) conns->resize(needed);
+    for (size_t i = 0; i < needed; ++i) {
+      if ((*conns)[i] != nullptr) continue;
+      absl::StatusOr<std::unique_ptr<DataPlaneConnection>> c = DataPlaneConnection::Connect(host, dp.port);
+      if (!c.ok()) return c.status();
+      (*conns)[i] = *std::move(c);
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions& options) {
   if (options.target.empty()) return absl::InvalidArgumentError("ClientOptions.target is empty");
   if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("ClientOptions.chunk_bytes must be > 0");
   if (options.first_chunk_bytes < 0) return absl::InvalidArgumentError("ClientOptions.first_chunk_bytes must be >= 0");
+  if (options.last_chunk_bytes < 0) return absl::InvalidArgumentError("ClientOptions.last_chunk_bytes must be >= 0");
+  if (options.data_plane_sockets < 1 || options.data_plane_sockets > 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions.data_plane_sockets must be in [1, 16], got ", options.data_plane_sockets));
+  }
   if (options.streams < 1 || options.streams > 64) {
     return absl::InvalidArgumentError(absl::StrCat("ClientOptions.streams must be in [1, 64], got ", options.streams));
   }
@@ -211,6 +335,29 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
                                       : PlanStreams(batch.rows, row_bytes, options_.chunk_bytes,
                                                     1 + static_cast<int>(extra_stubs_.size()), options_.min_stream_bytes);
   const bool split = parts.size() > 1;
+  // Over the data plane: the bytes go through server memory, the messages name slices of it.
+  // (Not for weight-gradient accumulation, which a GPU server does not do on its own memory yet.)
+  const bool via_data_plane = options_.data_plane && !hidden_in_region && !batch.d_hidden_region && batch.rows > 0 &&
+                              !header.accumulate_weight_grad();
+  std::unique_lock<std::mutex> data_plane_lock;
+  std::vector<DataPlaneLane> lanes;
+  if (via_data_plane) {
+    data_plane_lock = std::unique_lock<std::mutex>(data_plane_->mu);
+    DataPlane& dp = *data_plane_;
+    if (absl::Status s = PrepareDataPlane(parts.size(), batch.rows * row_bytes, std::string(rpc) != "Score"); !s.ok()) {
+      dp.Reset();
+      return s;
+    }
+    const size_t k = static_cast<size_t>(options_.data_plane_sockets);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      DataPlaneLane lane{{}, {}, &dp.session->id(), dp.hidden_region, dp.d_hidden_region};
+      for (size_t j = 0; j < k; ++j) {
+        lane.up.push_back(dp.up[i * k + j].get());
+        lane.down.push_back(dp.down[i * k + j].get());
+      }
+      lanes.push_back(std::move(lane));
+    }
+  }
   // The first split request connects the extra channels all at once; a connection that fails its
   // first attempt is retried here, where a fail-fast call would give up at once.
   if (split && !extra_connected_.load()) {
@@ -230,7 +377,8 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   auto run_part = [&](size_t i) {
     v1::LceService::Stub& stub = i == 0 ? *stub_ : *extra_stubs_[i - 1];
     results[i] = StreamPart(stub, contexts[i], rpc, batch, part_header, grad_loss, grad_logprob, grad_entropy,
-                            parts[i].first, parts[i].second, assembly, &summaries[i]);
+                            parts[i].first, parts[i].second, assembly, &summaries[i],
+                            via_data_plane ? &lanes[i] : nullptr);
     if (split && !results[i].ok()) {  // the server counts rows from the part's start: say where it is
       results[i] = absl::Status(results[i].code(),
                                 absl::StrCat("stream ", i + 1, " of ", parts.size(), " (rows ", parts[i].first, "..",
@@ -253,7 +401,10 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   for (const absl::Status& r : results) {
     if (!r.ok() && (first_error.ok() || (absl::IsCancelled(first_error) && !absl::IsCancelled(r)))) first_error = r;
   }
-  if (!first_error.ok()) return first_error;
+  if (!first_error.ok()) {
+    if (via_data_plane) data_plane_->Reset();
+    return first_error;
+  }
 
   if (assembly.covered != batch.rows) {
     return absl::InternalError(absl::StrCat("the server answered ", assembly.covered.load(), " of ", batch.rows, " rows"));
@@ -289,11 +440,14 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
                                    const HiddenBatch& batch, const v1::RequestHeader& header,
                                    absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
                                    absl::Span<const float> grad_entropy, int64_t part_first, int64_t part_rows,
-                                   Assembly& assembly, PartSummary* summary) {
+                                   Assembly& assembly, PartSummary* summary, const DataPlaneLane* lane) {
   const int64_t row_bytes = assembly.row_bytes;
   const bool hidden_in_region = batch.hidden_region.has_value();
+  const bool lane_d_hidden = lane != nullptr && std::string(rpc) != "Score";
   Prepare(&ctx);
-  if (batch.hidden_region || batch.d_hidden_region) {
+  if (lane != nullptr) {
+    ctx.AddMetadata("lce-session", *lane->session_id);
+  } else if (batch.hidden_region || batch.d_hidden_region) {
     ctx.AddMetadata("lce-session", batch.hidden_region ? batch.hidden_region->session_id
                                                        : batch.d_hidden_region->session_id);
   }
@@ -310,10 +464,12 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   // the server run the part as one engine call.
   constexpr int64_t kRegionChunkRows = 1 << 16;
   auto plan = hidden_in_region ? PlanChunks(part_rows, row_bytes, kRegionChunkRows * row_bytes)
-                               : PlanChunks(part_rows, row_bytes, options_.chunk_bytes, options_.first_chunk_bytes);
+                               : PlanChunks(part_rows, row_bytes, options_.chunk_bytes, options_.first_chunk_bytes,
+                                            options_.last_chunk_bytes);
   for (auto& [first, n] : plan) first += part_first;
   // Write on a thread of its own: the server answers chunk k while later chunks are in flight,
   // so reading and writing must proceed together or flow control stalls both sides.
+  absl::Status upload_error;
   std::thread writer([&] {
     v1::StreamRequest msg;
     *msg.mutable_header() = header;
@@ -328,6 +484,25 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
         r->set_region_id(batch.hidden_region->region_id);
         r->set_offset(batch.hidden_region->offset + first * row_bytes);
         r->set_byte_size(n * row_bytes);
+      } else if (lane != nullptr) {  // the chunk's bytes into server memory first, at the batch's offsets
+        upload_error = SplitTransfer(lane->up, n * row_bytes, [&](DataPlaneConnection& c, int64_t off, int64_t len) {
+          return c.Write(*lane->session_id, lane->hidden_region, first * row_bytes + off,
+                         batch.hidden.subspan(first * row_bytes + off, len));
+        });
+        if (!upload_error.ok()) {
+          ctx.TryCancel();
+          return;
+        }
+        v1::RegionSlice* r = c->mutable_hidden_region();
+        r->set_region_id(lane->hidden_region);
+        r->set_offset(first * row_bytes);
+        r->set_byte_size(n * row_bytes);
+        if (lane_d_hidden) {
+          v1::RegionSlice* d = c->mutable_d_hidden_region();
+          d->set_region_id(lane->d_hidden_region);
+          d->set_offset(first * row_bytes);
+          d->set_byte_size(n * row_bytes);
+        }
       } else {
         c->set_hidden(reinterpret_cast<const char*>(batch.hidden.data()) + first * row_bytes, n * row_bytes);
       }
@@ -391,7 +566,14 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     place(c.logprobs(), out->logprobs, first, n, assembly.n_logprobs, "logprob");
     place(c.entropy(), out->entropy, first, n, assembly.n_entropy, "entropy");
     place(c.loss(), out->loss, first, n, assembly.n_loss, "loss");
-    if (!c.d_hidden().empty()) {
+    if (lane_d_hidden) {  // the server wrote it into its memory before answering
+      uint8_t* dst = assembly.DHidden() + first * row_bytes;
+      shape_error = SplitTransfer(lane->down, n * row_bytes, [&](DataPlaneConnection& c, int64_t off, int64_t len) {
+        return c.Read(*lane->session_id, lane->d_hidden_region, first * row_bytes + off, absl::MakeSpan(dst + off, len));
+      });
+      if (!shape_error.ok()) break;
+      assembly.n_dhidden += n;
+    } else if (!c.d_hidden().empty()) {
       if (static_cast<int64_t>(c.d_hidden().size()) != n * row_bytes) {
         shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n, ") has ",
                                                        c.d_hidden().size(), " d_hidden bytes, not ", n * row_bytes));
@@ -409,6 +591,7 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   }
   writer.join();
   grpc::Status s = stream->Finish();
+  if (!upload_error.ok()) return upload_error;
   if (!shape_error.ok()) return shape_error;
   return ToAbsl(s);
 }
@@ -495,6 +678,17 @@ absl::StatusOr<uint64_t> SharedMemorySession::RegisterCudaIpc(absl::string_view 
   r->set_name(name.empty() ? "cuda-ipc" : name);
   r->set_cuda_ipc_handle(std::string(ipc_handle));
   r->set_offset(offset);
+  r->set_byte_size(byte_size);
+  absl::StatusOr<v1::SessionResponse> resp = Ask(req);
+  if (!resp.ok()) return resp.status();
+  return resp->region_id();
+}
+
+absl::StatusOr<uint64_t> SharedMemorySession::AllocateServerMemory(int64_t byte_size, const std::string& name) {
+  v1::SessionRequest req;
+  v1::RegisterRegion* r = req.mutable_register_region();
+  r->set_name(name.empty() ? "server-memory" : name);
+  r->set_server_memory(true);
   r->set_byte_size(byte_size);
   absl::StatusOr<v1::SessionResponse> resp = Ask(req);
   if (!resp.ok()) return resp.status();

@@ -6,6 +6,7 @@
 #include <cuda.h>  // types of the driver entry point only: libcuda is reached through cudart
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "cuda/cuda_check.h"
@@ -71,7 +72,131 @@ class CudaPinnedHostRange final : public PinnedHostRange {
   void* p_;
 };
 
+// Makes `device` current for a scope, and restores the previous one.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    cudaGetDevice(&prev_);
+    ok_ = cudaSetDevice(device) == cudaSuccess;
+  }
+  ~DeviceScope() { cudaSetDevice(prev_); }
+  bool ok() const { return ok_; }
+
+ private:
+  int prev_ = 0;
+  bool ok_ = false;
+};
+
+class CudaDeviceBuffer final : public DeviceBuffer {
+ public:
+  CudaDeviceBuffer(void* p, int64_t size, int device) : p_(p), size_(size), device_(device) {}
+  ~CudaDeviceBuffer() override {
+    DeviceScope scope(device_);
+    cudaFree(p_);
+  }
+  uint8_t* data() const override { return static_cast<uint8_t*>(p_); }
+  int64_t size() const override { return size_; }
+
+ private:
+  void* p_;
+  int64_t size_;
+  int device_;
+};
+
+class CudaDeviceTransfer final : public DeviceTransfer {
+ public:
+  CudaDeviceTransfer(int device, int64_t piece) : device_(device), piece_(piece) {}
+  ~CudaDeviceTransfer() override {
+    DeviceScope scope(device_);
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    for (int i = 0; i < 2; ++i) {
+      if (bounce_[i] != nullptr) cudaFreeHost(bounce_[i]);
+      if (done_[i] != nullptr) cudaEventDestroy(done_[i]);
+    }
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Init() {
+    DeviceScope scope(device_);
+    LCE_CUDA_CHECK(cudaSetDevice(device_));
+    LCE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    for (int i = 0; i < 2; ++i) {
+      LCE_CUDA_CHECK(cudaHostAlloc(&bounce_[i], static_cast<size_t>(piece_), cudaHostAllocDefault));
+      LCE_CUDA_CHECK(cudaEventCreateWithFlags(&done_[i], cudaEventDisableTiming));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ToDevice(uint8_t* dst, int64_t bytes, const std::function<bool(uint8_t*, size_t)>& produce) override {
+    DeviceScope scope(device_);
+    LCE_CUDA_CHECK(cudaSetDevice(device_));
+    bool produced = true;
+    for (int64_t off = 0, i = 0; off < bytes && produced; off += piece_, ++i) {
+      const int b = static_cast<int>(i & 1);
+      const size_t n = static_cast<size_t>(std::min(piece_, bytes - off));
+      LCE_CUDA_CHECK(cudaEventSynchronize(done_[b]));  // the copy out of this bounce buffer is done
+      produced = produce(static_cast<uint8_t*>(bounce_[b]), n);
+      if (produced) {
+        LCE_CUDA_CHECK(cudaMemcpyAsync(dst + off, bounce_[b], n, cudaMemcpyHostToDevice, stream_));
+        LCE_CUDA_CHECK(cudaEventRecord(done_[b], stream_));
+      }
+    }
+    LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return produced ? absl::OkStatus() : absl::CancelledError("the host side of the transfer stopped");
+  }
+
+  absl::Status FromDevice(const uint8_t* src, int64_t bytes,
+                          const std::function<bool(const uint8_t*, size_t)>& consume) override {
+    DeviceScope scope(device_);
+    LCE_CUDA_CHECK(cudaSetDevice(device_));
+    const int64_t pieces = (bytes + piece_ - 1) / piece_;
+    auto issue = [&](int64_t i) -> absl::Status {
+      const int b = static_cast<int>(i & 1);
+      const int64_t off = i * piece_;
+      LCE_CUDA_CHECK(cudaMemcpyAsync(bounce_[b], src + off, static_cast<size_t>(std::min(piece_, bytes - off)),
+                                     cudaMemcpyDeviceToHost, stream_));
+      LCE_CUDA_CHECK(cudaEventRecord(done_[b], stream_));
+      return absl::OkStatus();
+    };
+    if (pieces > 0) LCE_CUDA_CHECK(issue(0));
+    for (int64_t i = 0; i < pieces; ++i) {
+      // The next piece comes over while this one goes out; its buffer's last consumer is done.
+      if (i + 1 < pieces) LCE_CUDA_CHECK(issue(i + 1));
+      const int b = static_cast<int>(i & 1);
+      LCE_CUDA_CHECK(cudaEventSynchronize(done_[b]));
+      if (!consume(static_cast<const uint8_t*>(bounce_[b]), static_cast<size_t>(std::min(piece_, bytes - i * piece_)))) {
+        LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        return absl::CancelledError("the host side of the transfer stopped");
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  int device_;
+  int64_t piece_;
+  cudaStream_t stream_ = nullptr;
+  void* bounce_[2] = {nullptr, nullptr};
+  cudaEvent_t done_[2] = {nullptr, nullptr};
+};
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateDeviceBuffer(int64_t bytes, int device) {
+  if (bytes <= 0) return absl::InvalidArgumentError(absl::StrCat("device buffer of ", bytes, " bytes"));
+  DeviceScope scope(device);
+  if (!scope.ok()) return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, " is not available"));
+  void* p = nullptr;
+  LCE_CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(bytes)));
+  return std::unique_ptr<DeviceBuffer>(new CudaDeviceBuffer(p, bytes, device));
+}
+
+absl::StatusOr<std::unique_ptr<DeviceTransfer>> CreateDeviceTransfer(int device, int64_t piece_bytes) {
+  if (piece_bytes <= 0) return absl::InvalidArgumentError(absl::StrCat("transfer pieces of ", piece_bytes, " bytes"));
+  auto t = std::make_unique<CudaDeviceTransfer>(device, piece_bytes);
+  if (absl::Status s = t->Init(); !s.ok()) return s;
+  return std::unique_ptr<DeviceTransfer>(std::move(t));
+}
 
 absl::StatusOr<std::unique_ptr<PinnedHostRange>> PinHostMemory(void* data, int64_t bytes, int device) {
   int prev = 0;
@@ -119,6 +244,14 @@ absl::StatusOr<std::unique_ptr<ImportedDeviceMemory>> ImportCudaIpcMemory(absl::
 }
 
 #else
+
+absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateDeviceBuffer(int64_t, int) {
+  return absl::UnimplementedError("this build has no CUDA backend");
+}
+
+absl::StatusOr<std::unique_ptr<DeviceTransfer>> CreateDeviceTransfer(int, int64_t) {
+  return absl::UnimplementedError("this build has no CUDA backend");
+}
 
 absl::StatusOr<std::unique_ptr<PinnedHostRange>> PinHostMemory(void*, int64_t, int) {
   return absl::UnimplementedError("this build has no CUDA backend");

@@ -50,6 +50,16 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
   if (!creds.ok()) return creds.status();
   std::unique_ptr<GrpcServer> self(new GrpcServer());
   self->service_ = std::make_unique<LceService>(std::move(heads), options.service);
+  if (options.data_port >= 0) {
+    const std::string host = options.address.substr(0, options.address.rfind(':'));
+    absl::StatusOr<std::unique_ptr<RegionDataPlane>> dp =
+        RegionDataPlane::Start(self->service_->mutable_regions(), host, options.data_port,
+                                options.server_memory_per_session);
+    if (!dp.ok()) return dp.status();
+    self->data_plane_ = *std::move(dp);
+    self->service_->mutable_regions().EnableServerMemory(options.server_memory_per_session);
+    self->service_->set_data_port(self->data_plane_->port());
+  }
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.address, *creds, &self->port_);
   builder.RegisterService(self->service_.get());
@@ -87,6 +97,7 @@ void GrpcServer::Shutdown(absl::Duration grace) {
   server_->GetHealthCheckService()->Shutdown();  // health answers NOT_SERVING from now on
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();
+  data_plane_.reset();  // after the streams: none still reads the regions it fills
 }
 
 GrpcServer::~GrpcServer() { Shutdown(absl::ZeroDuration()); }

@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "lce_service.h"
+#include "region_data_plane.h"
 
 namespace lce::server {
 
@@ -31,6 +32,10 @@ struct GrpcServerOptions {
   int completion_queues = 0;
   // Extra integer channel arguments (transport tuning).
   std::vector<std::pair<std::string, int>> channel_args;
+  // Data plane (region_data_plane.h): TCP port for server-memory regions (-1: none; 0: any free
+  // port), on the gRPC address's host, and the server memory one session may hold.
+  int data_port = -1;
+  int64_t server_memory_per_session = int64_t{4} << 30;
 };
 
 class GrpcServer {
@@ -40,6 +45,10 @@ class GrpcServer {
   ~GrpcServer();
 
   int port() const { return port_; }
+  // The data plane's port (0: none).
+  int data_port() const { return data_plane_ ? data_plane_->port() : 0; }
+  // The sessions' regions (shared memory, CUDA IPC, server memory).
+  const RegionRegistry& regions() const { return service_->regions(); }
   // Health answers SERVING / NOT_SERVING for "" and lce.v1.LceService.
   void SetServing(bool serving);
   // Stops accepting, marks health NOT_SERVING, lets in-flight streams finish for up to `grace`,
@@ -49,6 +58,7 @@ class GrpcServer {
  private:
   GrpcServer() = default;
   std::unique_ptr<LceService> service_;
+  std::unique_ptr<RegionDataPlane> data_plane_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   bool shut_down_ = false;

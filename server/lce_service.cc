@@ -87,7 +87,8 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
                                            const Upstream& up, const RowOutputs& out, const GradOutputs& grads,
                                            bool d_hidden_on_device) {
   if (grads.d_weight != nullptr) {
-    return absl::UnimplementedError("accumulate_weight_grad with hidden states in a CUDA IPC region is not supported yet");
+    return absl::UnimplementedError("accumulate_weight_grad with hidden states in GPU memory (a CUDA IPC region, or server memory on the GPU) "
+        "is not supported yet");
   }
   const int64_t n = rows.rows;
   const int64_t row_bytes = engine.shape().hidden_size * DTypeSize(engine.shape().dtype);
@@ -167,6 +168,7 @@ grpc::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfo
   resp->set_max_message_bytes(config_.max_message_bytes);
   resp->set_max_rows_per_request(config_.limits.max_rows_per_request);
   resp->set_server_version(LCE_SERVE_VERSION);
+  resp->set_data_port(data_port_);
   return grpc::Status::OK;
 }
 
@@ -199,9 +201,10 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
   const std::string session = RegionRegistry::NewSessionId();
   auto count_regions = [this] {
     if (config_.metrics == nullptr) return;
-    const size_t device = regions_.device_regions();
-    config_.metrics->regions.WithLabels({"host"}).Set(static_cast<double>(regions_.size() - device));
-    config_.metrics->regions.WithLabels({"device"}).Set(static_cast<double>(device));
+    const RegionRegistry::Counts c = regions_.counts();
+    config_.metrics->regions.WithLabels({"host"}).Set(static_cast<double>(c.shm));
+    config_.metrics->regions.WithLabels({"device"}).Set(static_cast<double>(c.device));
+    config_.metrics->regions.WithLabels({"server"}).Set(static_cast<double>(c.server));
   };
   if (config_.metrics != nullptr) config_.metrics->sessions.Increment();
   // Whatever ends the stream (half-close, cancel, disconnect, shutdown), the regions go with it.

@@ -77,6 +77,9 @@ class LceService final : public v1::LceService::Service {
   grpc::Status OpenSession(grpc::ServerContext* ctx,
                            grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) override;
   const RegionRegistry& regions() const { return regions_; }
+  RegionRegistry& mutable_regions() { return regions_; }
+  // The data plane's port, reported by GetInfo (0: none). Set before serving.
+  void set_data_port(int port) { data_port_ = port; }
 
  private:
   grpc::Status GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp);
@@ -115,6 +118,7 @@ class LceService final : public v1::LceService::Service {
   std::mutex staging_pool_mu_;
   std::vector<std::unique_ptr<ChunkStaging>> staging_pool_;  // idle device stagings
   RegionRegistry regions_;
+  int data_port_ = 0;
 };
 
 template <typename F>

@@ -145,6 +145,8 @@ int main(int argc, char** argv) {
   options.http2_window_bytes = flags->http2_window_bytes;
   options.completion_queues = flags->grpc_cqs;
   options.channel_args = flags->grpc_channel_args;
+  options.data_port = flags->data_port;
+  options.server_memory_per_session = flags->data_plane_bytes_per_session;
   // Co-located clients may hand over GPU memory (CUDA IPC) when the engine is one GPU's.
   if (!tp && (*engine)->backend() == "cuda") options.service.cuda_device = flags->device;
   options.service.max_concurrent_streams = flags->max_concurrent_streams;
@@ -180,6 +182,7 @@ int main(int argc, char** argv) {
             << " (backend " << served->backend() << ", head '" << flags->head_name << "' V=" << shape.vocab_size
             << " H=" << shape.hidden_size << " " << DTypeName(shape.dtype) << ", tp " << flags->tp_size << ")"
             << std::endl;
+  if ((*server)->data_port() > 0) std::cout << "lce_server: data plane on port " << (*server)->data_port() << std::endl;
 
   char why = 0;
   while (read(g_wake_pipe[0], &why, 1) != 1) {

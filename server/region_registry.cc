@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -23,10 +24,13 @@ struct RegionRegistry::Region {
   uint8_t* data = nullptr;  // map_base + (offset - page-aligned offset), or into device_memory
   int64_t byte_size = 0;
   std::shared_ptr<ImportedDeviceMemory> device_memory;  // CUDA IPC regions (shared by handle)
-  std::unique_ptr<PinnedHostRange> pinned;              // shm regions of a GPU server
+  std::unique_ptr<PinnedHostRange> pinned;              // shm and server regions of a GPU server
+  void* owned = nullptr;                                // server memory (RegisterServerMemory) on the host
+  std::unique_ptr<DeviceBuffer> owned_device;           // ... or on the server's GPU
   ~Region() {
     pinned.reset();  // before the mapping goes
     if (map_base != nullptr) munmap(map_base, map_len);
+    std::free(owned);
   }
 };
 
@@ -141,11 +145,60 @@ absl::StatusOr<std::shared_ptr<ImportedDeviceMemory>> RegionRegistry::OpenIpc(co
   return open;
 }
 
+absl::StatusOr<uint64_t> RegionRegistry::RegisterServerMemory(const std::string& session, const std::string& name,
+                                                              int64_t byte_size) {
+  const std::string what = absl::StrCat("region '", name, "' (server memory)");
+  if (max_server_bytes_ <= 0) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": this server has no data plane (--data-port)"));
+  }
+  if (byte_size <= 0) return absl::InvalidArgumentError(absl::StrCat(what, ": byte_size must be > 0"));
+  int64_t held = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [_, r] : regions_) {
+      held += r->session == session && (r->owned != nullptr || r->owned_device != nullptr) ? r->byte_size : 0;
+    }
+  }
+  if (byte_size > max_server_bytes_ - held) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": ", byte_size, " bytes more than the session's ", held,
+                                                     " would pass its limit of ", max_server_bytes_));
+  }
+  auto region = std::make_shared<Region>();
+  region->session = session;
+  region->name = name;
+  region->byte_size = byte_size;
+  // On a GPU server the memory is the GPU's: the data plane copies each piece on as it arrives
+  // (and off as it leaves), overlapped with the socket, and the engine reads and writes it in
+  // place, as it does a CUDA IPC region. Host memory where the GPU has no room.
+  if (cuda_device_ >= 0) {
+    absl::StatusOr<std::unique_ptr<DeviceBuffer>> d = AllocateDeviceBuffer(byte_size, cuda_device_);
+    if (d.ok()) {
+      region->owned_device = *std::move(d);
+      region->data = region->owned_device->data();
+      return Add(session, std::move(region));
+    }
+  }
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  const size_t len = static_cast<size_t>((byte_size + page - 1) / page * page);
+  region->owned = std::aligned_alloc(static_cast<size_t>(page), len);
+  if (region->owned == nullptr) return absl::ResourceExhaustedError(absl::StrCat(what, ": out of host memory"));
+  region->data = static_cast<uint8_t*>(region->owned);
+  if (cuda_device_ >= 0) {
+    absl::StatusOr<std::unique_ptr<PinnedHostRange>> pinned = PinHostMemory(region->owned, static_cast<int64_t>(len), cuda_device_);
+    if (pinned.ok()) region->pinned = *std::move(pinned);
+  }
+  return Add(session, std::move(region));
+}
+
 absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, const v1::RegisterRegion& r) {
-  const bool shm = !r.shm_name().empty(), ipc = !r.cuda_ipc_handle().empty();
-  if (shm == ipc) {
+  const bool shm = !r.shm_name().empty(), ipc = !r.cuda_ipc_handle().empty(), own = r.server_memory();
+  if (int(shm) + int(ipc) + int(own) != 1) {
     return absl::InvalidArgumentError(absl::StrCat("region '", r.name(),
-                                                   "': set exactly one of shm_name and cuda_ipc_handle"));
+                                                   "': set exactly one of shm_name, cuda_ipc_handle and server_memory"));
+  }
+  if (own) {
+    if (r.offset() != 0) return absl::InvalidArgumentError("a server_memory region has offset 0");
+    return RegisterServerMemory(session, r.name(), r.byte_size());
   }
   if (ipc) return RegisterCudaIpc(session, r.name(), r.cuda_ipc_handle(), r.offset(), r.byte_size());
   return Register(session, r.name(), r.shm_name(), r.offset(), r.byte_size());
@@ -216,14 +269,19 @@ absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string&
         bytes_needed, " bytes there"));
   }
   return Slice{absl::Span<uint8_t>(r->data + slice.offset(), static_cast<size_t>(bytes_needed)), r,
-               r->device_memory != nullptr};
+               r->device_memory != nullptr || r->owned_device != nullptr,
+               r->owned != nullptr || r->owned_device != nullptr};
 }
 
-size_t RegionRegistry::device_regions() const {
+RegionRegistry::Counts RegionRegistry::counts() const {
   std::lock_guard<std::mutex> lock(mu_);
-  size_t n = 0;
-  for (const auto& [_, r] : regions_) n += r->device_memory != nullptr ? 1 : 0;
-  return n;
+  Counts c;
+  for (const auto& [_, r] : regions_) {
+    (r->device_memory != nullptr                                ? c.device
+     : r->owned != nullptr || r->owned_device != nullptr ? c.server
+                                                         : c.shm) += 1;
+  }
+  return c;
 }
 
 size_t RegionRegistry::size() const {

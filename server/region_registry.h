@@ -25,7 +25,8 @@ class RegionRegistry {
   struct Slice {
     absl::Span<uint8_t> bytes;
     std::shared_ptr<const void> hold;
-    bool device = false;  // bytes are device memory (a CUDA IPC region) on the server's GPU
+    bool device = false;         // bytes are device memory on the server's GPU (CUDA IPC, or server memory there)
+    bool server_memory = false;  // the server's own memory (RegisterServerMemory)
   };
 
   // Most regions one session may hold at once (RESOURCE_EXHAUSTED beyond).
@@ -34,6 +35,8 @@ class RegionRegistry {
   // `cuda_device`: the GPU that CUDA IPC regions are opened on; -1 when the server's engine is not
   // on a GPU (such registrations are then UNIMPLEMENTED).
   explicit RegionRegistry(int cuda_device = -1) : cuda_device_(cuda_device) {}
+  // The GPU whose memory device regions are (-1: none).
+  int cuda_device() const { return cuda_device_; }
 
   // A new session id: 128 random bits as 32 lowercase hex digits.
   static std::string NewSessionId();
@@ -48,7 +51,14 @@ class RegionRegistry {
   // (beyond the allocation); UNIMPLEMENTED: no GPU engine here.
   absl::StatusOr<uint64_t> RegisterCudaIpc(const std::string& session, const std::string& name,
                                            const std::string& ipc_handle, int64_t offset, int64_t byte_size);
-  // Either of the above, as the RegisterRegion message says.
+  // Allocates `byte_size` bytes of server memory for `session` (on the GPU when the server has one
+  // and it has room, else on the host), filled and drained over the data plane. FAILED_PRECONDITION: server memory is not enabled;
+  // RESOURCE_EXHAUSTED: beyond the session's limit.
+  absl::StatusOr<uint64_t> RegisterServerMemory(const std::string& session, const std::string& name, int64_t byte_size);
+  // Lets sessions allocate server memory, up to `max_bytes_per_session` each (the data plane's).
+  void EnableServerMemory(int64_t max_bytes_per_session) { max_server_bytes_ = max_bytes_per_session; }
+  bool server_memory_enabled() const { return max_server_bytes_ > 0; }
+  // Any of the above, as the RegisterRegion message says.
   absl::StatusOr<uint64_t> Register(const std::string& session, const v1::RegisterRegion& r);
   // NOT_FOUND: no such region; PERMISSION_DENIED: it belongs to another session.
   absl::Status Unregister(const std::string& session, uint64_t region_id);
@@ -64,7 +74,11 @@ class RegionRegistry {
 
   // Regions registered now (all sessions), and of those in device memory.
   size_t size() const;
-  size_t device_regions() const;
+  // Regions held now, by kind.
+  struct Counts {
+    size_t shm = 0, device = 0, server = 0;
+  };
+  Counts counts() const;
 
  private:
   struct Region;
@@ -73,6 +87,7 @@ class RegionRegistry {
   // and two tensors of a client often share one allocation (PyTorch's caching allocator).
   absl::StatusOr<std::shared_ptr<ImportedDeviceMemory>> OpenIpc(const std::string& ipc_handle);
   int cuda_device_;
+  int64_t max_server_bytes_ = 0;  // per session; 0: no server memory
   std::mutex ipc_mu_;
   std::map<std::string, std::weak_ptr<ImportedDeviceMemory>> ipc_open_;  // by handle bytes
   mutable std::mutex mu_;

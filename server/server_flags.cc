@@ -29,6 +29,9 @@ const char* ServerUsage() {
                               its bandwidth probe); larger lets a client stream further ahead
   --grpc-cqs=N                gRPC completion queues (each with its own pollers), over which
                               connections are spread (default 0: one per core, at most 16)
+  --data-port=N               data plane for remote clients' bulk bytes (plain TCP, no TLS: trusted
+                              networks only) on the --host address (default -1: off; 0: any port)
+  --data-plane-bytes-per-session=N  server memory one session may allocate (default 4294967296)
   --grpc-poll-strategy=NAME   gRPC's I/O poller (GRPC_POLL_STRATEGY): epoll1 (gRPC's default) or
                               poll (each completion queue polls its own connections); default: gRPC's
   --grpc-channel-args=K=V,... extra integer gRPC channel arguments, for transport tuning, e.g.
@@ -85,6 +88,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"max-message-bytes", i64(&f.max_message_bytes)},
       {"http2-window-bytes", i64(&f.http2_window_bytes)},
       {"grpc-cqs", i32(&f.grpc_cqs)},
+      {"data-port", i32(&f.data_port)},
+      {"data-plane-bytes-per-session", i64(&f.data_plane_bytes_per_session)},
       {"grpc-poll-strategy", str(&f.grpc_poll_strategy)},
       {"grpc-channel-args", [&f](const std::string& v) {
          for (absl::string_view kv : absl::StrSplit(v, ',', absl::SkipEmpty())) {
@@ -150,6 +155,10 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError("--http2-window-bytes must be in [0, 2147483647]");
   }
   if (f.grpc_cqs < 0 || f.grpc_cqs > 256) return absl::InvalidArgumentError("--grpc-cqs must be in [0, 256]");
+  if (f.data_port < -1 || f.data_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--data-port must be -1 (off), 0 (any) or a port, got ", f.data_port));
+  }
+  if (f.data_plane_bytes_per_session <= 0) return absl::InvalidArgumentError("--data-plane-bytes-per-session must be > 0");
   return f;
 }
 

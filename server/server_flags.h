@@ -21,6 +21,8 @@ struct ServerFlags {
   int64_t max_message_bytes = 64 << 20;
   int64_t http2_window_bytes = 0;
   int grpc_cqs = 0;
+  int data_port = -1;
+  int64_t data_plane_bytes_per_session = int64_t{4} << 30;
   std::string grpc_poll_strategy;
   std::vector<std::pair<std::string, int>> grpc_channel_args;  // extra integer gRPC channel arguments
   int64_t max_rows_per_request = int64_t{1} << 24;

@@ -23,7 +23,9 @@ ServiceMetrics::ServiceMetrics(metrics::Registry& r)
                                       {"rank"})),
       peer_up(r.AddGauge("lce_peer_up", "1 while the tensor-parallel rank is healthy, 0 after it failed.", {"rank"})),
       sessions(r.AddGauge("lce_sessions", "Open co-located sessions (OpenSession streams).").WithLabels({})),
-      regions(r.AddGauge("lce_regions", "Registered regions of co-located clients, by kind (host shm, device CUDA IPC).",
+      regions(r.AddGauge("lce_regions",
+                         "Registered regions of sessions, by kind (host shm, device CUDA IPC, server memory of the "
+                         "data plane).",
                          {"kind"})) {}
 
 void ServiceMetrics::Sample(const HeadStore& heads) {

@@ -213,11 +213,25 @@ TEST(PlanChunks, ASmallerFirstChunkThenFullOnes) {
   EXPECT_EQ(PlanChunks(10, 100, 400, 1)[0].second, 1);
 }
 
+TEST(PlanChunks, ASmallerLastChunkWhereTheRowsAllowIt) {
+  auto p = PlanChunks(20, 100, 600, 100, 200);  // 1, 6, 6, 5, then the last 2 rows
+  ASSERT_EQ(p.size(), 5u);
+  EXPECT_EQ(p[0], std::make_pair(int64_t{0}, int64_t{1}));
+  EXPECT_EQ(p[3], std::make_pair(int64_t{13}, int64_t{5}));
+  EXPECT_EQ(p[4], std::make_pair(int64_t{18}, int64_t{2}));
+  ExpectTiles(PlanChunks(20, 100, 600, 0, 200), 20, 6);
+  // Too few rows for a first and a last chunk: no separate last one.
+  EXPECT_EQ(PlanChunks(3, 100, 600, 100, 200).size(), 2u);
+  EXPECT_EQ(PlanChunks(1, 100, 600, 0, 100).size(), 1u);
+}
+
 TEST(PlanChunks, RandomShapesTileTheRows) {
   std::mt19937 rng(3);
   for (int i = 0; i < 500; ++i) {
     const int64_t rows = rng() % 5000, row_bytes = 1 + rng() % 20000, chunk = 1 + rng() % (1 << 20);
     ExpectTiles(PlanChunks(rows, row_bytes, chunk), rows, std::max<int64_t>(1, chunk / row_bytes));
+    ExpectTiles(PlanChunks(rows, row_bytes, chunk, rng() % (1 << 20), rng() % (1 << 20)), rows,
+                std::max<int64_t>(1, chunk / row_bytes));
   }
 }
 

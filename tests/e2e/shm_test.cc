@@ -199,7 +199,8 @@ TEST(SharedMemory, DeviceRegionsNeedAGpuEngineAndOneSourceAndSessionsHaveACap) {
   req.mutable_register_region()->set_byte_size(16);
   ASSERT_TRUE(raw->Write(req) && raw->Read(&resp));
   EXPECT_EQ(resp.code(), static_cast<int>(absl::StatusCode::kInvalidArgument)) << resp.message();
-  EXPECT_NE(resp.message().find("exactly one of shm_name and cuda_ipc_handle"), std::string::npos) << resp.message();
+  EXPECT_NE(resp.message().find("exactly one of shm_name, cuda_ipc_handle and server_memory"), std::string::npos)
+      << resp.message();
   req.mutable_register_region()->clear_shm_name();
   req.mutable_register_region()->clear_cuda_ipc_handle();
   ASSERT_TRUE(raw->Write(req) && raw->Read(&resp));

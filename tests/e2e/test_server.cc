@@ -13,7 +13,7 @@ Backend TestBackend() {
   return env != nullptr && std::string(env) == "cuda" ? Backend::kCuda : Backend::kCpu;
 }
 
-std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_requests) {
+std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_requests, bool data_plane) {
   auto ts = std::make_unique<TestServer>();
   ts->heads = std::make_shared<server::HeadStore>();
   for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
@@ -37,6 +37,7 @@ std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_
   // As lce_server does for a one-GPU engine: chunks go through device staging (and CUDA IPC works).
   if (TestBackend() == Backend::kCuda) options.service.cuda_device = 0;
   options.service.limits.max_rows_per_request = 100000;
+  options.data_port = data_plane ? 0 : -1;
   options.service.make_engine = [](std::shared_ptr<const HeadWeights> w) -> absl::StatusOr<std::shared_ptr<LceEngine>> {
     absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(TestBackend(), std::move(w), EngineConfig{});
     if (!e.ok()) return e.status();

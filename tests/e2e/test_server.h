@@ -27,7 +27,9 @@ struct TestServer {
 // The engines of the in-process server: LCE_TEST_BACKEND=cuda on a GPU machine, else the CPU engine.
 Backend TestBackend();
 
-std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes = 8 << 20, bool log_requests = false);
+// With `data_plane`, the server runs one (RegionDataPlane) on a free port.
+std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes = 8 << 20, bool log_requests = false,
+                                            bool data_plane = true);
 
 struct Batch {
   v1::DType dtype;

@@ -28,6 +28,9 @@ struct ClientOptions {
   // has all of it; a smaller first chunk starts the GPU earlier (measured on an H100 host: no gain
   // at 8192x4096, where the wire binds; bench/RESULTS.md).
   int64_t first_chunk_bytes = 0;
+  // Hidden bytes of each stream's last chunk (0: what is left). Nothing overlaps the last chunk's
+  // compute and answer; a smaller one shortens that tail.
+  int64_t last_chunk_bytes = 0;
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
   std::string bearer_token;                // sent as "authorization: Bearer <token>" when set
   int64_t max_message_bytes = 64 << 20;
@@ -42,6 +45,21 @@ struct ClientOptions {
   int64_t http2_window_bytes = 0;
   // Extra integer gRPC channel arguments (transport tuning), e.g. {"grpc.http2.max_frame_size", 16777215}.
   std::vector<std::pair<std::string, int>> channel_args;
+  // Remote clients: carry hidden states and d_hidden over the server's data plane (plain TCP beside
+  // gRPC, GetInfoResponse.data_port) instead of inside the gRPC messages, which then name slices of
+  // server memory as co-located requests name slices of shared memory. Each stream of a request
+  // (see `streams`) gets one socket per direction; a chunk is sent before its message and its
+  // d_hidden fetched as its answer arrives, so transfer and compute overlap. The first such call
+  // opens a session holding two server-memory regions sized to the batch (grown when a batch is
+  // larger); calls over the data plane take turns. FAILED_PRECONDITION: the server has no data
+  // plane. Batches with hidden_region or d_hidden_region set, and requests that accumulate the weight
+  // gradient, do not use it.
+  bool data_plane = false;
+  // Sockets per direction per stream on the data plane: each chunk's bytes are split over them and
+  // move at once (one loopback socket carries 2.6–4.5 GB/s on an H100 host, four 9–12 GB/s).
+  // Measured best there for 8192×4096 bf16 (bench/RESULTS.md): one stream, 4 sockets, chunks of
+  // 8 MiB with a first and last chunk of 1 MiB.
+  int data_plane_sockets = 4;
 };
 
 // Where a co-located batch's bytes are: `offset` into region `region_id` of session `session_id`
@@ -104,6 +122,10 @@ class SharedMemorySession {
   // RegionRef with id()).
   absl::StatusOr<uint64_t> RegisterCudaIpc(absl::string_view ipc_handle, int64_t offset, int64_t byte_size,
                                            const std::string& name = "");
+  // Has the server allocate `byte_size` bytes of its own memory for this session (remote clients:
+  // fill and drain it over the data plane, ClientOptions.data_plane). FAILED_PRECONDITION: the
+  // server has no data plane; RESOURCE_EXHAUSTED: beyond its per-session limit. Returns the region id.
+  absl::StatusOr<uint64_t> AllocateServerMemory(int64_t byte_size, const std::string& name = "");
   // Cancels the session stream, as a client that goes away would (the server releases the regions).
   void Cancel() { ctx_.TryCancel(); }
 
@@ -144,6 +166,7 @@ struct BackwardResult {
 class LceClient {
  public:
   static absl::StatusOr<std::unique_ptr<LceClient>> Create(const ClientOptions& options);
+  ~LceClient();
 
   absl::StatusOr<v1::GetInfoResponse> GetInfo(const std::string& head = "");
   // grpc.health.v1 Check of `service` ("" = the server as a whole): true when SERVING.
@@ -170,6 +193,8 @@ class LceClient {
  private:
   LceClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
   struct Assembly;
+  struct DataPlane;      // the session, regions and sockets of ClientOptions.data_plane
+  struct DataPlaneLane;  // one stream's share of them
   struct PartSummary {
     double loss = 0;
     int64_t valid_tokens = 0;
@@ -182,7 +207,10 @@ class LceClient {
   absl::Status StreamPart(v1::LceService::Stub& stub, grpc::ClientContext& ctx, const char* rpc,
                           const HiddenBatch& batch, const v1::RequestHeader& header, absl::Span<const float> grad_loss,
                           absl::Span<const float> grad_logprob, absl::Span<const float> grad_entropy, int64_t first,
-                          int64_t count, Assembly& assembly, PartSummary* summary);
+                          int64_t count, Assembly& assembly, PartSummary* summary, const DataPlaneLane* lane);
+  // Opens (or reopens, or grows) what the data plane needs for a batch of `hidden_bytes` split in
+  // `parts` streams; called under DataPlane::mu.
+  absl::Status PrepareDataPlane(size_t parts, int64_t hidden_bytes, bool d_hidden);
   void Prepare(grpc::ClientContext* ctx) const;
 
   ClientOptions options_;
@@ -192,6 +220,7 @@ class LceClient {
   std::vector<std::unique_ptr<v1::LceService::Stub>> extra_stubs_;
   std::vector<std::shared_ptr<grpc::Channel>> extra_channels_;
   std::atomic<bool> extra_connected_{false};
+  std::unique_ptr<DataPlane> data_plane_;
 };
 
 // Splits `rows` rows of `row_bytes` into at most `streams` contiguous [first, count) ranges of at
@@ -201,9 +230,11 @@ std::vector<std::pair<int64_t, int64_t>> PlanStreams(int64_t rows, int64_t row_b
                                                      int64_t min_stream_bytes);
 
 // Plans the chunks of a batch: [first_row, rows) pairs of at most max(1, chunk_bytes / row_bytes) rows;
-// with first_chunk_bytes > 0 the first chunk holds at most max(1, first_chunk_bytes / row_bytes).
+// with first_chunk_bytes > 0 the first chunk holds at most max(1, first_chunk_bytes / row_bytes), and
+// with last_chunk_bytes > 0 the last one at most max(1, last_chunk_bytes / row_bytes) rows (where the
+// batch has more rows than those two chunks).
 std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_bytes, int64_t chunk_bytes,
-                                                    int64_t first_chunk_bytes = 0);
+                                                    int64_t first_chunk_bytes = 0, int64_t last_chunk_bytes = 0);
 
 // Bytes per element of a wire dtype (0 for DTYPE_UNSPECIFIED).
 int64_t WireDTypeSize(v1::DType dtype);

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The data plane's chunk plan on one GPU (issue 7): one lce_server (--data-port=0), then
+# lce_transport_bench over the data plane for each "STREAMS:CHUNK:FIRST:LAST" of $CONFIGS (bytes;
+# FIRST/LAST 0: full chunks), each followed by the server's account of its requests (request log).
+# .devbin/ and .rtpack/ carried. Usage: bench/device_data_plane_sweep.sh [ROWS] [HIDDEN] [VOCAB]
+# env: CONFIGS, ITERS=5, MODES=tcp (add engine for the floor, wire for the sockets alone)
+set -u
+[ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
+export LD_LIBRARY_PATH=$PWD/.rt/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+N=${1:-8192} H=${2:-4096} V=${3:-128256}
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
+rm -f /tmp/lce.port
+./.devbin/lce_server --port=0 --port-file=/tmp/lce.port --backend=cuda --seed-head="${V}x${H}" --seed=0 \
+  --head-dtype=bf16 --log-requests=true --data-port=0 > /dev/null 2> "$OUT/server.log" &
+SERVER=$!
+for _ in $(seq 600); do [ -s /tmp/lce.port ] && break; sleep 0.2; done
+for cfg in ${CONFIGS:-2:8388608:1048576:1048576}; do
+  IFS=: read -r s chunk first last <<< "$cfg"
+  echo "== streams $s, chunk $chunk, first $first, last $last"
+  from=$(($(wc -l < "$OUT/server.log") + 1))
+  ./.devbin/lce_transport_bench --target=127.0.0.1:$(cat /tmp/lce.port) --rows="$N" --hidden="$H" --vocab="$V" \
+    --seed=0 --tcp-streams="$s" --chunk-bytes="$chunk" --first-chunk-bytes="${first:-0}" \
+    --last-chunk-bytes="${last:-0}" --iterations="${ITERS:-5}" --warmup=1 --modes="${MODES:-tcp}" 2>&1 |
+    tee -a "$OUT/transport.log" | grep -E "^\| [a-z0-9]" | grep -v "^| path"
+  python3 bench/transport_log_summary.py "$OUT/server.log" "$from"
+done
+kill $SERVER; wait $SERVER 2>/dev/null

@@ -1,0 +1,212 @@
+#include "region_data_plane.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "lce/device_memory.h"
+
+namespace lce::server {
+namespace {
+
+// Pieces of a transfer to or from GPU memory: small enough that the copy of one hides behind the
+// socket's work on the next, large enough that the copies run near the bus's speed.
+constexpr int64_t kDevicePiece = 1 << 20;
+
+// Runs `io(fd, bytes, n)` (recv or send) until all n bytes moved; false on EOF or error.
+template <typename Byte, typename Io>
+bool Exactly(int fd, Byte* b, size_t n, Io io) {
+  while (n > 0) {
+    const ssize_t r = io(fd, b, n);
+    if (r <= 0) {
+      if (r < 0 && errno == EINTR) continue;
+      return false;
+    }
+    b += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool RecvAll(int fd, void* p, size_t n) {
+  return Exactly(fd, static_cast<uint8_t*>(p), n,
+                 [](int f, uint8_t* b, size_t k) { return ::recv(f, b, k, MSG_WAITALL); });
+}
+
+bool SendAll(int fd, const void* p, size_t n) {
+  return Exactly(fd, static_cast<const uint8_t*>(p), n,
+                 [](int f, const uint8_t* b, size_t k) { return ::send(f, b, k, MSG_NOSIGNAL); });
+}
+
+bool Discard(int fd, int64_t n) {
+  static thread_local std::vector<uint8_t> sink(1 << 20);
+  while (n > 0) {
+    const size_t k = static_cast<size_t>(std::min<int64_t>(n, static_cast<int64_t>(sink.size())));
+    if (!RecvAll(fd, sink.data(), k)) return false;
+    n -= static_cast<int64_t>(k);
+  }
+  return true;
+}
+
+bool Reply(int fd, const absl::Status& s) {
+  const std::string msg(s.message());
+  uint8_t head[8];
+  const int32_t code = static_cast<int32_t>(s.code());
+  const uint32_t len = static_cast<uint32_t>(msg.size());
+  std::memcpy(head, &code, 4);
+  std::memcpy(head + 4, &len, 4);
+  return SendAll(fd, head, 8) && SendAll(fd, msg.data(), msg.size());
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RegionDataPlane>> RegionDataPlane::Start(RegionRegistry& regions,
+                                                                        const std::string& host, int port,
+                                                                        int64_t max_write_bytes) {
+  std::unique_ptr<RegionDataPlane> dp(new RegionDataPlane(regions, max_write_bytes));
+  dp->listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (dp->listen_fd_ < 0) return absl::InternalError(absl::StrCat("data plane: socket: ", std::strerror(errno)));
+  const int one = 1;
+  setsockopt(dp->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  // IPv4 only; the IPv6 wildcard and loopback map to theirs.
+  std::string h = host;
+  if (h.empty() || h == "[::]" || h == "::") h = "0.0.0.0";
+  if (h == "localhost" || h == "[::1]" || h == "::1") h = "127.0.0.1";
+  if (inet_pton(AF_INET, h.c_str(), &addr.sin_addr) != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("data plane: '", host, "' is not an IPv4 address"));
+  }
+  if (::bind(dp->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(dp->listen_fd_, 64) != 0) {
+    return absl::UnavailableError(absl::StrCat("data plane: cannot listen on ", h, ":", port, ": ", std::strerror(errno)));
+  }
+  socklen_t len = sizeof(addr);
+  getsockname(dp->listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+  dp->port_ = ntohs(addr.sin_port);
+  dp->acceptor_ = std::thread([p = dp.get()] { p->AcceptLoop(); });
+  return dp;
+}
+
+RegionDataPlane::~RegionDataPlane() {
+  stopping_ = true;
+  if (listen_fd_ >= 0) ::shutdown(listen_fd_, SHUT_RDWR);
+  if (acceptor_.joinable()) acceptor_.join();
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  std::map<uint64_t, std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int fd : conns_) ::shutdown(fd, SHUT_RDWR);  // wakes their threads
+    threads.swap(threads_);
+  }
+  for (auto& [_, t] : threads) t.join();
+}
+
+void RegionDataPlane::AcceptLoop() {
+  while (!stopping_) {
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      return;  // shut down
+    }
+    const int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    std::vector<std::thread> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) {
+        ::close(fd);
+        return;
+      }
+      for (uint64_t id : finished_) {
+        auto it = threads_.find(id);
+        if (it != threads_.end()) {
+          done.push_back(std::move(it->second));
+          threads_.erase(it);
+        }
+      }
+      finished_.clear();
+      conns_.push_back(fd);
+      const uint64_t id = next_id_++;
+      threads_.emplace(id, std::thread([this, id, fd] { Serve(id, fd); }));
+    }
+    for (std::thread& t : done) t.join();  // already returned, or about to
+  }
+}
+
+void RegionDataPlane::Serve(uint64_t id, int fd) {
+  uint8_t head[kDataPlaneHeaderBytes];
+  std::unique_ptr<DeviceTransfer> transfer;  // made on the first transfer to or from GPU memory
+  while (!stopping_ && RecvAll(fd, head, sizeof(head))) {
+    if (std::memcmp(head, kDataPlaneMagic, 4) != 0) {
+      Reply(fd, absl::InvalidArgumentError("data plane: bad magic (expected \"LCE1\")"));
+      break;
+    }
+    uint32_t op = 0;
+    uint64_t region = 0;
+    int64_t offset = 0, length = 0;
+    std::memcpy(&op, head + 4, 4);
+    const std::string session(reinterpret_cast<const char*>(head + 8), 32);
+    std::memcpy(&region, head + 40, 8);
+    std::memcpy(&offset, head + 48, 8);
+    std::memcpy(&length, head + 56, 8);
+    v1::RegionSlice slice;
+    slice.set_region_id(region);
+    slice.set_offset(offset);
+    slice.set_byte_size(length);
+    absl::StatusOr<RegionRegistry::Slice> s =
+        op == kDataPlaneWrite || op == kDataPlaneRead
+            ? regions_.Resolve(session, slice, length, op == kDataPlaneWrite ? "data plane write" : "data plane read")
+            : absl::InvalidArgumentError(absl::StrCat("data plane: unknown op ", op));
+    if (s.ok() && !s->server_memory) {
+      s = absl::InvalidArgumentError(absl::StrCat("data plane: region ", region, " is not server memory"));
+    }
+    if (!s.ok()) {
+      // A refused write's payload follows: read it into nothing, so that the client sees the
+      // reason and the connection goes on; one too large to be any region's is not waited for.
+      if (op == kDataPlaneWrite && (length < 0 || length > max_write_bytes_ || !Discard(fd, length))) {
+        Reply(fd, s.status());
+        break;
+      }
+      if (!Reply(fd, s.status())) break;
+      continue;
+    }
+    if (s->device) {  // GPU memory: through this connection's bounce buffers, overlapped with the socket
+      if (transfer == nullptr) {
+        absl::StatusOr<std::unique_ptr<DeviceTransfer>> t = CreateDeviceTransfer(regions_.cuda_device(), kDevicePiece);
+        if (!t.ok()) {
+          if (op != kDataPlaneWrite || Discard(fd, length)) Reply(fd, t.status());
+          break;
+        }
+        transfer = *std::move(t);
+      }
+      if (op == kDataPlaneWrite) {
+        const absl::Status w = transfer->ToDevice(s->bytes.data(), length, [fd](uint8_t* p, size_t n) { return RecvAll(fd, p, n); });
+        if (!w.ok() || !Reply(fd, absl::OkStatus())) break;  // a CUDA failure mid-payload ends the connection
+      } else {
+        if (!Reply(fd, absl::OkStatus())) break;
+        const absl::Status r =
+            transfer->FromDevice(s->bytes.data(), length, [fd](const uint8_t* p, size_t n) { return SendAll(fd, p, n); });
+        if (!r.ok()) break;  // the client sees the connection end short of the bytes
+      }
+    } else if (op == kDataPlaneWrite) {
+      if (!RecvAll(fd, s->bytes.data(), s->bytes.size()) || !Reply(fd, absl::OkStatus())) break;
+    } else {
+      if (!Reply(fd, absl::OkStatus()) || !SendAll(fd, s->bytes.data(), s->bytes.size())) break;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  conns_.erase(std::remove(conns_.begin(), conns_.end(), fd), conns_.end());
+  ::close(fd);
+  finished_.push_back(id);
+}
+
+}  // namespace lce::server

@@ -1,0 +1,65 @@
+// The data plane: plain TCP beside gRPC for the bulk bytes of remote clients. A client writes hidden
+// states into, and reads d_hidden out of, server-memory regions of its session (RegionRegistry::
+// RegisterServerMemory) over several sockets at once, at the socket's speed; its gRPC requests
+// then name slices of those regions, as co-located clients do, and carry no hidden bytes.
+//
+// Wire format, little-endian, one transfer after another on a connection:
+//   request  64 bytes: "LCE1", u32 op (1 write, 2 read), 32 bytes session id (hex),
+//            u64 region_id, i64 offset, i64 length; a write then sends `length` bytes;
+//   reply    i32 code (google.rpc.Code), u32 message length, the message; a read that succeeded
+//            then sends `length` bytes.
+// Every transfer is checked as a request's slice is (owner, bounds; server memory only). A refused
+// write's payload is read and dropped before the reply, and the connection goes on; one longer than
+// any region may be (the per-session limit) is answered at once and the connection closed, as is a
+// header without the magic.
+// The session id is the capability: it goes only to an authenticated OpenSession. No TLS: for
+// trusted networks, as NCCL's sockets are.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "region_registry.h"
+
+namespace lce::server {
+
+inline constexpr char kDataPlaneMagic[4] = {'L', 'C', 'E', '1'};
+inline constexpr uint32_t kDataPlaneWrite = 1, kDataPlaneRead = 2;
+inline constexpr size_t kDataPlaneHeaderBytes = 64;
+
+class RegionDataPlane {
+ public:
+  // Listens on host:port (port 0: any free port). `max_write_bytes`: the largest region a session
+  // may hold (a longer refused write is not drained).
+  static absl::StatusOr<std::unique_ptr<RegionDataPlane>> Start(RegionRegistry& regions, const std::string& host,
+                                                                int port, int64_t max_write_bytes);
+  ~RegionDataPlane();  // stops accepting, ends every connection, joins the threads
+  int port() const { return port_; }
+
+ private:
+  RegionDataPlane(RegionRegistry& regions, int64_t max_write_bytes)
+      : regions_(regions), max_write_bytes_(max_write_bytes) {}
+  void AcceptLoop();
+  void Serve(uint64_t id, int fd);
+
+  RegionRegistry& regions_;
+  const int64_t max_write_bytes_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::mutex mu_;
+  std::vector<int> conns_;
+  std::map<uint64_t, std::thread> threads_;  // by connection
+  std::vector<uint64_t> finished_;           // connections whose thread is done: joined on the next accept
+  uint64_t next_id_ = 0;
+  std::thread acceptor_;
+};
+
+}  // namespace lce::server

@@ -1,0 +1,225 @@
+// The data plane (ClientOptions.data_plane, server/region_data_plane.h): a remote client's hidden
+// states and d_hidden travel over plain TCP into and out of server memory, and the answers are the
+// bytes path's; every transfer is checked (owner, bounds, kind of region) and a refusal leaves the
+// connection and the server working; a session's server memory goes with the session.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "data_plane_connection.h"
+#include "gtest/gtest.h"
+#include "lce/client/lce_client.h"
+#include "test_server.h"
+
+namespace lce::e2e {
+namespace {
+
+using client::ClientOptions;
+using client::DataPlaneConnection;
+using client::HiddenBatch;
+using client::LceClient;
+
+std::unique_ptr<LceClient> Connect(const TestServer& ts, int streams, bool data_plane, int64_t chunk_bytes,
+                                   int sockets = 2) {
+  ClientOptions o;
+  o.data_plane_sockets = sockets;
+  o.target = ts.target;
+  o.chunk_bytes = chunk_bytes;
+  o.streams = streams;
+  o.min_stream_bytes = 2 * chunk_bytes;  // small, so that a test-sized batch splits
+  o.data_plane = data_plane;
+  auto c = LceClient::Create(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return std::move(*c);
+}
+
+HiddenBatch View(const Batch& b) {
+  return {b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)};
+}
+
+// Same chunks, same engine calls: equal on the CPU engine, to rounding on a GPU.
+void ExpectSame(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  const double tol = TestBackend() == Backend::kCpu ? 0 : 1e-4;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], tol * (1 + std::fabs(want[i]))) << what << " row " << i;
+  }
+}
+
+void ExpectSameBytes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  if (TestBackend() == Backend::kCpu) {
+    EXPECT_TRUE(got == want) << what << " differs";
+    return;
+  }
+  size_t differ = 0;
+  for (size_t i = 0; i < got.size(); ++i) differ += got[i] != want[i] ? 1 : 0;
+  EXPECT_LE(differ, got.size() / 20) << what;  // rounding of the last bf16 bit, at most
+}
+
+TEST(DataPlane, AnswersEqualTheBytesPathOverOneAndSeveralStreams) {
+  auto ts = StartTestServer();
+  ASSERT_GT(ts->server->data_port(), 0);
+  const int64_t row_bytes = kHidden * 2;
+  const Batch b = MakeBatch(600, v1::DTYPE_BFLOAT16, 31);
+  for (int streams : {1, 4}) {
+    SCOPED_TRACE(streams);
+    auto bytes = Connect(*ts, streams, false, 16 * row_bytes);
+    auto plane = Connect(*ts, streams, true, 16 * row_bytes);
+    v1::RequestHeader h;
+    h.set_temperature(0.7f);
+    auto want_s = bytes->Score(View(b), h);
+    auto got_s = plane->Score(View(b), h);
+    ASSERT_TRUE(want_s.ok() && got_s.ok()) << want_s.status() << got_s.status();
+    ExpectSame(got_s->logprobs, want_s->logprobs, "logprobs");
+    ExpectSame(got_s->entropy, want_s->entropy, "entropy");
+    EXPECT_EQ(ts->server->regions().counts().server, 1u);  // the hidden states' region; Score needs no other
+
+    v1::RequestHeader fb;
+    fb.add_outputs(v1::OUTPUT_LOSS);
+    auto want = bytes->ForwardBackward(View(b), fb);
+    auto got = plane->ForwardBackward(View(b), fb);
+    ASSERT_TRUE(want.ok() && got.ok()) << want.status() << got.status();
+    EXPECT_NEAR(got->reduced_loss, want->reduced_loss, 1e-6 * std::fabs(want->reduced_loss));
+    ExpectSame(got->loss, want->loss, "loss");
+    ExpectSameBytes(got->d_hidden, want->d_hidden, "d_hidden");
+    EXPECT_EQ(ts->server->regions().counts().server, 2u);
+
+    // Into the caller's buffer, and Backward.
+    std::vector<uint8_t> dst(b.hidden.size(), 0xff);
+    HiddenBatch into = View(b);
+    into.d_hidden_out = absl::MakeSpan(dst);
+    auto got_into = plane->ForwardBackward(into, fb);
+    ASSERT_TRUE(got_into.ok()) << got_into.status();
+    EXPECT_TRUE(got_into->d_hidden.empty());
+    ExpectSameBytes(dst, want->d_hidden, "d_hidden_out");
+    std::vector<float> gl(b.rows, 0.5f), ge(b.rows, -0.25f);
+    auto want_b = bytes->Backward(View(b), {}, gl, ge);
+    auto got_b = plane->Backward(View(b), {}, gl, ge);
+    ASSERT_TRUE(want_b.ok() && got_b.ok()) << want_b.status() << got_b.status();
+    ExpectSameBytes(got_b->d_hidden, want_b->d_hidden, "backward d_hidden");
+
+    // A larger batch grows the regions; a smaller one reuses them.
+    const Batch big = MakeBatch(3000, v1::DTYPE_BFLOAT16, 32);
+    auto want_big = bytes->ForwardBackward(View(big), fb);
+    auto got_big = plane->ForwardBackward(View(big), fb);
+    ASSERT_TRUE(want_big.ok() && got_big.ok()) << want_big.status() << got_big.status();
+    ExpectSameBytes(got_big->d_hidden, want_big->d_hidden, "grown d_hidden");
+    EXPECT_EQ(ts->server->regions().counts().server, 2u);
+    // Chunks large enough to be split over several sockets per direction (64 KiB and more).
+    auto split = Connect(*ts, streams, true, 1500 * row_bytes, /*sockets=*/3);
+    auto got_split = split->ForwardBackward(View(big), fb);
+    ASSERT_TRUE(got_split.ok()) << got_split.status();
+    auto want_split = Connect(*ts, streams, false, 1500 * row_bytes)->ForwardBackward(View(big), fb);
+    ASSERT_TRUE(want_split.ok()) << want_split.status();
+    ExpectSameBytes(got_split->d_hidden, want_split->d_hidden, "d_hidden over 3 sockets a direction");
+    split.reset();
+    plane.reset();  // its session ends, and its server memory with it
+    for (int i = 0; i < 200 && ts->server->regions().counts().server != 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_EQ(ts->server->regions().counts().server, 0u);
+  }
+}
+
+TEST(DataPlane, NeedsAServerWithOne) {
+  auto ts = StartTestServer(8 << 20, false, /*data_plane=*/false);
+  const Batch b = MakeBatch(10, v1::DTYPE_BFLOAT16, 33);
+  auto info = Connect(*ts, 1, false, 4 << 20)->GetInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->data_port(), 0);
+  auto c = Connect(*ts, 1, true, 4 << 20);
+  auto r = c->Score(View(b), {});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(r.status().message().find("--data-port"), std::string::npos) << r.status();
+  auto s = c->OpenSession();
+  ASSERT_TRUE(s.ok());
+  auto m = (*s)->AllocateServerMemory(1024);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kFailedPrecondition) << m.status();
+}
+
+TEST(DataPlane, TransfersAreCheckedAndARefusalLeavesTheConnectionWorking) {
+  auto ts = StartTestServer();
+  auto c = Connect(*ts, 1, false, 4 << 20);
+  auto a = c->OpenSession();
+  auto other = c->OpenSession();
+  ASSERT_TRUE(a.ok() && other.ok());
+  auto region = (*a)->AllocateServerMemory(4096, "mine");
+  auto theirs = (*other)->AllocateServerMemory(4096, "theirs");
+  auto shm = (*a)->CreateRegion(4096, "shm");
+  ASSERT_TRUE(region.ok() && theirs.ok() && shm.ok()) << region.status() << theirs.status() << shm.status();
+  auto conn = DataPlaneConnection::Connect("127.0.0.1", ts->server->data_port());
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  DataPlaneConnection& dp = **conn;
+  const std::string& id = (*a)->id();
+
+  std::vector<uint8_t> data(1000), back(1000);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 7 + 3);
+  ASSERT_TRUE(dp.Write(id, *region, 96, data).ok());
+  ASSERT_TRUE(dp.Read(id, *region, 96, absl::MakeSpan(back)).ok());
+  EXPECT_EQ(back, data);
+
+  auto expect = [&](absl::Status s, absl::StatusCode code, const char* says) {
+    EXPECT_EQ(s.code(), code) << s;
+    EXPECT_NE(s.message().find(says), std::string::npos) << s;
+    EXPECT_TRUE(dp.usable());
+  };
+  expect(dp.Write(id, *region, 3500, data), absl::StatusCode::kInvalidArgument, "does not fit");
+  expect(dp.Read(id, *region, -1, absl::MakeSpan(back)), absl::StatusCode::kInvalidArgument, "does not fit");
+  expect(dp.Write(id, *theirs, 0, data), absl::StatusCode::kPermissionDenied, "another session");
+  expect(dp.Read(id, *theirs, 0, absl::MakeSpan(back)), absl::StatusCode::kPermissionDenied, "another session");
+  expect(dp.Write(id, shm->id, 0, data), absl::StatusCode::kInvalidArgument, "not server memory");
+  expect(dp.Write(id, 999999, 0, data), absl::StatusCode::kNotFound, "not registered");
+  // After every refusal the connection still carries transfers.
+  std::fill(back.begin(), back.end(), 0);
+  ASSERT_TRUE(dp.Read(id, *region, 96, absl::MakeSpan(back)).ok());
+  EXPECT_EQ(back, data);
+
+  // Beyond the session's limit: refused, nothing allocated.
+  auto huge = (*a)->AllocateServerMemory(int64_t{64} << 30);
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+
+  // A header without the magic: answered, the connection closed, the server still serving.
+  {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(ts->server->data_port()));
+    inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    char junk[64];
+    std::memset(junk, 'x', sizeof(junk));
+    ASSERT_EQ(::send(fd, junk, sizeof(junk), 0), 64);
+    int32_t code = 0;
+    ASSERT_EQ(::recv(fd, &code, 4, MSG_WAITALL), 4);
+    EXPECT_EQ(code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+    char rest[256];
+    ssize_t n = 0, total = 0;
+    while ((n = ::recv(fd, rest, sizeof(rest), 0)) > 0) total += n;
+    EXPECT_EQ(n, 0) << "the server should close the connection";
+    EXPECT_GT(total, 4);  // length and message
+    ::close(fd);
+  }
+
+  // The session's end frees its server memory: transfers into it are NOT_FOUND from then on.
+  const std::string gone = id;
+  const uint64_t gone_region = *region;
+  a->reset();
+  absl::Status s;
+  for (int i = 0; i < 200; ++i) {
+    s = dp.Write(gone, gone_region, 0, data);
+    if (s.code() == absl::StatusCode::kNotFound) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_TRUE(c->Score(View(MakeBatch(4, v1::DTYPE_BFLOAT16, 34)), {}).ok());
+}
+
+}  // namespace
+}  // namespace lce::e2e
