@@ -5,10 +5,7 @@
 # .devbin/ and .rtpack/ carried. Usage: bench/device_data_plane_sweep.sh [ROWS] [HIDDEN] [VOCAB]
 # env: CONFIGS, ITERS=5, MODES=tcp (add engine for the floor, wire for the sockets alone)
 set -u
-[ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
-export LD_LIBRARY_PATH=$PWD/.rt/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-N=${1:-8192} H=${2:-4096} V=${3:-128256}
+source "$(dirname "$0")/device_transport_env.sh"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
 rm -f /tmp/lce.port
 ./.devbin/lce_server --port=0 --port-file=/tmp/lce.port --backend=cuda --seed-head="${V}x${H}" --seed=0 \

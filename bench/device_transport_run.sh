@@ -8,10 +8,7 @@
 # env: STREAMS="1,2,4,8", TCP_STREAMS="1,2,4", LOG_REQUESTS=false, CHUNK=4194304, ITERS=5, MODES, SERVER_FLAGS (extra lce_server flags),
 #      BENCH_FLAGS (extra lce_transport_bench flags), GRPC_POLL_STRATEGY (both ends)
 set -u
-[ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
-export LD_LIBRARY_PATH=$PWD/.rt/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-N=${1:-8192} H=${2:-4096} V=${3:-128256}
+source "$(dirname "$0")/device_transport_env.sh"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/device.txt"
 if [ -x .devbin/gpu_ipc_test ]; then
   LCE_SERVER_BIN=$PWD/.devbin/lce_server ./.devbin/gpu_ipc_test > "$OUT/gpu_ipc_test.log" 2>&1

@@ -6,10 +6,7 @@
 # engine time, engine calls, queue time). .devbin/ and .rtpack/ carried.
 # Usage: bench/device_transport_sweep.sh [ROWS] [HIDDEN] [VOCAB]
 set -u
-[ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
-export LD_LIBRARY_PATH=$PWD/.rt/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-N=${1:-8192} H=${2:-4096} V=${3:-128256}
+source "$(dirname "$0")/device_transport_env.sh"
 if [ -n "${ENGINE_ROWS:-}" ]; then
   shapes=$(for r in $ENGINE_ROWS; do printf "%sx%sx%s," "$r" "$H" "$V"; done)
   ./.devbin/lce_bench --shapes "${shapes%,}" --reps 5 --warmup 2 > "$OUT/engine_rows.log" 2>&1

@@ -253,31 +253,31 @@ int main(int argc, char** argv) {
 
   lce::client::HiddenBatch wire{v1::DTYPE_BFLOAT16, N, H, absl::MakeConstSpan(hidden_bytes, bytes),
                                 absl::MakeConstSpan(targets)};
+  // A remote client's options: the request over `streams` streams, chunked as the flags say.
+  auto streamed = [&](const std::string& streams) {
+    lce::client::ClientOptions o;
+    o.target = target;
+    o.chunk_bytes = chunk_bytes;
+    o.first_chunk_bytes = std::stoll(get("first-chunk-bytes", "0"));
+    o.last_chunk_bytes = std::stoll(get("last-chunk-bytes", "0"));
+    o.streams = std::stoi(streams);
+    o.min_stream_bytes = std::min<int64_t>(8 << 20, bytes / o.streams);
+    return o;
+  };
   if (has("grpc")) {
     for (const std::string& s : Split(get("streams", "1,2,4,8"))) {
-      lce::client::ClientOptions o;
-      o.target = target;
-      o.chunk_bytes = chunk_bytes;
-      o.first_chunk_bytes = std::stoll(get("first-chunk-bytes", "0"));
-      o.streams = std::stoi(s);
+      lce::client::ClientOptions o = streamed(s);
       o.http2_window_bytes = std::stoll(get("http2-window-bytes", "0"));
       for (const std::string& kv : Split(get("grpc-channel-args", ""))) {
         o.channel_args.emplace_back(kv.substr(0, kv.find('=')), std::stoi(kv.substr(kv.find('=') + 1)));
       }
-      o.min_stream_bytes = std::min<int64_t>(8 << 20, bytes / o.streams);
       auto c = Check(lce::client::LceClient::Create(o), "client");
       run_path("grpc, " + s + (s == "1" ? " stream" : " streams"), *c, wire, nullptr);
     }
   }
   if (has("tcp")) {
     for (const std::string& s : Split(get("tcp-streams", "1,2,4"))) {
-      lce::client::ClientOptions o;
-      o.target = target;
-      o.chunk_bytes = chunk_bytes;
-      o.first_chunk_bytes = std::stoll(get("first-chunk-bytes", "0"));
-      o.last_chunk_bytes = std::stoll(get("last-chunk-bytes", "0"));
-      o.streams = std::stoi(s);
-      o.min_stream_bytes = std::min<int64_t>(8 << 20, bytes / o.streams);
+      lce::client::ClientOptions o = streamed(s);
       o.data_plane = true;
       o.data_plane_sockets = std::stoi(get("tcp-sockets", "4"));
       auto c = Check(lce::client::LceClient::Create(o), "client");

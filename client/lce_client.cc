@@ -75,8 +75,6 @@ struct LceClient::DataPlane {
 
 struct LceClient::DataPlaneLane {
   std::vector<DataPlaneConnection*> up, down;  // ClientOptions.data_plane_sockets each
-  const std::string* session_id;
-  uint64_t hidden_region, d_hidden_region;
 };
 
 LceClient::LceClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
@@ -129,7 +127,6 @@ absl::Status SplitTransfer(const std::vector<DataPlaneConnection*>& sockets, int
 absl::Status LceClient::PrepareDataPlane(size_t parts, int64_t hidden_bytes, bool d_hidden) {
   DataPlane& dp = *data_plane_;
   if (dp.session == nullptr) {
-    dp.Reset();
     absl::StatusOr<v1::GetInfoResponse> info = GetInfo();
     if (!info.ok()) return info.status();
     if (info->data_port() <= 0) {
@@ -339,18 +336,23 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   // (Not for weight-gradient accumulation, which a GPU server does not do on its own memory yet.)
   const bool via_data_plane = options_.data_plane && !hidden_in_region && !batch.d_hidden_region && batch.rows > 0 &&
                               !header.accumulate_weight_grad();
+  // The request then goes out as a region-backed one whose bytes the lanes carry.
   std::unique_lock<std::mutex> data_plane_lock;
   std::vector<DataPlaneLane> lanes;
+  HiddenBatch routed = batch;
   if (via_data_plane) {
     data_plane_lock = std::unique_lock<std::mutex>(data_plane_->mu);
     DataPlane& dp = *data_plane_;
-    if (absl::Status s = PrepareDataPlane(parts.size(), batch.rows * row_bytes, std::string(rpc) != "Score"); !s.ok()) {
+    const bool wants_d_hidden = std::string(rpc) != "Score";
+    if (absl::Status s = PrepareDataPlane(parts.size(), batch.rows * row_bytes, wants_d_hidden); !s.ok()) {
       dp.Reset();
       return s;
     }
+    routed.hidden_region = RegionRef{dp.session->id(), dp.hidden_region, 0};
+    if (wants_d_hidden) routed.d_hidden_region = RegionRef{dp.session->id(), dp.d_hidden_region, 0};
     const size_t k = static_cast<size_t>(options_.data_plane_sockets);
     for (size_t i = 0; i < parts.size(); ++i) {
-      DataPlaneLane lane{{}, {}, &dp.session->id(), dp.hidden_region, dp.d_hidden_region};
+      DataPlaneLane lane;
       for (size_t j = 0; j < k; ++j) {
         lane.up.push_back(dp.up[i * k + j].get());
         lane.down.push_back(dp.down[i * k + j].get());
@@ -376,7 +378,7 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   std::atomic<bool> cancelled{false};
   auto run_part = [&](size_t i) {
     v1::LceService::Stub& stub = i == 0 ? *stub_ : *extra_stubs_[i - 1];
-    results[i] = StreamPart(stub, contexts[i], rpc, batch, part_header, grad_loss, grad_logprob, grad_entropy,
+    results[i] = StreamPart(stub, contexts[i], rpc, routed, part_header, grad_loss, grad_logprob, grad_entropy,
                             parts[i].first, parts[i].second, assembly, &summaries[i],
                             via_data_plane ? &lanes[i] : nullptr);
     if (split && !results[i].ok()) {  // the server counts rows from the part's start: say where it is
@@ -443,11 +445,8 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
                                    Assembly& assembly, PartSummary* summary, const DataPlaneLane* lane) {
   const int64_t row_bytes = assembly.row_bytes;
   const bool hidden_in_region = batch.hidden_region.has_value();
-  const bool lane_d_hidden = lane != nullptr && std::string(rpc) != "Score";
   Prepare(&ctx);
-  if (lane != nullptr) {
-    ctx.AddMetadata("lce-session", *lane->session_id);
-  } else if (batch.hidden_region || batch.d_hidden_region) {
+  if (batch.hidden_region || batch.d_hidden_region) {
     ctx.AddMetadata("lce-session", batch.hidden_region ? batch.hidden_region->session_id
                                                        : batch.d_hidden_region->session_id);
   }
@@ -461,9 +460,10 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     stream = stub.Backward(&ctx);
   }
   // A region-backed chunk carries no hidden bytes: one chunk (of at most kRegionChunkRows rows) lets
-  // the server run the part as one engine call.
+  // the server run the part as one engine call. Over the data plane the bytes still travel, and
+  // are chunked as on the wire so that transfer and compute overlap.
   constexpr int64_t kRegionChunkRows = 1 << 16;
-  auto plan = hidden_in_region ? PlanChunks(part_rows, row_bytes, kRegionChunkRows * row_bytes)
+  auto plan = hidden_in_region && lane == nullptr ? PlanChunks(part_rows, row_bytes, kRegionChunkRows * row_bytes)
                                : PlanChunks(part_rows, row_bytes, options_.chunk_bytes, options_.first_chunk_bytes,
                                             options_.last_chunk_bytes);
   for (auto& [first, n] : plan) first += part_first;
@@ -479,30 +479,22 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     for (auto [first, n] : plan) {
       msg.Clear();
       v1::RowChunk* c = msg.mutable_chunk();
-      if (hidden_in_region) {  // co-located: a slice of the region, no bytes
-        v1::RegionSlice* r = c->mutable_hidden_region();
-        r->set_region_id(batch.hidden_region->region_id);
-        r->set_offset(batch.hidden_region->offset + first * row_bytes);
-        r->set_byte_size(n * row_bytes);
-      } else if (lane != nullptr) {  // the chunk's bytes into server memory first, at the batch's offsets
+      if (lane != nullptr) {  // data plane: the chunk's bytes into server memory before the message naming them
+        const RegionRef& to = *batch.hidden_region;
         upload_error = SplitTransfer(lane->up, n * row_bytes, [&](DataPlaneConnection& c, int64_t off, int64_t len) {
-          return c.Write(*lane->session_id, lane->hidden_region, first * row_bytes + off,
+          return c.Write(to.session_id, to.region_id, to.offset + first * row_bytes + off,
                          batch.hidden.subspan(first * row_bytes + off, len));
         });
         if (!upload_error.ok()) {
           ctx.TryCancel();
           return;
         }
+      }
+      if (hidden_in_region) {  // a slice of the region, no bytes
         v1::RegionSlice* r = c->mutable_hidden_region();
-        r->set_region_id(lane->hidden_region);
-        r->set_offset(first * row_bytes);
+        r->set_region_id(batch.hidden_region->region_id);
+        r->set_offset(batch.hidden_region->offset + first * row_bytes);
         r->set_byte_size(n * row_bytes);
-        if (lane_d_hidden) {
-          v1::RegionSlice* d = c->mutable_d_hidden_region();
-          d->set_region_id(lane->d_hidden_region);
-          d->set_offset(first * row_bytes);
-          d->set_byte_size(n * row_bytes);
-        }
       } else {
         c->set_hidden(reinterpret_cast<const char*>(batch.hidden.data()) + first * row_bytes, n * row_bytes);
       }
@@ -566,10 +558,12 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     place(c.logprobs(), out->logprobs, first, n, assembly.n_logprobs, "logprob");
     place(c.entropy(), out->entropy, first, n, assembly.n_entropy, "entropy");
     place(c.loss(), out->loss, first, n, assembly.n_loss, "loss");
-    if (lane_d_hidden) {  // the server wrote it into its memory before answering
+    if (lane != nullptr && batch.d_hidden_region) {  // the server wrote it into its memory before answering
+      const RegionRef& from = *batch.d_hidden_region;
       uint8_t* dst = assembly.DHidden() + first * row_bytes;
       shape_error = SplitTransfer(lane->down, n * row_bytes, [&](DataPlaneConnection& c, int64_t off, int64_t len) {
-        return c.Read(*lane->session_id, lane->d_hidden_region, first * row_bytes + off, absl::MakeSpan(dst + off, len));
+        return c.Read(from.session_id, from.region_id, from.offset + first * row_bytes + off,
+                      absl::MakeSpan(dst + off, len));
       });
       if (!shape_error.ok()) break;
       assembly.n_dhidden += n;
@@ -658,6 +652,12 @@ absl::StatusOr<v1::SessionResponse> SharedMemorySession::Ask(const v1::SessionRe
   return resp;
 }
 
+absl::StatusOr<uint64_t> SharedMemorySession::AskRegionId(const v1::SessionRequest& req) {
+  absl::StatusOr<v1::SessionResponse> resp = Ask(req);
+  if (!resp.ok()) return resp.status();
+  return resp->region_id();
+}
+
 absl::StatusOr<uint64_t> SharedMemorySession::Register(const std::string& shm_name, int64_t offset,
                                                        int64_t byte_size, const std::string& name) {
   v1::SessionRequest req;
@@ -666,9 +666,7 @@ absl::StatusOr<uint64_t> SharedMemorySession::Register(const std::string& shm_na
   r->set_shm_name(shm_name);
   r->set_offset(offset);
   r->set_byte_size(byte_size);
-  absl::StatusOr<v1::SessionResponse> resp = Ask(req);
-  if (!resp.ok()) return resp.status();
-  return resp->region_id();
+  return AskRegionId(req);
 }
 
 absl::StatusOr<uint64_t> SharedMemorySession::RegisterCudaIpc(absl::string_view ipc_handle, int64_t offset,
@@ -679,9 +677,7 @@ absl::StatusOr<uint64_t> SharedMemorySession::RegisterCudaIpc(absl::string_view 
   r->set_cuda_ipc_handle(std::string(ipc_handle));
   r->set_offset(offset);
   r->set_byte_size(byte_size);
-  absl::StatusOr<v1::SessionResponse> resp = Ask(req);
-  if (!resp.ok()) return resp.status();
-  return resp->region_id();
+  return AskRegionId(req);
 }
 
 absl::StatusOr<uint64_t> SharedMemorySession::AllocateServerMemory(int64_t byte_size, const std::string& name) {
@@ -690,9 +686,7 @@ absl::StatusOr<uint64_t> SharedMemorySession::AllocateServerMemory(int64_t byte_
   r->set_name(name.empty() ? "server-memory" : name);
   r->set_server_memory(true);
   r->set_byte_size(byte_size);
-  absl::StatusOr<v1::SessionResponse> resp = Ask(req);
-  if (!resp.ok()) return resp.status();
-  return resp->region_id();
+  return AskRegionId(req);
 }
 
 absl::Status SharedMemorySession::Unregister(uint64_t region_id) {

@@ -17,15 +17,32 @@ namespace lce {
 #ifdef LCE_WITH_CUDA
 namespace {
 
+// Makes `device` current for a scope, and restores the previous one. status(): whether that worked.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    get_ = cudaGetDevice(&prev_);
+    if (get_ == cudaSuccess) set_ = cudaSetDevice(device);
+  }
+  ~DeviceScope() {
+    if (get_ == cudaSuccess) cudaSetDevice(prev_);
+  }
+  absl::Status status() const {
+    if (get_ != cudaSuccess) return cuda::ToStatus(get_, "cudaGetDevice", __FILE__, __LINE__);
+    return cuda::ToStatus(set_, "cudaSetDevice", __FILE__, __LINE__);
+  }
+
+ private:
+  int prev_ = 0;
+  cudaError_t get_ = cudaSuccess, set_ = cudaSuccess;
+};
+
 class CudaIpcMemory final : public ImportedDeviceMemory {
  public:
   CudaIpcMemory(void* p, int64_t size, int device) : p_(p), size_(size), device_(device) {}
   ~CudaIpcMemory() override {
-    int prev = 0;
-    cudaGetDevice(&prev);
-    cudaSetDevice(device_);
+    DeviceScope scope(device_);
     cudaIpcCloseMemHandle(p_);  // nothing to do about a failure while closing
-    cudaSetDevice(prev);
   }
   uint8_t* data() const override { return static_cast<uint8_t*>(p_); }
   int64_t size() const override { return size_; }
@@ -72,21 +89,6 @@ class CudaPinnedHostRange final : public PinnedHostRange {
   void* p_;
 };
 
-// Makes `device` current for a scope, and restores the previous one.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    cudaGetDevice(&prev_);
-    ok_ = cudaSetDevice(device) == cudaSuccess;
-  }
-  ~DeviceScope() { cudaSetDevice(prev_); }
-  bool ok() const { return ok_; }
-
- private:
-  int prev_ = 0;
-  bool ok_ = false;
-};
-
 class CudaDeviceBuffer final : public DeviceBuffer {
  public:
   CudaDeviceBuffer(void* p, int64_t size, int device) : p_(p), size_(size), device_(device) {}
@@ -118,7 +120,7 @@ class CudaDeviceTransfer final : public DeviceTransfer {
 
   absl::Status Init() {
     DeviceScope scope(device_);
-    LCE_CUDA_CHECK(cudaSetDevice(device_));
+    LCE_CUDA_CHECK(scope.status());
     LCE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     for (int i = 0; i < 2; ++i) {
       LCE_CUDA_CHECK(cudaHostAlloc(&bounce_[i], static_cast<size_t>(piece_), cudaHostAllocDefault));
@@ -129,7 +131,7 @@ class CudaDeviceTransfer final : public DeviceTransfer {
 
   absl::Status ToDevice(uint8_t* dst, int64_t bytes, const std::function<bool(uint8_t*, size_t)>& produce) override {
     DeviceScope scope(device_);
-    LCE_CUDA_CHECK(cudaSetDevice(device_));
+    LCE_CUDA_CHECK(scope.status());
     bool produced = true;
     for (int64_t off = 0, i = 0; off < bytes && produced; off += piece_, ++i) {
       const int b = static_cast<int>(i & 1);
@@ -148,7 +150,7 @@ class CudaDeviceTransfer final : public DeviceTransfer {
   absl::Status FromDevice(const uint8_t* src, int64_t bytes,
                           const std::function<bool(const uint8_t*, size_t)>& consume) override {
     DeviceScope scope(device_);
-    LCE_CUDA_CHECK(cudaSetDevice(device_));
+    LCE_CUDA_CHECK(scope.status());
     const int64_t pieces = (bytes + piece_ - 1) / piece_;
     auto issue = [&](int64_t i) -> absl::Status {
       const int b = static_cast<int>(i & 1);
@@ -185,7 +187,9 @@ class CudaDeviceTransfer final : public DeviceTransfer {
 absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateDeviceBuffer(int64_t bytes, int device) {
   if (bytes <= 0) return absl::InvalidArgumentError(absl::StrCat("device buffer of ", bytes, " bytes"));
   DeviceScope scope(device);
-  if (!scope.ok()) return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, " is not available"));
+  if (!scope.status().ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, " is not available"));
+  }
   void* p = nullptr;
   LCE_CUDA_CHECK(cudaMalloc(&p, static_cast<size_t>(bytes)));
   return std::unique_ptr<DeviceBuffer>(new CudaDeviceBuffer(p, bytes, device));
@@ -199,11 +203,9 @@ absl::StatusOr<std::unique_ptr<DeviceTransfer>> CreateDeviceTransfer(int device,
 }
 
 absl::StatusOr<std::unique_ptr<PinnedHostRange>> PinHostMemory(void* data, int64_t bytes, int device) {
-  int prev = 0;
-  LCE_CUDA_CHECK(cudaGetDevice(&prev));
-  LCE_CUDA_CHECK(cudaSetDevice(device));
+  DeviceScope scope(device);
+  LCE_CUDA_CHECK(scope.status());
   const cudaError_t e = cudaHostRegister(data, static_cast<size_t>(bytes), cudaHostRegisterDefault);
-  cudaSetDevice(prev);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return absl::InternalError(absl::StrCat("cudaHostRegister of ", bytes, " bytes failed: ", cudaGetErrorName(e)));
@@ -221,25 +223,24 @@ absl::StatusOr<std::unique_ptr<ImportedDeviceMemory>> ImportCudaIpcMemory(absl::
     return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, " is not available (", count,
                                                       " visible)"));
   }
-  int prev = 0;
-  LCE_CUDA_CHECK(cudaGetDevice(&prev));
-  LCE_CUDA_CHECK(cudaSetDevice(device));
+  DeviceScope scope(device);
+  LCE_CUDA_CHECK(scope.status());
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), kCudaIpcHandleBytes);
   void* p = nullptr;
   const cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky-free error so later calls do not see it
-    cudaSetDevice(prev);
     return absl::InvalidArgumentError(absl::StrCat("cudaIpcOpenMemHandle refused the handle: ", cudaGetErrorName(e),
                                                    " (", cudaGetErrorString(e),
                                                    "); it must come from cudaIpcGetMemHandle in another live process "
                                                    "on this host, for memory that is still allocated"));
   }
   absl::StatusOr<int64_t> size = AllocationSize(p);
-  if (!size.ok()) cudaIpcCloseMemHandle(p);
-  cudaSetDevice(prev);
-  if (!size.ok()) return size.status();
+  if (!size.ok()) {
+    cudaIpcCloseMemHandle(p);
+    return size.status();
+  }
   return std::unique_ptr<ImportedDeviceMemory>(new CudaIpcMemory(p, *size, device));
 }
 

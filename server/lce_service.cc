@@ -87,7 +87,8 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
                                            const Upstream& up, const RowOutputs& out, const GradOutputs& grads,
                                            bool d_hidden_on_device) {
   if (grads.d_weight != nullptr) {
-    return absl::UnimplementedError("accumulate_weight_grad with hidden states in GPU memory (a CUDA IPC region, or server memory on the GPU) "
+    return absl::UnimplementedError(
+        "accumulate_weight_grad with hidden states in GPU memory (a CUDA IPC region, or server memory on the GPU) "
         "is not supported yet");
   }
   const int64_t n = rows.rows;
@@ -285,9 +286,6 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   struct StagingLease {
     LceService* service;
     std::unique_ptr<ChunkStaging> held;
-    ChunkStaging* get() const { return held.get(); }
-    ChunkStaging& operator*() const { return *held; }
-    void reset(ChunkStaging* s) { held.reset(s); }
     ~StagingLease() { service->ReturnStaging(std::move(held)); }
   } staging{this, nullptr};
   // Answers leave from their own thread while the next chunk computes (two in flight at most).
@@ -397,13 +395,13 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     // A GPU engine of one rank gets every chunk in device memory, copied on this stream's thread
     // (outside the engine's lock); weight-gradient accumulation (a host buffer) keeps the host path.
     const bool device_path = on_device || (config_.cuda_device >= 0 && !plan->accumulate_weight_grad);
-    if (device_path && staging.get() == nullptr) {
+    if (device_path && staging.held == nullptr) {
       absl::StatusOr<std::unique_ptr<ChunkStaging>> st = TakeStaging();
       if (!st.ok()) return ToGrpcStatus(st.status());
-      staging.reset(st->release());
+      staging.held = *std::move(st);
     }
     auto compute = [&](const char* what, const Upstream& u, const RowOutputs& o, const GradOutputs& g) {
-      return device_path ? RunEngineOnDevice(method, what, engine, *staging, view, on_device, plan->options, u, o, g,
+      return device_path ? RunEngineOnDevice(method, what, engine, *staging.held, view, on_device, plan->options, u, o, g,
                                              dh_slice.device)
                          : RunEngine(method, what, engine, view, plan->options, u, o, g);
     };

@@ -27,6 +27,7 @@ struct RegionRegistry::Region {
   std::unique_ptr<PinnedHostRange> pinned;              // shm and server regions of a GPU server
   void* owned = nullptr;                                // server memory (RegisterServerMemory) on the host
   std::unique_ptr<DeviceBuffer> owned_device;           // ... or on the server's GPU
+  bool server_memory() const { return owned != nullptr || owned_device != nullptr; }
   ~Region() {
     pinned.reset();  // before the mapping goes
     if (map_base != nullptr) munmap(map_base, map_len);
@@ -152,16 +153,11 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterServerMemory(const std::string&
     return absl::FailedPreconditionError(absl::StrCat(what, ": this server has no data plane (--data-port)"));
   }
   if (byte_size <= 0) return absl::InvalidArgumentError(absl::StrCat(what, ": byte_size must be > 0"));
-  int64_t held = 0;
-  {
+  {  // checked before allocating; Add checks again under the same lock as it inserts
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [_, r] : regions_) {
-      held += r->session == session && (r->owned != nullptr || r->owned_device != nullptr) ? r->byte_size : 0;
+    if (absl::Status s = CheckRoomLocked(session, byte_size); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
     }
-  }
-  if (byte_size > max_server_bytes_ - held) {
-    return absl::ResourceExhaustedError(absl::StrCat(what, ": ", byte_size, " bytes more than the session's ", held,
-                                                     " would pass its limit of ", max_server_bytes_));
   }
   auto region = std::make_shared<Region>();
   region->session = session;
@@ -204,14 +200,28 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
   return Register(session, r.name(), r.shm_name(), r.offset(), r.byte_size());
 }
 
-absl::StatusOr<uint64_t> RegionRegistry::Add(const std::string& session, std::shared_ptr<Region> region) {
-  std::lock_guard<std::mutex> lock(mu_);
+absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t server_bytes) const {
   size_t held = 0;
-  for (const auto& [_, r] : regions_) held += r->session == session ? 1 : 0;
+  int64_t held_bytes = 0;
+  for (const auto& [_, r] : regions_) {
+    if (r->session != session) continue;
+    held += 1;
+    held_bytes += r->server_memory() ? r->byte_size : 0;
+  }
   if (held >= kMaxRegionsPerSession) {
     return absl::ResourceExhaustedError(absl::StrCat("the session already holds ", held,
                                                      " regions, the most one session may register"));
   }
+  if (server_bytes > max_server_bytes_ - held_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(server_bytes, " bytes more than the session's ", held_bytes,
+                                                     " would pass its limit of ", max_server_bytes_));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::Add(const std::string& session, std::shared_ptr<Region> region) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status s = CheckRoomLocked(session, region->server_memory() ? region->byte_size : 0); !s.ok()) return s;
   const uint64_t id = next_id_++;
   regions_.emplace(id, std::move(region));
   return id;
@@ -269,17 +279,14 @@ absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string&
         bytes_needed, " bytes there"));
   }
   return Slice{absl::Span<uint8_t>(r->data + slice.offset(), static_cast<size_t>(bytes_needed)), r,
-               r->device_memory != nullptr || r->owned_device != nullptr,
-               r->owned != nullptr || r->owned_device != nullptr};
+               r->device_memory != nullptr || r->owned_device != nullptr, r->server_memory()};
 }
 
 RegionRegistry::Counts RegionRegistry::counts() const {
   std::lock_guard<std::mutex> lock(mu_);
   Counts c;
   for (const auto& [_, r] : regions_) {
-    (r->device_memory != nullptr                                ? c.device
-     : r->owned != nullptr || r->owned_device != nullptr ? c.server
-                                                         : c.shm) += 1;
+    (r->device_memory != nullptr ? c.device : r->server_memory() ? c.server : c.shm) += 1;
   }
   return c;
 }

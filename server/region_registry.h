@@ -83,6 +83,9 @@ class RegionRegistry {
  private:
   struct Region;
   absl::StatusOr<uint64_t> Add(const std::string& session, std::shared_ptr<Region> region);
+  // RESOURCE_EXHAUSTED when `session` may not hold one more region with `server_bytes` more bytes
+  // of server memory. Under mu_.
+  absl::Status CheckRoomLocked(const std::string& session, int64_t server_bytes) const;
   // The mapping of an IPC handle, opened once: CUDA refuses to open one handle twice in a process,
   // and two tensors of a client often share one allocation (PyTorch's caching allocator).
   absl::StatusOr<std::shared_ptr<ImportedDeviceMemory>> OpenIpc(const std::string& ipc_handle);

@@ -39,10 +39,6 @@ std::unique_ptr<LceClient> Connect(const TestServer& ts, int streams, bool data_
   return std::move(*c);
 }
 
-HiddenBatch View(const Batch& b) {
-  return {b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)};
-}
-
 // Same chunks, same engine calls: equal on the CPU engine, to rounding on a GPU.
 void ExpectSame(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
   ASSERT_EQ(got.size(), want.size()) << what;

@@ -28,10 +28,6 @@ std::unique_ptr<LceClient> Connect(const TestServer& ts, int streams, int64_t ch
   return std::move(*c);
 }
 
-HiddenBatch View(const Batch& b) {
-  return {b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)};
-}
-
 void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i) {

@@ -24,10 +24,6 @@ std::unique_ptr<LceClient> Connect(const TestServer& ts, int64_t chunk_bytes = 4
   return std::move(*c);
 }
 
-HiddenBatch View(const Batch& b) {
-  return {b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)};
-}
-
 struct Expected {
   std::vector<float> logprob, entropy, loss;
   std::vector<uint8_t> d_hidden;

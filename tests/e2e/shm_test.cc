@@ -34,10 +34,6 @@ std::unique_ptr<LceClient> Connect(const TestServer& ts, int64_t chunk_bytes) {
   return std::move(*c);
 }
 
-HiddenBatch View(const Batch& b) {
-  return {b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)};
-}
-
 // Lines of this process's memory map that map `shm_name` (client and in-process server alike).
 int Mappings(const std::string& shm_name) {
   std::ifstream f("/proc/self/maps");

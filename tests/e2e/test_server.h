@@ -8,6 +8,7 @@
 
 #include "grpc_server.h"
 #include "head_store.h"
+#include "lce/client/lce_client.h"
 #include "lce/engine.h"
 #include "lce/v1/lce.grpc.pb.h"
 
@@ -40,6 +41,11 @@ struct Batch {
 
 // hidden ~ N(0, 1) in `dtype`, targets uniform with ~10% ignore_index (-100).
 Batch MakeBatch(int64_t rows, v1::DType dtype, uint64_t seed);
+
+// The batch as the C++ client takes it (borrowed, no copy).
+inline client::HiddenBatch View(const Batch& b) {
+  return {b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)};
+}
 
 std::unique_ptr<v1::LceService::Stub> RawStub(const std::string& target);
 

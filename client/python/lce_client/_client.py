@@ -406,7 +406,7 @@ class Client:
         res = self._stream("ForwardBackward", h, t, hdr, per_row, want_dhidden=True, progress=progress,
                            use_tqdm=tqdm, hidden_region=hidden_region, d_hidden_region=d_hidden_region,
                            d_hidden_offset=d_hidden_offset, streams=streams,
-                           expect_valid=valid if reduction == "mean" else None)
+                           expect_valid=valid)
         s = res["summary"]
         if s is None:
             raise LceError(grpc.StatusCode.INTERNAL, "server ended ForwardBackward without a summary",

@@ -133,6 +133,8 @@ class SharedMemorySession {
   friend class LceClient;
   SharedMemorySession() = default;
   absl::StatusOr<v1::SessionResponse> Ask(const v1::SessionRequest& req);
+  // Ask for a RegisterRegion request: the new region's id.
+  absl::StatusOr<uint64_t> AskRegionId(const v1::SessionRequest& req);
   struct Owned {
     uint64_t id;
     std::string shm_name;
