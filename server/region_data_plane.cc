@@ -69,8 +69,9 @@ bool Reply(int fd, const absl::Status& s) {
 
 absl::StatusOr<std::unique_ptr<RegionDataPlane>> RegionDataPlane::Start(RegionRegistry& regions,
                                                                         const std::string& host, int port,
-                                                                        int64_t max_write_bytes) {
-  std::unique_ptr<RegionDataPlane> dp(new RegionDataPlane(regions, max_write_bytes));
+                                                                        int64_t max_write_bytes,
+                                                                        ServiceMetrics* metrics) {
+  std::unique_ptr<RegionDataPlane> dp(new RegionDataPlane(regions, max_write_bytes, metrics));
   dp->listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (dp->listen_fd_ < 0) return absl::InternalError(absl::StrCat("data plane: socket: ", std::strerror(errno)));
   const int one = 1;
@@ -189,18 +190,22 @@ void RegionDataPlane::Serve(uint64_t id, int fd) {
         transfer = *std::move(t);
       }
       if (op == kDataPlaneWrite) {
-        const absl::Status w = transfer->ToDevice(s->bytes.data(), length, [fd](uint8_t* p, size_t n) { return RecvAll(fd, p, n); });
+        const absl::Status w =
+            transfer->ToDevice(s->bytes.data(), length, [fd](uint8_t* p, size_t n) { return RecvAll(fd, p, n); });
         if (!w.ok() || !Reply(fd, absl::OkStatus())) break;  // a CUDA failure mid-payload ends the connection
       } else {
         if (!Reply(fd, absl::OkStatus())) break;
-        const absl::Status r =
-            transfer->FromDevice(s->bytes.data(), length, [fd](const uint8_t* p, size_t n) { return SendAll(fd, p, n); });
+        const absl::Status r = transfer->FromDevice(s->bytes.data(), length,
+                                                    [fd](const uint8_t* p, size_t n) { return SendAll(fd, p, n); });
         if (!r.ok()) break;  // the client sees the connection end short of the bytes
       }
     } else if (op == kDataPlaneWrite) {
       if (!RecvAll(fd, s->bytes.data(), s->bytes.size()) || !Reply(fd, absl::OkStatus())) break;
     } else {
       if (!Reply(fd, absl::OkStatus()) || !SendAll(fd, s->bytes.data(), s->bytes.size())) break;
+    }
+    if (metrics_ != nullptr) {
+      (op == kDataPlaneWrite ? metrics_->bytes_received : metrics_->bytes_sent).Increment(static_cast<double>(length));
     }
   }
   std::lock_guard<std::mutex> lock(mu_);

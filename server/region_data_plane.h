@@ -27,6 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "region_registry.h"
+#include "service_metrics.h"
 
 namespace lce::server {
 
@@ -37,20 +38,23 @@ inline constexpr size_t kDataPlaneHeaderBytes = 64;
 class RegionDataPlane {
  public:
   // Listens on host:port (port 0: any free port). `max_write_bytes`: the largest region a session
-  // may hold (a longer refused write is not drained).
+  // may hold (a longer refused write is not drained). `metrics` (may be null): the bytes moved
+  // count in lce_bytes_{received,sent}_total, as those of gRPC messages do.
   static absl::StatusOr<std::unique_ptr<RegionDataPlane>> Start(RegionRegistry& regions, const std::string& host,
-                                                                int port, int64_t max_write_bytes);
+                                                                int port, int64_t max_write_bytes,
+                                                                ServiceMetrics* metrics);
   ~RegionDataPlane();  // stops accepting, ends every connection, joins the threads
   int port() const { return port_; }
 
  private:
-  RegionDataPlane(RegionRegistry& regions, int64_t max_write_bytes)
-      : regions_(regions), max_write_bytes_(max_write_bytes) {}
+  RegionDataPlane(RegionRegistry& regions, int64_t max_write_bytes, ServiceMetrics* metrics)
+      : regions_(regions), max_write_bytes_(max_write_bytes), metrics_(metrics) {}
   void AcceptLoop();
   void Serve(uint64_t id, int fd);
 
   RegionRegistry& regions_;
   const int64_t max_write_bytes_;
+  ServiceMetrics* const metrics_;
   int listen_fd_ = -1;
   int port_ = 0;
   std::atomic<bool> stopping_{false};

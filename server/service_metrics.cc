@@ -7,8 +7,12 @@ ServiceMetrics::ServiceMetrics(metrics::Registry& r)
       duration(r.AddHistogram("lce_request_duration_seconds", "Wall time of RPCs, from first byte to status.",
                               {"method"}, metrics::ExponentialBuckets(0.001, 2, 18))),
       tokens(r.AddCounter("lce_tokens", "Rows (tokens) processed, by operation.", {"op"})),
-      bytes_received(r.AddCounter("lce_bytes_received", "Hidden-state and gradient bytes received.").WithLabels({})),
-      bytes_sent(r.AddCounter("lce_bytes_sent", "Answer bytes sent (per-row outputs and d_hidden).").WithLabels({})),
+      bytes_received(r.AddCounter("lce_bytes_received",
+                                  "Hidden-state and gradient bytes received (gRPC messages and the data plane).")
+                         .WithLabels({})),
+      bytes_sent(r.AddCounter("lce_bytes_sent",
+                              "Answer bytes sent (per-row outputs and d_hidden; gRPC messages and the data plane).")
+                     .WithLabels({})),
       engine_seconds(r.AddHistogram("lce_engine_seconds", "Engine time per chunk, by operation and phase.",
                                     {"op", "phase"}, metrics::ExponentialBuckets(0.0001, 2, 20))),
       queue_wait(r.AddHistogram("lce_queue_wait_seconds", "Time a stream waited between admission and its header.",

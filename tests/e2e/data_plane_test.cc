@@ -80,7 +80,11 @@ TEST(DataPlane, AnswersEqualTheBytesPathOverOneAndSeveralStreams) {
     v1::RequestHeader fb;
     fb.add_outputs(v1::OUTPUT_LOSS);
     auto want = bytes->ForwardBackward(View(b), fb);
+    // The data plane's bytes count in lce_bytes_{received,sent}_total as the messages' do.
+    const double received = ts->metrics->bytes_received.Value(), sent = ts->metrics->bytes_sent.Value();
     auto got = plane->ForwardBackward(View(b), fb);
+    EXPECT_GE(ts->metrics->bytes_received.Value() - received, static_cast<double>(b.hidden.size()));
+    EXPECT_GE(ts->metrics->bytes_sent.Value() - sent, static_cast<double>(b.hidden.size()));
     ASSERT_TRUE(want.ok() && got.ok()) << want.status() << got.status();
     EXPECT_NEAR(got->reduced_loss, want->reduced_loss, 1e-6 * std::fabs(want->reduced_loss));
     ExpectSame(got->loss, want->loss, "loss");

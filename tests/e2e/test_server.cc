@@ -34,6 +34,7 @@ std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_
   options.address = "127.0.0.1:0";
   options.service.max_message_bytes = max_message_bytes;
   options.service.log_requests = log_requests;
+  options.service.metrics = ts->metrics.get();
   // As lce_server does for a one-GPU engine: chunks go through device staging (and CUDA IPC works).
   if (TestBackend() == Backend::kCuda) options.service.cuda_device = 0;
   options.service.limits.max_rows_per_request = 100000;

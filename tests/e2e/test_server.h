@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "grpc_server.h"
+#include "service_metrics.h"
 #include "head_store.h"
 #include "lce/client/lce_client.h"
 #include "lce/engine.h"
@@ -18,6 +19,9 @@ constexpr int64_t kVocab = 3001;  // not a multiple of any tile
 constexpr int64_t kHidden = 32;
 
 struct TestServer {
+  // The service's metrics (declared first: they outlive the server that counts in them).
+  std::unique_ptr<server::metrics::Registry> registry = std::make_unique<server::metrics::Registry>();
+  std::unique_ptr<server::ServiceMetrics> metrics = std::make_unique<server::ServiceMetrics>(*registry);
   std::shared_ptr<server::HeadStore> heads;
   std::unique_ptr<server::GrpcServer> server;
   std::string target;
