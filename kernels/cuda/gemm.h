@@ -1,6 +1,7 @@
-// The CUDA backend's matrix products: cuBLASLt with fp32 accumulation, the algorithm for each distinct
-// problem chosen once by timing cuBLASLt's heuristic candidates (on scratch memory, never on the
-// caller's buffers) and cached. Host functions only.
+// The CUDA backend's matrix products: cuBLASLt with fp32 accumulation, the algorithm for each size
+// class of problem (dimensions rounded up to a quarter octave) chosen once by timing cuBLASLt's
+// heuristic candidates (on scratch memory, never on the caller's buffers) and cached, so that
+// requests of every row count do not each pay for the timing. Host functions only.
 #pragma once
 
 #include <cublasLt.h>
@@ -39,7 +40,7 @@ class GemmRunner {
   ~GemmRunner();
 
   absl::Status Init();
-  // Runs g on stream. On the first call for a problem, times the candidates: in place when g writes
+  // Runs g on stream. On the first call for a size class of problem, times the candidates: in place when g writes
   // scratch (c_is_scratch), else on tune_scratch (tune_floats floats) with n cut to fit.
   absl::Status Run(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
                    size_t workspace_bytes, cudaStream_t stream);
@@ -53,11 +54,15 @@ class GemmRunner {
   };
   using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, int, int, int, int>;
   absl::Status MakePlan(const GemmSpec& g, int64_t n, Plan* plan) const;
+  // Picks plan->algo among cuBLASLt's heuristic candidates by timing them (Run's scratch rules).
+  absl::Status Tune(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
+                    size_t workspace_bytes, cudaStream_t stream, Plan* plan);
   static void FreePlan(Plan* plan);
 
   cublasLtHandle_t lt_ = nullptr;
   cudaEvent_t ev_[2] = {nullptr, nullptr};
-  std::map<Key, Plan> plans_;
+  std::map<Key, Plan> plans_;                    // by exact problem, bounded
+  std::map<Key, cublasLtMatmulAlgo_t> algos_;   // tuned, by size class of m, n, k (SizeClass in gemm.cc)
 };
 
 }  // namespace lce::cuda

@@ -297,6 +297,32 @@ TEST_F(CudaTest, OddShapes) {
   }
 }
 
+// GEMM algorithms are tuned once per size class (gemm.h) and reused for every row count in it: one
+// engine, row counts that share classes (and some that do not), every answer right.
+TEST_F(CudaTest, RowCountsSharingTunedGemms) {
+  ProblemSpec sp;
+  sp.hidden = 128;
+  sp.grad_loss = true;
+  std::unique_ptr<LceEngine> e;
+  uint64_t seed = 3000;
+  std::shared_ptr<HeadWeights> head;
+  std::vector<double> w;
+  for (int64_t rows : {200, 230, 250, 256, 300, 320, 1000, 1100, 1200, 1280, 7, 9}) {
+    sp.rows = rows;
+    Problem p = MakeProblem(sp, ++seed);
+    if (e == nullptr) {
+      head = p.head;
+      w = p.ref.w;
+      e = MakeCuda(p);
+      ASSERT_NE(e, nullptr);
+    }
+    p.head = head;  // one head for all: the engine's
+    p.ref.w = w;
+    const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, ++seed);
+    ExpectMatches(RunEngine(*e, p, MemorySpace::kDevice, dw0), p, dw0, absl::StrCat(rows, " rows"));
+  }
+}
+
 TEST_F(CudaTest, ManyRowBlocksUnderSmallWorkspace) {
   ProblemSpec sp;
   sp.rows = 301;
