@@ -25,5 +25,6 @@ for m, rs in sorted(by.items()):
     n = len(rs)
     mean = lambda k: sum(r.get(k, 0) for r in rs) / n
     print(f"  server log {m}: {n} streams, mean {mean('duration_ms'):.2f} ms each, engine {mean('engine_ms'):.2f} ms "
-          f"in {mean('engine_calls'):.1f} calls, queue {mean('queue_ms'):.2f} ms, read wait {mean('read_wait_ms'):.2f} ms, "
+          f"in {mean('engine_calls'):.1f} calls, queue {mean('queue_ms'):.2f} ms, read wait {mean('read_wait_ms'):.2f} ms "
+          f"(first chunk {mean('first_chunk_wait_ms'):.2f}), "
           f"write wait {mean('write_wait_ms'):.2f} ms, drain {mean('drain_ms'):.2f} ms")

@@ -316,6 +316,7 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           absl::StrCat("message ", chunk_index + 1, " is neither a header nor a chunk"));
     }
+    if (chunk_index == 0 && work != nullptr) work->first_chunk_wait_seconds = work->read_wait_seconds;
     const v1::RowChunk& chunk = msg.chunk();
     absl::StatusOr<int64_t> rows = validator.ValidateChunk(*plan, chunk, chunk_index, rows_seen);
     if (!rows.ok()) {
