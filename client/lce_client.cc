@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cerrno>
 #include <cstring>
 #include <functional>
@@ -57,6 +58,16 @@ std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_by
   return plan;
 }
 
+size_t MergeUploadedChunks(const std::vector<std::pair<int64_t, int64_t>>& plan, size_t next, size_t uploaded,
+                           bool keep_last, int64_t max_rows) {
+  size_t to = std::min(uploaded, plan.size());
+  if (keep_last && to == plan.size() && to - next > 1) --to;
+  int64_t rows = plan[next].second;
+  size_t end = next + 1;
+  for (; end < to && rows + plan[end].second <= max_rows; ++end) rows += plan[end].second;
+  return end;
+}
+
 struct LceClient::DataPlane {
   std::mutex mu;  // held by the call using the regions
   std::unique_ptr<SharedMemorySession> session;
@@ -101,8 +112,16 @@ std::string TargetHost(std::string t) {
   return host;
 }
 
-// Moves `bytes` over the sockets at once, an equal share each (whole 4 KiB pages where possible):
-// `move(socket, offset, length)`. The first failure is returned.
+// Socket i's share [offset, offset + length) of a transfer of `bytes` over k sockets: equal shares
+// (whole 4 KiB pages where possible); below 64 KiB all of it on socket 0.
+std::pair<int64_t, int64_t> SocketShare(int64_t bytes, int64_t k, int64_t i) {
+  if (k == 1 || bytes < (int64_t{1} << 16)) return {0, i == 0 ? bytes : 0};
+  const int64_t lo = bytes * i / k / 4096 * 4096, hi = i + 1 == k ? bytes : bytes * (i + 1) / k / 4096 * 4096;
+  return {lo, hi - lo};
+}
+
+// Moves `bytes` over the sockets at once, a SocketShare each: `move(socket, offset, length)`. The
+// first failure is returned.
 absl::Status SplitTransfer(const std::vector<DataPlaneConnection*>& sockets, int64_t bytes,
                            const std::function<absl::Status(DataPlaneConnection&, int64_t, int64_t)>& move) {
   const int64_t k = static_cast<int64_t>(sockets.size());
@@ -110,8 +129,8 @@ absl::Status SplitTransfer(const std::vector<DataPlaneConnection*>& sockets, int
   std::vector<absl::Status> results(static_cast<size_t>(k));
   std::vector<std::thread> helpers;
   auto part = [&](int64_t i) {
-    const int64_t lo = bytes * i / k / 4096 * 4096, hi = i + 1 == k ? bytes : bytes * (i + 1) / k / 4096 * 4096;
-    results[static_cast<size_t>(i)] = move(*sockets[static_cast<size_t>(i)], lo, hi - lo);
+    const auto [lo, len] = SocketShare(bytes, k, i);
+    results[static_cast<size_t>(i)] = move(*sockets[static_cast<size_t>(i)], lo, len);
   };
   for (int64_t i = 1; i < k; ++i) helpers.emplace_back(part, i);
   part(0);
@@ -469,50 +488,112 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   for (auto& [first, n] : plan) first += part_first;
   // Write on a thread of its own: the server answers chunk k while later chunks are in flight,
   // so reading and writing must proceed together or flow control stalls both sides.
+  //
+  // Over the data plane a third thread uploads the plan's chunks into server memory back to back
+  // and the writer announces them. Each engine call costs a fixed ~0.3 ms on an H100 besides its
+  // rows (bench/RESULTS.md), so once compute is the bottleneck the writer holds back while the
+  // server has a message queued behind the one it computes, and then names every chunk uploaded
+  // meanwhile in one message: fewer, larger calls, and the server never waits for a message while
+  // bytes are there. The plan's small last chunk keeps its own message (a short tail).
+  const bool merge = lane != nullptr && options_.data_plane_merge_chunks;
+  const bool keep_last = options_.last_chunk_bytes > 0;
+  constexpr int kMaxUnanswered = 2;  // one computing, one queued
+  struct Progress {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t uploaded = 0;  // plan chunks whose bytes are in server memory
+    int unanswered = 0;   // messages sent whose answer has not arrived
+    bool stop = false;    // the call is over (failed, or the answers are all in)
+  } progress;
+  progress.uploaded = lane == nullptr ? plan.size() : 0;
+  auto stop_all = [&progress] {
+    std::lock_guard<std::mutex> l(progress.mu);
+    progress.stop = true;
+    progress.cv.notify_all();
+  };
+  // One uploader per socket, each moving its share of every chunk in turn without waiting for the
+  // others (no barrier a chunk: a slow socket delays only the chunks it has not finished).
   absl::Status upload_error;
+  std::vector<std::thread> uploaders;
+  std::vector<int> shares_done(lane == nullptr ? 0 : plan.size(), 0);
+  if (lane != nullptr) {
+    const int k = static_cast<int>(lane->up.size());
+    for (int i = 0; i < k; ++i) {
+      uploaders.emplace_back([&, i, k] {
+        const RegionRef& to = *batch.hidden_region;
+        for (size_t c = 0; c < plan.size(); ++c) {
+          const auto [first, n] = plan[c];
+          const auto [off, len] = SocketShare(n * row_bytes, k, i);
+          absl::Status s;
+          if (len > 0) {
+            s = lane->up[static_cast<size_t>(i)]->Write(to.session_id, to.region_id,
+                                                         to.offset + first * row_bytes + off,
+                                                         batch.hidden.subspan(first * row_bytes + off, len));
+          }
+          std::lock_guard<std::mutex> l(progress.mu);
+          if (!s.ok()) {
+            if (upload_error.ok()) upload_error = s;
+            progress.stop = true;
+            progress.cv.notify_all();
+            ctx.TryCancel();
+            return;
+          }
+          if (progress.stop) return;
+          ++shares_done[c];
+          while (progress.uploaded < plan.size() && shares_done[progress.uploaded] == k) ++progress.uploaded;
+          progress.cv.notify_all();
+        }
+      });
+    }
+  }
+  // The message naming plan chunks [from, to).
+  auto chunk_message = [&](size_t from, size_t to, v1::StreamRequest& msg) {
+    const int64_t first = plan[from].first, n = plan[to - 1].first + plan[to - 1].second - first;
+    msg.Clear();
+    v1::RowChunk* c = msg.mutable_chunk();
+    if (hidden_in_region) {  // a slice of the region, no bytes
+      v1::RegionSlice* r = c->mutable_hidden_region();
+      r->set_region_id(batch.hidden_region->region_id);
+      r->set_offset(batch.hidden_region->offset + first * row_bytes);
+      r->set_byte_size(n * row_bytes);
+    } else {
+      c->set_hidden(reinterpret_cast<const char*>(batch.hidden.data()) + first * row_bytes, n * row_bytes);
+    }
+    if (batch.d_hidden_region) {
+      v1::RegionSlice* r = c->mutable_d_hidden_region();
+      r->set_region_id(batch.d_hidden_region->region_id);
+      r->set_offset(batch.d_hidden_region->offset + first * row_bytes);
+      r->set_byte_size(n * row_bytes);
+    }
+    c->mutable_targets()->Add(batch.targets.begin() + first, batch.targets.begin() + first + n);
+    if (!grad_loss.empty()) c->mutable_grad_loss()->Add(grad_loss.begin() + first, grad_loss.begin() + first + n);
+    if (!grad_logprob.empty()) {
+      c->mutable_grad_logprob()->Add(grad_logprob.begin() + first, grad_logprob.begin() + first + n);
+    }
+    if (!grad_entropy.empty()) {
+      c->mutable_grad_entropy()->Add(grad_entropy.begin() + first, grad_entropy.begin() + first + n);
+    }
+  };
   std::thread writer([&] {
     v1::StreamRequest msg;
     *msg.mutable_header() = header;
     msg.mutable_header()->set_hidden_size(batch.hidden_size);
     msg.mutable_header()->set_dtype(batch.dtype);
     if (!stream->Write(msg)) return;
-    for (auto [first, n] : plan) {
-      msg.Clear();
-      v1::RowChunk* c = msg.mutable_chunk();
-      if (lane != nullptr) {  // data plane: the chunk's bytes into server memory before the message naming them
-        const RegionRef& to = *batch.hidden_region;
-        upload_error = SplitTransfer(lane->up, n * row_bytes, [&](DataPlaneConnection& c, int64_t off, int64_t len) {
-          return c.Write(to.session_id, to.region_id, to.offset + first * row_bytes + off,
-                         batch.hidden.subspan(first * row_bytes + off, len));
+    for (size_t next = 0; next < plan.size();) {
+      size_t to = next + 1;
+      if (lane != nullptr) {
+        std::unique_lock<std::mutex> l(progress.mu);
+        progress.cv.wait(l, [&] {
+          return progress.stop || (progress.uploaded > next && (!merge || progress.unanswered < kMaxUnanswered));
         });
-        if (!upload_error.ok()) {
-          ctx.TryCancel();
-          return;
-        }
+        if (progress.stop) return;
+        ++progress.unanswered;
+        if (merge) to = MergeUploadedChunks(plan, next, progress.uploaded, keep_last, kRegionChunkRows);
       }
-      if (hidden_in_region) {  // a slice of the region, no bytes
-        v1::RegionSlice* r = c->mutable_hidden_region();
-        r->set_region_id(batch.hidden_region->region_id);
-        r->set_offset(batch.hidden_region->offset + first * row_bytes);
-        r->set_byte_size(n * row_bytes);
-      } else {
-        c->set_hidden(reinterpret_cast<const char*>(batch.hidden.data()) + first * row_bytes, n * row_bytes);
-      }
-      if (batch.d_hidden_region) {
-        v1::RegionSlice* r = c->mutable_d_hidden_region();
-        r->set_region_id(batch.d_hidden_region->region_id);
-        r->set_offset(batch.d_hidden_region->offset + first * row_bytes);
-        r->set_byte_size(n * row_bytes);
-      }
-      c->mutable_targets()->Add(batch.targets.begin() + first, batch.targets.begin() + first + n);
-      if (!grad_loss.empty()) c->mutable_grad_loss()->Add(grad_loss.begin() + first, grad_loss.begin() + first + n);
-      if (!grad_logprob.empty()) {
-        c->mutable_grad_logprob()->Add(grad_logprob.begin() + first, grad_logprob.begin() + first + n);
-      }
-      if (!grad_entropy.empty()) {
-        c->mutable_grad_entropy()->Add(grad_entropy.begin() + first, grad_entropy.begin() + first + n);
-      }
+      chunk_message(next, to, msg);
       if (!stream->Write(msg)) return;  // the server ended the call; Finish says why
+      next = to;
     }
     stream->WritesDone();
   });
@@ -539,6 +620,11 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
       summary->valid_tokens = resp.summary().valid_tokens();
       summary->head_version = resp.summary().head_version();
       continue;
+    }
+    {
+      std::lock_guard<std::mutex> l(progress.mu);
+      --progress.unanswered;
+      progress.cv.notify_all();
     }
     const v1::ChunkResult& c = resp.chunk();
     const int64_t n = c.rows(), first = part_first + c.first_row();
@@ -583,7 +669,9 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     while (stream->Read(&resp)) {
     }
   }
+  stop_all();
   writer.join();
+  for (std::thread& t : uploaders) t.join();
   grpc::Status s = stream->Finish();
   if (!upload_error.ok()) return upload_error;
   if (!shape_error.ok()) return shape_error;
