@@ -5,6 +5,7 @@
     logprobs, entropy = c.score(hidden, targets)          # numpy or torch in, same kind out
     r = c.forward_backward(hidden, targets)                # r.loss, r.per_token_loss, r.d_hidden
     d_hidden = c.backward(hidden, targets, grad_logprob, grad_entropy)
+    c = Client("gpu-host:50051", data_plane=True)        # bulk bytes over the server's data plane (--data-port)
 
 PyTorch autograd (needs torch): lce_client.torch.RemoteLinearCrossEntropy and remote_logprobs, also
 reachable as lce_client.RemoteLinearCrossEntropy / lce_client.remote_logprobs.

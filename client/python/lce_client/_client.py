@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ import numpy as np
 from . import _arrays as A
 from ._proto import lce_pb2 as pb
 from ._proto import lce_pb2_grpc as pb_grpc
+from ._data_plane import MAX_SOCKETS as _MAX_DATA_PLANE_SOCKETS
+from ._data_plane import DataPlane, Route, UploadState
 from ._shm import SESSION_METADATA_KEY, Region, SharedMemorySession
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -64,6 +67,7 @@ class ServerInfo:
     max_message_bytes: int
     max_rows_per_request: int
     server_version: str
+    data_port: int = 0  # the server's data plane (0: none; start it with --data-port)
 
 
 @dataclass
@@ -151,6 +155,18 @@ class Client:
         override it with `streams=`. Results equal the unsplit call's (the reduced loss up to
         float64 rounding of the parts' sum).
       min_stream_bytes: the least hidden-state bytes of one part (default 8 MiB).
+      data_plane: remote clients: move hidden states and d_hidden over the server's data plane (plain
+        TCP beside gRPC, on the port GetInfo names; lce_server --data-port) instead of inside the gRPC
+        messages, which then name slices of server memory as co-located requests name slices of shared
+        memory. HTTP/2 framing and protobuf copies of the bulk bytes go away; answers are the same. The
+        first such call opens a session holding two server-memory regions sized to the batch (grown
+        when a batch is larger, reused otherwise); each chunk is written before its message is sent and
+        its d_hidden read as its answer arrives, so transfer and compute overlap. Calls over the data
+        plane take turns. A server without one: LceError FAILED_PRECONDITION. Calls given
+        hidden_region / d_hidden_region, and those that accumulate the weight gradient, do not use it.
+        The data plane has no TLS: trusted networks only.
+      data_plane_sockets: sockets per direction per stream on the data plane, in [1, 16]: each chunk's
+        bytes are split over them in page-aligned shares and move at once.
     """
 
     def __init__(
@@ -168,6 +184,8 @@ class Client:
         options: Sequence = (),
         streams: int = 1,
         min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
+        data_plane: bool = False,
+        data_plane_sockets: int = 4,
     ):
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be positive")
@@ -175,6 +193,10 @@ class Client:
             raise ValueError("streams must be >= 1")
         if min_stream_bytes < 0:
             raise ValueError("min_stream_bytes must be >= 0")
+        if isinstance(data_plane_sockets, bool) or not isinstance(data_plane_sockets, numbers.Integral) or \
+                not 1 <= data_plane_sockets <= _MAX_DATA_PLANE_SOCKETS:
+            raise ValueError(f"data_plane_sockets must be an integer in [1, {_MAX_DATA_PLANE_SOCKETS}], "
+                             f"got {data_plane_sockets!r}")
         self.target = target
         self.timeout = timeout
         self.chunk_bytes = int(chunk_bytes)
@@ -201,6 +223,9 @@ class Client:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._info_cache: dict = {}
         self._lock = threading.Lock()
+        self.data_plane_sockets = int(data_plane_sockets)
+        # The data plane's session, regions and sockets, made by the first call that uses it.
+        self._data_plane: Optional[DataPlane] = DataPlane(target, data_plane_sockets) if data_plane else None
 
     # ----------------------------------------------------------------------------------- plumbing
     def _new_channel(self, extra: Sequence = ()):
@@ -209,12 +234,27 @@ class Client:
             return grpc.secure_channel(self.target, self._creds, options=opts)
         return grpc.insecure_channel(self.target, options=opts)
 
+    @property
+    def data_plane(self) -> bool:
+        """Whether calls move their bulk bytes over the server's data plane (Client(data_plane=True))."""
+        return self._data_plane is not None
+
     def close(self) -> None:
+        """Closes the channels, and the data plane's sockets and session (the server frees its regions)."""
+        dp = self._data_plane
+        if dp is not None and dp.lock.acquire(blocking=False):
+            try:  # idle: end the session cleanly while its channel is still open
+                dp.close_locked()
+            finally:
+                dp.lock.release()
+            dp = None
         self._channel.close()
         with self._lock:
             chans, self._part_channels, self._part_stubs = self._part_channels, [], []
         for ch in chans:
             ch.close()
+        if dp is not None:  # a call was using it: closing the channels ended that call, and it let go
+            dp.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -256,6 +296,7 @@ class Client:
             max_message_bytes=r.max_message_bytes,
             max_rows_per_request=r.max_rows_per_request,
             server_version=r.server_version,
+            data_port=r.data_port,
         )
         with self._lock:
             self._info_cache[self._head(head)] = info
@@ -568,19 +609,31 @@ class Client:
 
     def _requests(self, h, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
                   step: int, hidden_at=None, d_hidden_at=None, begin: int = 0,
-                  end: Optional[int] = None) -> Iterator[pb.StreamRequest]:
+                  end: Optional[int] = None, route: Optional[Route] = None,
+                  uploads: Optional[UploadState] = None) -> Iterator[pb.StreamRequest]:
         """The request stream of rows [begin, end), made lazily: a header, then one chunk per `step`
         rows, each built from a memoryview slice of the caller's (host) hidden states, or naming a
-        slice of a registered region (at the rows' offset in it)."""
+        slice of a registered region (at the rows' offset in it). Over the data plane (`route`), each
+        chunk's bytes are written into the region before the message that names them is made (this
+        runs in gRPC's request thread, beside the answers being read); a failed write cancels the call
+        through `uploads` and ends the stream."""
         yield pb.StreamRequest(header=header)
         end = h.rows if end is None else end
-        buf = h.byte_view() if hidden_at is None else None
+        buf = h.byte_view() if hidden_at is None or route is not None else None
         row_bytes = h.hidden_size * h.itemsize
         for r0 in range(begin, end, step):
             r1 = min(end, r0 + step)
+            if route is not None:
+                if uploads.stopped:
+                    return
+                try:
+                    route.upload(hidden_at[1] + r0 * row_bytes, buf[r0 * row_bytes:r1 * row_bytes])
+                except Exception as e:  # handed to the reading thread, which raises it
+                    uploads.fail(e)
+                    return
             if hidden_at is None:
                 chunk = pb.RowChunk(hidden=bytes(buf[r0 * row_bytes:r1 * row_bytes]), targets=targets[r0:r1].tolist())
-            else:  # co-located: a slice of a shared-memory region, no bytes
+            else:  # a slice of a region (shared memory, or server memory filled just above), no bytes
                 chunk = pb.RowChunk(targets=targets[r0:r1].tolist(), hidden_region=pb.RegionSlice(
                     region_id=hidden_at[0], offset=hidden_at[1] + r0 * row_bytes, byte_size=(r1 - r0) * row_bytes))
             if d_hidden_at is not None:
@@ -635,29 +688,70 @@ class Client:
         row_bytes = h.hidden_size * h.itemsize
         dh_bytes = out["d_hidden"].reshape(-1).view(np.uint8) if want_dhidden and d_hidden_at is None else None
         parts = self._plan_parts(n, row_bytes, step, streams)
+        # Over the data plane the bytes go through server memory and the messages name slices of it
+        # (not for weight-gradient accumulation, which a GPU server does not do on its own memory yet).
+        dp = self._data_plane
+        if dp is None or hidden_region is not None or d_hidden_region is not None or header.accumulate_weight_grad:
+            dp = None
+        routes: Optional[List[Route]] = None
         prog = _Progress(n, progress, use_tqdm, rpc) if (progress or use_tqdm) else None
+        if dp is not None:
+            dp.lock.acquire()  # calls over the data plane take turns: they share its regions and sockets
+            try:
+                routes = dp.prepare(self._data_port, self._data_plane_session, len(parts), n * row_bytes,
+                                    want_dhidden)
+            except BaseException:
+                dp.reset()
+                dp.lock.release()
+                if prog is not None:
+                    prog.close()
+                raise
+            metadata = tuple(self._metadata or ()) + ((SESSION_METADATA_KEY, routes[0].session_id),)
+            hidden_at = (routes[0].hidden_region, 0)
+            if want_dhidden:
+                d_hidden_at = (routes[0].d_hidden_region, 0)
         args = (rpc, h, targets, per_row, step, hidden_at, d_hidden_at, metadata, out, dh_bytes)
         try:
             if len(parts) == 1:
                 on_rows = (lambda r1, rows: prog.update(r1, rows)) if prog is not None else None
-                out["summary"] = self._run_part(self._stub, header, 0, n, on_rows, None, *args)
+                out["summary"] = self._run_part(self._stub, header, 0, n, on_rows, None, *args,
+                                                route=routes[0] if routes else None)
             else:
-                out["summary"] = self._run_parts(parts, header, prog, expect_valid, *args)
+                out["summary"] = self._run_parts(parts, header, prog, expect_valid, *args, routes=routes)
+        except BaseException:
+            if dp is not None:
+                dp.reset()  # the server may have gone, a socket be mid-transfer: start afresh next time
+            raise
         finally:
+            if dp is not None:
+                dp.lock.release()
             if prog is not None:
                 prog.close()
         return out
 
+    def _data_port(self) -> int:
+        """The server's data-plane port (0: none)."""
+        return int(self._unary("GetInfo", pb.GetInfoRequest()).data_port)
+
+    def _data_plane_session(self) -> SharedMemorySession:
+        """The session that holds the data plane's regions: no deadline, it lives as long as the client."""
+        return SharedMemorySession(self._stub, self._metadata)
+
     def _run_part(self, stub, header, begin, end, on_rows, on_call, rpc, h, targets, per_row, step, hidden_at,
-                  d_hidden_at, metadata, out, dh_bytes):
+                  d_hidden_at, metadata, out, dh_bytes, route: Optional[Route] = None):
         """One stream: rows [begin, end) of the request, answers written into `out` at their rows.
         Returns the RequestSummary (or None). on_rows(done_in_part, rows) per answered chunk; on_call(call)
-        once the call exists (to cancel it from elsewhere)."""
+        once the call exists (to cancel it from elsewhere). With `route` (data plane) the hidden states
+        are written into server memory chunk by chunk and each chunk's d_hidden is read out of it as the
+        chunk's answer arrives."""
         n = end - begin
         row_bytes = h.hidden_size * h.itemsize
+        uploads = UploadState() if route is not None else None
         call = getattr(stub, rpc)(self._requests(h, targets, header, per_row, step, hidden_at, d_hidden_at,
-                                                 begin, end),
+                                                 begin, end, route, uploads),
                                   timeout=self.timeout, metadata=metadata)
+        if uploads is not None:
+            uploads.attach(call)
         if on_call is not None:
             on_call(call)
         expect, summary = 0, None
@@ -685,7 +779,13 @@ class Client:
                             raise LceError(grpc.StatusCode.INTERNAL,
                                            f"server sent {len(vals)} {name} for a chunk of {rows} rows", rpc)
                         out[name][g0:g1] = vals
-                if dh_bytes is not None:
+                if route is not None and route.d_hidden_region is not None:
+                    # The server wrote the chunk's d_hidden into its memory before it answered.
+                    if len(c.d_hidden):
+                        raise LceError(grpc.StatusCode.INTERNAL, f"server sent {len(c.d_hidden)} bytes of d_hidden "
+                                       "in the answer of a chunk that named a d_hidden region", rpc)
+                    route.download(d_hidden_at[1] + g0 * row_bytes, memoryview(dh_bytes[g0 * row_bytes:g1 * row_bytes]))
+                elif dh_bytes is not None:
                     if len(c.d_hidden) != rows * row_bytes:
                         raise LceError(grpc.StatusCode.INTERNAL,
                                        f"server sent {len(c.d_hidden)} bytes of d_hidden for {rows} rows "
@@ -695,15 +795,22 @@ class Client:
                 if on_rows is not None:
                     on_rows(r1, rows)
         except grpc.RpcError as e:
+            if uploads is not None and uploads.error is not None:  # the CANCELLED is the failed upload's doing
+                raise uploads.error from e
             raise _wrap(e, rpc) from e
         except BaseException:
             call.cancel()
             raise
+        finally:
+            if uploads is not None:
+                uploads.stopped = True
+        if uploads is not None and uploads.error is not None:
+            raise uploads.error
         if expect != n:
             raise LceError(grpc.StatusCode.INTERNAL, f"server answered {expect} of {n} rows", rpc)
         return summary
 
-    def _run_parts(self, parts, header, prog, expect_valid, rpc, *args):
+    def _run_parts(self, parts, header, prog, expect_valid, rpc, *args, routes: Optional[List[Route]] = None):
         """A request split over len(parts) streams (header.partial), one thread and one channel each.
         The first failing part cancels the others; its error is raised once all have stopped. Progress
         is reported from the calling thread. Returns the parts' summaries combined (or None)."""
@@ -729,7 +836,7 @@ class Client:
 
             try:
                 s = self._run_part(stub, hdr, r0, r1, lambda done, rows: events.put(("rows", rows)), on_call,
-                                   rpc, *args)
+                                   rpc, *args, route=routes[i] if routes else None)
                 events.put(("done", i, s))
             except BaseException as e:  # handed to the calling thread
                 events.put(("error", i, e))

@@ -220,6 +220,18 @@ class SharedMemorySession:
         self._regions.append(region)
         return region
 
+    def allocate_server_memory(self, byte_size: int, name: str = "") -> int:
+        """Has the server allocate `byte_size` bytes of its own memory for this session (GPU memory on a
+        GPU server, pinned host memory otherwise), for remote clients to fill and drain over the data
+        plane (lce_client._data_plane; Client(data_plane=True) does all this itself). Returns the
+        region id; the memory goes with the region (unregister) or the session. FAILED_PRECONDITION:
+        the server has no data plane; RESOURCE_EXHAUSTED: beyond its per-session limit."""
+        if byte_size <= 0:
+            raise ValueError("byte_size must be positive")
+        r = self._ask(pb.SessionRequest(register_region=pb.RegisterRegion(
+            name=name or "server-memory", server_memory=True, byte_size=byte_size)), "RegisterRegion")
+        return int(r.region_id)
+
     def unregister(self, region_id: int) -> None:
         self._ask(pb.SessionRequest(unregister_region=pb.UnregisterRegion(region_id=region_id)), "UnregisterRegion")
 
