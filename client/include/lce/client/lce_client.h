@@ -48,8 +48,9 @@ struct ClientOptions {
   // Remote clients: carry hidden states and d_hidden over the server's data plane (plain TCP beside
   // gRPC, GetInfoResponse.data_port) instead of inside the gRPC messages, which then name slices of
   // server memory as co-located requests name slices of shared memory. Each stream of a request
-  // (see `streams`) gets one socket per direction; a chunk is sent before its message and its
-  // d_hidden fetched as its answer arrives, so transfer and compute overlap. The first such call
+  // (see `streams`) gets data_plane_sockets sockets per direction, each uploading its share of
+  // every chunk in turn; a chunk's message goes once its bytes are in, and its d_hidden is fetched
+  // as its answer arrives, so transfer and compute overlap. The first such call
   // opens a session holding two server-memory regions sized to the batch (grown when a batch is
   // larger); calls over the data plane take turns. FAILED_PRECONDITION: the server has no data
   // plane. Batches with hidden_region or d_hidden_region set, and requests that accumulate the weight
@@ -58,7 +59,7 @@ struct ClientOptions {
   // Sockets per direction per stream on the data plane: each chunk's bytes are split over them and
   // move at once (one loopback socket carries 2.6–4.5 GB/s on an H100 host, four 9–12 GB/s).
   // Measured best there for 8192×4096 bf16 (bench/RESULTS.md): one stream, 4 sockets, chunks of
-  // 8 MiB with a first and last chunk of 1 MiB.
+  // 16 MiB with a first and last chunk of 1 MiB.
   int data_plane_sockets = 4;
   // Over the data plane, while the server has a message queued behind the one it computes, name
   // every chunk uploaded meanwhile in one message: fewer, larger engine calls once compute is the
