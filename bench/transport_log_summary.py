@@ -26,5 +26,5 @@ for m, rs in sorted(by.items()):
     mean = lambda k: sum(r.get(k, 0) for r in rs) / n
     print(f"  server log {m}: {n} streams, mean {mean('duration_ms'):.2f} ms each, engine {mean('engine_ms'):.2f} ms "
           f"in {mean('engine_calls'):.1f} calls, queue {mean('queue_ms'):.2f} ms, read wait {mean('read_wait_ms'):.2f} ms "
-          f"(first chunk {mean('first_chunk_wait_ms'):.2f}), "
+          f"(first chunk {mean('first_chunk_wait_ms'):.2f}), staging {mean('staging_ms'):.2f} ms, "
           f"write wait {mean('write_wait_ms'):.2f} ms, drain {mean('drain_ms'):.2f} ms")

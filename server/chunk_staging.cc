@@ -20,11 +20,12 @@ class HostStaging final : public ChunkStaging {
     if (static_cast<int64_t>(b.size()) < bytes) b.resize(static_cast<size_t>(bytes));
     return static_cast<void*>(b.data());
   }
-  absl::Status Upload(void* dst, const void* src, int64_t bytes) override {
+  absl::Status UploadAsync(void* dst, const void* src, int64_t bytes) override {
     if (bytes > 0 && dst != src) std::memcpy(dst, src, static_cast<size_t>(bytes));
     return absl::OkStatus();
   }
-  absl::Status Download(void* dst, const void* src, int64_t bytes) override { return Upload(dst, src, bytes); }
+  absl::Status DownloadAsync(void* dst, const void* src, int64_t bytes) override { return UploadAsync(dst, src, bytes); }
+  absl::Status Sync() override { return absl::OkStatus(); }
 
  private:
   std::map<int, std::vector<uint8_t>> buffers_;
@@ -50,15 +51,17 @@ class DeviceStaging final : public ChunkStaging {
     }
     return b.first;
   }
-  absl::Status Upload(void* dst, const void* src, int64_t bytes) override {
+  absl::Status UploadAsync(void* dst, const void* src, int64_t bytes) override {
     if (bytes == 0) return absl::OkStatus();
     LCE_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream_));
-    LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return absl::OkStatus();
   }
-  absl::Status Download(void* dst, const void* src, int64_t bytes) override {
+  absl::Status DownloadAsync(void* dst, const void* src, int64_t bytes) override {
     if (bytes == 0) return absl::OkStatus();
     LCE_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, stream_));
+    return absl::OkStatus();
+  }
+  absl::Status Sync() override {
     LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return absl::OkStatus();
   }

@@ -18,9 +18,21 @@ class ChunkStaging {
   virtual void* stream() = 0;
   // Buffer number `slot`, at least `bytes` long (grown as needed, contents not kept when grown).
   virtual absl::StatusOr<void*> Buffer(int slot, int64_t bytes) = 0;
-  // Copies between the caller's host memory and a staging buffer; complete on return.
-  virtual absl::Status Upload(void* dst, const void* host_src, int64_t bytes) = 0;
-  virtual absl::Status Download(void* host_dst, const void* src, int64_t bytes) = 0;
+  // Copies between the caller's host memory and a staging buffer, queued in order: the host memory
+  // must stay as it is until Sync() returns, when every queued copy is complete. (One wait for all
+  // the small arrays of a chunk, not one each: each wait is a GPU bubble between engine calls.)
+  virtual absl::Status UploadAsync(void* dst, const void* host_src, int64_t bytes) = 0;
+  virtual absl::Status DownloadAsync(void* host_dst, const void* src, int64_t bytes) = 0;
+  virtual absl::Status Sync() = 0;
+  // The same, complete on return.
+  absl::Status Upload(void* dst, const void* host_src, int64_t bytes) {
+    absl::Status s = UploadAsync(dst, host_src, bytes);
+    return s.ok() ? Sync() : s;
+  }
+  absl::Status Download(void* host_dst, const void* src, int64_t bytes) {
+    absl::Status s = DownloadAsync(host_dst, src, bytes);
+    return s.ok() ? Sync() : s;
+  }
 };
 
 std::unique_ptr<ChunkStaging> CreateHostStaging();

@@ -95,11 +95,20 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
   const int64_t row_bytes = engine.shape().hidden_size * DTypeSize(engine.shape().dtype);
   // Slots: 0 targets; 1-3 grad_loss, grad_logprob, grad_entropy; 4-7 logprob, entropy, lse, loss;
   // 8 d_hidden; 9 hidden.
+  // Copies to and from the staging buffers are queued, then waited for once a side (request log:
+  // staging time).
+  RequestWork* work = RequestWork::Current();
+  auto sync = [&]() -> absl::Status {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::Status s = st.Sync();
+    if (work != nullptr) work->staging_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return s;
+  };
   auto up_array = [&](int slot, const void* host, int64_t bytes) -> absl::StatusOr<void*> {
     if (host == nullptr) return nullptr;
     absl::StatusOr<void*> d = st.Buffer(slot, bytes);
     if (!d.ok()) return d.status();
-    if (absl::Status s = st.Upload(*d, host, bytes); !s.ok()) return s;
+    if (absl::Status s = st.UploadAsync(*d, host, bytes); !s.ok()) return s;
     return *d;
   };
   absl::StatusOr<void*> hidden = hidden_on_device ? absl::StatusOr<void*>(const_cast<void*>(rows.hidden))
@@ -111,6 +120,7 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
   for (const auto* r : {&hidden, &targets, &gl, &glp, &gen}) {
     if (!r->ok()) return r->status();
   }
+  if (absl::Status s = sync(); !s.ok()) return s;
   float* host_out[4] = {out.logprob, out.entropy, out.lse, out.loss};
   float* dev_out[4] = {nullptr, nullptr, nullptr, nullptr};
   for (int k = 0; k < 4; ++k) {
@@ -129,7 +139,8 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
       dev_grads.d_hidden = *d;
     }
   }
-  const RowsView dev_rows{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice};
+  const RowsView dev_rows{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice,
+                          rows.targets_checked};
   const Upstream dev_up{up.mode, static_cast<const float*>(*gl), static_cast<const float*>(*glp),
                         static_cast<const float*>(*gen)};
   const RowOutputs dev_outs{dev_out[0], dev_out[1], dev_out[2], dev_out[3]};
@@ -138,12 +149,12 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
   }
   for (int k = 0; k < 4; ++k) {
     if (host_out[k] == nullptr) continue;
-    if (absl::Status s = st.Download(host_out[k], dev_out[k], n * 4); !s.ok()) return s;
+    if (absl::Status s = st.DownloadAsync(host_out[k], dev_out[k], n * 4); !s.ok()) return s;
   }
   if (grads.d_hidden != nullptr && !d_hidden_on_device) {
-    if (absl::Status s = st.Download(grads.d_hidden, dev_grads.d_hidden, n * row_bytes); !s.ok()) return s;
+    if (absl::Status s = st.DownloadAsync(grads.d_hidden, dev_grads.d_hidden, n * row_bytes); !s.ok()) return s;
   }
-  return absl::OkStatus();
+  return sync();
 }
 
 absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) const {
@@ -392,7 +403,8 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       dh->resize(static_cast<size_t>(n * row_bytes));
       grads.d_hidden = dh->data();
     }
-    RowsView view{hidden_ptr, chunk.targets().data(), n, MemorySpace::kHost};
+    // ValidateChunk checked every target: the engine need not check them again.
+    RowsView view{hidden_ptr, chunk.targets().data(), n, MemorySpace::kHost, /*targets_checked=*/true};
     // A GPU engine of one rank gets every chunk in device memory, copied on this stream's thread
     // (outside the engine's lock); weight-gradient accumulation (a host buffer) keeps the host path.
     const bool device_path = on_device || (config_.cuda_device >= 0 && !plan->accumulate_weight_grad);

@@ -52,6 +52,7 @@ void LogRequest(const std::string& request_id, const char* method, grpc::ServerC
     line["queue_ms"] = work.queue_seconds * 1e3;
     line["read_wait_ms"] = work.read_wait_seconds * 1e3;
     line["first_chunk_wait_ms"] = work.first_chunk_wait_seconds * 1e3;
+    line["staging_ms"] = work.staging_seconds * 1e3;
     line["write_wait_ms"] = work.write_wait_seconds * 1e3;
     line["drain_ms"] = work.drain_seconds * 1e3;
   }

@@ -435,7 +435,9 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   unsigned long long* bad_host = nullptr;
   if (host) bad_host = reinterpret_cast<unsigned long long*>(pinned_.get() + bad_off);
 
-  if (absl::Status st = CheckTargets(rows, o, s); !st.ok()) return st;
+  if (!rows.targets_checked) {
+    if (absl::Status st = CheckTargets(rows, o, s); !st.ok()) return st;
+  }
 
   const LogitTransform tf{shape_.has_bias ? reinterpret_cast<const float*>(bias_.get()) : nullptr, o.softcap,
                           o.temperature};
