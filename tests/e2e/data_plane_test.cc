@@ -30,17 +30,13 @@ using client::LceClient;
 // calls (equal answers on the CPU engine); on, the calls may group rows differently.
 std::unique_ptr<LceClient> Connect(const TestServer& ts, int streams, bool data_plane, int64_t chunk_bytes,
                                    int sockets = 2, bool merge = false) {
-  ClientOptions o;
-  o.data_plane_sockets = sockets;
-  o.data_plane_merge_chunks = merge;
-  o.target = ts.target;
-  o.chunk_bytes = chunk_bytes;
-  o.streams = streams;
-  o.min_stream_bytes = 2 * chunk_bytes;  // small, so that a test-sized batch splits
-  o.data_plane = data_plane;
-  auto c = LceClient::Create(o);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return std::move(*c);
+  return ConnectClient(ts.target, chunk_bytes, [&](ClientOptions& o) {
+    o.data_plane_sockets = sockets;
+    o.data_plane_merge_chunks = merge;
+    o.streams = streams;
+    o.min_stream_bytes = 2 * chunk_bytes;  // small, so that a test-sized batch splits
+    o.data_plane = data_plane;
+  });
 }
 
 // Same chunks, same engine calls: equal on the CPU engine, to rounding on a GPU.

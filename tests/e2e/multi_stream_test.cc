@@ -18,14 +18,10 @@ using client::HiddenBatch;
 using client::LceClient;
 
 std::unique_ptr<LceClient> Connect(const TestServer& ts, int streams, int64_t chunk_bytes) {
-  ClientOptions o;
-  o.target = ts.target;
-  o.chunk_bytes = chunk_bytes;
-  o.streams = streams;
-  o.min_stream_bytes = 3 * chunk_bytes;  // small, so that a test-sized batch splits
-  auto c = LceClient::Create(o);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return std::move(*c);
+  return ConnectClient(ts.target, chunk_bytes, [&](ClientOptions& o) {
+    o.streams = streams;
+    o.min_stream_bytes = 3 * chunk_bytes;  // small, so that a test-sized batch splits
+  });
 }
 
 void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, const char* what) {

@@ -11,17 +11,11 @@
 namespace lce::e2e {
 namespace {
 
-using client::ClientOptions;
 using client::HiddenBatch;
 using client::LceClient;
 
 std::unique_ptr<LceClient> Connect(const TestServer& ts, int64_t chunk_bytes = 4 << 20) {
-  ClientOptions o;
-  o.target = ts.target;
-  o.chunk_bytes = chunk_bytes;
-  auto c = LceClient::Create(o);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return std::move(*c);
+  return ConnectClient(ts.target, chunk_bytes);
 }
 
 struct Expected {

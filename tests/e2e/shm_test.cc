@@ -19,19 +19,13 @@
 namespace lce::e2e {
 namespace {
 
-using client::ClientOptions;
 using client::HiddenBatch;
 using client::LceClient;
 using client::RegionRef;
 using client::SharedMemorySession;
 
 std::unique_ptr<LceClient> Connect(const TestServer& ts, int64_t chunk_bytes) {
-  ClientOptions o;
-  o.target = ts.target;
-  o.chunk_bytes = chunk_bytes;
-  auto c = LceClient::Create(o);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return std::move(*c);
+  return ConnectClient(ts.target, chunk_bytes);
 }
 
 // Lines of this process's memory map that map `shm_name` (client and in-process server alike).

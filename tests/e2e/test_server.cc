@@ -78,4 +78,15 @@ std::unique_ptr<v1::LceService::Stub> RawStub(const std::string& target) {
   return v1::LceService::NewStub(grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
 }
 
+std::unique_ptr<client::LceClient> ConnectClient(const std::string& target, int64_t chunk_bytes,
+                                                 const std::function<void(client::ClientOptions&)>& tune) {
+  client::ClientOptions o;
+  o.target = target;
+  o.chunk_bytes = chunk_bytes;
+  if (tune) tune(o);
+  auto c = client::LceClient::Create(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
 }  // namespace lce::e2e

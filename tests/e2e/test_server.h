@@ -1,6 +1,7 @@
 // An in-process lce server on 127.0.0.1:0 with two seeded heads, and helpers to make batches.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -52,5 +53,10 @@ inline client::HiddenBatch View(const Batch& b) {
 }
 
 std::unique_ptr<v1::LceService::Stub> RawStub(const std::string& target);
+
+// A client of `target` sending `chunk_bytes` chunks, with whatever `tune` sets on top of that;
+// a failure to create it fails the test.
+std::unique_ptr<client::LceClient> ConnectClient(const std::string& target, int64_t chunk_bytes,
+                                                 const std::function<void(client::ClientOptions&)>& tune = {});
 
 }  // namespace lce::e2e

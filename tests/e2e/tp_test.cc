@@ -116,13 +116,7 @@ class TpGroup {
 };
 
 std::unique_ptr<client::LceClient> Connect(const std::string& target, int64_t chunk_bytes) {
-  client::ClientOptions o;
-  o.target = target;
-  o.chunk_bytes = chunk_bytes;
-  o.timeout = absl::Seconds(60);
-  auto c = client::LceClient::Create(o);
-  EXPECT_TRUE(c.ok()) << c.status();
-  return std::move(*c);
+  return ConnectClient(target, chunk_bytes, [](client::ClientOptions& o) { o.timeout = absl::Seconds(60); });
 }
 
 std::shared_ptr<LceEngine> FullEngine() {
