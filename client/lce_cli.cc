@@ -49,6 +49,7 @@ constexpr char kConnection[] = R"(connection:
   --streams=N                split a large request over up to N streams and connections (default 1)
   --data-plane=1             carry hidden states and d_hidden over the server's data plane (plain TCP
                              beside gRPC; the server runs with --data-port) (default 0)
+  --data-plane-sockets=K     sockets per direction per stream on the data plane, 1..16 (default 4)
 )";
 
 constexpr char kBatch[] = R"(batch:
@@ -61,12 +62,15 @@ constexpr char kBatch[] = R"(batch:
   --softcap=S                logit soft-capping (default 0: off)
   --ignore-index=I           target id meaning "no target" (default -100)
   --chunk-bytes=N            hidden bytes per streamed chunk (default 4194304)
+  --first-chunk-bytes=N      a smaller first chunk: the server starts sooner (default 0: a full one)
+  --last-chunk-bytes=N       a smaller last chunk: a shorter tail (default 0: what is left)
 )";
 
 const std::set<std::string> kConnectionFlags = {"target", "timeout-seconds", "token-file", "tls-ca", "tls-cert",
-                                                "tls-key",  "streams",    "data-plane"};
+                                                "tls-key",  "streams",    "data-plane", "data-plane-sockets"};
 const std::set<std::string> kBatchFlags = {"head",        "hidden-file", "targets-file", "rows",       "seed",
-                                           "temperature", "softcap",     "ignore-index", "chunk-bytes"};
+                                           "temperature", "softcap",     "ignore-index", "chunk-bytes",
+                                           "first-chunk-bytes", "last-chunk-bytes"};
 
 struct Command {
   const char* help;
@@ -205,12 +209,20 @@ absl::StatusOr<lce::client::ClientOptions> Options(const Args& a) {
   absl::StatusOr<int64_t> chunk = a.Int("chunk-bytes", 4 << 20, 1);
   if (!chunk.ok()) return chunk.status();
   o.chunk_bytes = *chunk;
+  absl::StatusOr<int64_t> first = a.Int("first-chunk-bytes", 0, 0), last = a.Int("last-chunk-bytes", 0, 0);
+  if (!first.ok()) return first.status();
+  if (!last.ok()) return last.status();
+  o.first_chunk_bytes = *first;
+  o.last_chunk_bytes = *last;
   absl::StatusOr<int64_t> streams = a.Int("streams", 1, 1, 64);
   if (!streams.ok()) return streams.status();
   o.streams = static_cast<int>(*streams);
   absl::StatusOr<int64_t> data_plane = a.Int("data-plane", 0, 0, 1);
   if (!data_plane.ok()) return data_plane.status();
   o.data_plane = *data_plane == 1;
+  absl::StatusOr<int64_t> sockets = a.Int("data-plane-sockets", 4, 1, 16);
+  if (!sockets.ok()) return sockets.status();
+  o.data_plane_sockets = static_cast<int>(*sockets);
   absl::StatusOr<double> timeout = a.Number("timeout-seconds", 600);
   if (!timeout.ok()) return timeout.status();
   if (*timeout <= 0) return absl::InvalidArgumentError("--timeout-seconds must be > 0");
@@ -248,7 +260,8 @@ int Main(const Args& a) {
   if (cmd->second.batch) allowed.insert(kBatchFlags.begin(), kBatchFlags.end());
   if (absl::Status s = lce::client::cli::CheckKnownFlags(a, allowed); !s.ok()) return Usage(s);
   // Every value is checked before anything is sent, so that a typo is a usage error (exit 2).
-  for (const char* name : {"rows", "seed", "show", "iterations", "warmup", "ignore-index", "chunk-bytes"}) {
+  for (const char* name : {"rows", "seed", "show", "iterations", "warmup", "ignore-index", "chunk-bytes",
+                           "first-chunk-bytes", "last-chunk-bytes", "data-plane-sockets"}) {
     if (!a.Has(name)) continue;
     if (absl::StatusOr<int64_t> v = a.Int(name, 0); !v.ok()) return Usage(v.status());
   }

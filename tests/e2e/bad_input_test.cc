@@ -3,10 +3,12 @@
 // client library never would.
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <thread>
 
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
@@ -190,13 +192,20 @@ TEST_F(BadInput, ClientProcessKilledMidStream) {
   const char* cli_env = std::getenv("LCE_CLI_BIN");  // a tree copied elsewhere (GPU machine)
   const std::string cli = cli_env != nullptr && *cli_env != 0 ? cli_env : LCE_CLI_PATH;
   ASSERT_EQ(access(cli.c_str(), X_OK), 0) << "lce_cli not found at " << cli;
-  // One stream, then one request split over four connections (300000 rows: above two 8 MiB parts).
-  for (const char* flags : {"--rows=4000", "--rows=300000 --streams=4"}) {
+  // One stream, then one request split over four connections (300000 rows: above two 8 MiB parts),
+  // then over the data plane (sockets cut mid-transfer; the session's server memory must go).
+  for (const char* flags : {"--rows=4000", "--rows=300000 --streams=4",
+                            "--rows=300000 --streams=2 --data-plane=1 --data-plane-sockets=3 "
+                            "--first-chunk-bytes=65536 --last-chunk-bytes=65536"}) {
     const std::string cmd = cli + " bench --target=" + server_->target + " --op=train " + flags +
                             " --iterations=100000 >/dev/null 2>&1 & pid=$!; sleep 1.5; kill -9 $pid; wait $pid";
     ASSERT_NE(std::system(cmd.c_str()), -1);
     for (int i = 0; i < 3; ++i) ExpectStillServing();
   }
+  for (int i = 0; i < 500 && server_->server->regions().counts().server != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(server_->server->regions().counts().server, 0u) << "a killed client's server memory was not freed";
 }
 
 }  // namespace
