@@ -12,12 +12,12 @@ reachable as lce_client.RemoteLinearCrossEntropy / lce_client.remote_logprobs.
 """
 from ._arrays import bf16_bits_to_f32, f32_to_bf16_bits
 from ._client import (DEFAULT_CHUNK_BYTES, DEFAULT_MIN_STREAM_BYTES, Client, ForwardBackwardResult, HeadInfo, LceError, PolicyLossResult,
-                      ServerInfo)
+                      ServerInfo, plan_chunks)
 from ._shm import Region, SharedMemorySession
 
 __version__ = "0.1.0"
 __all__ = ["Client", "LceError", "HeadInfo", "ServerInfo", "ForwardBackwardResult", "PolicyLossResult",
-           "DEFAULT_CHUNK_BYTES", "DEFAULT_MIN_STREAM_BYTES", "Region", "SharedMemorySession", "bf16_bits_to_f32", "f32_to_bf16_bits", "RemoteLinearCrossEntropy",
+           "DEFAULT_CHUNK_BYTES", "DEFAULT_MIN_STREAM_BYTES", "plan_chunks", "Region", "SharedMemorySession", "bf16_bits_to_f32", "f32_to_bf16_bits", "RemoteLinearCrossEntropy",
            "remote_logprobs", "remote_linear_cross_entropy"]
 
 _TORCH_NAMES = {"RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy",

@@ -6,7 +6,7 @@ import numbers
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
@@ -24,6 +24,34 @@ DEFAULT_MIN_STREAM_BYTES = 8 << 20
 _MAX_RECV = 1 << 30
 
 ProgressFn = Callable[[int, int], None]
+
+
+def plan_chunks(rows: int, row_bytes: int, chunk_bytes: int, first_chunk_bytes: int = 0,
+                last_chunk_bytes: int = 0) -> List[Tuple[int, int]]:
+    """Plans the chunks of a batch (the C++ client's PlanChunks): [(first_row, rows), ...] of at most
+    max(1, chunk_bytes // row_bytes) rows each, tiling range(rows) in order; with first_chunk_bytes > 0
+    the first chunk holds at most max(1, first_chunk_bytes // row_bytes) rows, and with
+    last_chunk_bytes > 0 the last one at most max(1, last_chunk_bytes // row_bytes) rows (where the
+    batch has more rows than those two chunks). Neither is ever larger than a full chunk."""
+    rows, row_bytes, chunk_bytes = int(rows), int(row_bytes), int(chunk_bytes)
+    per = max(1, chunk_bytes // row_bytes if row_bytes > 0 else rows)
+
+    def edge(b: int) -> int:
+        return min(per, max(1, b // row_bytes if row_bytes > 0 else rows)) if b > 0 else per
+
+    first = edge(int(first_chunk_bytes))
+    # A smaller last chunk only where the rows go past the first chunk and one more.
+    last_cap = edge(int(last_chunk_bytes))
+    last = last_cap if last_chunk_bytes > 0 and rows > first + last_cap else 0
+    plan: List[Tuple[int, int]] = []
+    r = 0
+    while r < rows - last:
+        n = min(first if r == 0 else per, rows - last - r)
+        plan.append((r, n))
+        r += n
+    if last > 0:
+        plan.append((rows - last, last))
+    return plan
 
 
 class LceError(Exception):
@@ -143,6 +171,16 @@ class Client:
       timeout: deadline of each call, in seconds (None: no deadline).
       chunk_bytes: hidden-state bytes per streamed chunk (at least one row per chunk). Results do not
         depend on it.
+      first_chunk_bytes: hidden-state bytes of each stream's first chunk (0, the default: chunk_bytes;
+        never more than chunk_bytes, at least one row). The server computes a chunk once it has all of
+        it; a smaller first chunk starts it earlier (a short pipeline fill).
+      last_chunk_bytes: hidden-state bytes of each stream's last chunk (0, the default: what is left).
+        Nothing overlaps the last chunk's compute and answer; a smaller one shortens that tail. It
+        applies where a stream has more rows than its first chunk and such a last one.
+        Both apply to every stream of a request (see `streams`), each planned on its own rows
+        (lce_client.plan_chunks), on the wire and over the data plane; requests whose hidden states
+        are in a shared-memory or CUDA region (hidden_region) are chunked by chunk_bytes alone, as
+        the C++ client also ignores both for them. Results do not depend on them.
       root_certificates / private_key / certificate_chain: PEM bytes for TLS (mTLS with the last two);
         `tls=True` uses TLS with the system's roots.
       token: bearer token, sent as "authorization: Bearer <token>" metadata on every call.
@@ -166,7 +204,9 @@ class Client:
         hidden_region / d_hidden_region, and those that accumulate the weight gradient, do not use it.
         The data plane has no TLS: trusted networks only.
       data_plane_sockets: sockets per direction per stream on the data plane, in [1, 16]: each chunk's
-        bytes are split over them in page-aligned shares and move at once.
+        bytes are split over them in page-aligned shares (below 64 KiB all on the first): each
+        stream uploads with a thread per socket that moves its share of every chunk in turn, without
+        waiting for the other sockets, and a chunk's message goes once all its shares are in.
     """
 
     def __init__(
@@ -186,9 +226,14 @@ class Client:
         min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
         data_plane: bool = False,
         data_plane_sockets: int = 4,
+        first_chunk_bytes: int = 0,
+        last_chunk_bytes: int = 0,
     ):
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be positive")
+        for name, v in (("first_chunk_bytes", first_chunk_bytes), ("last_chunk_bytes", last_chunk_bytes)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0: off), got {v!r}")
         if int(streams) < 1:
             raise ValueError("streams must be >= 1")
         if min_stream_bytes < 0:
@@ -200,6 +245,8 @@ class Client:
         self.target = target
         self.timeout = timeout
         self.chunk_bytes = int(chunk_bytes)
+        self.first_chunk_bytes = int(first_chunk_bytes)
+        self.last_chunk_bytes = int(last_chunk_bytes)
         self.head = head
         self.streams = int(streams)
         self.min_stream_bytes = int(min_stream_bytes)
@@ -568,6 +615,17 @@ class Client:
         row_bytes = h.hidden_size * h.itemsize
         return max(1, self.chunk_bytes // max(1, row_bytes))
 
+    def _plan_part(self, rows: int, row_bytes: int, region_backed: bool) -> List[Tuple[int, int]]:
+        """The chunks [(first_row, rows), ...] of one stream's `rows` rows (relative to the stream's
+        first row). A request whose hidden states are in a shared-memory or CUDA region (not the data
+        plane) carries no hidden bytes: it is cut at chunk_bytes alone, without the smaller first and
+        last chunks (the C++ client, StreamPart, ignores them there too, sending up to 65536 rows a
+        chunk instead). Elsewhere (bytes on the wire, the data plane) plan_chunks with the client's
+        first_chunk_bytes and last_chunk_bytes."""
+        if region_backed:
+            return plan_chunks(rows, row_bytes, self.chunk_bytes)
+        return plan_chunks(rows, row_bytes, self.chunk_bytes, self.first_chunk_bytes, self.last_chunk_bytes)
+
     def _stream_stub(self, i: int):
         """The stub of the i-th extra channel for the parts of split requests (made on first use). Each
         is its own TCP connection: the channels differ in an argument and use no shared subchannel."""
@@ -581,8 +639,10 @@ class Client:
 
     def _plan_parts(self, n: int, row_bytes: int, step: int, streams: Optional[int]) -> List[tuple]:
         """Contiguous row ranges [(r0, r1), ...] for the parts of a request: up to `streams`, each of
-        at least min_stream_bytes of hidden states, cut at multiples of the chunk rows where the chunks
-        allow it. One range (no split) for small requests."""
+        at least min_stream_bytes of hidden states, cut at multiples of the chunk rows (`step`, from
+        chunk_bytes alone, as the C++ client's PlanStreams) where the chunks allow it. Each part is then
+        chunked on its own rows (_plan_part): with first_chunk_bytes / last_chunk_bytes every part has
+        its own smaller first and last chunk. One range (no split) for small requests."""
         k = self.streams if streams is None else int(streams)
         if k < 1:
             raise ValueError(f"streams must be >= 1, got {streams!r}")
@@ -608,37 +668,30 @@ class Client:
         return [(0, n)]
 
     def _requests(self, h, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
-                  step: int, hidden_at=None, d_hidden_at=None, begin: int = 0,
-                  end: Optional[int] = None, route: Optional[Route] = None,
+                  plan: Sequence[Tuple[int, int]], hidden_at=None, d_hidden_at=None,
                   uploads: Optional[UploadState] = None) -> Iterator[pb.StreamRequest]:
-        """The request stream of rows [begin, end), made lazily: a header, then one chunk per `step`
-        rows, each built from a memoryview slice of the caller's (host) hidden states, or naming a
-        slice of a registered region (at the rows' offset in it). Over the data plane (`route`), each
-        chunk's bytes are written into the region before the message that names them is made (this
-        runs in gRPC's request thread, beside the answers being read); a failed write cancels the call
-        through `uploads` and ends the stream."""
+        """The request stream of one part, made lazily: a header, then one message per chunk of `plan`
+        ([(first_row, rows), ...] in the request's rows), each built from a memoryview slice of the
+        caller's (host) hidden states, or naming a slice of a registered region (at the rows' offset in
+        it). Over the data plane (`uploads`), the part's uploaders write the chunks into the region
+        meanwhile; a chunk's message is made once all its shares are in (this waits in gRPC's request
+        thread, beside the answers being read). A failed upload cancels the call through `uploads`
+        and ends the stream."""
         yield pb.StreamRequest(header=header)
-        end = h.rows if end is None else end
-        buf = h.byte_view() if hidden_at is None or route is not None else None
+        buf = h.byte_view() if hidden_at is None else None
         row_bytes = h.hidden_size * h.itemsize
-        for r0 in range(begin, end, step):
-            r1 = min(end, r0 + step)
-            if route is not None:
-                if uploads.stopped:
-                    return
-                try:
-                    route.upload(hidden_at[1] + r0 * row_bytes, buf[r0 * row_bytes:r1 * row_bytes])
-                except Exception as e:  # handed to the reading thread, which raises it
-                    uploads.fail(e)
-                    return
+        for c, (r0, rows) in enumerate(plan):
+            r1 = r0 + rows
+            if uploads is not None and not uploads.wait(c):
+                return
             if hidden_at is None:
                 chunk = pb.RowChunk(hidden=bytes(buf[r0 * row_bytes:r1 * row_bytes]), targets=targets[r0:r1].tolist())
-            else:  # a slice of a region (shared memory, or server memory filled just above), no bytes
+            else:  # a slice of a region (shared memory, or server memory filled by the uploaders), no bytes
                 chunk = pb.RowChunk(targets=targets[r0:r1].tolist(), hidden_region=pb.RegionSlice(
-                    region_id=hidden_at[0], offset=hidden_at[1] + r0 * row_bytes, byte_size=(r1 - r0) * row_bytes))
+                    region_id=hidden_at[0], offset=hidden_at[1] + r0 * row_bytes, byte_size=rows * row_bytes))
             if d_hidden_at is not None:
                 chunk.d_hidden_region.CopyFrom(pb.RegionSlice(
-                    region_id=d_hidden_at[0], offset=d_hidden_at[1] + r0 * row_bytes, byte_size=(r1 - r0) * row_bytes))
+                    region_id=d_hidden_at[0], offset=d_hidden_at[1] + r0 * row_bytes, byte_size=rows * row_bytes))
             for name, arr in per_row.items():
                 getattr(chunk, name).extend(arr[r0:r1].tolist())
             yield pb.StreamRequest(chunk=chunk)
@@ -710,7 +763,7 @@ class Client:
             hidden_at = (routes[0].hidden_region, 0)
             if want_dhidden:
                 d_hidden_at = (routes[0].d_hidden_region, 0)
-        args = (rpc, h, targets, per_row, step, hidden_at, d_hidden_at, metadata, out, dh_bytes)
+        args = (rpc, h, targets, per_row, hidden_at, d_hidden_at, metadata, out, dh_bytes)
         try:
             if len(parts) == 1:
                 on_rows = (lambda r1, rows: prog.update(r1, rows)) if prog is not None else None
@@ -737,21 +790,43 @@ class Client:
         """The session that holds the data plane's regions: no deadline, it lives as long as the client."""
         return SharedMemorySession(self._stub, self._metadata)
 
-    def _run_part(self, stub, header, begin, end, on_rows, on_call, rpc, h, targets, per_row, step, hidden_at,
+    def _run_part(self, stub, header, begin, end, on_rows, on_call, rpc, h, targets, per_row, hidden_at,
                   d_hidden_at, metadata, out, dh_bytes, route: Optional[Route] = None):
         """One stream: rows [begin, end) of the request, answers written into `out` at their rows.
         Returns the RequestSummary (or None). on_rows(done_in_part, rows) per answered chunk; on_call(call)
         once the call exists (to cancel it from elsewhere). With `route` (data plane) the hidden states
-        are written into server memory chunk by chunk and each chunk's d_hidden is read out of it as the
-        chunk's answer arrives."""
+        are written into server memory by one thread per upload socket (UploadState), each chunk's
+        message sent once its bytes are in, and each chunk's d_hidden is read out of it as the chunk's
+        answer arrives. The uploaders are stopped and joined before this returns or raises."""
         n = end - begin
         row_bytes = h.hidden_size * h.itemsize
-        uploads = UploadState() if route is not None else None
-        call = getattr(stub, rpc)(self._requests(h, targets, header, per_row, step, hidden_at, d_hidden_at,
-                                                 begin, end, route, uploads),
+        plan = [(begin + r0, rows) for r0, rows in
+                self._plan_part(n, row_bytes, region_backed=hidden_at is not None and route is None)]
+        uploads = None
+        if route is not None:
+            buf = h.byte_view()
+            uploads = UploadState(route, [(hidden_at[1] + r0 * row_bytes, buf[r0 * row_bytes:(r0 + rows) * row_bytes])
+                                          for r0, rows in plan], name=f"lce-dp{route.lane.index}-up")
+        failed = True
+        try:
+            summary = self._read_part(stub, header, begin, n, on_rows, on_call, rpc, h, targets, per_row, hidden_at,
+                                      d_hidden_at, metadata, out, dh_bytes, route, plan, uploads)
+            failed = False
+            return summary
+        finally:
+            if uploads is not None:  # on failure the lane's upload sockets are shut down (it is dropped after)
+                uploads.stop(abort=failed)
+
+    def _read_part(self, stub, header, begin, n, on_rows, on_call, rpc, h, targets, per_row, hidden_at, d_hidden_at,
+                   metadata, out, dh_bytes, route, plan, uploads):
+        """_run_part's call: sends the part's requests and places its answers."""
+        row_bytes = h.hidden_size * h.itemsize
+        end = begin + n
+        call = getattr(stub, rpc)(self._requests(h, targets, header, per_row, plan, hidden_at, d_hidden_at, uploads),
                                   timeout=self.timeout, metadata=metadata)
         if uploads is not None:
             uploads.attach(call)
+            uploads.start()
         if on_call is not None:
             on_call(call)
         expect, summary = 0, None
@@ -801,9 +876,6 @@ class Client:
         except BaseException:
             call.cancel()
             raise
-        finally:
-            if uploads is not None:
-                uploads.stopped = True
         if uploads is not None and uploads.error is not None:
             raise uploads.error
         if expect != n:

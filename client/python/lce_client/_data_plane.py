@@ -4,11 +4,13 @@ A remote client's gRPC messages carry every hidden-state and d_hidden byte throu
 flow control and protobuf copies. A server started with --data-port runs a plain-TCP data plane
 (GetInfoResponse.data_port) instead: the client opens a session, has the server allocate regions
 of its own memory (RegisterRegion.server_memory; GPU memory on a GPU server, pinned host memory
-otherwise), writes each chunk's hidden states into one over several sockets at once, and sends the
-usual streaming request whose chunks name slices of the regions, as co-located clients name slices
-of shared memory. Each chunk's d_hidden is read back out of the other region as its answer arrives,
-so transfers and compute overlap. This module mirrors the C++ client (client/data_plane_connection.cc,
-LceClient::PrepareDataPlane / SplitTransfer in client/lce_client.cc).
+otherwise), writes the hidden states into one over several sockets at once (a thread per socket,
+each moving its share of every chunk in turn), and sends the usual streaming request whose chunks
+name slices of the regions, as co-located clients name slices of shared memory; a chunk's message
+goes once all its shares are in. Each chunk's d_hidden is read back out of the other region as its
+answer arrives, so transfers and compute overlap. This module mirrors the C++ client
+(client/data_plane_connection.cc; LceClient::PrepareDataPlane, StreamPart, SocketShare and
+SplitTransfer in client/lce_client.cc).
 
 Wire format (server/region_data_plane.h is authoritative), little-endian, one transfer after another
 on a connection:
@@ -27,7 +29,7 @@ import socket
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -195,25 +197,30 @@ def _bytes_view(buf) -> memoryview:
     return m
 
 
+def socket_share(nbytes: int, k: int, i: int) -> Tuple[int, int]:
+    """Socket i's share (offset, length) of a transfer of `nbytes` over k sockets: equal shares in whole
+    4 KiB pages (the last takes the rest); below 64 KiB all of it on socket 0 (the C++ client's
+    SocketShare)."""
+    if k == 1 or nbytes < SPLIT_MIN_BYTES:
+        return 0, (nbytes if i == 0 else 0)
+    lo = nbytes * i // k // PAGE * PAGE
+    hi = nbytes if i + 1 == k else nbytes * (i + 1) // k // PAGE * PAGE
+    return lo, hi - lo
+
+
 def split_transfer(conns: List[DataPlaneConnection], pool: Optional[ThreadPoolExecutor], nbytes: int,
                    move: Callable[[DataPlaneConnection, int, int], None]) -> None:
-    """Moves `nbytes` over the connections at once, an equal share each in whole 4 KiB pages (the
-    last takes the rest): move(conn, offset, length), the first share in this thread, the others on
-    `pool`. Returns once every share is done; raises the first share's error."""
+    """Moves `nbytes` over the connections at once, a socket_share each: move(conn, offset, length),
+    the first share in this thread, the others on `pool`. Returns once every share is done; raises
+    the first share's error. (Downloads; uploads go through UploadState's per-socket threads.)"""
     k = len(conns)
     if k == 1 or pool is None or nbytes < SPLIT_MIN_BYTES:
         move(conns[0], 0, nbytes)
         return
-
-    def bounds(i: int):
-        lo = nbytes * i // k // PAGE * PAGE
-        hi = nbytes if i + 1 == k else nbytes * (i + 1) // k // PAGE * PAGE
-        return lo, hi - lo
-
-    futures = [pool.submit(move, conns[i], *bounds(i)) for i in range(1, k)]
+    futures = [pool.submit(move, conns[i], *socket_share(nbytes, k, i)) for i in range(1, k)]
     errors: List[BaseException] = []
     try:
-        move(conns[0], *bounds(0))
+        move(conns[0], *socket_share(nbytes, k, 0))
     except BaseException as e:  # the others are still moving bytes on their sockets: wait for them
         errors.append(e)
     for f in futures:
@@ -226,12 +233,15 @@ def split_transfer(conns: List[DataPlaneConnection], pool: Optional[ThreadPoolEx
 
 
 class Lane:
-    """One stream's sockets: `sockets` per direction, and the threads that drive all but the first
-    of them (each chunk's bytes are split over the sockets and move at once)."""
+    """One stream's sockets: `sockets` per direction. Uploads run on threads of their own, one per
+    upload socket and request (UploadState); downloads split each chunk over the download sockets,
+    all but the first share moved by a pool of this lane's."""
 
     def __init__(self, host: str, port: int, sockets: int, index: int):
+        self.index = index
         self.up: List[DataPlaneConnection] = []
         self.down: List[DataPlaneConnection] = []
+        self._down_pool = None
         try:
             for _ in range(sockets):
                 self.up.append(DataPlaneConnection(host, port))
@@ -239,21 +249,12 @@ class Lane:
         except BaseException:
             self.close()
             raise
-        # Uploads (gRPC's request thread) and downloads (the answer-reading thread) run together:
-        # a pool each, so that neither waits for the other's helpers.
-        self._up_pool = self._down_pool = None
         if sockets > 1:
-            self._up_pool = ThreadPoolExecutor(sockets - 1, thread_name_prefix=f"lce-dp{index}-up")
             self._down_pool = ThreadPoolExecutor(sockets - 1, thread_name_prefix=f"lce-dp{index}-down")
 
     @property
     def usable(self) -> bool:
         return all(c.usable for c in self.up + self.down)
-
-    def write(self, session_id: str, region_id: int, offset: int, data: memoryview) -> None:
-        data = _bytes_view(data)
-        split_transfer(self.up, self._up_pool, data.nbytes,
-                       lambda c, off, n: c.write(session_id, region_id, offset + off, data[off:off + n]))
 
     def read(self, session_id: str, region_id: int, offset: int, into: memoryview) -> None:
         into = _bytes_view(into)
@@ -265,11 +266,12 @@ class Lane:
             c.shutdown()
 
     def close(self) -> None:
+        """Closes the sockets (waking transfers blocked on them) and stops the download pool's threads."""
         for c in self.up + self.down:
             c.close()
-        for p in (getattr(self, "_up_pool", None), getattr(self, "_down_pool", None)):
-            if p is not None:
-                p.shutdown(wait=False)
+        pool, self._down_pool = self._down_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 class Route:
@@ -280,40 +282,106 @@ class Route:
         self.lane, self.session_id = lane, session_id
         self.hidden_region, self.d_hidden_region = hidden_region, d_hidden_region
 
-    def upload(self, offset: int, data: memoryview) -> None:
-        """Hidden-state bytes into the hidden region at `offset`."""
-        self.lane.write(self.session_id, self.hidden_region, offset, data)
-
     def download(self, offset: int, into: memoryview) -> None:
         """d_hidden bytes at `offset` of the d_hidden region into `into`."""
         self.lane.read(self.session_id, self.d_hidden_region, offset, into)
 
 
 class UploadState:
-    """Ties a stream's uploads, made in gRPC's request-iterating thread, to its call: a failed upload
-    cancels the call (its error is what the caller gets, not the CANCELLED that follows), and once
-    the stream is over no further upload starts."""
+    """One stream's uploads, as the C++ client's StreamPart makes them: one thread per upload socket
+    of the route's lane, each writing its socket_share of every chunk into the hidden region in turn,
+    without waiting for the other sockets (no barrier a chunk: a slow socket delays only the chunks
+    whose share it has not finished). `uploaded` counts the leading chunks whose shares are all in;
+    the request stream waits for a chunk there (`wait`) before it sends the chunk's message.
 
-    def __init__(self):
-        self._lock = threading.Lock()
+    A failed upload records its error (the call's error, not the CANCELLED that follows), cancels the
+    call and ends the waits. `stop` ends the uploads and joins the threads; with abort=True (the call
+    failed or was cancelled) it first shuts the upload sockets down, waking a write blocked on them
+    (the lane is dropped afterwards), and closes them once the threads are gone."""
+
+    def __init__(self, route: Route, chunks: Sequence[Tuple[int, memoryview]], name: str = "lce-dp-up"):
+        """chunks: per chunk of the plan, in order, (offset in the hidden region, its bytes)."""
+        self._cv = threading.Condition()
+        self._route = route
+        self._chunks = [(int(off), _bytes_view(data)) for off, data in chunks]
+        self._conns = list(route.lane.up)
+        self._shares_done = [0] * len(self._chunks)
+        self.uploaded = 0
         self.error: Optional[BaseException] = None
         self.stopped = False
         self._call = None
+        self._threads = [threading.Thread(target=self._upload, args=(i,), name=f"{name}{i}", daemon=True)
+                         for i in range(len(self._conns))]
+        self._started = False
+
+    def start(self) -> None:
+        self._started = True
+        for t in self._threads:
+            t.start()
 
     def attach(self, call) -> None:
-        with self._lock:
+        """The call to cancel when an upload fails (at once if one failed already)."""
+        with self._cv:
             self._call = call
             failed = self.error is not None
         if failed:
             call.cancel()
 
+    def wait(self, chunk: int) -> bool:
+        """Blocks until chunk `chunk` is uploaded (True), or the uploads failed or were stopped (False)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self.stopped or self.uploaded > chunk)
+            return not self.stopped
+
     def fail(self, e: BaseException) -> None:
-        with self._lock:
-            if self.error is None:
-                self.error = e
+        """Records the first error (unless the uploads were stopped: then it is their doing), ends the
+        waits and cancels the call."""
+        with self._cv:
+            if self.stopped:
+                return
+            self.error = e
+            self.stopped = True
+            self._cv.notify_all()
             call = self._call
         if call is not None:
             call.cancel()
+
+    def stop(self, abort: bool = False) -> None:
+        """Ends the uploads (no further share starts) and joins the threads."""
+        with self._cv:
+            self.stopped = True
+            self._cv.notify_all()
+        if abort:
+            for c in self._conns:
+                c.shutdown()
+        if self._started:
+            for t in self._threads:
+                t.join()
+        if abort:
+            for c in self._conns:
+                c.close()
+
+    def _upload(self, i: int) -> None:
+        conn, k, r = self._conns[i], len(self._conns), self._route
+        try:
+            for c, (offset, data) in enumerate(self._chunks):
+                lo, n = socket_share(data.nbytes, k, i)
+                if self.stopped:
+                    return
+                if n:
+                    conn.write(r.session_id, r.hidden_region, offset + lo, data[lo:lo + n])
+                with self._cv:
+                    if self.stopped:
+                        return
+                    self._shares_done[c] += 1
+                    advanced = False
+                    while self.uploaded < len(self._chunks) and self._shares_done[self.uploaded] == k:
+                        self.uploaded += 1
+                        advanced = True
+                    if advanced:
+                        self._cv.notify_all()
+        except BaseException as e:  # handed to the reading thread, which raises it
+            self.fail(e)
 
 
 class DataPlane:
