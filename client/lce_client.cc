@@ -40,7 +40,7 @@ int64_t WireDTypeSize(v1::DType dtype) {
 }
 
 std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_bytes, int64_t chunk_bytes,
-                                                    int64_t first_chunk_bytes, int64_t last_chunk_bytes) {
+                                                    int64_t first_chunk_bytes, int64_t last_chunk_bytes, bool grow) {
   const int64_t per = std::max<int64_t>(1, row_bytes > 0 ? chunk_bytes / row_bytes : rows);
   auto edge = [&](int64_t b) {
     return b > 0 ? std::min(per, std::max<int64_t>(1, row_bytes > 0 ? b / row_bytes : rows)) : per;
@@ -49,10 +49,11 @@ std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_by
   // A smaller last chunk only where the rows go past the first chunk and one more.
   const int64_t last = last_chunk_bytes > 0 && rows > first + edge(last_chunk_bytes) ? edge(last_chunk_bytes) : 0;
   std::vector<std::pair<int64_t, int64_t>> plan;
-  for (int64_t r = 0; r < rows - last;) {
-    const int64_t n = std::min(r == 0 ? first : per, rows - last - r);
+  for (int64_t r = 0, size = first; r < rows - last;) {
+    const int64_t n = std::min(size, rows - last - r);
     plan.emplace_back(r, n);
     r += n;
+    size = grow ? std::min(per, 2 * size) : per;
   }
   if (last > 0) plan.emplace_back(rows - last, last);
   return plan;
@@ -484,7 +485,7 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   constexpr int64_t kRegionChunkRows = 1 << 16;
   auto plan = hidden_in_region && lane == nullptr ? PlanChunks(part_rows, row_bytes, kRegionChunkRows * row_bytes)
                                : PlanChunks(part_rows, row_bytes, options_.chunk_bytes, options_.first_chunk_bytes,
-                                            options_.last_chunk_bytes);
+                                            options_.last_chunk_bytes, options_.grow_chunks);
   for (auto& [first, n] : plan) first += part_first;
   // Write on a thread of its own: the server answers chunk k while later chunks are in flight,
   // so reading and writing must proceed together or flow control stalls both sides.

@@ -225,6 +225,22 @@ TEST(PlanChunks, ASmallerLastChunkWhereTheRowsAllowIt) {
   EXPECT_EQ(PlanChunks(1, 100, 600, 0, 100).size(), 1u);
 }
 
+TEST(PlanChunks, GrowingFromTheFirstChunk) {
+  // 1, 2, 4, then 6-row chunks (the cap), the last 2 rows apart.
+  auto p = PlanChunks(30, 100, 600, 100, 200, /*grow=*/true);
+  const std::vector<std::pair<int64_t, int64_t>> want = {{0, 1}, {1, 2}, {3, 4}, {7, 6}, {13, 6}, {19, 6}, {25, 3}, {28, 2}};
+  EXPECT_EQ(p, want);
+  // Without a smaller first chunk there is nothing to grow from.
+  EXPECT_EQ(PlanChunks(30, 100, 600, 0, 0, true), PlanChunks(30, 100, 600));
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t rows = 1 + rng() % 3000, chunk = 100 * (1 + rng() % 64);
+    const auto g = PlanChunks(rows, 100, chunk, 100 * (1 + rng() % 8), 100 * (rng() % 4), true);
+    ExpectTiles(g, rows, chunk / 100);
+    for (size_t k = 2; k + 1 < g.size(); ++k) EXPECT_LE(g[k].second, 2 * g[k - 1].second);
+  }
+}
+
 TEST(PlanChunks, RandomShapesTileTheRows) {
   std::mt19937 rng(3);
   for (int i = 0; i < 500; ++i) {

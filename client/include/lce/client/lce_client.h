@@ -28,6 +28,12 @@ struct ClientOptions {
   // has all of it; a smaller first chunk starts the GPU earlier (measured on an H100 host: no gain
   // at 8192x4096, where the wire binds; bench/RESULTS.md).
   int64_t first_chunk_bytes = 0;
+  // After a smaller first chunk, each chunk twice the one before up to chunk_bytes (1, 2, 4, 8, 16,
+  // 16, ... MiB), so that each arrives while the one before computes: the GPU does not wait for a
+  // full chunk after a small first one (the pipeline's fill). Measured on an H100 over the data plane
+  // (bench/RESULTS.md): the server's wait for chunks fell 1.16 -> 0.52 ms a request, but the two more
+  // engine calls cost as much; off by default.
+  bool grow_chunks = false;
   // Hidden bytes of each stream's last chunk (0: what is left). Nothing overlaps the last chunk's
   // compute and answer; a smaller one shortens that tail.
   int64_t last_chunk_bytes = 0;
@@ -241,9 +247,11 @@ std::vector<std::pair<int64_t, int64_t>> PlanStreams(int64_t rows, int64_t row_b
 // Plans the chunks of a batch: [first_row, rows) pairs of at most max(1, chunk_bytes / row_bytes) rows;
 // with first_chunk_bytes > 0 the first chunk holds at most max(1, first_chunk_bytes / row_bytes), and
 // with last_chunk_bytes > 0 the last one at most max(1, last_chunk_bytes / row_bytes) rows (where the
-// batch has more rows than those two chunks).
+// batch has more rows than those two chunks); with `grow`, each chunk after the first at most twice
+// the one before.
 std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_bytes, int64_t chunk_bytes,
-                                                    int64_t first_chunk_bytes = 0, int64_t last_chunk_bytes = 0);
+                                                    int64_t first_chunk_bytes = 0, int64_t last_chunk_bytes = 0,
+                                                    bool grow = false);
 
 // Over the data plane, the plan's chunks [next, end) announced in one message once `uploaded` of
 // them are in server memory (uploaded > next): all of them, except that with `keep_last` the
