@@ -7,8 +7,10 @@ connection working, while a header without the magic closes it; a failure mid-re
 error and the next call starts afresh."""
 from __future__ import annotations
 
+import re
 import socket
 import struct
+import threading
 import time
 
 import grpc
@@ -90,6 +92,7 @@ CASES = {
     "small-chunks-4-streams": (517, 16, 4, 2),
     "split-over-4-sockets": (2300, 700, 1, 4),
     "3-streams-3-sockets": (2300, 700, 3, 3),
+    "2-streams-4-sockets": (2300, 700, 2, 4),
 }
 
 
@@ -547,3 +550,218 @@ def test_calls_from_several_threads_take_turns(dp_heads):
         for g, w in zip(got, want):
             np.testing.assert_array_equal(as_bits(g.d_hidden), as_bits(w.d_hidden))
             np.testing.assert_array_equal(g.per_token_loss, w.per_token_loss)
+
+
+# ------------------------------------------------------------------------------------ the uploaders
+UPLOADER = re.compile(r"lce-dp\d+-up\d+$")
+
+
+def uploader_threads():
+    return [t for t in threading.enumerate() if UPLOADER.match(t.name)]
+
+
+def lce_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("lce-")]
+
+
+class UploadLog:
+    """Wraps DataPlaneConnection.write: records each completed share (its thread, connection, offset,
+    length) in order beside the messages the request streams send (Recorder tamper), optionally slows
+    the writes of some connections or makes one fail."""
+
+    def __init__(self, monkeypatch, slow=(), delay=0.0, fail=None):
+        self.lock = threading.Lock()
+        self.events = []    # ("share", conn id, offset, length, thread) / ("msg", offset, length)
+        self.threads = []   # every thread that wrote (strong references: distinct objects are distinct threads)
+        self.slow, self.delay, self.fail = set(slow), delay, fail
+        orig = dpm.DataPlaneConnection.write
+        log = self
+
+        def write(conn, sid, region, offset, data):
+            t = threading.current_thread()
+            with log.lock:
+                if t not in log.threads:
+                    log.threads.append(t)
+            if id(conn) in log.slow:
+                time.sleep(log.delay)
+            if log.fail is not None:
+                log.fail(conn, offset)
+            orig(conn, sid, region, offset, data)
+            with log.lock:
+                log.events.append(("share", id(conn), offset, memoryview(data).nbytes, t))
+
+        monkeypatch.setattr(dpm.DataPlaneConnection, "write", write)
+
+    def message(self, i, m):
+        if m.WhichOneof("kind") == "chunk":
+            with self.lock:
+                self.events.append(("msg", m.chunk.hidden_region.offset, m.chunk.hidden_region.byte_size))
+        return m
+
+
+def recorded(client, streams, log):
+    """Puts `log` on the request streams of the client's calls (each part's channel when split)."""
+    from test_multistream import Recorder, intercept_parts
+
+    if streams > 1:
+        intercept_parts(client, streams, lambda i: Recorder(tamper=log.message))
+    else:
+        from lce_client._proto import lce_pb2_grpc as pb_grpc
+
+        client._stub = pb_grpc.LceServiceStub(grpc.intercept_channel(client._channel, Recorder(tamper=log.message)))
+
+
+def test_one_uploader_per_socket_no_barrier_per_chunk(dp_heads, monkeypatch):
+    """Each stream uploads with one thread per socket (no thread per chunk), each moving its share of
+    every chunk in turn: a slow socket does not hold the others back, and a chunk's message goes only
+    once all of its shares are in."""
+    head = dp_heads["fp32"]
+    rows, chunk_rows, streams, sockets = 2400, 400, 2, 4  # 3 chunks of 75 KiB per stream, 4 shares each
+    rb = ROW_BYTES["fp32"]
+    st, _ = head.hidden(rows, seed=131)
+    y = targets_for(rows, seed=132)
+    plain, dp = clients(head, chunk_rows, streams, sockets)
+    with plain, dp:
+        want = plain.forward_backward(st, y)
+        np.testing.assert_array_equal(dp.forward_backward(st, y).d_hidden, want.d_hidden)  # lanes made
+        lanes = dp._data_plane.lanes
+        assert len(lanes) == streams
+        slow = {id(lane.up[0]) for lane in lanes}  # the first socket of every stream lags
+        log = UploadLog(monkeypatch, slow=slow, delay=0.15)
+        recorded(dp, streams, log)
+        got = dp.forward_backward(st, y)
+        np.testing.assert_array_equal(as_bits(got.d_hidden), as_bits(want.d_hidden))
+        np.testing.assert_array_equal(got.per_token_loss, want.per_token_loss)
+        assert not uploader_threads()  # joined when the call ended
+
+        shares = [e for e in log.events if e[0] == "share"]
+        msgs = [(i, e) for i, e in enumerate(log.events) if e[0] == "msg"]
+        assert sum(e[3] for e in shares) == st.nbytes
+        # one thread per socket of each stream, each on its own socket, none per chunk
+        assert len(log.threads) == streams * sockets
+        assert all(UPLOADER.match(t.name) for t in log.threads)
+        by_thread = {}
+        for e in shares:
+            by_thread.setdefault(e[4], set()).add(e[1])
+        assert all(len(conns) == 1 for conns in by_thread.values())
+        assert len({c for conns in by_thread.values() for c in conns}) == streams * sockets
+        # socket i's share of each chunk is SocketShare's (whole pages)
+        for e in shares:
+            chunk = e[2] // (chunk_rows * rb)
+            lo, n = dpm.socket_share(chunk_rows * rb, sockets, [id(u) for u in lanes[chunk // 3].up].index(e[1]))
+            assert (e[2] - chunk * chunk_rows * rb, e[3]) == (lo, n)
+        # a chunk's message comes after every share of it
+        assert len(msgs) == rows // chunk_rows
+        for i, (_, off, size) in msgs:
+            done = sum(e[3] for e in log.events[:i] if e[0] == "share" and off <= e[2] < off + size)
+            assert done == size, (off, size, done)
+        # no barrier: on each stream the fast sockets finish their shares of every chunk before the
+        # slow one finishes its share of the first
+        for lane in lanes:
+            fast = {id(u) for u in lane.up[1:]}
+            last_fast = max(i for i, e in enumerate(log.events) if e[0] == "share" and e[1] in fast)
+            first_slow = min(i for i, e in enumerate(log.events) if e[0] == "share" and e[1] == id(lane.up[0]))
+            assert last_fast < first_slow, log.events
+
+
+@pytest.mark.parametrize("streams,sockets", [(1, 4), (2, 3)])
+def test_an_uploader_failing_mid_request_is_the_calls_error(dp_heads, monkeypatch, streams, sockets):
+    """One socket's write fails on the request's second chunk while the others upload: the call raises
+    that error (not CANCELLED), every uploader is stopped and joined, and the next call works."""
+    head = dp_heads["bf16"]
+    rows, chunk_rows = 3000, 700  # 67 KiB chunks: split over the sockets
+    st, _ = head.hidden(rows, seed=141)
+    y = targets_for(rows, seed=142)
+    plain, dp = clients(head, chunk_rows, streams, sockets)
+    with plain, dp:
+        want = plain.forward_backward(st, y)
+        np.testing.assert_array_equal(dp.forward_backward(st, y).d_hidden, want.d_hidden)
+        plane = dp._data_plane
+        victim = plane.lanes[-1].up[sockets - 1]
+        writes = [0]
+
+        def fail(conn, offset):
+            if conn is victim:
+                writes[0] += 1
+                if writes[0] == 2:
+                    raise lce_client.LceError(grpc.StatusCode.DATA_LOSS, "injected upload failure", "DataPlane")
+
+        UploadLog(monkeypatch, fail=fail)
+        for call in (lambda: dp.forward_backward(st, y), lambda: dp.score(st, y)):
+            writes[0] = 0
+            with pytest.raises(lce_client.LceError) as ei:
+                call()
+            assert ei.value.code == grpc.StatusCode.DATA_LOSS, ei.value
+            assert "injected upload failure" in ei.value.details
+            assert not uploader_threads()
+            assert plane.session is None  # dropped, to start afresh
+            victim = plane.lanes[-1].up[sockets - 1] if plane.lanes else None
+            # the next call works (new session and sockets; `victim` is the new lane's, if any yet)
+            np.testing.assert_array_equal(dp.forward_backward(st, y).d_hidden, want.d_hidden)
+            victim = plane.lanes[-1].up[sockets - 1]
+        # a socket that breaks mid-request: UNAVAILABLE naming the data plane
+        monkeypatch.undo()
+        victim = plane.lanes[0].up[1]
+        writes[0] = 0
+
+        def breaks(conn, offset):
+            if conn is victim:
+                writes[0] += 1
+                if writes[0] == 2:
+                    conn._sock.shutdown(socket.SHUT_RDWR)
+
+        UploadLog(monkeypatch, fail=breaks)
+        with pytest.raises(lce_client.LceError) as ei:
+            dp.backward(st, y, np.ones(rows, np.float32))
+        assert ei.value.code == grpc.StatusCode.UNAVAILABLE and "data plane" in ei.value.details, ei.value
+        assert not uploader_threads()
+        np.testing.assert_array_equal(dp.forward_backward(st, y).d_hidden, want.d_hidden)
+    assert not lce_threads()
+    assert wait_for(lambda: server_regions(head), 0) == 0
+
+
+def test_cancelled_and_closed_mid_upload_leave_no_threads(dp_heads, monkeypatch):
+    """A call that stops while its uploaders are busy (the progress callback raises; the client is closed
+    from another thread) joins them; close() leaves no thread of the client behind."""
+    head = dp_heads["fp16"]
+    rows, chunk_rows, streams, sockets = 2800, 700, 2, 2
+    st, _ = head.hidden(rows, seed=151)
+    y = targets_for(rows, seed=152)
+    plain, dp = clients(head, chunk_rows, streams, sockets)
+    with plain:
+        want = plain.forward_backward(st, y)
+        np.testing.assert_array_equal(dp.forward_backward(st, y).d_hidden, want.d_hidden)
+        slow = {id(lane.up[0]) for lane in dp._data_plane.lanes}
+        UploadLog(monkeypatch, slow=slow, delay=0.1)
+
+        class Stop(Exception):
+            pass
+
+        def progress(done, total):
+            raise Stop()
+
+        with pytest.raises(Stop):
+            dp.forward_backward(st, y, progress=progress)
+        assert not uploader_threads()
+        np.testing.assert_array_equal(dp.forward_backward(st, y).d_hidden, want.d_hidden)
+
+        # closed from another thread while a call uploads
+        errors, started = [], threading.Event()
+
+        def run():
+            try:
+                dp.forward_backward(st, y, progress=lambda d, t: started.set())
+            except BaseException as e:  # noqa: BLE001 - checked below
+                errors.append(e)
+            started.set()
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert started.wait(30)
+        dp.close()
+        t.join(30)
+        assert not t.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], (lce_client.LceError, ValueError)), errors
+        assert not uploader_threads()
+        assert not lce_threads(), lce_threads()
+    assert wait_for(lambda: server_regions(head), 0) == 0

@@ -180,7 +180,8 @@ class Client:
         Both apply to every stream of a request (see `streams`), each planned on its own rows
         (lce_client.plan_chunks), on the wire and over the data plane; requests whose hidden states
         are in a shared-memory or CUDA region (hidden_region) are chunked by chunk_bytes alone, as
-        the C++ client also ignores both for them. Results do not depend on them.
+        the C++ client also ignores both for them. Results do not depend on them beyond float
+        rounding (the CPU engine may round a row differently in a chunk of another shape).
       root_certificates / private_key / certificate_chain: PEM bytes for TLS (mTLS with the last two);
         `tls=True` uses TLS with the system's roots.
       token: bearer token, sent as "authorization: Bearer <token>" metadata on every call.
@@ -946,6 +947,11 @@ class Client:
                         cancel_all()
         except BaseException:  # e.g. KeyboardInterrupt, or the progress callback raised
             cancel_all()
+            # The parts stop at once (their calls are cancelled); wait for them, so that none is still
+            # using the data plane's sockets, or its uploaders, once the caller gets the error.
+            for t in threads:
+                if t.ident is not None:  # (started)
+                    t.join()
             raise
         for t in threads:
             t.join()
