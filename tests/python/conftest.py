@@ -93,6 +93,8 @@ class Server:
             time.sleep(0.02)
         self.port = int(self.port_file.read_text().strip())
         self.target = f"127.0.0.1:{self.port}"
+        # The metrics port, where the args name one.
+        self.metrics_port = next((int(a.split("=", 1)[1]) for a in args if a.startswith("--metrics-port=")), None)
 
     def stop(self):
         if self.proc.poll() is None:
@@ -139,22 +141,38 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("lce")
 
 
-@pytest.fixture(scope="session")
-def heads(workdir):
-    """One server per dtype, each serving a head from a safetensors file this test wrote."""
+def serve_heads(workdir, name: str, seed: int, extra_args=()):
+    """Generator for fixtures: one server per dtype, each serving a head (weights seeded `seed` + the
+    dtype's index) from a safetensors file this test wrote, with `extra_args` (or what calling it
+    returns, anew for each server); yields {dtype: Head} and stops the servers after."""
     out, servers = {}, []
     try:
         for i, dt in enumerate(DTYPES):
-            w = make_weight(dt, seed=100 + i)
-            path = workdir / f"head_{dt}.safetensors"
+            w = make_weight(dt, seed=seed + i)
+            path = workdir / f"{name}_{dt}.safetensors"
             write_safetensors(path, {"lm_head.weight": (w, _ST_DTYPE[dt])})
-            srv = Server([f"--head-file={path}", "--head-tensor=lm_head.weight"], workdir, f"head_{dt}")
+            args = [f"--head-file={path}", "--head-tensor=lm_head.weight",
+                    *(extra_args() if callable(extra_args) else extra_args)]
+            srv = Server(args, workdir, f"{name}_{dt}")
             servers.append(srv)
             out[dt] = Head(dt, srv, w)
         yield out
     finally:
         for s in servers:
             s.stop()
+
+
+def targets_for_rows(rows, seed=0, ignore_every=7):
+    """Targets uniform in [0, VOCAB) with every `ignore_every`-th row ignored (-100)."""
+    y = np.random.default_rng(seed).integers(0, VOCAB, rows).astype(np.int64)
+    y[::ignore_every] = -100
+    return y
+
+
+@pytest.fixture(scope="session")
+def heads(workdir):
+    """One server per dtype, each serving a head from a safetensors file this test wrote."""
+    yield from serve_heads(workdir, "head", 100)
 
 
 @pytest.fixture(params=DTYPES)

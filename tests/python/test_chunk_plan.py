@@ -25,7 +25,7 @@ import pytest
 import lce_client
 from lce_client import plan_chunks
 from lce_client._proto import lce_pb2_grpc as pb_grpc
-from conftest import DTYPES, GRAD_RTOL, HIDDEN, VOCAB, _ST_DTYPE, Head, Server, assert_close, make_weight, write_safetensors
+from conftest import (assert_close, DTYPES, GRAD_RTOL, HIDDEN, serve_heads, targets_for_rows)
 from test_multistream import Recorder, intercept_parts
 
 ROW_BYTES = {"fp32": HIDDEN * 4, "bf16": HIDDEN * 2, "fp16": HIDDEN * 2}
@@ -153,26 +153,9 @@ def test_options_default_to_off():
 @pytest.fixture(scope="module")
 def plan_heads(workdir):
     """A server per dtype with the data plane on, its request log (engine_calls) in server.log_path."""
-    out, servers = {}, []
-    try:
-        for i, dt in enumerate(DTYPES):
-            w = make_weight(dt, seed=300 + i)
-            path = workdir / f"plan_head_{dt}.safetensors"
-            write_safetensors(path, {"lm_head.weight": (w, _ST_DTYPE[dt])})
-            srv = Server([f"--head-file={path}", "--head-tensor=lm_head.weight", "--data-port=0",
-                          "--log-requests=true"], workdir, f"plan_head_{dt}")
-            servers.append(srv)
-            out[dt] = Head(dt, srv, w)
-        yield out
-    finally:
-        for s in servers:
-            s.stop()
+    yield from serve_heads(workdir, "plan_head", 300, ["--data-port=0", "--log-requests=true"])
 
 
-def targets_for(rows, seed=0, ignore_every=7):
-    y = np.random.default_rng(seed).integers(0, VOCAB, rows).astype(np.int64)
-    y[::ignore_every] = -100
-    return y
 
 
 def as_bits(x) -> np.ndarray:
@@ -245,7 +228,7 @@ def test_the_server_gets_the_planned_chunks_and_answers_as_for_them(plan_heads, 
     head = plan_heads[dtype]
     rb = ROW_BYTES[dtype]
     st, _ = head.hidden(rows, seed=31)
-    y = targets_for(rows, seed=32)
+    y = targets_for_rows(rows, seed=32)
     rng = np.random.default_rng(33)
     gl = rng.standard_normal(rows).astype(np.float32)
     glp = rng.standard_normal(rows).astype(np.float32)
@@ -362,7 +345,7 @@ def test_default_options_send_the_uniform_chunks(plan_heads):
     rb = ROW_BYTES["bf16"]
     rows = 517
     st, _ = head.hidden(rows, seed=41)
-    y = targets_for(rows, seed=42)
+    y = targets_for_rows(rows, seed=42)
     for kw in ({}, dict(data_plane=True)):
         with head.client(chunk_bytes=16 * rb, **kw) as c:
             done = []

@@ -19,8 +19,8 @@ import pytest
 
 import lce_client
 from lce_client import _data_plane as dpm
-from conftest import (DTYPES, GRAD_RTOL, HIDDEN, VOCAB, _ST_DTYPE, Head, Server, as_f64, assert_close, grad_of,
-                      make_weight, reference, requires_torch, write_safetensors)
+from conftest import (as_f64, assert_close, DTYPES, grad_of, GRAD_RTOL, HIDDEN, reference, requires_torch,
+                      serve_heads, targets_for_rows, VOCAB)
 from test_operability import free_port, sample, scrape
 
 ROW_BYTES = {"fp32": HIDDEN * 4, "bf16": HIDDEN * 2, "fp16": HIDDEN * 2}
@@ -30,22 +30,8 @@ ROW_BYTES = {"fp32": HIDDEN * 4, "bf16": HIDDEN * 2, "fp16": HIDDEN * 2}
 def dp_heads(workdir):
     """One server per dtype with the data plane on (--data-port=0) and metrics, serving the same weight
     as the `heads` fixture's."""
-    out, servers = {}, []
-    try:
-        for i, dt in enumerate(DTYPES):
-            w = make_weight(dt, seed=100 + i)
-            path = workdir / f"dp_head_{dt}.safetensors"
-            write_safetensors(path, {"lm_head.weight": (w, _ST_DTYPE[dt])})
-            mport = free_port()
-            srv = Server([f"--head-file={path}", "--head-tensor=lm_head.weight", "--data-port=0",
-                          f"--metrics-port={mport}", "--metrics-host=127.0.0.1"], workdir, f"dp_head_{dt}")
-            srv.metrics_port = mport
-            servers.append(srv)
-            out[dt] = Head(dt, srv, w)
-        yield out
-    finally:
-        for s in servers:
-            s.stop()
+    yield from serve_heads(workdir, "dp_head", 100, lambda: ["--data-port=0", f"--metrics-port={free_port()}",
+                                                               "--metrics-host=127.0.0.1"])
 
 
 @pytest.fixture(params=DTYPES)
@@ -53,10 +39,6 @@ def dp_head(request, dp_heads):
     return dp_heads[request.param]
 
 
-def targets_for(rows, seed=0, ignore_every=7):
-    y = np.random.default_rng(seed).integers(0, VOCAB, rows).astype(np.int64)
-    y[::ignore_every] = -100
-    return y
 
 
 def clients(head, chunk_rows, streams=1, sockets=2, min_rows=None):
@@ -112,7 +94,7 @@ def test_answers_equal_the_bytes_path(dp_head, case, monkeypatch):
         monkeypatch.setattr(dpm.DataPlaneConnection, op, wrapped)
     head = dp_head
     st, _ = head.hidden(rows, seed=21, shape=(rows,))
-    y = targets_for(rows, seed=22)
+    y = targets_for_rows(rows, seed=22)
     rng = np.random.default_rng(23)
     gl = rng.standard_normal(rows).astype(np.float32)
     glp = rng.standard_normal(rows).astype(np.float32)
@@ -175,7 +157,7 @@ def test_matches_the_float64_reference(dp_head):
     head = dp_head
     rows = 300
     st, h64 = head.hidden(rows, seed=31, shape=(3, 100))
-    y = targets_for(rows, seed=32).reshape(3, 100)
+    y = targets_for_rows(rows, seed=32).reshape(3, 100)
     with head.client(data_plane=True, chunk_bytes=64 * ROW_BYTES[head.dtype]) as c:
         lp, ent = c.score(st, y, temperature=0.7)
         r = c.forward_backward(st, y, reduction="sum", temperature=0.7)
@@ -193,7 +175,7 @@ def test_regions_grow_are_reused_and_go_with_the_session(dp_heads):
     head = dp_heads["bf16"]
     small_st, _ = head.hidden(200, seed=41)
     big_st, _ = head.hidden(30000, seed=42)  # 2.9 MB: more than the first regions' whole MiB
-    y_small, y_big = targets_for(200, seed=43), targets_for(30000, seed=44)
+    y_small, y_big = targets_for_rows(200, seed=43), targets_for_rows(30000, seed=44)
     assert wait_for(lambda: server_regions(head), 0) == 0
     plain, dp = clients(head, 4096)
     try:
@@ -237,7 +219,7 @@ def test_weight_gradient_accumulation_and_regions_bypass_the_data_plane(dp_heads
     head = dp_heads["fp32"]
     rows = 120
     st, _ = head.hidden(rows, seed=51)
-    y = targets_for(rows, seed=52)
+    y = targets_for_rows(rows, seed=52)
     plain, dp = clients(head, 32)
     with plain, dp:
         dp.zero_grad()
@@ -265,7 +247,7 @@ def test_server_without_a_data_plane_is_a_clear_error(server_factory):
     srv = server_factory([f"--seed-head={VOCAB}x{HIDDEN}", "--head-dtype=fp32", "--data-port=-1"], name="no_dp")
     rows = 10
     st = np.random.default_rng(61).standard_normal((rows, HIDDEN)).astype(np.float32)
-    y = targets_for(rows, seed=62)
+    y = targets_for_rows(rows, seed=62)
     with lce_client.Client(srv.target, timeout=30, data_plane=True) as c:
         assert c.data_plane
         assert c.info().data_port == 0
@@ -438,14 +420,14 @@ def test_transfers_are_checked_and_a_refusal_leaves_the_connection_working(dp_he
             other.close()
         # the server still serves
         st, _ = head.hidden(8, seed=71)
-        assert c.score(st, targets_for(8, seed=72))[0].shape == (8,)
+        assert c.score(st, targets_for_rows(8, seed=72))[0].shape == (8,)
 
 
 def test_a_failure_mid_request_is_the_calls_error_and_the_next_call_starts_afresh(dp_heads):
     head = dp_heads["bf16"]
     rows = 400
     st, _ = head.hidden(rows, seed=81)
-    y = targets_for(rows, seed=82)
+    y = targets_for_rows(rows, seed=82)
     plain, dp = clients(head, 64, sockets=1)
     with plain, dp:
         want = plain.forward_backward(st, y)
@@ -484,7 +466,7 @@ def test_progress_and_empty_batches_over_the_data_plane(dp_heads):
     head = dp_heads["fp16"]
     rows = 130
     st, _ = head.hidden(rows, seed=91)
-    y = targets_for(rows, seed=92)
+    y = targets_for_rows(rows, seed=92)
     seen = []
     with head.client(data_plane=True, chunk_bytes=32 * ROW_BYTES["fp16"]) as c:
         r = c.forward_backward(st, y, progress=lambda done, total: seen.append((done, total)))
@@ -503,7 +485,7 @@ def test_messages_carry_no_hidden_bytes(dp_heads):
     head = dp_heads["fp32"]
     rows, chunk_rows = 100, 30
     st, _ = head.hidden(rows, seed=101)
-    y = targets_for(rows, seed=102)
+    y = targets_for_rows(rows, seed=102)
     rec = Recorder()
     with head.client(data_plane=True, chunk_bytes=chunk_rows * ROW_BYTES["fp32"]) as c:
         c._stub = pb_grpc.LceServiceStub(grpc.intercept_channel(c._channel, rec))
@@ -528,7 +510,7 @@ def test_calls_from_several_threads_take_turns(dp_heads):
     import threading
 
     head = dp_heads["bf16"]
-    batches = [(head.hidden(150 + 40 * i, seed=110 + i)[0], targets_for(150 + 40 * i, seed=120 + i)) for i in range(4)]
+    batches = [(head.hidden(150 + 40 * i, seed=110 + i)[0], targets_for_rows(150 + 40 * i, seed=120 + i)) for i in range(4)]
     plain, dp = clients(head, 32, streams=2, min_rows=64)
     with plain, dp:
         want = [plain.forward_backward(st, y) for st, y in batches]
@@ -619,7 +601,7 @@ def test_one_uploader_per_socket_no_barrier_per_chunk(dp_heads, monkeypatch):
     rows, chunk_rows, streams, sockets = 2400, 400, 2, 4  # 3 chunks of 75 KiB per stream, 4 shares each
     rb = ROW_BYTES["fp32"]
     st, _ = head.hidden(rows, seed=131)
-    y = targets_for(rows, seed=132)
+    y = targets_for_rows(rows, seed=132)
     plain, dp = clients(head, chunk_rows, streams, sockets)
     with plain, dp:
         want = plain.forward_backward(st, y)
@@ -671,7 +653,7 @@ def test_an_uploader_failing_mid_request_is_the_calls_error(dp_heads, monkeypatc
     head = dp_heads["bf16"]
     rows, chunk_rows = 3000, 700  # 67 KiB chunks: split over the sockets
     st, _ = head.hidden(rows, seed=141)
-    y = targets_for(rows, seed=142)
+    y = targets_for_rows(rows, seed=142)
     plain, dp = clients(head, chunk_rows, streams, sockets)
     with plain, dp:
         want = plain.forward_backward(st, y)
@@ -726,7 +708,7 @@ def test_cancelled_and_closed_mid_upload_leave_no_threads(dp_heads, monkeypatch)
     head = dp_heads["fp16"]
     rows, chunk_rows, streams, sockets = 2800, 700, 2, 2
     st, _ = head.hidden(rows, seed=151)
-    y = targets_for(rows, seed=152)
+    y = targets_for_rows(rows, seed=152)
     plain, dp = clients(head, chunk_rows, streams, sockets)
     with plain:
         want = plain.forward_backward(st, y)
