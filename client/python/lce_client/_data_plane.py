@@ -443,6 +443,11 @@ class DataPlane:
     def reset(self) -> None:
         """Drops the session (the server frees its regions) and the sockets, waking transfers blocked
         on them. Call with `lock` held."""
+        self._drop(clean=False)
+
+    def _drop(self, clean: bool) -> None:
+        """Forgets the session and sockets: the sockets closed, the session ended cleanly (half-close)
+        or cancelled."""
         session, self.session = self.session, None
         lanes, self.lanes = self.lanes, []
         self.hidden_bytes = self.d_hidden_bytes = 0
@@ -451,7 +456,7 @@ class DataPlane:
             if lane is not None:
                 lane.close()
         if session is not None:
-            session.cancel()
+            session.close() if clean else session.cancel()
 
     def close(self) -> None:
         """Ends the session cleanly (half-close; the server frees the regions) and closes the sockets.
@@ -461,12 +466,4 @@ class DataPlane:
 
     def close_locked(self) -> None:
         """close() with `lock` held by the caller."""
-        session, self.session = self.session, None
-        lanes, self.lanes = self.lanes, []
-        self.hidden_bytes = self.d_hidden_bytes = 0
-        self.port = 0
-        for lane in lanes:
-            if lane is not None:
-                lane.close()
-        if session is not None:
-            session.close()
+        self._drop(clean=True)
