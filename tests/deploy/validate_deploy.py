@@ -113,15 +113,15 @@ def check_compose(root, c):
           "compose: lce-server builds deploy/Dockerfile")
     cmd = s.get("command", "")
     cmd = " ".join(cmd) if isinstance(cmd, list) else str(cmd)
-    for flag in ("lce_server", "--port=50051", "--metrics-port=9400", "--backend=auto",
+    for flag in ("lce_server", "--port=50051", "--metrics-port=9400", "--data-port=50052", "--backend=auto",
                  "--seed-head=128256x4096"):
         check(flag in cmd.split(), f"compose: lce-server command has {flag}")
     devices = (s.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", []))
     check(any(d.get("driver") == "nvidia" and d.get("count") == 1 and "gpu" in d.get("capabilities", [])
               for d in devices), "compose: lce-server reserves one nvidia GPU")
     ports = [str(p) for p in s.get("ports", [])]
-    check(any(p.endswith(":50051") for p in ports) and any(p.endswith(":9400") for p in ports),
-          "compose: lce-server publishes 50051 and 9400")
+    check(all(any(p.endswith(f":{n}") for p in ports) for n in (50051, 50052, 9400)),
+          "compose: lce-server publishes 50051, 50052 (data plane) and 9400")
     # Bind mounts of prometheus and grafana point at files in this repository.
     for svc in ("prometheus", "grafana"):
         for v in services.get(svc, {}).get("volumes", []):
@@ -199,16 +199,21 @@ def check_k8s(root, k8s):
                 check(len(argv) > 1 and argv[1] == str(gpus),
                       f"k8s: {cname} TP size (launcher argument {argv[1] if len(argv) > 1 else '?'}) equals its GPUs ({gpus})")
             ports = {p.get("name"): p.get("containerPort") for p in c.get("ports", [])}
-            check(ports.get("grpc") == 50051 and ports.get("metrics") == 9400,
-                  f"k8s: {cname} names ports grpc=50051 and metrics=9400")
-            check("--metrics-port=9400" in argv and "--port=50051" in argv,
-                  f"k8s: {cname} starts the server on 50051 with metrics on 9400")
+            check(ports.get("grpc") == 50051 and ports.get("metrics") == 9400 and ports.get("data") == 50052,
+                  f"k8s: {cname} names ports grpc=50051, metrics=9400 and data=50052")
+            check("--metrics-port=9400" in argv and "--port=50051" in argv and "--data-port=50052" in argv,
+                  f"k8s: {cname} starts the server on 50051 with metrics on 9400 and the data plane on 50052")
             sc = {**tmpl.get("spec", {}).get("securityContext", {}), **c.get("securityContext", {})}
             check(sc.get("runAsNonRoot") is True, f"k8s: {cname} runs as non-root")
         pod_labels = tmpl.get("metadata", {}).get("labels", {})
         check(any(labels_match(s["spec"].get("selector"), pod_labels) and s["spec"].get("clusterIP") != "None"
                   and any(p.get("port") == 50051 for p in s["spec"].get("ports", [])) for s in services),
               f"k8s: a Service with port 50051 selects {name}'s pods")
+        # Data-plane clients need their gRPC calls and sockets on one pod: the headless Service.
+        check(any(labels_match(s["spec"].get("selector"), pod_labels) and s["spec"].get("clusterIP") == "None"
+                  and any(p.get("port") == 50052 and p.get("targetPort") == "data" for p in s["spec"].get("ports", []))
+                  for s in services),
+              f"k8s: the headless Service of {name}'s pods has the data port 50052")
     for sm in by_kind.get("ServiceMonitor", []):
         sel = sm["spec"].get("selector", {}).get("matchLabels", {})
         targets = [s for s in services if labels_match(sel, s["metadata"].get("labels", {}))]
