@@ -65,7 +65,7 @@ class TpGroup {
                                        "--head-dtype=fp32", "--cpu-threads=1", "--tp-size=" + std::to_string(k),
                                        "--tp-rank=" + std::to_string(r), "--tp-rendezvous=" + (dir_ / "rdv").string(),
                                        "--tp-timeout-seconds=" + std::to_string(timeout_seconds), "--host=127.0.0.1",
-                                       "--log-requests=false"};
+                                       "--log-requests=false", "--data-port=0"};
       if (!head_file.empty()) args.push_back("--head-file=" + head_file);
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
@@ -186,6 +186,18 @@ TEST(TensorParallel, GroupsOfTwoAndThreeMatchOneEngine) {
       ASSERT_TRUE(fb.ok()) << tag << " " << fb.status();
       EXPECT_LE(RelErr(fb->loss.data(), loss.data(), loss.size()), 1e-5) << tag;
       EXPECT_LE(RelErr(reinterpret_cast<const float*>(fb->d_hidden.data()), dh.data(), dh.size()), 1e-5) << tag;
+      if (opt == 0) {  // the same over the data plane (the front's server memory, two sockets a direction)
+        auto dp = ConnectClient(group.target(), 4 * kHidden * 37, [](client::ClientOptions& o) {
+          o.timeout = absl::Seconds(60);
+          o.data_plane = true;
+          o.data_plane_sockets = 2;
+        });
+        auto fb_dp = dp->ForwardBackward(view, h, g);
+        ASSERT_TRUE(fb_dp.ok()) << tag << " data plane: " << fb_dp.status();
+        EXPECT_LE(RelErr(fb_dp->loss.data(), loss.data(), loss.size()), 1e-5) << tag << " data plane";
+        EXPECT_LE(RelErr(reinterpret_cast<const float*>(fb_dp->d_hidden.data()), dh.data(), dh.size()), 1e-5)
+            << tag << " data plane";
+      }
     }
   }
 }
