@@ -490,12 +490,11 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   // Write on a thread of its own: the server answers chunk k while later chunks are in flight,
   // so reading and writing must proceed together or flow control stalls both sides.
   //
-  // Over the data plane a third thread uploads the plan's chunks into server memory back to back
-  // and the writer announces them. Each engine call costs a fixed ~0.3 ms on an H100 besides its
-  // rows (bench/RESULTS.md), so once compute is the bottleneck the writer holds back while the
-  // server has a message queued behind the one it computes, and then names every chunk uploaded
-  // meanwhile in one message: fewer, larger calls, and the server never waits for a message while
-  // bytes are there. The plan's small last chunk keeps its own message (a short tail).
+  // Over the data plane, uploaders (below) move the plan's chunks into server memory back to back
+  // and the writer announces each chunk once its bytes are in. With data_plane_merge_chunks the
+  // writer holds back while the server has a message queued behind the one it computes, and then
+  // names every chunk uploaded meanwhile in one message (fewer engine calls, each ≈ 0.3 ms on an
+  // H100 besides its rows); the plan's small last chunk keeps its own message (a short tail).
   const bool merge = lane != nullptr && options_.data_plane_merge_chunks;
   const bool keep_last = options_.last_chunk_bytes > 0;
   constexpr int kMaxUnanswered = 2;  // one computing, one queued
