@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""Summarises lce_server's JSON request log (--log-requests) from line FIRST on: per method, the
-requests (after the first, a warm-up), their mean duration and the mean engine time, queue time,
-engine calls and waits (for the client's chunks, for room to answer, for the last answers to drain).
+"""Summarises lce_server's JSON request log (--log-requests) from line FIRST on: per method and
+number of engine calls (a proxy for the path and chunk plan: a one-call co-located request, a
+6-call data-plane one...), the requests (after the first of each method, a warm-up) and the median
+of their duration, engine time, queue time, waits (for the client's chunks, of which for the first,
+for the device staging copies, for room to answer, for the last answers to drain) and what is
+left: the handler's own work.
 Usage: transport_log_summary.py LOG [FIRST_LINE]"""
 import collections
 import json
+import statistics
 import sys
 
 lines = open(sys.argv[1], errors="replace").read().splitlines()[int(sys.argv[2]) if len(sys.argv) > 2 else 0:]
@@ -20,11 +24,12 @@ for line in lines:
         if j["method"] not in seen:
             seen.add(j["method"])
             continue
-        by[j["method"]].append(j)
-for m, rs in sorted(by.items()):
-    n = len(rs)
-    mean = lambda k: sum(r.get(k, 0) for r in rs) / n
-    print(f"  server log {m}: {n} streams, mean {mean('duration_ms'):.2f} ms each, engine {mean('engine_ms'):.2f} ms "
-          f"in {mean('engine_calls'):.1f} calls, queue {mean('queue_ms'):.2f} ms, read wait {mean('read_wait_ms'):.2f} ms "
-          f"(first chunk {mean('first_chunk_wait_ms'):.2f}), staging {mean('staging_ms'):.2f} ms, "
-          f"write wait {mean('write_wait_ms'):.2f} ms, drain {mean('drain_ms'):.2f} ms")
+        by[(j["method"], j.get("engine_calls", 0))].append(j)
+parts = ("engine_ms", "queue_ms", "read_wait_ms", "staging_ms", "write_wait_ms", "drain_ms")
+for (m, calls), rs in sorted(by.items()):
+    med = lambda k: statistics.median(r.get(k, 0) for r in rs)
+    other = statistics.median(r.get("duration_ms", 0) - sum(r.get(k, 0) for k in parts) for r in rs)
+    print(f"  server log {m}, {calls} engine calls: {len(rs)} streams, median {med('duration_ms'):.2f} ms = engine "
+          f"{med('engine_ms'):.2f} + queue {med('queue_ms'):.2f} + read wait {med('read_wait_ms'):.2f} "
+          f"(first chunk {med('first_chunk_wait_ms'):.2f}) + staging {med('staging_ms'):.2f} + write wait "
+          f"{med('write_wait_ms'):.2f} + drain {med('drain_ms'):.2f} + other {other:.2f}")

@@ -269,7 +269,16 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   }
   StreamRequestValidator validator(rpc, *heads_, config_.limits);
   v1::StreamRequest msg;
-  if (!stream->Read(&msg)) {
+  RequestWork* work = RequestWork::Current();
+  // Time spent in `f`, added to `*acc` (request log), when the request is being accounted.
+  auto timed = [work](double RequestWork::*acc, auto&& f) {
+    if (work == nullptr) return f();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = f();
+    work->*acc += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  };
+  if (!timed(&RequestWork::read_wait_seconds, [&] { return stream->Read(&msg); })) {
     if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty request: expected a header message first");
   }
@@ -308,15 +317,6 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   std::vector<float> loss_buf, grad_buf, lp_buf, ent_buf, u_buf, e_buf, w_buf;
   std::unique_ptr<bool[]> valid_buf;
   v1::StreamResponse resp;
-  RequestWork* work = RequestWork::Current();
-  // Time spent in `f`, added to `*acc` (request log), when the request is being accounted.
-  auto timed = [work](double RequestWork::*acc, auto&& f) {
-    if (work == nullptr) return f();
-    const auto t0 = std::chrono::steady_clock::now();
-    auto r = f();
-    work->*acc += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return r;
-  };
   while (timed(&RequestWork::read_wait_seconds, [&] { return stream->Read(&msg); })) {
     if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
     if (msg.has_header()) {

@@ -19,10 +19,10 @@ struct RequestWork {
   int64_t engine_calls = 0;
   double engine_seconds = 0;  // inside LceEngine::Compute
   double queue_seconds = 0;   // waiting for the engine (other requests' calls)
-  // Streams: waiting for the client's next message, for room in the answer queue, and for the last
-  // answers to be written at the end.
+  // Streams: waiting for the client's messages (the header too), for room in the answer queue, and
+  // for the last answers to be written at the end.
   double read_wait_seconds = 0, write_wait_seconds = 0, drain_seconds = 0;
-  // Of read_wait_seconds, the wait for the first chunk (the pipeline's fill, before any compute).
+  // Of read_wait_seconds, the wait for the header and the first chunk (the pipeline's fill).
   double first_chunk_wait_seconds = 0;
   // GPU engines: waiting for a chunk's copies to and from the device staging, outside the engine.
   double staging_seconds = 0;
