@@ -95,13 +95,15 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
   const int64_t row_bytes = engine.shape().hidden_size * DTypeSize(engine.shape().dtype);
   // Slots: 0 targets; 1-3 grad_loss, grad_logprob, grad_entropy; 4-7 logprob, entropy, lse, loss;
   // 8 d_hidden; 9 hidden.
-  // Copies to and from the staging buffers are queued, then waited for once a side (request log:
-  // staging time).
+  // Copies to and from the staging buffers are queued, then waited for once a side; the time of
+  // each side, all in, is the request log's staging time.
   RequestWork* work = RequestWork::Current();
+  auto side_start = std::chrono::steady_clock::now();
   auto sync = [&]() -> absl::Status {
-    const auto t0 = std::chrono::steady_clock::now();
     absl::Status s = st.Sync();
-    if (work != nullptr) work->staging_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (work != nullptr) {
+      work->staging_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - side_start).count();
+    }
     return s;
   };
   auto up_array = [&](int slot, const void* host, int64_t bytes) -> absl::StatusOr<void*> {
@@ -120,7 +122,6 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
   for (const auto* r : {&hidden, &targets, &gl, &glp, &gen}) {
     if (!r->ok()) return r->status();
   }
-  if (absl::Status s = sync(); !s.ok()) return s;
   float* host_out[4] = {out.logprob, out.entropy, out.lse, out.loss};
   float* dev_out[4] = {nullptr, nullptr, nullptr, nullptr};
   for (int k = 0; k < 4; ++k) {
@@ -144,9 +145,11 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
   const Upstream dev_up{up.mode, static_cast<const float*>(*gl), static_cast<const float*>(*glp),
                         static_cast<const float*>(*gen)};
   const RowOutputs dev_outs{dev_out[0], dev_out[1], dev_out[2], dev_out[3]};
+  if (absl::Status s = sync(); !s.ok()) return s;
   if (absl::Status s = RunEngine(method, op, engine, dev_rows, options, dev_up, dev_outs, dev_grads); !s.ok()) {
     return s;
   }
+  side_start = std::chrono::steady_clock::now();
   for (int k = 0; k < 4; ++k) {
     if (host_out[k] == nullptr) continue;
     if (absl::Status s = st.DownloadAsync(host_out[k], dev_out[k], n * 4); !s.ok()) return s;

@@ -24,7 +24,8 @@ struct RequestWork {
   double read_wait_seconds = 0, write_wait_seconds = 0, drain_seconds = 0;
   // Of read_wait_seconds, the wait for the header and the first chunk (the pipeline's fill).
   double first_chunk_wait_seconds = 0;
-  // GPU engines: waiting for a chunk's copies to and from the device staging, outside the engine.
+  // GPU engines: a chunk's copies to and from the device staging (buffers, copies, waits), outside
+  // the engine.
   double staging_seconds = 0;
   // The request the calling thread is serving now (null outside one).
   static RequestWork* Current();
