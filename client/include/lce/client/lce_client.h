@@ -64,8 +64,8 @@ struct ClientOptions {
   bool data_plane = false;
   // Sockets per direction per stream on the data plane: each chunk's bytes are split over them and
   // move at once (one loopback socket carries 2.6–4.5 GB/s on an H100 host, four 9–12 GB/s).
-  // Measured best there for 8192×4096 bf16 (bench/RESULTS.md): one stream, 4 sockets, chunks of
-  // 16 MiB with a first and last chunk of 1 MiB.
+  // Measured best there for 8192×4096 bf16 (bench/RESULTS.md): one stream, 4 sockets, a first and
+  // last chunk of 1 MiB, chunks of 8 MiB for train (16 MiB for score: fewer engine calls).
   int data_plane_sockets = 4;
   // Over the data plane, while the server has a message queued behind the one it computes, name
   // every chunk uploaded meanwhile in one message: fewer, larger engine calls once compute is the
