@@ -54,7 +54,8 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
     const std::string host = options.address.substr(0, options.address.rfind(':'));
     absl::StatusOr<std::unique_ptr<RegionDataPlane>> dp =
         RegionDataPlane::Start(self->service_->mutable_regions(), host, options.data_port,
-                                options.server_memory_per_session, options.service.metrics);
+                                options.server_memory_per_session, options.data_plane_max_connections,
+                                options.service.metrics);
     if (!dp.ok()) return dp.status();
     self->data_plane_ = *std::move(dp);
     self->service_->mutable_regions().EnableServerMemory(options.server_memory_per_session);

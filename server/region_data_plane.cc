@@ -69,9 +69,10 @@ bool Reply(int fd, const absl::Status& s) {
 
 absl::StatusOr<std::unique_ptr<RegionDataPlane>> RegionDataPlane::Start(RegionRegistry& regions,
                                                                         const std::string& host, int port,
-                                                                        int64_t max_write_bytes,
+                                                                        int64_t max_write_bytes, int max_connections,
                                                                         ServiceMetrics* metrics) {
-  std::unique_ptr<RegionDataPlane> dp(new RegionDataPlane(regions, max_write_bytes, metrics));
+  if (max_connections < 1) return absl::InvalidArgumentError("data plane: max_connections must be >= 1");
+  std::unique_ptr<RegionDataPlane> dp(new RegionDataPlane(regions, max_write_bytes, max_connections, metrics));
   dp->listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (dp->listen_fd_ < 0) return absl::InternalError(absl::StrCat("data plane: socket: ", std::strerror(errno)));
   const int one = 1;
@@ -135,6 +136,15 @@ void RegionDataPlane::AcceptLoop() {
         }
       }
       finished_.clear();
+      if (static_cast<int>(conns_.size()) >= max_connections_) {
+        // Refused at once, with the reason where the client reads its first reply.
+        if (metrics_ != nullptr) metrics_->rejections.WithLabels({"data_plane_connections"}).Increment();
+        Reply(fd, absl::ResourceExhaustedError(absl::StrCat("data plane: the server is at its limit of ",
+                                                             max_connections_, " connections; retry later")));
+        ::shutdown(fd, SHUT_RDWR);
+        ::close(fd);
+        continue;
+      }
       conns_.push_back(fd);
       const uint64_t id = next_id_++;
       threads_.emplace(id, std::thread([this, id, fd] { Serve(id, fd); }));

@@ -11,7 +11,8 @@
 // Every transfer is checked as a request's slice is (owner, bounds; server memory only). A refused
 // write's payload is read and dropped before the reply, and the connection goes on; one longer than
 // any region may be (the per-session limit) is answered at once and the connection closed, as is a
-// header without the magic.
+// header without the magic. Connections beyond `max_connections` (each holds a thread, and on a GPU
+// server two pinned buffers) get a RESOURCE_EXHAUSTED reply at once and are closed.
 // The session id is the capability: it goes only to an authenticated OpenSession. No TLS: for
 // trusted networks, as NCCL's sockets are.
 #pragma once
@@ -38,22 +39,24 @@ inline constexpr size_t kDataPlaneHeaderBytes = 64;
 class RegionDataPlane {
  public:
   // Listens on host:port (port 0: any free port). `max_write_bytes`: the largest region a session
-  // may hold (a longer refused write is not drained). `metrics` (may be null): the bytes moved
-  // count in lce_bytes_{received,sent}_total, as those of gRPC messages do.
+  // may hold (a longer refused write is not drained). `max_connections`: open connections served at
+  // once. `metrics` (may be null): the bytes moved count in lce_bytes_{received,sent}_total, as those
+  // of gRPC messages do; refused connections in lce_admission_rejections{reason="data_plane_connections"}.
   static absl::StatusOr<std::unique_ptr<RegionDataPlane>> Start(RegionRegistry& regions, const std::string& host,
-                                                                int port, int64_t max_write_bytes,
+                                                                int port, int64_t max_write_bytes, int max_connections,
                                                                 ServiceMetrics* metrics);
   ~RegionDataPlane();  // stops accepting, ends every connection, joins the threads
   int port() const { return port_; }
 
  private:
-  RegionDataPlane(RegionRegistry& regions, int64_t max_write_bytes, ServiceMetrics* metrics)
-      : regions_(regions), max_write_bytes_(max_write_bytes), metrics_(metrics) {}
+  RegionDataPlane(RegionRegistry& regions, int64_t max_write_bytes, int max_connections, ServiceMetrics* metrics)
+      : regions_(regions), max_write_bytes_(max_write_bytes), max_connections_(max_connections), metrics_(metrics) {}
   void AcceptLoop();
   void Serve(uint64_t id, int fd);
 
   RegionRegistry& regions_;
   const int64_t max_write_bytes_;
+  const int max_connections_;
   ServiceMetrics* const metrics_;
   int listen_fd_ = -1;
   int port_ = 0;

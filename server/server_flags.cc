@@ -32,6 +32,9 @@ const char* ServerUsage() {
   --data-port=N               data plane for remote clients' bulk bytes (plain TCP, no TLS: trusted
                               networks only) on the --host address (default -1: off; 0: any port)
   --data-plane-bytes-per-session=N  server memory one session may allocate (default 4294967296)
+  --data-plane-max-connections=N    data-plane connections served at once (default 512; a client opens
+                              2 x data_plane_sockets a stream); more are answered RESOURCE_EXHAUSTED
+                              and closed (a client already sending sees the connection reset)
   --grpc-poll-strategy=NAME   gRPC's I/O poller (GRPC_POLL_STRATEGY): epoll1 (gRPC's default) or
                               poll (each completion queue polls its own connections); default: gRPC's
   --grpc-channel-args=K=V,... extra integer gRPC channel arguments, for transport tuning, e.g.
@@ -90,6 +93,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"grpc-cqs", i32(&f.grpc_cqs)},
       {"data-port", i32(&f.data_port)},
       {"data-plane-bytes-per-session", i64(&f.data_plane_bytes_per_session)},
+      {"data-plane-max-connections", i32(&f.data_plane_max_connections)},
       {"grpc-poll-strategy", str(&f.grpc_poll_strategy)},
       {"grpc-channel-args", [&f](const std::string& v) {
          for (absl::string_view kv : absl::StrSplit(v, ',', absl::SkipEmpty())) {
@@ -159,6 +163,9 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError(absl::StrCat("--data-port must be -1 (off), 0 (any) or a port, got ", f.data_port));
   }
   if (f.data_plane_bytes_per_session <= 0) return absl::InvalidArgumentError("--data-plane-bytes-per-session must be > 0");
+  if (f.data_plane_max_connections < 1 || f.data_plane_max_connections > 65536) {
+    return absl::InvalidArgumentError("--data-plane-max-connections must be in [1, 65536]");
+  }
   return f;
 }
 

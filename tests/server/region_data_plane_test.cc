@@ -1,0 +1,136 @@
+// The data plane's own limits (server/region_data_plane.h), without a gRPC server: a session's
+// server memory written and read back over a raw socket, and connections beyond max_connections
+// refused with RESOURCE_EXHAUSTED while the others go on being served.
+#include "region_data_plane.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "metrics.h"
+#include "service_metrics.h"
+
+namespace lce::server {
+namespace {
+
+int Connect(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0) << std::strerror(errno);
+  return fd;
+}
+
+bool RecvAll(int fd, void* p, size_t n) {
+  auto* b = static_cast<uint8_t*>(p);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, b, n, 0);
+    if (r <= 0) return false;
+    b += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+struct Reply {
+  int32_t code = -1;
+  std::string message;
+};
+
+// Reads one reply (i32 code, u32 length, message); code -1 when the connection ended first.
+Reply ReadReply(int fd) {
+  uint8_t head[8];
+  Reply r;
+  if (!RecvAll(fd, head, 8)) return r;
+  uint32_t len = 0;
+  std::memcpy(&r.code, head, 4);
+  std::memcpy(&len, head + 4, 4);
+  r.message.resize(len);
+  if (len > 0 && !RecvAll(fd, r.message.data(), len)) r.code = -1;
+  return r;
+}
+
+// Sends a transfer header (op 1 write, 2 read) and, for a write, `payload`.
+void SendTransfer(int fd, uint32_t op, const std::string& session, uint64_t region, int64_t offset,
+                  const std::string& payload, int64_t length) {
+  uint8_t head[kDataPlaneHeaderBytes] = {};
+  std::memcpy(head, kDataPlaneMagic, 4);
+  std::memcpy(head + 4, &op, 4);
+  std::memcpy(head + 8, session.data(), std::min<size_t>(32, session.size()));
+  std::memcpy(head + 40, &region, 8);
+  std::memcpy(head + 48, &offset, 8);
+  std::memcpy(head + 56, &length, 8);
+  ASSERT_EQ(::send(fd, head, sizeof(head), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(head)));
+  if (!payload.empty()) {
+    ASSERT_EQ(::send(fd, payload.data(), payload.size(), MSG_NOSIGNAL), static_cast<ssize_t>(payload.size()));
+  }
+}
+
+TEST(RegionDataPlane, ConnectionsBeyondTheLimitAreRefusedAndTheOthersServed) {
+  RegionRegistry regions;  // host memory: no GPU here
+  regions.EnableServerMemory(1 << 20);
+  metrics::Registry registry;
+  ServiceMetrics metrics(registry);
+  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, 1 << 20, /*max_connections=*/2, &metrics);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  const std::string session = RegionRegistry::NewSessionId();
+  auto region = regions.RegisterServerMemory(session, "r", 4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+
+  const int a = Connect((*dp)->port()), b = Connect((*dp)->port());
+  // Both served: a write on one, read back on the other.
+  const std::string bytes(100, 'x');
+  SendTransfer(a, kDataPlaneWrite, session, *region, 8, bytes, static_cast<int64_t>(bytes.size()));
+  EXPECT_EQ(ReadReply(a).code, 0);
+  SendTransfer(b, kDataPlaneRead, session, *region, 8, "", static_cast<int64_t>(bytes.size()));
+  ASSERT_EQ(ReadReply(b).code, 0);
+  std::string back(bytes.size(), '\0');
+  ASSERT_TRUE(RecvAll(b, back.data(), back.size()));
+  EXPECT_EQ(back, bytes);
+
+  // A third is answered RESOURCE_EXHAUSTED at once and closed; the first two still work.
+  const int c = Connect((*dp)->port());
+  const Reply refused = ReadReply(c);
+  EXPECT_EQ(refused.code, static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) << refused.message;
+  EXPECT_NE(refused.message.find("limit of 2 connections"), std::string::npos) << refused.message;
+  char one;
+  EXPECT_EQ(::recv(c, &one, 1, 0), 0) << "the refused connection is closed";
+  ::close(c);
+  EXPECT_EQ(metrics.rejections.WithLabels({"data_plane_connections"}).Value(), 1.0);
+  SendTransfer(a, kDataPlaneRead, session, *region, 8, "", 4);
+  EXPECT_EQ(ReadReply(a).code, 0);
+  ASSERT_TRUE(RecvAll(a, back.data(), 4));
+
+  // Once one closes, a new connection is served again (the server notices the close first).
+  ::close(b);
+  Reply r;
+  for (int i = 0; i < 100 && r.code != 0; ++i) {
+    const int d = Connect((*dp)->port());
+    SendTransfer(d, kDataPlaneRead, session, *region, 0, "", 4);
+    r = ReadReply(d);
+    if (r.code == 0) ASSERT_TRUE(RecvAll(d, back.data(), 4));
+    ::close(d);
+    if (r.code != 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(r.code, 0) << r.message;
+  ::close(a);
+}
+
+TEST(RegionDataPlane, NeedsRoomForOneConnection) {
+  RegionRegistry regions;
+  EXPECT_EQ(RegionDataPlane::Start(regions, "127.0.0.1", 0, 1 << 20, 0, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace lce::server
