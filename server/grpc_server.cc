@@ -52,10 +52,12 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
   self->service_ = std::make_unique<LceService>(std::move(heads), options.service);
   if (options.data_port >= 0) {
     const std::string host = options.address.substr(0, options.address.rfind(':'));
+    RegionDataPlaneOptions dpo;
+    dpo.max_write_bytes = options.server_memory_per_session;
+    dpo.max_connections = options.data_plane_max_connections;
+    dpo.metrics = options.service.metrics;
     absl::StatusOr<std::unique_ptr<RegionDataPlane>> dp =
-        RegionDataPlane::Start(self->service_->mutable_regions(), host, options.data_port,
-                                options.server_memory_per_session, options.data_plane_max_connections,
-                                options.service.metrics);
+        RegionDataPlane::Start(self->service_->mutable_regions(), host, options.data_port, dpo);
     if (!dp.ok()) return dp.status();
     self->data_plane_ = *std::move(dp);
     self->service_->mutable_regions().EnableServerMemory(options.server_memory_per_session);

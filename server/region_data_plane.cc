@@ -55,6 +55,13 @@ bool Discard(int fd, int64_t n) {
   return true;
 }
 
+// Send and receive timeouts of the socket (zero: none).
+void SetTimeouts(int fd, absl::Duration d) {
+  const timeval tv = absl::ToTimeval(d);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
 bool Reply(int fd, const absl::Status& s) {
   const std::string msg(s.message());
   uint8_t head[8];
@@ -69,10 +76,12 @@ bool Reply(int fd, const absl::Status& s) {
 
 absl::StatusOr<std::unique_ptr<RegionDataPlane>> RegionDataPlane::Start(RegionRegistry& regions,
                                                                         const std::string& host, int port,
-                                                                        int64_t max_write_bytes, int max_connections,
-                                                                        ServiceMetrics* metrics) {
-  if (max_connections < 1) return absl::InvalidArgumentError("data plane: max_connections must be >= 1");
-  std::unique_ptr<RegionDataPlane> dp(new RegionDataPlane(regions, max_write_bytes, max_connections, metrics));
+                                                                        const RegionDataPlaneOptions& options) {
+  if (options.max_connections < 1) return absl::InvalidArgumentError("data plane: max_connections must be >= 1");
+  if (options.stall_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("data plane: stall_timeout must be positive");
+  }
+  std::unique_ptr<RegionDataPlane> dp(new RegionDataPlane(regions, options));
   dp->listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (dp->listen_fd_ < 0) return absl::InternalError(absl::StrCat("data plane: socket: ", std::strerror(errno)));
   const int one = 1;
@@ -156,7 +165,13 @@ void RegionDataPlane::AcceptLoop() {
 void RegionDataPlane::Serve(uint64_t id, int fd) {
   uint8_t head[kDataPlaneHeaderBytes];
   std::unique_ptr<DeviceTransfer> transfer;  // made on the first transfer to or from GPU memory
-  while (!stopping_ && RecvAll(fd, head, sizeof(head))) {
+  while (!stopping_) {
+    // Idle between transfers for as long as the client likes; within one, every read and write must
+    // progress within the stall timeout (a recv or send that times out fails, and the connection ends).
+    SetTimeouts(fd, absl::ZeroDuration());
+    if (!RecvAll(fd, head, 1)) break;
+    SetTimeouts(fd, stall_timeout_);
+    if (!RecvAll(fd, head + 1, sizeof(head) - 1)) break;
     if (std::memcmp(head, kDataPlaneMagic, 4) != 0) {
       Reply(fd, absl::InvalidArgumentError("data plane: bad magic (expected \"LCE1\")"));
       break;

@@ -12,7 +12,9 @@
 // write's payload is read and dropped before the reply, and the connection goes on; one longer than
 // any region may be (the per-session limit) is answered at once and the connection closed, as is a
 // header without the magic. Connections beyond `max_connections` (each holds a thread, and on a GPU
-// server two pinned buffers) get a RESOURCE_EXHAUSTED reply at once and are closed.
+// server two pinned buffers) get a RESOURCE_EXHAUSTED reply at once and are closed. Between transfers
+// a connection may idle as long as its client likes; once a transfer has begun, a peer that sends or
+// takes nothing for `stall_timeout` loses the connection.
 // The session id is the capability: it goes only to an authenticated OpenSession. No TLS: for
 // trusted networks, as NCCL's sockets are.
 #pragma once
@@ -27,6 +29,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "region_registry.h"
 #include "service_metrics.h"
 
@@ -36,27 +39,37 @@ inline constexpr char kDataPlaneMagic[4] = {'L', 'C', 'E', '1'};
 inline constexpr uint32_t kDataPlaneWrite = 1, kDataPlaneRead = 2;
 inline constexpr size_t kDataPlaneHeaderBytes = 64;
 
+struct RegionDataPlaneOptions {
+  int64_t max_write_bytes = int64_t{4} << 30;  // the largest region a session may hold (longer refused writes are not drained)
+  int max_connections = 512;                   // open connections served at once
+  absl::Duration stall_timeout = absl::Seconds(60);
+  // May be null: the bytes moved count in lce_bytes_{received,sent}_total, as those of gRPC messages
+  // do; refused connections in lce_admission_rejections_total{reason="data_plane_connections"}.
+  ServiceMetrics* metrics = nullptr;
+};
+
 class RegionDataPlane {
  public:
-  // Listens on host:port (port 0: any free port). `max_write_bytes`: the largest region a session
-  // may hold (a longer refused write is not drained). `max_connections`: open connections served at
-  // once. `metrics` (may be null): the bytes moved count in lce_bytes_{received,sent}_total, as those
-  // of gRPC messages do; refused connections in lce_admission_rejections{reason="data_plane_connections"}.
+  // Listens on host:port (port 0: any free port).
   static absl::StatusOr<std::unique_ptr<RegionDataPlane>> Start(RegionRegistry& regions, const std::string& host,
-                                                                int port, int64_t max_write_bytes, int max_connections,
-                                                                ServiceMetrics* metrics);
+                                                                int port, const RegionDataPlaneOptions& options);
   ~RegionDataPlane();  // stops accepting, ends every connection, joins the threads
   int port() const { return port_; }
 
  private:
-  RegionDataPlane(RegionRegistry& regions, int64_t max_write_bytes, int max_connections, ServiceMetrics* metrics)
-      : regions_(regions), max_write_bytes_(max_write_bytes), max_connections_(max_connections), metrics_(metrics) {}
+  RegionDataPlane(RegionRegistry& regions, const RegionDataPlaneOptions& options)
+      : regions_(regions),
+        max_write_bytes_(options.max_write_bytes),
+        max_connections_(options.max_connections),
+        stall_timeout_(options.stall_timeout),
+        metrics_(options.metrics) {}
   void AcceptLoop();
   void Serve(uint64_t id, int fd);
 
   RegionRegistry& regions_;
   const int64_t max_write_bytes_;
   const int max_connections_;
+  const absl::Duration stall_timeout_;
   ServiceMetrics* const metrics_;
   int listen_fd_ = -1;
   int port_ = 0;

@@ -81,7 +81,11 @@ TEST(RegionDataPlane, ConnectionsBeyondTheLimitAreRefusedAndTheOthersServed) {
   regions.EnableServerMemory(1 << 20);
   metrics::Registry registry;
   ServiceMetrics metrics(registry);
-  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, 1 << 20, /*max_connections=*/2, &metrics);
+  RegionDataPlaneOptions o;
+  o.max_write_bytes = 1 << 20;
+  o.max_connections = 2;
+  o.metrics = &metrics;
+  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
   ASSERT_TRUE(dp.ok()) << dp.status();
   const std::string session = RegionRegistry::NewSessionId();
   auto region = regions.RegisterServerMemory(session, "r", 4096);
@@ -126,10 +130,66 @@ TEST(RegionDataPlane, ConnectionsBeyondTheLimitAreRefusedAndTheOthersServed) {
   ::close(a);
 }
 
-TEST(RegionDataPlane, NeedsRoomForOneConnection) {
+// A transfer that stops half-way loses its connection after the stall timeout, and its slot is
+// freed; a connection idle between transfers keeps going however long it waits.
+TEST(RegionDataPlane, AStalledTransferEndsItsConnection) {
   RegionRegistry regions;
-  EXPECT_EQ(RegionDataPlane::Start(regions, "127.0.0.1", 0, 1 << 20, 0, nullptr).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  regions.EnableServerMemory(1 << 20);
+  RegionDataPlaneOptions o;
+  o.max_connections = 1;
+  o.stall_timeout = absl::Milliseconds(200);
+  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  const std::string session = RegionRegistry::NewSessionId();
+  auto region = regions.RegisterServerMemory(session, "r", 4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+
+  // Idle longer than the timeout before a transfer: still served.
+  const int idle = Connect((*dp)->port());
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  SendTransfer(idle, kDataPlaneWrite, session, *region, 0, std::string(16, 'y'), 16);
+  EXPECT_EQ(ReadReply(idle).code, 0);
+  ::close(idle);
+
+  // Half a header, then nothing: closed after the timeout, and the one slot serves the next client.
+  int stalled = -1;
+  for (int i = 0; i < 100; ++i) {  // the slot frees once the server has noticed the close above
+    stalled = Connect((*dp)->port());
+    ASSERT_EQ(::send(stalled, kDataPlaneMagic, 4, MSG_NOSIGNAL), 4);
+    timeval tv{0, 100 * 1000};
+    setsockopt(stalled, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    char b;
+    const ssize_t r = ::recv(stalled, &b, 1, 0);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;  // held, not refused: the stall begins
+    ::close(stalled);
+    stalled = -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_GE(stalled, 0) << "the stalled connection was never served";
+  timeval wait{2, 0};
+  setsockopt(stalled, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof(wait));
+  char b;
+  EXPECT_EQ(::recv(stalled, &b, 1, 0), 0) << "the server did not end the stalled transfer";
+  ::close(stalled);
+  Reply r;
+  for (int i = 0; i < 100 && r.code != 0; ++i) {
+    const int next = Connect((*dp)->port());
+    SendTransfer(next, kDataPlaneRead, session, *region, 0, "", 16);
+    r = ReadReply(next);
+    ::close(next);
+    if (r.code != 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(r.code, 0) << r.message;
+}
+
+TEST(RegionDataPlane, NeedsRoomForOneConnectionAndAPositiveStallTimeout) {
+  RegionRegistry regions;
+  RegionDataPlaneOptions o;
+  o.max_connections = 0;
+  EXPECT_EQ(RegionDataPlane::Start(regions, "127.0.0.1", 0, o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.max_connections = 1;
+  o.stall_timeout = absl::ZeroDuration();
+  EXPECT_EQ(RegionDataPlane::Start(regions, "127.0.0.1", 0, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
