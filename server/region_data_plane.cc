@@ -130,13 +130,10 @@ void RegionDataPlane::AcceptLoop() {
     }
     const int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    std::vector<std::thread> done;
+    std::vector<std::thread> done;  // finished connections' threads, joined below whatever happens
+    bool stop = false, refused = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) {
-        ::close(fd);
-        return;
-      }
       for (uint64_t id : finished_) {
         auto it = threads_.find(id);
         if (it != threads_.end()) {
@@ -145,20 +142,23 @@ void RegionDataPlane::AcceptLoop() {
         }
       }
       finished_.clear();
-      if (static_cast<int>(conns_.size()) >= max_connections_) {
-        // Refused at once, with the reason where the client reads its first reply.
-        if (metrics_ != nullptr) metrics_->rejections.WithLabels({"data_plane_connections"}).Increment();
-        Reply(fd, absl::ResourceExhaustedError(absl::StrCat("data plane: the server is at its limit of ",
-                                                             max_connections_, " connections; retry later")));
-        ::shutdown(fd, SHUT_RDWR);
-        ::close(fd);
-        continue;
+      stop = stopping_;
+      refused = !stop && static_cast<int>(conns_.size()) >= max_connections_;
+      if (!stop && !refused) {
+        conns_.push_back(fd);
+        const uint64_t id = next_id_++;
+        threads_.emplace(id, std::thread([this, id, fd] { Serve(id, fd); }));
       }
-      conns_.push_back(fd);
-      const uint64_t id = next_id_++;
-      threads_.emplace(id, std::thread([this, id, fd] { Serve(id, fd); }));
     }
+    if (refused) {  // at once, with the reason where the client reads its first reply
+      if (metrics_ != nullptr) metrics_->rejections.WithLabels({"data_plane_connections"}).Increment();
+      Reply(fd, absl::ResourceExhaustedError(absl::StrCat("data plane: the server is at its limit of ",
+                                                           max_connections_, " connections; retry later")));
+      ::shutdown(fd, SHUT_RDWR);
+    }
+    if (stop || refused) ::close(fd);
     for (std::thread& t : done) t.join();  // already returned, or about to
+    if (stop) return;
   }
 }
 
