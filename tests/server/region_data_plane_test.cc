@@ -76,6 +76,22 @@ void SendTransfer(int fd, uint32_t op, const std::string& session, uint64_t regi
   }
 }
 
+// A new connection's read of `n` bytes of the region, retried while the server still holds a closed
+// connection's slot (it notices the close on its own time): the last reply.
+Reply ReadOnANewConnection(int port, const std::string& session, uint64_t region, int64_t n) {
+  Reply r;
+  for (int i = 0; i < 100 && r.code != 0; ++i) {
+    const int fd = Connect(port);
+    SendTransfer(fd, kDataPlaneRead, session, region, 0, "", n);
+    r = ReadReply(fd);
+    std::string bytes(static_cast<size_t>(n), '\0');
+    if (r.code == 0 && !RecvAll(fd, bytes.data(), bytes.size())) r.code = -1;
+    ::close(fd);
+    if (r.code != 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return r;
+}
+
 TEST(RegionDataPlane, ConnectionsBeyondTheLimitAreRefusedAndTheOthersServed) {
   RegionRegistry regions;  // host memory: no GPU here
   regions.EnableServerMemory(1 << 20);
@@ -117,15 +133,7 @@ TEST(RegionDataPlane, ConnectionsBeyondTheLimitAreRefusedAndTheOthersServed) {
 
   // Once one closes, a new connection is served again (the server notices the close first).
   ::close(b);
-  Reply r;
-  for (int i = 0; i < 100 && r.code != 0; ++i) {
-    const int d = Connect((*dp)->port());
-    SendTransfer(d, kDataPlaneRead, session, *region, 0, "", 4);
-    r = ReadReply(d);
-    if (r.code == 0) ASSERT_TRUE(RecvAll(d, back.data(), 4));
-    ::close(d);
-    if (r.code != 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  const Reply r = ReadOnANewConnection((*dp)->port(), session, *region, 4);
   EXPECT_EQ(r.code, 0) << r.message;
   ::close(a);
 }
@@ -171,14 +179,7 @@ TEST(RegionDataPlane, AStalledTransferEndsItsConnection) {
   char b;
   EXPECT_EQ(::recv(stalled, &b, 1, 0), 0) << "the server did not end the stalled transfer";
   ::close(stalled);
-  Reply r;
-  for (int i = 0; i < 100 && r.code != 0; ++i) {
-    const int next = Connect((*dp)->port());
-    SendTransfer(next, kDataPlaneRead, session, *region, 0, "", 16);
-    r = ReadReply(next);
-    ::close(next);
-    if (r.code != 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  const Reply r = ReadOnANewConnection((*dp)->port(), session, *region, 16);
   EXPECT_EQ(r.code, 0) << r.message;
 }
 
