@@ -126,7 +126,7 @@ std::pair<int64_t, int64_t> SocketShare(int64_t bytes, int64_t k, int64_t i) {
 absl::Status SplitTransfer(const std::vector<DataPlaneConnection*>& sockets, int64_t bytes,
                            const std::function<absl::Status(DataPlaneConnection&, int64_t, int64_t)>& move) {
   const int64_t k = static_cast<int64_t>(sockets.size());
-  if (k == 1 || bytes < (int64_t{1} << 16)) return move(*sockets[0], 0, bytes);
+  if (SocketShare(bytes, k, 0).second == bytes) return move(*sockets[0], 0, bytes);  // one share: no threads
   std::vector<absl::Status> results(static_cast<size_t>(k));
   std::vector<std::thread> helpers;
   auto part = [&](int64_t i) {

@@ -214,7 +214,7 @@ def split_transfer(conns: List[DataPlaneConnection], pool: Optional[ThreadPoolEx
     the first share in this thread, the others on `pool`. Returns once every share is done; raises
     the first share's error. (Downloads; uploads go through UploadState's per-socket threads.)"""
     k = len(conns)
-    if k == 1 or pool is None or nbytes < SPLIT_MIN_BYTES:
+    if pool is None or socket_share(nbytes, k, 0)[1] == nbytes:  # one share: no threads
         move(conns[0], 0, nbytes)
         return
     futures = [pool.submit(move, conns[i], *socket_share(nbytes, k, i)) for i in range(1, k)]
