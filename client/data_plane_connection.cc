@@ -11,12 +11,14 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "lce/v1/data_plane_wire.h"
 
 namespace lce::client {
 namespace {
 
-constexpr uint32_t kOpWrite = 1, kOpRead = 2;
-constexpr size_t kHeaderBytes = 64;
+using v1::data_plane::kHeaderBytes;
+using v1::data_plane::kOpRead;
+using v1::data_plane::kOpWrite;
 
 // Moves all of [p, p + n) through the socket; false on EOF or error (errno says which).
 template <typename Io>
@@ -88,15 +90,11 @@ absl::Status DataPlaneConnection::Read(const std::string& session_id, uint64_t r
 absl::Status DataPlaneConnection::Transfer(uint32_t op, const std::string& session_id, uint64_t region_id,
                                            int64_t offset, uint8_t* data, int64_t size) {
   if (fd_ < 0) return absl::UnavailableError("data plane connection was lost earlier");
-  if (session_id.size() != 32) {
+  if (session_id.size() != v1::data_plane::kSessionIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("session id must have 32 characters, got ", session_id.size()));
   }
-  uint8_t head[kHeaderBytes] = {'L', 'C', 'E', '1'};
-  std::memcpy(head + 4, &op, 4);
-  std::memcpy(head + 8, session_id.data(), 32);
-  std::memcpy(head + 40, &region_id, 8);
-  std::memcpy(head + 48, &offset, 8);
-  std::memcpy(head + 56, &size, 8);
+  uint8_t head[kHeaderBytes];
+  v1::data_plane::EncodeTransferHeader({op, session_id, region_id, offset, size}, head);
   const int fd = fd_;
   auto send = [fd](uint8_t* p, size_t n) { return ::send(fd, p, n, MSG_NOSIGNAL); };
   auto recv = [fd](uint8_t* p, size_t n) { return ::recv(fd, p, n, MSG_WAITALL); };
@@ -120,12 +118,11 @@ absl::Status DataPlaneConnection::Transfer(uint32_t op, const std::string& sessi
   } else if (!Exactly(send, head, kHeaderBytes)) {
     return Broken("sending");
   }
-  uint8_t reply[8];
+  uint8_t reply[v1::data_plane::kReplyHeaderBytes];
   if (!Exactly(recv, reply, sizeof(reply))) return Broken("waiting for the reply");
   int32_t code = 0;
   uint32_t len = 0;
-  std::memcpy(&code, reply, 4);
-  std::memcpy(&len, reply + 4, 4);
+  v1::data_plane::DecodeReplyHeader(reply, &code, &len);
   std::string message(len, '\0');
   if (len > 0 && !Exactly(recv, reinterpret_cast<uint8_t*>(message.data()), len)) return Broken("reading the reply");
   // A refusal leaves the connection usable: the server read a refused write's payload.

@@ -16,6 +16,9 @@
 namespace lce::server {
 namespace {
 
+using v1::data_plane::kOpRead;
+using v1::data_plane::kOpWrite;
+
 // Pieces of a transfer to or from GPU memory: small enough that the copy of one hides behind the
 // socket's work on the next, large enough that the copies run near the bus's speed.
 constexpr int64_t kDevicePiece = 1 << 20;
@@ -64,12 +67,9 @@ void SetTimeouts(int fd, absl::Duration d) {
 
 bool Reply(int fd, const absl::Status& s) {
   const std::string msg(s.message());
-  uint8_t head[8];
-  const int32_t code = static_cast<int32_t>(s.code());
-  const uint32_t len = static_cast<uint32_t>(msg.size());
-  std::memcpy(head, &code, 4);
-  std::memcpy(head + 4, &len, 4);
-  return SendAll(fd, head, 8) && SendAll(fd, msg.data(), msg.size());
+  uint8_t head[v1::data_plane::kReplyHeaderBytes];
+  v1::data_plane::EncodeReplyHeader(static_cast<int32_t>(s.code()), static_cast<uint32_t>(msg.size()), head);
+  return SendAll(fd, head, sizeof(head)) && SendAll(fd, msg.data(), msg.size());
 }
 
 }  // namespace
@@ -163,7 +163,7 @@ void RegionDataPlane::AcceptLoop() {
 }
 
 void RegionDataPlane::Serve(uint64_t id, int fd) {
-  uint8_t head[kDataPlaneHeaderBytes];
+  uint8_t head[v1::data_plane::kHeaderBytes];
   std::unique_ptr<DeviceTransfer> transfer;  // made on the first transfer to or from GPU memory
   while (!stopping_) {
     // Idle between transfers for as long as the client likes; within one, every read and write must
@@ -172,25 +172,22 @@ void RegionDataPlane::Serve(uint64_t id, int fd) {
     if (!RecvAll(fd, head, 1)) break;
     SetTimeouts(fd, stall_timeout_);
     if (!RecvAll(fd, head + 1, sizeof(head) - 1)) break;
-    if (std::memcmp(head, kDataPlaneMagic, 4) != 0) {
+    v1::data_plane::TransferHeader h;
+    if (!v1::data_plane::DecodeTransferHeader(head, &h)) {
       Reply(fd, absl::InvalidArgumentError("data plane: bad magic (expected \"LCE1\")"));
       break;
     }
-    uint32_t op = 0;
-    uint64_t region = 0;
-    int64_t offset = 0, length = 0;
-    std::memcpy(&op, head + 4, 4);
-    const std::string session(reinterpret_cast<const char*>(head + 8), 32);
-    std::memcpy(&region, head + 40, 8);
-    std::memcpy(&offset, head + 48, 8);
-    std::memcpy(&length, head + 56, 8);
+    const uint32_t op = h.op;
+    const uint64_t region = h.region_id;
+    const int64_t offset = h.offset, length = h.length;
+    const std::string& session = h.session_id;
     v1::RegionSlice slice;
     slice.set_region_id(region);
     slice.set_offset(offset);
     slice.set_byte_size(length);
     absl::StatusOr<RegionRegistry::Slice> s =
-        op == kDataPlaneWrite || op == kDataPlaneRead
-            ? regions_.Resolve(session, slice, length, op == kDataPlaneWrite ? "data plane write" : "data plane read")
+        op == kOpWrite || op == kOpRead
+            ? regions_.Resolve(session, slice, length, op == kOpWrite ? "data plane write" : "data plane read")
             : absl::InvalidArgumentError(absl::StrCat("data plane: unknown op ", op));
     if (s.ok() && !s->server_memory) {
       s = absl::InvalidArgumentError(absl::StrCat("data plane: region ", region, " is not server memory"));
@@ -198,7 +195,7 @@ void RegionDataPlane::Serve(uint64_t id, int fd) {
     if (!s.ok()) {
       // A refused write's payload follows: read it into nothing, so that the client sees the
       // reason and the connection goes on; one too large to be any region's is not waited for.
-      if (op == kDataPlaneWrite && (length < 0 || length > max_write_bytes_ || !Discard(fd, length))) {
+      if (op == kOpWrite && (length < 0 || length > max_write_bytes_ || !Discard(fd, length))) {
         Reply(fd, s.status());
         break;
       }
@@ -209,12 +206,12 @@ void RegionDataPlane::Serve(uint64_t id, int fd) {
       if (transfer == nullptr) {
         absl::StatusOr<std::unique_ptr<DeviceTransfer>> t = CreateDeviceTransfer(regions_.cuda_device(), kDevicePiece);
         if (!t.ok()) {
-          if (op != kDataPlaneWrite || Discard(fd, length)) Reply(fd, t.status());
+          if (op != kOpWrite || Discard(fd, length)) Reply(fd, t.status());
           break;
         }
         transfer = *std::move(t);
       }
-      if (op == kDataPlaneWrite) {
+      if (op == kOpWrite) {
         const absl::Status w =
             transfer->ToDevice(s->bytes.data(), length, [fd](uint8_t* p, size_t n) { return RecvAll(fd, p, n); });
         if (!w.ok() || !Reply(fd, absl::OkStatus())) break;  // a CUDA failure mid-payload ends the connection
@@ -224,13 +221,13 @@ void RegionDataPlane::Serve(uint64_t id, int fd) {
                                                     [fd](const uint8_t* p, size_t n) { return SendAll(fd, p, n); });
         if (!r.ok()) break;  // the client sees the connection end short of the bytes
       }
-    } else if (op == kDataPlaneWrite) {
+    } else if (op == kOpWrite) {
       if (!RecvAll(fd, s->bytes.data(), s->bytes.size()) || !Reply(fd, absl::OkStatus())) break;
     } else {
       if (!Reply(fd, absl::OkStatus()) || !SendAll(fd, s->bytes.data(), s->bytes.size())) break;
     }
     if (metrics_ != nullptr) {
-      (op == kDataPlaneWrite ? metrics_->bytes_received : metrics_->bytes_sent).Increment(static_cast<double>(length));
+      (op == kOpWrite ? metrics_->bytes_received : metrics_->bytes_sent).Increment(static_cast<double>(length));
     }
   }
   std::lock_guard<std::mutex> lock(mu_);

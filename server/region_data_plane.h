@@ -3,11 +3,7 @@
 // RegisterServerMemory) over several sockets at once, at the socket's speed; its gRPC requests
 // then name slices of those regions, as co-located clients do, and carry no hidden bytes.
 //
-// Wire format, little-endian, one transfer after another on a connection:
-//   request  64 bytes: "LCE1", u32 op (1 write, 2 read), 32 bytes session id (hex),
-//            u64 region_id, i64 offset, i64 length; a write then sends `length` bytes;
-//   reply    i32 code (google.rpc.Code), u32 message length, the message; a read that succeeded
-//            then sends `length` bytes.
+// Wire format: proto/lce/v1/data_plane_wire.h.
 // Every transfer is checked as a request's slice is (owner, bounds; server memory only). A refused
 // write's payload is read and dropped before the reply, and the connection goes on; one longer than
 // any region may be (the per-session limit) is answered at once and the connection closed, as is a
@@ -30,14 +26,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "lce/v1/data_plane_wire.h"
 #include "region_registry.h"
 #include "service_metrics.h"
 
 namespace lce::server {
-
-inline constexpr char kDataPlaneMagic[4] = {'L', 'C', 'E', '1'};
-inline constexpr uint32_t kDataPlaneWrite = 1, kDataPlaneRead = 2;
-inline constexpr size_t kDataPlaneHeaderBytes = 64;
 
 struct RegionDataPlaneOptions {
   int64_t max_write_bytes = int64_t{4} << 30;  // the largest region a session may hold (longer refused writes are not drained)

@@ -49,12 +49,11 @@ struct Reply {
 
 // Reads one reply (i32 code, u32 length, message); code -1 when the connection ended first.
 Reply ReadReply(int fd) {
-  uint8_t head[8];
+  uint8_t head[v1::data_plane::kReplyHeaderBytes];
   Reply r;
-  if (!RecvAll(fd, head, 8)) return r;
+  if (!RecvAll(fd, head, sizeof(head))) return r;
   uint32_t len = 0;
-  std::memcpy(&r.code, head, 4);
-  std::memcpy(&len, head + 4, 4);
+  v1::data_plane::DecodeReplyHeader(head, &r.code, &len);
   r.message.resize(len);
   if (len > 0 && !RecvAll(fd, r.message.data(), len)) r.code = -1;
   return r;
@@ -63,13 +62,8 @@ Reply ReadReply(int fd) {
 // Sends a transfer header (op 1 write, 2 read) and, for a write, `payload`.
 void SendTransfer(int fd, uint32_t op, const std::string& session, uint64_t region, int64_t offset,
                   const std::string& payload, int64_t length) {
-  uint8_t head[kDataPlaneHeaderBytes] = {};
-  std::memcpy(head, kDataPlaneMagic, 4);
-  std::memcpy(head + 4, &op, 4);
-  std::memcpy(head + 8, session.data(), std::min<size_t>(32, session.size()));
-  std::memcpy(head + 40, &region, 8);
-  std::memcpy(head + 48, &offset, 8);
-  std::memcpy(head + 56, &length, 8);
+  uint8_t head[v1::data_plane::kHeaderBytes];
+  v1::data_plane::EncodeTransferHeader({op, session, region, offset, length}, head);
   ASSERT_EQ(::send(fd, head, sizeof(head), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(head)));
   if (!payload.empty()) {
     ASSERT_EQ(::send(fd, payload.data(), payload.size(), MSG_NOSIGNAL), static_cast<ssize_t>(payload.size()));
@@ -82,7 +76,7 @@ Reply ReadOnANewConnection(int port, const std::string& session, uint64_t region
   Reply r;
   for (int i = 0; i < 100 && r.code != 0; ++i) {
     const int fd = Connect(port);
-    SendTransfer(fd, kDataPlaneRead, session, region, 0, "", n);
+    SendTransfer(fd, v1::data_plane::kOpRead, session, region, 0, "", n);
     r = ReadReply(fd);
     std::string bytes(static_cast<size_t>(n), '\0');
     if (r.code == 0 && !RecvAll(fd, bytes.data(), bytes.size())) r.code = -1;
@@ -110,9 +104,9 @@ TEST(RegionDataPlane, ConnectionsBeyondTheLimitAreRefusedAndTheOthersServed) {
   const int a = Connect((*dp)->port()), b = Connect((*dp)->port());
   // Both served: a write on one, read back on the other.
   const std::string bytes(100, 'x');
-  SendTransfer(a, kDataPlaneWrite, session, *region, 8, bytes, static_cast<int64_t>(bytes.size()));
+  SendTransfer(a, v1::data_plane::kOpWrite, session, *region, 8, bytes, static_cast<int64_t>(bytes.size()));
   EXPECT_EQ(ReadReply(a).code, 0);
-  SendTransfer(b, kDataPlaneRead, session, *region, 8, "", static_cast<int64_t>(bytes.size()));
+  SendTransfer(b, v1::data_plane::kOpRead, session, *region, 8, "", static_cast<int64_t>(bytes.size()));
   ASSERT_EQ(ReadReply(b).code, 0);
   std::string back(bytes.size(), '\0');
   ASSERT_TRUE(RecvAll(b, back.data(), back.size()));
@@ -127,7 +121,7 @@ TEST(RegionDataPlane, ConnectionsBeyondTheLimitAreRefusedAndTheOthersServed) {
   EXPECT_EQ(::recv(c, &one, 1, 0), 0) << "the refused connection is closed";
   ::close(c);
   EXPECT_EQ(metrics.rejections.WithLabels({"data_plane_connections"}).Value(), 1.0);
-  SendTransfer(a, kDataPlaneRead, session, *region, 8, "", 4);
+  SendTransfer(a, v1::data_plane::kOpRead, session, *region, 8, "", 4);
   EXPECT_EQ(ReadReply(a).code, 0);
   ASSERT_TRUE(RecvAll(a, back.data(), 4));
 
@@ -155,7 +149,7 @@ TEST(RegionDataPlane, AStalledTransferEndsItsConnection) {
   // Idle longer than the timeout before a transfer: still served.
   const int idle = Connect((*dp)->port());
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  SendTransfer(idle, kDataPlaneWrite, session, *region, 0, std::string(16, 'y'), 16);
+  SendTransfer(idle, v1::data_plane::kOpWrite, session, *region, 0, std::string(16, 'y'), 16);
   EXPECT_EQ(ReadReply(idle).code, 0);
   ::close(idle);
 
@@ -163,7 +157,7 @@ TEST(RegionDataPlane, AStalledTransferEndsItsConnection) {
   int stalled = -1;
   for (int i = 0; i < 100; ++i) {  // the slot frees once the server has noticed the close above
     stalled = Connect((*dp)->port());
-    ASSERT_EQ(::send(stalled, kDataPlaneMagic, 4, MSG_NOSIGNAL), 4);
+    ASSERT_EQ(::send(stalled, v1::data_plane::kMagic, 4, MSG_NOSIGNAL), 4);
     timeval tv{0, 100 * 1000};
     setsockopt(stalled, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     char b;
