@@ -1,6 +1,6 @@
 // One TCP connection to a server's data plane (GetInfoResponse.data_port): fills and drains the
 // session's server-memory regions (RegisterRegion.server_memory) at socket speed, outside HTTP/2.
-// The wire format is the server's (server/region_data_plane.h). One transfer at a time; a client
+// The wire format: proto/lce/v1/data_plane_wire.h. One transfer at a time; a client
 // keeps one connection per direction per stream so that transfers proceed together.
 #pragma once
 

@@ -12,7 +12,7 @@ answer arrives, so transfers and compute overlap. This module mirrors the C++ cl
 (client/data_plane_connection.cc; LceClient::PrepareDataPlane, StreamPart, SocketShare and
 SplitTransfer in client/lce_client.cc).
 
-Wire format (server/region_data_plane.h is authoritative), little-endian, one transfer after another
+Wire format (proto/lce/v1/data_plane_wire.h is authoritative), little-endian, one transfer after another
 on a connection:
   request  64 bytes: b"LCE1", u32 op (1 write, 2 read), 32 bytes session id (ASCII hex),
            u64 region_id, i64 offset, i64 length; a write then sends `length` bytes;
