@@ -483,9 +483,12 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   // the server run the part as one engine call. Over the data plane the bytes still travel, and
   // are chunked as on the wire so that transfer and compute overlap.
   constexpr int64_t kRegionChunkRows = 1 << 16;
+  // The smaller last chunk only where d_hidden comes back: a score's last answer is a few floats and
+  // its tail the last chunk's compute, which a smaller chunk does not shorten (it adds an engine call).
+  const int64_t last_chunk_bytes = which == "Score" ? 0 : options_.last_chunk_bytes;
   auto plan = hidden_in_region && lane == nullptr ? PlanChunks(part_rows, row_bytes, kRegionChunkRows * row_bytes)
                                : PlanChunks(part_rows, row_bytes, options_.chunk_bytes, options_.first_chunk_bytes,
-                                            options_.last_chunk_bytes, options_.grow_chunks);
+                                            last_chunk_bytes, options_.grow_chunks);
   for (auto& [first, n] : plan) first += part_first;
   // Write on a thread of its own: the server answers chunk k while later chunks are in flight,
   // so reading and writing must proceed together or flow control stalls both sides.
@@ -496,7 +499,7 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   // names every chunk uploaded meanwhile in one message (fewer engine calls, each ≈ 0.3 ms on an
   // H100 besides its rows); the plan's small last chunk keeps its own message (a short tail).
   const bool merge = lane != nullptr && options_.data_plane_merge_chunks;
-  const bool keep_last = options_.last_chunk_bytes > 0;
+  const bool keep_last = last_chunk_bytes > 0;
   constexpr int kMaxUnanswered = 2;  // one computing, one queued
   struct Progress {
     std::mutex mu;
@@ -579,6 +582,9 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     *msg.mutable_header() = header;
     msg.mutable_header()->set_hidden_size(batch.hidden_size);
     msg.mutable_header()->set_dtype(batch.dtype);
+    // Every chunk goes without waiting for answers, except when merging (at most kMaxUnanswered):
+    // the server may then compute one chunk while it reads and stages the next.
+    msg.mutable_header()->set_sends_ahead(!merge);
     if (!stream->Write(msg)) return;
     for (size_t next = 0; next < plan.size();) {
       size_t to = next + 1;

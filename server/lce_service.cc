@@ -1,9 +1,11 @@
 #include "lce_service.h"
 
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "async_stream_writer.h"
+#include "engine_call_pipeline.h"
 #include "grpc_status.h"
 #include "wire_types.h"
 #include "lce/training.h"
@@ -91,21 +93,34 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
         "accumulate_weight_grad with hidden states in GPU memory (a CUDA IPC region, or server memory on the GPU) "
         "is not supported yet");
   }
-  const int64_t n = rows.rows;
   const int64_t row_bytes = engine.shape().hidden_size * DTypeSize(engine.shape().dtype);
-  // Slots: 0 targets; 1-3 grad_loss, grad_logprob, grad_entropy; 4-7 logprob, entropy, lse, loss;
-  // 8 d_hidden; 9 hidden.
-  // Copies to and from the staging buffers are queued, then waited for once a side; the time of
-  // each side, all in, is the request log's staging time.
-  RequestWork* work = RequestWork::Current();
-  auto side_start = std::chrono::steady_clock::now();
-  auto sync = [&]() -> absl::Status {
-    absl::Status s = st.Sync();
-    if (work != nullptr) {
-      work->staging_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - side_start).count();
-    }
+  absl::StatusOr<StagedCall> call = StageOnDevice(st, rows, hidden_on_device, row_bytes, up, out, grads, d_hidden_on_device);
+  if (!call.ok()) return call.status();
+  if (absl::Status s = RunEngine(method, op, engine, call->rows, options, call->up, call->outs, call->grads); !s.ok()) {
     return s;
-  };
+  }
+  return UnstageFromDevice(st, *call);
+}
+
+namespace {
+
+// Adds the time since `start` to the request's staging time (request log) when it is accounted.
+void CountStaging(std::chrono::steady_clock::time_point start) {
+  if (RequestWork* work = RequestWork::Current(); work != nullptr) {
+    work->staging_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& st, const RowsView& rows,
+                                                                 bool hidden_on_device, int64_t row_bytes,
+                                                                 const Upstream& up, const RowOutputs& out,
+                                                                 const GradOutputs& grads, bool d_hidden_on_device) {
+  const int64_t n = rows.rows;
+  // Slots: 0 targets; 1-3 grad_loss, grad_logprob, grad_entropy; 4-7 logprob, entropy, lse, loss;
+  // 8 d_hidden; 9 hidden. Copies are queued, then waited for once (each wait is a GPU bubble).
+  const auto start = std::chrono::steady_clock::now();
   auto up_array = [&](int slot, const void* host, int64_t bytes) -> absl::StatusOr<void*> {
     if (host == nullptr) return nullptr;
     absl::StatusOr<void*> d = st.Buffer(slot, bytes);
@@ -122,42 +137,52 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
   for (const auto* r : {&hidden, &targets, &gl, &glp, &gen}) {
     if (!r->ok()) return r->status();
   }
+  StagedCall call;
   float* host_out[4] = {out.logprob, out.entropy, out.lse, out.loss};
   float* dev_out[4] = {nullptr, nullptr, nullptr, nullptr};
   for (int k = 0; k < 4; ++k) {
+    call.host_out[k] = host_out[k];
     if (host_out[k] == nullptr) continue;
     absl::StatusOr<void*> d = st.Buffer(4 + k, n * 4);
     if (!d.ok()) return d.status();
     dev_out[k] = static_cast<float*>(*d);
   }
-  GradOutputs dev_grads;
   if (grads.d_hidden != nullptr) {
     if (d_hidden_on_device) {
-      dev_grads.d_hidden = grads.d_hidden;
+      call.grads.d_hidden = grads.d_hidden;
     } else {
       absl::StatusOr<void*> d = st.Buffer(8, n * row_bytes);
       if (!d.ok()) return d.status();
-      dev_grads.d_hidden = *d;
+      call.grads.d_hidden = *d;
+      call.host_d_hidden = grads.d_hidden;
+      call.d_hidden_bytes = n * row_bytes;
     }
   }
-  const RowsView dev_rows{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice,
-                          rows.targets_checked};
-  const Upstream dev_up{up.mode, static_cast<const float*>(*gl), static_cast<const float*>(*glp),
-                        static_cast<const float*>(*gen)};
-  const RowOutputs dev_outs{dev_out[0], dev_out[1], dev_out[2], dev_out[3]};
-  if (absl::Status s = sync(); !s.ok()) return s;
-  if (absl::Status s = RunEngine(method, op, engine, dev_rows, options, dev_up, dev_outs, dev_grads); !s.ok()) {
-    return s;
-  }
-  side_start = std::chrono::steady_clock::now();
+  call.rows = RowsView{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice, rows.targets_checked};
+  call.up = Upstream{up.mode, static_cast<const float*>(*gl), static_cast<const float*>(*glp),
+                     static_cast<const float*>(*gen)};
+  call.outs = RowOutputs{dev_out[0], dev_out[1], dev_out[2], dev_out[3]};
+  absl::Status s = st.Sync();
+  CountStaging(start);
+  if (!s.ok()) return s;
+  return call;
+}
+
+absl::Status LceService::UnstageFromDevice(ChunkStaging& st, const StagedCall& call) {
+  const auto start = std::chrono::steady_clock::now();
+  const float* dev_out[4] = {call.outs.logprob, call.outs.entropy, call.outs.lse, call.outs.loss};
   for (int k = 0; k < 4; ++k) {
-    if (host_out[k] == nullptr) continue;
-    if (absl::Status s = st.DownloadAsync(host_out[k], dev_out[k], n * 4); !s.ok()) return s;
+    if (call.host_out[k] == nullptr) continue;
+    if (absl::Status s = st.DownloadAsync(call.host_out[k], dev_out[k], call.rows.rows * 4); !s.ok()) return s;
   }
-  if (grads.d_hidden != nullptr && !d_hidden_on_device) {
-    if (absl::Status s = st.DownloadAsync(grads.d_hidden, dev_grads.d_hidden, n * row_bytes); !s.ok()) return s;
+  if (call.host_d_hidden != nullptr) {
+    if (absl::Status s = st.DownloadAsync(call.host_d_hidden, call.grads.d_hidden, call.d_hidden_bytes); !s.ok()) {
+      return s;
+    }
   }
-  return sync();
+  absl::Status s = st.Sync();
+  CountStaging(start);
+  return s;
 }
 
 absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) const {
@@ -305,21 +330,68 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   const char* method = RpcName(rpc);
   const char* op = is_fb ? "forward_backward" : is_bw ? "backward" : is_pl ? "policy_loss" : "score";
 
-  // The stream's device staging (GPU engines), back to the pool when the stream ends.
+  // The stream's device stagings (GPU engines; two when calls are pipelined, one a chunk in flight),
+  // back to the pool when the stream ends.
   struct StagingLease {
     LceService* service;
-    std::unique_ptr<ChunkStaging> held;
-    ~StagingLease() { service->ReturnStaging(std::move(held)); }
-  } staging{this, nullptr};
+    std::unique_ptr<ChunkStaging> held[2];
+    ~StagingLease() {
+      for (auto& h : held) service->ReturnStaging(std::move(h));
+    }
+  } staging{this, {}};
   // Answers leave from their own thread while the next chunk computes (two in flight at most).
   AsyncStreamWriter<v1::StreamResponse> writer(stream, 2);
   int64_t rows_seen = 0, valid_seen = 0, chunk_index = 0, bytes_seen = 0;
   double loss_sum = 0.0;
   PolicyLossSums policy_sums;
   std::vector<int64_t> seq_seen(static_cast<size_t>(num_seq), 0);
-  std::vector<float> loss_buf, grad_buf, lp_buf, ent_buf, u_buf, e_buf, w_buf;
+  std::vector<float> lp_buf, ent_buf, u_buf, e_buf, w_buf;
   std::unique_ptr<bool[]> valid_buf;
-  v1::StreamResponse resp;
+  // A chunk from its message to its answer. Two exist: on a pipelined stream chunk k computes while
+  // chunk k+1 is read and staged.
+  struct InFlightChunk {
+    v1::StreamRequest msg;  // its message: the engine may read targets and hidden states from it
+    v1::StreamResponse resp;
+    RegionRegistry::Slice hidden_slice, dh_slice;  // mapped until the chunk is done
+    std::vector<float> loss, grad;
+    int64_t index = 0, first_row = 0, rows = 0, message_bytes = 0;
+    StagedCall staged;    // the call's views (device ones when staged)
+  };
+  InFlightChunk chunks[2];
+  auto chunk_error = [](const InFlightChunk& c, const absl::Status& s) {
+    return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("chunk ", c.index, " (rows ", c.first_row, "..",
+                                                            c.first_row + c.rows - 1, "): ", s.message())));
+  };
+  // After its engine call: sums, metrics, and the answer on its way.
+  auto answer = [&](InFlightChunk& c) -> grpc::Status {
+    v1::ChunkResult* out = c.resp.mutable_chunk();
+    if (is_fb || is_pl) {
+      for (float l : c.loss) loss_sum += l;
+      if (plan->want_loss) out->mutable_loss()->Add(c.loss.begin(), c.loss.end());
+    }
+    if (config_.metrics != nullptr) {
+      config_.metrics->tokens.WithLabels({op}).Increment(static_cast<double>(c.rows));
+      config_.metrics->bytes_received.Increment(static_cast<double>(c.message_bytes));
+      config_.metrics->bytes_sent.Increment(static_cast<double>(c.resp.ByteSizeLong()));
+    }
+    c.hidden_slice = {};
+    c.dh_slice = {};
+    if (!timed(&RequestWork::write_wait_seconds, [&] { return writer.Push(std::move(c.resp)); })) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    }
+    c.resp = v1::StreamResponse();
+    return grpc::Status::OK;
+  };
+  // Pipelined streams (RequestHeader.sends_ahead): calls and answers on threads of their own.
+  // Declared after everything its steps use, so that it is destroyed (its steps finished) first,
+  // whichever way the stream ends.
+  std::optional<EngineCallPipeline> pipeline;
+  // Waits for the oldest pipelined chunk to be computed and answered.
+  auto wait_oldest = [&]() -> grpc::Status {
+    const InFlightChunk& c = chunks[(chunk_index - pipeline->outstanding()) % 2];
+    absl::Status s = pipeline->WaitOldest();
+    return s.ok() ? grpc::Status::OK : chunk_error(c, s);
+  };
   while (timed(&RequestWork::read_wait_seconds, [&] { return stream->Read(&msg); })) {
     if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
     if (msg.has_header()) {
@@ -331,7 +403,13 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
                           absl::StrCat("message ", chunk_index + 1, " is neither a header nor a chunk"));
     }
     if (chunk_index == 0 && work != nullptr) work->first_chunk_wait_seconds = work->read_wait_seconds;
-    const v1::RowChunk& chunk = msg.chunk();
+    // The slot's last chunk (two back) must be done before this one takes its place.
+    if (pipeline.has_value() && pipeline->outstanding() > 1) {
+      if (grpc::Status g = wait_oldest(); !g.ok()) return g;
+    }
+    InFlightChunk& c = chunks[chunk_index % 2];
+    c.msg.Swap(&msg);
+    const v1::RowChunk& chunk = c.msg.chunk();
     absl::StatusOr<int64_t> rows = validator.ValidateChunk(*plan, chunk, chunk_index, rows_seen);
     if (!rows.ok()) {
       if (rows.status().code() == absl::StatusCode::kResourceExhausted && config_.metrics != nullptr) {
@@ -340,11 +418,16 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       return ToGrpcStatus(rows.status());
     }
     const int64_t n = *rows;
+    c.index = chunk_index;
+    c.first_row = rows_seen;
+    c.rows = n;
+    c.message_bytes = static_cast<int64_t>(c.msg.ByteSizeLong());
     // Co-located clients: hidden states read from, and d_hidden written to, shared-memory regions
     // of the request's session (checked: owner, bounds, size). The slices stay mapped until the
     // chunk is done.
     const char* hidden_ptr = chunk.hidden().data();
-    RegionRegistry::Slice hidden_slice, dh_slice;
+    c.hidden_slice = {};
+    c.dh_slice = {};
     if (chunk.has_hidden_region() || chunk.has_d_hidden_region()) {
       const auto& md = ctx->client_metadata();
       auto it = md.find("lce-session");
@@ -355,27 +438,27 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       if (chunk.has_hidden_region()) {
         absl::StatusOr<RegionRegistry::Slice> r = regions_.Resolve(session, chunk.hidden_region(), n * row_bytes, "hidden_region");
         if (!r.ok()) return fail(r.status());
-        hidden_slice = *std::move(r);
-        hidden_ptr = reinterpret_cast<const char*>(hidden_slice.bytes.data());
+        c.hidden_slice = *std::move(r);
+        hidden_ptr = reinterpret_cast<const char*>(c.hidden_slice.bytes.data());
       }
       if (chunk.has_d_hidden_region()) {
         if (!(is_fb || is_bw || is_pl)) return fail(absl::InvalidArgumentError("d_hidden_region: Score returns no d_hidden"));
         absl::StatusOr<RegionRegistry::Slice> r = regions_.Resolve(session, chunk.d_hidden_region(), n * row_bytes, "d_hidden_region");
         if (!r.ok()) return fail(r.status());
-        dh_slice = *std::move(r);
-        if (dh_slice.device && !hidden_slice.device) {
+        c.dh_slice = *std::move(r);
+        if (c.dh_slice.device && !c.hidden_slice.device) {
           return fail(absl::InvalidArgumentError(
               "d_hidden_region is device memory (CUDA IPC) but the hidden states are not: put both on the GPU"));
         }
         // The engine reads hidden after it starts writing d_hidden: the two must not share bytes.
         const uint8_t* hp = reinterpret_cast<const uint8_t*>(hidden_ptr);
-        const uint8_t* dp = dh_slice.bytes.data();
-        if (dh_slice.device == hidden_slice.device && hp < dp + n * row_bytes && dp < hp + n * row_bytes) {
+        const uint8_t* dp = c.dh_slice.bytes.data();
+        if (c.dh_slice.device == c.hidden_slice.device && hp < dp + n * row_bytes && dp < hp + n * row_bytes) {
           return fail(absl::InvalidArgumentError("d_hidden_region overlaps the chunk's hidden states"));
         }
       }
     }
-    const bool on_device = hidden_slice.device;
+    const bool on_device = c.hidden_slice.device;
     bytes_seen += n * row_bytes;
     if (config_.max_request_bytes > 0 && bytes_seen > config_.max_request_bytes) {
       if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"request_bytes"}).Increment();
@@ -386,21 +469,22 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     int64_t valid = 0;
     for (int32_t y : chunk.targets()) valid += y != plan->options.ignore_index ? 1 : 0;
 
-    resp.Clear();
-    v1::ChunkResult* out = resp.mutable_chunk();
+    c.resp.Clear();
+    v1::ChunkResult* out = c.resp.mutable_chunk();
     out->set_first_row(rows_seen);
     out->set_rows(n);
     RowOutputs row_out;
     if (plan->want_logprobs) row_out.logprob = Grow(out->mutable_logprobs(), n);
     if (plan->want_entropy) row_out.entropy = Grow(out->mutable_entropy(), n);
+    c.loss.clear();
     if (is_fb) {
-      loss_buf.assign(n, 0.0f);
-      row_out.loss = loss_buf.data();
+      c.loss.assign(n, 0.0f);
+      row_out.loss = c.loss.data();
     }
     Upstream up;
     GradOutputs grads;
-    if (dh_slice.hold != nullptr) {
-      grads.d_hidden = dh_slice.bytes.data();
+    if (c.dh_slice.hold != nullptr) {
+      grads.d_hidden = c.dh_slice.bytes.data();
     } else if (is_fb || is_bw || is_pl) {
       std::string* dh = out->mutable_d_hidden();
       dh->resize(static_cast<size_t>(n * row_bytes));
@@ -411,14 +495,68 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     // A GPU engine of one rank gets every chunk in device memory, copied on this stream's thread
     // (outside the engine's lock); weight-gradient accumulation (a host buffer) keeps the host path.
     const bool device_path = on_device || (config_.cuda_device >= 0 && !plan->accumulate_weight_grad);
-    if (device_path && staging.held == nullptr) {
-      absl::StatusOr<std::unique_ptr<ChunkStaging>> st = TakeStaging();
-      if (!st.ok()) return ToGrpcStatus(st.status());
-      staging.held = *std::move(st);
+    // Calls are pipelined where the client sends ahead (a client waiting for an answer before it
+    // sends more would wait for ever on a server reading ahead), except PolicyLoss's (host work
+    // between its two calls) and those that accumulate the weight gradient (the training lock).
+    const bool pipelined = config_.pipeline_chunks && plan->sends_ahead && !is_pl && !plan->accumulate_weight_grad;
+    rows_seen += n;
+    valid_seen += valid;
+    ++chunk_index;
+    const int slot = static_cast<int>(c.index % 2);
+    if (device_path) {
+      for (int k = 0; k < (pipelined ? 2 : 1); ++k) {
+        if (staging.held[k] != nullptr) continue;
+        absl::StatusOr<std::unique_ptr<ChunkStaging>> st = TakeStaging();
+        if (!st.ok()) return ToGrpcStatus(st.status());
+        staging.held[k] = *std::move(st);
+      }
+    }
+    if (is_fb) {
+      up.mode = GradMode::kLoss;
+      if (plan->reduction == v1::REDUCTION_NONE) {
+        up.grad_loss = chunk.grad_loss_size() > 0 ? chunk.grad_loss().data() : nullptr;
+      } else if (plan->reduction == v1::REDUCTION_MEAN) {
+        const float g = plan->declared_valid_tokens > 0 ? 1.0f / static_cast<float>(plan->declared_valid_tokens) : 0.0f;
+        c.grad.assign(n, g);
+        up.grad_loss = c.grad.data();
+      }
+    } else if (is_bw) {
+      up.mode = GradMode::kGeneric;
+      up.grad_logprob = chunk.grad_logprob_size() > 0 ? chunk.grad_logprob().data() : nullptr;
+      up.grad_entropy = chunk.grad_entropy_size() > 0 ? chunk.grad_entropy().data() : nullptr;
+    }
+    if (pipelined) {
+      // Stage this chunk (its uploads overlap the previous chunk's compute) and queue its call; its
+      // outputs come back and its answer leaves on the pipeline's second thread.
+      if (!pipeline.has_value()) pipeline.emplace(work);
+      if (device_path) {
+        absl::StatusOr<StagedCall> staged = StageOnDevice(*staging.held[slot], view, on_device, row_bytes, up, row_out,
+                                                          grads, c.dh_slice.device);
+        if (!staged.ok()) return chunk_error(c, staged.status());
+        c.staged = *staged;
+      } else {
+        c.staged = StagedCall{view, up, row_out, grads};
+      }
+      ChunkStaging* st = device_path ? staging.held[slot].get() : nullptr;
+      pipeline->Submit(
+          [this, method, op, &engine, &c, &options = plan->options] {
+            return RunEngine(method, op, engine, c.staged.rows, options, c.staged.up, c.staged.outs, c.staged.grads);
+          },
+          [this, st, &c, &answer]() -> absl::Status {
+            if (st != nullptr) {
+              if (absl::Status s = UnstageFromDevice(*st, c.staged); !s.ok()) return s;
+            }
+            return answer(c).ok() ? absl::OkStatus() : absl::CancelledError("client went away");
+          });
+      continue;
+    }
+    // Unpipelined: drain what a pipelined chunk left, then compute here.
+    while (pipeline.has_value() && pipeline->outstanding() > 0) {
+      if (grpc::Status g = wait_oldest(); !g.ok()) return g;
     }
     auto compute = [&](const char* what, const Upstream& u, const RowOutputs& o, const GradOutputs& g) {
-      return device_path ? RunEngineOnDevice(method, what, engine, *staging.held, view, on_device, plan->options, u, o, g,
-                                             dh_slice.device)
+      return device_path ? RunEngineOnDevice(method, what, engine, *staging.held[0], view, on_device, plan->options, u,
+                                             o, g, c.dh_slice.device)
                          : RunEngine(method, what, engine, view, plan->options, u, o, g);
     };
     absl::Status s;
@@ -438,29 +576,16 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
           ++seq_seen[sid];
           w_buf[i] = AggregationWeight(plan->aggregation, plan->sequence_valid_tokens[sid], plan->total_valid_tokens, num_seq);
         }
-        loss_buf.assign(n, 0.0f);
+        c.loss.assign(n, 0.0f);
         u_buf.assign(n, 0.0f);
         e_buf.assign(n, 0.0f);
         PolicyLossRows(n, plan->policy, lp_buf.data(), ent_buf.data(), chunk.old_logprobs().data(),
                        chunk.advantages().data(), chunk.ref_logprobs_size() > 0 ? chunk.ref_logprobs().data() : nullptr,
-                       w_buf.data(), valid_buf.get(), loss_buf.data(), u_buf.data(), e_buf.data(), &policy_sums);
+                       w_buf.data(), valid_buf.get(), c.loss.data(), u_buf.data(), e_buf.data(), &policy_sums);
         if (plan->want_logprobs) std::copy(lp_buf.begin(), lp_buf.end(), row_out.logprob);
         if (plan->want_entropy) std::copy(ent_buf.begin(), ent_buf.end(), row_out.entropy);
         up = Upstream{GradMode::kGeneric, nullptr, u_buf.data(), e_buf.data()};
       }
-    } else if (is_fb) {
-      up.mode = GradMode::kLoss;
-      if (plan->reduction == v1::REDUCTION_NONE) {
-        up.grad_loss = chunk.grad_loss_size() > 0 ? chunk.grad_loss().data() : nullptr;
-      } else if (plan->reduction == v1::REDUCTION_MEAN) {
-        const float g = plan->declared_valid_tokens > 0 ? 1.0f / static_cast<float>(plan->declared_valid_tokens) : 0.0f;
-        grad_buf.assign(n, g);
-        up.grad_loss = grad_buf.data();
-      }
-    } else if (is_bw) {
-      up.mode = GradMode::kGeneric;
-      up.grad_logprob = chunk.grad_logprob_size() > 0 ? chunk.grad_logprob().data() : nullptr;
-      up.grad_entropy = chunk.grad_entropy_size() > 0 ? chunk.grad_entropy().data() : nullptr;
     }
     if (s.ok()) {
       const RowOutputs second = is_pl ? RowOutputs{} : row_out;
@@ -473,26 +598,11 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
         s = compute(op, up, second, grads);
       }
     }
-    if (!s.ok()) {
-      return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("chunk ", chunk_index, " (rows ", rows_seen, "..",
-                                                              rows_seen + n - 1, "): ", s.message())));
-    }
-    if (is_fb || is_pl) {
-      for (float l : loss_buf) loss_sum += l;
-      if (plan->want_loss) out->mutable_loss()->Add(loss_buf.begin(), loss_buf.end());
-    }
-    rows_seen += n;
-    valid_seen += valid;
-    ++chunk_index;
-    if (config_.metrics != nullptr) {
-      config_.metrics->tokens.WithLabels({op}).Increment(static_cast<double>(n));
-      config_.metrics->bytes_received.Increment(static_cast<double>(msg.ByteSizeLong()));
-      config_.metrics->bytes_sent.Increment(static_cast<double>(resp.ByteSizeLong()));
-    }
-    if (!timed(&RequestWork::write_wait_seconds, [&] { return writer.Push(std::move(resp)); })) {
-      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
-    }
-    resp = v1::StreamResponse();
+    if (!s.ok()) return chunk_error(c, s);
+    if (grpc::Status g = answer(c); !g.ok()) return g;
+  }
+  while (pipeline.has_value() && pipeline->outstanding() > 0) {
+    if (grpc::Status g = wait_oldest(); !g.ok()) return g;
   }
   if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
   if (rows_seen == 0) {
@@ -518,7 +628,7 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     }
   }
   if (is_fb || is_pl) {
-    resp.Clear();
+    v1::StreamResponse resp;
     v1::RequestSummary* sum = resp.mutable_summary();
     sum->set_rows(rows_seen);
     sum->set_valid_tokens(valid_seen);

@@ -35,6 +35,9 @@ struct ServiceConfig {
   RequestAuthenticator auth;
   // One JSON line per finished RPC on stderr (request_log.h).
   bool log_requests = false;
+  // Streams whose client sends ahead (RequestHeader.sends_ahead) run their engine calls on an
+  // EngineCallPipeline: chunk k computes while chunk k+1 is read and staged and chunk k-1 answered.
+  bool pipeline_chunks = true;
   // Metrics to update (null: none). Not owned.
   ServiceMetrics* metrics = nullptr;
   // Rank 0 of a tensor-parallel group (null without one): training RPCs drive the peers through it.
@@ -105,6 +108,22 @@ class LceService final : public v1::LceService::Service {
                                  const RowsView& rows, bool hidden_on_device, const LceOptions& options,
                                  const Upstream& up, const RowOutputs& out, const GradOutputs& grads,
                                  bool d_hidden_on_device);
+  // RunEngineOnDevice in its three steps, for streams whose calls run on an EngineCallPipeline:
+  // StageOnDevice queues the uploads into `st` and waits for them; the call's device views are then
+  // ready for the engine; UnstageFromDevice brings the host outputs back (after the call).
+  struct StagedCall {
+    RowsView rows;
+    Upstream up;
+    RowOutputs outs;
+    GradOutputs grads;
+    float* host_out[4] = {nullptr, nullptr, nullptr, nullptr};  // logprob, entropy, lse, loss
+    void* host_d_hidden = nullptr;  // null when d_hidden is written in place on the device
+    int64_t d_hidden_bytes = 0;
+  };
+  absl::StatusOr<StagedCall> StageOnDevice(ChunkStaging& st, const RowsView& rows, bool hidden_on_device,
+                                           int64_t row_bytes, const Upstream& up, const RowOutputs& out,
+                                           const GradOutputs& grads, bool d_hidden_on_device);
+  absl::Status UnstageFromDevice(ChunkStaging& st, const StagedCall& call);
   // Device staging for one stream, reused across streams (allocation is slow, pinned or not).
   absl::StatusOr<std::unique_ptr<ChunkStaging>> TakeStaging();
   void ReturnStaging(std::unique_ptr<ChunkStaging> staging);

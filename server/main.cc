@@ -158,6 +158,7 @@ int main(int argc, char** argv) {
   options.service.auth = *auth;
   options.service.metrics = &service_metrics;
   options.service.log_requests = flags->log_requests;
+  options.service.pipeline_chunks = flags->pipeline_chunks;
   options.service.make_engine = make_engine;
   options.service.tp_front = front.get();
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(heads, options);

@@ -92,6 +92,7 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
   if (absl::Status s = ValidateOptions(o); !s.ok()) return s;
 
   plan.partial = h.partial();
+  plan.sends_ahead = h.sends_ahead();
   if (h.outputs().empty()) {
     plan.want_logprobs = rpc_ == RpcKind::kScore;
     plan.want_entropy = rpc_ == RpcKind::kScore;

@@ -33,6 +33,7 @@ struct RequestPlan {
   int64_t declared_valid_tokens = -1;            // REDUCTION_MEAN
   bool accumulate_weight_grad = false;           // ForwardBackward, PolicyLoss
   bool partial = false;                          // one part of a request split over streams
+  bool sends_ahead = false;                      // the client sends without waiting for answers
   // PolicyLoss
   PolicyLossConfig policy;
   AggregationKind aggregation = AggregationKind::kTokenMean;

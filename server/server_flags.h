@@ -28,6 +28,7 @@ struct ServerFlags {
   std::vector<std::pair<std::string, int>> grpc_channel_args;  // extra integer gRPC channel arguments
   int64_t max_rows_per_request = int64_t{1} << 24;
   bool log_requests = true;     // one JSON line per finished RPC on stderr
+  bool pipeline_chunks = true;  // ServiceConfig.pipeline_chunks
   int metrics_port = -1;        // -1: no metrics endpoint; 0: pick a free port
   std::string metrics_host = "0.0.0.0";
   int64_t max_concurrent_streams = 64;

@@ -163,6 +163,31 @@ TEST_F(BadInput, NonFiniteHidden) {
   }
 }
 
+TEST_F(BadInput, NonFiniteHiddenInAPipelinedStream) {
+  // A client that sends ahead (header.sends_ahead) gets the pipelined server: chunk k computes while
+  // chunk k+1 is read. A failing middle chunk still ends the stream with its own error, after the
+  // answer of the chunk before it and without the answers of those after it.
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    v1::StreamRequest h = Header(v1::DTYPE_FLOAT32);
+    h.mutable_header()->set_head("wide");
+    h.mutable_header()->set_sends_ahead(true);
+    std::vector<v1::StreamRequest> msgs{h};
+    for (int c = 0; c < 5; ++c) {
+      Batch b = MakeBatch(8, v1::DTYPE_FLOAT32, 20 + c);
+      if (c == 2) std::memcpy(b.hidden.data() + (5 * kHidden + 1) * 4, &bad, 4);
+      msgs.push_back(Chunk(b));
+    }
+    std::vector<v1::StreamResponse> answers;
+    ExpectError(Run(kScore, msgs, &answers), grpc::StatusCode::INVALID_ARGUMENT,
+                "chunk 2 (rows 16..23): row 5: non-finite logits");
+    ASSERT_EQ(answers.size(), 2u);
+    EXPECT_EQ(answers[0].chunk().first_row(), 0);
+    EXPECT_EQ(answers[1].chunk().first_row(), 8);
+    EXPECT_EQ(answers[1].chunk().logprobs_size(), 8);
+  }
+  ExpectStillServing();
+}
+
 TEST_F(BadInput, MeanNeedsTheValidTokenCount) {
   Batch b = MakeBatch(10, v1::DTYPE_BFLOAT16, 8);
   ExpectError(Run(kForwardBackward, {Header(), Chunk(b)}), grpc::StatusCode::INVALID_ARGUMENT, "num_valid_tokens");

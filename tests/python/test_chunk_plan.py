@@ -167,8 +167,9 @@ def tagged(client, rid):
     client._metadata = tuple(m for m in (client._metadata or ()) if m[0] != "x-request-id") + (("x-request-id", rid),)
 
 
-def engine_calls(server, rid, method, timeout=5.0):
-    """Engine calls of request `rid` (all its streams) by the server's request log."""
+def engine_calls(server, rid, method, timeout=5.0, parts=1):
+    """Engine calls of request `rid` (all its streams) by the server's request log, once `parts`
+    streams of it are logged (or the timeout passes)."""
     deadline = time.time() + timeout
     while True:
         lines = []
@@ -177,20 +178,22 @@ def engine_calls(server, rid, method, timeout=5.0):
                 d = json.loads(line)
                 if d.get("request_id") == rid and d.get("method") == method:
                     lines.append(d)
-        if lines or time.time() > deadline:
+        if len(lines) >= parts or time.time() > deadline:
             return sum(d.get("engine_calls", 0) for d in lines), len(lines)
         time.sleep(0.02)
 
 
-def expected_chunks(client, rows, row_bytes, region_backed=False):
-    """The request's parts and the chunks each is sent as, in the request's rows."""
+def expected_chunks(client, rows, row_bytes, region_backed=False, score=False):
+    """The request's parts and the chunks each is sent as, in the request's rows. A score has no
+    smaller last chunk (its last answer is a few floats: nothing to shorten)."""
     parts = client._plan_parts(rows, row_bytes, max(1, client.chunk_bytes // row_bytes), None)
     out = []
     for r0, r1 in parts:
         if region_backed:
             p = plan_chunks(r1 - r0, row_bytes, client.chunk_bytes)
         else:
-            p = plan_chunks(r1 - r0, row_bytes, client.chunk_bytes, client.first_chunk_bytes, client.last_chunk_bytes)
+            p = plan_chunks(r1 - r0, row_bytes, client.chunk_bytes, client.first_chunk_bytes,
+                            0 if score else client.last_chunk_bytes)
         out.append([(r0 + f, n) for f, n in p])
     return parts, out
 
@@ -286,7 +289,7 @@ def test_the_server_gets_the_planned_chunks_and_answers_as_for_them(plan_heads, 
                 assert list(ch.targets) == y[r0:r0 + n].tolist()
         increments = np.diff([0] + done).tolist()
         assert done[-1] == rows and sorted(increments) == sorted(n for _, n in chunks)
-        calls, logged = engine_calls(head.server, rid, "ForwardBackward")
+        calls, logged = engine_calls(head.server, rid, "ForwardBackward", parts=streams)
         assert logged == streams and calls == len(chunks), (calls, logged, len(chunks))
 
         # Bit for bit the answers of the same chunks, each sent as a request of its own.
@@ -306,9 +309,21 @@ def test_the_server_gets_the_planned_chunks_and_answers_as_for_them(plan_heads, 
         np.testing.assert_array_equal(r.per_token_loss, want_loss)
         np.testing.assert_array_equal(as_bits(r.d_hidden), as_bits(want_dh))
         np.testing.assert_array_equal(as_bits(c.backward(h, y, glp, gent, **call_kw)), as_bits(want_bwd))
+        # a score's chunks: the same without the smaller last one
+        _, score_plans = expected_chunks(c, rows, rb, region_backed=path == "shm", score=True)
+        score_chunks = [ch for p in score_plans for ch in p]
+        if path != "shm" and last_rows:
+            assert len(score_chunks) < len(chunks)
+        sid = "plan-score-" + uuid.uuid4().hex[:12]
+        tagged(c, sid)
         lp, ent = c.score(h, y, **call_kw)
-        np.testing.assert_array_equal(lp, want_lp)
-        np.testing.assert_array_equal(ent, want_ent)
+        calls, _ = engine_calls(head.server, sid, "Score", parts=streams)
+        assert calls == len(score_chunks), (calls, len(score_chunks))
+        want_slp, want_sent = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+        for r0, n in score_chunks:
+            want_slp[r0:r0 + n], want_sent[r0:r0 + n] = one.score(st[r0:r0 + n], y[r0:r0 + n])
+        np.testing.assert_array_equal(lp, want_slp)
+        np.testing.assert_array_equal(ent, want_sent)
 
         # And what the default chunking answers, to float rounding (bit for bit where the chunks are
         # the default's: shared memory).

@@ -176,7 +176,9 @@ class Client:
         it; a smaller first chunk starts it earlier (a short pipeline fill).
       last_chunk_bytes: hidden-state bytes of each stream's last chunk (0, the default: what is left).
         Nothing overlaps the last chunk's compute and answer; a smaller one shortens that tail. It
-        applies where a stream has more rows than its first chunk and such a last one.
+        applies where a stream has more rows than its first chunk and such a last one, in calls that
+        return d_hidden (a score's last answer is a few floats: a smaller last chunk only adds an
+        engine call).
         Both apply to every stream of a request (see `streams`), each planned on its own rows
         (lce_client.plan_chunks), on the wire and over the data plane; requests whose hidden states
         are in a shared-memory or CUDA region (hidden_region) are chunked by chunk_bytes alone, as
@@ -616,16 +618,20 @@ class Client:
         row_bytes = h.hidden_size * h.itemsize
         return max(1, self.chunk_bytes // max(1, row_bytes))
 
-    def _plan_part(self, rows: int, row_bytes: int, region_backed: bool) -> List[Tuple[int, int]]:
+    def _plan_part(self, rows: int, row_bytes: int, region_backed: bool,
+                   d_hidden_back: bool = True) -> List[Tuple[int, int]]:
         """The chunks [(first_row, rows), ...] of one stream's `rows` rows (relative to the stream's
         first row). A request whose hidden states are in a shared-memory or CUDA region (not the data
         plane) carries no hidden bytes: it is cut at chunk_bytes alone, without the smaller first and
         last chunks (the C++ client, StreamPart, ignores them there too, sending up to 65536 rows a
         chunk instead). Elsewhere (bytes on the wire, the data plane) plan_chunks with the client's
-        first_chunk_bytes and last_chunk_bytes."""
+        first_chunk_bytes and last_chunk_bytes; the smaller last chunk only where d_hidden comes back
+        (d_hidden_back): a score's last answer is a few floats, its tail the last chunk's compute,
+        which a smaller chunk does not shorten (one more engine call, as the C++ client)."""
         if region_backed:
             return plan_chunks(rows, row_bytes, self.chunk_bytes)
-        return plan_chunks(rows, row_bytes, self.chunk_bytes, self.first_chunk_bytes, self.last_chunk_bytes)
+        return plan_chunks(rows, row_bytes, self.chunk_bytes, self.first_chunk_bytes,
+                           self.last_chunk_bytes if d_hidden_back else 0)
 
     def _stream_stub(self, i: int):
         """The stub of the i-th extra channel for the parts of split requests (made on first use). Each
@@ -677,7 +683,9 @@ class Client:
         it). Over the data plane (`uploads`), the part's uploaders write the chunks into the region
         meanwhile; a chunk's message is made once all its shares are in (this waits in gRPC's request
         thread, beside the answers being read). A failed upload cancels the call through `uploads`
-        and ends the stream."""
+        and ends the stream. Every message is sent without waiting for answers (header.sends_ahead:
+        the server may then compute one chunk while it reads and stages the next)."""
+        header.sends_ahead = True
         yield pb.StreamRequest(header=header)
         buf = h.byte_view() if hidden_at is None else None
         row_bytes = h.hidden_size * h.itemsize
@@ -802,7 +810,8 @@ class Client:
         n = end - begin
         row_bytes = h.hidden_size * h.itemsize
         plan = [(begin + r0, rows) for r0, rows in
-                self._plan_part(n, row_bytes, region_backed=hidden_at is not None and route is None)]
+                self._plan_part(n, row_bytes, region_backed=hidden_at is not None and route is None,
+                                d_hidden_back=d_hidden_at is not None or dh_bytes is not None)]
         uploads = None
         if route is not None:
             buf = h.byte_view()

@@ -34,8 +34,9 @@ struct ClientOptions {
   // (bench/RESULTS.md): the server's wait for chunks fell 1.16 -> 0.52 ms a request, but the two more
   // engine calls cost as much; off by default.
   bool grow_chunks = false;
-  // Hidden bytes of each stream's last chunk (0: what is left). Nothing overlaps the last chunk's
-  // compute and answer; a smaller one shortens that tail.
+  // Hidden bytes of each stream's last chunk (0: what is left) in calls that return d_hidden.
+  // Nothing overlaps the last chunk's compute and answer; a smaller one shortens that tail. Scores
+  // ignore it: their last answer is a few floats, and a smaller last chunk only adds an engine call.
   int64_t last_chunk_bytes = 0;
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
   std::string bearer_token;                // sent as "authorization: Bearer <token>" when set

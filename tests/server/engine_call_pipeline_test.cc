@@ -1,0 +1,173 @@
+#include "engine_call_pipeline.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace lce::server {
+namespace {
+
+using std::chrono::milliseconds;
+
+// Records the order of the steps, from any thread.
+struct Log {
+  std::mutex mu;
+  std::vector<std::string> events;
+  void Add(std::string e) {
+    std::lock_guard<std::mutex> l(mu);
+    events.push_back(std::move(e));
+  }
+};
+
+TEST(EngineCallPipelineTest, CallsAndFinishesRunInOrderOnTheirOwnThreads) {
+  RequestWork work;
+  Log log;
+  const std::thread::id caller = std::this_thread::get_id();
+  std::atomic<int> on_caller_thread{0}, without_work{0};
+  {
+    EngineCallPipeline p(&work);
+    for (int i = 0; i < 4; ++i) {
+      p.Submit(
+          [&, i] {
+            std::this_thread::sleep_for(milliseconds(i == 0 ? 20 : 1));  // the first is slow
+            log.Add(absl::StrCat("call ", i));
+            on_caller_thread += std::this_thread::get_id() == caller;
+            without_work += RequestWork::Current() != &work;
+            return absl::OkStatus();
+          },
+          [&, i] {
+            log.Add(absl::StrCat("finish ", i));
+            on_caller_thread += std::this_thread::get_id() == caller;
+            without_work += RequestWork::Current() != &work;
+            return absl::OkStatus();
+          });
+    }
+    EXPECT_EQ(p.outstanding(), 4);
+    for (int i = 0; i < 4; ++i) EXPECT_TRUE(p.WaitOldest().ok());
+    EXPECT_EQ(p.outstanding(), 0);
+  }
+  std::vector<std::string> calls, finishes;
+  for (const auto& e : log.events) (e.rfind("call", 0) == 0 ? calls : finishes).push_back(e);
+  EXPECT_EQ(calls, (std::vector<std::string>{"call 0", "call 1", "call 2", "call 3"}));
+  EXPECT_EQ(finishes, (std::vector<std::string>{"finish 0", "finish 1", "finish 2", "finish 3"}));
+  EXPECT_EQ(on_caller_thread.load(), 0);
+  EXPECT_EQ(without_work.load(), 0);  // steps count in the request's accounting
+}
+
+TEST(EngineCallPipelineTest, TheNextCallRunsWhileTheLastOneFinishes) {
+  // A slow finish (outputs copied back, the answer queued) must not hold the next call back.
+  EngineCallPipeline p(nullptr);
+  std::atomic<bool> second_call_ran{false}, first_finish_saw_it{false};
+  p.Submit([] { return absl::OkStatus(); },
+           [&] {
+             for (int i = 0; i < 2000 && !second_call_ran; ++i) std::this_thread::sleep_for(milliseconds(1));
+             first_finish_saw_it = second_call_ran.load();
+             return absl::OkStatus();
+           });
+  p.Submit(
+      [&] {
+        second_call_ran = true;
+        return absl::OkStatus();
+      },
+      [] { return absl::OkStatus(); });
+  EXPECT_TRUE(p.WaitOldest().ok());
+  EXPECT_TRUE(p.WaitOldest().ok());
+  EXPECT_TRUE(first_finish_saw_it.load());
+}
+
+TEST(EngineCallPipelineTest, AFailedCallIsNotFinishedAndLaterOnesAreSkipped) {
+  EngineCallPipeline p(nullptr);
+  std::atomic<int> calls{0}, finishes{0};
+  auto ok_call = [&] {
+    ++calls;
+    return absl::OkStatus();
+  };
+  auto finish = [&] {
+    ++finishes;
+    return absl::OkStatus();
+  };
+  p.Submit(ok_call, finish);
+  p.Submit(
+      [&] {
+        ++calls;
+        return absl::InvalidArgumentError("row 7: non-finite logits");
+      },
+      finish);
+  p.Submit(ok_call, finish);
+  EXPECT_TRUE(p.WaitOldest().ok());  // the chunk before the failure is answered
+  absl::Status failed = p.WaitOldest();
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(failed.message(), "row 7: non-finite logits");
+  EXPECT_EQ(p.WaitOldest().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(calls.load(), 2);
+  EXPECT_EQ(finishes.load(), 1);
+}
+
+TEST(EngineCallPipelineTest, AFailedFinishSkipsLaterFinishesButNotEarlierOnes) {
+  // The client went away while chunk 1 was answered: chunk 0 still counts as answered, chunk 2 not.
+  EngineCallPipeline p(nullptr);
+  std::atomic<int> finishes{0};
+  auto call = [] { return absl::OkStatus(); };
+  p.Submit(call, [&] {
+    ++finishes;
+    return absl::OkStatus();
+  });
+  p.Submit(call, [] { return absl::CancelledError("client went away"); });
+  p.Submit(call, [&] {
+    ++finishes;
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(p.WaitOldest().ok());
+  EXPECT_EQ(p.WaitOldest().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(p.WaitOldest().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(finishes.load(), 1);
+}
+
+TEST(EngineCallPipelineTest, SubmitReturnsWhileTheCallRuns) {
+  EngineCallPipeline p(nullptr);
+  std::atomic<bool> release{false}, started{false};
+  p.Submit(
+      [&] {
+        started = true;
+        while (!release) std::this_thread::sleep_for(std::chrono::microseconds(100));
+        return absl::OkStatus();
+      },
+      [] { return absl::OkStatus(); });
+  // The handler goes on (reads and stages the next chunk) while the call runs.
+  while (!started) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  EXPECT_EQ(p.outstanding(), 1);
+  release = true;
+  EXPECT_TRUE(p.WaitOldest().ok());
+}
+
+TEST(EngineCallPipelineTest, DestructionRunsWhatWasSubmittedBeforeItReturns) {
+  // A stream that fails while chunks are queued leaves them to finish: their buffers live in the
+  // handler's frame, so the pipeline must not return from its destructor with a step running.
+  std::atomic<int> done{0};
+  {
+    EngineCallPipeline p(nullptr);
+    for (int i = 0; i < 3; ++i) {
+      p.Submit(
+          [&] {
+            std::this_thread::sleep_for(milliseconds(5));
+            return absl::OkStatus();
+          },
+          [&] {
+            std::this_thread::sleep_for(milliseconds(2));
+            ++done;
+            return absl::OkStatus();
+          });
+    }
+  }
+  EXPECT_EQ(done.load(), 3);
+}
+
+}  // namespace
+}  // namespace lce::server
