@@ -4,7 +4,9 @@ number of engine calls (a proxy for the path and chunk plan: a one-call co-locat
 6-call data-plane one...), the requests (after the first of each method, a warm-up) and the median
 of their duration, engine time, queue time, waits (for the client's chunks, of which for the first,
 for the device staging copies, for room to answer, for the last answers to drain) and what is
-left: the handler's own work.
+left: the handler's own work. On pipelined streams (RequestHeader.sends_ahead) the engine's calls
+overlap the handler's reads and staging, so the parts add up to more than the duration and "other"
+comes out negative: there, duration minus the first chunk's wait minus the engine is the rest.
 Usage: transport_log_summary.py LOG [FIRST_LINE]"""
 import collections
 import json
@@ -32,4 +34,5 @@ for (m, calls), rs in sorted(by.items()):
     print(f"  server log {m}, {calls} engine calls: {len(rs)} streams, median {med('duration_ms'):.2f} ms = engine "
           f"{med('engine_ms'):.2f} + queue {med('queue_ms'):.2f} + read wait {med('read_wait_ms'):.2f} "
           f"(first chunk {med('first_chunk_wait_ms'):.2f}) + staging {med('staging_ms'):.2f} + write wait "
-          f"{med('write_wait_ms'):.2f} + drain {med('drain_ms'):.2f} + other {other:.2f}")
+          f"{med('write_wait_ms'):.2f} + drain {med('drain_ms'):.2f} + other {other:.2f}"
+          + (" (pipelined: waits overlap the engine)" if other < 0 else ""))
