@@ -6,7 +6,9 @@ of their duration, engine time, queue time, waits (for the client's chunks, of w
 for the device staging copies, for room to answer, for the last answers to drain) and what is
 left: the handler's own work. On pipelined streams (RequestHeader.sends_ahead) the engine's calls
 overlap the handler's reads and staging, so the parts add up to more than the duration and "other"
-comes out negative: there, duration minus the first chunk's wait minus the engine is the rest.
+comes out negative: there, duration minus the first chunk's wait minus the engine is the rest. The
+second line: the request's head (its start to the first engine call) and tail (the last call's end to
+its end), which a one-call engine-only run does not pay.
 Usage: transport_log_summary.py LOG [FIRST_LINE]"""
 import collections
 import json
@@ -36,3 +38,6 @@ for (m, calls), rs in sorted(by.items()):
           f"(first chunk {med('first_chunk_wait_ms'):.2f}) + staging {med('staging_ms'):.2f} + write wait "
           f"{med('write_wait_ms'):.2f} + drain {med('drain_ms'):.2f} + other {other:.2f}"
           + (" (pipelined: waits overlap the engine)" if other < 0 else ""))
+    if any("before_first_call_ms" in r for r in rs):
+        print(f"    head (start to first engine call) {med('before_first_call_ms'):.2f} ms, tail (last call's end to "
+              f"the end) {med('after_last_call_ms'):.2f} ms, outputs back (unstage) {med('unstage_ms'):.2f} ms")

@@ -470,15 +470,7 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     ctx.AddMetadata("lce-session", batch.hidden_region ? batch.hidden_region->session_id
                                                        : batch.d_hidden_region->session_id);
   }
-  std::unique_ptr<BidiStream> stream;
   const std::string which = rpc;
-  if (which == "Score") {
-    stream = stub.Score(&ctx);
-  } else if (which == "ForwardBackward") {
-    stream = stub.ForwardBackward(&ctx);
-  } else {
-    stream = stub.Backward(&ctx);
-  }
   // A region-backed chunk carries no hidden bytes: one chunk (of at most kRegionChunkRows rows) lets
   // the server run the part as one engine call. Over the data plane the bytes still travel, and
   // are chunked as on the wire so that transfer and compute overlap.
@@ -577,6 +569,16 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
       c->mutable_grad_entropy()->Add(grad_entropy.begin() + first, grad_entropy.begin() + first + n);
     }
   };
+  // The call starts after the uploaders (its setup waits for the headers to be sent): the first
+  // chunk is on its way meanwhile. An upload that fails first cancels the call once it starts.
+  std::unique_ptr<BidiStream> stream;
+  if (which == "Score") {
+    stream = stub.Score(&ctx);
+  } else if (which == "ForwardBackward") {
+    stream = stub.ForwardBackward(&ctx);
+  } else {
+    stream = stub.Backward(&ctx);
+  }
   std::thread writer([&] {
     v1::StreamRequest msg;
     *msg.mutable_header() = header;

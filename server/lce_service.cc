@@ -48,6 +48,8 @@ absl::Status LceService::RunEngine(const char* method, const char* op, LceEngine
   absl::Status s = engine.Compute(rows, options, up, out, grads);
   const auto t2 = std::chrono::steady_clock::now();
   if (RequestWork* w = RequestWork::Current(); w != nullptr) {
+    if (w->engine_calls == 0) w->first_call_start = t1;
+    w->last_call_end = t2;
     ++w->engine_calls;
     w->engine_seconds += std::chrono::duration<double>(t2 - t1).count();
     w->queue_seconds += std::chrono::duration<double>(t1 - t0).count();
@@ -170,6 +172,14 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
 
 absl::Status LceService::UnstageFromDevice(ChunkStaging& st, const StagedCall& call) {
   const auto start = std::chrono::steady_clock::now();
+  struct CountUnstage {
+    std::chrono::steady_clock::time_point start;
+    ~CountUnstage() {
+      if (RequestWork* w = RequestWork::Current(); w != nullptr) {
+        w->unstage_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      }
+    }
+  } count_unstage{start};
   const float* dev_out[4] = {call.outs.logprob, call.outs.entropy, call.outs.lse, call.outs.loss};
   for (int k = 0; k < 4; ++k) {
     if (call.host_out[k] == nullptr) continue;
@@ -386,6 +396,12 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   // Declared after everything its steps use, so that it is destroyed (its steps finished) first,
   // whichever way the stream ends.
   std::optional<EngineCallPipeline> pipeline;
+  // Calls are pipelined where the client sends ahead (a client waiting for an answer before it
+  // sends more would wait for ever on a server reading ahead), except PolicyLoss's (host work
+  // between its two calls) and those that accumulate the weight gradient (the training lock). Its
+  // threads start now, while the first chunk is on its way.
+  const bool pipelined = config_.pipeline_chunks && plan->sends_ahead && !is_pl && !plan->accumulate_weight_grad;
+  if (pipelined) pipeline.emplace(work);
   // Waits for the oldest pipelined chunk to be computed and answered.
   auto wait_oldest = [&]() -> grpc::Status {
     const InFlightChunk& c = chunks[(chunk_index - pipeline->outstanding()) % 2];
@@ -495,10 +511,6 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     // A GPU engine of one rank gets every chunk in device memory, copied on this stream's thread
     // (outside the engine's lock); weight-gradient accumulation (a host buffer) keeps the host path.
     const bool device_path = on_device || (config_.cuda_device >= 0 && !plan->accumulate_weight_grad);
-    // Calls are pipelined where the client sends ahead (a client waiting for an answer before it
-    // sends more would wait for ever on a server reading ahead), except PolicyLoss's (host work
-    // between its two calls) and those that accumulate the weight gradient (the training lock).
-    const bool pipelined = config_.pipeline_chunks && plan->sends_ahead && !is_pl && !plan->accumulate_weight_grad;
     rows_seen += n;
     valid_seen += valid;
     ++chunk_index;
@@ -528,7 +540,6 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     if (pipelined) {
       // Stage this chunk (its uploads overlap the previous chunk's compute) and queue its call; its
       // outputs come back and its answer leaves on the pipeline's second thread.
-      if (!pipeline.has_value()) pipeline.emplace(work);
       if (device_path) {
         absl::StatusOr<StagedCall> staged = StageOnDevice(*staging.held[slot], view, on_device, row_bytes, up, row_out,
                                                           grads, c.dh_slice.device);
@@ -550,10 +561,7 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
           });
       continue;
     }
-    // Unpipelined: drain what a pipelined chunk left, then compute here.
-    while (pipeline.has_value() && pipeline->outstanding() > 0) {
-      if (grpc::Status g = wait_oldest(); !g.ok()) return g;
-    }
+    // Unpipelined: compute here.
     auto compute = [&](const char* what, const Upstream& u, const RowOutputs& o, const GradOutputs& g) {
       return device_path ? RunEngineOnDevice(method, what, engine, *staging.held[0], view, on_device, plan->options, u,
                                              o, g, c.dh_slice.device)

@@ -55,6 +55,10 @@ void LogRequest(const std::string& request_id, const char* method, grpc::ServerC
     line["staging_ms"] = work.staging_seconds * 1e3;
     line["write_wait_ms"] = work.write_wait_seconds * 1e3;
     line["drain_ms"] = work.drain_seconds * 1e3;
+    line["unstage_ms"] = work.unstage_seconds * 1e3;
+    const auto ms = [](auto d) { return std::chrono::duration<double, std::milli>(d).count(); };
+    line["before_first_call_ms"] = ms(work.first_call_start - work.start);
+    line["after_last_call_ms"] = seconds * 1e3 - ms(work.last_call_end - work.start);
   }
   if (!status.ok()) line["message"] = status.error_message();
   const std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";

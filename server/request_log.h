@@ -3,6 +3,7 @@
 // client in the initial metadata.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -27,6 +28,13 @@ struct RequestWork {
   // GPU engines: a chunk's copies to and from the device staging (buffers, copies, waits), outside
   // the engine.
   double staging_seconds = 0;
+  // Of staging_seconds, bringing outputs back after the calls (the rest: inputs up, before them).
+  double unstage_seconds = 0;
+  // When the request began, its first engine call began, and its last one ended: the request's
+  // head (reading the header and first chunk, staging it) and tail (outputs back, the last answer
+  // written) are what a one-call engine-only run does not pay.
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point first_call_start{}, last_call_end{};
   // The request the calling thread is serving now (null outside one).
   static RequestWork* Current();
   // Makes `work` the calling thread's current request for the scope's life.
