@@ -64,13 +64,14 @@ constexpr char kBatch[] = R"(batch:
   --chunk-bytes=N            hidden bytes per streamed chunk (default 4194304)
   --first-chunk-bytes=N      a smaller first chunk: the server starts sooner (default 0: a full one)
   --last-chunk-bytes=N       a smaller last chunk: a shorter tail (default 0: what is left)
+  --grow-chunks=0|1          after the first chunk, each twice the one before up to --chunk-bytes (default 0)
 )";
 
 const std::set<std::string> kConnectionFlags = {"target", "timeout-seconds", "token-file", "tls-ca", "tls-cert",
                                                 "tls-key",  "streams",    "data-plane", "data-plane-sockets"};
 const std::set<std::string> kBatchFlags = {"head",        "hidden-file", "targets-file", "rows",       "seed",
                                            "temperature", "softcap",     "ignore-index", "chunk-bytes",
-                                           "first-chunk-bytes", "last-chunk-bytes"};
+                                           "first-chunk-bytes", "last-chunk-bytes", "grow-chunks"};
 
 struct Command {
   const char* help;
@@ -214,6 +215,9 @@ absl::StatusOr<lce::client::ClientOptions> Options(const Args& a) {
   if (!last.ok()) return last.status();
   o.first_chunk_bytes = *first;
   o.last_chunk_bytes = *last;
+  absl::StatusOr<int64_t> grow = a.Int("grow-chunks", 0, 0, 1);
+  if (!grow.ok()) return grow.status();
+  o.grow_chunks = *grow == 1;
   absl::StatusOr<int64_t> streams = a.Int("streams", 1, 1, 64);
   if (!streams.ok()) return streams.status();
   o.streams = static_cast<int>(*streams);
@@ -261,7 +265,7 @@ int Main(const Args& a) {
   if (absl::Status s = lce::client::cli::CheckKnownFlags(a, allowed); !s.ok()) return Usage(s);
   // Every value is checked before anything is sent, so that a typo is a usage error (exit 2).
   for (const char* name : {"rows", "seed", "show", "iterations", "warmup", "ignore-index", "chunk-bytes",
-                           "first-chunk-bytes", "last-chunk-bytes", "data-plane-sockets"}) {
+                           "first-chunk-bytes", "last-chunk-bytes", "grow-chunks", "data-plane-sockets"}) {
     if (!a.Has(name)) continue;
     if (absl::StatusOr<int64_t> v = a.Int(name, 0); !v.ok()) return Usage(v.status());
   }

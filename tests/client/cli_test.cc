@@ -50,7 +50,8 @@ TEST(Cli, UsageErrorsExitTwo) {
                            "forward-backward --target=127.0.0.1:1 --reduction=avg",
                            "score --target=127.0.0.1:1 --streams=0",
                            "score --target=127.0.0.1:1 --data-plane=1 --data-plane-sockets=17",
-                           "score --target=127.0.0.1:1 --first-chunk-bytes=-1"}) {
+                           "score --target=127.0.0.1:1 --first-chunk-bytes=-1",
+                           "score --target=127.0.0.1:1 --grow-chunks=2"}) {
     CliRun r = Cli(args);
     EXPECT_EQ(r.code, 2) << "'" << args << "': " << r.output;
     EXPECT_FALSE(r.output.empty()) << args;

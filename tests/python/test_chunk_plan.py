@@ -95,6 +95,33 @@ def test_a_smaller_last_chunk_where_the_rows_allow_it():
     assert plan_chunks(20, 100, 600, 0, 10_000) == [(0, 6), (6, 6), (12, 2), (14, 6)]
 
 
+def test_growing_from_the_first_chunk():
+    # 1, 2, 4, then 6-row chunks (the cap), the last 2 rows apart: the C++ PlanChunks test's plan.
+    assert plan_chunks(30, 100, 600, 100, 200, grow=True) == [(0, 1), (1, 2), (3, 4), (7, 6), (13, 6), (19, 6),
+                                                               (25, 3), (28, 2)]
+    # Without a smaller first chunk there is nothing to grow from.
+    assert plan_chunks(30, 100, 600, 0, 0, True) == plan_chunks(30, 100, 600)
+    # The measured score plan: 2 MiB first, 34 MiB cap, 8192 rows of 8 KiB.
+    assert [n for _, n in plan_chunks(8192, 8192, 34 << 20, 2 << 20, 0, True)] == [256, 512, 1024, 2048, 4096, 256]
+    rng = random.Random(11)
+    for _ in range(500):
+        rows, chunk = 1 + rng.randrange(3000), 100 * (1 + rng.randrange(64))
+        g = plan_chunks(rows, 100, chunk, 100 * (1 + rng.randrange(8)), 100 * rng.randrange(4), True)
+        expect_tiles(g, rows, chunk // 100)
+        assert all(g[k][1] <= 2 * g[k - 1][1] for k in range(2, len(g) - 1)), g
+
+
+def test_the_client_plans_growing_chunks_when_asked():
+    c = lce_client.Client("127.0.0.1:1", chunk_bytes=600, first_chunk_bytes=100, last_chunk_bytes=200,
+                          grow_chunks=True)
+    assert c._plan_part(30, 100, region_backed=False) == plan_chunks(30, 100, 600, 100, 200, True)
+    # a score keeps its last chunk whole
+    assert c._plan_part(30, 100, region_backed=False, d_hidden_back=False) == plan_chunks(30, 100, 600, 100, 0, True)
+    # region-backed requests are cut at chunk_bytes alone
+    assert c._plan_part(30, 100, region_backed=True) == plan_chunks(30, 100, 600)
+    assert lce_client.Client("127.0.0.1:1").grow_chunks is False
+
+
 def test_both_off_is_the_uniform_plan():
     for rows, rb, cb in ((517, 192, 16 * 192), (1, 96, 1), (100, 7, 1000), (4096, 96, 4 << 20), (33, 10, 11)):
         step = max(1, cb // rb)

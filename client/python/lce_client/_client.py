@@ -27,12 +27,13 @@ ProgressFn = Callable[[int, int], None]
 
 
 def plan_chunks(rows: int, row_bytes: int, chunk_bytes: int, first_chunk_bytes: int = 0,
-                last_chunk_bytes: int = 0) -> List[Tuple[int, int]]:
+                last_chunk_bytes: int = 0, grow: bool = False) -> List[Tuple[int, int]]:
     """Plans the chunks of a batch (the C++ client's PlanChunks): [(first_row, rows), ...] of at most
     max(1, chunk_bytes // row_bytes) rows each, tiling range(rows) in order; with first_chunk_bytes > 0
     the first chunk holds at most max(1, first_chunk_bytes // row_bytes) rows, and with
     last_chunk_bytes > 0 the last one at most max(1, last_chunk_bytes // row_bytes) rows (where the
-    batch has more rows than those two chunks). Neither is ever larger than a full chunk."""
+    batch has more rows than those two chunks). Neither is ever larger than a full chunk. With `grow`,
+    each chunk after the first holds twice the rows of the one before, up to a full chunk."""
     rows, row_bytes, chunk_bytes = int(rows), int(row_bytes), int(chunk_bytes)
     per = max(1, chunk_bytes // row_bytes if row_bytes > 0 else rows)
 
@@ -44,11 +45,12 @@ def plan_chunks(rows: int, row_bytes: int, chunk_bytes: int, first_chunk_bytes: 
     last_cap = edge(int(last_chunk_bytes))
     last = last_cap if last_chunk_bytes > 0 and rows > first + last_cap else 0
     plan: List[Tuple[int, int]] = []
-    r = 0
+    r, size = 0, first
     while r < rows - last:
-        n = min(first if r == 0 else per, rows - last - r)
+        n = min(size, rows - last - r)
         plan.append((r, n))
         r += n
+        size = min(per, 2 * size) if grow else per
     if last > 0:
         plan.append((rows - last, last))
     return plan
@@ -179,7 +181,11 @@ class Client:
         applies where a stream has more rows than its first chunk and such a last one, in calls that
         return d_hidden (a score's last answer is a few floats: a smaller last chunk only adds an
         engine call).
-        Both apply to every stream of a request (see `streams`), each planned on its own rows
+      grow_chunks: after a smaller first chunk, each chunk twice the one before, up to chunk_bytes (1, 2,
+        4, 8, ... MiB), so that each arrives while the one before computes (the C++ client's
+        grow_chunks). Measured best for scores over the data plane on an H100 with a 2 MiB first
+        chunk and chunk_bytes of 34 MiB (bench/RESULTS.md).
+        These apply to every stream of a request (see `streams`), each planned on its own rows
         (lce_client.plan_chunks), on the wire and over the data plane; requests whose hidden states
         are in a shared-memory or CUDA region (hidden_region) are chunked by chunk_bytes alone, as
         the C++ client also ignores both for them. Results do not depend on them beyond float
@@ -231,6 +237,7 @@ class Client:
         data_plane_sockets: int = 4,
         first_chunk_bytes: int = 0,
         last_chunk_bytes: int = 0,
+        grow_chunks: bool = False,
     ):
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be positive")
@@ -250,6 +257,7 @@ class Client:
         self.chunk_bytes = int(chunk_bytes)
         self.first_chunk_bytes = int(first_chunk_bytes)
         self.last_chunk_bytes = int(last_chunk_bytes)
+        self.grow_chunks = bool(grow_chunks)
         self.head = head
         self.streams = int(streams)
         self.min_stream_bytes = int(min_stream_bytes)
@@ -631,7 +639,7 @@ class Client:
         if region_backed:
             return plan_chunks(rows, row_bytes, self.chunk_bytes)
         return plan_chunks(rows, row_bytes, self.chunk_bytes, self.first_chunk_bytes,
-                           self.last_chunk_bytes if d_hidden_back else 0)
+                           self.last_chunk_bytes if d_hidden_back else 0, self.grow_chunks)
 
     def _stream_stub(self, i: int):
         """The stub of the i-th extra channel for the parts of split requests (made on first use). Each
