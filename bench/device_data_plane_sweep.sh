@@ -3,8 +3,8 @@
 # lce_transport_bench over the data plane for each "STREAMS:CHUNK:FIRST:LAST[:GROW]" of $CONFIGS
 # (bytes; FIRST/LAST 0: full chunks; GROW 1: ClientOptions.grow_chunks), each followed by the server's account of its requests (request log).
 # .devbin/ and .rtpack/ carried. Usage: bench/device_data_plane_sweep.sh [ROWS] [HIDDEN] [VOCAB]
-# env: CONFIGS, ITERS=5, WARMUP=1, MODES=tcp (add engine for the floor, wire for the sockets alone), MERGE=0 (1: merged
-#      messages, ClientOptions.data_plane_merge_chunks; "0,1": both), SOCKETS=4 (a direction), SERVER_FLAGS (extra
+# env: CONFIGS, ITERS=5, WARMUP=1, MODES=tcp (add engine for the floor, wire for the sockets alone),
+#      SOCKETS=4 (a direction), SERVER_FLAGS (extra
 #      lce_server flags, e.g. --pipeline-chunks=false)
 set -u
 source "$(dirname "$0")/device_transport_env.sh"
@@ -20,7 +20,7 @@ for cfg in ${CONFIGS:-2:8388608:1048576:1048576}; do
   from=$(($(wc -l < "$OUT/server.log") + 1))
   ./.devbin/lce_transport_bench --target=127.0.0.1:$(cat /tmp/lce.port) --rows="$N" --hidden="$H" --vocab="$V" \
     --seed=0 --tcp-streams="$s" --chunk-bytes="$chunk" --first-chunk-bytes="${first:-0}" \
-    --last-chunk-bytes="${last:-0}" --tcp-merge="${MERGE:-0}" --grow-chunks="${grow:-0}" --tcp-sockets="${SOCKETS:-4}" --iterations="${ITERS:-5}" --warmup="${WARMUP:-1}" --modes="${MODES:-tcp}" 2>&1 |
+    --last-chunk-bytes="${last:-0}" --grow-chunks="${grow:-0}" --tcp-sockets="${SOCKETS:-4}" --iterations="${ITERS:-5}" --warmup="${WARMUP:-1}" --modes="${MODES:-tcp}" 2>&1 |
     tee -a "$OUT/transport.log" | grep -E "^\| [a-z0-9]" | grep -v "^| path"
   python3 bench/transport_log_summary.py "$OUT/server.log" "$from"
 done

@@ -17,7 +17,7 @@
 //
 // Usage (server already running with --backend=cuda --seed-head=VxH --seed=S --head-dtype=bf16):
 //   lce_transport_bench --target=127.0.0.1:PORT --vocab=V --hidden=H --seed=S [--rows=8192]
-//       [--streams=1,2,4,8] [--tcp-streams=1,2,4] [--tcp-sockets=4] [--tcp-merge=0 (1: merged messages; 0,1: both)] [--grow-chunks=0 (likewise)] [--chunk-bytes=4194304] [--iterations=5] [--warmup=1]
+//       [--streams=1,2,4,8] [--tcp-streams=1,2,4] [--tcp-sockets=4] [--grow-chunks=0 (1: growing chunks; 0,1: both)] [--chunk-bytes=4194304] [--iterations=5] [--warmup=1]
 //       [--modes=engine,grpc,tcp,wire,shm,ipc]
 //       [--http2-window-bytes=0] [--grpc-channel-args=K=V,...] [--first-chunk-bytes=0] [--last-chunk-bytes=0]
 #include <cuda_runtime.h>
@@ -277,18 +277,14 @@ int main(int argc, char** argv) {
   }
   if (has("tcp")) {
     for (const std::string& grow : Split(get("grow-chunks", "0"))) {
-      for (const std::string& merge : Split(get("tcp-merge", "0"))) {
-        for (const std::string& s : Split(get("tcp-streams", "1,2,4"))) {
-          lce::client::ClientOptions o = streamed(s);
-          o.data_plane = true;
-          o.data_plane_sockets = std::stoi(get("tcp-sockets", "4"));
-          o.data_plane_merge_chunks = merge != "0";
-          o.grow_chunks = grow != "0";
-          auto c = Check(lce::client::LceClient::Create(o), "client");
-          run_path("data plane (TCP), " + s + (s == "1" ? " stream" : " streams") +
-                       (merge != "0" ? ", merged messages" : "") + (grow != "0" ? ", growing chunks" : ""),
-                   *c, wire, nullptr);
-        }
+      for (const std::string& s : Split(get("tcp-streams", "1,2,4"))) {
+        lce::client::ClientOptions o = streamed(s);
+        o.data_plane = true;
+        o.data_plane_sockets = std::stoi(get("tcp-sockets", "4"));
+        o.grow_chunks = grow != "0";
+        auto c = Check(lce::client::LceClient::Create(o), "client");
+        run_path("data plane (TCP), " + s + (s == "1" ? " stream" : " streams") + (grow != "0" ? ", growing chunks" : ""),
+                 *c, wire, nullptr);
       }
     }
   }

@@ -59,15 +59,6 @@ std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_by
   return plan;
 }
 
-size_t MergeUploadedChunks(const std::vector<std::pair<int64_t, int64_t>>& plan, size_t next, size_t uploaded,
-                           bool keep_last, int64_t max_rows) {
-  size_t to = std::min(uploaded, plan.size());
-  if (keep_last && to == plan.size() && to - next > 1) --to;
-  int64_t rows = plan[next].second;
-  size_t end = next + 1;
-  for (; end < to && rows + plan[end].second <= max_rows; ++end) rows += plan[end].second;
-  return end;
-}
 
 struct LceClient::DataPlane {
   std::mutex mu;  // held by the call using the regions
@@ -486,18 +477,11 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   // so reading and writing must proceed together or flow control stalls both sides.
   //
   // Over the data plane, uploaders (below) move the plan's chunks into server memory back to back
-  // and the writer announces each chunk once its bytes are in. With data_plane_merge_chunks the
-  // writer holds back while the server has a message queued behind the one it computes, and then
-  // names every chunk uploaded meanwhile in one message (fewer engine calls, each ≈ 0.3 ms on an
-  // H100 besides its rows); the plan's small last chunk keeps its own message (a short tail).
-  const bool merge = lane != nullptr && options_.data_plane_merge_chunks;
-  const bool keep_last = last_chunk_bytes > 0;
-  constexpr int kMaxUnanswered = 2;  // one computing, one queued
+  // and the writer announces each chunk once its bytes are in, without waiting for answers.
   struct Progress {
     std::mutex mu;
     std::condition_variable cv;
     size_t uploaded = 0;  // plan chunks whose bytes are in server memory
-    int unanswered = 0;   // messages sent whose answer has not arrived
     bool stop = false;    // the call is over (failed, or the answers are all in)
   } progress;
   progress.uploaded = lane == nullptr ? plan.size() : 0;
@@ -541,9 +525,9 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
       });
     }
   }
-  // The message naming plan chunks [from, to).
-  auto chunk_message = [&](size_t from, size_t to, v1::StreamRequest& msg) {
-    const int64_t first = plan[from].first, n = plan[to - 1].first + plan[to - 1].second - first;
+  // The message of plan chunk k.
+  auto chunk_message = [&](size_t k, v1::StreamRequest& msg) {
+    const auto [first, n] = plan[k];
     msg.Clear();
     v1::RowChunk* c = msg.mutable_chunk();
     if (hidden_in_region) {  // a slice of the region, no bytes
@@ -584,24 +568,18 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     *msg.mutable_header() = header;
     msg.mutable_header()->set_hidden_size(batch.hidden_size);
     msg.mutable_header()->set_dtype(batch.dtype);
-    // Every chunk goes without waiting for answers, except when merging (at most kMaxUnanswered):
-    // the server may then compute one chunk while it reads and stages the next.
-    msg.mutable_header()->set_sends_ahead(!merge);
+    // Every chunk goes without waiting for answers: the server may then compute one chunk while
+    // it reads and stages the next (RequestHeader.sends_ahead).
+    msg.mutable_header()->set_sends_ahead(true);
     if (!stream->Write(msg)) return;
-    for (size_t next = 0; next < plan.size();) {
-      size_t to = next + 1;
+    for (size_t next = 0; next < plan.size(); ++next) {
       if (lane != nullptr) {
         std::unique_lock<std::mutex> l(progress.mu);
-        progress.cv.wait(l, [&] {
-          return progress.stop || (progress.uploaded > next && (!merge || progress.unanswered < kMaxUnanswered));
-        });
+        progress.cv.wait(l, [&] { return progress.stop || progress.uploaded > next; });
         if (progress.stop) return;
-        ++progress.unanswered;
-        if (merge) to = MergeUploadedChunks(plan, next, progress.uploaded, keep_last, kRegionChunkRows);
       }
-      chunk_message(next, to, msg);
+      chunk_message(next, msg);
       if (!stream->Write(msg)) return;  // the server ended the call; Finish says why
-      next = to;
     }
     stream->WritesDone();
   });
@@ -628,11 +606,6 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
       summary->valid_tokens = resp.summary().valid_tokens();
       summary->head_version = resp.summary().head_version();
       continue;
-    }
-    {
-      std::lock_guard<std::mutex> l(progress.mu);
-      --progress.unanswered;
-      progress.cv.notify_all();
     }
     const v1::ChunkResult& c = resp.chunk();
     const int64_t n = c.rows(), first = part_first + c.first_row();

@@ -251,36 +251,5 @@ TEST(PlanChunks, RandomShapesTileTheRows) {
   }
 }
 
-TEST(MergeUploadedChunks, NamesEveryUploadedChunkButKeepsTheLastApart) {
-  // Chunks of 1, 4, 4, 4, 1 rows (first and last chunks small).
-  const std::vector<std::pair<int64_t, int64_t>> plan = {{0, 1}, {1, 4}, {5, 4}, {9, 4}, {13, 1}};
-  EXPECT_EQ(MergeUploadedChunks(plan, 0, 1, true, 100), 1u);  // only the first is there
-  EXPECT_EQ(MergeUploadedChunks(plan, 1, 4, true, 100), 4u);  // chunks 1..3 in one message
-  // All uploaded: the last chunk stays apart while others are left, then goes alone.
-  EXPECT_EQ(MergeUploadedChunks(plan, 1, 5, true, 100), 4u);
-  EXPECT_EQ(MergeUploadedChunks(plan, 4, 5, true, 100), 5u);
-  EXPECT_EQ(MergeUploadedChunks(plan, 1, 5, false, 100), 5u);  // without a small last chunk: merged too
-  // At most max_rows rows, but always one chunk.
-  EXPECT_EQ(MergeUploadedChunks(plan, 1, 4, true, 8), 3u);
-  EXPECT_EQ(MergeUploadedChunks(plan, 1, 4, true, 2), 2u);
-  // Every plan is covered once, in order, whatever arrives when.
-  std::mt19937 rng(5);
-  for (int trial = 0; trial < 200; ++trial) {
-    const auto p = PlanChunks(1 + rng() % 500, 10, 10 * (1 + rng() % 40), 10 * (rng() % 5), 10 * (rng() % 5));
-    size_t uploaded = 0, next = 0;
-    int64_t covered = 0;
-    while (next < p.size()) {
-      uploaded = std::min(p.size(), std::max(uploaded, next + 1) + rng() % 3);
-      const size_t end = MergeUploadedChunks(p, next, uploaded, trial % 2 == 0, 1 + rng() % 200);
-      ASSERT_GT(end, next);
-      ASSERT_LE(end, uploaded);
-      EXPECT_EQ(p[next].first, covered);
-      for (size_t k = next; k < end; ++k) covered += p[k].second;
-      next = end;
-    }
-    EXPECT_EQ(covered, p.back().first + p.back().second);
-  }
-}
-
 }  // namespace
 }  // namespace lce::client

@@ -68,12 +68,6 @@ struct ClientOptions {
   // Measured best there for 8192×4096 bf16 (bench/RESULTS.md): one stream, 4 sockets, a first and
   // last chunk of 1 MiB, chunks of 8 MiB for train (16 MiB for score: fewer engine calls).
   int data_plane_sockets = 4;
-  // Over the data plane, while the server has a message queued behind the one it computes, name
-  // every chunk uploaded meanwhile in one message: fewer, larger engine calls once compute is the
-  // bottleneck (answers equal to float rounding). Off by default: on an H100 (bench/RESULTS.md) it
-  // cut a train request's engine calls from 10 to 6 but end to end stayed within the run-to-run
-  // spread, and each new size of call costs the server a one-time GEMM tuning.
-  bool data_plane_merge_chunks = false;
 };
 
 // Where a co-located batch's bytes are: `offset` into region `region_id` of session `session_id`
@@ -253,12 +247,6 @@ std::vector<std::pair<int64_t, int64_t>> PlanStreams(int64_t rows, int64_t row_b
 std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_bytes, int64_t chunk_bytes,
                                                     int64_t first_chunk_bytes = 0, int64_t last_chunk_bytes = 0,
                                                     bool grow = false);
-
-// Over the data plane, the plan's chunks [next, end) announced in one message once `uploaded` of
-// them are in server memory (uploaded > next): all of them, except that with `keep_last` the
-// plan's last chunk keeps a message of its own, and at most `max_rows` rows (at least one chunk).
-size_t MergeUploadedChunks(const std::vector<std::pair<int64_t, int64_t>>& plan, size_t next, size_t uploaded,
-                           bool keep_last, int64_t max_rows);
 
 // Bytes per element of a wire dtype (0 for DTYPE_UNSPECIFIED).
 int64_t WireDTypeSize(v1::DType dtype);
