@@ -30,9 +30,10 @@ struct ClientOptions {
   int64_t first_chunk_bytes = 0;
   // After a smaller first chunk, each chunk twice the one before up to chunk_bytes (1, 2, 4, 8, 16,
   // 16, ... MiB), so that each arrives while the one before computes: the GPU does not wait for a
-  // full chunk after a small first one (the pipeline's fill). Measured on an H100 over the data plane
-  // (bench/RESULTS.md): the server's wait for chunks fell 1.16 -> 0.52 ms a request, but the two more
-  // engine calls cost as much; off by default.
+  // full chunk after a small first one (the pipeline's fill). Measured on an H100 over the data
+  // plane with pipelined streams (bench/RESULTS.md): best for scores with a 2 MiB first chunk and
+  // chunk_bytes of 34 MiB (1.17-1.20x the engine's time against 1.23-1.27x with 16 MiB chunks); for
+  // train, 16 MiB chunks did as well or better. Off by default.
   bool grow_chunks = false;
   // Hidden bytes of each stream's last chunk (0: what is left) in calls that return d_hidden.
   // Nothing overlaps the last chunk's compute and answer; a smaller one shortens that tail. Scores
