@@ -396,11 +396,12 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   // Declared after everything its steps use, so that it is destroyed (its steps finished) first,
   // whichever way the stream ends.
   std::optional<EngineCallPipeline> pipeline;
-  // Calls are pipelined where the client sends ahead (a client waiting for an answer before it
-  // sends more would wait for ever on a server reading ahead), except PolicyLoss's (host work
-  // between its two calls) and those that accumulate the weight gradient (the training lock). Its
-  // threads start now, while the first chunk is on its way.
-  const bool pipelined = config_.pipeline_chunks && plan->sends_ahead && !is_pl && !plan->accumulate_weight_grad;
+  // Calls are pipelined on GPU engines where the client sends ahead (a client waiting for an answer
+  // before it sends more would wait for ever on a server reading ahead), except PolicyLoss's (host
+  // work between its two calls) and those that accumulate the weight gradient (the training lock).
+  // Its threads start now, while the first chunk is on its way.
+  const bool pipelined = (config_.cuda_device >= 0 ? config_.pipeline_chunks : config_.pipeline_chunks_on_cpu) &&
+                         plan->sends_ahead && !is_pl && !plan->accumulate_weight_grad;
   if (pipelined) pipeline.emplace(work);
   // Waits for the oldest pipelined chunk to be computed and answered.
   auto wait_oldest = [&]() -> grpc::Status {

@@ -41,8 +41,8 @@ const char* ServerUsage() {
                               grpc.http2.max_frame_size=16777215
   --max-rows-per-request=N    largest request, in rows (default 16777216; 0 = no limit)
   --log-requests=true|false   one JSON line per finished RPC on stderr, with its request id (default true)
-  --pipeline-chunks=true|false  for clients that send ahead (RequestHeader.sends_ahead), compute a chunk
-                              while the next is read and staged, and answer from another thread (default true)
+  --pipeline-chunks=true|false  GPU engines, for clients that send ahead (RequestHeader.sends_ahead): compute
+                              a chunk while the next is read and staged, answer from another thread (default true)
   --metrics-port=N            serve Prometheus metrics at http://HOST:N/metrics (and /healthz); rank 0 only;
                               default off, 0 picks a free port
   --metrics-host=ADDR         listen address of the metrics endpoint (default 0.0.0.0)

@@ -37,6 +37,8 @@ std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_
   options.service.metrics = ts->metrics.get();
   // As lce_server does for a one-GPU engine: chunks go through device staging (and CUDA IPC works).
   if (TestBackend() == Backend::kCuda) options.service.cuda_device = 0;
+  // Pipelined streams on the CPU engine too (servers pipeline GPU engines only): CI covers them.
+  options.service.pipeline_chunks_on_cpu = true;
   options.service.limits.max_rows_per_request = 100000;
   options.data_port = data_plane ? 0 : -1;
   options.service.make_engine = [](std::shared_ptr<const HeadWeights> w) -> absl::StatusOr<std::shared_ptr<LceEngine>> {
