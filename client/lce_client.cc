@@ -59,7 +59,6 @@ std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_by
   return plan;
 }
 
-
 struct LceClient::DataPlane {
   std::mutex mu;  // held by the call using the regions
   std::unique_ptr<SharedMemorySession> session;
@@ -481,10 +480,9 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   struct Progress {
     std::mutex mu;
     std::condition_variable cv;
-    size_t uploaded = 0;  // plan chunks whose bytes are in server memory
+    size_t uploaded = 0;  // data plane: plan chunks whose bytes are in server memory
     bool stop = false;    // the call is over (failed, or the answers are all in)
   } progress;
-  progress.uploaded = lane == nullptr ? plan.size() : 0;
   auto stop_all = [&progress] {
     std::lock_guard<std::mutex> l(progress.mu);
     progress.stop = true;

@@ -106,10 +106,13 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
 
 namespace {
 
-// Adds the time since `start` to the request's staging time (request log) when it is accounted.
-void CountStaging(std::chrono::steady_clock::time_point start) {
+// Adds the time since `start` to the request's staging time (request log) when it is accounted,
+// and to `*also` (a part of it) when given.
+void CountStaging(std::chrono::steady_clock::time_point start, double RequestWork::*also = nullptr) {
   if (RequestWork* work = RequestWork::Current(); work != nullptr) {
-    work->staging_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    work->staging_seconds += s;
+    if (also != nullptr) work->*also += s;
   }
 }
 
@@ -172,26 +175,20 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
 
 absl::Status LceService::UnstageFromDevice(ChunkStaging& st, const StagedCall& call) {
   const auto start = std::chrono::steady_clock::now();
-  struct CountUnstage {
-    std::chrono::steady_clock::time_point start;
-    ~CountUnstage() {
-      if (RequestWork* w = RequestWork::Current(); w != nullptr) {
-        w->unstage_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  absl::Status s = [&] {
+    const float* dev_out[4] = {call.outs.logprob, call.outs.entropy, call.outs.lse, call.outs.loss};
+    for (int k = 0; k < 4; ++k) {
+      if (call.host_out[k] == nullptr) continue;
+      if (absl::Status d = st.DownloadAsync(call.host_out[k], dev_out[k], call.rows.rows * 4); !d.ok()) return d;
+    }
+    if (call.host_d_hidden != nullptr) {
+      if (absl::Status d = st.DownloadAsync(call.host_d_hidden, call.grads.d_hidden, call.d_hidden_bytes); !d.ok()) {
+        return d;
       }
     }
-  } count_unstage{start};
-  const float* dev_out[4] = {call.outs.logprob, call.outs.entropy, call.outs.lse, call.outs.loss};
-  for (int k = 0; k < 4; ++k) {
-    if (call.host_out[k] == nullptr) continue;
-    if (absl::Status s = st.DownloadAsync(call.host_out[k], dev_out[k], call.rows.rows * 4); !s.ok()) return s;
-  }
-  if (call.host_d_hidden != nullptr) {
-    if (absl::Status s = st.DownloadAsync(call.host_d_hidden, call.grads.d_hidden, call.d_hidden_bytes); !s.ok()) {
-      return s;
-    }
-  }
-  absl::Status s = st.Sync();
-  CountStaging(start);
+    return st.Sync();
+  }();
+  CountStaging(start, &RequestWork::unstage_seconds);
   return s;
 }
 
