@@ -20,6 +20,8 @@
 //       [--streams=1,2,4,8] [--tcp-streams=1,2,4] [--tcp-sockets=4] [--grow-chunks=0 (1: growing chunks; 0,1: both)] [--chunk-bytes=4194304] [--iterations=5] [--warmup=1]
 //       [--modes=engine,grpc,tcp,wire,shm,ipc]
 //       [--http2-window-bytes=0] [--grpc-channel-args=K=V,...] [--first-chunk-bytes=0] [--last-chunk-bytes=0]
+//       [--trace-file=PATH (one JSON line per timed request: its start and end and its streams' points,
+//        steady_clock microseconds, to line up with the server's request log: bench/transport_trace_summary.py)]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -30,6 +32,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <string>
@@ -87,13 +90,55 @@ struct Timing {
   double mean_ms = 0, best_ms = 1e30;
 };
 
+// --trace-file: the timed requests' start and end and their streams' points (ClientOptions.stream_trace).
+struct RequestTracer {
+  FILE* file = nullptr;
+  std::string path, op;  // of the requests timed next
+  std::mutex mu;
+  std::vector<lce::client::StreamTrace> streams;  // of the request in flight
+
+  static long long Us(std::chrono::steady_clock::time_point t) {
+    return t == std::chrono::steady_clock::time_point{}
+               ? 0
+               : std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
+  }
+  void OnStream(const lce::client::StreamTrace& t) {
+    std::lock_guard<std::mutex> l(mu);
+    streams.push_back(t);
+  }
+  void Write(std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end) {
+    std::lock_guard<std::mutex> l(mu);
+    if (file != nullptr) {
+      std::fprintf(file, "{\"path\": \"%s\", \"op\": \"%s\", \"start_us\": %lld, \"end_us\": %lld, \"streams\": [",
+                   path.c_str(), op.c_str(), Us(start), Us(end));
+      for (size_t i = 0; i < streams.size(); ++i) {
+        const auto& t = streams[i];
+        std::fprintf(file,
+                     "%s{\"start_us\": %lld, \"opened_us\": %lld, \"first_chunk_sent_us\": %lld, "
+                     "\"last_chunk_sent_us\": %lld, \"first_answer_us\": %lld, \"last_answer_us\": %lld, \"ended_us\": %lld}",
+                     i ? ", " : "", Us(t.start), Us(t.opened), Us(t.first_chunk_sent), Us(t.last_chunk_sent),
+                     Us(t.first_answer), Us(t.last_answer), Us(t.ended));
+      }
+      std::fprintf(file, "]}\n");
+    }
+    streams.clear();
+  }
+};
+RequestTracer tracer;
+
 Timing Time(int warmup, int iterations, const std::function<void()>& once) {
-  for (int i = 0; i < warmup; ++i) once();
+  for (int i = 0; i < warmup; ++i) {
+    once();
+    std::lock_guard<std::mutex> l(tracer.mu);
+    tracer.streams.clear();
+  }
   Timing t;
   for (int i = 0; i < iterations; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     once();
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const auto t1 = std::chrono::steady_clock::now();
+    const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+    tracer.Write(t0, t1);
     t.mean_ms += ms / iterations;
     t.best_ms = std::min(t.best_ms, ms);
   }
@@ -133,6 +178,10 @@ int main(int argc, char** argv) {
   const auto modes = Split(get("modes", "engine,grpc,tcp,wire,shm,ipc"));
   auto has = [&](const char* m) { return std::find(modes.begin(), modes.end(), m) != modes.end(); };
   const int64_t bytes = N * H * 2;
+  if (f.count("trace-file")) {
+    tracer.file = std::fopen(f["trace-file"].c_str(), "w");
+    if (tracer.file == nullptr) Check(absl::InvalidArgumentError("cannot open --trace-file"), "trace");
+  }
 
   // Inputs: h ~ 0.5·N(0, 1) in bf16, targets uniform with 5% ignored (as bench/lce_bench).
   std::mt19937_64 rng(1234);
@@ -161,6 +210,8 @@ int main(int argc, char** argv) {
 
   // --- engine only: this process, the server's head, device-resident inputs.
   if (has("engine")) {
+    tracer.path = "engine only";
+    tracer.op = "score";
     lce::server::HeadSource src;
     src.seed_vocab = V;
     src.seed_hidden = H;
@@ -189,6 +240,7 @@ int main(int argc, char** argv) {
             "engine score");
     });
     lce::Upstream up{lce::GradMode::kLoss, static_cast<const float*>(d_g), nullptr, nullptr};
+    tracer.op = "train";
     Timing tt = Time(warmup, iterations, [&] {
       Check(engine->Compute(view, opt, up, {nullptr, nullptr, nullptr, static_cast<float*>(d_loss)}, {d_dh, nullptr}),
             "engine train");
@@ -225,6 +277,8 @@ int main(int argc, char** argv) {
     Answers s, t;
     lce::client::HiddenBatch score_batch = batch;  // Score returns no d_hidden
     score_batch.d_hidden_region.reset();
+    tracer.path = name;
+    tracer.op = "score";
     Timing ts = Time(warmup, iterations, [&] {
       auto r = Check(c.Score(score_batch, score_h), (name + " score").c_str());
       s.logprobs = std::move(r.logprobs);
@@ -237,6 +291,7 @@ int main(int argc, char** argv) {
       dh_out.assign(static_cast<size_t>(bytes), 0);
       train_batch.d_hidden_out = absl::MakeSpan(dh_out);
     }
+    tracer.op = "train";
     Timing tt = Time(warmup, iterations, [&] {
       auto r = Check(c.ForwardBackward(train_batch, train_h), (name + " train").c_str());
       t.loss = std::move(r.loss);
@@ -262,6 +317,7 @@ int main(int argc, char** argv) {
     o.last_chunk_bytes = std::stoll(get("last-chunk-bytes", "0"));
     o.streams = std::stoi(streams);
     o.min_stream_bytes = std::min<int64_t>(8 << 20, bytes / o.streams);
+    o.stream_trace = [](const lce::client::StreamTrace& t) { tracer.OnStream(t); };
     return o;
   };
   if (has("grpc")) {
@@ -291,6 +347,7 @@ int main(int argc, char** argv) {
   lce::client::ClientOptions o1;
   o1.target = target;
   o1.chunk_bytes = chunk_bytes;
+  o1.stream_trace = [](const lce::client::StreamTrace& t) { tracer.OnStream(t); };
   auto c1 = Check(lce::client::LceClient::Create(o1), "client");
   struct WireRow {
     int sockets;
@@ -337,11 +394,15 @@ int main(int argc, char** argv) {
         for (auto& x : t) x.join();
       };
       WireRow w{k};
+      tracer.path = "wire " + s;
+      tracer.op = "up";
       w.up = Time(warmup, iterations, [&] { move(true, false, in); });
+      tracer.op = "down";
       w.down = Time(warmup, iterations, [&] { move(false, true, in); });
       if (std::memcmp(back.data(), hidden_bytes, static_cast<size_t>(bytes)) != 0) {
         Check(absl::DataLossError("bytes read back differ from those written"), "wire");
       }
+      tracer.op = "both";
       w.both = Time(warmup, iterations, [&] { move(true, true, out); });
       wire_rows.push_back(w);
     }
@@ -404,5 +465,6 @@ int main(int argc, char** argv) {
                   bytes / 1e6 / w.up.mean_ms, bytes / 1e6 / w.down.mean_ms, bytes / 1e6 / w.both.mean_ms);
     }
   }
+  if (tracer.file != nullptr) std::fclose(tracer.file);
   return 0;
 }

@@ -13,10 +13,12 @@
 #include <random>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "data_plane_connection.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
+#include "worker_pool.h"
 
 namespace lce::client {
 namespace {
@@ -83,7 +85,8 @@ LceClient::LceClient(ClientOptions options, std::shared_ptr<grpc::Channel> chann
     : options_(std::move(options)),
       channel_(std::move(channel)),
       stub_(v1::LceService::NewStub(channel_)),
-      data_plane_(std::make_unique<DataPlane>()) {}
+      data_plane_(std::make_unique<DataPlane>()),
+      workers_(std::make_unique<WorkerPool>()) {}
 
 LceClient::~LceClient() = default;
 
@@ -404,10 +407,15 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
       }
     }
   };
-  std::vector<std::thread> threads;
-  for (size_t i = 1; i < parts.size(); ++i) threads.emplace_back(run_part, i);
+  TaskLatch parts_done(static_cast<int64_t>(parts.size()) - 1);
+  for (size_t i = 1; i < parts.size(); ++i) {
+    workers_->Run([&, i] {
+      run_part(i);
+      parts_done.Done();
+    });
+  }
   run_part(0);
-  for (std::thread& t : threads) t.join();
+  parts_done.Wait();
   // The first real error, not the CANCELLED that it caused in the other parts.
   absl::Status first_error;
   for (const absl::Status& r : results) {
@@ -455,6 +463,10 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
                                    Assembly& assembly, PartSummary* summary, const DataPlaneLane* lane) {
   const int64_t row_bytes = assembly.row_bytes;
   const bool hidden_in_region = batch.hidden_region.has_value();
+  const bool tracing = static_cast<bool>(options_.stream_trace);
+  const auto now = [] { return std::chrono::steady_clock::now(); };
+  StreamTrace trace;
+  if (tracing) trace.start = now();
   Prepare(&ctx);
   if (batch.hidden_region || batch.d_hidden_region) {
     ctx.AddMetadata("lce-session", batch.hidden_region ? batch.hidden_region->session_id
@@ -488,41 +500,10 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     progress.stop = true;
     progress.cv.notify_all();
   };
-  // One uploader per socket, each moving its share of every chunk in turn without waiting for the
-  // others (no barrier a chunk: a slow socket delays only the chunks it has not finished).
   absl::Status upload_error;
-  std::vector<std::thread> uploaders;
+  const int uploaders = lane == nullptr ? 0 : static_cast<int>(lane->up.size());
+  TaskLatch tasks_done(uploaders + 1);  // the uploaders and the writer
   std::vector<int> shares_done(lane == nullptr ? 0 : plan.size(), 0);
-  if (lane != nullptr) {
-    const int k = static_cast<int>(lane->up.size());
-    for (int i = 0; i < k; ++i) {
-      uploaders.emplace_back([&, i, k] {
-        const RegionRef& to = *batch.hidden_region;
-        for (size_t c = 0; c < plan.size(); ++c) {
-          const auto [first, n] = plan[c];
-          const auto [off, len] = SocketShare(n * row_bytes, k, i);
-          absl::Status s;
-          if (len > 0) {
-            s = lane->up[static_cast<size_t>(i)]->Write(to.session_id, to.region_id,
-                                                         to.offset + first * row_bytes + off,
-                                                         batch.hidden.subspan(first * row_bytes + off, len));
-          }
-          std::lock_guard<std::mutex> l(progress.mu);
-          if (!s.ok()) {
-            if (upload_error.ok()) upload_error = s;
-            progress.stop = true;
-            progress.cv.notify_all();
-            ctx.TryCancel();
-            return;
-          }
-          if (progress.stop) return;
-          ++shares_done[c];
-          while (progress.uploaded < plan.size() && shares_done[progress.uploaded] == k) ++progress.uploaded;
-          progress.cv.notify_all();
-        }
-      });
-    }
-  }
   // The message of plan chunk k.
   auto chunk_message = [&](size_t k, v1::StreamRequest& msg) {
     const auto [first, n] = plan[k];
@@ -551,9 +532,11 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
       c->mutable_grad_entropy()->Add(grad_entropy.begin() + first, grad_entropy.begin() + first + n);
     }
   };
-  // The call starts after the uploaders (its setup waits for the headers to be sent): the first
-  // chunk is on its way meanwhile. An upload that fails first cancels the call once it starts.
+  // The call is created first (at once: its initial metadata waits for the header), then the
+  // uploaders start on threads kept for the client's life, and the header goes. An upload that
+  // fails cancels the call.
   std::unique_ptr<BidiStream> stream;
+  ctx.set_initial_metadata_corked(true);
   if (which == "Score") {
     stream = stub.Score(&ctx);
   } else if (which == "ForwardBackward") {
@@ -561,7 +544,47 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   } else {
     stream = stub.Backward(&ctx);
   }
-  std::thread writer([&] {
+  if (tracing) trace.opened = now();
+  // One uploader per socket, each moving its share of every chunk in turn without waiting for the
+  // others (no barrier a chunk: a slow socket delays only the chunks it has not finished).
+  if (lane != nullptr) {
+    const int k = uploaders;
+    for (int i = 0; i < k; ++i) {
+      workers_->Run([&, i, k] {
+        absl::Cleanup done = [&tasks_done] { tasks_done.Done(); };
+        const RegionRef& to = *batch.hidden_region;
+        for (size_t c = 0; c < plan.size(); ++c) {
+          const auto [first, n] = plan[c];
+          const auto [off, len] = SocketShare(n * row_bytes, k, i);
+          absl::Status s;
+          if (len > 0) {
+            s = lane->up[static_cast<size_t>(i)]->Write(to.session_id, to.region_id,
+                                                         to.offset + first * row_bytes + off,
+                                                         batch.hidden.subspan(first * row_bytes + off, len));
+          }
+          std::lock_guard<std::mutex> l(progress.mu);
+          if (!s.ok()) {
+            if (upload_error.ok()) upload_error = s;
+            progress.stop = true;
+            progress.cv.notify_all();
+            ctx.TryCancel();
+            return;
+          }
+          if (progress.stop) return;
+          ++shares_done[c];
+          while (progress.uploaded < plan.size() && shares_done[progress.uploaded] == k) ++progress.uploaded;
+          progress.cv.notify_all();
+        }
+      });
+    }
+  }
+
+  // The header, with the call's initial metadata, from this thread (a woken worker starts later),
+  // and the first chunk too where its bytes need no upload; the rest from a worker, each as its
+  // bytes are in.
+  bool writing = false;
+  size_t first_for_writer = 0;
+  {
     v1::StreamRequest msg;
     *msg.mutable_header() = header;
     msg.mutable_header()->set_hidden_size(batch.hidden_size);
@@ -569,18 +592,40 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     // Every chunk goes without waiting for answers: the server may then compute one chunk while
     // it reads and stages the next (RequestHeader.sends_ahead).
     msg.mutable_header()->set_sends_ahead(true);
-    if (!stream->Write(msg)) return;
-    for (size_t next = 0; next < plan.size(); ++next) {
-      if (lane != nullptr) {
-        std::unique_lock<std::mutex> l(progress.mu);
-        progress.cv.wait(l, [&] { return progress.stop || progress.uploaded > next; });
-        if (progress.stop) return;
-      }
-      chunk_message(next, msg);
-      if (!stream->Write(msg)) return;  // the server ended the call; Finish says why
+    writing = stream->Write(msg);
+    if (writing && lane == nullptr && !plan.empty()) {
+      chunk_message(0, msg);
+      writing = stream->Write(msg);
+      first_for_writer = 1;
+      if (tracing) trace.first_chunk_sent = now();
     }
-    stream->WritesDone();
-  });
+    if (writing && first_for_writer == plan.size()) {
+      if (tracing) trace.last_chunk_sent = now();
+      stream->WritesDone();
+      writing = false;
+    }
+  }
+  // (A write that failed: the server ended the call; Finish says why.)
+  if (!writing) {
+    tasks_done.Done();
+  } else {
+    workers_->Run([&] {
+      absl::Cleanup done = [&tasks_done] { tasks_done.Done(); };
+      v1::StreamRequest msg;
+      for (size_t next = first_for_writer; next < plan.size(); ++next) {
+        if (lane != nullptr) {
+          std::unique_lock<std::mutex> l(progress.mu);
+          progress.cv.wait(l, [&] { return progress.stop || progress.uploaded > next; });
+          if (progress.stop) return;
+        }
+        chunk_message(next, msg);
+        if (!stream->Write(msg)) return;  // the server ended the call; Finish says why
+        if (tracing && next == 0) trace.first_chunk_sent = now();
+        if (tracing && next + 1 == plan.size()) trace.last_chunk_sent = now();
+      }
+      stream->WritesDone();
+    });
+  }
 
   // Answers are placed by first_row/rows (relative to the part); together they must cover the
   // part's rows exactly once.
@@ -599,6 +644,10 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   };
   ForwardBackwardResult* out = assembly.out;
   while (shape_error.ok() && stream->Read(&resp)) {
+    if (tracing) {
+      trace.last_answer = now();
+      if (trace.first_answer == StreamTrace::Time{}) trace.first_answer = trace.last_answer;
+    }
     if (resp.has_summary()) {
       summary->loss = resp.summary().loss();
       summary->valid_tokens = resp.summary().valid_tokens();
@@ -649,9 +698,12 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     }
   }
   stop_all();
-  writer.join();
-  for (std::thread& t : uploaders) t.join();
+  tasks_done.Wait();
   grpc::Status s = stream->Finish();
+  if (tracing) {
+    trace.ended = now();
+    options_.stream_trace(trace);
+  }
   if (!upload_error.ok()) return upload_error;
   if (!shape_error.ok()) return shape_error;
   return ToAbsl(s);

@@ -9,18 +9,17 @@ EngineCallPipeline::EngineCallPipeline(RequestWork* work)
     : work_(work), caller_([this] { RunCalls(); }), finisher_([this] { RunFinishes(); }) {}
 
 EngineCallPipeline::~EngineCallPipeline() {
+  Close();
+  caller_.join();  // every call has run and handed its job on
+  finisher_.join();
+}
+
+void EngineCallPipeline::Close() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_calls_ = true;
   }
   cv_.notify_all();
-  caller_.join();  // every call has run and handed its job on
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_finishes_ = true;
-  }
-  cv_.notify_all();
-  finisher_.join();
 }
 
 void EngineCallPipeline::Submit(Step call, Step finish) {
@@ -54,7 +53,11 @@ void EngineCallPipeline::RunCalls() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return !to_call_.empty() || stop_calls_; });
-      if (to_call_.empty()) return;  // stopping, and every call has run
+      if (to_call_.empty()) {  // closed, and every call has run: the finisher ends after the last finish
+        calls_done_ = true;
+        cv_.notify_all();
+        return;
+      }
       job = std::move(to_call_.front());
       to_call_.pop_front();
       skip = job.seq > first_failed_;
@@ -76,7 +79,7 @@ void EngineCallPipeline::RunFinishes() {
     bool skip = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return !to_finish_.empty() || stop_finishes_; });
+      cv_.wait(lock, [&] { return !to_finish_.empty() || calls_done_; });
       if (to_finish_.empty()) return;
       job = std::move(to_finish_.front());
       to_finish_.pop_front();

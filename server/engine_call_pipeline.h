@@ -29,7 +29,7 @@ class EngineCallPipeline {
   ~EngineCallPipeline();
 
   // Queues `call`, and `finish` to run once `call` has returned OK; returns at once. After a step
-  // has failed, later submissions run neither step (their status: ABORTED).
+  // has failed, later submissions run neither step (their status: ABORTED). Not after Close.
   void Submit(Step call, Step finish);
   // Waits for the oldest submission not yet waited for to be done (both steps, or the failed one)
   // and returns its status. Only then may the caller touch that submission's buffers again. Must
@@ -37,6 +37,9 @@ class EngineCallPipeline {
   absl::Status WaitOldest();
   // Submissions not yet waited for.
   int64_t outstanding() const;
+  // No more submissions: the threads end on their own once the last job is done (the destructor
+  // then has nothing left to wait for).
+  void Close();
 
  private:
   struct Job {
@@ -54,7 +57,7 @@ class EngineCallPipeline {
   std::deque<absl::Status> done_;
   int64_t outstanding_ = 0, submitted_ = 0;
   int64_t first_failed_ = INT64_MAX;  // the earliest job whose step failed: later ones are skipped
-  bool stop_calls_ = false, stop_finishes_ = false;
+  bool stop_calls_ = false, calls_done_ = false;
   std::thread caller_, finisher_;
 };
 

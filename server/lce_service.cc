@@ -346,8 +346,15 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       for (auto& h : held) service->ReturnStaging(std::move(h));
     }
   } staging{this, {}};
-  // Answers leave from their own thread while the next chunk computes (two in flight at most).
-  AsyncStreamWriter<v1::StreamResponse> writer(stream, 2);
+  // Pipelined streams (RequestHeader.sends_ahead): calls and answers on threads of their own, on
+  // GPU engines where the client sends ahead (a client waiting for an answer before it sends more
+  // would wait for ever on a server reading ahead), except PolicyLoss's (host work between its two
+  // calls) and those that accumulate the weight gradient (the training lock).
+  const bool pipelined = (config_.cuda_device >= 0 ? config_.pipeline_chunks : config_.pipeline_chunks_on_cpu) &&
+                         plan->sends_ahead && !is_pl && !plan->accumulate_weight_grad;
+  // Answers leave from their own thread while the next chunk computes (two in flight at most); a
+  // pipelined stream's finish thread writes them itself.
+  AsyncStreamWriter<v1::StreamResponse> writer(stream, 2, /*own_thread=*/!pipelined);
   int64_t rows_seen = 0, valid_seen = 0, chunk_index = 0, bytes_seen = 0;
   double loss_sum = 0.0;
   PolicyLossSums policy_sums;
@@ -369,6 +376,9 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("chunk ", c.index, " (rows ", c.first_row, "..",
                                                             c.first_row + c.rows - 1, "): ", s.message())));
   };
+  // The stream's last chunk once the client has sent it (-1 before): where no summary follows, its
+  // answer goes with the status (a pipelined chunk is usually answered after the client is done).
+  std::atomic<int64_t> last_chunk{-1};
   // After its engine call: sums, metrics, and the answer on its way.
   auto answer = [&](InFlightChunk& c) -> grpc::Status {
     v1::ChunkResult* out = c.resp.mutable_chunk();
@@ -383,22 +393,18 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     }
     c.hidden_slice = {};
     c.dh_slice = {};
-    if (!timed(&RequestWork::write_wait_seconds, [&] { return writer.Push(std::move(c.resp)); })) {
+    const bool last = !(is_fb || is_pl) && c.index == last_chunk.load();
+    if (!timed(&RequestWork::write_wait_seconds,
+               [&] { return last ? writer.PushLast(std::move(c.resp)) : writer.Push(std::move(c.resp)); })) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     }
     c.resp = v1::StreamResponse();
     return grpc::Status::OK;
   };
-  // Pipelined streams (RequestHeader.sends_ahead): calls and answers on threads of their own.
-  // Declared after everything its steps use, so that it is destroyed (its steps finished) first,
-  // whichever way the stream ends.
+  // The pipeline is declared after everything its steps use, so that it is destroyed (its steps
+  // finished) first, whichever way the stream ends. Its threads start now, while the first chunk is
+  // on its way.
   std::optional<EngineCallPipeline> pipeline;
-  // Calls are pipelined on GPU engines where the client sends ahead (a client waiting for an answer
-  // before it sends more would wait for ever on a server reading ahead), except PolicyLoss's (host
-  // work between its two calls) and those that accumulate the weight gradient (the training lock).
-  // Its threads start now, while the first chunk is on its way.
-  const bool pipelined = (config_.cuda_device >= 0 ? config_.pipeline_chunks : config_.pipeline_chunks_on_cpu) &&
-                         plan->sends_ahead && !is_pl && !plan->accumulate_weight_grad;
   if (pipelined) pipeline.emplace(work);
   // Waits for the oldest pipelined chunk to be computed and answered.
   auto wait_oldest = [&]() -> grpc::Status {
@@ -607,6 +613,8 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     if (!s.ok()) return chunk_error(c, s);
     if (grpc::Status g = answer(c); !g.ok()) return g;
   }
+  last_chunk.store(chunk_index - 1);
+  if (pipeline.has_value()) pipeline->Close();  // its threads end with the last chunk
   while (pipeline.has_value() && pipeline->outstanding() > 0) {
     if (grpc::Status g = wait_oldest(); !g.ok()) return g;
   }
@@ -652,7 +660,7 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       sum->set_mean_ratio(policy_sums.ratio / t);
       sum->set_mean_kl(policy_sums.kl / t);
     }
-    if (!writer.Push(std::move(resp))) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    if (!writer.PushLast(std::move(resp))) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }
   if (!timed(&RequestWork::drain_seconds, [&] { return writer.Finish(); })) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");

@@ -45,6 +45,8 @@ void LogRequest(const std::string& request_id, const char* method, grpc::ServerC
       {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()))},
       {"duration_ms", seconds * 1e3},
       {"peer", ctx->peer()},
+      // steady_clock, shared by every process of the host: lines up with a client's own timestamps.
+      {"start_mono_us", std::chrono::duration_cast<std::chrono::microseconds>(work.start.time_since_epoch()).count()},
   };
   if (work.engine_calls > 0) {
     line["engine_calls"] = work.engine_calls;

@@ -61,6 +61,36 @@ TEST(EngineCallPipelineTest, CallsAndFinishesRunInOrderOnTheirOwnThreads) {
   EXPECT_EQ(without_work.load(), 0);  // steps count in the request's accounting
 }
 
+TEST(EngineCallPipelineTest, ClosedItStillRunsWhatWasSubmitted) {
+  // Close says no more will come (the stream's last chunk was read): the jobs already queued still
+  // run, in order, and their statuses are there to wait for.
+  Log log;
+  {
+    EngineCallPipeline p(nullptr);
+    for (int i = 0; i < 3; ++i) {
+      p.Submit(
+          [&, i] {
+            std::this_thread::sleep_for(milliseconds(5));
+            log.Add(absl::StrCat("call ", i));
+            return absl::OkStatus();
+          },
+          [&, i] {
+            log.Add(absl::StrCat("finish ", i));
+            return i == 2 ? absl::InternalError("third") : absl::OkStatus();
+          });
+    }
+    p.Close();
+    EXPECT_TRUE(p.WaitOldest().ok());
+    EXPECT_TRUE(p.WaitOldest().ok());
+    EXPECT_EQ(p.WaitOldest().message(), "third");
+    EXPECT_EQ(p.outstanding(), 0);
+  }
+  std::vector<std::string> calls, finishes;
+  for (const auto& e : log.events) (e.rfind("call", 0) == 0 ? calls : finishes).push_back(e);
+  EXPECT_EQ(calls, (std::vector<std::string>{"call 0", "call 1", "call 2"}));
+  EXPECT_EQ(finishes, (std::vector<std::string>{"finish 0", "finish 1", "finish 2"}));
+}
+
 TEST(EngineCallPipelineTest, TheNextCallRunsWhileTheLastOneFinishes) {
   // A slow finish (outputs copied back, the answer queued) must not hold the next call back.
   EngineCallPipeline p(nullptr);

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -19,6 +21,21 @@
 #include "lce/v1/lce.grpc.pb.h"
 
 namespace lce::client {
+
+class WorkerPool;
+
+// When one stream of a call reached each point (steady_clock, which every process on a host
+// shares: a benchmark lines these up with the server's request log, `start_mono_us`).
+struct StreamTrace {
+  using Time = std::chrono::steady_clock::time_point;
+  Time start;             // the stream's work began (its uploaders, over the data plane, start here)
+  Time opened;            // the call was created (its initial metadata sent)
+  Time first_chunk_sent;  // the first chunk's message was handed to gRPC (its bytes in, data plane)
+  Time last_chunk_sent;   // the last one's
+  Time first_answer;      // the first answer arrived
+  Time last_answer;       // the last answer (or summary) arrived
+  Time ended;             // the stream's status arrived (Finish returned)
+};
 
 struct ClientOptions {
   std::string target;                      // host:port
@@ -69,6 +86,9 @@ struct ClientOptions {
   // Measured best there for 8192×4096 bf16 (bench/RESULTS.md): one stream, 4 sockets, a first and
   // last chunk of 1 MiB, chunks of 8 MiB for train (16 MiB for score: fewer engine calls).
   int data_plane_sockets = 4;
+  // Called after each stream of a call ends, on the thread that ran it (benchmarks: where a call's
+  // time goes). Empty: no timestamps are taken.
+  std::function<void(const StreamTrace&)> stream_trace;
 };
 
 // Where a co-located batch's bytes are: `offset` into region `region_id` of session `session_id`
@@ -232,6 +252,8 @@ class LceClient {
   std::vector<std::shared_ptr<grpc::Channel>> extra_channels_;
   std::atomic<bool> extra_connected_{false};
   std::unique_ptr<DataPlane> data_plane_;
+  // Runs each call's writer and uploaders and a split request's extra streams.
+  std::unique_ptr<WorkerPool> workers_;
 };
 
 // Splits `rows` rows of `row_bytes` into at most `streams` contiguous [first, count) ranges of at
