@@ -24,7 +24,7 @@ for cfg in ${CONFIGS:-2:8388608:1048576:1048576}; do
     --last-chunk-bytes="${last:-0}" --grow-chunks="${grow:-0}" --tcp-sockets="${SOCKETS:-4}" --iterations="${ITERS:-5}" --warmup="${WARMUP:-1}" --modes="${MODES:-tcp}" \
     --trace-file=/tmp/trace.jsonl 2>&1 |
     tee -a "$OUT/transport.log" | grep -E "^\| [a-z0-9]" | grep -v "^| path"
-  python3 bench/transport_log_summary.py "$OUT/server.log" "$from"
-  python3 bench/transport_trace_summary.py /tmp/trace.jsonl "$OUT/server.log" "$from"
+  { python3 bench/transport_log_summary.py "$OUT/server.log" "$from"
+    python3 bench/transport_trace_summary.py /tmp/trace.jsonl "$OUT/server.log" "$from"; } | tee -a "$OUT/transport.log"
 done
 kill $SERVER; wait $SERVER 2>/dev/null

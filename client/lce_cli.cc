@@ -64,7 +64,8 @@ constexpr char kBatch[] = R"(batch:
   --chunk-bytes=N            hidden bytes per streamed chunk (default 4194304)
   --first-chunk-bytes=N      a smaller first chunk: the server starts sooner (default 0: a full one)
   --last-chunk-bytes=N       a smaller last chunk: a shorter tail (default 0: what is left)
-  --grow-chunks=0|1          after the first chunk, each twice the one before up to --chunk-bytes (default 0)
+  --grow-chunks=0|1          after the first chunk, each twice the one before up to --chunk-bytes,
+                             and what is left in one chunk once it fits (default 0)
 )";
 
 const std::set<std::string> kConnectionFlags = {"target", "timeout-seconds", "token-file", "tls-ca", "tls-cert",

@@ -52,7 +52,10 @@ std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_by
   const int64_t last = last_chunk_bytes > 0 && rows > first + edge(last_chunk_bytes) ? edge(last_chunk_bytes) : 0;
   std::vector<std::pair<int64_t, int64_t>> plan;
   for (int64_t r = 0, size = first; r < rows - last;) {
-    const int64_t n = std::min(size, rows - last - r);
+    // Growing: once what is left fits in a full chunk, one chunk takes it (one engine call fewer
+    // than a doubling that would leave a small remainder).
+    const int64_t left = rows - last - r;
+    const int64_t n = grow && r > 0 && left <= per ? left : std::min(size, left);
     plan.emplace_back(r, n);
     r += n;
     size = grow ? std::min(per, 2 * size) : per;

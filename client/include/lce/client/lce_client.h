@@ -47,10 +47,12 @@ struct ClientOptions {
   int64_t first_chunk_bytes = 0;
   // After a smaller first chunk, each chunk twice the one before up to chunk_bytes (1, 2, 4, 8, 16,
   // 16, ... MiB), so that each arrives while the one before computes: the GPU does not wait for a
-  // full chunk after a small first one (the pipeline's fill). Measured on an H100 over the data
-  // plane with pipelined streams (bench/RESULTS.md): best for scores with a 2 MiB first chunk and
-  // chunk_bytes of 34 MiB (1.17-1.20x the engine's time against 1.23-1.27x with 16 MiB chunks); for
-  // train, 16 MiB chunks did as well or better. Off by default.
+  // full chunk after a small first one (the pipeline's fill). Once what is left fits in chunk_bytes,
+  // one chunk takes it (each engine call costs ≈0.3 ms beyond its rows: a small remainder was one
+  // more). Measured on an H100 over the data plane with pipelined streams, 8192x4096 bf16
+  // (bench/RESULTS.md): best for scores with a 4 MiB first chunk and chunk_bytes of 36 MiB (4, 8, 16,
+  // 36 MiB: 1.12-1.15x the engine's time in three runs of four); for train, 16 MiB chunks with a
+  // 1 MiB first and last did as well or better. Off by default.
   bool grow_chunks = false;
   // Hidden bytes of each stream's last chunk (0: what is left) in calls that return d_hidden.
   // Nothing overlaps the last chunk's compute and answer; a smaller one shortens that tail. Scores
@@ -83,8 +85,8 @@ struct ClientOptions {
   bool data_plane = false;
   // Sockets per direction per stream on the data plane: each chunk's bytes are split over them and
   // move at once (one loopback socket carries 2.6–4.5 GB/s on an H100 host, four 9–12 GB/s).
-  // Measured best there for 8192×4096 bf16 (bench/RESULTS.md): one stream, 4 sockets, a first and
-  // last chunk of 1 MiB, chunks of 8 MiB for train (16 MiB for score: fewer engine calls).
+  // Measured best there for 8192×4096 bf16 (bench/RESULTS.md): one stream, 4 sockets; for train a
+  // first and last chunk of 1 MiB and 16 MiB chunks, for score growing chunks (see grow_chunks).
   int data_plane_sockets = 4;
   // Called after each stream of a call ends, on the thread that ran it (benchmarks: where a call's
   // time goes). Empty: no timestamps are taken.
