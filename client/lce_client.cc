@@ -585,7 +585,7 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   // The header, with the call's initial metadata, from this thread (a woken worker starts later),
   // and the first chunk too where its bytes need no upload; the rest from a worker, each as its
   // bytes are in.
-  bool writing = false;
+  bool rest_to_write = false;  // the header went, and chunks are left for the worker
   size_t first_for_writer = 0;
   {
     v1::StreamRequest msg;
@@ -595,21 +595,21 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     // Every chunk goes without waiting for answers: the server may then compute one chunk while
     // it reads and stages the next (RequestHeader.sends_ahead).
     msg.mutable_header()->set_sends_ahead(true);
-    writing = stream->Write(msg);
-    if (writing && lane == nullptr && !plan.empty()) {
+    // (A write that fails: the server ended the call; Finish says why.)
+    rest_to_write = stream->Write(msg);
+    if (rest_to_write && lane == nullptr && !plan.empty()) {
       chunk_message(0, msg);
-      writing = stream->Write(msg);
+      rest_to_write = stream->Write(msg);
       first_for_writer = 1;
       if (tracing) trace.first_chunk_sent = now();
     }
-    if (writing && first_for_writer == plan.size()) {
+    if (rest_to_write && first_for_writer == plan.size()) {
       if (tracing) trace.last_chunk_sent = now();
       stream->WritesDone();
-      writing = false;
+      rest_to_write = false;
     }
   }
-  // (A write that failed: the server ended the call; Finish says why.)
-  if (!writing) {
+  if (!rest_to_write) {
     tasks_done.Done();
   } else {
     workers_->Run([&] {

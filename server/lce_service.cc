@@ -1,12 +1,13 @@
 #include "lce_service.h"
 
+#include <atomic>
 #include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "async_stream_writer.h"
 #include "engine_call_pipeline.h"
 #include "grpc_status.h"
+#include "stream_answer_writer.h"
 #include "wire_types.h"
 #include "lce/training.h"
 
@@ -354,7 +355,7 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
                          plan->sends_ahead && !is_pl && !plan->accumulate_weight_grad;
   // Answers leave from their own thread while the next chunk computes (two in flight at most); a
   // pipelined stream's finish thread writes them itself.
-  AsyncStreamWriter<v1::StreamResponse> writer(stream, 2, /*own_thread=*/!pipelined);
+  StreamAnswerWriter<v1::StreamResponse> writer(stream, 2, /*own_thread=*/!pipelined);
   int64_t rows_seen = 0, valid_seen = 0, chunk_index = 0, bytes_seen = 0;
   double loss_sum = 0.0;
   PolicyLossSums policy_sums;

@@ -1,4 +1,4 @@
-#include "async_stream_writer.h"
+#include "stream_answer_writer.h"
 
 #include <gtest/gtest.h>
 
@@ -30,9 +30,9 @@ class RecordingStream : public grpc::internal::WriterInterface<int> {
   const int fail_at_;
 };
 
-TEST(AsyncStreamWriterTest, OwnThreadWritesInOrderOffTheCallersThread) {
+TEST(StreamAnswerWriterTest, OwnThreadWritesInOrderOffTheCallersThread) {
   RecordingStream stream;
-  AsyncStreamWriter<int> w(&stream, 2);
+  StreamAnswerWriter<int> w(&stream, 2);
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(w.Push(int{i}));
   ASSERT_TRUE(w.Finish());
   EXPECT_EQ(stream.written, (std::vector<int>{0, 1, 2, 3, 4}));
@@ -41,9 +41,9 @@ TEST(AsyncStreamWriterTest, OwnThreadWritesInOrderOffTheCallersThread) {
   EXPECT_EQ(stream.written.size(), 5u);
 }
 
-TEST(AsyncStreamWriterTest, WithoutAThreadWritesOnTheCallersThread) {
+TEST(StreamAnswerWriterTest, WithoutAThreadWritesOnTheCallersThread) {
   RecordingStream stream;
-  AsyncStreamWriter<int> w(&stream, 2, /*own_thread=*/false);
+  StreamAnswerWriter<int> w(&stream, 2, /*own_thread=*/false);
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(w.Push(int{i}));
   EXPECT_EQ(stream.written, (std::vector<int>{0, 1, 2}));  // written before Push returned
   for (auto id : stream.threads) EXPECT_EQ(id, std::this_thread::get_id());
@@ -52,10 +52,10 @@ TEST(AsyncStreamWriterTest, WithoutAThreadWritesOnTheCallersThread) {
   EXPECT_EQ(stream.written.size(), 3u);
 }
 
-TEST(AsyncStreamWriterTest, AFailedWriteFailsLaterPushesAndFinish) {
+TEST(StreamAnswerWriterTest, AFailedWriteFailsLaterPushesAndFinish) {
   for (bool own_thread : {true, false}) {
     RecordingStream stream(/*fail_at=*/1);
-    AsyncStreamWriter<int> w(&stream, 2, own_thread);
+    StreamAnswerWriter<int> w(&stream, 2, own_thread);
     EXPECT_TRUE(w.Push(int{0}));
     w.Push(int{1});  // fails (on the writer's thread, the failure may show only later)
     EXPECT_FALSE(w.Finish()) << "own_thread " << own_thread;
@@ -64,10 +64,10 @@ TEST(AsyncStreamWriterTest, AFailedWriteFailsLaterPushesAndFinish) {
   }
 }
 
-TEST(AsyncStreamWriterTest, TheLastMessageGoesAsSuchAndNothingAfterIt) {
+TEST(StreamAnswerWriterTest, TheLastMessageGoesAsSuchAndNothingAfterIt) {
   for (bool own_thread : {true, false}) {
     RecordingStream stream;
-    AsyncStreamWriter<int> w(&stream, 2, own_thread);
+    StreamAnswerWriter<int> w(&stream, 2, own_thread);
     EXPECT_TRUE(w.Push(int{0}));
     EXPECT_TRUE(w.PushLast(int{1}));
     EXPECT_FALSE(w.Push(int{2})) << "own_thread " << own_thread;

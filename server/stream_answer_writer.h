@@ -1,5 +1,5 @@
-// Sends a stream's answers from a thread of its own, so that the next chunk is computed while the
-// previous answer is still being written to the wire. At most `depth` answers wait in the queue;
+// Writes a stream's answers. With a thread of its own (the default), so that the next chunk is
+// computed while the previous answer is still being written to the wire. At most `depth` answers wait in the queue;
 // Push blocks beyond that (back-pressure from a slow client reaches the compute loop).
 // Without a thread of its own (`own_thread` false), Push writes on the caller's thread: for callers
 // that are already off the compute path (a pipelined stream's finish thread), where the extra hop
@@ -19,13 +19,13 @@
 namespace lce::server {
 
 template <typename Resp>
-class AsyncStreamWriter {
+class StreamAnswerWriter {
  public:
-  AsyncStreamWriter(grpc::internal::WriterInterface<Resp>* stream, size_t depth, bool own_thread = true)
+  StreamAnswerWriter(grpc::internal::WriterInterface<Resp>* stream, size_t depth, bool own_thread = true)
       : stream_(stream), depth_(depth) {
     if (own_thread) thread_ = std::thread([this] { Run(); });
   }
-  ~AsyncStreamWriter() { Finish(); }
+  ~StreamAnswerWriter() { Finish(); }
 
   // Queues an answer (writes it, without a thread). False once a write has failed (the client went
   // away), after Finish, or after PushLast.
