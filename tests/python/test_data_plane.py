@@ -614,13 +614,15 @@ def test_one_uploader_per_socket_no_barrier_per_chunk(dp_heads, monkeypatch):
         got = dp.forward_backward(st, y)
         np.testing.assert_array_equal(as_bits(got.d_hidden), as_bits(want.d_hidden))
         np.testing.assert_array_equal(got.per_token_loss, want.per_token_loss)
-        assert not uploader_threads()  # joined when the call ended
+        # the lanes' upload threads, one per socket, kept across calls
+        assert len(uploader_threads()) == streams * sockets
 
         shares = [e for e in log.events if e[0] == "share"]
         msgs = [(i, e) for i, e in enumerate(log.events) if e[0] == "msg"]
         assert sum(e[3] for e in shares) == st.nbytes
-        # one thread per socket of each stream, each on its own socket, none per chunk
+        # one thread per socket of each stream (the lanes' kept ones), each on its own socket, none per chunk
         assert len(log.threads) == streams * sockets
+        assert set(log.threads) <= set(uploader_threads())
         assert all(UPLOADER.match(t.name) for t in log.threads)
         by_thread = {}
         for e in shares:

@@ -829,7 +829,7 @@ class Client:
         if route is not None:
             buf = h.byte_view()
             uploads = UploadState(route, [(hidden_at[1] + r0 * row_bytes, buf[r0 * row_bytes:(r0 + rows) * row_bytes])
-                                          for r0, rows in plan], name=f"lce-dp{route.lane.index}-up")
+                                          for r0, rows in plan])
         failed = True
         try:
             summary = self._read_part(stub, header, begin, n, on_rows, on_call, rpc, h, targets, per_row, hidden_at,

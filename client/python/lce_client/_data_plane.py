@@ -25,10 +25,11 @@ The session id is the capability and the data plane has no TLS: for trusted netw
 """
 from __future__ import annotations
 
+import queue
 import socket
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import grpc
@@ -232,16 +233,49 @@ def split_transfer(conns: List[DataPlaneConnection], pool: Optional[ThreadPoolEx
         raise errors[0]
 
 
+class _SocketWorker:
+    """A thread kept for one upload socket of a lane: runs what it is given, one at a time."""
+
+    def __init__(self, name: str):
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn, *args) -> Future:
+        done: Future = Future()
+        self._queue.put((fn, args, done))
+        return done
+
+    def stop(self) -> None:
+        """Ends the thread once what it was given is done."""
+        self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args, done = item
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `done`
+                done.set_exception(e)
+
+
 class Lane:
-    """One stream's sockets: `sockets` per direction. Uploads run on threads of their own, one per
-    upload socket and request (UploadState); downloads split each chunk over the download sockets,
-    all but the first share moved by a pool of this lane's."""
+    """One stream's sockets: `sockets` per direction. Uploads run on this lane's threads, one per
+    upload socket, kept across requests (UploadState; a thread made and joined per request and socket
+    lengthened each call's start and end); downloads split each chunk over the download sockets, all
+    but the first share moved by a second pool of this lane's."""
 
     def __init__(self, host: str, port: int, sockets: int, index: int):
         self.index = index
         self.up: List[DataPlaneConnection] = []
         self.down: List[DataPlaneConnection] = []
         self._down_pool = None
+        self.up_workers: List[_SocketWorker] = []
         try:
             for _ in range(sockets):
                 self.up.append(DataPlaneConnection(host, port))
@@ -251,6 +285,7 @@ class Lane:
             raise
         if sockets > 1:
             self._down_pool = ThreadPoolExecutor(sockets - 1, thread_name_prefix=f"lce-dp{index}-down")
+        self.up_workers = [_SocketWorker(f"lce-dp{index}-up{i}") for i in range(sockets)]
 
     @property
     def usable(self) -> bool:
@@ -266,12 +301,15 @@ class Lane:
             c.shutdown()
 
     def close(self) -> None:
-        """Closes the sockets (waking transfers blocked on them) and stops the download pool's threads."""
+        """Closes the sockets (waking transfers blocked on them) and stops the pools' threads."""
         for c in self.up + self.down:
             c.close()
         pool, self._down_pool = self._down_pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        workers, self.up_workers = self.up_workers, []
+        for w in workers:
+            w.stop()
 
 
 class Route:
@@ -288,18 +326,18 @@ class Route:
 
 
 class UploadState:
-    """One stream's uploads, as the C++ client's StreamPart makes them: one thread per upload socket
-    of the route's lane, each writing its socket_share of every chunk into the hidden region in turn,
+    """One stream's uploads, as the C++ client's StreamPart makes them: one task per upload socket
+    of the route's lane, on the lane's upload threads, each writing its socket_share of every chunk into the hidden region in turn,
     without waiting for the other sockets (no barrier a chunk: a slow socket delays only the chunks
     whose share it has not finished). `uploaded` counts the leading chunks whose shares are all in;
     the request stream waits for a chunk there (`wait`) before it sends the chunk's message.
 
     A failed upload records its error (the call's error, not the CANCELLED that follows), cancels the
-    call and ends the waits. `stop` ends the uploads and joins the threads; with abort=True (the call
+    call and ends the waits. `stop` ends the uploads and waits for the tasks; with abort=True (the call
     failed or was cancelled) it first shuts the upload sockets down, waking a write blocked on them
-    (the lane is dropped afterwards), and closes them once the threads are gone."""
+    (the lane is dropped afterwards), and closes them once the tasks are done."""
 
-    def __init__(self, route: Route, chunks: Sequence[Tuple[int, memoryview]], name: str = "lce-dp-up"):
+    def __init__(self, route: Route, chunks: Sequence[Tuple[int, memoryview]]):
         """chunks: per chunk of the plan, in order, (offset in the hidden region, its bytes)."""
         self._cv = threading.Condition()
         self._route = route
@@ -310,14 +348,11 @@ class UploadState:
         self.error: Optional[BaseException] = None
         self.stopped = False
         self._call = None
-        self._threads = [threading.Thread(target=self._upload, args=(i,), name=f"{name}{i}", daemon=True)
-                         for i in range(len(self._conns))]
-        self._started = False
+        self._tasks = []
 
     def start(self) -> None:
-        self._started = True
-        for t in self._threads:
-            t.start()
+        workers = self._route.lane.up_workers
+        self._tasks = [workers[i].run(self._upload, i) for i in range(len(self._conns))]
 
     def attach(self, call) -> None:
         """The call to cancel when an upload fails (at once if one failed already)."""
@@ -354,9 +389,8 @@ class UploadState:
         if abort:
             for c in self._conns:
                 c.shutdown()
-        if self._started:
-            for t in self._threads:
-                t.join()
+        for t in self._tasks:
+            t.exception()  # waits; _upload hands its errors to fail()
         if abort:
             for c in self._conns:
                 c.close()
