@@ -11,7 +11,6 @@
 #include <cstring>
 #include <functional>
 #include <random>
-#include <thread>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -117,21 +116,27 @@ std::pair<int64_t, int64_t> SocketShare(int64_t bytes, int64_t k, int64_t i) {
   return {lo, hi - lo};
 }
 
-// Moves `bytes` over the sockets at once, a SocketShare each: `move(socket, offset, length)`. The
-// first failure is returned.
-absl::Status SplitTransfer(const std::vector<DataPlaneConnection*>& sockets, int64_t bytes,
+// Moves `bytes` over the sockets at once, a SocketShare each: `move(socket, offset, length)`, the
+// first share on this thread and the others on `workers` (kept threads: this runs once a chunk).
+// The first failure is returned.
+absl::Status SplitTransfer(const std::vector<DataPlaneConnection*>& sockets, int64_t bytes, WorkerPool& workers,
                            const std::function<absl::Status(DataPlaneConnection&, int64_t, int64_t)>& move) {
   const int64_t k = static_cast<int64_t>(sockets.size());
   if (SocketShare(bytes, k, 0).second == bytes) return move(*sockets[0], 0, bytes);  // one share: no threads
   std::vector<absl::Status> results(static_cast<size_t>(k));
-  std::vector<std::thread> helpers;
   auto part = [&](int64_t i) {
     const auto [lo, len] = SocketShare(bytes, k, i);
     results[static_cast<size_t>(i)] = move(*sockets[static_cast<size_t>(i)], lo, len);
   };
-  for (int64_t i = 1; i < k; ++i) helpers.emplace_back(part, i);
+  TaskLatch others_done(k - 1);
+  for (int64_t i = 1; i < k; ++i) {
+    workers.Run([&, i] {
+      part(i);
+      others_done.Done();
+    });
+  }
   part(0);
-  for (std::thread& t : helpers) t.join();
+  others_done.Wait();
   for (const absl::Status& s : results) {
     if (!s.ok()) return s;
   }
@@ -678,10 +683,11 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     if (lane != nullptr && batch.d_hidden_region) {  // the server wrote it into its memory before answering
       const RegionRef& from = *batch.d_hidden_region;
       uint8_t* dst = assembly.DHidden() + first * row_bytes;
-      shape_error = SplitTransfer(lane->down, n * row_bytes, [&](DataPlaneConnection& c, int64_t off, int64_t len) {
+      auto read = [&](DataPlaneConnection& c, int64_t off, int64_t len) {
         return c.Read(from.session_id, from.region_id, from.offset + first * row_bytes + off,
                       absl::MakeSpan(dst + off, len));
-      });
+      };
+      shape_error = SplitTransfer(lane->down, n * row_bytes, *workers_, read);
       if (!shape_error.ok()) break;
       assembly.n_dhidden += n;
     } else if (!c.d_hidden().empty()) {

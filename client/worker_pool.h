@@ -1,6 +1,6 @@
-// Threads kept for a client's life, so that a call's uploaders and writer start at once rather
-// than each being made (and joined) for every call: on an H100 host the four uploaders' start
-// delayed a data-plane call's creation by ~0.2 ms (bench/RESULTS.md).
+// Threads kept for a client's life, so that a call's uploaders, writer and download shares start
+// at once rather than each being made (and joined) for every call or chunk: on an H100 host the
+// four uploaders' start delayed a data-plane call's creation by ~0.2 ms (bench/RESULTS.md).
 #pragma once
 
 #include <condition_variable>

@@ -254,7 +254,7 @@ class LceClient {
   std::vector<std::shared_ptr<grpc::Channel>> extra_channels_;
   std::atomic<bool> extra_connected_{false};
   std::unique_ptr<DataPlane> data_plane_;
-  // Runs each call's writer and uploaders and a split request's extra streams.
+  // Runs each call's writer, uploaders and download shares, and a split request's extra streams.
   std::unique_ptr<WorkerPool> workers_;
 };
 
