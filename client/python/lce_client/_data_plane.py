@@ -29,7 +29,7 @@ import queue
 import socket
 import struct
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import grpc
@@ -209,16 +209,16 @@ def socket_share(nbytes: int, k: int, i: int) -> Tuple[int, int]:
     return lo, hi - lo
 
 
-def split_transfer(conns: List[DataPlaneConnection], pool: Optional[ThreadPoolExecutor], nbytes: int,
+def split_transfer(conns: List[DataPlaneConnection], workers: Sequence["_SocketWorker"], nbytes: int,
                    move: Callable[[DataPlaneConnection, int, int], None]) -> None:
     """Moves `nbytes` over the connections at once, a socket_share each: move(conn, offset, length),
-    the first share in this thread, the others on `pool`. Returns once every share is done; raises
-    the first share's error. (Downloads; uploads go through UploadState's per-socket threads.)"""
+    the first share in this thread, share i on workers[i - 1]. Returns once every share is done;
+    raises the first share's error. (Downloads; uploads go through UploadState.)"""
     k = len(conns)
-    if pool is None or socket_share(nbytes, k, 0)[1] == nbytes:  # one share: no threads
+    if not workers or socket_share(nbytes, k, 0)[1] == nbytes:  # one share: no threads
         move(conns[0], 0, nbytes)
         return
-    futures = [pool.submit(move, conns[i], *socket_share(nbytes, k, i)) for i in range(1, k)]
+    futures = [workers[i - 1].run(move, conns[i], *socket_share(nbytes, k, i)) for i in range(1, k)]
     errors: List[BaseException] = []
     try:
         move(conns[0], *socket_share(nbytes, k, 0))
@@ -234,7 +234,7 @@ def split_transfer(conns: List[DataPlaneConnection], pool: Optional[ThreadPoolEx
 
 
 class _SocketWorker:
-    """A thread kept for one upload socket of a lane: runs what it is given, one at a time."""
+    """A thread kept for one socket of a lane: runs what it is given, one at a time."""
 
     def __init__(self, name: str):
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -265,17 +265,17 @@ class _SocketWorker:
 
 
 class Lane:
-    """One stream's sockets: `sockets` per direction. Uploads run on this lane's threads, one per
-    upload socket, kept across requests (UploadState; a thread made and joined per request and socket
-    lengthened each call's start and end); downloads split each chunk over the download sockets, all
-    but the first share moved by a second pool of this lane's."""
+    """One stream's sockets: `sockets` per direction, and a thread kept across requests for each
+    upload socket and each download socket but the first (a thread made and joined per request and
+    socket lengthened each call's start and end). Uploads run on theirs (UploadState); downloads
+    split each chunk over the download sockets, the first share on the caller's thread."""
 
     def __init__(self, host: str, port: int, sockets: int, index: int):
         self.index = index
         self.up: List[DataPlaneConnection] = []
         self.down: List[DataPlaneConnection] = []
-        self._down_pool = None
         self.up_workers: List[_SocketWorker] = []
+        self._down_workers: List[_SocketWorker] = []
         try:
             for _ in range(sockets):
                 self.up.append(DataPlaneConnection(host, port))
@@ -283,9 +283,8 @@ class Lane:
         except BaseException:
             self.close()
             raise
-        if sockets > 1:
-            self._down_pool = ThreadPoolExecutor(sockets - 1, thread_name_prefix=f"lce-dp{index}-down")
         self.up_workers = [_SocketWorker(f"lce-dp{index}-up{i}") for i in range(sockets)]
+        self._down_workers = [_SocketWorker(f"lce-dp{index}-down{i}") for i in range(1, sockets)]
 
     @property
     def usable(self) -> bool:
@@ -293,7 +292,7 @@ class Lane:
 
     def read(self, session_id: str, region_id: int, offset: int, into: memoryview) -> None:
         into = _bytes_view(into)
-        split_transfer(self.down, self._down_pool, into.nbytes,
+        split_transfer(self.down, self._down_workers, into.nbytes,
                        lambda c, off, n: c.read(session_id, region_id, offset + off, into[off:off + n]))
 
     def shutdown(self) -> None:
@@ -301,13 +300,11 @@ class Lane:
             c.shutdown()
 
     def close(self) -> None:
-        """Closes the sockets (waking transfers blocked on them) and stops the pools' threads."""
+        """Closes the sockets (waking transfers blocked on them) and stops the lane's threads."""
         for c in self.up + self.down:
             c.close()
-        pool, self._down_pool = self._down_pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-        workers, self.up_workers = self.up_workers, []
+        workers = self.up_workers + self._down_workers
+        self.up_workers, self._down_workers = [], []
         for w in workers:
             w.stop()
 
