@@ -149,15 +149,14 @@ class LceService final : public v1::LceService::Service {
 template <typename F>
 grpc::Status LceService::Recorded(const char* method, grpc::ServerContext* ctx, F&& body) {
   const std::string request_id = AssignRequestId(ctx);
-  const auto start = std::chrono::steady_clock::now();
+  RequestWork work;  // its start is the request's
   if (config_.metrics != nullptr) config_.metrics->inflight.Increment();
-  RequestWork work;
   grpc::Status s;
   {
     RequestWork::Scope scope(&work);
     s = body();
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - work.start).count();
   if (config_.metrics != nullptr) {
     ServiceMetrics& m = *config_.metrics;
     m.inflight.Decrement();

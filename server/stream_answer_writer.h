@@ -1,6 +1,7 @@
 // Writes a stream's answers. With a thread of its own (the default), so that the next chunk is
-// computed while the previous answer is still being written to the wire. At most `depth` answers wait in the queue;
-// Push blocks beyond that (back-pressure from a slow client reaches the compute loop).
+// computed while the previous answer is still being written to the wire; at most `depth` answers
+// wait in the queue, and Push blocks beyond that (back-pressure from a slow client reaches the
+// compute loop).
 // Without a thread of its own (`own_thread` false), Push writes on the caller's thread: for callers
 // that are already off the compute path (a pipelined stream's finish thread), where the extra hop
 // only delayed each answer and the thread's start and join lengthened the request's ends.
