@@ -1,10 +1,12 @@
 // CPU backend of the LCE engine. Rows are processed in blocks of kRowBlock; the vocabulary in tiles
-// of kVocabTile. Pass 1 (forward) computes each logit tile with one SGEMM and folds it into per-row
-// online statistics; pass 2 (backward, when asked) recomputes each tile, turns it into dL/da in
-// place and feeds the d_hidden and dW products. Memory: O(kRowBlock * kVocabTile + V * H).
+// of kVocabTile. Pass 1 (forward) computes each logit tile and folds it into per-row online
+// statistics; pass 2 (backward, when asked) recomputes each tile, turns it into dL/da in place and
+// feeds the d_hidden and dW products. Tiles are held transposed ([vocab][row]), so the row loops
+// vectorise and a row is one column. Every product runs through FixedOrderGemm and every per-row
+// loop visits the vocabulary in order, so a row's results do not depend on the rows around it, the
+// block it falls in or the chunking (DESIGN.md, "Guarantees"). Memory: O(kRowBlock·(kVocabTile+3H)).
 #include "cpu/cpu_engine.h"
 
-#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cpu/fixed_order_gemm.h"
 #include "lce/numeric.h"
 
 namespace lce {
@@ -21,6 +24,9 @@ namespace {
 
 constexpr int64_t kRowBlock = 128;
 constexpr int64_t kVocabTile = 2048;
+// Transposed tiles are computed over whole groups of this many rows (the padding columns hold
+// values of no row and are never read back): one GEMM tile width on every instruction set.
+constexpr int64_t kColumnGroup = 32;
 
 // Per-row statistics of the softmax over (this shard of) the vocabulary; see docs/MATH.md.
 struct RowStats {
@@ -38,6 +44,23 @@ struct RowFinal {
   float max;
 };
 
+// Backward coefficients of a row: dL/dz_j = a·p_j + b·p_j·(z_j − max) − c·1[j=y] − d.
+struct RowCoef {
+  float a = 0.0f, b = 0.0f, c = 0.0f, d = 0.0f;
+};
+
+// Scratch of one Compute call. Row-block buffers are [.., kRowBlock] so a row is a column.
+struct Workspace {
+  Workspace(int64_t hidden, int64_t tile, bool backward)
+      : h(kRowBlock * hidden), h_t(hidden * kRowBlock, 0.0f), z_t(tile * kRowBlock, 0.0f),
+        dh_t(backward ? hidden * kRowBlock : 0), dh(backward ? kRowBlock * hidden : 0) {}
+  std::vector<float> h;     // [rows, H]: the block's hidden states in fp32
+  std::vector<float> h_t;   // [H, kRowBlock]: the same, transposed
+  std::vector<float> z_t;   // [tile, kRowBlock]: a logit tile; in pass 2, dL/da
+  std::vector<float> dh_t;  // [H, kRowBlock]: d_hidden, transposed
+  std::vector<float> dh;    // [rows, H]
+};
+
 class CpuEngine final : public LceEngine {
  public:
   CpuEngine(std::shared_ptr<const HeadWeights> weights, const EngineConfig& config)
@@ -45,14 +68,14 @@ class CpuEngine final : public LceEngine {
     const int64_t n = shape_.shard_rows * shape_.hidden_size;
     w_.resize(n);
     ConvertToFloat(weights_->weight.data(), shape_.dtype, n, w_.data());
-    if (config.cpu_threads > 0) threads_ = config.cpu_threads;
+    threads_ = config.cpu_threads > 0 ? config.cpu_threads : omp_get_max_threads();
   }
 
   std::string_view backend() const override { return "cpu"; }
   const HeadShape& shape() const override { return shape_; }
   EngineMemory memory() const override {
     return {static_cast<int64_t>(w_.size() * sizeof(float) + weights_->weight.size()),
-            (kRowBlock * (kVocabTile + 2 * shape_.hidden_size)) * static_cast<int64_t>(sizeof(float))};
+            (kRowBlock * (kVocabTile + 4 * shape_.hidden_size)) * static_cast<int64_t>(sizeof(float))};
   }
 
   absl::Status Compute(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
@@ -60,17 +83,30 @@ class CpuEngine final : public LceEngine {
 
  private:
   absl::Status CheckCall(const RowsView& rows, const LceOptions& options) const;
-  // Logit tile z[r, v] for rows [row0, row0+nr) (hidden already fp32 in h) and vocab tile
-  // [v0, v0+nv) of the shard; applies bias, softcap and temperature.
-  void LogitTile(const float* h, int64_t nr, int64_t v0, int64_t nv, const LceOptions& o,
-                 float* z) const;
+  void LoadRows(const RowsView& rows, int64_t r0, int64_t nr, Workspace& ws) const;
+  void LogitTile(const Workspace& ws, int64_t cols, int64_t v0, int64_t nv, const LceOptions& o,
+                 float* z_t) const;
+  void FoldTileStats(const float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
+                     const LceOptions& o, RowStats* stats) const;
+  absl::Status FinishRows(int64_t r0, int64_t nr, const int32_t* y, const LceOptions& o,
+                          const std::vector<RowStats>& stats, const RowOutputs& out,
+                          std::vector<RowFinal>& fin) const;
+  void GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
+                const LceOptions& o, const std::vector<RowCoef>& coef,
+                const std::vector<RowFinal>& fin, const std::vector<RowStats>& stats) const;
+  absl::Status BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, const int32_t* y,
+                             const LceOptions& o, const std::vector<RowCoef>& coef,
+                             const std::vector<RowFinal>& fin, const std::vector<RowStats>& stats,
+                             const GradOutputs& grads);
   absl::Status MergeAcrossRanks(std::vector<RowStats>& stats) const;
+
+  int64_t Tile() const { return std::min(kVocabTile, shape_.shard_rows); }
 
   std::shared_ptr<const HeadWeights> weights_;
   HeadShape shape_;
   Collectives* collectives_;
   std::vector<float> w_;  // fp32 copy of the shard, [shard_rows, H]
-  int threads_ = 0;
+  int threads_ = 1;
   std::mutex mu_;
 };
 
@@ -94,22 +130,87 @@ absl::Status CpuEngine::CheckCall(const RowsView& rows, const LceOptions& option
   return absl::OkStatus();
 }
 
-void CpuEngine::LogitTile(const float* h, int64_t nr, int64_t v0, int64_t nv, const LceOptions& o,
-                          float* z) const {
+// Rows [r0, r0+nr) into ws.h (fp32) and ws.h_t (transposed).
+void CpuEngine::LoadRows(const RowsView& rows, int64_t r0, int64_t nr, Workspace& ws) const {
   const int64_t H = shape_.hidden_size;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(nr), static_cast<int>(nv),
-              static_cast<int>(H), 1.0f, h, static_cast<int>(H), w_.data() + v0 * H,
-              static_cast<int>(H), 0.0f, z, static_cast<int>(nv));
+  ConvertToFloat(static_cast<const uint8_t*>(rows.hidden) + r0 * H * DTypeSize(shape_.dtype),
+                 shape_.dtype, nr * H, ws.h.data());
+  for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t k = 0; k < H; ++k) ws.h_t[k * kRowBlock + r] = ws.h[r * H + k];
+  }
+}
+
+// Transposed logit tile z_t[v, r] for vocab tile [v0, v0+nv) of the shard and the first `cols`
+// columns of ws.h_t; applies bias, softcap and temperature.
+void CpuEngine::LogitTile(const Workspace& ws, int64_t cols, int64_t v0, int64_t nv,
+                          const LceOptions& o, float* z_t) const {
+  const int64_t H = shape_.hidden_size;
+  cpu::FixedOrderGemm(nv, cols, H, {w_.data() + v0 * H, H, 1}, ws.h_t.data(), kRowBlock, z_t,
+                      kRowBlock, /*accumulate=*/false, threads_);
   const float* bias = weights_->bias.empty() ? nullptr : weights_->bias.data() + v0;
   const float inv_t = 1.0f / o.temperature;
   const float cap = o.softcap;
-#pragma omp parallel for schedule(static) num_threads(threads_ > 0 ? threads_ : omp_get_max_threads())
-  for (int64_t r = 0; r < nr; ++r) {
-    float* zr = z + r * nv;
-    for (int64_t v = 0; v < nv; ++v) {
-      float a = zr[v] + (bias != nullptr ? bias[v] : 0.0f);
+  if (bias == nullptr && cap == 0.0f && inv_t == 1.0f) return;
+#pragma omp parallel for schedule(static) num_threads(threads_)
+  for (int64_t v = 0; v < nv; ++v) {
+    float* zv = z_t + v * kRowBlock;
+    const float b = bias != nullptr ? bias[v] : 0.0f;
+    for (int64_t r = 0; r < cols; ++r) {
+      float a = zv[r] + b;
       if (cap > 0.0f) a = cap * std::tanh(a / cap);
-      zr[v] = a * inv_t;
+      zv[r] = a * inv_t;
+    }
+  }
+}
+
+// Folds tile [v0, v0+nv) into each row's online statistics, visiting the vocabulary in order.
+void CpuEngine::FoldTileStats(const float* z_t, int64_t nr, int64_t v0, int64_t nv,
+                              const int32_t* y, const LceOptions& o, RowStats* stats) const {
+  const int64_t vb = shape_.vocab_begin;
+  const int64_t groups = (nr + kColumnGroup - 1) / kColumnGroup;
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(std::min<int64_t>(threads_, groups)))
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t r0 = g * kColumnGroup, r1 = std::min(nr, r0 + kColumnGroup);
+    float tmax[kColumnGroup], tsum_z[kColumnGroup], m[kColumnGroup], s[kColumnGroup], q[kColumnGroup];
+    for (int64_t r = r0; r < r1; ++r) {
+      tmax[r - r0] = -std::numeric_limits<float>::infinity();
+      tsum_z[r - r0] = s[r - r0] = q[r - r0] = 0.0f;
+    }
+    for (int64_t v = 0; v < nv; ++v) {
+      const float* zv = z_t + v * kRowBlock;
+      for (int64_t r = r0; r < r1; ++r) {
+        tmax[r - r0] = std::max(tmax[r - r0], zv[r]);
+        tsum_z[r - r0] += zv[r];
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      if (std::isnan(tsum_z[r - r0])) tmax[r - r0] = tsum_z[r - r0];  // NaN sticks: std::max may drop it
+      m[r - r0] = std::max(stats[r].max, tmax[r - r0]);
+    }
+    for (int64_t v = 0; v < nv; ++v) {
+      const float* zv = z_t + v * kRowBlock;
+      for (int64_t r = r0; r < r1; ++r) {
+        const float d = zv[r] - m[r - r0];
+        const float e = std::exp(d);
+        s[r - r0] += e;
+        q[r - r0] += e * d;
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      RowStats& st = stats[r];
+      const float mr = m[r - r0];
+      float sr = s[r - r0], qr = q[r - r0];
+      if (st.sum_exp > 0.0f) {
+        const float scale = std::exp(st.max - mr);
+        qr += (st.sum_exp_z + (st.max - mr) * st.sum_exp) * scale;
+        sr += st.sum_exp * scale;
+      }
+      st.max = std::isnan(tmax[r - r0]) ? tmax[r - r0] : mr;
+      st.sum_exp = sr;
+      st.sum_exp_z = qr;
+      st.sum_z += tsum_z[r - r0];
+      const int64_t local = static_cast<int64_t>(y[r]) - vb - v0;
+      if (y[r] != o.ignore_index && local >= 0 && local < nv) st.target_z = z_t[local * kRowBlock + r];
     }
   }
 }
@@ -149,172 +250,159 @@ absl::Status CpuEngine::MergeAcrossRanks(std::vector<RowStats>& stats) const {
   return absl::OkStatus();
 }
 
+// Per-row outputs of rows [r0, r0+nr) from their merged statistics; fills `fin` for pass 2.
+absl::Status CpuEngine::FinishRows(int64_t r0, int64_t nr, const int32_t* y, const LceOptions& o,
+                                   const std::vector<RowStats>& stats, const RowOutputs& out,
+                                   std::vector<RowFinal>& fin) const {
+  const float eps = o.label_smoothing;
+  const float V = static_cast<float>(shape_.vocab_size);
+  fin.resize(nr);
+  for (int64_t r = 0; r < nr; ++r) {
+    const RowStats& st = stats[r];
+    const float lse = st.max + std::log(st.sum_exp);
+    if (!std::isfinite(lse) || !std::isfinite(st.sum_z)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "row ", r0 + r, ": non-finite logits (NaN or Inf in the hidden states, or overflow)"));
+    }
+    fin[r] = {lse, st.sum_exp_z / st.sum_exp, st.max};
+    const bool ignored = y[r] == o.ignore_index;
+    const float logprob = ignored ? 0.0f : st.target_z - lse;
+    if (out.lse != nullptr) out.lse[r0 + r] = lse;
+    if (out.logprob != nullptr) out.logprob[r0 + r] = logprob;
+    if (out.entropy != nullptr) out.entropy[r0 + r] = std::log(st.sum_exp) - fin[r].mean_pz_shifted;
+    if (out.loss != nullptr) {
+      out.loss[r0 + r] = ignored ? 0.0f
+                                 : -(1.0f - eps) * logprob + eps * (lse - st.sum_z / V) +
+                                       o.z_loss * lse * lse;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Backward coefficients (docs/MATH.md):
+//   loss:    a = g(1 + 2λ·lse), b = 0, c = g(1−ε), d = g·ε/V      (all 0 for ignored rows)
+//   generic: a = −u + e·Σp(z−max), b = −e, c = −u, d = 0           (u = 0 for ignored rows)
+std::vector<RowCoef> BackwardCoefficients(int64_t r0, int64_t nr, const int32_t* y,
+                                          const LceOptions& o, const Upstream& up, int64_t vocab,
+                                          const std::vector<RowFinal>& fin) {
+  std::vector<RowCoef> coef(nr);
+  for (int64_t r = 0; r < nr; ++r) {
+    const bool ignored = y[r] == o.ignore_index;
+    RowCoef& c = coef[r];
+    if (up.mode == GradMode::kLoss) {
+      if (ignored) continue;
+      const float g = up.grad_loss != nullptr ? up.grad_loss[r0 + r] : 1.0f;
+      c.a = g * (1.0f + 2.0f * o.z_loss * fin[r].lse);
+      c.c = g * (1.0f - o.label_smoothing);
+      c.d = g * o.label_smoothing / static_cast<float>(vocab);
+    } else {
+      const float u = (ignored || up.grad_logprob == nullptr) ? 0.0f : up.grad_logprob[r0 + r];
+      const float e = up.grad_entropy != nullptr ? up.grad_entropy[r0 + r] : 0.0f;
+      c.a = -u + e * fin[r].mean_pz_shifted;
+      c.b = -e;
+      c.c = -u;
+    }
+  }
+  return coef;
+}
+
+// Turns the transposed logit tile z_t into dL/da in place.
+void CpuEngine::GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
+                         const LceOptions& o, const std::vector<RowCoef>& coef,
+                         const std::vector<RowFinal>& fin, const std::vector<RowStats>& stats) const {
+  const float inv_t = 1.0f / o.temperature;
+#pragma omp parallel for schedule(static) num_threads(threads_)
+  for (int64_t v = 0; v < nv; ++v) {
+    float* zv = z_t + v * kRowBlock;
+    for (int64_t r = 0; r < nr; ++r) {
+      const RowCoef& c = coef[r];
+      const float zz = zv[r];
+      const float p = std::exp(zz - fin[r].lse);
+      const float dz = c.a * p + c.b * p * (zz - fin[r].max) - c.d;
+      float da = dz * inv_t;
+      if (o.softcap > 0.0f) {
+        const float t = zz * o.temperature / o.softcap;  // tanh(a / s)
+        da *= 1.0f - t * t;
+      }
+      zv[r] = da;
+    }
+  }
+  const int64_t vb = shape_.vocab_begin;
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t local = static_cast<int64_t>(y[r]) - vb - v0;
+    if (y[r] == o.ignore_index || local < 0 || local >= nv || coef[r].c == 0.0f) continue;
+    float dcorr = -coef[r].c * inv_t;
+    if (o.softcap > 0.0f) {
+      const float t = stats[r].target_z * o.temperature / o.softcap;  // z was overwritten
+      dcorr *= 1.0f - t * t;
+    }
+    z_t[local * kRowBlock + r] += dcorr;
+  }
+}
+
+// Pass 2 over the shard's vocabulary for one block: d_hidden (written) and dW (accumulated).
+absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, const int32_t* y,
+                                      const LceOptions& o, const std::vector<RowCoef>& coef,
+                                      const std::vector<RowFinal>& fin,
+                                      const std::vector<RowStats>& stats, const GradOutputs& grads) {
+  const int64_t H = shape_.hidden_size;
+  const int64_t cols = std::min(kRowBlock, (nr + kColumnGroup - 1) / kColumnGroup * kColumnGroup);
+  for (int64_t v0 = 0; v0 < shape_.shard_rows; v0 += Tile()) {
+    const int64_t nv = std::min(Tile(), shape_.shard_rows - v0);
+    LogitTile(ws, cols, v0, nv, o, ws.z_t.data());
+    GradTile(ws.z_t.data(), nr, v0, nv, y, o, coef, fin, stats);
+    // d_hidden_t[H, r] (+)= W_tileᵀ[H, nv] · dA_t[nv, r]: each element sums the vocabulary in order.
+    cpu::FixedOrderGemm(H, cols, nv, {w_.data() + v0 * H, 1, H}, ws.z_t.data(), kRowBlock,
+                        ws.dh_t.data(), kRowBlock, /*accumulate=*/v0 > 0, threads_);
+    // dW_tile[nv, H] += dA_t[nv, rows] · h[rows, H]: each element sums the rows in order.
+    if (grads.d_weight != nullptr) {
+      cpu::FixedOrderGemm(nv, H, nr, {ws.z_t.data(), kRowBlock, 1}, ws.h.data(), H,
+                          grads.d_weight + v0 * H, H, /*accumulate=*/true, threads_);
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t k = 0; k < H; ++k) ws.dh[r * H + k] = ws.dh_t[k * kRowBlock + r];
+  }
+  if (collectives_ != nullptr) {
+    if (absl::Status s = collectives_->AllReduce(ws.dh.data(), nr * H, ReduceOp::kSum, false, nullptr);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (grads.d_hidden != nullptr) {
+    ConvertFromFloat(ws.dh.data(), nr * H, shape_.dtype,
+                     static_cast<uint8_t*>(grads.d_hidden) + r0 * H * DTypeSize(shape_.dtype));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CpuEngine::Compute(const RowsView& rows, const LceOptions& o, const Upstream& up,
                                 const RowOutputs& out, const GradOutputs& grads) {
   if (absl::Status s = CheckCall(rows, o); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(mu_);
-  const int nthreads = threads_ > 0 ? threads_ : omp_get_max_threads();
-  const int64_t H = shape_.hidden_size;
-  const int64_t V = shape_.vocab_size;
-  const int64_t shard_v = shape_.shard_rows;
-  const int64_t vb = shape_.vocab_begin;
-  const float eps = o.label_smoothing;
-  const float inv_t = 1.0f / o.temperature;
   const bool backward = up.mode != GradMode::kNone;
-  const int64_t tile = std::min(kVocabTile, shard_v);
-
-  std::vector<float> h(kRowBlock * H);
-  std::vector<float> z(kRowBlock * tile);
-  std::vector<float> dh(backward ? kRowBlock * H : 0);
+  Workspace ws(shape_.hidden_size, Tile(), backward);
   std::vector<RowStats> stats;
   std::vector<RowFinal> fin;
-  std::vector<float> coef_a, coef_b;  // per-row backward coefficients (see below)
-
   for (int64_t r0 = 0; r0 < rows.rows; r0 += kRowBlock) {
     const int64_t nr = std::min(kRowBlock, rows.rows - r0);
-    ConvertToFloat(static_cast<const uint8_t*>(rows.hidden) + r0 * H * DTypeSize(shape_.dtype),
-                   shape_.dtype, nr * H, h.data());
+    const int64_t cols = std::min(kRowBlock, (nr + kColumnGroup - 1) / kColumnGroup * kColumnGroup);
     const int32_t* y = rows.targets + r0;
-
-    // Pass 1: online softmax statistics over the shard's vocabulary.
+    LoadRows(rows, r0, nr, ws);
     stats.assign(nr, RowStats{});
-    for (int64_t v0 = 0; v0 < shard_v; v0 += tile) {
-      const int64_t nv = std::min(tile, shard_v - v0);
-      LogitTile(h.data(), nr, v0, nv, o, z.data());
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-      for (int64_t r = 0; r < nr; ++r) {
-        const float* zr = z.data() + r * nv;
-        RowStats& st = stats[r];
-        float tmax = -std::numeric_limits<float>::infinity();
-        float tsum_z = 0.0f;
-        for (int64_t v = 0; v < nv; ++v) {
-          tmax = std::max(tmax, zr[v]);
-          tsum_z += zr[v];
-        }
-        if (std::isnan(tsum_z)) tmax = tsum_z;  // make NaN sticky: std::max may drop it
-        const float m = std::max(st.max, tmax);
-        float s = 0.0f, q = 0.0f;
-        for (int64_t v = 0; v < nv; ++v) {
-          const float d = zr[v] - m;
-          const float e = std::exp(d);
-          s += e;
-          q += e * d;
-        }
-        if (st.sum_exp > 0.0f) {
-          const float scale = std::exp(st.max - m);
-          q += (st.sum_exp_z + (st.max - m) * st.sum_exp) * scale;
-          s += st.sum_exp * scale;
-        }
-        st.max = std::isnan(tmax) ? tmax : m;
-        st.sum_exp = s;
-        st.sum_exp_z = q;
-        st.sum_z += tsum_z;
-        const int64_t local = static_cast<int64_t>(y[r]) - vb - v0;
-        if (y[r] != o.ignore_index && local >= 0 && local < nv) st.target_z = zr[local];
-      }
+    for (int64_t v0 = 0; v0 < shape_.shard_rows; v0 += Tile()) {
+      const int64_t nv = std::min(Tile(), shape_.shard_rows - v0);
+      LogitTile(ws, cols, v0, nv, o, ws.z_t.data());
+      FoldTileStats(ws.z_t.data(), nr, v0, nv, y, o, stats.data());
     }
     if (collectives_ != nullptr) {
       if (absl::Status s = MergeAcrossRanks(stats); !s.ok()) return s;
     }
-
-    fin.resize(nr);
-    for (int64_t r = 0; r < nr; ++r) {
-      const RowStats& st = stats[r];
-      const float lse = st.max + std::log(st.sum_exp);
-      if (!std::isfinite(lse) || !std::isfinite(st.sum_z)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "row ", r0 + r, ": non-finite logits (NaN or Inf in the hidden states, or overflow)"));
-      }
-      fin[r] = {lse, st.sum_exp_z / st.sum_exp, st.max};
-      const bool ignored = y[r] == o.ignore_index;
-      const float logprob = ignored ? 0.0f : st.target_z - lse;
-      if (out.lse != nullptr) out.lse[r0 + r] = lse;
-      if (out.logprob != nullptr) out.logprob[r0 + r] = logprob;
-      if (out.entropy != nullptr) out.entropy[r0 + r] = std::log(st.sum_exp) - fin[r].mean_pz_shifted;
-      if (out.loss != nullptr) {
-        out.loss[r0 + r] = ignored ? 0.0f
-                                   : -(1.0f - eps) * logprob +
-                                         eps * (lse - st.sum_z / static_cast<float>(V)) +
-                                         o.z_loss * lse * lse;
-      }
-    }
+    if (absl::Status s = FinishRows(r0, nr, y, o, stats, out, fin); !s.ok()) return s;
     if (!backward) continue;
-
-    // Pass 2. dL/dz_ij = A_i·p_ij + B_i·p_ij·(z_ij − max_i) − C_i·1[j=y_i] − D_i, with per-row
-    // coefficients (docs/MATH.md):
-    //   loss:    A = g(1 + 2λ·lse), B = 0, C = g(1−ε), D = g·ε/V      (all 0 for ignored rows)
-    //   generic: A = −u + e·Σp(z−max), B = −e, C = −u, D = 0           (u = 0 for ignored rows)
-    coef_a.assign(nr * 4, 0.0f);
-    for (int64_t r = 0; r < nr; ++r) {
-      const bool ignored = y[r] == o.ignore_index;
-      float* c = coef_a.data() + 4 * r;
-      if (up.mode == GradMode::kLoss) {
-        if (ignored) continue;
-        const float g = up.grad_loss != nullptr ? up.grad_loss[r0 + r] : 1.0f;
-        c[0] = g * (1.0f + 2.0f * o.z_loss * fin[r].lse);
-        c[2] = g * (1.0f - eps);
-        c[3] = g * eps / static_cast<float>(V);
-      } else {
-        const float u = (ignored || up.grad_logprob == nullptr) ? 0.0f : up.grad_logprob[r0 + r];
-        const float e = up.grad_entropy != nullptr ? up.grad_entropy[r0 + r] : 0.0f;
-        c[0] = -u + e * fin[r].mean_pz_shifted;
-        c[1] = -e;
-        c[2] = -u;
-      }
-    }
-    std::fill(dh.begin(), dh.begin() + nr * H, 0.0f);
-    for (int64_t v0 = 0; v0 < shard_v; v0 += tile) {
-      const int64_t nv = std::min(tile, shard_v - v0);
-      LogitTile(h.data(), nr, v0, nv, o, z.data());
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-      for (int64_t r = 0; r < nr; ++r) {
-        float* zr = z.data() + r * nv;
-        const float* c = coef_a.data() + 4 * r;
-        const float lse = fin[r].lse, m = fin[r].max;
-        for (int64_t v = 0; v < nv; ++v) {
-          const float zz = zr[v];
-          const float p = std::exp(zz - lse);
-          float dz = c[0] * p + c[1] * p * (zz - m) - c[3];
-          float da = dz * inv_t;
-          if (o.softcap > 0.0f) {
-            const float t = zz * o.temperature / o.softcap;  // tanh(a / s)
-            da *= 1.0f - t * t;
-          }
-          zr[v] = da;
-        }
-        const int64_t local = static_cast<int64_t>(y[r]) - vb - v0;
-        if (y[r] != o.ignore_index && local >= 0 && local < nv && c[2] != 0.0f) {
-          float dcorr = -c[2] * inv_t;
-          if (o.softcap > 0.0f) {
-            // z was overwritten; recompute tanh from the target logit kept in stats.
-            const float t = stats[r].target_z * o.temperature / o.softcap;
-            dcorr *= 1.0f - t * t;
-          }
-          zr[local] += dcorr;
-        }
-      }
-      // d_hidden[nr, H] += dA[nr, nv] · W_tile[nv, H]
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(nr),
-                  static_cast<int>(H), static_cast<int>(nv), 1.0f, z.data(), static_cast<int>(nv),
-                  w_.data() + v0 * H, static_cast<int>(H), 1.0f, dh.data(), static_cast<int>(H));
-      // dW_tile[nv, H] += dA[nr, nv]ᵀ · h[nr, H]
-      if (grads.d_weight != nullptr) {
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(nv),
-                    static_cast<int>(H), static_cast<int>(nr), 1.0f, z.data(), static_cast<int>(nv),
-                    h.data(), static_cast<int>(H), 1.0f, grads.d_weight + v0 * H,
-                    static_cast<int>(H));
-      }
-    }
-    if (collectives_ != nullptr) {
-      if (absl::Status s = collectives_->AllReduce(dh.data(), nr * H, ReduceOp::kSum, false, nullptr);
-          !s.ok()) {
-        return s;
-      }
-    }
-    if (grads.d_hidden != nullptr) {
-      ConvertFromFloat(dh.data(), nr * H, shape_.dtype,
-                       static_cast<uint8_t*>(grads.d_hidden) + r0 * H * DTypeSize(shape_.dtype));
-    }
+    const std::vector<RowCoef> coef =
+        BackwardCoefficients(r0, nr, y, o, up, shape_.vocab_size, fin);
+    if (absl::Status s = BackwardBlock(ws, r0, nr, y, o, coef, fin, stats, grads); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

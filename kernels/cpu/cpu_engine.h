@@ -1,4 +1,4 @@
-// Internal: the CPU backend (OpenBLAS GEMMs, OpenMP row loops), used by engine_factory.cc.
+// Internal: the CPU backend (fixed-order GEMMs, OpenMP), used by engine_factory.cc.
 #pragma once
 
 #include <memory>

@@ -250,29 +250,79 @@ TEST(CpuEngine, FiniteDifferenceGradients) {
   }
 }
 
+// Runs rows [r0, r0 + n) of `c` as one call into the matching slices of `into` (dW accumulated).
+void RunSlice(LceEngine& e, const Case& c, int64_t r0, int64_t n, EngineRun& into) {
+  const int64_t row_bytes = c.ref.hidden * DTypeSize(c.head->shape.dtype);
+  RowsView rows{c.hidden.data() + r0 * row_bytes, c.ref.targets.data() + r0, n, MemorySpace::kHost};
+  Upstream up;
+  up.mode = c.ref.mode;
+  const absl::Status s = e.Compute(
+      rows, c.ref.options, up,
+      {into.logprob.data() + r0, into.entropy.data() + r0, into.lse.data() + r0, into.loss.data() + r0},
+      {into.dh.data() + r0 * row_bytes, into.dw.data()});
+  ASSERT_TRUE(s.ok()) << s;
+}
+
+EngineRun EmptyRun(const Case& c) {
+  EngineRun r;
+  for (auto* v : {&r.logprob, &r.entropy, &r.lse, &r.loss}) v->assign(c.ref.rows, kPoison);
+  r.dh.assign(c.ref.rows * c.ref.hidden * DTypeSize(c.head->shape.dtype), 0xff);
+  r.dw.assign(c.ref.vocab * c.ref.hidden, 0.0f);
+  return r;
+}
+
+// Bitwise: the same bits, not close values (DESIGN.md, "Guarantees": invariance).
+void ExpectSameBits(const EngineRun& a, const EngineRun& b, int64_t r0, int64_t n, int64_t row_bytes,
+                    const char* what) {
+  for (int64_t i = r0; i < r0 + n; ++i) {
+    EXPECT_EQ(std::memcmp(&a.logprob[i], &b.logprob[i], 4), 0) << what << " logprob row " << i;
+    EXPECT_EQ(std::memcmp(&a.entropy[i], &b.entropy[i], 4), 0) << what << " entropy row " << i;
+    EXPECT_EQ(std::memcmp(&a.lse[i], &b.lse[i], 4), 0) << what << " lse row " << i;
+    EXPECT_EQ(std::memcmp(&a.loss[i], &b.loss[i], 4), 0) << what << " loss row " << i;
+    EXPECT_EQ(std::memcmp(a.dh.data() + i * row_bytes, b.dh.data() + i * row_bytes, row_bytes), 0)
+        << what << " d_hidden row " << i;
+  }
+}
+
 TEST(CpuEngine, ChunkingInvariance) {
-  // The same rows cut into differently sized calls give the same answers.
+  // The same rows cut into differently sized calls give the same bits, dW (accumulated in row
+  // order over the calls) included.
   Case c = MakeCase(301, 32, 2100, DType::kBFloat16, 11);
   c.ref.mode = GradMode::kLoss;
   auto e = Engine(c);
-  EngineRun whole = RunEngine(*e, c);
-  ASSERT_TRUE(whole.status.ok());
-  const int64_t row_bytes = 32 * 2;
-  std::vector<float> lp(c.ref.rows), dw(2100 * 32, 0.0f);
-  std::vector<uint8_t> dh(c.ref.rows * row_bytes);
+  EngineRun whole = EmptyRun(c), chunked = EmptyRun(c);
+  RunSlice(*e, c, 0, c.ref.rows, whole);
   for (int64_t r0 = 0, step = 1; r0 < c.ref.rows; r0 += step, step = step * 3 + 1) {
-    const int64_t n = std::min(step, c.ref.rows - r0);
-    RowsView rows{c.hidden.data() + r0 * row_bytes, c.ref.targets.data() + r0, n, MemorySpace::kHost};
-    Upstream up;
-    up.mode = GradMode::kLoss;
-    ASSERT_TRUE(e->Compute(rows, c.ref.options, up, {lp.data() + r0, nullptr, nullptr, nullptr},
-                           {dh.data() + r0 * row_bytes, dw.data()})
-                    .ok());
+    RunSlice(*e, c, r0, std::min(step, c.ref.rows - r0), chunked);
   }
-  for (int64_t i = 0; i < c.ref.rows; ++i) EXPECT_NEAR(lp[i], whole.logprob[i], 1e-6 * std::abs(whole.logprob[i]));
-  const std::vector<float> a = Decode(dh, DType::kBFloat16), b = Decode(whole.dh, DType::kBFloat16);
-  EXPECT_LE(RelErr(a, std::vector<double>(b.begin(), b.end())), 1e-2);
-  EXPECT_LE(RelErr(dw, std::vector<double>(whole.dw.begin(), whole.dw.end())), 1e-5);
+  ExpectSameBits(chunked, whole, 0, c.ref.rows, 32 * 2, "chunked");
+  EXPECT_EQ(std::memcmp(chunked.dw.data(), whole.dw.data(), whole.dw.size() * 4), 0);
+}
+
+TEST(CpuEngine, BatchInvariance) {
+  // A row's results are the same bits alone, in a batch of 7 and in one of 300, with every option
+  // that changes the arithmetic (bias, softcap, temperature, label smoothing, z-loss), an fp32 and
+  // a bf16 head, and a hidden size that is no multiple of the GEMM tile.
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Case c = MakeCase(300, 72, 2500, dtype, 21, 1.0, 0.1, /*bias=*/true);
+    c.ref.mode = GradMode::kLoss;
+    c.ref.options.softcap = 20.0f;
+    c.ref.options.temperature = 0.7f;
+    c.ref.options.label_smoothing = 0.1f;
+    c.ref.options.z_loss = 1e-3f;
+    auto e = Engine(c);
+    const int64_t row_bytes = 72 * DTypeSize(dtype);
+    EngineRun batch300 = EmptyRun(c);
+    RunSlice(*e, c, 0, 300, batch300);
+    for (const int64_t row : {0, 5, 127, 128, 299}) {
+      EngineRun alone = EmptyRun(c), batch7 = EmptyRun(c);
+      RunSlice(*e, c, row, 1, alone);
+      const int64_t b0 = std::min<int64_t>(row, 300 - 7);
+      RunSlice(*e, c, b0, 7, batch7);
+      ExpectSameBits(alone, batch300, row, 1, row_bytes, "alone vs 300");
+      ExpectSameBits(batch7, batch300, row, 1, row_bytes, "in 7 vs 300");
+    }
+  }
 }
 
 TEST(CpuEngine, NonFiniteHiddenIsAnError) {

@@ -146,7 +146,8 @@ def test_split_answers_equal_unsplit(head):
 
 
 def test_split_with_parts_smaller_than_a_chunk(heads):
-    """chunk_bytes larger than a part: the rows are split evenly, and the answers are still the same."""
+    """chunk_bytes larger than a part: the rows are split evenly, and every row's answers are the same
+    bits (the engine's invariance guarantee; only the request's summed loss may round differently)."""
     head = heads["fp32"]
     rows = 203
     st, _ = head.hidden(rows, seed=12)
@@ -156,15 +157,15 @@ def test_split_with_parts_smaller_than_a_chunk(heads):
         assert c3._plan_parts(rows, ROW_BYTES["fp32"], 4096, None) == [(0, 67), (67, 135), (135, 203)]
         r1 = c1.forward_backward(st, y)
         r3 = c3.forward_backward(st, y)
-        np.testing.assert_allclose(r3.per_token_loss, r1.per_token_loss, rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(r3.d_hidden, r1.d_hidden, rtol=1e-5, atol=1e-9)
+        np.testing.assert_array_equal(r3.per_token_loss, r1.per_token_loss)
+        np.testing.assert_array_equal(r3.d_hidden, r1.d_hidden)
         assert r3.loss == pytest.approx(r1.loss, rel=1e-6)
         # a per-call override turns splitting off (and on)
         r3b = c3.forward_backward(st, y, streams=1)
         assert r3b.loss == r1.loss
         np.testing.assert_array_equal(r3b.d_hidden, r1.d_hidden)
         lp2, _ = c1.score(st, y, streams=2)
-        np.testing.assert_allclose(lp2, c1.score(st, y)[0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(lp2, c1.score(st, y)[0])
 
 
 def test_split_over_shared_memory_regions(heads):
