@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 
 namespace lce::cpu {
 namespace {
@@ -67,21 +68,38 @@ struct Isa {
   const char* name;
 };
 
-Isa Detect() {
+bool Supported(const Isa& isa) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) return {avx512::Rows, "avx512"};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {avx2::Rows, "avx2"};
-  return {scalar::Rows, "scalar"};
+  if (isa.rows == avx512::Rows) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  if (isa.rows == avx2::Rows) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return true;
 }
 
-const Isa& Chosen() {
-  static const Isa isa = Detect();
-  return isa;
+constexpr Isa kIsas[] = {{avx512::Rows, "avx512"}, {avx2::Rows, "avx2"}, {scalar::Rows, "scalar"}};
+
+Isa& Chosen() {
+  static Isa chosen = [] {
+    for (const Isa& isa : kIsas) {
+      if (Supported(isa)) return isa;
+    }
+    return kIsas[2];
+  }();
+  return chosen;
 }
 
 }  // namespace
 
 const char* FixedOrderGemmIsa() { return Chosen().name; }
+
+bool UseFixedOrderGemmIsaForTesting(const char* name) {
+  for (const Isa& isa : kIsas) {
+    if (std::string_view(isa.name) == name && Supported(isa)) {
+      Chosen() = isa;
+      return true;
+    }
+  }
+  return false;
+}
 
 void FixedOrderGemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, const float* b, int64_t ldb,
                     float* c, int64_t ldc, bool accumulate, int threads) {

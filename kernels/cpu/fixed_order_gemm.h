@@ -25,4 +25,7 @@ void FixedOrderGemm(int64_t m, int64_t n, int64_t k, StridedMatrix a, const floa
 // The instruction set FixedOrderGemm runs on here: "avx512", "avx2" or "scalar".
 const char* FixedOrderGemmIsa();
 
+// Tests: run on `isa` ("avx512", "avx2", "scalar") from now on; false when this CPU lacks it.
+bool UseFixedOrderGemmIsaForTesting(const char* isa);
+
 }  // namespace lce::cpu
