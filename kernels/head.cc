@@ -1,5 +1,7 @@
 #include "lce/head.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace lce {
@@ -43,11 +45,23 @@ absl::Status ValidateHeadWeights(const HeadWeights& head) {
   return absl::OkStatus();
 }
 
+int64_t VocabTile(int64_t vocab_size) {
+  return std::clamp<int64_t>((vocab_size + 63) / 64, 1, 2048);
+}
+
+int64_t VocabTileCount(int64_t vocab_size) {
+  const int64_t tile = VocabTile(vocab_size);
+  return (vocab_size + tile - 1) / tile;
+}
+
 VocabRange VocabShard(int64_t vocab_size, int rank, int world) {
-  const int64_t base = vocab_size / world;
-  const int64_t extra = vocab_size % world;
-  const int64_t begin = rank * base + std::min<int64_t>(rank, extra);
-  return {begin, begin + base + (rank < extra ? 1 : 0)};
+  const int64_t tiles = VocabTileCount(vocab_size);
+  const int64_t base = tiles / world;
+  const int64_t extra = tiles % world;
+  const int64_t first = rank * base + std::min<int64_t>(rank, extra);
+  const int64_t tile = VocabTile(vocab_size);
+  const int64_t begin = std::min(vocab_size, first * tile);
+  return {begin, std::min(vocab_size, (first + base + (rank < extra ? 1 : 0)) * tile)};
 }
 
 }  // namespace lce

@@ -2,9 +2,12 @@
 // of kVocabTile. Pass 1 (forward) computes each logit tile and folds it into per-row online
 // statistics; pass 2 (backward, when asked) recomputes each tile, turns it into dL/da in place and
 // feeds the d_hidden and dW products. Tiles are held transposed ([vocab][row]), so the row loops
-// vectorise and a row is one column. Every product runs through FixedOrderGemm and every per-row
-// loop visits the vocabulary in order, so a row's results do not depend on the rows around it, the
-// block it falls in or the chunking (DESIGN.md, "Guarantees"). Memory: O(kRowBlock·(kVocabTile+3H)).
+// vectorise and a row is one column. Invariance (DESIGN.md, "Guarantees"): every product runs
+// through FixedOrderGemm; the tiles sit at fixed global offsets (VocabTile) and TP shards hold whole
+// tiles; a row's per-tile partials are folded in global tile order, and its per-tile d_hidden sums
+// are combined over one canonical binary tree of all the head's tiles, whose subtrees a rank
+// computes for its own tiles. So a row's results do not depend on the rows around it, the chunking
+// or the group size. Memory: O(kRowBlock·(tile + H·log2(tiles))).
 #include "cpu/cpu_engine.h"
 
 #include <omp.h>
@@ -23,7 +26,6 @@ namespace lce {
 namespace {
 
 constexpr int64_t kRowBlock = 128;
-constexpr int64_t kVocabTile = 2048;
 // Transposed tiles are computed over whole groups of this many rows (the padding columns hold
 // values of no row and are never read back): one GEMM tile width on every instruction set.
 constexpr int64_t kColumnGroup = 32;
@@ -35,6 +37,27 @@ struct RowStats {
   float sum_exp_z = 0.0f;    // Q = Σ exp(z − max)·(z − max)
   float sum_z = 0.0f;        // Σ z (label smoothing)
   float target_z = 0.0f;     // z_{y}, when y is in this shard
+};
+
+// Per-row partials of one vocabulary tile, relative to the tile's own max so that they do not depend
+// on the tiles before it: what ranks exchange and fold in global tile order.
+struct TilePartial {
+  float max;        // +inf when the tile holds a NaN: the fold then fails the row
+  float sum_exp;    // Σ exp(z − max)
+  float sum_exp_z;  // Σ exp(z − max)·(z − max)
+  float sum_z;
+  float target_z;   // −inf when y is not in this tile
+};
+constexpr int64_t kPartialFloats = sizeof(TilePartial) / sizeof(float);
+static_assert(sizeof(TilePartial) == 5 * sizeof(float));
+
+// A subtree of the canonical binary tree over the head's tiles: level ℓ, index j covers tiles
+// [j·2^ℓ, (j+1)·2^ℓ); its value is the transposed d_hidden [H, kRowBlock] summed over those tiles,
+// left + right (a right subtree past the last tile is absent, not zero).
+struct TreeNode {
+  int level = 0;
+  int64_t index = 0;
+  std::vector<float> value;
 };
 
 // Final per-row values derived from the merged statistics.
@@ -75,7 +98,7 @@ class CpuEngine final : public LceEngine {
   const HeadShape& shape() const override { return shape_; }
   EngineMemory memory() const override {
     return {static_cast<int64_t>(w_.size() * sizeof(float) + weights_->weight.size()),
-            (kRowBlock * (kVocabTile + 4 * shape_.hidden_size)) * static_cast<int64_t>(sizeof(float))};
+            (kRowBlock * (Tile() + 4 * shape_.hidden_size)) * static_cast<int64_t>(sizeof(float))};
   }
 
   absl::Status Compute(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
@@ -86,8 +109,10 @@ class CpuEngine final : public LceEngine {
   void LoadRows(const RowsView& rows, int64_t r0, int64_t nr, Workspace& ws) const;
   void LogitTile(const Workspace& ws, int64_t cols, int64_t v0, int64_t nv, const LceOptions& o,
                  float* z_t) const;
-  void FoldTileStats(const float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
-                     const LceOptions& o, RowStats* stats) const;
+  void TilePartials(const float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
+                    const LceOptions& o, std::vector<TilePartial>& parts) const;
+  absl::Status FoldPartials(std::vector<TilePartial>& parts, int64_t nr,
+                            std::vector<RowStats>& stats) const;
   absl::Status FinishRows(int64_t r0, int64_t nr, const int32_t* y, const LceOptions& o,
                           const std::vector<RowStats>& stats, const RowOutputs& out,
                           std::vector<RowFinal>& fin) const;
@@ -98,9 +123,11 @@ class CpuEngine final : public LceEngine {
                              const LceOptions& o, const std::vector<RowCoef>& coef,
                              const std::vector<RowFinal>& fin, const std::vector<RowStats>& stats,
                              const GradOutputs& grads);
-  absl::Status MergeAcrossRanks(std::vector<RowStats>& stats) const;
+  absl::Status CombineDHidden(std::vector<TreeNode> own, Workspace& ws) const;
 
-  int64_t Tile() const { return std::min(kVocabTile, shape_.shard_rows); }
+  int64_t Tile() const { return VocabTile(shape_.vocab_size); }
+  int64_t Tiles() const { return VocabTileCount(shape_.vocab_size); }
+  int64_t TileIndex(int64_t v0) const { return (shape_.vocab_begin + v0) / Tile(); }
 
   std::shared_ptr<const HeadWeights> weights_;
   HeadShape shape_;
@@ -163,89 +190,75 @@ void CpuEngine::LogitTile(const Workspace& ws, int64_t cols, int64_t v0, int64_t
   }
 }
 
-// Folds tile [v0, v0+nv) into each row's online statistics, visiting the vocabulary in order.
-void CpuEngine::FoldTileStats(const float* z_t, int64_t nr, int64_t v0, int64_t nv,
-                              const int32_t* y, const LceOptions& o, RowStats* stats) const {
-  const int64_t vb = shape_.vocab_begin;
+// Each row's partials of tile [v0, v0+nv) into parts[row · Tiles() + tile index].
+void CpuEngine::TilePartials(const float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
+                             const LceOptions& o, std::vector<TilePartial>& parts) const {
+  const int64_t tile = TileIndex(v0), tiles = Tiles(), vb = shape_.vocab_begin;
   const int64_t groups = (nr + kColumnGroup - 1) / kColumnGroup;
 #pragma omp parallel for schedule(static) num_threads(static_cast<int>(std::min<int64_t>(threads_, groups)))
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t r0 = g * kColumnGroup, r1 = std::min(nr, r0 + kColumnGroup);
-    float tmax[kColumnGroup], tsum_z[kColumnGroup], m[kColumnGroup], s[kColumnGroup], q[kColumnGroup];
-    for (int64_t r = r0; r < r1; ++r) {
-      tmax[r - r0] = -std::numeric_limits<float>::infinity();
-      tsum_z[r - r0] = s[r - r0] = q[r - r0] = 0.0f;
+    const int64_t r0 = g * kColumnGroup, n = std::min(nr, r0 + kColumnGroup) - r0;
+    float tmax[kColumnGroup], tsum_z[kColumnGroup], s[kColumnGroup], q[kColumnGroup];
+    for (int64_t r = 0; r < n; ++r) {
+      tmax[r] = -std::numeric_limits<float>::infinity();
+      tsum_z[r] = s[r] = q[r] = 0.0f;
     }
     for (int64_t v = 0; v < nv; ++v) {
-      const float* zv = z_t + v * kRowBlock;
-      for (int64_t r = r0; r < r1; ++r) {
-        tmax[r - r0] = std::max(tmax[r - r0], zv[r]);
-        tsum_z[r - r0] += zv[r];
+      const float* zv = z_t + v * kRowBlock + r0;
+      for (int64_t r = 0; r < n; ++r) {
+        tmax[r] = std::max(tmax[r], zv[r]);
+        tsum_z[r] += zv[r];
       }
     }
-    for (int64_t r = r0; r < r1; ++r) {
-      if (std::isnan(tsum_z[r - r0])) tmax[r - r0] = tsum_z[r - r0];  // NaN sticks: std::max may drop it
-      m[r - r0] = std::max(stats[r].max, tmax[r - r0]);
-    }
     for (int64_t v = 0; v < nv; ++v) {
-      const float* zv = z_t + v * kRowBlock;
-      for (int64_t r = r0; r < r1; ++r) {
-        const float d = zv[r] - m[r - r0];
+      const float* zv = z_t + v * kRowBlock + r0;
+      for (int64_t r = 0; r < n; ++r) {
+        const float d = zv[r] - tmax[r];
         const float e = std::exp(d);
-        s[r - r0] += e;
-        q[r - r0] += e * d;
+        s[r] += e;
+        q[r] += e * d;
       }
     }
-    for (int64_t r = r0; r < r1; ++r) {
-      RowStats& st = stats[r];
-      const float mr = m[r - r0];
-      float sr = s[r - r0], qr = q[r - r0];
-      if (st.sum_exp > 0.0f) {
-        const float scale = std::exp(st.max - mr);
-        qr += (st.sum_exp_z + (st.max - mr) * st.sum_exp) * scale;
-        sr += st.sum_exp * scale;
-      }
-      st.max = std::isnan(tmax[r - r0]) ? tmax[r - r0] : mr;
-      st.sum_exp = sr;
-      st.sum_exp_z = qr;
-      st.sum_z += tsum_z[r - r0];
-      const int64_t local = static_cast<int64_t>(y[r]) - vb - v0;
-      if (y[r] != o.ignore_index && local >= 0 && local < nv) st.target_z = z_t[local * kRowBlock + r];
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t local = static_cast<int64_t>(y[r0 + r]) - vb - v0;
+      const bool has_target = y[r0 + r] != o.ignore_index && local >= 0 && local < nv;
+      parts[(r0 + r) * tiles + tile] = {
+          std::isnan(tsum_z[r]) ? std::numeric_limits<float>::infinity() : tmax[r], s[r], q[r],
+          tsum_z[r],
+          has_target ? z_t[local * kRowBlock + r0 + r] : -std::numeric_limits<float>::infinity()};
     }
   }
 }
 
-absl::Status CpuEngine::MergeAcrossRanks(std::vector<RowStats>& stats) const {
-  const int64_t n = static_cast<int64_t>(stats.size());
-  std::vector<float> buf(n * 4);
-  for (int64_t i = 0; i < n; ++i) buf[i] = stats[i].max;
-  if (absl::Status s = collectives_->AllReduce(buf.data(), n, ReduceOp::kMax, false, nullptr); !s.ok()) {
-    return s;
+// Gathers the other ranks' tiles (slots left at −inf take the owner's value under max) and folds
+// every row's partials in global tile order: the same fold whatever the group size.
+absl::Status CpuEngine::FoldPartials(std::vector<TilePartial>& parts, int64_t nr,
+                                     std::vector<RowStats>& stats) const {
+  const int64_t tiles = Tiles();
+  if (collectives_ != nullptr) {
+    if (absl::Status s = collectives_->AllReduce(reinterpret_cast<float*>(parts.data()),
+                                                 nr * tiles * kPartialFloats, ReduceOp::kMax, false,
+                                                 nullptr);
+        !s.ok()) {
+      return s;
+    }
   }
-  for (int64_t i = 0; i < n; ++i) {
-    RowStats& st = stats[i];
-    const float m = buf[i];
-    const float scale = st.sum_exp > 0.0f ? std::exp(st.max - m) : 0.0f;
-    const float q = st.sum_exp > 0.0f ? (st.sum_exp_z + (st.max - m) * st.sum_exp) * scale : 0.0f;
-    st.max = m;
-    st.sum_exp *= scale;
-    st.sum_exp_z = q;
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    buf[4 * i + 0] = stats[i].sum_exp;
-    buf[4 * i + 1] = stats[i].sum_exp_z;
-    buf[4 * i + 2] = stats[i].sum_z;
-    buf[4 * i + 3] = stats[i].target_z;
-  }
-  if (absl::Status s = collectives_->AllReduce(buf.data(), n * 4, ReduceOp::kSum, false, nullptr);
-      !s.ok()) {
-    return s;
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    stats[i].sum_exp = buf[4 * i + 0];
-    stats[i].sum_exp_z = buf[4 * i + 1];
-    stats[i].sum_z = buf[4 * i + 2];
-    stats[i].target_z = buf[4 * i + 3];
+  stats.assign(nr, RowStats{});
+  for (int64_t r = 0; r < nr; ++r) {
+    RowStats& st = stats[r];
+    for (int64_t t = 0; t < tiles; ++t) {
+      const TilePartial& p = parts[r * tiles + t];
+      const float m = std::max(st.max, p.max);
+      const float scale_acc = st.sum_exp > 0.0f ? std::exp(st.max - m) : 0.0f;
+      const float scale_tile = std::exp(p.max - m);
+      const float q_acc =
+          st.sum_exp > 0.0f ? (st.sum_exp_z + (st.max - m) * st.sum_exp) * scale_acc : 0.0f;
+      st.sum_exp = st.sum_exp * scale_acc + p.sum_exp * scale_tile;
+      st.sum_exp_z = q_acc + (p.sum_exp_z + (p.max - m) * p.sum_exp) * scale_tile;
+      st.max = m;
+      st.sum_z += p.sum_z;
+      if (p.target_z != -std::numeric_limits<float>::infinity()) st.target_z = p.target_z;
+    }
   }
   return absl::OkStatus();
 }
@@ -340,6 +353,85 @@ void CpuEngine::GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const i
   }
 }
 
+// Adds a tile's node to a stack of subtrees over consecutive tiles, joining siblings: the stack
+// ends as the dyadic decomposition of the tiles pushed, each value the canonical left + right sum.
+// Nodes without values (structure only) join the same way.
+void PushTile(std::vector<TreeNode>& stack, TreeNode node) {
+  stack.push_back(std::move(node));
+  while (stack.size() >= 2) {
+    TreeNode& right = stack.back();
+    TreeNode& left = stack[stack.size() - 2];
+    if (left.level != right.level || (left.index & 1) != 0 || right.index != left.index + 1) break;
+    for (size_t i = 0; i < left.value.size(); ++i) left.value[i] += right.value[i];
+    ++left.level;
+    left.index >>= 1;
+    stack.pop_back();
+  }
+}
+
+// The subtrees rank `rank` of `world` computes (its tiles' dyadic decomposition), without values.
+std::vector<TreeNode> RankSubtrees(int64_t vocab, int rank, int world) {
+  const VocabRange range = VocabShard(vocab, rank, world);
+  const int64_t tile = VocabTile(vocab);
+  std::vector<TreeNode> stack;
+  for (int64_t t = range.begin / tile; t * tile < range.end; ++t) PushTile(stack, {0, t, {}});
+  return stack;
+}
+
+// Canonical sum of subtree (level, index) into `out` from the subtrees held; false when it covers
+// no tile of the head.
+bool SumSubtree(const std::vector<TreeNode>& held, int level, int64_t index, int64_t tiles,
+                std::vector<float>& out) {
+  if ((index << level) >= tiles) return false;
+  for (const TreeNode& n : held) {
+    if (n.level == level && n.index == index) {
+      out = n.value;
+      return true;
+    }
+  }
+  SumSubtree(held, level - 1, 2 * index, tiles, out);
+  std::vector<float> right;
+  if (SumSubtree(held, level - 1, 2 * index + 1, tiles, right)) {
+    for (size_t i = 0; i < out.size(); ++i) out[i] += right[i];
+  }
+  return true;
+}
+
+// d_hidden_t of the whole head into ws.dh_t: the ranks' subtrees gathered (each rank fills its
+// slots, −inf elsewhere, and a max all-reduce copies them), then summed over the canonical tree:
+// the same additions in the same order for any group size.
+absl::Status CpuEngine::CombineDHidden(std::vector<TreeNode> own, Workspace& ws) const {
+  std::vector<TreeNode> held = std::move(own);
+  if (collectives_ != nullptr) {
+    const int64_t node_floats = shape_.hidden_size * kRowBlock;
+    std::vector<TreeNode> all;
+    int64_t mine = 0;  // where this rank's subtrees start in `all` (same order as `held`)
+    for (int r = 0; r < collectives_->world_size(); ++r) {
+      if (r == collectives_->rank()) mine = static_cast<int64_t>(all.size());
+      for (TreeNode& n : RankSubtrees(shape_.vocab_size, r, collectives_->world_size())) {
+        all.push_back(std::move(n));
+      }
+    }
+    std::vector<float> buf(all.size() * node_floats, -std::numeric_limits<float>::infinity());
+    for (size_t i = 0; i < held.size(); ++i) {
+      std::copy(held[i].value.begin(), held[i].value.end(), buf.begin() + (mine + i) * node_floats);
+    }
+    if (absl::Status s = collectives_->AllReduce(buf.data(), static_cast<int64_t>(buf.size()),
+                                                 ReduceOp::kMax, false, nullptr);
+        !s.ok()) {
+      return s;
+    }
+    for (size_t i = 0; i < all.size(); ++i) {
+      all[i].value.assign(buf.begin() + i * node_floats, buf.begin() + (i + 1) * node_floats);
+    }
+    held = std::move(all);
+  }
+  int root = 0;
+  while ((int64_t{1} << root) < Tiles()) ++root;
+  SumSubtree(held, root, 0, Tiles(), ws.dh_t);
+  return absl::OkStatus();
+}
+
 // Pass 2 over the shard's vocabulary for one block: d_hidden (written) and dW (accumulated).
 absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, const int32_t* y,
                                       const LceOptions& o, const std::vector<RowCoef>& coef,
@@ -347,32 +439,29 @@ absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, con
                                       const std::vector<RowStats>& stats, const GradOutputs& grads) {
   const int64_t H = shape_.hidden_size;
   const int64_t cols = std::min(kRowBlock, (nr + kColumnGroup - 1) / kColumnGroup * kColumnGroup);
+  std::vector<TreeNode> subtrees;
   for (int64_t v0 = 0; v0 < shape_.shard_rows; v0 += Tile()) {
     const int64_t nv = std::min(Tile(), shape_.shard_rows - v0);
     LogitTile(ws, cols, v0, nv, o, ws.z_t.data());
     GradTile(ws.z_t.data(), nr, v0, nv, y, o, coef, fin, stats);
-    // d_hidden_t[H, r] (+)= W_tileᵀ[H, nv] · dA_t[nv, r]: each element sums the vocabulary in order.
+    // This tile's d_hidden_t[H, r] = W_tileᵀ[H, nv] · dA_t[nv, r], each element summed in order.
+    TreeNode node{0, TileIndex(v0), std::vector<float>(H * kRowBlock, 0.0f)};
     cpu::FixedOrderGemm(H, cols, nv, {w_.data() + v0 * H, 1, H}, ws.z_t.data(), kRowBlock,
-                        ws.dh_t.data(), kRowBlock, /*accumulate=*/v0 > 0, threads_);
+                        node.value.data(), kRowBlock, /*accumulate=*/false, threads_);
+    PushTile(subtrees, std::move(node));
     // dW_tile[nv, H] += dA_t[nv, rows] · h[rows, H]: each element sums the rows in order.
     if (grads.d_weight != nullptr) {
       cpu::FixedOrderGemm(nv, H, nr, {ws.z_t.data(), kRowBlock, 1}, ws.h.data(), H,
                           grads.d_weight + v0 * H, H, /*accumulate=*/true, threads_);
     }
   }
+  if (absl::Status s = CombineDHidden(std::move(subtrees), ws); !s.ok()) return s;
+  if (grads.d_hidden == nullptr) return absl::OkStatus();
   for (int64_t r = 0; r < nr; ++r) {
     for (int64_t k = 0; k < H; ++k) ws.dh[r * H + k] = ws.dh_t[k * kRowBlock + r];
   }
-  if (collectives_ != nullptr) {
-    if (absl::Status s = collectives_->AllReduce(ws.dh.data(), nr * H, ReduceOp::kSum, false, nullptr);
-        !s.ok()) {
-      return s;
-    }
-  }
-  if (grads.d_hidden != nullptr) {
-    ConvertFromFloat(ws.dh.data(), nr * H, shape_.dtype,
-                     static_cast<uint8_t*>(grads.d_hidden) + r0 * H * DTypeSize(shape_.dtype));
-  }
+  ConvertFromFloat(ws.dh.data(), nr * H, shape_.dtype,
+                   static_cast<uint8_t*>(grads.d_hidden) + r0 * H * DTypeSize(shape_.dtype));
   return absl::OkStatus();
 }
 
@@ -382,6 +471,7 @@ absl::Status CpuEngine::Compute(const RowsView& rows, const LceOptions& o, const
   std::lock_guard<std::mutex> lock(mu_);
   const bool backward = up.mode != GradMode::kNone;
   Workspace ws(shape_.hidden_size, Tile(), backward);
+  std::vector<TilePartial> parts;
   std::vector<RowStats> stats;
   std::vector<RowFinal> fin;
   for (int64_t r0 = 0; r0 < rows.rows; r0 += kRowBlock) {
@@ -389,15 +479,14 @@ absl::Status CpuEngine::Compute(const RowsView& rows, const LceOptions& o, const
     const int64_t cols = std::min(kRowBlock, (nr + kColumnGroup - 1) / kColumnGroup * kColumnGroup);
     const int32_t* y = rows.targets + r0;
     LoadRows(rows, r0, nr, ws);
-    stats.assign(nr, RowStats{});
+    const float none = -std::numeric_limits<float>::infinity();
+    parts.assign(nr * Tiles(), TilePartial{none, none, none, none, none});
     for (int64_t v0 = 0; v0 < shape_.shard_rows; v0 += Tile()) {
       const int64_t nv = std::min(Tile(), shape_.shard_rows - v0);
       LogitTile(ws, cols, v0, nv, o, ws.z_t.data());
-      FoldTileStats(ws.z_t.data(), nr, v0, nv, y, o, stats.data());
+      TilePartials(ws.z_t.data(), nr, v0, nv, y, o, parts);
     }
-    if (collectives_ != nullptr) {
-      if (absl::Status s = MergeAcrossRanks(stats); !s.ok()) return s;
-    }
+    if (absl::Status s = FoldPartials(parts, nr, stats); !s.ok()) return s;
     if (absl::Status s = FinishRows(r0, nr, y, o, stats, out, fin); !s.ok()) return s;
     if (!backward) continue;
     const std::vector<RowCoef> coef =
@@ -411,6 +500,13 @@ absl::Status CpuEngine::Compute(const RowsView& rows, const LceOptions& o, const
 
 absl::StatusOr<std::unique_ptr<LceEngine>> CreateCpuEngine(std::shared_ptr<const HeadWeights> weights,
                                                            const EngineConfig& config) {
+  const int64_t tile = VocabTile(weights->shape.vocab_size);
+  if (weights->shape.vocab_begin % tile != 0 ||
+      (weights->shape.vocab_end() % tile != 0 && weights->shape.vocab_end() != weights->shape.vocab_size)) {
+    return absl::InvalidArgumentError(absl::StrCat("head shard [", weights->shape.vocab_begin, ", ",
+                                                   weights->shape.vocab_end(), ") is not made of whole ",
+                                                   tile, "-row vocabulary tiles"));
+  }
   if (config.collectives != nullptr) {
     const VocabRange want =
         VocabShard(weights->shape.vocab_size, config.collectives->rank(), config.collectives->world_size());

@@ -38,8 +38,15 @@ struct HeadWeights {
 // Checks sizes and ranges of a HeadWeights against its shape.
 absl::Status ValidateHeadWeights(const HeadWeights& head);
 
-// Contiguous range [begin, end) of vocabulary rows that rank `rank` of `world` owns: the first
-// V % world ranks get one row more. V need not divide by world.
+// The vocabulary is cut into tiles at fixed global offsets, multiples of VocabTile(V), which depends
+// on V alone: min(2048, ⌈V/64⌉) rows (the last tile may be shorter). Engines fold a row's per-tile
+// partials in global tile order, so the tiles, unlike the shards, never move with the group size.
+int64_t VocabTile(int64_t vocab_size);
+int64_t VocabTileCount(int64_t vocab_size);
+
+// Contiguous range [begin, end) of vocabulary rows that rank `rank` of `world` owns: whole tiles,
+// ⌈T/world⌉ of them for the first T % world ranks and ⌊T/world⌋ for the rest (T = VocabTileCount).
+// Empty when the group has more ranks than the head has tiles.
 struct VocabRange {
   int64_t begin;
   int64_t end;
