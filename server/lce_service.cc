@@ -217,6 +217,9 @@ grpc::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfo
   resp->set_max_rows_per_request(config_.limits.max_rows_per_request);
   resp->set_server_version(LCE_SERVE_VERSION);
   resp->set_data_port(data_port_);
+  const EngineInvariance inv = (*head)->engine->invariance();
+  for (const std::string& o : inv.across_batches) resp->mutable_invariance()->add_across_batches(o);
+  for (const std::string& o : inv.across_tp_sizes) resp->mutable_invariance()->add_across_tp_sizes(o);
   return grpc::Status::OK;
 }
 

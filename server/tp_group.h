@@ -29,6 +29,7 @@ class TpFrontEngine final : public LceEngine {
   std::string_view backend() const override { return local_->backend(); }
   const HeadShape& shape() const override { return local_->shape(); }
   EngineMemory memory() const override { return local_->memory(); }
+  EngineInvariance invariance() const override { return local_->invariance(); }
   absl::Status Compute(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
                        const RowOutputs& outputs, const GradOutputs& grads) override;
 

@@ -101,6 +101,11 @@ class CpuEngine final : public LceEngine {
             (kRowBlock * (Tile() + 4 * shape_.hidden_size)) * static_cast<int64_t>(sizeof(float))};
   }
 
+  EngineInvariance invariance() const override {
+    const std::vector<std::string> all = {"logprob", "entropy", "lse", "loss", "d_hidden", "d_weight"};
+    return {all, all};  // docs/MATH.md, "Order of reductions"
+  }
+
   absl::Status Compute(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
                        const RowOutputs& outputs, const GradOutputs& grads) override;
 

@@ -226,6 +226,9 @@ class CudaEngine final : public LceEngine {
   }
 
   std::string_view backend() const override { return "cuda"; }
+  // Per-row statistics come from fixed vocabulary tiles and segments whatever N; the GEMMs' cuBLAS
+  // algorithms vary with N, so d_hidden and dW are not listed (docs/MATH.md).
+  EngineInvariance invariance() const override { return {{"logprob", "entropy", "lse", "loss"}, {}}; }
   const HeadShape& shape() const override { return shape_; }
 
   absl::Status Compute(const RowsView& rows, const LceOptions& options, const Upstream& upstream,

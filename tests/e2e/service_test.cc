@@ -75,6 +75,19 @@ TEST_F(Service, InfoAndHealth) {
   EXPECT_EQ(info->backend(), TestBackend() == Backend::kCuda ? "cuda" : "cpu");
   EXPECT_EQ(info->tp_size(), 1);
   EXPECT_EQ(info->heads_size(), 2);
+  // The guarantees the engine states (docs/MATH.md, "Order of reductions").
+  const std::vector<std::string> batch(info->invariance().across_batches().begin(),
+                                       info->invariance().across_batches().end());
+  const std::vector<std::string> tp(info->invariance().across_tp_sizes().begin(),
+                                    info->invariance().across_tp_sizes().end());
+  const std::vector<std::string> all = {"logprob", "entropy", "lse", "loss", "d_hidden", "d_weight"};
+  if (TestBackend() == Backend::kCuda) {
+    EXPECT_EQ(batch, std::vector<std::string>({"logprob", "entropy", "lse", "loss"}));
+    EXPECT_TRUE(tp.empty());
+  } else {
+    EXPECT_EQ(batch, all);
+    EXPECT_EQ(tp, all);
+  }
   auto wide = c->GetInfo("wide");
   ASSERT_TRUE(wide.ok());
   EXPECT_EQ(wide->head().dtype(), v1::DTYPE_FLOAT32);

@@ -102,6 +102,10 @@ class ServerInfo:
     max_rows_per_request: int
     server_version: str
     data_port: int = 0  # the server's data plane (0: none; start it with --data-port)
+    # Per-row outputs that are the same bits whatever the batch around the row (and its chunking,
+    # streams, transport), and whatever the TP group's size: GetInfo's `invariance`.
+    invariant_across_batches: List[str] = field(default_factory=list)
+    invariant_across_tp_sizes: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -360,6 +364,8 @@ class Client:
             max_rows_per_request=r.max_rows_per_request,
             server_version=r.server_version,
             data_port=r.data_port,
+            invariant_across_batches=list(r.invariance.across_batches),
+            invariant_across_tp_sizes=list(r.invariance.across_tp_sizes),
         )
         with self._lock:
             self._info_cache[self._head(head)] = info

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -70,6 +71,16 @@ struct GradOutputs {
   float* d_weight = nullptr;  // [shard_rows, hidden_size] fp32, ACCUMULATED into (+=)
 };
 
+// The per-row outputs ("logprob", "entropy", "lse", "loss", "d_hidden", "d_weight") whose bits do
+// not depend on a factor (DESIGN.md, "Guarantees"); what an engine does not list may differ in
+// rounding.
+struct EngineInvariance {
+  // The other rows of a call, their number, and so the chunking, the streams and the transport.
+  std::vector<std::string> across_batches;
+  // The size of the tensor-parallel group the head is sharded over.
+  std::vector<std::string> across_tp_sizes;
+};
+
 struct EngineConfig {
   // Upper bound on scratch memory (logit tiles, converted inputs), whatever the row count.
   int64_t workspace_bytes = int64_t{1} << 30;
@@ -97,6 +108,8 @@ class LceEngine {
   virtual const HeadShape& shape() const = 0;
   // For metrics; engines that do not track it report zeros.
   virtual EngineMemory memory() const { return {}; }
+  // What this engine guarantees bit for bit (GetInfo reports it).
+  virtual EngineInvariance invariance() const = 0;
 
   // One block of rows: forward always; the gradient selected by upstream.mode. Thread-safe
   // (calls are serialised internally). Returns INVALID_ARGUMENT for bad shapes, targets out of
