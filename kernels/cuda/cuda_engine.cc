@@ -211,6 +211,7 @@ class CudaEngine final : public LceEngine {
     // Forward logit GEMMs leave this many multiprocessors to the tile reductions on aux_.
     const int64_t spare = std::clamp<int64_t>(EnvInt("LCE_CUDA_STATS_SMS", 0), 0, prop.multiProcessorCount / 2);
     fwd_sm_target_ = spare > 0 ? prop.multiProcessorCount - static_cast<int>(spare) : 0;
+    batch_invariant_ = EnvInt("LCE_CUDA_BATCH_INVARIANT", 1) != 0;
     tile_ = RoundUp(std::max<int64_t>(EnvInt("LCE_CUDA_VOCAB_TILE", 8192), kSegment), kSegment);
     tile_ = std::min(tile_, RoundUp(shape_.shard_rows, kSegment));
     ldz_ = RoundUp(std::min(tile_, shape_.shard_rows), 4);
@@ -226,9 +227,13 @@ class CudaEngine final : public LceEngine {
   }
 
   std::string_view backend() const override { return "cuda"; }
-  // Per-row statistics come from fixed vocabulary tiles and segments whatever N; the GEMMs' cuBLAS
-  // algorithms vary with N, so d_hidden and dW are not listed (docs/MATH.md).
-  EngineInvariance invariance() const override { return {{"logprob", "entropy", "lse", "loss"}, {}}; }
+  // Per-row statistics come from fixed vocabulary tiles and segments whatever N; with batch-invariant
+  // GEMMs (the default; LCE_CUDA_BATCH_INVARIANT=0 turns them off) the logit and d_hidden products
+  // use one algorithm without split-K for every row count (docs/MATH.md).
+  EngineInvariance invariance() const override {
+    if (!batch_invariant_) return {{"logprob", "entropy", "lse", "loss"}, {}};
+    return {{"logprob", "entropy", "lse", "loss", "d_hidden"}, {}};
+  }
   const HeadShape& shape() const override { return shape_; }
 
   absl::Status Compute(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
@@ -290,7 +295,7 @@ class CudaEngine final : public LceEngine {
   absl::Status Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* A,
                     cudaDataType_t at, int64_t lda, const void* B, cudaDataType_t bt, int64_t ldb, float beta,
                     void* C, cudaDataType_t ct, int64_t ldc, bool tf32, bool c_is_scratch = false,
-                    int sm_target = 0) {
+                    int sm_target = 0, bool rows_in_n = false) {
     const float alpha = 1.0f;
     const cublasComputeType_t compute =
         shape_.dtype == DType::kFloat32 ? (tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F)
@@ -316,6 +321,7 @@ class CudaEngine final : public LceEngine {
       g.compute = compute;
       g.beta = beta;
       g.sm_target = sm_target;
+      g.n_invariant = rows_in_n && batch_invariant_;
       return gemm_.Run(g, c_is_scratch, tune_scratch_, tune_floats_, cublas_ws_, kCublasWorkspace, stream_);
     }
     LCE_CUDA_CHECK(cublasGemmEx(cublas_, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
@@ -344,6 +350,7 @@ class CudaEngine final : public LceEngine {
   DeviceMemory weight_, bias_, workspace_;
   PinnedMemory pinned_;
   int64_t tile_ = 0, ldz_ = 0, lds_ = 0, nseg_ = 0;
+  bool batch_invariant_ = true;  // one GEMM algorithm for every row count (GemmSpec::n_invariant)
   int fwd_sm_target_ = 0;
   std::mutex mu_;
 };
@@ -495,7 +502,8 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       if (t >= 2) LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvStats0 + b], 0));
       // logits[nr, nv] = h[nr, H] · W[v0:v0+nv, H]ᵀ   (column-major: [nv, nr] = Wᵀ · h)
       LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, nv, nr, H, w + v0 * H * esz, dt, H, h, dt, H, 0.0f,
-                          s.logits[b], CUDA_R_32F, ldz_, tf32, /*c_is_scratch=*/true, fwd_sm_target_));
+                          s.logits[b], CUDA_R_32F, ldz_, tf32, /*c_is_scratch=*/true, fwd_sm_target_,
+                          /*rows_in_n=*/true));
       LCE_CUDA_CHECK(cudaEventRecord(events_[kEvGemm0 + b], stream_));
       LCE_CUDA_CHECK(cudaStreamWaitEvent(aux_, events_[kEvGemm0 + b], 0));
       if (!(debug_skip & 1)) {
@@ -587,7 +595,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
       if (grads.d_hidden != nullptr) {
         LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F,
-                            H, tf32, /*c_is_scratch=*/true));
+                            H, tf32, /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
         LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, y, o.ignore_index, shape_.vocab_begin, Vs, stream_));
         if (tp) LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
         void* dst = host ? s.d_hidden : static_cast<uint8_t*>(grads.d_hidden) + r0 * H * esz;
@@ -635,7 +643,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     if (grads.d_hidden != nullptr) {
       // dh[nr, H] = dA[nr, Vs] · W[Vs, H]   (column-major: [H, nr] = W · dA)
       LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F,
-                          H, tf32, /*c_is_scratch=*/true));
+                          H, tf32, /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
       if (tp) LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
       void* dst = host ? s.d_hidden : static_cast<uint8_t*>(grads.d_hidden) + r0 * H * esz;
       LCE_CUDA_CHECK(LaunchFloatToDType(s.dh, shape_.dtype, dst, nr * H, stream_));

@@ -1,8 +1,10 @@
 #include "cuda/gemm.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
@@ -31,6 +33,18 @@ int64_t SizeClass(int64_t x) {
 
 // Exact problems whose plans (descriptors and layouts, cheap to remake) stay cached.
 constexpr size_t kMaxPlans = 512;
+
+// The row count n_invariant GEMMs are planned for (a large block: where their time goes), and the
+// row counts their algorithm must also be valid for: one algorithm serves every n.
+constexpr int64_t kCanonicalN = 8192;
+constexpr int64_t kProbeNs[] = {1, 7, 64, 300, 1000, 4096, 8192, 16384, 32768};
+
+void SetAlignments(cublasLtMatmulPreference_t pref, uint32_t a, uint32_t b, uint32_t c) {
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &a, sizeof(a));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b, sizeof(b));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &c, sizeof(c));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &c, sizeof(c));
+}
 
 }  // namespace
 
@@ -80,14 +94,7 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
   LCE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                       &workspace_bytes, sizeof(workspace_bytes)));
   const uint32_t al_tc = c_is_scratch ? al_c : std::min<uint32_t>(al_c, Alignment(tune_scratch));
-  LCE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a,
-                                                      sizeof(al_a)));
-  LCE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b,
-                                                      sizeof(al_b)));
-  LCE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_tc,
-                                                      sizeof(al_tc)));
-  LCE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_tc,
-                                                      sizeof(al_tc)));
+  SetAlignments(pref, al_a, al_b, al_tc);
   constexpr int kMaxCandidates = 8;
   cublasLtMatmulHeuristicResult_t res[kMaxCandidates];
   int found = 0;
@@ -145,13 +152,110 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
   return absl::OkStatus();
 }
 
+absl::Status GemmRunner::CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes,
+                                       cublasLtMatmulAlgo_t* algo) const {
+  Plan canon;
+  if (absl::Status s = MakePlan(g, kCanonicalN, &canon); !s.ok()) {
+    FreePlan(&canon);
+    return s;
+  }
+  cublasLtMatmulPreference_t pref = nullptr;
+  LCE_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint32_t no_split_k = CUBLASLT_REDUCTION_SCHEME_NONE;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
+                                       sizeof(workspace_bytes));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split_k,
+                                       sizeof(no_split_k));
+  SetAlignments(pref, Alignment(g.a), Alignment(g.b), Alignment(g.c));
+  constexpr int kMaxCandidates = 16;
+  cublasLtMatmulHeuristicResult_t res[kMaxCandidates];
+  int found = 0;
+  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt_, canon.desc, canon.la, canon.lb, canon.lc, canon.lc,
+                                                           pref, kMaxCandidates, res, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  FreePlan(&canon);
+  LCE_CUDA_CHECK(hs);
+  // The first candidate valid for every probe row count.
+  for (int i = 0; i < found; ++i) {
+    bool fits = true;
+    for (int64_t n : kProbeNs) {
+      Plan probe;
+      cublasLtMatmulHeuristicResult_t check{};
+      fits = MakePlan(g, n, &probe).ok() &&
+             cublasLtMatmulAlgoCheck(lt_, probe.desc, probe.la, probe.lb, probe.lc, probe.lc, &res[i].algo,
+                                     &check) == CUBLAS_STATUS_SUCCESS &&
+             check.workspaceSize <= workspace_bytes;
+      FreePlan(&probe);
+      if (!fits) break;
+    }
+    if (fits) {
+      *algo = res[i].algo;
+      return absl::OkStatus();
+    }
+  }
+  std::string why;
+  for (int64_t n : kProbeNs) {  // what the first candidate lacks, for the log
+    Plan probe;
+    cublasLtMatmulHeuristicResult_t check{};
+    const cublasStatus_t cs = found == 0 || !MakePlan(g, n, &probe).ok()
+                                  ? CUBLAS_STATUS_NOT_SUPPORTED
+                                  : cublasLtMatmulAlgoCheck(lt_, probe.desc, probe.la, probe.lb, probe.lc, probe.lc,
+                                                            &res[0].algo, &check);
+    FreePlan(&probe);
+    if (cs != CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_bytes) {
+      absl::StrAppend(&why, " n=", n, ":", static_cast<int>(cs), "/ws", check.workspaceSize);
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("no cuBLASLt algorithm without split-K fits every row count (", found,
+                                          " candidates; the first fails at", why, ")"));
+}
+
+absl::Status GemmRunner::ChooseAlgo(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
+                                    void* workspace, size_t workspace_bytes, cudaStream_t stream, Plan* plan) {
+  // n_invariant problems: exact m and k (fixed by the head's shape, so few), one entry for every n.
+  Key size_class{g.ta, g.tb, g.n_invariant ? g.m : SizeClass(g.m), g.n_invariant ? 0 : SizeClass(g.n),
+                 g.n_invariant ? g.k : SizeClass(g.k), g.lda, g.ldb,
+                 g.ldc, g.ab_type, g.c_type, g.compute, g.beta != 0.0f, static_cast<int>(Alignment(g.a)),
+                 static_cast<int>(Alignment(g.b)), static_cast<int>(Alignment(g.c)), g.sm_target};
+  auto tuned = algos_.find(size_class);
+  if (tuned == algos_.end() && g.n_invariant) {
+    cublasLtMatmulAlgo_t algo;
+    if (absl::Status s = CanonicalAlgo(g, workspace_bytes, &algo); s.ok()) {
+      tuned = algos_.emplace(size_class, algo).first;
+    } else if (absl::IsNotFound(s)) {
+      std::fprintf(stderr, "lce: m=%ld k=%ld: %s\n", static_cast<long>(g.m), static_cast<long>(g.k),
+                   std::string(s.message()).c_str());
+    } else {
+      return s;
+    }
+  }
+  cublasLtMatmulHeuristicResult_t check{};
+  if (tuned != algos_.end() &&
+      cublasLtMatmulAlgoCheck(lt_, plan->desc, plan->la, plan->lb, plan->lc, plan->lc, &tuned->second, &check) ==
+          CUBLAS_STATUS_SUCCESS &&
+      check.workspaceSize <= workspace_bytes) {
+    plan->algo = tuned->second;
+    plan->has_algo = true;
+    return absl::OkStatus();
+  }
+  if (g.n_invariant) {
+    // Served, but this shape's results may then vary with the row count in their last bits.
+    std::fprintf(stderr, "lce: no batch-invariant GEMM algorithm for m=%ld n=%ld k=%ld; using a tuned one\n",
+                 static_cast<long>(g.m), static_cast<long>(g.n), static_cast<long>(g.k));
+  }
+  absl::Status s = Tune(g, c_is_scratch, tune_scratch, tune_floats, workspace, workspace_bytes, stream, plan);
+  if (s.ok()) algos_[size_class] = plan->algo;
+  return s;
+}
+
 absl::Status GemmRunner::Run(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
                              void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (g.m <= 0 || g.n <= 0) return absl::OkStatus();
   if (g.k <= 0) return absl::InternalError("GEMM with k = 0");
   const uint32_t al_a = Alignment(g.a), al_b = Alignment(g.b), al_c = Alignment(g.c);
   const Key key{g.ta, g.tb, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.ab_type, g.c_type, g.compute, g.beta != 0.0f,
-                static_cast<int>(al_a), static_cast<int>(al_b), static_cast<int>(al_c), g.sm_target};
+                static_cast<int>(al_a), static_cast<int>(al_b), static_cast<int>(al_c),
+                g.sm_target * 2 + (g.n_invariant ? 1 : 0)};
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     if (plans_.size() >= kMaxPlans) {  // many row counts seen: start over (their algorithms stay)
@@ -160,25 +264,7 @@ absl::Status GemmRunner::Run(const GemmSpec& g, bool c_is_scratch, float* tune_s
     }
     Plan plan;
     absl::Status s = MakePlan(g, g.n, &plan);
-    Key size_class = key;
-    std::get<2>(size_class) = SizeClass(g.m);
-    std::get<3>(size_class) = SizeClass(g.n);
-    std::get<4>(size_class) = SizeClass(g.k);
-    if (s.ok()) {
-      // The algorithm tuned for this size class where it is valid for this problem, else tune now.
-      auto tuned = algos_.find(size_class);
-      cublasLtMatmulHeuristicResult_t check{};
-      if (tuned != algos_.end() &&
-          cublasLtMatmulAlgoCheck(lt_, plan.desc, plan.la, plan.lb, plan.lc, plan.lc, &tuned->second, &check) ==
-              CUBLAS_STATUS_SUCCESS &&
-          check.workspaceSize <= workspace_bytes) {
-        plan.algo = tuned->second;
-        plan.has_algo = true;
-      } else {
-        s = Tune(g, c_is_scratch, tune_scratch, tune_floats, workspace, workspace_bytes, stream, &plan);
-        if (s.ok()) algos_[size_class] = plan.algo;
-      }
-    }
+    if (s.ok()) s = ChooseAlgo(g, c_is_scratch, tune_scratch, tune_floats, workspace, workspace_bytes, stream, &plan);
     if (!s.ok()) {
       FreePlan(&plan);
       return s;

@@ -30,6 +30,9 @@ struct GemmSpec {
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   float beta = 0.0f;
   int sm_target = 0;  // > 0: leave the other multiprocessors to a concurrent stream
+  // Each column of C must be the same bits whatever n (n counts a call's rows): one algorithm for
+  // every n, without split-K, chosen by cuBLASLt's heuristic for a canonical n instead of timed.
+  bool n_invariant = false;
 };
 
 class GemmRunner {
@@ -57,6 +60,11 @@ class GemmRunner {
   // Picks plan->algo among cuBLASLt's heuristic candidates by timing them (Run's scratch rules).
   absl::Status Tune(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream, Plan* plan);
+  // n_invariant problems: the heuristic's first algorithm without split-K for n = kCanonicalN.
+  absl::Status CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes, cublasLtMatmulAlgo_t* algo) const;
+  // The algorithm to run `plan` with: the size class's, tuned or canonical as g asks.
+  absl::Status ChooseAlgo(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
+                          void* workspace, size_t workspace_bytes, cudaStream_t stream, Plan* plan);
   static void FreePlan(Plan* plan);
 
   cublasLtHandle_t lt_ = nullptr;

@@ -82,7 +82,7 @@ TEST_F(Service, InfoAndHealth) {
                                     info->invariance().across_tp_sizes().end());
   const std::vector<std::string> all = {"logprob", "entropy", "lse", "loss", "d_hidden", "d_weight"};
   if (TestBackend() == Backend::kCuda) {
-    EXPECT_EQ(batch, std::vector<std::string>({"logprob", "entropy", "lse", "loss"}));
+    EXPECT_EQ(batch, std::vector<std::string>({"logprob", "entropy", "lse", "loss", "d_hidden"}));
     EXPECT_TRUE(tp.empty());
   } else {
     EXPECT_EQ(batch, all);

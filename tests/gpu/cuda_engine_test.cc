@@ -592,3 +592,64 @@ TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
 
 }  // namespace
 }  // namespace lce
+
+namespace lce {
+namespace {
+
+// Rows [r0, r0 + n) of p as a problem of their own.
+Problem Slice(const Problem& p, int64_t r0, int64_t n) {
+  Problem s = p;
+  const int64_t row_bytes = p.ref.hidden * DTypeSize(p.dtype);
+  s.ref.rows = n;
+  s.hidden.assign(p.hidden.begin() + r0 * row_bytes, p.hidden.begin() + (r0 + n) * row_bytes);
+  s.ref.targets.assign(p.ref.targets.begin() + r0, p.ref.targets.begin() + r0 + n);
+  auto cut = [&](std::vector<float>& v) {
+    if (!v.empty()) v.assign(v.begin() + r0, v.begin() + r0 + n);
+  };
+  cut(s.grad_loss);
+  cut(s.grad_logprob);
+  cut(s.grad_entropy);
+  return s;
+}
+
+// Row `row` of `whole` and row `row - r0` of `part`: the same bits in every per-row output.
+void ExpectRowSameBits(const Answers& whole, const Answers& part, int64_t row, int64_t r0, int64_t H,
+                       const std::string& what) {
+  const int64_t i = row - r0;
+  EXPECT_EQ(std::memcmp(&whole.logprob[row], &part.logprob[i], 4), 0) << what << " logprob";
+  EXPECT_EQ(std::memcmp(&whole.entropy[row], &part.entropy[i], 4), 0) << what << " entropy";
+  EXPECT_EQ(std::memcmp(&whole.lse[row], &part.lse[i], 4), 0) << what << " lse";
+  EXPECT_EQ(std::memcmp(&whole.loss[row], &part.loss[i], 4), 0) << what << " loss";
+  EXPECT_EQ(std::memcmp(&whole.d_hidden[row * H], &part.d_hidden[i * H], H * 4), 0) << what << " d_hidden";
+}
+
+TEST_F(CudaTest, BatchInvarianceBitForBit) {
+  // DESIGN.md, "Guarantees": a row's results are the same bits alone and in batches of 7, 300 and
+  // 4096, on the fast loss path, the general path (label smoothing) and the generic backward.
+  for (int variant = 0; variant < 3; ++variant) {
+    ProblemSpec sp;
+    sp.rows = 4096;
+    sp.hidden = 512;
+    sp.vocab = 32003;
+    sp.mode = variant == 2 ? GradMode::kGeneric : GradMode::kLoss;
+    if (variant == 1) sp.options.label_smoothing = 0.1f;
+    const Problem p = MakeProblem(sp, 40 + variant);
+    auto e = MakeCuda(p);
+    ASSERT_NE(e, nullptr);
+    const Answers whole = RunEngine(*e, p, MemorySpace::kDevice, {});
+    ASSERT_TRUE(whole.status.ok()) << whole.status;
+    for (const int64_t row : {int64_t{0}, int64_t{777}, int64_t{4095}}) {
+      for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{300}}) {
+        const int64_t r0 = std::min(row, sp.rows - n);
+        const Answers part = RunEngine(*e, Slice(p, r0, n), MemorySpace::kDevice, {});
+        ASSERT_TRUE(part.status.ok()) << part.status;
+        ExpectRowSameBits(whole, part, row, r0, sp.hidden,
+                          "variant " + std::to_string(variant) + " row " + std::to_string(row) + " in " +
+                              std::to_string(n));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace lce
