@@ -1,0 +1,122 @@
+"""DESIGN.md's invariance guarantee end to end (CPU engine): a row's logprob, entropy, per-row loss and
+d_hidden are the same bits alone, in batches of 7 and 300, under three chunkings, over 1 and 3
+streams, through shared memory and the data plane, and on tensor-parallel groups of 1, 2 and 3
+ranks (Gloo). Compared with ==, never a tolerance."""
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+
+import lce_client
+from conftest import HIDDEN, VOCAB, Server, server_binary, to_storage, write_safetensors
+
+ROWS = 300
+PICKED = (0, 1, 150, 298, 299)  # rows checked alone and in 7-row batches around them
+OPTIONS = dict(label_smoothing=0.1, z_loss=1e-3, temperature=0.8, softcap=15.0)
+
+
+@pytest.fixture(scope="module")
+def setup(workdir):
+    """A bf16 head file, 300 rows of hidden states and targets, a single server and TP groups of 2 and 3."""
+    rng = np.random.default_rng(7)
+    w = to_storage((rng.standard_normal((VOCAB, HIDDEN)) * 2.4 / np.sqrt(HIDDEN)).astype(np.float32), "bf16")
+    path = workdir / "invariance.safetensors"
+    write_safetensors(path, {"lm_head.weight": (w, "BF16")})
+    h = to_storage(rng.standard_normal((ROWS, HIDDEN)).astype(np.float32), "bf16")
+    y = rng.integers(0, VOCAB, ROWS).astype(np.int64)
+    y[::9] = -100
+    head_args = [f"--head-file={path}", "--head-tensor=lm_head.weight", "--data-port=0"]
+    servers, peers = {1: Server(head_args, workdir, "inv_k1")}, []
+    try:
+        for k in (2, 3):
+            rdv = workdir / f"inv_rdv{k}"
+            rdv.mkdir(exist_ok=True)
+            tp = [f"--tp-size={k}", f"--tp-rendezvous={rdv}"]
+            for r in range(1, k):
+                log = open(workdir / f"inv_k{k}_r{r}.log", "w")
+                peers.append((subprocess.Popen([str(server_binary()), "--backend=cpu", "--cpu-threads=1",
+                                                "--host=127.0.0.1", "--port=0", *head_args[:2], *tp,
+                                                f"--tp-rank={r}"], stdout=log, stderr=subprocess.STDOUT), log))
+            servers[k] = Server(head_args[:2] + tp + ["--tp-rank=0"], workdir, f"inv_k{k}")
+        yield h, y, servers
+    finally:
+        for s in servers.values():
+            s.stop()
+        for p, log in peers:
+            p.wait(timeout=30)
+            log.close()
+
+
+def answers(client, h, y, **kw):
+    """Every per-row output of one score and one forward_backward (reduction "sum": a row's gradient is
+    its own loss's, whatever the batch), as raw bits."""
+    lp, ent = client.score(h, y, temperature=OPTIONS["temperature"], softcap=OPTIONS["softcap"],
+                           hidden_region=kw.get("hidden_region"))
+    r = client.forward_backward(h, y, reduction="sum", **OPTIONS, **kw)
+    as_bits = lambda a: np.asarray(a).view(np.uint32 if np.asarray(a).dtype.itemsize == 4 else np.uint16)
+    return {"logprob": as_bits(lp), "entropy": as_bits(ent), "loss": as_bits(r.per_token_loss),
+            "d_hidden": np.asarray(r.d_hidden).view(np.uint16).reshape(len(y), HIDDEN)}
+
+
+def assert_rows_equal(got, want, rows, offset=0, what=""):
+    for name in want:
+        for i in rows:
+            np.testing.assert_array_equal(got[name][i - offset], want[name][i], err_msg=f"{what}: {name} row {i}")
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    h, y, servers = setup
+    with lce_client.Client(servers[1].target, timeout=60) as c:
+        return answers(c, h, y)
+
+
+def test_alone_and_in_small_batches(setup, reference):
+    h, y, servers = setup
+    with lce_client.Client(servers[1].target, timeout=60) as c:
+        for i in PICKED:
+            assert_rows_equal(answers(c, h[i:i + 1], y[i:i + 1]), reference, [i], i, "alone")
+            b0 = min(max(i - 3, 0), ROWS - 7)
+            assert_rows_equal(answers(c, h[b0:b0 + 7], y[b0:b0 + 7]), reference, [i], b0, "in 7")
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 13, 128])
+def test_chunkings(setup, reference, chunk_rows):
+    h, y, servers = setup
+    with lce_client.Client(servers[1].target, timeout=60, chunk_bytes=chunk_rows * HIDDEN * 2) as c:
+        assert_rows_equal(answers(c, h, y), reference, range(ROWS), 0, f"{chunk_rows}-row chunks")
+
+
+def test_three_streams(setup, reference):
+    h, y, servers = setup
+    with lce_client.Client(servers[1].target, timeout=60, chunk_bytes=16 * HIDDEN * 2, streams=3,
+                           min_stream_bytes=40 * HIDDEN * 2) as c:
+        assert_rows_equal(answers(c, h, y), reference, range(ROWS), 0, "3 streams")
+
+
+def test_shared_memory(setup, reference):
+    h, y, servers = setup
+    with lce_client.Client(servers[1].target, timeout=60) as c, c.shared_memory_session() as s:
+        region = s.create(h.nbytes)
+        hr = region.ndarray(h.shape, h.dtype)
+        hr[...] = h
+        out = s.create(h.nbytes)
+        got = answers(c, hr, y, hidden_region=region, d_hidden_region=out)
+        assert_rows_equal(got, reference, range(ROWS), 0, "shared memory")
+
+
+def test_data_plane(setup, reference):
+    h, y, servers = setup
+    with lce_client.Client(servers[1].target, timeout=60, data_plane=True) as c:
+        assert_rows_equal(answers(c, h, y), reference, range(ROWS), 0, "data plane")
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_tensor_parallel_groups(setup, reference, k):
+    h, y, servers = setup
+    with lce_client.Client(servers[k].target, timeout=60) as c:
+        assert c.info().tp_size == k
+        assert_rows_equal(answers(c, h, y), reference, range(ROWS), 0, f"TP group of {k}")
+        assert_rows_equal(answers(c, h[150:151], y[150:151]), reference, [150], 150, f"TP group of {k}, alone")
