@@ -57,7 +57,7 @@ constexpr char kConnection[] = R"(connection:
   --load-balancing=round_robin   --target is one name with several addresses (dns:///NAME:PORT), spread
                              by gRPC's round_robin policy (training calls: its first address that answers)
   --max-attempts=N           scoring calls failing with UNAVAILABLE are sent again to the next replica,
-                             N attempts in all (default 3; 1: no retries)
+                             N attempts in all (default 3 over replicas, 1 for one server; 1: no retries)
   --timeout-seconds=S        deadline of each call (default 600)
   --token-file=PATH          bearer token, read from the file's first line (sent as authorization metadata)
   --admin-token-file=PATH    bearer token for the training commands (default: --token-file's)
@@ -292,7 +292,7 @@ absl::StatusOr<lce::client::ClientOptions> Options(const Args& a) {
   if (*timeout <= 0) return absl::InvalidArgumentError("--timeout-seconds must be > 0");
   o.timeout = absl::Seconds(*timeout);
   o.load_balancing = a.Get("load-balancing");
-  absl::StatusOr<int64_t> attempts = a.Int("max-attempts", 3, 1, 100);
+  absl::StatusOr<int64_t> attempts = a.Int("max-attempts", 0, 1, 100);
   if (!attempts.ok()) return attempts.status();
   o.max_attempts = static_cast<int>(*attempts);
   if (absl::Status s = SetCredentials(a, o); !s.ok()) return s;

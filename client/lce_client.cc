@@ -179,8 +179,8 @@ absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions
   if (options.streams < 1 || options.streams > 64) {
     return absl::InvalidArgumentError(absl::StrCat("ClientOptions.streams must be in [1, 64], got ", options.streams));
   }
-  if (options.max_attempts < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("ClientOptions.max_attempts must be >= 1, got ", options.max_attempts));
+  if (options.max_attempts < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ClientOptions.max_attempts must be >= 0, got ", options.max_attempts));
   }
   const bool round_robin = options.load_balancing == "round_robin";
   if (round_robin && options.data_plane) {
@@ -189,6 +189,7 @@ absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions
         "session lives on one server)");
   }
   std::unique_ptr<LceClient> client(new LceClient(options));
+  if (options.max_attempts == 0) client->options_.max_attempts = targets->size() > 1 || round_robin ? 3 : 1;
   auto make_replica = [&](const std::string& target, const std::string& lb_policy) {
     auto r = std::make_unique<Replica>();
     r->target = target;

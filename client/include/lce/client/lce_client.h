@@ -56,8 +56,9 @@ struct ClientOptions {
   // Scoring calls that fail with UNAVAILABLE (a replica died, or its group lost a rank) are sent
   // again, whole, to the next replica: at most max_attempts in all, attempt k+1 after
   // retry_backoff * 2^(k-1) (at most 1 s). They have no side effects, so a retry is safe; calls to
-  // the front are not retried. 1: no retries.
-  int max_attempts = 3;
+  // the front are not retried. 1: no retries; 0 (default): 3 over replicas (several targets, or
+  // round_robin) and 1 for one server.
+  int max_attempts = 0;
   absl::Duration retry_backoff = absl::Milliseconds(50);
   absl::Duration timeout = absl::Minutes(10);  // deadline of each call
   int64_t chunk_bytes = 4 << 20;           // hidden bytes per streamed chunk (at least one row)
