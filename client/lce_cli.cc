@@ -321,6 +321,7 @@ int Main(const Args& a) {
     return Usage(absl::InvalidArgumentError(absl::StrCat("--reduction must be none, sum or mean, got '", a.Get("reduction"), "'")));
   }
   if (absl::StatusOr<int64_t> v = a.Int("accumulate-weight-grad", 0, 0, 1); !v.ok()) return Usage(v.status());
+  if (absl::StatusOr<int64_t> v = a.Int("head-version", 0, 0); !v.ok()) return Usage(v.status());
   if (absl::Status s = lce::client::cli::CheckTrainingFlags(a); !s.ok()) return Usage(s);
 
   absl::StatusOr<lce::client::ClientOptions> o = Options(a);

@@ -317,8 +317,9 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   // The rest have no side effects: spread, and sent again whole on UNAVAILABLE.
   std::vector<bool> failed(replicas_.size(), false);
   absl::Duration backoff = options_.retry_backoff;
+  const size_t start = static_cast<size_t>(next_replica_.fetch_add(1) % replicas_.size());
   for (int attempt = 1;; ++attempt) {
-    const size_t i = PickReplica(failed);
+    const size_t i = PickReplica(start, failed);
     *out = ForwardBackwardResult{};
     absl::Status s = StreamOn(*replicas_[i], rpc, batch, header, grad_loss, grad_logprob, grad_entropy, out);
     if (!absl::IsUnavailable(s)) return s;
@@ -333,9 +334,8 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   }
 }
 
-size_t LceClient::PickReplica(const std::vector<bool>& failed) {
+size_t LceClient::PickReplica(size_t start, const std::vector<bool>& failed) {
   const size_t n = replicas_.size();
-  const size_t start = static_cast<size_t>(next_replica_.fetch_add(1) % n);
   size_t fallback = n;
   for (size_t k = 0; k < n; ++k) {
     const size_t i = (start + k) % n;

@@ -801,8 +801,11 @@ class Client:
             return call(self._front)
         failed: set = set()
         backoff = self.retry_backoff
+        with self._lock:
+            start = self._next_replica
+            self._next_replica += 1
         for attempt in range(1, self.max_attempts + 1):
-            replica = self._pick_replica(failed)
+            replica = self._pick_replica(start, failed)
             try:
                 return call(replica)
             except LceError as e:
@@ -816,12 +819,10 @@ class Client:
             backoff = min(2 * backoff, 1.0)
         raise AssertionError("unreachable")
 
-    def _pick_replica(self, failed: set) -> "_Replica":
-        """The next replica in turn that has not failed this call (`failed`: ids), preferring one that has
-        not failed any call in the last second."""
-        with self._lock:
-            start = self._next_replica
-            self._next_replica += 1
+    def _pick_replica(self, start: int, failed: set) -> "_Replica":
+        """The replica for a scoring call's next attempt: from the call's turn `start` on, the first that
+        has not failed this call (`failed`: ids), preferring one that has not failed any call in the last
+        second; the call's own turn again once all have failed."""
         n = len(self._replicas)
         order = [self._replicas[(start + k) % n] for k in range(n)]
         fresh = [r for r in order if id(r) not in failed]

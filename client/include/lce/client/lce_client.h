@@ -299,9 +299,10 @@ class LceClient {
   absl::Status StreamOn(Replica& replica, const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
                         absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
                         absl::Span<const float> grad_entropy, ForwardBackwardResult* out);
-  // The replica for the next scoring attempt: the next in turn that has not failed this call
-  // (`failed`, by index), preferring one whose connection is not known to be down.
-  size_t PickReplica(const std::vector<bool>& failed);
+  // The replica for a scoring call's next attempt: from `start` (the call's turn) on, the first that
+  // has not failed this call (`failed`, by index), preferring one whose connection is not known to be
+  // down; `start` again once all have failed.
+  size_t PickReplica(size_t start, const std::vector<bool>& failed);
   absl::StatusOr<v1::GetInfoResponse> GetInfoOn(Replica& replica, const std::string& head);
   absl::StatusOr<std::unique_ptr<SharedMemorySession>> OpenSessionOn(v1::LceService::Stub& stub);
   // Rows [first, first + count) of the batch as one stream on `stub`; answers go into `assembly`.
