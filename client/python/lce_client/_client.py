@@ -113,6 +113,12 @@ class ServerInfo:
     server_version: str
     data_port: int = 0  # the server's data plane (0: none; start it with --data-port)
 
+    def summary(self) -> str:
+        """One line: backend, TP size, the head (shape, dtype, version) and the server's version."""
+        h = self.head
+        return (f"backend {self.backend}, tp_size {self.tp_size}, head '{h.name}' {h.vocab_size}x{h.hidden_size} "
+                f"{h.dtype} version {h.version}, lce_server {self.server_version}")
+
 
 @dataclass
 class ForwardBackwardResult:
@@ -303,6 +309,7 @@ class Client:
                              f"got {data_plane_sockets!r}")
         self.targets = targets
         self.target = targets[0]  # the front (with round_robin: the name)
+        self.load_balancing = load_balancing or None
         self.timeout = timeout
         self.max_attempts = int(max_attempts)
         self.retry_backoff = float(retry_backoff)
@@ -417,24 +424,33 @@ class Client:
         others = [r for r in self._replicas if r is not self._front]
         for i, replica in enumerate([self._front] + others):
             try:
-                r = self._unary("GetInfo", req, replica.stub)
+                info = _server_info(self._unary("GetInfo", req, replica.stub))
                 break
             except LceError as e:
                 if e.code != grpc.StatusCode.UNAVAILABLE or i == len(others):
                     raise
-        info = ServerInfo(
-            head=HeadInfo._from(r.head),
-            heads=[HeadInfo._from(h) for h in r.heads],
-            backend=r.backend,
-            tp_size=r.tp_size,
-            max_message_bytes=r.max_message_bytes,
-            max_rows_per_request=r.max_rows_per_request,
-            server_version=r.server_version,
-            data_port=r.data_port,
-        )
         with self._lock:
             self._info_cache[self._head(head)] = info
         return info
+
+    def replica_info(self, head: Optional[str] = None) -> List[Tuple[str, Union[ServerInfo, "LceError"]]]:
+        """What this client's calls run on: [(target, GetInfo of it)] for each replica, the front first
+        (with round_robin: the front's address, under the name). A replica that does not answer gives
+        its LceError instead of a ServerInfo."""
+        req = pb.GetInfoRequest(head=self._head(head))
+        replicas = [self._front] if self.load_balancing else self._replicas
+        out: List[Tuple[str, Union[ServerInfo, LceError]]] = []
+        for replica in replicas:
+            try:
+                out.append((replica.target, _server_info(self._unary("GetInfo", req, replica.stub))))
+            except LceError as e:
+                out.append((replica.target, e))
+        return out
+
+    def describe(self, head: Optional[str] = None) -> str:
+        """replica_info() as lines of text, one a replica ("  TARGET (front): backend ..., tp_size ..., head ...")."""
+        return "\n".join(f"  {t}{'' if k else ' (front)'}: {i.summary() if isinstance(i, ServerInfo) else i}"
+                         for k, (t, i) in enumerate(self.replica_info(head)))
 
     def head_info(self, head: Optional[str] = None, refresh: bool = False) -> HeadInfo:
         """The head's description, cached after the first call (refresh=True asks again)."""
@@ -1096,6 +1112,13 @@ class Client:
         if all(s is None for s in summaries):
             return None
         return _combine_summaries(rpc, parts, summaries, expect_valid)
+
+
+def _server_info(r: pb.GetInfoResponse) -> ServerInfo:
+    return ServerInfo(head=HeadInfo._from(r.head), heads=[HeadInfo._from(h) for h in r.heads], backend=r.backend,
+                      tp_size=r.tp_size, max_message_bytes=r.max_message_bytes,
+                      max_rows_per_request=r.max_rows_per_request, server_version=r.server_version,
+                      data_port=r.data_port)
 
 
 class _Replica:
