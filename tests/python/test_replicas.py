@@ -178,3 +178,28 @@ def test_cli_spreads_over_replicas_and_trains_on_the_first(pair):
     for _ in range(2):  # whichever replica a call starts on, it ends on the live one
         assert "mean logprob" in cli("score", t, "--rows=4")
     assert "UNAVAILABLE" in cli("score", f"--target={b.target}", "--rows=4", code=1)
+
+
+def test_bad_targets_and_options_are_value_errors():
+    for target in ("", "a:1,,b:2", [], ["a:1", ""], [None]):
+        with pytest.raises(ValueError, match="target"):
+            lce_client.Client(target)
+    with pytest.raises(ValueError, match="max_attempts"):
+        lce_client.Client("a:1", max_attempts=0)
+    with pytest.raises(ValueError, match="load_balancing"):
+        lce_client.Client("a:1", load_balancing="random")
+    assert lce_client.Client("a:1,b:2").max_attempts == 3 and lce_client.Client("a:1").max_attempts == 1
+
+
+def test_replica_info_says_what_each_replica_is(pair):
+    a, b = pair
+    b.proc.kill()
+    b.proc.wait()
+    with lce_client.Client([a.target, b.target], timeout=10) as c:
+        (ta, ia), (tb, ib) = c.replica_info()
+        assert (ta, tb) == (a.target, b.target)
+        assert ia.backend == "cpu" and ia.head.vocab_size == VOCAB
+        assert isinstance(ib, lce_client.LceError) and ib.code == grpc.StatusCode.UNAVAILABLE
+        lines = c.describe().splitlines()
+        assert lines[0].startswith(f"  {a.target} (front): backend cpu, tp_size 1, head 'default' {VOCAB}x{HIDDEN} fp32")
+        assert lines[1].startswith(f"  {b.target}: GetInfo: UNAVAILABLE")
