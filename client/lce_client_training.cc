@@ -23,14 +23,21 @@ absl::Status CheckGradBlock(const v1::TensorChunk& c, const Gradient& g) {
   return absl::OkStatus();
 }
 
+// A unary call of `stub`: its response, or its status.
+template <typename Request, typename Response>
+absl::StatusOr<Response> Unary(grpc::Status (v1::LceService::Stub::*rpc)(grpc::ClientContext*, const Request&, Response*),
+                               v1::LceService::Stub& stub, grpc::ClientContext& ctx, const Request& request) {
+  Response response;
+  if (grpc::Status s = (stub.*rpc)(&ctx, request, &response); !s.ok()) return ToAbsl(s);
+  return response;
+}
+
 }  // namespace
 
 absl::StatusOr<v1::HeadDescription> LceClient::LoadHead(const v1::LoadHeadRequest& request) {
   grpc::ClientContext ctx;
   Prepare(&ctx, /*admin=*/true);
-  v1::HeadDescription resp;
-  if (grpc::Status s = front_->stub->LoadHead(&ctx, request, &resp); !s.ok()) return ToAbsl(s);
-  return resp;
+  return Unary(&v1::LceService::Stub::LoadHead, *front_->stub, ctx, request);
 }
 
 absl::Status LceClient::ZeroGrad(const std::string& head) {
@@ -38,8 +45,7 @@ absl::Status LceClient::ZeroGrad(const std::string& head) {
   Prepare(&ctx, /*admin=*/true);
   v1::ZeroGradRequest req;
   req.set_head(head);
-  v1::ZeroGradResponse resp;
-  return ToAbsl(front_->stub->ZeroGrad(&ctx, req, &resp));
+  return Unary(&v1::LceService::Stub::ZeroGrad, *front_->stub, ctx, req).status();
 }
 
 absl::StatusOr<Gradient> LceClient::GetGrad(const std::string& head) {
@@ -82,9 +88,7 @@ absl::StatusOr<Gradient> LceClient::GetGrad(const std::string& head) {
 absl::StatusOr<v1::OptimizerStepResponse> LceClient::OptimizerStep(const v1::OptimizerStepRequest& request) {
   grpc::ClientContext ctx;
   Prepare(&ctx, /*admin=*/true);
-  v1::OptimizerStepResponse resp;
-  if (grpc::Status s = front_->stub->OptimizerStep(&ctx, request, &resp); !s.ok()) return ToAbsl(s);
-  return resp;
+  return Unary(&v1::LceService::Stub::OptimizerStep, *front_->stub, ctx, request);
 }
 
 absl::StatusOr<v1::HeadDescription> LceClient::UpdateWeights(const std::string& head, const WeightTensor& weight,
@@ -127,9 +131,7 @@ absl::StatusOr<v1::SaveHeadResponse> LceClient::SaveHead(const std::string& head
   v1::SaveHeadRequest req;
   req.set_head(head);
   req.set_directory(directory);
-  v1::SaveHeadResponse resp;
-  if (grpc::Status s = front_->stub->SaveHead(&ctx, req, &resp); !s.ok()) return ToAbsl(s);
-  return resp;
+  return Unary(&v1::LceService::Stub::SaveHead, *front_->stub, ctx, req);
 }
 
 }  // namespace lce::client
