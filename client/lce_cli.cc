@@ -1,5 +1,6 @@
 // lce_cli: command-line client of lce-serve.
 //   lce_cli health|info|score|forward-backward|bench --target=HOST:PORT [options]
+//   lce_cli load-head|zero-grad|get-grad|step|update-weights|save-head --target=HOST:PORT [options]
 // Exit code 0 on success; on a failed call, 1 with the gRPC status code name and message on
 // stderr; 2 for bad usage.
 #include <algorithm>
@@ -16,8 +17,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "cli_args.h"
+#include "cli_training.h"
 #include "grpcpp/security/credentials.h"
 #include "lce/client/lce_client.h"
+#include "tensor_file.h"
 #include "wire_codec.h"
 
 namespace {
@@ -36,14 +39,28 @@ commands:
   forward-backward   cross-entropy loss, per-token losses and the norm of d_hidden of a batch
   bench              throughput of repeated score or train (forward-backward) requests
 
+training the head on the server (admin RPCs; all go to the front, the first target):
+  load-head          add or replace a head: from a safetensors file, a clone, or a seed
+  zero-grad          zero the head's gradient buffer
+  get-grad           the accumulated gradient dW: its norm, and written to .npy / .safetensors / raw
+  step               one AdamW step (--lr, betas, eps, weight decay, clipping)
+  update-weights     replace the head's weight with one from a file
+  save-head          write the head as safetensors on the server
+
 Flags are --name=value or --name value. Exit code: 0 ok, 1 a call failed (gRPC status code and
 message on stderr), 2 bad usage.
 )";
 
 constexpr char kConnection[] = R"(connection:
-  --target=HOST:PORT         server address (default 127.0.0.1:50051)
+  --target=HOST:PORT         server address (default 127.0.0.1:50051); replicas: several, comma-separated
+                             (scoring calls are spread over them, training calls go to the first)
+  --load-balancing=round_robin   --target is one name with several addresses (dns:///NAME:PORT), spread
+                             by gRPC's round_robin policy (training calls: its first address that answers)
+  --max-attempts=N           scoring calls failing with UNAVAILABLE are sent again to the next replica,
+                             N attempts in all (default 3 over replicas, 1 for one server; 1: no retries)
   --timeout-seconds=S        deadline of each call (default 600)
   --token-file=PATH          bearer token, read from the file's first line (sent as authorization metadata)
+  --admin-token-file=PATH    bearer token for the training commands (default: --token-file's)
   --tls-ca=PATH              use TLS, trusting the PEM roots in PATH
   --tls-cert=PATH --tls-key=PATH   client certificate and key for mutual TLS (with --tls-ca)
   --streams=N                split a large request over up to N streams and connections (default 1)
@@ -60,6 +77,7 @@ constexpr char kBatch[] = R"(batch:
                              the head's dtype, targets uniform in [0, vocab)
   --temperature=T            softmax temperature (default 1)
   --softcap=S                logit soft-capping (default 0: off)
+  --head-version=N           run only on this head version (FAILED_PRECONDITION otherwise; default 0: any)
   --ignore-index=I           target id meaning "no target" (default -100)
   --chunk-bytes=N            hidden bytes per streamed chunk (default 4194304)
   --first-chunk-bytes=N      a smaller first chunk: the server starts sooner (default 0: a full one)
@@ -68,20 +86,24 @@ constexpr char kBatch[] = R"(batch:
                              and what is left in one chunk once it fits (default 0)
 )";
 
-const std::set<std::string> kConnectionFlags = {"target", "timeout-seconds", "token-file", "tls-ca", "tls-cert",
-                                                "tls-key",  "streams",    "data-plane", "data-plane-sockets"};
+const std::set<std::string> kConnectionFlags = {"target",     "timeout-seconds", "token-file",     "tls-ca",
+                                                "tls-cert",   "tls-key",         "streams",        "data-plane",
+                                                "data-plane-sockets", "load-balancing", "max-attempts",
+                                                "admin-token-file"};
 const std::set<std::string> kBatchFlags = {"head",        "hidden-file", "targets-file", "rows",       "seed",
                                            "temperature", "softcap",     "ignore-index", "chunk-bytes",
-                                           "first-chunk-bytes", "last-chunk-bytes", "grow-chunks"};
+                                           "first-chunk-bytes", "last-chunk-bytes", "grow-chunks", "head-version"};
 
 struct Command {
   const char* help;
   std::set<std::string> flags;  // besides the connection flags
   bool batch;                   // takes the batch flags
+  bool training = false;        // one of lce::client::cli::TrainingCommands()
 };
 
 const std::map<std::string, Command>& Commands() {
-  static const auto* commands = new std::map<std::string, Command>{
+  static const auto* commands = [] {
+    auto* m = new std::map<std::string, Command>{
       {"health", {"lce_cli health [--service=NAME]: grpc.health.v1 Check; prints SERVING or NOT_SERVING\n"
                   "  --service=NAME             service to check (default \"\": the server as a whole)\n",
                   {"service"}, false}},
@@ -95,15 +117,21 @@ const std::map<std::string, Command>& Commands() {
         "  --reduction=none|sum|mean  (default mean)\n"
         "  --label-smoothing=E        in [0, 1) (default 0)\n"
         "  --z-loss=L                 z-loss coefficient (default 0)\n"
+        "  --accumulate-weight-grad=0|1   also add dW into the head's gradient buffer (on the front; default 0)\n"
         "  --show=N                   rows printed (default 16)\n",
-        {"reduction", "label-smoothing", "z-loss", "show"}, true}},
+        {"reduction", "label-smoothing", "z-loss", "accumulate-weight-grad", "show"}, true}},
       {"bench", {"lce_cli bench: throughput of repeated requests on one batch; prints ms per request, rows/s and\n"
                  "GB/s each way (hidden + targets up; logprob + entropy, or d_hidden + loss, down)\n"
                  "  --op=score|train           Score, or ForwardBackward with REDUCTION_SUM (default score)\n"
                  "  --iterations=N             timed requests (default 5)\n"
                  "  --warmup=N                 untimed requests first (default 1)\n",
                  {"op", "iterations", "warmup"}, true}},
-  };
+    };
+    for (const lce::client::cli::TrainingCommand& t : lce::client::cli::TrainingCommands()) {
+      (*m)[t.name] = Command{t.help, t.flags, false, true};
+    }
+    return m;
+  }();
   return *commands;
 }
 
@@ -131,14 +159,6 @@ int Usage(const absl::Status& s) {
   return 2;
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 struct OwnedBatch {
   std::vector<uint8_t> hidden;
   std::vector<int32_t> targets;
@@ -154,9 +174,9 @@ absl::StatusOr<OwnedBatch> MakeBatch(const Args& a, const v1::HeadDescription& h
     if (!a.Has("hidden-file") || !a.Has("targets-file")) {
       return absl::InvalidArgumentError("--hidden-file and --targets-file go together");
     }
-    absl::StatusOr<std::string> h = ReadFile(a.Get("hidden-file"));
+    absl::StatusOr<std::string> h = lce::client::ReadWholeFile(a.Get("hidden-file"));
     if (!h.ok()) return h.status();
-    absl::StatusOr<std::string> t = ReadFile(a.Get("targets-file"));
+    absl::StatusOr<std::string> t = lce::client::ReadWholeFile(a.Get("targets-file"));
     if (!t.ok()) return t.status();
     if (t->size() % 4 != 0 || static_cast<int64_t>(h->size()) != static_cast<int64_t>(t->size() / 4) * H * es) {
       return absl::InvalidArgumentError(absl::StrCat("the files hold ", h->size(), " hidden bytes and ", t->size(),
@@ -202,7 +222,46 @@ absl::StatusOr<v1::RequestHeader> Header(const Args& a) {
     if (!ii.ok()) return ii.status();
     h.set_ignore_index(static_cast<int32_t>(*ii));
   }
+  absl::StatusOr<int64_t> version = a.Int("head-version", 0, 0);
+  if (!version.ok()) return version.status();
+  h.set_head_version(*version);
   return h;
+}
+
+// The first line of a token file.
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  absl::StatusOr<std::string> tok = lce::client::ReadWholeFile(path);
+  if (!tok.ok()) return tok.status();
+  return tok->substr(0, tok->find_first_of("\r\n"));
+}
+
+// Bearer tokens and TLS credentials from their files.
+absl::Status SetCredentials(const Args& a, lce::client::ClientOptions& o) {
+  for (auto [flag, token] : {std::pair{"token-file", &o.bearer_token}, std::pair{"admin-token-file", &o.admin_token}}) {
+    if (!a.Has(flag)) continue;
+    absl::StatusOr<std::string> tok = ReadToken(a.Get(flag));
+    if (!tok.ok()) return tok.status();
+    *token = *tok;
+  }
+  if (a.Has("tls-ca")) {
+    grpc::SslCredentialsOptions ssl;
+    absl::StatusOr<std::string> ca = lce::client::ReadWholeFile(a.Get("tls-ca"));
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+    if (a.Has("tls-cert") != a.Has("tls-key")) return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+    if (a.Has("tls-cert")) {
+      absl::StatusOr<std::string> cert = lce::client::ReadWholeFile(a.Get("tls-cert"));
+      absl::StatusOr<std::string> key = lce::client::ReadWholeFile(a.Get("tls-key"));
+      if (!cert.ok()) return cert.status();
+      if (!key.ok()) return key.status();
+      ssl.pem_cert_chain = *cert;
+      ssl.pem_private_key = *key;
+    }
+    o.credentials = grpc::SslCredentials(ssl);
+  } else if (a.Has("tls-cert") || a.Has("tls-key")) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key need --tls-ca");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<lce::client::ClientOptions> Options(const Args& a) {
@@ -232,28 +291,11 @@ absl::StatusOr<lce::client::ClientOptions> Options(const Args& a) {
   if (!timeout.ok()) return timeout.status();
   if (*timeout <= 0) return absl::InvalidArgumentError("--timeout-seconds must be > 0");
   o.timeout = absl::Seconds(*timeout);
-  if (a.Has("token-file")) {
-    absl::StatusOr<std::string> tok = ReadFile(a.Get("token-file"));
-    if (!tok.ok()) return tok.status();
-    o.bearer_token = tok->substr(0, tok->find_first_of("\r\n"));
-  }
-  if (a.Has("tls-ca")) {
-    grpc::SslCredentialsOptions ssl;
-    absl::StatusOr<std::string> ca = ReadFile(a.Get("tls-ca"));
-    if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *ca;
-    if (a.Has("tls-cert") != a.Has("tls-key")) return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
-    if (a.Has("tls-cert")) {
-      absl::StatusOr<std::string> cert = ReadFile(a.Get("tls-cert")), key = ReadFile(a.Get("tls-key"));
-      if (!cert.ok()) return cert.status();
-      if (!key.ok()) return key.status();
-      ssl.pem_cert_chain = *cert;
-      ssl.pem_private_key = *key;
-    }
-    o.credentials = grpc::SslCredentials(ssl);
-  } else if (a.Has("tls-cert") || a.Has("tls-key")) {
-    return absl::InvalidArgumentError("--tls-cert and --tls-key need --tls-ca");
-  }
+  o.load_balancing = a.Get("load-balancing");
+  absl::StatusOr<int64_t> attempts = a.Int("max-attempts", 0, 1, 100);
+  if (!attempts.ok()) return attempts.status();
+  o.max_attempts = static_cast<int>(*attempts);
+  if (absl::Status s = SetCredentials(a, o); !s.ok()) return s;
   return o;
 }
 
@@ -266,7 +308,8 @@ int Main(const Args& a) {
   if (absl::Status s = lce::client::cli::CheckKnownFlags(a, allowed); !s.ok()) return Usage(s);
   // Every value is checked before anything is sent, so that a typo is a usage error (exit 2).
   for (const char* name : {"rows", "seed", "show", "iterations", "warmup", "ignore-index", "chunk-bytes",
-                           "first-chunk-bytes", "last-chunk-bytes", "grow-chunks", "data-plane-sockets"}) {
+                           "first-chunk-bytes", "last-chunk-bytes", "grow-chunks", "data-plane-sockets",
+                           "head-version", "max-attempts"}) {
     if (!a.Has(name)) continue;
     if (absl::StatusOr<int64_t> v = a.Int(name, 0); !v.ok()) return Usage(v.status());
   }
@@ -277,6 +320,9 @@ int Main(const Args& a) {
   if (a.Has("reduction") && a.Get("reduction") != "none" && a.Get("reduction") != "sum" && a.Get("reduction") != "mean") {
     return Usage(absl::InvalidArgumentError(absl::StrCat("--reduction must be none, sum or mean, got '", a.Get("reduction"), "'")));
   }
+  if (absl::StatusOr<int64_t> v = a.Int("accumulate-weight-grad", 0, 0, 1); !v.ok()) return Usage(v.status());
+  if (absl::StatusOr<int64_t> v = a.Int("head-version", 0, 0); !v.ok()) return Usage(v.status());
+  if (absl::Status s = lce::client::cli::CheckTrainingFlags(a); !s.ok()) return Usage(s);
 
   absl::StatusOr<lce::client::ClientOptions> o = Options(a);
   if (!o.ok()) return Usage(o.status());
@@ -284,6 +330,11 @@ int Main(const Args& a) {
   if (!client.ok()) return Usage(client.status());
   LceClient& c = **client;
 
+  if (cmd->second.training) {
+    const lce::client::cli::Outcome out = lce::client::cli::RunTrainingCommand(a, c);
+    if (out.exit_code == 2) return Usage(out.status);
+    return out.exit_code == 1 ? Failed(out.status) : 0;
+  }
   if (a.command == "health") {
     absl::StatusOr<bool> ok = c.Health(a.Get("service"));
     if (!ok.ok()) return Failed(ok.status());
@@ -297,9 +348,7 @@ int Main(const Args& a) {
               << info->tp_size() << ", max message " << info->max_message_bytes() << " bytes, max rows/request "
               << (info->max_rows_per_request() ? absl::StrCat(info->max_rows_per_request()) : "unlimited") << "\n";
     for (const auto& h : info->heads()) {
-      std::cout << "head '" << h.name() << "'" << (h.name() == info->head().name() ? " (default)" : "") << " version "
-                << h.version() << ": vocab " << h.vocab_size() << " x hidden " << h.hidden_size() << " "
-                << v1::DType_Name(h.dtype()) << (h.has_bias() ? " with bias" : "") << "\n";
+      std::cout << lce::client::cli::DescribeHead(h) << (h.name() == info->head().name() ? " (default)" : "") << "\n";
     }
     return 0;
   }
@@ -355,6 +404,7 @@ int Main(const Args& a) {
     if (!z.ok()) return Usage(z.status());
     h.set_label_smoothing(static_cast<float>(*eps));
     h.set_z_loss(static_cast<float>(*z));
+    h.set_accumulate_weight_grad(*a.Int("accumulate-weight-grad", 0, 0, 1) == 1);  // checked above
     absl::StatusOr<lce::client::ForwardBackwardResult> r = c.ForwardBackward(view, h);
     if (!r.ok()) return Failed(r.status());
     const std::vector<float> dh = lce::client::DecodeFloats(r->d_hidden.data(),

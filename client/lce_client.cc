@@ -16,16 +16,11 @@
 #include "absl/strings/str_cat.h"
 #include "data_plane_connection.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "grpcpp/create_channel.h"
+#include "replica.h"
 #include "worker_pool.h"
 
 namespace lce::client {
 namespace {
-
-absl::Status ToAbsl(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-}
 
 using BidiStream = grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>;
 
@@ -63,32 +58,12 @@ std::vector<std::pair<int64_t, int64_t>> PlanChunks(int64_t rows, int64_t row_by
   return plan;
 }
 
-struct LceClient::DataPlane {
-  std::mutex mu;  // held by the call using the regions
-  std::unique_ptr<SharedMemorySession> session;
-  int port = 0;
-  uint64_t hidden_region = 0, d_hidden_region = 0;
-  int64_t hidden_bytes = 0, d_hidden_bytes = 0;  // their sizes (0: none yet)
-  std::vector<std::unique_ptr<DataPlaneConnection>> up, down;  // by stream
-
-  void Reset() {  // after a failure: the server may have restarted, a socket be mid-transfer
-    session.reset();
-    hidden_bytes = d_hidden_bytes = 0;
-    up.clear();
-    down.clear();
-  }
-};
-
 struct LceClient::DataPlaneLane {
   std::vector<DataPlaneConnection*> up, down;  // ClientOptions.data_plane_sockets each
 };
 
-LceClient::LceClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
-    : options_(std::move(options)),
-      channel_(std::move(channel)),
-      stub_(v1::LceService::NewStub(channel_)),
-      data_plane_(std::make_unique<DataPlane>()),
-      workers_(std::make_unique<WorkerPool>()) {}
+LceClient::LceClient(ClientOptions options)
+    : options_(std::move(options)), workers_(std::make_unique<WorkerPool>()) {}
 
 LceClient::~LceClient() = default;
 
@@ -145,16 +120,16 @@ absl::Status SplitTransfer(const std::vector<DataPlaneConnection*>& sockets, int
 
 }  // namespace
 
-absl::Status LceClient::PrepareDataPlane(size_t parts, int64_t hidden_bytes, bool d_hidden) {
-  DataPlane& dp = *data_plane_;
+absl::Status LceClient::PrepareDataPlane(Replica& replica, size_t parts, int64_t hidden_bytes, bool d_hidden) {
+  DataPlane& dp = replica.data_plane;
   if (dp.session == nullptr) {
-    absl::StatusOr<v1::GetInfoResponse> info = GetInfo();
+    absl::StatusOr<v1::GetInfoResponse> info = GetInfoOn(replica, "");
     if (!info.ok()) return info.status();
     if (info->data_port() <= 0) {
-      return absl::FailedPreconditionError(
-          "ClientOptions.data_plane: the server has no data plane (start lce_server with --data-port)");
+      return absl::FailedPreconditionError(absl::StrCat("ClientOptions.data_plane: the server at ", replica.target,
+                                                        " has no data plane (start lce_server with --data-port)"));
     }
-    absl::StatusOr<std::unique_ptr<SharedMemorySession>> session = OpenSession();
+    absl::StatusOr<std::unique_ptr<SharedMemorySession>> session = OpenSessionOn(*replica.stub);
     if (!session.ok()) return session.status();
     dp.session = *std::move(session);
     dp.port = info->data_port();
@@ -177,7 +152,7 @@ absl::Status LceClient::PrepareDataPlane(size_t parts, int64_t hidden_bytes, boo
   if (d_hidden) {
     if (absl::Status s = ensure(dp.d_hidden_region, dp.d_hidden_bytes, "data-plane-d-hidden"); !s.ok()) return s;
   }
-  const std::string host = TargetHost(options_.target);
+  const std::string host = TargetHost(replica.target);
   const size_t needed = parts * static_cast<size_t>(options_.data_plane_sockets);
   for (auto* conns : {&dp.up, &dp.down}) {
     if (conns->size() < needed) conns->resize(needed);
@@ -192,7 +167,8 @@ absl::Status LceClient::PrepareDataPlane(size_t parts, int64_t hidden_bytes, boo
 }
 
 absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions& options) {
-  if (options.target.empty()) return absl::InvalidArgumentError("ClientOptions.target is empty");
+  absl::StatusOr<std::vector<std::string>> targets = ReplicaTargets(options);
+  if (!targets.ok()) return targets.status();
   if (options.chunk_bytes <= 0) return absl::InvalidArgumentError("ClientOptions.chunk_bytes must be > 0");
   if (options.first_chunk_bytes < 0) return absl::InvalidArgumentError("ClientOptions.first_chunk_bytes must be >= 0");
   if (options.last_chunk_bytes < 0) return absl::InvalidArgumentError("ClientOptions.last_chunk_bytes must be >= 0");
@@ -203,50 +179,72 @@ absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions
   if (options.streams < 1 || options.streams > 64) {
     return absl::InvalidArgumentError(absl::StrCat("ClientOptions.streams must be in [1, 64], got ", options.streams));
   }
-  auto creds = options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
-  auto make_channel = [&](int index) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
-    args.SetMaxSendMessageSize(static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX)));
-    if (options.http2_window_bytes > 0) {
-      args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,
-                  static_cast<int>(std::min<int64_t>(options.http2_window_bytes, INT32_MAX)));
+  if (options.max_attempts < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ClientOptions.max_attempts must be >= 0, got ", options.max_attempts));
+  }
+  const bool round_robin = options.load_balancing == "round_robin";
+  if (round_robin && options.data_plane) {
+    return absl::InvalidArgumentError(
+        "ClientOptions.data_plane needs the replicas listed in target/targets, not a round_robin name (a data-plane "
+        "session lives on one server)");
+  }
+  std::unique_ptr<LceClient> client(new LceClient(options));
+  if (options.max_attempts == 0) client->options_.max_attempts = targets->size() > 1 || round_robin ? 3 : 1;
+  auto make_replica = [&](const std::string& target, const std::string& lb_policy) {
+    auto r = std::make_unique<Replica>();
+    r->target = target;
+    r->channel = MakeChannel(options, target, 0, lb_policy);
+    r->stub = v1::LceService::NewStub(r->channel);
+    for (int i = 1; i < options.streams; ++i) {
+      r->extra_channels.push_back(MakeChannel(options, target, i, lb_policy));
+      r->extra_stubs.push_back(v1::LceService::NewStub(r->extra_channels.back()));
     }
-    for (const auto& [name, value] : options.channel_args) args.SetInt(name, value);
-    // Channels with equal arguments share one connection (gRPC's global subchannel pool): each
-    // stream of a split request gets a pool, and so a TCP connection, of its own.
-    if (options.streams > 1) {
-      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-      args.SetInt("lce.connection_index", index);
-    }
-    return grpc::CreateCustomChannel(options.target, creds, args);
+    return r;
   };
-  std::unique_ptr<LceClient> client(new LceClient(options, make_channel(0)));
-  for (int i = 1; i < options.streams; ++i) {
-    client->extra_channels_.push_back(make_channel(i));
-    client->extra_stubs_.push_back(v1::LceService::NewStub(client->extra_channels_.back()));
+  for (const std::string& t : *targets) client->replicas_.push_back(make_replica(t, round_robin ? "round_robin" : ""));
+  if (round_robin) {
+    client->front_owned_ = make_replica(targets->front(), "pick_first");
+    client->front_ = client->front_owned_.get();
+  } else {
+    client->front_ = client->replicas_.front().get();
   }
   return client;
 }
 
-void LceClient::Prepare(grpc::ClientContext* ctx) const {
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
-  if (!options_.bearer_token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.bearer_token);
+std::vector<std::string> LceClient::replica_targets() const {
+  std::vector<std::string> out;
+  for (const auto& r : replicas_) out.push_back(r->target);
+  return out;
 }
 
-absl::StatusOr<v1::GetInfoResponse> LceClient::GetInfo(const std::string& head) {
+void LceClient::Prepare(grpc::ClientContext* ctx, bool admin) const {
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  const std::string& token = admin && !options_.admin_token.empty() ? options_.admin_token : options_.bearer_token;
+  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
+}
+
+absl::StatusOr<v1::GetInfoResponse> LceClient::GetInfoOn(Replica& replica, const std::string& head) {
   grpc::ClientContext ctx;
   Prepare(&ctx);
   v1::GetInfoRequest req;
   req.set_head(head);
   v1::GetInfoResponse resp;
-  grpc::Status s = stub_->GetInfo(&ctx, req, &resp);
+  grpc::Status s = replica.stub->GetInfo(&ctx, req, &resp);
   if (!s.ok()) return ToAbsl(s);
   return resp;
 }
 
+absl::StatusOr<v1::GetInfoResponse> LceClient::GetInfo(const std::string& head) {
+  absl::StatusOr<v1::GetInfoResponse> info = GetInfoOn(*front_, head);
+  // The front is down: any replica describes the same heads.
+  for (size_t i = 0; i < replicas_.size() && absl::IsUnavailable(info.status()); ++i) {
+    if (replicas_[i].get() != front_) info = GetInfoOn(*replicas_[i], head);
+  }
+  return info;
+}
+
 absl::StatusOr<bool> LceClient::Health(const std::string& service) {
-  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  auto stub = grpc::health::v1::Health::NewStub(front_->channel);
   grpc::ClientContext ctx;
   Prepare(&ctx);
   grpc::health::v1::HealthCheckRequest req;
@@ -312,6 +310,47 @@ std::vector<std::pair<int64_t, int64_t>> PlanStreams(int64_t rows, int64_t row_b
 absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
                                absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
                                absl::Span<const float> grad_entropy, ForwardBackwardResult* out) {
+  // Requests that change the head's gradient, or name a session's regions, belong to the front.
+  if (header.accumulate_weight_grad() || batch.hidden_region || batch.d_hidden_region) {
+    return StreamOn(*front_, rpc, batch, header, grad_loss, grad_logprob, grad_entropy, out);
+  }
+  // The rest have no side effects: spread, and sent again whole on UNAVAILABLE.
+  std::vector<bool> failed(replicas_.size(), false);
+  absl::Duration backoff = options_.retry_backoff;
+  const size_t start = static_cast<size_t>(next_replica_.fetch_add(1) % replicas_.size());
+  for (int attempt = 1;; ++attempt) {
+    const size_t i = PickReplica(start, failed);
+    *out = ForwardBackwardResult{};
+    absl::Status s = StreamOn(*replicas_[i], rpc, batch, header, grad_loss, grad_logprob, grad_entropy, out);
+    if (!absl::IsUnavailable(s)) return s;
+    if (attempt >= options_.max_attempts) {
+      return attempt == 1 ? s
+                          : absl::Status(s.code(), absl::StrCat(s.message(), " (", rpc, " tried ", attempt, " times over ",
+                                                                 replicas_.size(), " replica(s))"));
+    }
+    failed[i] = true;
+    absl::SleepFor(backoff);
+    backoff = std::min(2 * backoff, absl::Seconds(1));
+  }
+}
+
+size_t LceClient::PickReplica(size_t start, const std::vector<bool>& failed) {
+  const size_t n = replicas_.size();
+  size_t fallback = n;
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = (start + k) % n;
+    if (failed[i]) continue;
+    // A channel in TRANSIENT_FAILURE fails a call at once: go to one that may answer.
+    if (replicas_[i]->channel->GetState(false) != GRPC_CHANNEL_TRANSIENT_FAILURE) return i;
+    if (fallback == n) fallback = i;
+  }
+  return fallback != n ? fallback : start;  // all failed this call: start over in turn
+}
+
+absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const HiddenBatch& batch,
+                                 const v1::RequestHeader& header, absl::Span<const float> grad_loss,
+                                 absl::Span<const float> grad_logprob, absl::Span<const float> grad_entropy,
+                                 ForwardBackwardResult* out) {
   const int64_t es = WireDTypeSize(batch.dtype);
   const int64_t row_bytes = batch.hidden_size * es;
   if (es == 0) {
@@ -351,7 +390,8 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
 
   const auto parts = hidden_in_region ? std::vector<std::pair<int64_t, int64_t>>{{0, batch.rows}}
                                       : PlanStreams(batch.rows, row_bytes, options_.chunk_bytes,
-                                                    1 + static_cast<int>(extra_stubs_.size()), options_.min_stream_bytes);
+                                                    1 + static_cast<int>(replica.extra_stubs.size()),
+                                                    options_.min_stream_bytes);
   const bool split = parts.size() > 1;
   // Over the data plane: the bytes go through server memory, the messages name slices of it.
   // (Not for weight-gradient accumulation, which a GPU server does not do on its own memory yet.)
@@ -362,10 +402,10 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   std::vector<DataPlaneLane> lanes;
   HiddenBatch routed = batch;
   if (via_data_plane) {
-    data_plane_lock = std::unique_lock<std::mutex>(data_plane_->mu);
-    DataPlane& dp = *data_plane_;
+    DataPlane& dp = replica.data_plane;
+    data_plane_lock = std::unique_lock<std::mutex>(dp.mu);
     const bool wants_d_hidden = std::string(rpc) != "Score";
-    if (absl::Status s = PrepareDataPlane(parts.size(), batch.rows * row_bytes, wants_d_hidden); !s.ok()) {
+    if (absl::Status s = PrepareDataPlane(replica, parts.size(), batch.rows * row_bytes, wants_d_hidden); !s.ok()) {
       dp.Reset();
       return s;
     }
@@ -383,13 +423,13 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   }
   // The first split request connects the extra channels all at once; a connection that fails its
   // first attempt is retried here, where a fail-fast call would give up at once.
-  if (split && !extra_connected_.load()) {
+  if (split && !replica.extra_connected.load()) {
     const auto deadline = std::chrono::system_clock::now() +
                           std::min<std::chrono::system_clock::duration>(absl::ToChronoSeconds(options_.timeout),
                                                                        std::chrono::seconds(30));
     bool all = true;
-    for (auto& ch : extra_channels_) all = ch->WaitForConnected(deadline) && all;
-    extra_connected_ = all;
+    for (auto& ch : replica.extra_channels) all = ch->WaitForConnected(deadline) && all;
+    replica.extra_connected = all;
   }
   v1::RequestHeader part_header = header;
   if (split) part_header.set_partial(true);
@@ -398,7 +438,7 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
   std::vector<absl::Status> results(parts.size());
   std::atomic<bool> cancelled{false};
   auto run_part = [&](size_t i) {
-    v1::LceService::Stub& stub = i == 0 ? *stub_ : *extra_stubs_[i - 1];
+    v1::LceService::Stub& stub = i == 0 ? *replica.stub : *replica.extra_stubs[i - 1];
     results[i] = StreamPart(stub, contexts[i], rpc, routed, part_header, grad_loss, grad_logprob, grad_entropy,
                             parts[i].first, parts[i].second, assembly, &summaries[i],
                             via_data_plane ? &lanes[i] : nullptr);
@@ -430,7 +470,7 @@ absl::Status LceClient::Stream(const char* rpc, const HiddenBatch& batch, const 
     if (!r.ok() && (first_error.ok() || (absl::IsCancelled(first_error) && !absl::IsCancelled(r)))) first_error = r;
   }
   if (!first_error.ok()) {
-    if (via_data_plane) data_plane_->Reset();
+    if (via_data_plane) replica.data_plane.Reset();
     return first_error;
   }
 
@@ -754,11 +794,13 @@ absl::StatusOr<BackwardResult> LceClient::Backward(const HiddenBatch& batch, v1:
 
 namespace lce::client {
 
-absl::StatusOr<std::unique_ptr<SharedMemorySession>> LceClient::OpenSession() {
+absl::StatusOr<std::unique_ptr<SharedMemorySession>> LceClient::OpenSession() { return OpenSessionOn(*front_->stub); }
+
+absl::StatusOr<std::unique_ptr<SharedMemorySession>> LceClient::OpenSessionOn(v1::LceService::Stub& stub) {
   std::unique_ptr<SharedMemorySession> s(new SharedMemorySession());
   // No deadline: a session lives as long as its owner.
   if (!options_.bearer_token.empty()) s->ctx_.AddMetadata("authorization", "Bearer " + options_.bearer_token);
-  s->stream_ = stub_->OpenSession(&s->ctx_);
+  s->stream_ = stub.OpenSession(&s->ctx_);
   v1::SessionResponse first;
   if (!s->stream_->Read(&first)) {
     s->broken_ = true;

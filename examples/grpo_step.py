@@ -8,7 +8,13 @@ equal a "good" token. GRPO advantages are the group-normalised rewards, broadcas
 The policy should learn to put more probability on the good token; the reference must not move.
 
     python examples/grpo_step.py                      # starts a local server (CPU engine)
-    python examples/grpo_step.py --target HOST:PORT   # or uses a running one (its default head)
+    python examples/grpo_step.py --target HOST:PORT   # or uses a running one or a TP group (its default head)
+    python examples/grpo_step.py --target A:P,B:P     # data-parallel replicas of one training job
+
+It prints what it ran on (GetInfo of each replica: backend, tensor-parallel size, head). Rollout scores are
+spread over the replicas and pinned to the policy version just trained (a replica that is not at that
+version answers FAILED_PRECONDITION rather than score with a stale head); PolicyLoss with dW, and the
+optimizer step, go to the first target.
 """
 from __future__ import annotations
 
@@ -22,7 +28,9 @@ from lce_client.local import LocalServer
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", help="running lce_server (default: start one with a seeded fp32 head)")
+    ap.add_argument("--target", action="append",
+                    help="running lce_server or group (default: start one with a seeded fp32 head); replicas of one "
+                         "training job: several, comma-separated or --target again")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
@@ -33,7 +41,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     server = None
-    target = args.target
+    target = ",".join(args.target) if args.target else None
     if target is None:
         server = LocalServer(["--seed-head=512x64", "--head-dtype=fp32", "--seed=3", "--log-requests=false"])
         target = server.target
@@ -45,9 +53,11 @@ def main(argv=None):
 
 
 def run(client: lce_client.Client, args) -> dict:
+    print("running on:\n" + client.describe())
     info = client.info()
     V, H = info.head.vocab_size, info.head.hidden_size
     policy = info.head.name
+    version = info.head.version
     ref = client.load_head("ref", clone_of=policy)  # frozen reference: a copy of the policy now
     rng = np.random.default_rng(args.seed)
     P, G, T = args.prompts, args.group, args.tokens
@@ -62,7 +72,7 @@ def run(client: lce_client.Client, args) -> dict:
     for step in range(args.steps):
         # Rollout: sample tokens (half from the good token's neighbourhood, so rewards vary), score them.
         tokens = np.where(rng.random(P * G * T) < 0.15, args.good_token, rng.integers(0, V, P * G * T)).astype(np.int32)
-        old_lp, _ = client.score(hidden, tokens, head=policy, entropy=False)
+        old_lp, _ = client.score(hidden, tokens, head=policy, entropy=False, head_version=version)
         ref_lp, _ = client.score(hidden, tokens, head="ref", entropy=False)
         reward = (tokens.reshape(P, G, T) == args.good_token).mean(axis=2)          # [P, G]
         adv = (reward - reward.mean(axis=1, keepdims=True)) / (reward.std(axis=1, keepdims=True) + 1e-6)
@@ -73,7 +83,8 @@ def run(client: lce_client.Client, args) -> dict:
                                entropy_coef=0.0, kl_coef=0.01, kl_estimator="k3", head=policy,
                                accumulate_weight_grad=True)
         grad_norm, head, _ = client.optimizer_step(policy, lr=args.lr, max_grad_norm=1.0, zero_grad=True)
-        good_lp, _ = client.score(hidden, good, head=policy, entropy=False)
+        version = head.version
+        good_lp, _ = client.score(hidden, good, head=policy, entropy=False, head_version=version)
         row = dict(step=step, reward=float(reward.mean()), loss=r.loss, clip=r.clip_fraction, approx_kl=r.approx_kl,
                    kl_ref=r.mean_kl, good_logprob=float(good_lp.mean()), version=head.version, grad_norm=grad_norm)
         history.append(row)

@@ -13,8 +13,11 @@ to its nn.Linear. With --frozen-head both runs keep the head fixed and train onl
 
 Usage:
     python examples/train_tiny_lm.py                          # starts a local lce_server (CPU engine)
-    python examples/train_tiny_lm.py --target 127.0.0.1:50051 # a running server (README command)
+    python examples/train_tiny_lm.py --target 127.0.0.1:50051 # a running server or TP group (README command)
+    python examples/train_tiny_lm.py --target a:50051,b:50051 # data-parallel replicas (the first is the front)
     python examples/train_tiny_lm.py --steps 300 --png curves.png --json losses.json
+
+It prints what it ran on: each replica's backend, tensor-parallel size and default head (GetInfo).
 """
 from __future__ import annotations
 
@@ -156,7 +159,9 @@ def plot(local, remote, path, title):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", help="host:port of a running lce_server (default: start one locally)")
+    ap.add_argument("--target", action="append",
+                    help="host:port of a running lce_server or group (default: start one locally); replicas: "
+                         "several, comma-separated or --target again (training calls go to the first)")
     ap.add_argument("--token", help="bearer token (an admin token when the server has auth: LoadHead etc.)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
@@ -188,12 +193,14 @@ def main() -> None:
           f"head {'frozen' if args.frozen_head else 'trained (AdamW on the server)'}")
 
     server = None
-    if args.target is None:
+    target = ",".join(args.target) if args.target else None
+    if target is None:
         server = LocalServer(["--seed-head=8x8", "--head-dtype=fp32", "--cpu-threads=1"])
-        args.target = server.target
-        print(f"started lce_server at {args.target} (CPU engine)")
+        target = server.target
+        print(f"started lce_server at {target} (CPU engine)")
     try:
-        with Client(args.target, token=args.token, timeout=120) as client:
+        with Client(target, token=args.token, timeout=120) as client:
+            print("running on:\n" + client.describe())
             t0 = time.perf_counter()
             local = train_local(trunk, head_w, data, args)
             t1 = time.perf_counter()

@@ -29,7 +29,8 @@ CliRun Cli(const std::string& args) {
 TEST(Cli, HelpForEachCommand) {
   CliRun r = Cli("--help");
   EXPECT_EQ(r.code, 0);
-  for (const char* cmd : {"health", "info", "score", "forward-backward", "bench"}) {
+  for (const char* cmd : {"health", "info", "score", "forward-backward", "bench", "load-head", "zero-grad", "get-grad",
+                          "step", "update-weights", "save-head"}) {
     EXPECT_NE(r.output.find(cmd), std::string::npos) << cmd;
   }
   r = Cli("forward-backward --help");
@@ -42,6 +43,60 @@ TEST(Cli, HelpForEachCommand) {
   r = Cli("health --help");
   EXPECT_EQ(r.code, 0);
   EXPECT_EQ(r.output.find("--hidden-file"), std::string::npos) << "health takes no batch";
+  r = Cli("step --help");
+  EXPECT_EQ(r.code, 0);
+  for (const char* flag : {"--lr", "--beta1", "--beta2", "--eps", "--weight-decay", "--max-grad-norm", "--zero-grad",
+                           "--admin-token-file", "--max-attempts"}) {
+    EXPECT_NE(r.output.find(flag), std::string::npos) << flag << ": " << r.output;
+  }
+  r = Cli("load-head --help");
+  for (const char* flag : {"--safetensors-file", "--clone-of", "--seeded", "--tensor", "--dtype"}) {
+    EXPECT_NE(r.output.find(flag), std::string::npos) << flag << ": " << r.output;
+  }
+}
+
+// Bad flags of the training commands: exit 2 with a message naming the problem, before any call.
+TEST(Cli, TrainingCommandUsageErrorsExitTwo) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"step", "step needs --lr"},
+      {"step --lr=abc", "--lr needs a number"},
+      {"step --lr=0.1 --beta1=-1", "--beta1 must be >= 0"},
+      {"step --lr=0.1 --zero-grad=2", "--zero-grad must be in [0, 1]"},
+      {"load-head --seeded=8x4", "load-head needs --head=NAME"},
+      {"load-head --head=h", "load-head needs one source"},
+      {"load-head --head=h --seeded=8x4 --clone-of=g", "load-head needs one source"},
+      {"load-head --head=h --seeded=8by4", "--seeded must be VOCABxHIDDEN"},
+      {"load-head --head=h --seeded=8x4 --dtype=fp8", "--dtype must be bf16, fp16 or fp32"},
+      {"load-head --head=h --clone-of=g --seed=3", "--seed goes with --seeded"},
+      {"load-head --head=h --clone-of=g --tensor=w", "--tensor goes with --safetensors-file"},
+      {"get-grad --output=g.pt", "cannot tell the format of 'g.pt'"},
+      {"get-grad --format=npy", "--format goes with --output"},
+      {"get-grad --output=g --format=pickle", "--format must be npy, safetensors or raw"},
+      {"update-weights", "update-weights needs --weight-file"},
+      {"update-weights --weight-file=w.npy --expected-version=-1", "--expected-version must be in"},
+      {"save-head", "save-head needs --directory"},
+      {"zero-grad --lr=1", "unknown flag --lr for 'zero-grad'"},
+      {"forward-backward --accumulate-weight-grad=yes", "--accumulate-weight-grad needs an integer"},
+      {"score --head-version=-2", "--head-version must be in"},
+      {"score --max-attempts=0", "--max-attempts must be in [1, 100]"},
+      {"score --load-balancing=random", "load_balancing must be"},
+      {"score --target=a:1,,b:2", "an empty target"},
+      {"score --load-balancing=round_robin --data-plane=1", "data_plane needs the replicas listed"},
+  };
+  for (const auto& [args, message] : cases) {
+    CliRun r = Cli(std::string(args) + " --timeout-seconds=5");
+    EXPECT_EQ(r.code, 2) << "'" << args << "': " << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << "'" << args << "': " << r.output;
+  }
+}
+
+TEST(Cli, TrainingCommandsAgainstNoServerExitOne) {
+  for (const char* args : {"zero-grad", "step --lr=0.1", "get-grad", "save-head --directory=/tmp",
+                           "load-head --head=h --seeded=8x4"}) {
+    CliRun r = Cli(std::string(args) + " --target=127.0.0.1:1 --timeout-seconds=5");
+    EXPECT_EQ(r.code, 1) << "'" << args << "': " << r.output;
+    EXPECT_NE(r.output.find("UNAVAILABLE"), std::string::npos) << r.output;
+  }
 }
 
 TEST(Cli, UsageErrorsExitTwo) {

@@ -37,6 +37,27 @@ def test_train_tiny_lm_remote_matches_local(tmp_path, frozen):
     assert local[-1] < local[0]  # it trains
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "max |local - remote|" in stdout
+    assert "running on:" in stdout and "(front): backend cpu, tp_size 1, head 'default'" in stdout, stdout
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="train_tiny_lm.py needs torch (pip install torch)")
+def test_train_tiny_lm_against_replicas_trains_on_the_first(tmp_path, server_factory):
+    """--target twice: it says what it ran on (each replica), and the head it trains lives on the first
+    (its dW requests and optimizer steps go there; the second is another server, untouched)."""
+    a = server_factory(["--seed-head=8x8", "--head-dtype=fp32"], name="tiny_a")
+    b = server_factory(["--seed-head=16x8", "--head-dtype=fp32"], name="tiny_b")
+    out = tmp_path / "losses.json"
+    stdout = _run([str(EXAMPLES / "train_tiny_lm.py"), "--steps", "3", "--batch", "2", "--context", "16",
+                   "--json", str(out), "--png", "", "--target", a.target, "--target", b.target], tmp_path)
+    assert f"{a.target} (front): backend cpu, tp_size 1, head 'default' 8x8 fp32" in stdout, stdout
+    assert f"{b.target}: backend cpu, tp_size 1, head 'default' 16x8 fp32" in stdout, stdout
+    res = json.loads(out.read_text())
+    assert all(abs(x - y) <= 1e-4 * max(1.0, abs(x)) for x, y in zip(res["local"], res["remote"]))
+    import lce_client
+
+    heads = lambda srv: {h.name: h.version for h in lce_client.Client(srv.target).info().heads}  # noqa: E731
+    assert heads(a)["tiny_lm"] == 2 + 3  # loaded, updated, then 3 steps
+    assert "tiny_lm" not in heads(b)
 
 
 def test_rollout_logprobs_prints_a_table(tmp_path):

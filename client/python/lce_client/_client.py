@@ -1,10 +1,12 @@
 """lce_client.Client: the gRPC client of lce.v1.LceService."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -69,7 +71,15 @@ class LceError(Exception):
         self.code = code
         self.details = details or ""
         self.rpc = rpc
-        super().__init__(f"{rpc + ': ' if rpc else ''}{code.name}: {self.details}")
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        return f"{self.rpc + ': ' if self.rpc else ''}{self.code.name}: {self.details}"
+
+    def annotate(self, note: str) -> None:
+        """Adds `note`, in parentheses, to the details (and the message)."""
+        self.details += f" ({note})"
+        self.args = (self._message(),)
 
 
 def _wrap(e: grpc.RpcError, rpc: str) -> LceError:
@@ -106,6 +116,12 @@ class ServerInfo:
     # streams, transport), and whatever the TP group's size: GetInfo's `invariance`.
     invariant_across_batches: List[str] = field(default_factory=list)
     invariant_across_tp_sizes: List[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line: backend, TP size, the head (shape, dtype, version) and the server's version."""
+        h = self.head
+        return (f"backend {self.backend}, tp_size {self.tp_size}, head '{h.name}' {h.vocab_size}x{h.hidden_size} "
+                f"{h.dtype} version {h.version}, lce_server {self.server_version}")
 
 
 @dataclass
@@ -174,10 +190,30 @@ class _Progress:
 
 
 class Client:
-    """A connection to an lce_server.
+    """A connection to an lce_server, or to several replicas of one.
 
     Args:
-      target: "host:port".
+      target: "host:port". Replicas (data-parallel groups serving one head, or any servers of the same
+        heads): a list of targets, or one string of them, comma-separated ("a:50051,b:50051"). Scoring
+        calls (score, backward, and forward_backward / policy_loss without accumulate_weight_grad) are
+        spread over the replicas in turn; calls that read or change a head's training state (those with
+        accumulate_weight_grad, load_head, zero_grad, get_grad, optimizer_step, update_weights,
+        save_head), info() and shared-memory sessions (and the calls that name their regions) go to the
+        front: the first target.
+      load_balancing: None (default): one channel per target, spread by this client. "round_robin":
+        `target` is one gRPC name whose resolver gives several addresses (dns:///fronts.ns.svc:50051, a
+        Kubernetes headless Service; or ipv4:10.0.0.1:50051,10.0.0.2:50051), and gRPC's round_robin
+        policy spreads the scoring calls over them; the front is a second channel with pick_first over
+        the same name (its first address that answers). data_plane needs listed targets.
+      max_attempts: scoring calls that fail with UNAVAILABLE (a replica died, or its group lost a rank)
+        are sent again, whole, to the next replica: at most this many attempts in all (1: no retries;
+        None, the default: 3 over replicas — several targets, or round_robin — and 1 for one server),
+        attempt k+1 after retry_backoff * 2**(k-1) seconds (at most 1 s). They have no side effects,
+        so a retry is safe; a replica that failed is passed over for a second. Calls to the front are
+        not retried. A retried call's progress callback counts its rows again.
+      retry_backoff: the first wait before a retry, in seconds (default 0.05).
+      admin_token: bearer token sent instead of `token` on the training RPCs (load_head, zero_grad,
+        get_grad, optimizer_step, update_weights, save_head), which need the server's admin token.
       timeout: deadline of each call, in seconds (None: no deadline).
       chunk_bytes: hidden-state bytes per streamed chunk (at least one row per chunk). Results do not
         depend on it.
@@ -229,7 +265,7 @@ class Client:
 
     def __init__(
         self,
-        target: str,
+        target: Union[str, Sequence[str]],
         *,
         timeout: Optional[float] = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -247,7 +283,21 @@ class Client:
         first_chunk_bytes: int = 0,
         last_chunk_bytes: int = 0,
         grow_chunks: bool = False,
+        load_balancing: Optional[str] = None,
+        max_attempts: Optional[int] = None,
+        retry_backoff: float = 0.05,
+        admin_token: Optional[str] = None,
     ):
+        targets = _replica_targets(target, load_balancing)
+        if max_attempts is None:
+            max_attempts = 3 if len(targets) > 1 or load_balancing else 1
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, numbers.Integral) or max_attempts < 1:
+            raise ValueError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+        if not retry_backoff >= 0:
+            raise ValueError(f"retry_backoff must be >= 0, got {retry_backoff!r}")
+        if data_plane and load_balancing:
+            raise ValueError("data_plane needs the replicas listed in `target`, not a round_robin name (a "
+                             "data-plane session lives on one server)")
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be positive")
         for name, v in (("first_chunk_bytes", first_chunk_bytes), ("last_chunk_bytes", last_chunk_bytes)):
@@ -261,8 +311,12 @@ class Client:
                 not 1 <= data_plane_sockets <= _MAX_DATA_PLANE_SOCKETS:
             raise ValueError(f"data_plane_sockets must be an integer in [1, {_MAX_DATA_PLANE_SOCKETS}], "
                              f"got {data_plane_sockets!r}")
-        self.target = target
+        self.targets = targets
+        self.target = targets[0]  # the front (with round_robin: the name)
+        self.load_balancing = load_balancing or None
         self.timeout = timeout
+        self.max_attempts = int(max_attempts)
+        self.retry_backoff = float(retry_backoff)
         self.chunk_bytes = int(chunk_bytes)
         self.first_chunk_bytes = int(first_chunk_bytes)
         self.last_chunk_bytes = int(last_chunk_bytes)
@@ -282,24 +336,49 @@ class Client:
                 private_key=_as_bytes(private_key),
                 certificate_chain=_as_bytes(certificate_chain),
             )
-        self._channel = self._new_channel()
-        self._stub = pb_grpc.LceServiceStub(self._channel)
-        # Channels of the parts of split requests (streams > 1), made on first use.
-        self._part_channels: list = []
-        self._part_stubs: list = []
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._admin_metadata = (("authorization", f"Bearer {admin_token}"),) if admin_token else self._metadata
         self._info_cache: dict = {}
         self._lock = threading.Lock()
         self.data_plane_sockets = int(data_plane_sockets)
-        # The data plane's session, regions and sockets, made by the first call that uses it.
-        self._data_plane: Optional[DataPlane] = DataPlane(target, data_plane_sockets) if data_plane else None
+        lb = [("grpc.lb_policy_name", "round_robin")] if load_balancing else []
+        self._replicas = [_Replica(self, t, lb, data_plane) for t in targets]
+        self._front = _Replica(self, targets[0], [("grpc.lb_policy_name", "pick_first")], False) if lb \
+            else self._replicas[0]
+        self._next_replica = 0
+
+    # The first replica's channel, stubs and data plane, as attributes of the client (tests replace
+    # them with intercepted ones).
+    @property
+    def _channel(self):
+        return self._replicas[0].channel
+
+    @property
+    def _stub(self):
+        return self._replicas[0].stub
+
+    @_stub.setter
+    def _stub(self, stub) -> None:
+        self._replicas[0].stub = stub
+
+    @property
+    def _part_channels(self) -> list:
+        return self._replicas[0].part_channels
+
+    @property
+    def _part_stubs(self) -> list:
+        return self._replicas[0].part_stubs
+
+    @property
+    def _data_plane(self) -> Optional[DataPlane]:
+        return self._replicas[0].data_plane
 
     # ----------------------------------------------------------------------------------- plumbing
-    def _new_channel(self, extra: Sequence = ()):
+    def _new_channel(self, target: str, extra: Sequence = ()):
         opts = self._options + list(extra)
         if self._creds is not None:
-            return grpc.secure_channel(self.target, self._creds, options=opts)
-        return grpc.insecure_channel(self.target, options=opts)
+            return grpc.secure_channel(target, self._creds, options=opts)
+        return grpc.insecure_channel(target, options=opts)
 
     @property
     def data_plane(self) -> bool:
@@ -307,21 +386,9 @@ class Client:
         return self._data_plane is not None
 
     def close(self) -> None:
-        """Closes the channels, and the data plane's sockets and session (the server frees its regions)."""
-        dp = self._data_plane
-        if dp is not None and dp.lock.acquire(blocking=False):
-            try:  # idle: end the session cleanly while its channel is still open
-                dp.close_locked()
-            finally:
-                dp.lock.release()
-            dp = None
-        self._channel.close()
-        with self._lock:
-            chans, self._part_channels, self._part_stubs = self._part_channels, [], []
-        for ch in chans:
-            ch.close()
-        if dp is not None:  # a call was using it: closing the channels ended that call, and it let go
-            dp.close()
+        """Closes the channels, and the data planes' sockets and sessions (the servers free their regions)."""
+        for r in {id(r): r for r in self._replicas + [self._front]}.values():
+            r.close(self._lock)
 
     def __enter__(self) -> "Client":
         return self
@@ -329,16 +396,18 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _unary(self, name: str, request):
+    def _unary(self, name: str, request, stub=None):
+        """A unary call on the front (or `stub`); the training RPCs carry the admin token."""
+        metadata = self._admin_metadata if name in _TRAINING_RPCS else self._metadata
         try:
-            return getattr(self._stub, name)(request, timeout=self.timeout, metadata=self._metadata)
+            return getattr(stub or self._front.stub, name)(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as e:
             raise _wrap(e, name) from e
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Blocks until the channel is connected (raises LceError UNAVAILABLE after `timeout`)."""
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            grpc.channel_ready_future(self._front.channel).result(timeout=timeout)
         except grpc.FutureTimeoutError as e:
             raise LceError(grpc.StatusCode.UNAVAILABLE, f"no server at {self.target} after {timeout}s") from e
 
@@ -349,27 +418,43 @@ class Client:
         backward / policy_loss: hidden states are read and d_hidden written in place, with no bytes on
         the wire. `s.register_cuda(tensor)` registers GPU memory instead (CUDA IPC; servers with the
         CUDA backend). See lce_client._shm."""
-        return SharedMemorySession(self._stub, self._metadata)
+        return SharedMemorySession(self._front.stub, self._metadata)
 
     # ------------------------------------------------------------------------------------- unary
     def info(self, head: Optional[str] = None) -> ServerInfo:
-        """Describes the head (default: the client's head) and the server."""
-        r = self._unary("GetInfo", pb.GetInfoRequest(head=self._head(head)))
-        info = ServerInfo(
-            head=HeadInfo._from(r.head),
-            heads=[HeadInfo._from(h) for h in r.heads],
-            backend=r.backend,
-            tp_size=r.tp_size,
-            max_message_bytes=r.max_message_bytes,
-            max_rows_per_request=r.max_rows_per_request,
-            server_version=r.server_version,
-            data_port=r.data_port,
-            invariant_across_batches=list(r.invariance.across_batches),
-            invariant_across_tp_sizes=list(r.invariance.across_tp_sizes),
-        )
+        """Describes the head (default: the client's head) and the server: the front, or where the front
+        is UNAVAILABLE, the first replica that answers (they serve the same heads)."""
+        req = pb.GetInfoRequest(head=self._head(head))
+        others = [r for r in self._replicas if r is not self._front]
+        for i, replica in enumerate([self._front] + others):
+            try:
+                info = _server_info(self._unary("GetInfo", req, replica.stub))
+                break
+            except LceError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE or i == len(others):
+                    raise
         with self._lock:
             self._info_cache[self._head(head)] = info
         return info
+
+    def replica_info(self, head: Optional[str] = None) -> List[Tuple[str, Union[ServerInfo, "LceError"]]]:
+        """What this client's calls run on: [(target, GetInfo of it)] for each replica, the front first
+        (with round_robin: the front's address, under the name). A replica that does not answer gives
+        its LceError instead of a ServerInfo."""
+        req = pb.GetInfoRequest(head=self._head(head))
+        replicas = [self._front] if self.load_balancing else self._replicas
+        out: List[Tuple[str, Union[ServerInfo, LceError]]] = []
+        for replica in replicas:
+            try:
+                out.append((replica.target, _server_info(self._unary("GetInfo", req, replica.stub))))
+            except LceError as e:
+                out.append((replica.target, e))
+        return out
+
+    def describe(self, head: Optional[str] = None) -> str:
+        """replica_info() as lines of text, one a replica ("  TARGET (front): backend ..., tp_size ..., head ...")."""
+        return "\n".join(f"  {t}{'' if k else ' (front)'}: {i.summary() if isinstance(i, ServerInfo) else i}"
+                         for k, (t, i) in enumerate(self.replica_info(head)))
 
     def head_info(self, head: Optional[str] = None, refresh: bool = False) -> HeadInfo:
         """The head's description, cached after the first call (refresh=True asks again)."""
@@ -405,8 +490,8 @@ class Client:
         """The head's accumulated fp32 gradient dW [vocab, hidden] as numpy."""
         out = None
         try:
-            for c in self._stub.GetGrad(pb.GetGradRequest(head=self._head(head)), timeout=self.timeout,
-                                        metadata=self._metadata):
+            for c in self._front.stub.GetGrad(pb.GetGradRequest(head=self._head(head)), timeout=self.timeout,
+                                              metadata=self._admin_metadata):
                 if out is None:
                     out = np.zeros((c.rows_total, c.cols), dtype=np.float32)
                 out[c.first_row:c.first_row + c.rows] = np.frombuffer(c.data, dtype="<f4").reshape(c.rows, c.cols)
@@ -442,7 +527,7 @@ class Client:
                     data=bytes(buf[r0 * row_bytes:r1 * row_bytes])))
 
         try:
-            r = self._stub.UpdateWeights(gen(), timeout=self.timeout, metadata=self._metadata)
+            r = self._front.stub.UpdateWeights(gen(), timeout=self.timeout, metadata=self._admin_metadata)
         except grpc.RpcError as e:
             raise _wrap(e, "UpdateWeights") from e
         return HeadInfo._from(r)
@@ -652,16 +737,19 @@ class Client:
         return plan_chunks(rows, row_bytes, self.chunk_bytes, self.first_chunk_bytes,
                            self.last_chunk_bytes if d_hidden_back else 0, self.grow_chunks)
 
-    def _stream_stub(self, i: int):
-        """The stub of the i-th extra channel for the parts of split requests (made on first use). Each
-        is its own TCP connection: the channels differ in an argument and use no shared subchannel."""
+    def _stream_stub(self, i: int, replica: Optional["_Replica"] = None):
+        """The stub of a replica's (default: the first's) i-th extra channel for the parts of split
+        requests (made on first use). Each is its own TCP connection: the channels differ in an argument
+        and use no shared subchannel."""
+        r = replica or self._replicas[0]
         with self._lock:
-            while len(self._part_stubs) <= i:
-                k = len(self._part_stubs)
-                ch = self._new_channel([("grpc.use_local_subchannel_pool", 1), ("lce.stream_channel", k)])
-                self._part_channels.append(ch)
-                self._part_stubs.append(pb_grpc.LceServiceStub(ch))
-            return self._part_stubs[i]
+            while len(r.part_stubs) <= i:
+                k = len(r.part_stubs)
+                ch = self._new_channel(r.target, r.channel_options + [("grpc.use_local_subchannel_pool", 1),
+                                                                      ("lce.stream_channel", k)])
+                r.part_channels.append(ch)
+                r.part_stubs.append(pb_grpc.LceServiceStub(ch))
+            return r.part_stubs[i]
 
     def _plan_parts(self, n: int, row_bytes: int, step: int, streams: Optional[int]) -> List[tuple]:
         """Contiguous row ranges [(r0, r1), ...] for the parts of a request: up to `streams`, each of
@@ -724,10 +812,49 @@ class Client:
                 getattr(chunk, name).extend(arr[r0:r1].tolist())
             yield pb.StreamRequest(chunk=chunk)
 
-    def _stream(self, rpc: str, h, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
-                want_dhidden: bool, progress, use_tqdm, hidden_region: Optional[Region] = None,
-                d_hidden_region: Optional[Region] = None, d_hidden_offset: int = 0,
-                streams: Optional[int] = None, expect_valid: Optional[int] = None) -> dict:
+    def _stream(self, rpc: str, h, targets: np.ndarray, header: pb.RequestHeader, per_row: dict, **kw) -> dict:
+        """A streaming call: on the front when it accumulates the weight gradient or names a session's
+        regions; otherwise on the replicas in turn, sent again whole on UNAVAILABLE (max_attempts)."""
+        call = functools.partial(self._stream_on, rpc=rpc, h=h, targets=targets, header=header, per_row=per_row, **kw)
+        if header.accumulate_weight_grad or kw.get("hidden_region") is not None or \
+                kw.get("d_hidden_region") is not None:
+            return call(self._front)
+        failed: set = set()
+        backoff = self.retry_backoff
+        with self._lock:
+            start = self._next_replica
+            self._next_replica += 1
+        for attempt in range(1, self.max_attempts + 1):
+            replica = self._pick_replica(start, failed)
+            try:
+                return call(replica)
+            except LceError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE or attempt == self.max_attempts:
+                    if attempt > 1:
+                        e.annotate(f"{rpc} tried {attempt} times over {len(self._replicas)} replica(s)")
+                    raise
+                failed.add(id(replica))
+                replica.failed_at = time.monotonic()
+            time.sleep(backoff)
+            backoff = min(2 * backoff, 1.0)
+        raise AssertionError("unreachable")
+
+    def _pick_replica(self, start: int, failed: set) -> "_Replica":
+        """The replica for a scoring call's next attempt: from the call's turn `start` on, the first that
+        has not failed this call (`failed`: ids), preferring one that has not failed any call in the last
+        second; the call's own turn again once all have failed."""
+        n = len(self._replicas)
+        order = [self._replicas[(start + k) % n] for k in range(n)]
+        fresh = [r for r in order if id(r) not in failed]
+        now = time.monotonic()
+        healthy = [r for r in fresh if now - r.failed_at >= _REPLICA_COOLDOWN]
+        return (healthy or fresh or order)[0]
+
+    def _stream_on(self, replica: "_Replica", want_dhidden: bool, progress, use_tqdm, *, rpc: str, h,
+                   targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
+                   hidden_region: Optional[Region] = None, d_hidden_region: Optional[Region] = None,
+                   d_hidden_offset: int = 0, streams: Optional[int] = None,
+                   expect_valid: Optional[int] = None) -> dict:
         step = self._rows_per_chunk(h)
         n = h.rows
         out = {"logprobs": A.new_rows_out(n), "entropy": A.new_rows_out(n), "loss": A.new_rows_out(n),
@@ -771,7 +898,7 @@ class Client:
         parts = self._plan_parts(n, row_bytes, step, streams)
         # Over the data plane the bytes go through server memory and the messages name slices of it
         # (not for weight-gradient accumulation, which a GPU server does not do on its own memory yet).
-        dp = self._data_plane
+        dp = replica.data_plane
         if dp is None or hidden_region is not None or d_hidden_region is not None or header.accumulate_weight_grad:
             dp = None
         routes: Optional[List[Route]] = None
@@ -779,7 +906,8 @@ class Client:
         if dp is not None:
             dp.lock.acquire()  # calls over the data plane take turns: they share its regions and sockets
             try:
-                routes = dp.prepare(self._data_port, self._data_plane_session, len(parts), n * row_bytes,
+                routes = dp.prepare(lambda: self._data_port(replica), lambda: self._data_plane_session(replica),
+                                    len(parts), n * row_bytes,
                                     want_dhidden)
             except BaseException:
                 dp.reset()
@@ -795,10 +923,10 @@ class Client:
         try:
             if len(parts) == 1:
                 on_rows = (lambda r1, rows: prog.update(r1, rows)) if prog is not None else None
-                out["summary"] = self._run_part(self._stub, header, 0, n, on_rows, None, *args,
+                out["summary"] = self._run_part(replica.stub, header, 0, n, on_rows, None, *args,
                                                 route=routes[0] if routes else None)
             else:
-                out["summary"] = self._run_parts(parts, header, prog, expect_valid, *args, routes=routes)
+                out["summary"] = self._run_parts(replica, parts, header, prog, expect_valid, *args, routes=routes)
         except BaseException:
             if dp is not None:
                 dp.reset()  # the server may have gone, a socket be mid-transfer: start afresh next time
@@ -810,13 +938,13 @@ class Client:
                 prog.close()
         return out
 
-    def _data_port(self) -> int:
-        """The server's data-plane port (0: none)."""
-        return int(self._unary("GetInfo", pb.GetInfoRequest()).data_port)
+    def _data_port(self, replica: "_Replica") -> int:
+        """The replica's data-plane port (0: none)."""
+        return int(self._unary("GetInfo", pb.GetInfoRequest(), replica.stub).data_port)
 
-    def _data_plane_session(self) -> SharedMemorySession:
-        """The session that holds the data plane's regions: no deadline, it lives as long as the client."""
-        return SharedMemorySession(self._stub, self._metadata)
+    def _data_plane_session(self, replica: "_Replica") -> SharedMemorySession:
+        """The session that holds a replica's data-plane regions: no deadline, it lives as long as the client."""
+        return SharedMemorySession(replica.stub, self._metadata)
 
     def _run_part(self, stub, header, begin, end, on_rows, on_call, rpc, h, targets, per_row, hidden_at,
                   d_hidden_at, metadata, out, dh_bytes, route: Optional[Route] = None):
@@ -911,7 +1039,7 @@ class Client:
             raise LceError(grpc.StatusCode.INTERNAL, f"server answered {expect} of {n} rows", rpc)
         return summary
 
-    def _run_parts(self, parts, header, prog, expect_valid, rpc, *args, routes: Optional[List[Route]] = None):
+    def _run_parts(self, replica, parts, header, prog, expect_valid, rpc, *args, routes: Optional[List[Route]] = None):
         """A request split over len(parts) streams (header.partial), one thread and one channel each.
         The first failing part cancels the others; its error is raised once all have stopped. Progress
         is reported from the calling thread. Returns the parts' summaries combined (or None)."""
@@ -947,7 +1075,7 @@ class Client:
             hdr = pb.RequestHeader()
             hdr.CopyFrom(header)
             hdr.partial = True
-            t = threading.Thread(target=worker, args=(i, r0, r1, self._stream_stub(i), hdr),
+            t = threading.Thread(target=worker, args=(i, r0, r1, self._stream_stub(i, replica), hdr),
                                  name=f"lce-{rpc}-part{i}", daemon=True)
             threads.append(t)
         summaries: list = [None] * len(parts)
@@ -988,6 +1116,68 @@ class Client:
         if all(s is None for s in summaries):
             return None
         return _combine_summaries(rpc, parts, summaries, expect_valid)
+
+
+def _server_info(r: pb.GetInfoResponse) -> ServerInfo:
+    return ServerInfo(head=HeadInfo._from(r.head), heads=[HeadInfo._from(h) for h in r.heads], backend=r.backend,
+                      tp_size=r.tp_size, max_message_bytes=r.max_message_bytes,
+                      max_rows_per_request=r.max_rows_per_request, server_version=r.server_version,
+                      data_port=r.data_port, invariant_across_batches=list(r.invariance.across_batches),
+                      invariant_across_tp_sizes=list(r.invariance.across_tp_sizes))
+
+
+class _Replica:
+    """One server (or, with round_robin, one name): its channel and stub, the extra channels of split
+    requests (made on first use), its data plane, and when a call on it last failed with UNAVAILABLE."""
+
+    def __init__(self, client: Client, target: str, channel_options: list, data_plane: bool):
+        self.target = target
+        self.channel_options = list(channel_options)
+        self.channel = client._new_channel(target, self.channel_options)
+        self.stub = pb_grpc.LceServiceStub(self.channel)
+        self.part_channels: list = []
+        self.part_stubs: list = []
+        self.data_plane: Optional[DataPlane] = DataPlane(target, client.data_plane_sockets) if data_plane else None
+        self.failed_at = -math.inf
+
+    def close(self, lock: threading.Lock) -> None:
+        """Closes the channels, and the data plane's sockets and session (the server frees its regions)."""
+        dp = self.data_plane
+        if dp is not None and dp.lock.acquire(blocking=False):
+            try:  # idle: end the session cleanly while its channel is still open
+                dp.close_locked()
+            finally:
+                dp.lock.release()
+            dp = None
+        self.channel.close()
+        with lock:
+            chans, self.part_channels, self.part_stubs = self.part_channels, [], []
+        for ch in chans:
+            ch.close()
+        if dp is not None:  # a call was using it: closing the channels ended that call, and it let go
+            dp.close()
+
+
+# How long a replica that failed with UNAVAILABLE is passed over by scoring calls (seconds).
+_REPLICA_COOLDOWN = 1.0
+_TRAINING_RPCS = frozenset({"LoadHead", "ZeroGrad", "GetGrad", "OptimizerStep", "UpdateWeights", "SaveHead"})
+
+
+def _replica_targets(target, load_balancing: Optional[str]) -> List[str]:
+    """The replicas' targets: a list, or a string split at commas (one name, unsplit, for round_robin)."""
+    if load_balancing not in (None, "", "round_robin"):
+        raise ValueError(f"load_balancing must be None or 'round_robin', got {load_balancing!r}")
+    if isinstance(target, str):
+        targets = [target] if load_balancing else target.split(",")
+    else:
+        targets = list(target)
+    targets = [t.strip() if isinstance(t, str) else t for t in targets]
+    if not targets or any(not isinstance(t, str) or not t for t in targets):
+        raise ValueError(f"target must be 'host:port', several of them (a list or comma-separated), or a name; "
+                         f"got {target!r}")
+    if load_balancing and len(targets) != 1:
+        raise ValueError("load_balancing='round_robin' takes one target name (e.g. dns:///fronts:50051), not a list")
+    return targets
 
 
 _POLICY_STATS = ("clip_fraction", "approx_kl", "mean_entropy", "mean_ratio", "mean_kl")

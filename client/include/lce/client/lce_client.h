@@ -38,7 +38,28 @@ struct StreamTrace {
 };
 
 struct ClientOptions {
-  std::string target;                      // host:port
+  // The server: "host:port". Replicas (data-parallel groups serving one head, or any servers of the
+  // same heads): several, comma-separated ("a:50051,b:50051"), or listed in `targets` instead.
+  // Scoring calls (Score, Backward, ForwardBackward without accumulate_weight_grad) are spread over
+  // the replicas in turn; everything that reads or changes a head's training state (requests with
+  // accumulate_weight_grad, LoadHead, ZeroGrad, GetGrad, OptimizerStep, UpdateWeights, SaveHead),
+  // GetInfo, Health and co-located sessions (OpenSession, and the requests that name their regions)
+  // go to the front: the first target.
+  std::string target;
+  std::vector<std::string> targets;        // the replicas as a list (then `target` stays empty)
+  // "" (default): one channel per target, spread by this client. "round_robin": `target` is one
+  // gRPC name whose resolver gives several addresses (dns:///fronts.ns.svc:50051, a Kubernetes
+  // headless Service; or ipv4:10.0.0.1:50051,10.0.0.2:50051), and gRPC's round_robin policy spreads
+  // scoring calls over them; the front is a second channel with pick_first over the same name (its
+  // first address that answers). data_plane needs listed targets (a session lives on one server).
+  std::string load_balancing;
+  // Scoring calls that fail with UNAVAILABLE (a replica died, or its group lost a rank) are sent
+  // again, whole, to the next replica: at most max_attempts in all, attempt k+1 after
+  // retry_backoff * 2^(k-1) (at most 1 s). They have no side effects, so a retry is safe; calls to
+  // the front are not retried. 1: no retries; 0 (default): 3 over replicas (several targets, or
+  // round_robin) and 1 for one server.
+  int max_attempts = 0;
+  absl::Duration retry_backoff = absl::Milliseconds(50);
   absl::Duration timeout = absl::Minutes(10);  // deadline of each call
   int64_t chunk_bytes = 4 << 20;           // hidden bytes per streamed chunk (at least one row)
   // Hidden bytes of each stream's first chunk (0: chunk_bytes). The server computes a chunk once it
@@ -60,6 +81,9 @@ struct ClientOptions {
   int64_t last_chunk_bytes = 0;
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
   std::string bearer_token;                // sent as "authorization: Bearer <token>" when set
+  // Sent instead of bearer_token on the training RPCs (LoadHead, ZeroGrad, GetGrad, OptimizerStep,
+  // UpdateWeights, SaveHead), which need the server's admin token; empty: bearer_token.
+  std::string admin_token;
   int64_t max_message_bytes = 64 << 20;
   // A request with more than 2 * min_stream_bytes of hidden states is split into up to `streams`
   // row ranges, each sent as its own stream (RequestHeader.partial) on its own connection, all at
@@ -196,6 +220,19 @@ struct BackwardResult {
   std::vector<uint8_t> d_hidden;
 };
 
+// A head's accumulated fp32 gradient dW [rows, cols] (GetGrad), row-major.
+struct Gradient {
+  int64_t rows = 0, cols = 0;
+  std::vector<float> values;
+};
+
+// A whole weight [rows, cols] of `dtype` for UpdateWeights, borrowed for the call.
+struct WeightTensor {
+  v1::DType dtype = v1::DTYPE_BFLOAT16;
+  int64_t rows = 0, cols = 0;
+  absl::Span<const uint8_t> bytes;  // rows * cols elements of dtype, little-endian, row-major
+};
+
 class LceClient {
  public:
   static absl::StatusOr<std::unique_ptr<LceClient>> Create(const ClientOptions& options);
@@ -214,9 +251,29 @@ class LceClient {
   absl::StatusOr<BackwardResult> Backward(const HiddenBatch& batch, v1::RequestHeader header,
                                           absl::Span<const float> grad_logprob, absl::Span<const float> grad_entropy);
 
-  // Opens a co-located session (server on this host): see SharedMemorySession and HiddenBatch's
-  // hidden_region / d_hidden_region.
+  // Training the head on the server (the front; ClientOptions.admin_token when set). Heads are
+  // named; "" is the server's default head.
+  // Adds or replaces a head from a safetensors file on the server, a clone, or a seed.
+  absl::StatusOr<v1::HeadDescription> LoadHead(const v1::LoadHeadRequest& request);
+  absl::Status ZeroGrad(const std::string& head = "");
+  // The gradient accumulated by requests with accumulate_weight_grad, all shards in row order.
+  absl::StatusOr<Gradient> GetGrad(const std::string& head = "");
+  // One AdamW step (zero hyper-parameters take the server's defaults: OptimizerStepRequest).
+  absl::StatusOr<v1::OptimizerStepResponse> OptimizerStep(const v1::OptimizerStepRequest& request);
+  // Replaces the head's weight, streamed in blocks of about chunk_bytes; expected_version != 0
+  // applies it only at that version (FAILED_PRECONDITION otherwise).
+  absl::StatusOr<v1::HeadDescription> UpdateWeights(const std::string& head, const WeightTensor& weight,
+                                                    int64_t expected_version = 0);
+  // Writes the head as safetensors into `directory` on the server.
+  absl::StatusOr<v1::SaveHeadResponse> SaveHead(const std::string& head, const std::string& directory);
+
+  // Opens a co-located session (server on this host) on the front: see SharedMemorySession and
+  // HiddenBatch's hidden_region / d_hidden_region.
   absl::StatusOr<std::unique_ptr<SharedMemorySession>> OpenSession();
+
+  // The replicas' targets, the front first (with load_balancing "round_robin": the one name).
+  std::vector<std::string> replica_targets() const;
+  int64_t replicas() const { return static_cast<int64_t>(replicas_.size()); }
 
   // Hidden bytes per streamed chunk (at least one row); changeable between calls, e.g. to cut the
   // same batch differently. Not thread-safe with calls in flight.
@@ -224,18 +281,30 @@ class LceClient {
   void set_chunk_bytes(int64_t bytes) { options_.chunk_bytes = bytes; }
 
  private:
-  LceClient(ClientOptions options, std::shared_ptr<grpc::Channel> channel);
+  explicit LceClient(ClientOptions options);
   struct Assembly;
   struct DataPlane;      // the session, regions and sockets of ClientOptions.data_plane
   struct DataPlaneLane;  // one stream's share of them
+  struct Replica;        // one server (or round_robin name): its channels, stubs and data plane
   struct PartSummary {
     double loss = 0;
     int64_t valid_tokens = 0;
     int64_t head_version = 0;
   };
+  // A streaming call: on the front (training, regions), or spread over the replicas with retries
+  // on UNAVAILABLE (StreamOn on each).
   absl::Status Stream(const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
                       absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
                       absl::Span<const float> grad_entropy, ForwardBackwardResult* out);
+  absl::Status StreamOn(Replica& replica, const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
+                        absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
+                        absl::Span<const float> grad_entropy, ForwardBackwardResult* out);
+  // The replica for a scoring call's next attempt: from `start` (the call's turn) on, the first that
+  // has not failed this call (`failed`, by index), preferring one whose connection is not known to be
+  // down; `start` again once all have failed.
+  size_t PickReplica(size_t start, const std::vector<bool>& failed);
+  absl::StatusOr<v1::GetInfoResponse> GetInfoOn(Replica& replica, const std::string& head);
+  absl::StatusOr<std::unique_ptr<SharedMemorySession>> OpenSessionOn(v1::LceService::Stub& stub);
   // Rows [first, first + count) of the batch as one stream on `stub`; answers go into `assembly`.
   absl::Status StreamPart(v1::LceService::Stub& stub, grpc::ClientContext& ctx, const char* rpc,
                           const HiddenBatch& batch, const v1::RequestHeader& header, absl::Span<const float> grad_loss,
@@ -243,17 +312,17 @@ class LceClient {
                           int64_t count, Assembly& assembly, PartSummary* summary, const DataPlaneLane* lane);
   // Opens (or reopens, or grows) what the data plane needs for a batch of `hidden_bytes` split in
   // `parts` streams; called under DataPlane::mu.
-  absl::Status PrepareDataPlane(size_t parts, int64_t hidden_bytes, bool d_hidden);
-  void Prepare(grpc::ClientContext* ctx) const;
+  absl::Status PrepareDataPlane(Replica& replica, size_t parts, int64_t hidden_bytes, bool d_hidden);
+  // A call's deadline and bearer token (the admin token for training RPCs, where one is set).
+  void Prepare(grpc::ClientContext* ctx, bool admin = false) const;
 
   ClientOptions options_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::LceService::Stub> stub_;
-  // Connections 1..streams-1 for split requests (stub_ is the first).
-  std::vector<std::unique_ptr<v1::LceService::Stub>> extra_stubs_;
-  std::vector<std::shared_ptr<grpc::Channel>> extra_channels_;
-  std::atomic<bool> extra_connected_{false};
-  std::unique_ptr<DataPlane> data_plane_;
+  // The scoring replicas; replicas_[0] is the front too, except with round_robin, where the front
+  // is its own pick_first channel (front_owned_).
+  std::vector<std::unique_ptr<Replica>> replicas_;
+  std::unique_ptr<Replica> front_owned_;
+  Replica* front_ = nullptr;
+  std::atomic<uint64_t> next_replica_{0};
   // Runs each call's writer, uploaders and download shares, and a split request's extra streams.
   std::unique_ptr<WorkerPool> workers_;
 };

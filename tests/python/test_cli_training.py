@@ -1,0 +1,167 @@
+"""lce_cli's training commands end to end against the real lce_server (CPU engine): a seeded head loaded,
+its gradient zeroed, accumulated by a forward-backward with --accumulate-weight-grad, read with get-grad
+(.npy, safetensors, raw), stepped, saved and loaded back, and its weight replaced from a file; each step
+checked against a twin head driven the same way by the Python client (the CPU engine is deterministic,
+so the answers are equal bit for bit), and the admin token."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+import lce_client
+from conftest import server_binary
+
+VOCAB, HIDDEN = 96, 48
+
+
+def cli_binary() -> Path:
+    env = os.environ.get("LCE_CLI_BIN")
+    p = Path(env) if env else server_binary().parent / "lce_cli"
+    if not p.is_file():
+        pytest.fail(f"lce_cli not found at {p}: build it (ninja -C build lce_cli) or set LCE_CLI_BIN", pytrace=False)
+    return p
+
+
+def cli(*args, code=0) -> str:
+    p = subprocess.run([str(cli_binary()), *map(str, args), "--timeout-seconds=60"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == code, f"lce_cli {' '.join(map(str, args))} exited {p.returncode}\n{p.stdout}\n{p.stderr}"
+    return p.stdout + p.stderr
+
+
+def read_safetensors(path) -> dict:
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    dtypes = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+    return {name: np.frombuffer(raw[8 + n + m["data_offsets"][0]:8 + n + m["data_offsets"][1]],
+                                dtype=dtypes[m["dtype"]]).reshape(m["shape"])
+            for name, m in header.items() if name != "__metadata__"}
+
+
+@pytest.fixture
+def server(server_factory):
+    return server_factory([f"--seed-head=64x{HIDDEN}", "--head-dtype=fp32"], name="cli_train")
+
+
+def batch(rows, seed):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((rows, HIDDEN)).astype(np.float32), rng.integers(0, VOCAB, rows).astype(np.int32)
+
+
+def test_cli_trains_a_head_like_the_python_client(server, tmp_path):
+    t = f"--target={server.target}"
+    c = lce_client.Client(server.target, timeout=60)
+    out = cli("load-head", t, "--head=pol", f"--seeded={VOCAB}x{HIDDEN}", "--seed=4", "--dtype=fp32")
+    assert "head 'pol' version 1" in out and f"vocab {VOCAB} x hidden {HIDDEN}" in out, out
+    c.load_head("twin", seeded=(VOCAB, HIDDEN, 4, "fp32"))
+    probe_h, probe_y = batch(9, seed=1)
+
+    def same_scores():
+        a, _ = c.score(probe_h, probe_y, head="pol")
+        b, _ = c.score(probe_h, probe_y, head="twin")
+        return np.array_equal(a, b)
+
+    assert same_scores()
+    # A gradient: zeroed, then accumulated by the CLI's forward-backward from files.
+    h, y = batch(21, seed=2)
+    h.tofile(tmp_path / "h.raw")
+    y.tofile(tmp_path / "y.raw")
+    cli("zero-grad", t, "--head=pol")
+    out = cli("forward-backward", t, "--head=pol", f"--hidden-file={tmp_path / 'h.raw'}",
+              f"--targets-file={tmp_path / 'y.raw'}", "--reduction=sum", "--accumulate-weight-grad=1",
+              "--head-version=1")
+    c.zero_grad("twin")
+    r = c.forward_backward(h, y, reduction="sum", head="twin", accumulate_weight_grad=True)
+    assert f"loss (sum) {r.loss:.6f}" in out, out
+    want = c.get_grad("twin")
+    assert np.abs(want).max() > 0
+    for name in ("g.npy", "g.safetensors", "g.raw"):
+        out = cli("get-grad", t, "--head=pol", f"--output={tmp_path / name}")
+        assert f"{VOCAB} x {HIDDEN} fp32" in out, out
+    np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), want)
+    np.testing.assert_array_equal(read_safetensors(tmp_path / "g.safetensors")["grad"], want)
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "g.raw", "<f4").reshape(VOCAB, HIDDEN), want)
+    np.testing.assert_array_equal(c.get_grad("pol"), want)
+
+    # One AdamW step with clipping and weight decay; the gradient is zeroed after it (--zero-grad=1).
+    out = cli("step", t, "--head=pol", "--lr=0.01", "--weight-decay=0.1", "--max-grad-norm=0.5", "--beta2=0.99")
+    norm, info, step = c.optimizer_step("twin", lr=0.01, weight_decay=0.1, max_grad_norm=0.5, beta2=0.99)
+    m = re.search(r"step (\d+): grad norm (\S+) \(before clipping\); head 'pol' version (\d+)", out)
+    assert m, out
+    assert (int(m.group(1)), int(m.group(3))) == (step, info.version) == (1, 2)
+    assert float(m.group(2)) == pytest.approx(norm, rel=1e-8)
+    assert same_scores()
+    assert "|dW| 0.000000000e+00" in cli("get-grad", t, "--head=pol")
+    cli("forward-backward", t, "--head=pol", "--head-version=1", "--rows=3", code=1)  # version 1 is gone
+
+    # Saved on the server, loaded back under another name: the same head.
+    out = cli("save-head", t, "--head=pol", f"--directory={tmp_path / 'saved'}")
+    shard = re.search(r"file (\S+)", out).group(1)
+    assert Path(shard).is_file() and "index " in out
+    cli("load-head", t, "--head=back", f"--safetensors-file={shard}")
+    a, _ = c.score(probe_h, probe_y, head="pol")
+    b, _ = c.score(probe_h, probe_y, head="back")
+    np.testing.assert_array_equal(a, b)
+
+
+def test_cli_update_weights_from_files(server, tmp_path):
+    t = f"--target={server.target}"
+    c = lce_client.Client(server.target, timeout=60)
+    for name in ("a", "b"):
+        c.load_head(name, seeded=(VOCAB, HIDDEN, 9, "fp32"))
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((VOCAB, HIDDEN)) * 0.1).astype(np.float32)
+    probe_h, probe_y = batch(7, seed=6)
+    files = {"w.npy": lambda p: np.save(p, w), "w.raw": lambda p: w.tofile(p),
+             "w.safetensors": lambda p: lce_client.local.write_safetensors(str(p), {"lm_head.weight": w})}
+    version = 1
+    for name, write in files.items():
+        write(tmp_path / name)
+        out = cli("update-weights", t, "--head=a", f"--weight-file={tmp_path / name}", f"--expected-version={version}")
+        version += 1
+        assert f"head 'a' version {version}" in out, out
+        c.update_weights(w, head="b")
+        np.testing.assert_array_equal(c.score(probe_h, probe_y, head="a")[0], c.score(probe_h, probe_y, head="b")[0])
+    out = cli("update-weights", t, "--head=a", f"--weight-file={tmp_path / 'w.npy'}", "--expected-version=1", code=1)
+    assert "FAILED_PRECONDITION" in out, out
+    # bf16 bits (<u2) into an fp32 head: converted exactly.
+    bits = lce_client.f32_to_bf16_bits(w)
+    np.save(tmp_path / "w16.npy", bits)
+    cli("update-weights", t, "--head=a", f"--weight-file={tmp_path / 'w16.npy'}")
+    c.update_weights(lce_client.bf16_bits_to_f32(bits), head="b")
+    np.testing.assert_array_equal(c.score(probe_h, probe_y, head="a")[0], c.score(probe_h, probe_y, head="b")[0])
+    # A file of the wrong shape is the server's INVALID_ARGUMENT; one that is not a tensor a usage error.
+    np.save(tmp_path / "small.npy", w[:5])
+    assert "INVALID_ARGUMENT" in cli("update-weights", t, "--head=a", f"--weight-file={tmp_path / 'small.npy'}", code=1)
+    (tmp_path / "junk.npy").write_bytes(b"not numpy")
+    assert "not a .npy file" in cli("update-weights", t, "--head=a", f"--weight-file={tmp_path / 'junk.npy'}", code=2)
+
+
+def test_cli_training_commands_use_the_admin_token(server_factory, tmp_path):
+    (tmp_path / "scoring.tok").write_text("scoring-token-0123456789\n")
+    (tmp_path / "admin.tok").write_text("admin-token-0123456789ab\n")
+    srv = server_factory([f"--seed-head=64x{HIDDEN}", "--head-dtype=fp32",
+                          f"--auth-token-file={tmp_path / 'scoring.tok'}",
+                          f"--admin-token-file={tmp_path / 'admin.tok'}"], name="cli_admin")
+    t, tok = f"--target={srv.target}", f"--token-file={tmp_path / 'scoring.tok'}"
+    assert "PERMISSION_DENIED" in cli("zero-grad", t, tok, code=1)
+    cli("zero-grad", t, tok, f"--admin-token-file={tmp_path / 'admin.tok'}")
+    cli("forward-backward", t, tok, f"--admin-token-file={tmp_path / 'admin.tok'}", "--rows=4",
+        "--accumulate-weight-grad=1")
+    out = cli("step", t, tok, f"--admin-token-file={tmp_path / 'admin.tok'}", "--lr=0.001")
+    assert "version 2" in out, out
+    c = lce_client.Client(srv.target, timeout=30, token="scoring-token-0123456789",
+                          admin_token="admin-token-0123456789ab")
+    c.zero_grad()
+    assert c.info().head.version == 2
+    with pytest.raises(lce_client.LceError) as ei:
+        lce_client.Client(srv.target, timeout=30, token="scoring-token-0123456789").zero_grad()
+    assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED
