@@ -136,6 +136,8 @@ struct Scratch {
   float* logits[2] = {nullptr, nullptr};  // [R, ldz] fp32 logit tiles (double-buffered)
   void* store = nullptr;          // [R, lds] compact z − m_seg, then dA (backward only)
   float* part = nullptr;          // [R, nseg, 4]
+  float* part_global = nullptr;   // [R, nseg_global, 4] (tensor parallel, tp_invariant_)
+  float* zy = nullptr;            // [R] target logits gathered over the ranks (likewise)
   float* packed = nullptr;        // [R, 4]
   float* m_local = nullptr;       // [R]
   float* m = nullptr;             // [R]
@@ -212,11 +214,16 @@ class CudaEngine final : public LceEngine {
     const int64_t spare = std::clamp<int64_t>(EnvInt("LCE_CUDA_STATS_SMS", 0), 0, prop.multiProcessorCount / 2);
     fwd_sm_target_ = spare > 0 ? prop.multiProcessorCount - static_cast<int>(spare) : 0;
     batch_invariant_ = EnvInt("LCE_CUDA_BATCH_INVARIANT", 1) != 0;
+    tp_invariant_option_ = batch_invariant_ && EnvInt("LCE_CUDA_TP_INVARIANT", 0) != 0;
     tile_ = RoundUp(std::max<int64_t>(EnvInt("LCE_CUDA_VOCAB_TILE", 8192), kSegment), kSegment);
     tile_ = std::min(tile_, RoundUp(shape_.shard_rows, kSegment));
     ldz_ = RoundUp(std::min(tile_, shape_.shard_rows), 4);
     lds_ = RoundUp(shape_.shard_rows, 8);
     nseg_ = (shape_.shard_rows + kSegment - 1) / kSegment;
+    // Segments at fixed global offsets (VocabTile(V) == kSegment: V >= 131072, and shards of whole
+    // tiles): a group folds every segment in global order, as one GPU does (docs/MATH.md).
+    nseg_global_ = (shape_.vocab_size + kSegment - 1) / kSegment;
+    tp_invariant_ = config_.collectives != nullptr && tp_invariant_option_ && SegmentsAreGlobal();
     // The smallest block must fit the budget.
     if (Bytes({true, true, true, true}, 1) > config_.workspace_bytes) {
       return absl::InvalidArgumentError(absl::StrCat("workspace_bytes ", config_.workspace_bytes,
@@ -232,7 +239,12 @@ class CudaEngine final : public LceEngine {
   // use one algorithm without split-K for every row count (docs/MATH.md).
   EngineInvariance invariance() const override {
     if (!batch_invariant_) return {{"logprob", "entropy", "lse", "loss"}, {}};
-    return {{"logprob", "entropy", "lse", "loss", "d_hidden"}, {}};
+    EngineInvariance inv{{"logprob", "entropy", "lse", "loss", "d_hidden"}, {}};
+    if (tp_invariant_option_ && SegmentsAreGlobal()) inv.across_tp_sizes = {"logprob", "entropy", "lse", "loss"};
+    return inv;
+  }
+  bool SegmentsAreGlobal() const {
+    return VocabTile(shape_.vocab_size) == kSegment && shape_.vocab_begin % kSegment == 0;
   }
   const HeadShape& shape() const override { return shape_; }
 
@@ -249,6 +261,10 @@ class CudaEngine final : public LceEngine {
     s->logits[0] = c.Take<float>(2 * R * ldz_);
     s->logits[1] = s->logits[0] == nullptr ? nullptr : s->logits[0] + R * ldz_;
     s->part = c.Take<float>(R * nseg_ * 4);
+    if (tp_invariant_) {
+      s->part_global = c.Take<float>(R * nseg_global_ * 4);
+      s->zy = c.Take<float>(R);
+    }
     s->packed = c.Take<float>(R * kPacked);
     s->m_local = c.Take<float>(R);
     s->m = c.Take<float>(R);
@@ -295,7 +311,7 @@ class CudaEngine final : public LceEngine {
   absl::Status Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* A,
                     cudaDataType_t at, int64_t lda, const void* B, cudaDataType_t bt, int64_t ldb, float beta,
                     void* C, cudaDataType_t ct, int64_t ldc, bool tf32, bool c_is_scratch = false,
-                    int sm_target = 0, bool rows_in_n = false) {
+                    int sm_target = 0, bool rows_in_n = false, bool cols_in_m = false) {
     const float alpha = 1.0f;
     const cublasComputeType_t compute =
         shape_.dtype == DType::kFloat32 ? (tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F)
@@ -322,6 +338,7 @@ class CudaEngine final : public LceEngine {
       g.beta = beta;
       g.sm_target = sm_target;
       g.n_invariant = rows_in_n && batch_invariant_;
+      g.m_invariant = cols_in_m && g.n_invariant && tp_invariant_option_;
       return gemm_.Run(g, c_is_scratch, tune_scratch_, tune_floats_, cublas_ws_, kCublasWorkspace, stream_);
     }
     LCE_CUDA_CHECK(cublasGemmEx(cublas_, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
@@ -351,6 +368,12 @@ class CudaEngine final : public LceEngine {
   PinnedMemory pinned_;
   int64_t tile_ = 0, ldz_ = 0, lds_ = 0, nseg_ = 0;
   bool batch_invariant_ = true;  // one GEMM algorithm for every row count (GemmSpec::n_invariant)
+  // LCE_CUDA_TP_INVARIANT=1 (off by default: it costs 3-15% at some shapes, bench/RESULTS.md): one
+  // logit GEMM algorithm for every tile length too, and under TP the forward's statistics gathered
+  // and folded in global segment order, so that groups of any size give one GPU's bits.
+  bool tp_invariant_option_ = false;
+  bool tp_invariant_ = false;
+  int64_t nseg_global_ = 0;
   int fwd_sm_target_ = 0;
   std::mutex mu_;
 };
@@ -500,10 +523,21 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       const int64_t nv = std::min(tile_, Vs - v0);
       const int b = static_cast<int>(t % 2);
       if (t >= 2) LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvStats0 + b], 0));
-      // logits[nr, nv] = h[nr, H] · W[v0:v0+nv, H]ᵀ   (column-major: [nv, nr] = Wᵀ · h)
-      LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, nv, nr, H, w + v0 * H * esz, dt, H, h, dt, H, 0.0f,
-                          s.logits[b], CUDA_R_32F, ldz_, tf32, /*c_is_scratch=*/true, fwd_sm_target_,
-                          /*rows_in_n=*/true));
+      // logits[nr, nv] = h[nr, H] · W[v0:v0+nv, H]ᵀ   (column-major: [nv, nr] = Wᵀ · h): whole
+      // segments through one algorithm for every m and n, a ragged last segment (the head's own, the
+      // same for every group size) apart, so that a logit's bits depend on neither the row count nor
+      // where its tile starts.
+      const int64_t whole = nv / kSegment * kSegment;
+      if (whole > 0) {
+        LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, whole, nr, H, w + v0 * H * esz, dt, H, h, dt, H, 0.0f,
+                            s.logits[b], CUDA_R_32F, ldz_, tf32, /*c_is_scratch=*/true, fwd_sm_target_,
+                            /*rows_in_n=*/true, /*cols_in_m=*/true));
+      }
+      if (whole < nv) {
+        LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, nv - whole, nr, H, w + (v0 + whole) * H * esz, dt, H, h, dt,
+                            H, 0.0f, s.logits[b] + whole, CUDA_R_32F, ldz_, tf32, /*c_is_scratch=*/true,
+                            fwd_sm_target_, /*rows_in_n=*/true));
+      }
       LCE_CUDA_CHECK(cudaEventRecord(events_[kEvGemm0 + b], stream_));
       LCE_CUDA_CHECK(cudaStreamWaitEvent(aux_, events_[kEvGemm0 + b], 0));
       if (!(debug_skip & 1)) {
@@ -523,14 +557,28 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], aux_));
     LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvHandoff], 0));
     if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[1], stream_));
-    LCE_CUDA_CHECK(LaunchMergeSegments(s.part, nseg_, nr, s.m_local, s.m, s.packed, stream_));
     if (tp) {
       // Every rank takes part (and retries together), whatever path it is on.
       LCE_CUDA_CHECK(config_.collectives->AllReduce(reinterpret_cast<float*>(overflow), 1, ReduceOp::kMax, true,
                                                     stream_));
-      LCE_CUDA_CHECK(config_.collectives->AllReduce(s.m, nr, ReduceOp::kMax, true, stream_));
-      LCE_CUDA_CHECK(LaunchRescalePartials(s.m_local, s.m, nr, s.packed, stream_));
-      LCE_CUDA_CHECK(config_.collectives->AllReduce(s.packed, nr * kPacked, ReduceOp::kSum, true, stream_));
+    }
+    if (tp && tp_invariant_) {
+      // Every rank gathers every segment's partials and folds them in global order, as one GPU does.
+      LCE_CUDA_CHECK(LaunchSpreadPartials(s.part, nseg_, shape_.vocab_begin / kSegment, s.packed, y, o.ignore_index,
+                                          shape_.vocab_begin, shape_.vocab_end(), nr, s.part_global, nseg_global_,
+                                          s.zy, stream_));
+      LCE_CUDA_CHECK(config_.collectives->AllReduce(s.part_global, nr * nseg_global_ * 4, ReduceOp::kMax, true,
+                                                    stream_));
+      LCE_CUDA_CHECK(config_.collectives->AllReduce(s.zy, nr, ReduceOp::kMax, true, stream_));
+      LCE_CUDA_CHECK(LaunchMergeSegments(s.part_global, nseg_global_, nr, s.m_local, s.m, s.packed, stream_));
+      LCE_CUDA_CHECK(LaunchTakeGatheredTargets(s.zy, nr, s.packed, stream_));
+    } else {
+      LCE_CUDA_CHECK(LaunchMergeSegments(s.part, nseg_, nr, s.m_local, s.m, s.packed, stream_));
+      if (tp) {
+        LCE_CUDA_CHECK(config_.collectives->AllReduce(s.m, nr, ReduceOp::kMax, true, stream_));
+        LCE_CUDA_CHECK(LaunchRescalePartials(s.m_local, s.m, nr, s.packed, stream_));
+        LCE_CUDA_CHECK(config_.collectives->AllReduce(s.packed, nr * kPacked, ReduceOp::kSum, true, stream_));
+      }
     }
     FinalizeArgs fa;
     fa.rows = nr;

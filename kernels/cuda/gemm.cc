@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
@@ -38,6 +39,19 @@ constexpr size_t kMaxPlans = 512;
 // row counts their algorithm must also be valid for: one algorithm serves every n.
 constexpr int64_t kCanonicalN = 8192;
 constexpr int64_t kProbeNs[] = {1, 7, 64, 300, 1000, 4096, 8192, 16384, 32768};
+// The m that m_invariant GEMMs are planned for and probed at (multiples of 2048, up to ldc).
+constexpr int64_t kCanonicalM = 8192;
+constexpr int64_t kProbeMs[] = {2048, 4096, 6144, 8192, 16384};
+
+// The problems an algorithm for g must serve: g's m (or, m_invariant, every probe m up to ldc).
+std::vector<int64_t> ProbeMs(const GemmSpec& g) {
+  if (!g.m_invariant) return {g.m};
+  std::vector<int64_t> ms;
+  for (int64_t m : kProbeMs) {
+    if (m <= g.ldc) ms.push_back(m);
+  }
+  return ms;
+}
 
 void SetAlignments(cublasLtMatmulPreference_t pref, uint32_t a, uint32_t b, uint32_t c) {
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &a, sizeof(a));
@@ -154,8 +168,12 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
 
 absl::Status GemmRunner::CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes,
                                        cublasLtMatmulAlgo_t* algo) const {
+  const std::vector<int64_t> ms = ProbeMs(g);
+  if (ms.empty()) return absl::NotFoundError("no probe m fits ldc");
+  GemmSpec canon_spec = g;
+  if (g.m_invariant) canon_spec.m = std::min(kCanonicalM, ms.back());
   Plan canon;
-  if (absl::Status s = MakePlan(g, kCanonicalN, &canon); !s.ok()) {
+  if (absl::Status s = MakePlan(canon_spec, kCanonicalN, &canon); !s.ok()) {
     FreePlan(&canon);
     return s;
   }
@@ -175,17 +193,22 @@ absl::Status GemmRunner::CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes
   cublasLtMatmulPreferenceDestroy(pref);
   FreePlan(&canon);
   LCE_CUDA_CHECK(hs);
-  // The first candidate valid for every probe row count.
+  // The first candidate valid for every probe row count (and m, when m_invariant).
   for (int i = 0; i < found; ++i) {
     bool fits = true;
-    for (int64_t n : kProbeNs) {
-      Plan probe;
-      cublasLtMatmulHeuristicResult_t check{};
-      fits = MakePlan(g, n, &probe).ok() &&
-             cublasLtMatmulAlgoCheck(lt_, probe.desc, probe.la, probe.lb, probe.lc, probe.lc, &res[i].algo,
-                                     &check) == CUBLAS_STATUS_SUCCESS &&
-             check.workspaceSize <= workspace_bytes;
-      FreePlan(&probe);
+    for (int64_t m : ms) {
+      GemmSpec gm = g;
+      gm.m = m;
+      for (int64_t n : kProbeNs) {
+        Plan probe;
+        cublasLtMatmulHeuristicResult_t check{};
+        fits = MakePlan(gm, n, &probe).ok() &&
+               cublasLtMatmulAlgoCheck(lt_, probe.desc, probe.la, probe.lb, probe.lc, probe.lc, &res[i].algo,
+                                       &check) == CUBLAS_STATUS_SUCCESS &&
+               check.workspaceSize <= workspace_bytes;
+        FreePlan(&probe);
+        if (!fits) break;
+      }
       if (!fits) break;
     }
     if (fits) {
@@ -213,7 +236,7 @@ absl::Status GemmRunner::CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes
 absl::Status GemmRunner::ChooseAlgo(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
                                     void* workspace, size_t workspace_bytes, cudaStream_t stream, Plan* plan) {
   // n_invariant problems: exact m and k (fixed by the head's shape, so few), one entry for every n.
-  Key size_class{g.ta, g.tb, g.n_invariant ? g.m : SizeClass(g.m), g.n_invariant ? 0 : SizeClass(g.n),
+  Key size_class{g.ta, g.tb, g.m_invariant ? 0 : g.n_invariant ? g.m : SizeClass(g.m), g.n_invariant ? 0 : SizeClass(g.n),
                  g.n_invariant ? g.k : SizeClass(g.k), g.lda, g.ldb,
                  g.ldc, g.ab_type, g.c_type, g.compute, g.beta != 0.0f, static_cast<int>(Alignment(g.a)),
                  static_cast<int>(Alignment(g.b)), static_cast<int>(Alignment(g.c)), g.sm_target};
@@ -255,7 +278,7 @@ absl::Status GemmRunner::Run(const GemmSpec& g, bool c_is_scratch, float* tune_s
   const uint32_t al_a = Alignment(g.a), al_b = Alignment(g.b), al_c = Alignment(g.c);
   const Key key{g.ta, g.tb, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.ab_type, g.c_type, g.compute, g.beta != 0.0f,
                 static_cast<int>(al_a), static_cast<int>(al_b), static_cast<int>(al_c),
-                g.sm_target * 2 + (g.n_invariant ? 1 : 0)};
+                g.sm_target * 4 + (g.n_invariant ? 1 : 0) + (g.m_invariant ? 2 : 0)};
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     if (plans_.size() >= kMaxPlans) {  // many row counts seen: start over (their algorithms stay)

@@ -33,6 +33,9 @@ struct GemmSpec {
   // Each column of C must be the same bits whatever n (n counts a call's rows): one algorithm for
   // every n, without split-K, chosen by cuBLASLt's heuristic for a canonical n instead of timed.
   bool n_invariant = false;
+  // With n_invariant: each row of C the same bits whatever m too — one algorithm for every m that is
+  // a multiple of 2048 (up to ldc) and every n.
+  bool m_invariant = false;
 };
 
 class GemmRunner {

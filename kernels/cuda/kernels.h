@@ -64,6 +64,17 @@ absl::Status LaunchTileStats(const float* logits, int64_t ldz, int64_t rows, int
 absl::Status LaunchMergeSegments(const float* part, int64_t nseg, int64_t rows, float* m_local, float* m,
                                  float* packed, cudaStream_t stream);
 
+// row_finalize.cu. Tensor parallel, in global segment order: spreads this rank's segment partials
+// (segments [seg_begin, seg_begin + nseg) of the head) into part_global [rows, nseg_global, 4] and each
+// row's target logit into zy [rows], −inf everywhere this rank holds nothing (a NaN max becomes +inf,
+// so that it survives), ready for a max all-reduce that gathers every rank's values exactly.
+absl::Status LaunchSpreadPartials(const float* part, int64_t nseg, int64_t seg_begin, const float* packed,
+                                  const int32_t* targets, int32_t ignore_index, int64_t vocab_begin,
+                                  int64_t vocab_end, int64_t rows, float* part_global, int64_t nseg_global,
+                                  float* zy, cudaStream_t stream);
+// After the gather: packed[r·kPacked + 3] = zy[r] (0 where no rank held the target: ignored rows).
+absl::Status LaunchTakeGatheredTargets(const float* zy, int64_t rows, float* packed, cudaStream_t stream);
+
 // row_finalize.cu. Tensor parallel: after m holds the global max, rescales this rank's S and Q
 // (docs/MATH.md, "Vocab-parallel") so that a sum over ranks gives the global values.
 absl::Status LaunchRescalePartials(const float* m_local, const float* m, int64_t rows, float* packed,

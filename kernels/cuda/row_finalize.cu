@@ -107,6 +107,37 @@ __global__ void FinalizeKernel(FinalizeArgs a, const float* __restrict__ m, cons
   }
 }
 
+__global__ void SpreadPartialsKernel(const float* __restrict__ part, int64_t nseg, int64_t seg_begin,
+                                     const float* __restrict__ packed, const int32_t* __restrict__ targets,
+                                     int32_t ignore_index, int64_t vocab_begin, int64_t vocab_end, int64_t rows,
+                                     float* __restrict__ part_global, int64_t nseg_global, float* __restrict__ zy) {
+  const int64_t r = blockIdx.y;
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  if (s < nseg_global) {
+    float* g = part_global + (r * nseg_global + s) * 4;
+    const int64_t local = s - seg_begin;
+    if (local >= 0 && local < nseg) {
+      const float* p = part + (r * nseg + local) * 4;
+      g[0] = isnan(p[0]) ? INFINITY : p[0];
+      g[1] = p[1];
+      g[2] = p[2];
+      g[3] = p[3];
+    } else {
+      g[0] = g[1] = g[2] = g[3] = -INFINITY;
+    }
+  }
+  if (s == 0) {
+    const int32_t y = targets[r];
+    zy[r] = y != ignore_index && y >= vocab_begin && y < vocab_end ? packed[r * kPacked + 3] : -INFINITY;
+  }
+}
+
+__global__ void TakeTargetsKernel(const float* __restrict__ zy, int64_t rows, float* __restrict__ packed) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r < rows) packed[r * kPacked + 3] = zy[r] == -INFINITY ? 0.0f : zy[r];
+}
+
 unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
 }  // namespace
@@ -116,6 +147,29 @@ absl::Status LaunchMergeSegments(const float* part, int64_t nseg, int64_t rows, 
   if (rows <= 0) return absl::OkStatus();
   if (nseg <= 0) return absl::InternalError(absl::StrCat("LaunchMergeSegments: nseg=", nseg));
   MergeSegmentsKernel<<<Blocks(rows), kThreads, 0, stream>>>(part, nseg, rows, m_local, m, packed);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LaunchSpreadPartials(const float* part, int64_t nseg, int64_t seg_begin, const float* packed,
+                                  const int32_t* targets, int32_t ignore_index, int64_t vocab_begin,
+                                  int64_t vocab_end, int64_t rows, float* part_global, int64_t nseg_global,
+                                  float* zy, cudaStream_t stream) {
+  if (rows <= 0) return absl::OkStatus();
+  if (rows > 65535 || seg_begin < 0 || seg_begin + nseg > nseg_global) {
+    return absl::InternalError(absl::StrCat("LaunchSpreadPartials: rows=", rows, " segments [", seg_begin, ", ",
+                                            seg_begin + nseg, ") of ", nseg_global));
+  }
+  const dim3 grid(Blocks(nseg_global), static_cast<unsigned>(rows));
+  SpreadPartialsKernel<<<grid, kThreads, 0, stream>>>(part, nseg, seg_begin, packed, targets, ignore_index,
+                                                      vocab_begin, vocab_end, rows, part_global, nseg_global, zy);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LaunchTakeGatheredTargets(const float* zy, int64_t rows, float* packed, cudaStream_t stream) {
+  if (rows <= 0) return absl::OkStatus();
+  TakeTargetsKernel<<<Blocks(rows), kThreads, 0, stream>>>(zy, rows, packed);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }

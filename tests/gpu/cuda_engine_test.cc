@@ -530,6 +530,44 @@ class ThreadCollectives final : public Collectives {
   int rank_;
 };
 
+// The answers of k shards of `full`, each an engine on this GPU joined by ThreadCollectives; rank r
+// runs from device memory for even r, host memory for odd r; d_weight starts at its rows of dw0.
+std::vector<Answers> RunSharded(const Problem& full, int k, const std::vector<float>& dw0) {
+  const int64_t V = full.ref.vocab, H = full.ref.hidden;
+  ThreadGroup group(k);
+  std::vector<Answers> answers(k);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < k; ++r) {
+    threads.emplace_back([&, r] {
+      const VocabRange vr = VocabShard(V, r, k);
+      Problem shard = full;
+      auto head = std::make_shared<HeadWeights>();
+      head->shape = full.head->shape;
+      head->shape.vocab_begin = vr.begin;
+      head->shape.shard_rows = vr.end - vr.begin;
+      const int64_t esz = DTypeSize(full.dtype);
+      head->weight.assign(full.head->weight.begin() + vr.begin * H * esz, full.head->weight.begin() + vr.end * H * esz);
+      if (!full.head->bias.empty()) {
+        head->bias.assign(full.head->bias.begin() + vr.begin, full.head->bias.begin() + vr.end);
+      }
+      shard.head = head;
+      ThreadCollectives coll(&group, r);
+      EngineConfig cfg;
+      cfg.collectives = &coll;
+      auto e = CreateEngine(Backend::kCuda, head, cfg);
+      if (!e.ok()) {
+        answers[r].status = e.status();
+        return;
+      }
+      std::vector<float> dw;
+      if (!dw0.empty()) dw.assign(dw0.begin() + vr.begin * H, dw0.begin() + vr.end * H);
+      answers[r] = RunEngine(**e, shard, r % 2 == 0 ? MemorySpace::kDevice : MemorySpace::kHost, dw);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return answers;
+}
+
 TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
   const int k = 3;
   for (int variant = 0; variant < 3; ++variant) {
@@ -548,35 +586,7 @@ TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
     }
     const Problem full = MakeProblem(sp, 101 + variant);
     const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 7);
-    ThreadGroup group(k);
-    std::vector<Answers> answers(k);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < k; ++r) {
-      threads.emplace_back([&, r] {
-        const VocabRange vr = VocabShard(sp.vocab, r, k);
-        Problem shard = full;
-        auto head = std::make_shared<HeadWeights>();
-        head->shape = full.head->shape;
-        head->shape.vocab_begin = vr.begin;
-        head->shape.shard_rows = vr.end - vr.begin;
-        const int64_t esz = DTypeSize(sp.dtype);
-        head->weight.assign(full.head->weight.begin() + vr.begin * sp.hidden * esz,
-                            full.head->weight.begin() + vr.end * sp.hidden * esz);
-        head->bias.assign(full.head->bias.begin() + vr.begin, full.head->bias.begin() + vr.end);
-        shard.head = head;
-        ThreadCollectives coll(&group, r);
-        EngineConfig cfg;
-        cfg.collectives = &coll;
-        auto e = CreateEngine(Backend::kCuda, head, cfg);
-        if (!e.ok()) {
-          answers[r].status = e.status();
-          return;
-        }
-        std::vector<float> dw(dw0.begin() + vr.begin * sp.hidden, dw0.begin() + vr.end * sp.hidden);
-        answers[r] = RunEngine(**e, shard, r % 2 == 0 ? MemorySpace::kDevice : MemorySpace::kHost, dw);
-      });
-    }
-    for (auto& t : threads) t.join();
+    const std::vector<Answers> answers = RunSharded(full, k, dw0);
     Answers merged = answers[0];
     merged.d_weight.clear();
     for (int r = 0; r < k; ++r) {
@@ -587,6 +597,45 @@ TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
       EXPECT_LE(RelErr(answers[r].d_hidden, to_d(answers[0].d_hidden)), 1e-6) << "rank " << r;
     }
     ExpectMatches(merged, full, dw0, absl::StrCat("tp3 variant ", variant));
+  }
+}
+
+TEST_F(CudaTest, VocabParallelStatisticsBitForBit) {
+  // V >= 131072 and LCE_CUDA_TP_INVARIANT=1: segments at fixed global offsets, so groups of 2 and 3
+  // give one GPU's logprob, entropy, lse and loss bit for bit (docs/MATH.md, "Order of reductions"),
+  // on the fast loss path, the general path (softcap, label smoothing) and the generic backward.
+  setenv("LCE_CUDA_TP_INVARIANT", "1", 1);
+  struct Unset {
+    ~Unset() { unsetenv("LCE_CUDA_TP_INVARIANT"); }
+  } unset;
+  for (int variant = 0; variant < 3; ++variant) {
+    ProblemSpec sp;
+    sp.rows = 300;
+    sp.hidden = 64;
+    sp.vocab = 140001;
+    sp.mode = variant == 2 ? GradMode::kGeneric : GradMode::kLoss;
+    if (variant == 1) {
+      sp.options.softcap = 12.0f;
+      sp.options.label_smoothing = 0.1f;
+    }
+    const Problem full = MakeProblem(sp, 301 + variant);
+    auto one = MakeCuda(full);
+    ASSERT_NE(one, nullptr);
+    const Answers want = RunEngine(*one, full, MemorySpace::kDevice, {});
+    ASSERT_TRUE(want.status.ok()) << want.status;
+    for (int k : {2, 3}) {
+      const std::vector<Answers> got = RunSharded(full, k, {});
+      for (int r = 0; r < k; ++r) {
+        ASSERT_TRUE(got[r].status.ok()) << "k=" << k << " rank " << r << ": " << got[r].status;
+        for (int64_t i = 0; i < sp.rows; ++i) {
+          const std::string what = absl::StrCat("variant ", variant, " k=", k, " rank ", r, " row ", i);
+          ASSERT_EQ(std::memcmp(&got[r].logprob[i], &want.logprob[i], 4), 0) << what << " logprob";
+          ASSERT_EQ(std::memcmp(&got[r].entropy[i], &want.entropy[i], 4), 0) << what << " entropy";
+          ASSERT_EQ(std::memcmp(&got[r].lse[i], &want.lse[i], 4), 0) << what << " lse";
+          ASSERT_EQ(std::memcmp(&got[r].loss[i], &want.loss[i], 4), 0) << what << " loss";
+        }
+      }
+    }
   }
 }
 
