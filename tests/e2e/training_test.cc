@@ -1,6 +1,7 @@
-// Training RPCs end to end (CPU engine, raw stubs): accumulated dW equals the engine's, AdamW steps
-// equal the host AdamW on the same gradient, versions pin, weight updates are atomic for readers,
-// and SaveHead -> LoadHead gives the same answers.
+// Training RPCs end to end (raw stubs; the CPU engine, or the CUDA one with LCE_TEST_BACKEND=cuda):
+// accumulated dW equals the engine's, AdamW steps equal the host AdamW on the same gradient,
+// versions pin, weight updates are atomic for readers and wait for the requests on their head, and
+// SaveHead -> LoadHead gives the same answers.
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -215,6 +216,62 @@ TEST_F(Training, UpdateWeightsIsAtomicForConcurrentReaders) {
   EXPECT_GT(reads.load(), 0);
   EXPECT_EQ(mixed.load(), 0) << "a request saw a head that was neither version";
   ExpectNear(Score(b), updates % 2 == 0 ? a1 : a2, 1e-5);  // the last update decides
+}
+
+// A weight change waits for the requests running on its head: a request's later chunks keep the
+// answers of the version it started on, a request arriving meanwhile waits and runs on the new
+// version, and a change whose deadline comes first is refused with ABORTED and changes nothing.
+TEST_F(Training, AWeightChangeWaitsForTheRequestsOnItsHead) {
+  Batch b = MakeBatch(64, v1::DTYPE_FLOAT32, 44);
+  std::vector<float> w1 = WideWeight(), w2 = w1;
+  for (float& x : w2) x = -x;
+  const std::vector<float> a2 = EngineScore(w2, b);
+  grpc::ClientContext ctx;
+  std::unique_ptr<Stream> s = stub_->Score(&ctx);
+  v1::StreamRequest m;
+  m.mutable_header()->set_head("wide");
+  m.mutable_header()->set_hidden_size(kHidden);
+  m.mutable_header()->set_dtype(v1::DTYPE_FLOAT32);
+  ASSERT_TRUE(s->Write(m));
+  m.Clear();
+  m.mutable_chunk()->set_hidden(b.hidden.data(), b.hidden.size());
+  for (int32_t y : b.targets) m.mutable_chunk()->add_targets(y);
+  ASSERT_TRUE(s->Write(m));
+  v1::StreamResponse first, second;
+  ASSERT_TRUE(s->Read(&first));
+
+  {  // a step whose deadline comes before the request ends
+    grpc::ClientContext sctx;
+    sctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::OptimizerStepRequest req;
+    req.set_head("wide");
+    req.set_lr(1e-2f);
+    v1::OptimizerStepResponse resp;
+    grpc::Status st = stub_->OptimizerStep(&sctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::ABORTED) << st.error_message();
+    EXPECT_NE(st.error_message().find("still running"), std::string::npos) << st.error_message();
+  }
+  v1::HeadDescription d;
+  grpc::Status update;
+  std::thread updater([&] { update = Update(*stub_, w2, 0, &d); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the update arrives and waits
+  std::vector<float> late;
+  std::thread late_reader([&] { late = Score(b); });  // arrives while the update waits
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_TRUE(s->Write(m));
+  ASSERT_TRUE(s->Read(&second));
+  s->WritesDone();
+  while (s->Read(&second)) {
+  }
+  ASSERT_TRUE(s->Finish().ok());
+  EXPECT_EQ(std::vector<float>(first.chunk().logprobs().begin(), first.chunk().logprobs().end()),
+            std::vector<float>(second.chunk().logprobs().begin(), second.chunk().logprobs().end()))
+      << "the request's second chunk ran on the version it started on";
+  updater.join();
+  late_reader.join();
+  ASSERT_TRUE(update.ok()) << update.error_message();
+  EXPECT_EQ(d.version(), 2) << "the refused step made no version";
+  ExpectNear(late, a2, 1e-5);
 }
 
 TEST_F(Training, SaveHeadThenLoadHeadGivesTheSameAnswers) {
