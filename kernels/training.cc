@@ -80,15 +80,20 @@ class CpuHeadTrainer final : public HeadTrainer {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<std::shared_ptr<LceEngine>> Step(const AdamWParams& p, float grad_scale) override {
+  absl::Status PrepareStep() override {
     if (!make_) return absl::FailedPreconditionError("this server cannot build new head versions");
+    if (!master_.empty()) return absl::OkStatus();
     const int64_t n = grad_elements();
-    if (master_.empty()) {
-      master_.resize(static_cast<size_t>(n));
-      ConvertToFloat(weights_->weight.data(), shape_.dtype, n, master_.data());
-      m_.assign(static_cast<size_t>(n), 0.0f);
-      v_.assign(static_cast<size_t>(n), 0.0f);
-    }
+    master_.resize(static_cast<size_t>(n));
+    ConvertToFloat(weights_->weight.data(), shape_.dtype, n, master_.data());
+    m_.assign(static_cast<size_t>(n), 0.0f);
+    v_.assign(static_cast<size_t>(n), 0.0f);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::shared_ptr<LceEngine>> Step(const AdamWParams& p, float grad_scale) override {
+    if (absl::Status s = PrepareStep(); !s.ok()) return s;
+    const int64_t n = grad_elements();
     ++steps_;
     AdamWStep(master_.data(), m_.data(), v_.data(), grad_.data(), n, p, steps_, grad_scale);
     auto next = std::make_shared<HeadWeights>();

@@ -115,16 +115,21 @@ grpc::Status LceService::LoadHead(grpc::ServerContext* ctx, const v1::LoadHeadRe
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, req->name());
     if (!change.ok()) return ToGrpcStatus(change.status());
     const int64_t current = heads_->Version(req->name());
+    // A clone's weight is taken before the group's lock (the order every request takes the locks in).
+    std::shared_ptr<const HeadWeights> clone;
+    if (!source->clone_of.empty()) {
+      absl::StatusOr<std::shared_ptr<const ServedHead>> h = heads_->Get(source->clone_of);
+      if (!h.ok()) return ToGrpcStatus(h.status());
+      std::lock_guard<std::mutex> lock((*h)->training->mu);
+      absl::StatusOr<std::shared_ptr<const HeadWeights>> w = CurrentWeights((*h)->training->trainer.get(), (*h)->weights);
+      if (!w.ok()) return ToGrpcStatus(w.status());
+      clone = *std::move(w);
+    }
     std::shared_ptr<const HeadWeights> weights;
     std::shared_ptr<LceEngine> engine;
     auto load_own = [&]() -> absl::Status {  // this rank's shard
       absl::StatusOr<std::shared_ptr<const HeadWeights>> w =
-          LoadShard(*source, 0, config_.tp_size, [&](const std::string& name) -> absl::StatusOr<std::shared_ptr<const HeadWeights>> {
-            absl::StatusOr<std::shared_ptr<const ServedHead>> h = heads_->Get(name);
-            if (!h.ok()) return h.status();
-            std::lock_guard<std::mutex> lock((*h)->training->mu);
-            return CurrentWeights((*h)->training->trainer.get(), (*h)->weights);
-          });
+          LoadShard(*source, 0, config_.tp_size, [&](const std::string&) { return clone; });
       if (!w.ok()) return w.status();
       absl::StatusOr<std::shared_ptr<LceEngine>> e = config_.make_engine(*w);
       if (!e.ok()) return e.status();

@@ -79,11 +79,15 @@ absl::Status LaunchAdamW(float* master, float* exp_avg, float* exp_avg_sq, const
   int device = 0, sms = 0;
   LCE_CUDA_CHECK(cudaGetDevice(&device));
   LCE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // Enough resident blocks to keep every SM's memory pipeline full; a grid-stride loop does the rest.
-  const int64_t want = (n / kVec + kThreads - 1) / kThreads;
-  const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms} * 8)));
   return DispatchDType(dtype, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
+    // One wave of as many blocks as fit on the GPU at once, each striding over the whole buffer: every
+    // SM's memory pipeline stays full to the end, with no tail of late blocks.
+    int per_sm = 0;
+    LCE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, AdamWKernel<T>, kThreads, 0));
+    const int64_t want = (n / kVec + kThreads - 1) / kThreads;
+    const unsigned blocks =
+        static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(want, int64_t{sms} * std::max(per_sm, 1))));
     AdamWKernel<T><<<blocks, kThreads, 0, stream>>>(master, exp_avg, exp_avg_sq, grad, static_cast<T*>(serving), n,
                                                     AdamWMath{args});
     LCE_CUDA_CHECK(cudaGetLastError());

@@ -70,9 +70,14 @@ class CudaHeadTrainer final : public HeadTrainer {
     return Sync();
   }
 
-  absl::StatusOr<std::shared_ptr<LceEngine>> Step(const AdamWParams& p, float grad_scale) override {
+  absl::Status PrepareStep() override {
+    if (master_ != nullptr) return absl::OkStatus();
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
-    if (master_ == nullptr) LCE_CUDA_CHECK(MakeMasters());
+    return MakeMasters();
+  }
+
+  absl::StatusOr<std::shared_ptr<LceEngine>> Step(const AdamWParams& p, float grad_scale) override {
+    LCE_CUDA_CHECK(PrepareStep());
     const AdamWCoefficients c = AdamWCoefficientsAt(p, steps_ + 1);
     AdamWKernelArgs a;
     a.grad_scale = grad_scale;
@@ -132,10 +137,12 @@ class CudaHeadTrainer final : public HeadTrainer {
   absl::Status MakeMasters() {
     absl::StatusOr<std::unique_ptr<DeviceBuffer>> m = AllocateDeviceBuffer(3 * Stride() * 4, serving_.device);
     if (!m.ok()) return m.status();
-    master_ = std::move(*m);
-    LCE_CUDA_CHECK(LaunchDTypeToFloat(serving_.weight, shape_.dtype, Master(), grad_elements(), stream_));
-    LCE_CUDA_CHECK(cudaMemsetAsync(Master() + Stride(), 0, static_cast<size_t>(2 * Stride()) * 4, stream_));
-    return Sync();
+    float* master = reinterpret_cast<float*>((*m)->data());
+    LCE_CUDA_CHECK(LaunchDTypeToFloat(serving_.weight, shape_.dtype, master, grad_elements(), stream_));
+    LCE_CUDA_CHECK(cudaMemsetAsync(master + Stride(), 0, static_cast<size_t>(2 * Stride()) * 4, stream_));
+    LCE_CUDA_CHECK(Sync());
+    master_ = std::move(*m);  // only once complete: a failure leaves no half-made state
+    return absl::OkStatus();
   }
 
   std::shared_ptr<LceEngine> engine_;

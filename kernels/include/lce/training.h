@@ -72,6 +72,9 @@ class HeadTrainer {
   virtual absl::StatusOr<double> GradSquaredNorm() = 0;
   // Rows [first_row, first_row + rows) of this shard's dW into host memory.
   virtual absl::Status CopyGrad(int64_t first_row, int64_t rows, float* host) = 0;
+  // Makes the AdamW state (fp32 masters from the current weight, zero moments) unless it exists: a
+  // step that cannot have it fails here, before anything changes. Step calls it too.
+  virtual absl::Status PrepareStep() = 0;
   // One AdamW step with g = dW·grad_scale. The new serving weight (the masters rounded to the dtype)
   // is written in the same pass; returns the engine that serves it: the same CUDA engine (its weight
   // rewritten in place, so no call may run on it meanwhile) or a new CPU engine.
