@@ -64,13 +64,18 @@ absl::StatusOr<HeadStore::Use> HeadStore::Enter(const std::shared_ptr<const Serv
     return absl::AbortedError(absl::StrCat("head '", head->name, "' changed while the request waited"));
   }
   ++g.active;
-  return Use(this, head->name);
+  return Hold(this, head->name, /*change=*/false);
 }
 
-HeadStore::Use::~Use() {
+HeadStore::Hold::~Hold() {
   if (store_ == nullptr) return;
   std::lock_guard<std::mutex> lock(store_->mu_);
-  --store_->gates_[name_].active;
+  Gate& g = store_->gates_[name_];
+  if (change_) {
+    g.changing = false;
+  } else {
+    --g.active;
+  }
   store_->gate_cv_.notify_all();
 }
 
@@ -89,14 +94,7 @@ absl::StatusOr<HeadStore::Change> HeadStore::BeginChange(const std::string& name
         "; the weight change waits for them to end and was given up at its deadline (retry)"));
   }
   g.changing = true;
-  return Change(this, name);
-}
-
-HeadStore::Change::~Change() {
-  if (store_ == nullptr) return;
-  std::lock_guard<std::mutex> lock(store_->mu_);
-  store_->gates_[name_].changing = false;
-  store_->gate_cv_.notify_all();
+  return Hold(this, name, /*change=*/true);
 }
 
 absl::StatusOr<HeadTrainer*> TrainerFor(std::unique_ptr<HeadTrainer>& slot, const std::shared_ptr<LceEngine>& shard_engine,

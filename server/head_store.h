@@ -65,37 +65,30 @@ class HeadStore {
   // The current version of `name`, 0 when there is no such head.
   int64_t Version(const std::string& name) const;
 
-  // A request's hold on its head's version, from its header to its end (released when destroyed).
-  class Use {
+  // What Enter (a request's hold on its head's version, from its header to its end) or BeginChange
+  // (the exclusive right to change a head) took, given back when destroyed.
+  class Hold {
    public:
-    Use(Use&& o) noexcept : store_(o.store_), name_(std::move(o.name_)) { o.store_ = nullptr; }
-    Use& operator=(Use&&) = delete;
-    ~Use();
+    Hold(Hold&& o) noexcept : store_(o.store_), name_(std::move(o.name_)), change_(o.change_) { o.store_ = nullptr; }
+    Hold& operator=(Hold&&) = delete;
+    ~Hold();
 
    private:
     friend class HeadStore;
-    Use(HeadStore* store, std::string name) : store_(store), name_(std::move(name)) {}
+    Hold(HeadStore* store, std::string name, bool change) : store_(store), name_(std::move(name)), change_(change) {}
     HeadStore* store_;
     std::string name_;
+    bool change_;
   };
+  using Use = Hold;
+  using Change = Hold;
+
   // Waits while a change of the head is pending or running, then holds `head`. ABORTED when `head` is
   // no longer the current version by then (validate the request again: a pinned version is gone).
   absl::StatusOr<Use> Enter(const std::shared_ptr<const ServedHead>& head);
 
-  // The exclusive right to change head `name` (which need not exist yet), released when destroyed.
-  class Change {
-   public:
-    Change(Change&& o) noexcept : store_(o.store_), name_(std::move(o.name_)) { o.store_ = nullptr; }
-    Change& operator=(Change&&) = delete;
-    ~Change();
-
-   private:
-    friend class HeadStore;
-    Change(HeadStore* store, std::string name) : store_(store), name_(std::move(name)) {}
-    HeadStore* store_;
-    std::string name_;
-  };
-  // Waits until no request runs on `name` and no other change does; requests arriving meanwhile wait.
+  // The exclusive right to change head `name` (which need not exist yet). Waits until no request runs
+  // on it and no other change does; requests arriving meanwhile wait.
   // ABORTED, naming the requests still running, when that has not happened by `deadline`.
   absl::StatusOr<Change> BeginChange(const std::string& name, absl::Time deadline);
 

@@ -20,6 +20,7 @@
 #include "head_source.h"
 #include "lce/client/lce_client.h"
 #include "test_server.h"
+#include "training_rpcs.h"
 
 extern char** environ;
 
@@ -206,44 +207,20 @@ TEST(TensorParallel, GroupsOfTwoAndThreeMatchOneEngine) {
 
 // ---- training on a group ----
 
-using Stream = grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>;
-
 // A ForwardBackward of `b` (sum reduction) on `head`, accumulating dW.
 grpc::Status Accumulate(const std::string& target, const Batch& b, const std::string& head = "") {
-  auto stub = RawStub(target);
-  grpc::ClientContext ctx;
-  auto s = stub->ForwardBackward(&ctx);
-  v1::StreamRequest m;
-  m.mutable_header()->set_head(head);
-  m.mutable_header()->set_hidden_size(kHidden);
-  m.mutable_header()->set_dtype(b.dtype);
-  m.mutable_header()->set_reduction(v1::REDUCTION_SUM);
-  m.mutable_header()->set_accumulate_weight_grad(true);
-  s->Write(m);
-  m.Clear();
-  m.mutable_chunk()->set_hidden(b.hidden.data(), b.hidden.size());
-  for (int32_t y : b.targets) m.mutable_chunk()->add_targets(y);
-  s->Write(m);
-  s->WritesDone();
-  v1::StreamResponse r;
-  while (s->Read(&r)) {
-  }
-  return s->Finish();
+  v1::RequestHeader h;
+  h.set_head(head);
+  h.set_hidden_size(kHidden);
+  h.set_dtype(b.dtype);
+  h.set_reduction(v1::REDUCTION_SUM);
+  h.set_accumulate_weight_grad(true);
+  std::vector<v1::StreamResponse> answers;
+  return RunOneChunk(*RawStub(target), "fb", h, b, &answers);
 }
 
-// The whole dW of `head`, from GetGrad (NaN where no row came).
 std::vector<float> GatheredGrad(const std::string& target, const std::string& head = "") {
-  auto stub = RawStub(target);
-  grpc::ClientContext ctx;
-  v1::GetGradRequest req;
-  req.set_head(head);
-  auto reader = stub->GetGrad(&ctx, req);
-  std::vector<float> g(kVocab * kHidden, std::nanf(""));
-  v1::TensorChunk c;
-  while (reader->Read(&c)) std::memcpy(g.data() + c.first_row() * kHidden, c.data().data(), c.data().size());
-  grpc::Status st = reader->Finish();
-  EXPECT_TRUE(st.ok()) << st.error_message();
-  return g;
+  return GradOf(*RawStub(target), head);
 }
 
 v1::OptimizerStepResponse Step(const std::string& target, const std::string& head = "") {
@@ -272,20 +249,6 @@ std::vector<float> Logprobs(const std::string& target, const Batch& b, const std
   if (st != nullptr) *st = r.ok() ? grpc::Status::OK : grpc::Status(static_cast<grpc::StatusCode>(r.status().code()), std::string(r.status().message()));
   if (st == nullptr) EXPECT_TRUE(r.ok()) << r.status();
   return r.ok() ? r->logprobs : std::vector<float>();
-}
-
-// The same logprobs from a CPU engine over `weight` (fp32, [kVocab, kHidden]).
-std::vector<float> EngineLogprobs(const std::vector<float>& weight, const Batch& b) {
-  auto w = std::make_shared<HeadWeights>();
-  w->shape = {kVocab, kHidden, DType::kFloat32, 0, kVocab, false};
-  w->weight.resize(weight.size() * 4);
-  std::memcpy(w->weight.data(), weight.data(), w->weight.size());
-  auto e = CreateEngine(Backend::kCpu, w, EngineConfig{});
-  EXPECT_TRUE(e.ok());
-  std::vector<float> lp(b.rows);
-  RowsView rows{b.hidden.data(), b.targets.data(), b.rows, MemorySpace::kHost};
-  EXPECT_TRUE((*e)->Compute(rows, LceOptions{}, {}, {lp.data(), nullptr, nullptr, nullptr}, {}).ok());
-  return lp;
 }
 
 // The fp32 seeded head the groups start with (--seed=7), or another seed's.
@@ -323,28 +286,8 @@ std::vector<float> SavedWeight(const std::string& target, const std::string& hea
 }
 
 grpc::Status UpdateWeight(const std::string& target, const std::vector<float>& w, int64_t expected,
-                          v1::HeadDescription* out, const std::string& head = "default") {
-  auto stub = RawStub(target);
-  grpc::ClientContext ctx;
-  auto writer = stub->UpdateWeights(&ctx, out);
-  v1::UpdateWeightsRequest m;
-  m.mutable_header()->set_head(head);
-  m.mutable_header()->set_expected_version(expected);
-  writer->Write(m);
-  for (int64_t r0 = 0; r0 < kVocab; r0 += 700) {
-    const int64_t n = std::min<int64_t>(700, kVocab - r0);
-    m.Clear();
-    v1::TensorChunk* c = m.mutable_chunk();
-    c->set_first_row(r0);
-    c->set_rows(n);
-    c->set_cols(kHidden);
-    c->set_rows_total(kVocab);
-    c->set_dtype(v1::DTYPE_FLOAT32);
-    c->set_data(reinterpret_cast<const char*>(w.data() + r0 * kHidden), n * kHidden * 4);
-    writer->Write(m);
-  }
-  writer->WritesDone();
-  return writer->Finish();
+                          v1::HeadDescription* out) {
+  return UpdateWeightsRpc(*RawStub(target), "default", w, expected, out);
 }
 
 grpc::Status LoadHeadRpc(const std::string& target, const v1::LoadHeadRequest& req, v1::HeadDescription* out) {
@@ -429,7 +372,7 @@ TEST(TensorParallel, LoadHeadAndUpdateWeightsOnAGroup) {
   EXPECT_EQ(d.version(), 1);
   EXPECT_EQ(d.vocab_size(), kVocab);
   const std::vector<float> lp9 = Logprobs(group.target(), b, "seeded");
-  EXPECT_LE(RelErr(lp9.data(), EngineLogprobs(w9, b).data(), lp9.size()), 1e-5) << "a seeded head";
+  EXPECT_LE(RelErr(lp9.data(), CpuEngineLogprobs(w9, b).data(), lp9.size()), 1e-5) << "a seeded head";
 
   v1::LoadHeadRequest clone;
   clone.set_name("ref");
@@ -473,7 +416,7 @@ TEST(TensorParallel, LoadHeadAndUpdateWeightsOnAGroup) {
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(d.version(), 2);
   const std::vector<float> lp_neg = Logprobs(group.target(), b, "default");
-  EXPECT_LE(RelErr(lp_neg.data(), EngineLogprobs(negated, b).data(), lp_neg.size()), 1e-5) << "the update reached every shard";
+  EXPECT_LE(RelErr(lp_neg.data(), CpuEngineLogprobs(negated, b).data(), lp_neg.size()), 1e-5) << "the update reached every shard";
   EXPECT_EQ(Logprobs(group.target(), b, "ref"), lp7) << "the clone is a copy";
   EXPECT_LE(RelErr(SavedWeight(group.target()).data(), negated.data(), negated.size()), 0.0);
 
@@ -499,18 +442,7 @@ TEST(TensorParallel, AVersionChangeDuringARequestDoesNotChangeItsAnswers) {
   TpGroup group(2, 10.0);
   const Batch b = TrainingBatch(81);
   auto stub = RawStub(group.target());
-  grpc::ClientContext ctx;
-  std::unique_ptr<Stream> s = stub->Score(&ctx);
-  v1::StreamRequest m;
-  m.mutable_header()->set_hidden_size(kHidden);
-  m.mutable_header()->set_dtype(v1::DTYPE_FLOAT32);
-  ASSERT_TRUE(s->Write(m));
-  m.Clear();
-  m.mutable_chunk()->set_hidden(b.hidden.data(), b.hidden.size());
-  for (int32_t y : b.targets) m.mutable_chunk()->add_targets(y);
-  ASSERT_TRUE(s->Write(m));
-  v1::StreamResponse first, second;
-  ASSERT_TRUE(s->Read(&first));
+  OpenScore request(*stub, "", b);
 
   std::vector<float> negated = SeededWeight(7);
   for (float& x : negated) x = -x;
@@ -523,22 +455,13 @@ TEST(TensorParallel, AVersionChangeDuringARequestDoesNotChangeItsAnswers) {
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->head().version(), 1) << "no new version while the request runs";
 
-  ASSERT_TRUE(s->Write(m));
-  ASSERT_TRUE(s->Read(&second));
-  s->WritesDone();
-  v1::StreamResponse rest;
-  while (s->Read(&rest)) {
-  }
-  ASSERT_TRUE(s->Finish().ok());
-  ASSERT_EQ(first.chunk().logprobs_size(), second.chunk().logprobs_size());
-  for (int i = 0; i < first.chunk().logprobs_size(); ++i) {
-    ASSERT_EQ(first.chunk().logprobs(i), second.chunk().logprobs(i)) << "row " << i << " of the second chunk";
-  }
+  EXPECT_EQ(request.Again(), request.first()) << "the request's second chunk ran on the version it started on";
+  ASSERT_TRUE(request.Finish().ok());
   updater.join();
   ASSERT_TRUE(update.ok()) << update.error_message();
   EXPECT_EQ(d.version(), 2);
   const std::vector<float> now = Logprobs(group.target(), b);
-  EXPECT_LE(RelErr(now.data(), EngineLogprobs(negated, b).data(), now.size()), 1e-5) << "the change took effect";
+  EXPECT_LE(RelErr(now.data(), CpuEngineLogprobs(negated, b).data(), now.size()), 1e-5) << "the change took effect";
   grpc::Status pinned;
   Logprobs(group.target(), b, "", 1, &pinned);
   EXPECT_EQ(pinned.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << pinned.error_message();
