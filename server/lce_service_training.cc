@@ -67,6 +67,37 @@ std::shared_ptr<HeadWeights> ShardOf(const HeadWeights& full, const HeadWeights&
   return w;
 }
 
+// The rest of an UpdateWeights stream: the whole [vocab, hidden] weight of a head of `shape`, in row
+// blocks in order.
+absl::StatusOr<HeadWeights> ReadWholeWeight(grpc::ServerReader<v1::UpdateWeightsRequest>& reader, const HeadShape& shape) {
+  HeadWeights full;
+  full.shape = shape;
+  full.shape.vocab_begin = 0;
+  full.shape.shard_rows = shape.vocab_size;
+  const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
+  full.weight.reserve(static_cast<size_t>(shape.vocab_size * row_bytes));
+  int64_t rows = 0;
+  v1::UpdateWeightsRequest msg;
+  while (reader.Read(&msg)) {
+    if (!msg.has_chunk()) return absl::InvalidArgumentError("UpdateWeights: repeated header");
+    const v1::TensorChunk& c = msg.chunk();
+    absl::StatusOr<DType> dtype = FromWire(c.dtype());
+    if (!dtype.ok() || *dtype != shape.dtype || c.cols() != shape.hidden_size || c.first_row() != rows ||
+        c.rows() <= 0 || rows + c.rows() > shape.vocab_size || static_cast<int64_t>(c.data().size()) != c.rows() * row_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "UpdateWeights chunk at row ", c.first_row(), ": expected rows from ", rows, " of a [", shape.vocab_size, ", ",
+          shape.hidden_size, "] ", DTypeName(shape.dtype), " weight, got ", c.rows(), " rows x ", c.cols(), " cols, ",
+          c.data().size(), " bytes"));
+    }
+    full.weight.insert(full.weight.end(), c.data().begin(), c.data().end());
+    rows += c.rows();
+  }
+  if (rows != shape.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("UpdateWeights sent ", rows, " rows of ", shape.vocab_size));
+  }
+  return full;
+}
+
 }  // namespace
 
 absl::StatusOr<RequestPlan> LceService::ValidateAndUse(const StreamRequestValidator& validator,
@@ -253,31 +284,8 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
     absl::StatusOr<std::shared_ptr<const ServedHead>> named = heads_->Get(header.head());
     if (!named.ok()) return ToGrpcStatus(named.status());
     // The whole weight first (no request waits for the client's upload), then the change.
-    HeadWeights full;
-    full.shape = (*named)->shard_engine->shape();
-    full.shape.vocab_begin = 0;
-    full.shape.shard_rows = full.shape.vocab_size;
-    const int64_t row_bytes = full.shape.hidden_size * DTypeSize(full.shape.dtype);
-    full.weight.reserve(static_cast<size_t>(full.shape.vocab_size * row_bytes));
-    int64_t rows = 0;
-    while (reader->Read(&msg)) {
-      if (!msg.has_chunk()) return ToGrpcStatus(absl::InvalidArgumentError("UpdateWeights: repeated header"));
-      const v1::TensorChunk& c = msg.chunk();
-      absl::StatusOr<DType> dtype = FromWire(c.dtype());
-      if (!dtype.ok() || *dtype != full.shape.dtype || c.cols() != full.shape.hidden_size || c.first_row() != rows ||
-          c.rows() <= 0 || rows + c.rows() > full.shape.vocab_size ||
-          static_cast<int64_t>(c.data().size()) != c.rows() * row_bytes) {
-        return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-            "UpdateWeights chunk at row ", c.first_row(), ": expected rows from ", rows, " of a [", full.shape.vocab_size,
-            ", ", full.shape.hidden_size, "] ", DTypeName(full.shape.dtype), " weight, got ", c.rows(), " rows x ",
-            c.cols(), " cols, ", c.data().size(), " bytes")));
-      }
-      full.weight.insert(full.weight.end(), c.data().begin(), c.data().end());
-      rows += c.rows();
-    }
-    if (rows != full.shape.vocab_size) {
-      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("UpdateWeights sent ", rows, " rows of ", full.shape.vocab_size)));
-    }
+    absl::StatusOr<HeadWeights> full = ReadWholeWeight(*reader, (*named)->shard_engine->shape());
+    if (!full.ok()) return ToGrpcStatus(full.status());
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, (*named)->name);
     if (!change.ok()) return ToGrpcStatus(change.status());
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get((*named)->name);
@@ -287,15 +295,20 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
       return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
           "head '", h.name, "' is at version ", h.version, ", the update expected version ", header.expected_version())));
     }
+    const HeadShape& now = h.weights->shape;
+    if (now.vocab_size != full->shape.vocab_size || now.hidden_size != full->shape.hidden_size || now.dtype != full->shape.dtype) {
+      return ToGrpcStatus(absl::FailedPreconditionError(
+          absl::StrCat("head '", h.name, "' was replaced by another shape while the update was sent")));
+    }
     std::lock_guard<std::mutex> lock(h.training->mu);
-    std::shared_ptr<const HeadWeights> shard = ShardOf(full, *h.weights);
+    std::shared_ptr<const HeadWeights> shard = ShardOf(*full, *h.weights);
     std::shared_ptr<LceEngine> engine;
     auto serve_own = [&]() -> absl::Status {  // through the trainer, whose masters follow; moments stay
       absl::StatusOr<std::shared_ptr<LceEngine>> e = ReplaceWeight(h.training->trainer.get(), shard, config_.make_engine);
       if (e.ok()) engine = *std::move(e);
       return e.status();
     };
-    absl::Status s = config_.tp_group != nullptr ? config_.tp_group->Update(h.name, h.version + 1, full, serve_own) : serve_own();
+    absl::Status s = config_.tp_group != nullptr ? config_.tp_group->Update(h.name, h.version + 1, *full, serve_own) : serve_own();
     if (!s.ok()) return ToGrpcStatus(s);
     absl::StatusOr<std::shared_ptr<const ServedHead>> put =
         heads_->Put(h.name, Serve(h.name, h.version + 1, engine, shard, h.training), h.version);

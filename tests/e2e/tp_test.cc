@@ -379,7 +379,9 @@ TEST(TensorParallel, LoadHeadAndUpdateWeightsOnAGroup) {
   clone.set_clone_of("default");
   ASSERT_TRUE(LoadHeadRpc(group.target(), clone, &d).ok());
   const std::vector<float> lp7 = Logprobs(group.target(), b, "default");
-  EXPECT_EQ(Logprobs(group.target(), b, "ref"), lp7) << "a clone";
+  // (Another engine over the same weight: on a GPU its GEMMs may pick other algorithms, so not bits.)
+  const std::vector<float> lp_ref = Logprobs(group.target(), b, "ref");
+  EXPECT_LE(RelErr(lp_ref.data(), lp7.data(), lp7.size()), 1e-6) << "a clone";
 
   const std::string dir = (fs::temp_directory_path() / ("lce_tp_load_" + std::to_string(::getpid()))).string();
   {
@@ -395,7 +397,8 @@ TEST(TensorParallel, LoadHeadAndUpdateWeightsOnAGroup) {
     file.set_safetensors_file(saved.index_file());
     st = LoadHeadRpc(group.target(), file, &d);
     ASSERT_TRUE(st.ok()) << st.error_message();
-    EXPECT_EQ(Logprobs(group.target(), b, "from_file"), lp9) << "a head read back from the shards it saved";
+    const std::vector<float> lp_file = Logprobs(group.target(), b, "from_file");
+    EXPECT_LE(RelErr(lp_file.data(), lp9.data(), lp9.size()), 1e-6) << "a head read back from the shards it saved";
   }
   fs::remove_all(dir);
 
@@ -417,7 +420,7 @@ TEST(TensorParallel, LoadHeadAndUpdateWeightsOnAGroup) {
   EXPECT_EQ(d.version(), 2);
   const std::vector<float> lp_neg = Logprobs(group.target(), b, "default");
   EXPECT_LE(RelErr(lp_neg.data(), CpuEngineLogprobs(negated, b).data(), lp_neg.size()), 1e-5) << "the update reached every shard";
-  EXPECT_EQ(Logprobs(group.target(), b, "ref"), lp7) << "the clone is a copy";
+  EXPECT_EQ(Logprobs(group.target(), b, "ref"), lp_ref) << "the clone is a copy";
   EXPECT_LE(RelErr(SavedWeight(group.target()).data(), negated.data(), negated.size()), 0.0);
 
   // The updated head trains on: the masters follow the update.
