@@ -52,6 +52,40 @@ float ClipScale(double norm, float max_grad_norm) {
   return max_grad_norm > 0.0f && norm > max_grad_norm ? static_cast<float>(max_grad_norm / (norm + 1e-6)) : 1.0f;
 }
 
+ShardTiles TilesOf(const HeadShape& shape) {
+  ShardTiles t;
+  t.tile_rows = VocabTile(shape.vocab_size);
+  t.vocab_begin = shape.vocab_begin;
+  t.shard_rows = shape.shard_rows;
+  t.first_tile = shape.vocab_begin / t.tile_rows;
+  t.count = shape.shard_rows > 0 ? (shape.vocab_end() - 1) / t.tile_rows + 1 - t.first_tile : 0;
+  return t;
+}
+
+void PackTileSquaredNorms(const TileSquaredNorms& tiles, float* exchange) {
+  for (size_t i = 0; i < tiles.sums.size(); ++i) {
+    const double s = tiles.sums[i];
+    const float hi = static_cast<float>(s);
+    exchange[2 * (tiles.first_tile + static_cast<int64_t>(i))] = hi;
+    exchange[2 * (tiles.first_tile + static_cast<int64_t>(i)) + 1] = static_cast<float>(s - hi);
+  }
+}
+
+double CombineTileSquaredNorms(const float* exchange, int64_t tiles) {
+  double s = 0;
+  for (int64_t t = 0; t < tiles; ++t) s += static_cast<double>(exchange[2 * t]) + static_cast<double>(exchange[2 * t + 1]);
+  return s;
+}
+
+absl::StatusOr<double> HeadTrainer::GradSquaredNorm() {
+  absl::StatusOr<TileSquaredNorms> tiles = GradTileSquaredNorms();
+  if (!tiles.ok()) return tiles.status();
+  const int64_t all = VocabTileCount(shape_.vocab_size);
+  std::vector<float> exchange(static_cast<size_t>(2 * all), 0.0f);
+  PackTileSquaredNorms(*tiles, exchange.data());
+  return CombineTileSquaredNorms(exchange.data(), all);
+}
+
 namespace {
 
 // The CPU engine's trainer: host vectors, AdamWStep, and a new engine for each new weight.
@@ -69,7 +103,15 @@ class CpuHeadTrainer final : public HeadTrainer {
     std::fill(grad_.begin(), grad_.end(), 0.0f);
     return absl::OkStatus();
   }
-  absl::StatusOr<double> GradSquaredNorm() override { return SquaredNorm(grad_.data(), grad_elements()); }
+  absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() override {
+    const ShardTiles tiles = TilesOf(shape_);
+    TileSquaredNorms out{tiles.first_tile, {}};
+    for (int64_t i = 0; i < tiles.count; ++i) {
+      const int64_t r0 = tiles.RowBegin(i);
+      out.sums.push_back(SquaredNorm(grad_.data() + r0 * shape_.hidden_size, (tiles.RowEnd(i) - r0) * shape_.hidden_size));
+    }
+    return out;
+  }
   absl::Status CopyGrad(int64_t first_row, int64_t rows, float* host) override {
     if (first_row < 0 || rows < 0 || first_row + rows > shape_.shard_rows) {
       return absl::OutOfRangeError(absl::StrCat("gradient rows [", first_row, ", ", first_row + rows,

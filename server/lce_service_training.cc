@@ -252,9 +252,10 @@ grpc::Status LceService::OptimizerStep(grpc::ServerContext* ctx, const v1::Optim
     const ServedHead& h = **head;
     std::lock_guard<std::mutex> lock(h.training->mu);
     absl::StatusOr<HeadTrainer*> trainer = TrainerOf(h);
+    const int64_t vocab = h.shard_engine->shape().vocab_size;
     absl::StatusOr<ShardStep> step =
-        config_.tp_group != nullptr ? config_.tp_group->Step(h.name, h.version + 1, trainer, *p, req->max_grad_norm())
-                                    : StepShard(trainer, nullptr, nullptr, *p, req->max_grad_norm());
+        config_.tp_group != nullptr ? config_.tp_group->Step(h.name, h.version + 1, vocab, trainer, *p, req->max_grad_norm())
+                                    : StepShard(trainer, vocab, nullptr, nullptr, *p, req->max_grad_norm());
     if (!step.ok()) return ToGrpcStatus(step.status());
     if (req->zero_grad()) {
       if (absl::Status s = (*trainer)->ZeroGrad(); !s.ok()) return ToGrpcStatus(s);

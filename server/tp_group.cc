@@ -125,28 +125,31 @@ absl::Status GroupDown() { return absl::UnavailableError("tensor-parallel group 
 
 }  // namespace
 
-absl::StatusOr<ShardStep> StepShard(absl::StatusOr<HeadTrainer*> trainer, TpCommunicator* comm, ChunkStaging* staging,
-                                    const AdamWParams& p, float max_grad_norm) {
+absl::StatusOr<ShardStep> StepShard(absl::StatusOr<HeadTrainer*> trainer, int64_t vocab_size, TpCommunicator* comm,
+                                    ChunkStaging* staging, const AdamWParams& p, float max_grad_norm) {
   // (Data-parallel replicas: all-reduce (*trainer)->grad() across the replicas here, before the norm.)
   absl::Status ready = trainer.status();
   if (ready.ok()) ready = (*trainer)->PrepareStep();
-  double sq = 0;
+  // Every tile's squared norm in its own slot (lce/training.h), then the ranks that cannot step.
+  const int64_t tiles = VocabTileCount(vocab_size);
+  std::vector<float> v(static_cast<size_t>(2 * tiles + 1), 0.0f);
   if (ready.ok()) {
-    absl::StatusOr<double> local = (*trainer)->GradSquaredNorm();
-    if (local.ok()) sq = *local; else ready = local.status();
+    absl::StatusOr<TileSquaredNorms> local = (*trainer)->GradTileSquaredNorms();
+    if (local.ok()) PackTileSquaredNorms(*local, v.data()); else ready = local.status();
   }
+  v.back() = ready.ok() ? 0.0f : 1.0f;
   if (comm != nullptr) {
-    float v[2] = {static_cast<float>(sq), ready.ok() ? 0.0f : 1.0f};
-    if (absl::Status s = AllReduceFloats(*comm, *staging, v, 2, ReduceOp::kSum); !s.ok()) return s;
-    if (v[1] != 0.0f) {
+    if (absl::Status s = AllReduceFloats(*comm, *staging, v.data(), static_cast<int>(v.size()), ReduceOp::kSum); !s.ok()) {
+      return s;
+    }
+    if (v.back() != 0.0f) {
       absl::Status agreed = AgreeOnOutcome(*comm, *staging, ready, "prepare its optimizer step");
       return agreed.ok() ? absl::InternalError("ranks disagree on a failed step") : agreed;
     }
-    sq = v[0];
   } else if (!ready.ok()) {
     return ready;
   }
-  const double norm = std::sqrt(sq);
+  const double norm = std::sqrt(CombineTileSquaredNorms(v.data(), tiles));
   absl::StatusOr<std::shared_ptr<LceEngine>> engine = (*trainer)->Step(p, ClipScale(norm, max_grad_norm));
   if (!engine.ok()) {
     return absl::InternalError(absl::StrCat("the optimizer step failed after changing its state: ", engine.status().message()));
@@ -273,8 +276,8 @@ absl::Status TpGroup::ZeroGrad(const std::string& head) {
   });
 }
 
-absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version, absl::StatusOr<HeadTrainer*> front,
-                                        const AdamWParams& p, float max_grad_norm) {
+absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version, int64_t vocab_size,
+                                        absl::StatusOr<HeadTrainer*> front, const AdamWParams& p, float max_grad_norm) {
   return Locked<absl::StatusOr<ShardStep>>([&]() -> absl::StatusOr<ShardStep> {
     TpControl c;
     c.op = TpOp::kStep;
@@ -287,7 +290,7 @@ absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version
     c.weight_decay = p.weight_decay;
     c.max_grad_norm = max_grad_norm;
     if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
-    absl::StatusOr<ShardStep> r = StepShard(std::move(front), comm_, staging_.get(), p, max_grad_norm);
+    absl::StatusOr<ShardStep> r = StepShard(std::move(front), vocab_size, comm_, staging_.get(), p, max_grad_norm);
     if (r.status().code() == absl::StatusCode::kInternal) {
       return Fail(absl::InternalError(absl::StrCat("rank 0: ", r.status().message(),
                                                    "; the group's shards disagree and it restarts")));
@@ -510,7 +513,8 @@ absl::Status TpPeer::OnStep(const TpControl& c) {
   if (!found.ok()) return found.status();
   Head& head = **found;
   const AdamWParams p{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay};
-  absl::StatusOr<ShardStep> r = StepShard(Trainer(head), &comm_, &staging_, p, c.max_grad_norm);
+  absl::StatusOr<ShardStep> r =
+      StepShard(Trainer(head), head.weights->shape.vocab_size, &comm_, &staging_, p, c.max_grad_norm);
   if (!r.ok()) {
     const absl::StatusCode code = r.status().code();
     if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kInternal) return r.status();

@@ -39,12 +39,12 @@ struct ShardStep {
 };
 
 // One AdamW step of this rank's shard with the scale of the global norm, the same on every rank of a
-// group (comm and staging null: a server of one rank): the global norm is the square root of one
-// all-reduce of the ranks' squared norms; a rank that cannot step (its optimizer state does not fit)
-// fails the step on every rank before any weight changes. INTERNAL: the step failed after this
-// rank's state changed (a group must then restart).
-absl::StatusOr<ShardStep> StepShard(absl::StatusOr<HeadTrainer*> trainer, TpCommunicator* comm, ChunkStaging* staging,
-                                    const AdamWParams& params, float max_grad_norm);
+// group (comm and staging null: a server of one rank): the global norm comes from one all-reduce of
+// the ranks' per-tile squared norms (lce/training.h: the same bits for any group size); a rank that
+// cannot step (its optimizer state does not fit) fails the step on every rank before any weight
+// changes. INTERNAL: the step failed after this rank's state changed (a group must then restart).
+absl::StatusOr<ShardStep> StepShard(absl::StatusOr<HeadTrainer*> trainer, int64_t vocab_size, TpCommunicator* comm,
+                                    ChunkStaging* staging, const AdamWParams& params, float max_grad_norm);
 
 // A rank's shard of `source`: LoadHead's rows, or `clone(name)`, the current weight of a head it holds.
 absl::StatusOr<std::shared_ptr<const HeadWeights>> LoadShard(
@@ -73,8 +73,8 @@ class TpGroup {
   // Zeroes the peers' dW of `head` (the front zeroes its own).
   absl::Status ZeroGrad(const std::string& head);
   // StepShard on every rank; `version` is the head's new version.
-  absl::StatusOr<ShardStep> Step(const std::string& head, int64_t version, absl::StatusOr<HeadTrainer*> front,
-                                 const AdamWParams& params, float max_grad_norm);
+  absl::StatusOr<ShardStep> Step(const std::string& head, int64_t version, int64_t vocab_size,
+                                 absl::StatusOr<HeadTrainer*> front, const AdamWParams& params, float max_grad_norm);
   // The peers' dW shards, in rank order, to sink(first_row, rows, data) in pieces. A sink error stops
   // the sinking, not the transfer (the peers finish theirs), and is returned.
   absl::Status GatherPeerGrads(const std::string& head, const HeadShape& shape,

@@ -32,7 +32,10 @@ class CudaHeadTrainer final : public HeadTrainer {
     absl::StatusOr<std::unique_ptr<DeviceBuffer>> g = AllocateDeviceBuffer(grad_elements() * 4, serving_.device);
     if (!g.ok()) return g.status();
     grad_ = std::move(*g);
-    absl::StatusOr<std::unique_ptr<DeviceBuffer>> s = AllocateDeviceBuffer((kNormBlocks + 1) * 8, serving_.device);
+    const ShardTiles tiles = TilesOf(shape_);
+    norm_shape_ = {shape_.hidden_size, tiles.first_tile, tiles.count, tiles.tile_rows, tiles.vocab_begin, tiles.shard_rows};
+    absl::StatusOr<std::unique_ptr<DeviceBuffer>> s =
+        AllocateDeviceBuffer(std::max<int64_t>(1, tiles.count * (kTileChunks + 1)) * 8, serving_.device);
     if (!s.ok()) return s.status();
     norm_scratch_ = std::move(*s);
     return ZeroGrad();
@@ -49,14 +52,15 @@ class CudaHeadTrainer final : public HeadTrainer {
     return Sync();
   }
 
-  absl::StatusOr<double> GradSquaredNorm() override {
+  absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() override {
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     double* scratch = reinterpret_cast<double*>(norm_scratch_->data());
-    LCE_CUDA_CHECK(LaunchSquaredNorm(grad(), grad_elements(), scratch, scratch + kNormBlocks, stream_));
-    double sq = 0;
-    LCE_CUDA_CHECK(cudaMemcpyAsync(&sq, scratch + kNormBlocks, sizeof(sq), cudaMemcpyDeviceToHost, stream_));
+    double* sums = scratch + norm_shape_.tiles * kTileChunks;
+    LCE_CUDA_CHECK(LaunchTileSquaredNorms(grad(), norm_shape_, scratch, sums, stream_));
+    TileSquaredNorms out{norm_shape_.first_tile, std::vector<double>(static_cast<size_t>(norm_shape_.tiles))};
+    LCE_CUDA_CHECK(cudaMemcpyAsync(out.sums.data(), sums, out.sums.size() * 8, cudaMemcpyDeviceToHost, stream_));
     LCE_CUDA_CHECK(Sync());
-    return sq;
+    return out;
   }
 
   absl::Status CopyGrad(int64_t first_row, int64_t rows, float* host) override {
@@ -151,6 +155,7 @@ class CudaHeadTrainer final : public HeadTrainer {
   EngineWeightOnDevice serving_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<DeviceBuffer> grad_, norm_scratch_, master_;
+  TileNormShape norm_shape_;
 };
 
 }  // namespace

@@ -132,10 +132,17 @@ struct AdamWKernelArgs {
 absl::Status LaunchAdamW(float* master, float* exp_avg, float* exp_avg_sq, const float* grad, DType dtype,
                          void* serving, int64_t n, const AdamWKernelArgs& args, cudaStream_t stream);
 
-// grad_norm.cu. *out = Σ x[i]² over n floats (x 16-byte aligned), in double, in a fixed order;
-// `scratch` holds kNormBlocks doubles.
-inline constexpr int kNormBlocks = 1024;
-absl::Status LaunchSquaredNorm(const float* x, int64_t n, double* scratch, double* out, cudaStream_t stream);
+// grad_norm.cu. The vocabulary tiles of a gradient shard x [shard_rows, hidden] (lce::ShardTiles):
+// tile first_tile + t is the shard's rows [max(0, (first_tile + t)·tile_rows − vocab_begin),
+// min(shard_rows, (first_tile + t + 1)·tile_rows − vocab_begin)).
+struct TileNormShape {
+  int64_t hidden = 0, first_tile = 0, tiles = 0, tile_rows = 1, vocab_begin = 0, shard_rows = 0;
+};
+// grad_norm.cu. out[t] = Σ x² over tile t (t < tiles), in double, in a fixed order that depends on the
+// tile alone; `scratch` holds tiles·kTileChunks doubles.
+inline constexpr int kTileChunks = 64;
+absl::Status LaunchTileSquaredNorms(const float* x, const TileNormShape& shape, double* scratch, double* out,
+                                    cudaStream_t stream);
 
 // validate.cu. Finds the first row whose target is neither ignore_index nor in [0, vocab_size):
 // *bad_row = min(*bad_row, row) (initialised by the caller to ULLONG_MAX).

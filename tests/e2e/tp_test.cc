@@ -303,35 +303,43 @@ Batch TrainingBatch(uint64_t seed) {
   return b;
 }
 
+// Equal bits (bits), or within `tol` relative error.
+void ExpectSame(const std::vector<float>& got, const std::vector<float>& want, bool bits, double tol, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  if (bits) {
+    EXPECT_EQ(got, want) << what;
+  } else {
+    EXPECT_LE(RelErr(got.data(), want.data(), want.size()), tol) << what;
+  }
+}
+
 // Training a sharded head: the same requests on a group of k (2 and 3) and a group of 1 accumulate
 // the same dW (GetGrad gathers the shards), each optimizer step sees the same global gradient norm
-// and leaves the same weights (SaveHead, every rank's shard), three steps running; a head saved by
-// a group of 3 loads into a group of 2.
+// and leaves the same weights (SaveHead, every rank's shard), three steps running: the same bits on
+// CPUs (the engine's dW and the tile-ordered norm do not depend on the group size), within rounding
+// on GPUs (cuBLAS picks algorithms by shape). A head saved by a group of 3 loads into a group of 2.
 TEST(TensorParallel, TrainingTheShardedHeadMatchesOneRank) {
+  const bool bits = Backend() == "cpu";
   for (int k : GroupSizes()) {
     if (k == 1) continue;
-    const std::string tag = "k=" + std::to_string(k);
     TpGroup one(1, 10.0), group(k, 10.0);
     for (int it = 0; it < 3; ++it) {
+      const std::string tag = "k=" + std::to_string(k) + " step " + std::to_string(it + 1) + ": ";
       const Batch b = TrainingBatch(51 + it);
       ASSERT_TRUE(Accumulate(one.target(), b).ok());
       grpc::Status st = Accumulate(group.target(), b);
-      ASSERT_TRUE(st.ok()) << tag << " " << st.error_message();
-      const std::vector<float> g1 = GatheredGrad(one.target()), gk = GatheredGrad(group.target());
-      EXPECT_LE(RelErr(gk.data(), g1.data(), g1.size()), 1e-5) << tag << " dW before step " << it + 1;
+      ASSERT_TRUE(st.ok()) << tag << st.error_message();
+      ExpectSame(GatheredGrad(group.target()), GatheredGrad(one.target()), bits, 1e-5, tag + "dW");
       const v1::OptimizerStepResponse s1 = Step(one.target()), sk = Step(group.target());
-      EXPECT_NEAR(sk.grad_norm(), s1.grad_norm(), 1e-5 * s1.grad_norm()) << tag << " the global norm over all shards";
+      if (bits) EXPECT_EQ(sk.grad_norm(), s1.grad_norm()) << tag << "the global norm over all shards";
+      EXPECT_NEAR(sk.grad_norm(), s1.grad_norm(), 1e-5 * s1.grad_norm()) << tag << "the global norm over all shards";
       EXPECT_GT(s1.grad_norm(), 0.5) << "clipping must be exercised";
       EXPECT_EQ(sk.head().version(), 2 + it);
       EXPECT_EQ(sk.step(), 1 + it);
-      const std::vector<float> w1 = SavedWeight(one.target()), wk = SavedWeight(group.target());
-      ASSERT_EQ(w1.size(), wk.size());
-      EXPECT_LE(RelErr(wk.data(), w1.data(), w1.size()), 1e-5) << tag << " weights after step " << it + 1;
-      const std::vector<float> a = Logprobs(one.target(), b), c = Logprobs(group.target(), b);
-      ASSERT_EQ(a.size(), c.size());
-      EXPECT_LE(RelErr(c.data(), a.data(), a.size()), 1e-5) << tag << " answers after step " << it + 1;
+      ExpectSame(SavedWeight(group.target()), SavedWeight(one.target()), bits, 1e-5, tag + "weights");
+      ExpectSame(Logprobs(group.target(), b), Logprobs(one.target(), b), bits, 1e-5, tag + "answers");
     }
-    for (float x : GatheredGrad(group.target())) ASSERT_EQ(x, 0.0f) << tag << ": zero_grad reaches every shard";
+    for (float x : GatheredGrad(group.target())) ASSERT_EQ(x, 0.0f) << "k=" << k << ": zero_grad reaches every shard";
     if (k != 3) continue;
     const std::string dir = (fs::temp_directory_path() / ("lce_tp_save_" + std::to_string(::getpid()))).string();
     auto stub = RawStub(group.target());

@@ -1,7 +1,7 @@
 // The CUDA HeadTrainer against the host AdamW loop (the CPU trainer's math): the same gradient gives
 // the same serving weight bits after several clipped steps and an update, for bf16, fp16 and fp32
-// heads; the device norm is the float64 sum, in a fixed order; the engine accumulates dW into the
-// trainer's device buffer. Every test skips (GTEST_SKIP, with a message) where no CUDA device is visible.
+// heads; the device norm is the float64 sum, in a fixed order that shards of any group size share;
+// the engine accumulates dW into the trainer's device buffer. Every test skips (GTEST_SKIP, with a message) where no CUDA device is visible.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -102,6 +102,44 @@ TEST(CudaTrainer, AdamWKernelGivesTheHostLoopsBits) {
     }
     ASSERT_TRUE(trainer.ZeroGrad().ok());
     EXPECT_EQ(*trainer.GradSquaredNorm(), 0.0);
+  }
+}
+
+// The device's tile sums depend on the tile alone: shards of 2, 3 and 5 ranks combine to one rank's
+// bits, with float4 loads (H = 64) and without (H = 27).
+TEST(CudaTrainer, ShardsTileNormsCombineToOneRanksBits) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t H : {64, 27}) {
+    const int64_t V = 3001;
+    std::shared_ptr<HeadWeights> full = RandomHead(V, H, DType::kBFloat16, 31);
+    std::mt19937 rng(32);
+    std::normal_distribution<float> normal;
+    std::vector<float> grad(static_cast<size_t>(V * H));
+    for (size_t i = 0; i < grad.size(); ++i) grad[i] = normal(rng) * static_cast<float>(1 + i % 7);
+    auto tiles_of = [&](std::shared_ptr<HeadWeights> w) {
+      Trained t = CudaTrainer(w);
+      const HeadShape& s = w->shape;
+      EXPECT_EQ(cudaMemcpy(t.trainer->grad(), grad.data() + s.vocab_begin * H, s.shard_rows * H * 4, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      absl::StatusOr<TileSquaredNorms> n = t.trainer->GradTileSquaredNorms();
+      EXPECT_TRUE(n.ok()) << n.status();
+      return *n;
+    };
+    const int64_t tiles = VocabTileCount(V);
+    std::vector<float> one(static_cast<size_t>(2 * tiles), 0.0f);
+    PackTileSquaredNorms(tiles_of(full), one.data());
+    const double want = CombineTileSquaredNorms(one.data(), tiles);
+    for (int world : {2, 3, 5}) {
+      std::vector<float> exchange(one.size(), 0.0f);
+      for (int r = 0; r < world; ++r) {
+        const VocabRange range = VocabShard(V, r, world);
+        auto shard = std::make_shared<HeadWeights>();
+        shard->shape = {V, H, DType::kBFloat16, range.begin, range.end - range.begin, false};
+        shard->weight.assign(full->weight.begin() + range.begin * H * 2, full->weight.begin() + range.end * H * 2);
+        PackTileSquaredNorms(tiles_of(shard), exchange.data());
+      }
+      EXPECT_EQ(CombineTileSquaredNorms(exchange.data(), tiles), want) << "H=" << H << ", " << world << " shards";
+    }
   }
 }
 

@@ -111,7 +111,7 @@ TEST(HeadTrainer, CpuTrainerStepsLikeTheHostLoop) {
   ASSERT_EQ(std::memcmp(trainer.grad(), want.data(), want.size() * 4), 0);
   absl::StatusOr<double> sq = trainer.GradSquaredNorm();
   ASSERT_TRUE(sq.ok());
-  EXPECT_EQ(*sq, SquaredNorm(want.data(), V * H));
+  EXPECT_NEAR(*sq, SquaredNorm(want.data(), V * H), 1e-12 * *sq);
   std::vector<float> slice(7 * H);
   ASSERT_TRUE(trainer.CopyGrad(5, 7, slice.data()).ok());
   EXPECT_EQ(std::memcmp(slice.data(), want.data() + 5 * H, slice.size() * 4), 0);
@@ -152,6 +152,40 @@ TEST(HeadTrainer, CpuTrainerStepsLikeTheHostLoop) {
 
   ASSERT_TRUE(trainer.ZeroGrad().ok());
   EXPECT_EQ(*trainer.GradSquaredNorm(), 0.0);
+}
+
+// The squared norm a group combines from its shards' tiles has the bits of one rank's, for any split.
+TEST(HeadTrainer, ShardsTileNormsCombineToOneRanksBits) {
+  const int64_t V = 3001, H = 24;
+  std::shared_ptr<HeadWeights> full = RandomHead(V, H, 7);
+  std::mt19937 rng(8);
+  std::normal_distribution<float> normal;
+  std::vector<float> grad(static_cast<size_t>(V * H));
+  for (size_t i = 0; i < grad.size(); ++i) grad[i] = normal(rng) * static_cast<float>(1 + i % 7);
+  auto trainer_of = [&](std::shared_ptr<const HeadWeights> w) {
+    absl::StatusOr<std::shared_ptr<LceEngine>> e = MakeCpuEngine(w);
+    EXPECT_TRUE(e.ok());
+    absl::StatusOr<std::unique_ptr<HeadTrainer>> t = CreateHeadTrainer(*e, w, MakeCpuEngine);
+    EXPECT_TRUE(t.ok());
+    const HeadShape& s = w->shape;
+    std::memcpy((*t)->grad(), grad.data() + s.vocab_begin * H, static_cast<size_t>(s.shard_rows * H) * 4);
+    return std::move(*t);
+  };
+  const double one = *trainer_of(full)->GradSquaredNorm();
+  const int64_t tiles = VocabTileCount(V);
+  for (int world : {2, 3, 5}) {
+    std::vector<float> exchange(static_cast<size_t>(2 * tiles), 0.0f);
+    for (int r = 0; r < world; ++r) {
+      const VocabRange range = VocabShard(V, r, world);
+      auto shard = std::make_shared<HeadWeights>();
+      shard->shape = {V, H, DType::kBFloat16, range.begin, range.end - range.begin, false};
+      shard->weight.assign(full->weight.begin() + range.begin * H * 2, full->weight.begin() + range.end * H * 2);
+      absl::StatusOr<TileSquaredNorms> t = trainer_of(shard)->GradTileSquaredNorms();
+      ASSERT_TRUE(t.ok());
+      PackTileSquaredNorms(*t, exchange.data());
+    }
+    EXPECT_EQ(CombineTileSquaredNorms(exchange.data(), tiles), one) << world << " shards";
+  }
 }
 
 double TotalLoss(const PolicyLossConfig& c, std::vector<float> lp, const std::vector<float>& ent,

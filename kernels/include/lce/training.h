@@ -4,9 +4,11 @@
 // gradients with respect to the logprob and entropy the engine produced. Formulas: docs/MATH.md.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "lce/engine.h"
@@ -43,6 +45,27 @@ double SquaredNorm(const float* grad, int64_t n);
 // min(1, max_grad_norm / (norm + 1e-6)) when max_grad_norm > 0, else 1.
 float ClipScale(double norm, float max_grad_norm);
 
+// ‖dW‖² with the same bits however the head is sharded: each vocabulary tile's Σ dW² (tiles of
+// VocabTile rows at fixed global offsets; a shard holds whole tiles) in float64 in a fixed order, sent
+// between ranks as two fp32 halves (hi = fp32(s), lo = fp32(s − hi)) in a slot of its own of a vector
+// over every tile of the head (2·VocabTileCount floats, one all-reduce), then hi + lo of every tile
+// summed in global tile order.
+struct TileSquaredNorms {
+  int64_t first_tile = 0;    // global index of the shard's first tile
+  std::vector<double> sums;  // one a tile of the shard, in order
+};
+// The tiles a shard overlaps: tile first_tile + i is the shard's rows [RowBegin(i), RowEnd(i)).
+struct ShardTiles {
+  int64_t first_tile = 0, count = 0, tile_rows = 1, vocab_begin = 0, shard_rows = 0;
+  int64_t RowBegin(int64_t i) const { return std::max<int64_t>(0, (first_tile + i) * tile_rows - vocab_begin); }
+  int64_t RowEnd(int64_t i) const { return std::min(shard_rows, (first_tile + i + 1) * tile_rows - vocab_begin); }
+};
+ShardTiles TilesOf(const HeadShape& shape);
+// Writes the shard's tiles into their slots of `exchange` (leaves the others as they are: zero them).
+void PackTileSquaredNorms(const TileSquaredNorms& tiles, float* exchange);
+// Σ over the head's `tiles` tiles, in order, of hi + lo.
+double CombineTileSquaredNorms(const float* exchange, int64_t tiles);
+
 // Builds the engine of a new weight (the CPU trainer's next version).
 using EngineMaker = std::function<absl::StatusOr<std::shared_ptr<LceEngine>>(std::shared_ptr<const HeadWeights>)>;
 
@@ -68,8 +91,10 @@ class HeadTrainer {
   int64_t steps() const { return steps_; }
 
   virtual absl::Status ZeroGrad() = 0;
-  // Σ dW² (see SquaredNorm; the CUDA sum has its own fixed order).
-  virtual absl::StatusOr<double> GradSquaredNorm() = 0;
+  // Σ dW² of each tile of this shard, in float64, in a fixed order (the CPU's and the GPU's differ).
+  virtual absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() = 0;
+  // ‖dW‖² of this shard as a group combines the tiles (a head of one rank: its global squared norm).
+  absl::StatusOr<double> GradSquaredNorm();
   // Rows [first_row, first_row + rows) of this shard's dW into host memory.
   virtual absl::Status CopyGrad(int64_t first_row, int64_t rows, float* host) = 0;
   // Makes the AdamW state (fp32 masters from the current weight, zero moments) unless it exists: a
