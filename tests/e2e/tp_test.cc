@@ -446,11 +446,12 @@ TEST(TensorParallel, LoadHeadAndUpdateWeightsOnAGroup) {
   EXPECT_EQ(info->head().version(), 3);
 }
 
-// A weight change while a request is in flight on a group: the request's later chunks get the
-// answers of the version it started on, on every rank (each rank's shard enters every logprob); the
-// change waits for it, then takes effect, and the old version, pinned, is gone.
+// A weight change while a request is in flight on a group (the first of LCE_TEST_TP_SIZES, default 2):
+// the request's later chunks get the answers of the version it started on, on every rank (each rank's
+// shard enters every logprob); the change waits for it, then takes effect, and the old version,
+// pinned, is gone.
 TEST(TensorParallel, AVersionChangeDuringARequestDoesNotChangeItsAnswers) {
-  TpGroup group(2, 10.0);
+  TpGroup group(GroupSizes().front(), 10.0);
   const Batch b = TrainingBatch(81);
   auto stub = RawStub(group.target());
   OpenScore request(*stub, "", b);
