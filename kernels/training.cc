@@ -1,33 +1,188 @@
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "lce/numeric.h"
 #include "lce/training.h"
+#ifdef LCE_WITH_CUDA
+#include "cuda/head_trainer.h"
+#endif
 
 namespace lce {
 
-void AdamWStep(float* param, float* m, float* v, const float* grad, int64_t n, const AdamWParams& p,
-               int64_t step, float grad_scale) {
+AdamWCoefficients AdamWCoefficientsAt(const AdamWParams& p, int64_t step) {
   const double bc1 = 1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(step));
-  const float step_size = static_cast<float>(p.lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  const float decay = 1.0f - p.lr * p.weight_decay;
+  return {static_cast<float>(p.lr / bc1), static_cast<float>(std::sqrt(bc2)), 1.0f - p.lr * p.weight_decay};
+}
+
+void AdamWStep(float* param, float* m, float* v, const float* grad, int64_t n, const AdamWParams& p,
+               int64_t step, float grad_scale) {
+  const AdamWCoefficients c = AdamWCoefficientsAt(p, step);
+  // The CUDA kernel (cuda/adamw.cu) does these fp32 operations in this order, unfused.
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const float g = grad[i] * grad_scale;
-    param[i] *= decay;
+    param[i] *= c.decay;
     m[i] = p.beta1 * m[i] + (1.0f - p.beta1) * g;
     v[i] = p.beta2 * v[i] + (1.0f - p.beta2) * g * g;
-    const float denom = std::sqrt(v[i]) / bc2_sqrt + p.eps;
-    param[i] -= step_size * m[i] / denom;
+    const float denom = std::sqrt(v[i]) / c.bc2_sqrt + p.eps;
+    param[i] -= c.step_size * m[i] / denom;
   }
 }
 
 double SquaredNorm(const float* g, int64_t n) {
+  constexpr int64_t kBlock = int64_t{1} << 16;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<double> partial(static_cast<size_t>(blocks), 0.0);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    double s = 0;
+    for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i) s += static_cast<double>(g[i]) * g[i];
+    partial[static_cast<size_t>(b)] = s;
+  }
   double s = 0;
-#pragma omp parallel for reduction(+ : s) schedule(static)
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(g[i]) * g[i];
+  for (double x : partial) s += x;
   return s;
+}
+
+float ClipScale(double norm, float max_grad_norm) {
+  return max_grad_norm > 0.0f && norm > max_grad_norm ? static_cast<float>(max_grad_norm / (norm + 1e-6)) : 1.0f;
+}
+
+ShardTiles TilesOf(const HeadShape& shape) {
+  ShardTiles t;
+  t.tile_rows = VocabTile(shape.vocab_size);
+  t.vocab_begin = shape.vocab_begin;
+  t.shard_rows = shape.shard_rows;
+  t.first_tile = shape.vocab_begin / t.tile_rows;
+  t.count = shape.shard_rows > 0 ? (shape.vocab_end() - 1) / t.tile_rows + 1 - t.first_tile : 0;
+  return t;
+}
+
+void PackTileSquaredNorms(const TileSquaredNorms& tiles, float* exchange) {
+  for (size_t i = 0; i < tiles.sums.size(); ++i) {
+    const double s = tiles.sums[i];
+    const float hi = static_cast<float>(s);
+    exchange[2 * (tiles.first_tile + static_cast<int64_t>(i))] = hi;
+    exchange[2 * (tiles.first_tile + static_cast<int64_t>(i)) + 1] = static_cast<float>(s - hi);
+  }
+}
+
+double CombineTileSquaredNorms(const float* exchange, int64_t tiles) {
+  double s = 0;
+  for (int64_t t = 0; t < tiles; ++t) s += static_cast<double>(exchange[2 * t]) + static_cast<double>(exchange[2 * t + 1]);
+  return s;
+}
+
+absl::StatusOr<double> HeadTrainer::GradSquaredNorm() {
+  absl::StatusOr<TileSquaredNorms> tiles = GradTileSquaredNorms();
+  if (!tiles.ok()) return tiles.status();
+  const int64_t all = VocabTileCount(shape_.vocab_size);
+  std::vector<float> exchange(static_cast<size_t>(2 * all), 0.0f);
+  PackTileSquaredNorms(*tiles, exchange.data());
+  return CombineTileSquaredNorms(exchange.data(), all);
+}
+
+namespace {
+
+// The CPU engine's trainer: host vectors, AdamWStep, and a new engine for each new weight.
+class CpuHeadTrainer final : public HeadTrainer {
+ public:
+  CpuHeadTrainer(std::shared_ptr<LceEngine> engine, std::shared_ptr<const HeadWeights> weights, EngineMaker make)
+      : HeadTrainer(weights->shape), engine_(std::move(engine)), weights_(std::move(weights)), make_(std::move(make)),
+        grad_(static_cast<size_t>(grad_elements()), 0.0f) {}
+
+  std::string_view backend() const override { return "cpu"; }
+  float* grad() override { return grad_.data(); }
+  MemorySpace grad_space() const override { return MemorySpace::kHost; }
+  void* stream() override { return nullptr; }
+  absl::Status ZeroGrad() override {
+    std::fill(grad_.begin(), grad_.end(), 0.0f);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() override {
+    const ShardTiles tiles = TilesOf(shape_);
+    TileSquaredNorms out{tiles.first_tile, {}};
+    for (int64_t i = 0; i < tiles.count; ++i) {
+      const int64_t r0 = tiles.RowBegin(i);
+      out.sums.push_back(SquaredNorm(grad_.data() + r0 * shape_.hidden_size, (tiles.RowEnd(i) - r0) * shape_.hidden_size));
+    }
+    return out;
+  }
+  absl::Status CopyGrad(int64_t first_row, int64_t rows, float* host) override {
+    if (first_row < 0 || rows < 0 || first_row + rows > shape_.shard_rows) {
+      return absl::OutOfRangeError(absl::StrCat("gradient rows [", first_row, ", ", first_row + rows,
+                                                ") are outside the shard's ", shape_.shard_rows));
+    }
+    std::memcpy(host, grad_.data() + first_row * shape_.hidden_size,
+                static_cast<size_t>(rows * shape_.hidden_size) * sizeof(float));
+    return absl::OkStatus();
+  }
+
+  absl::Status PrepareStep() override {
+    if (!make_) return absl::FailedPreconditionError("this server cannot build new head versions");
+    if (!master_.empty()) return absl::OkStatus();
+    const int64_t n = grad_elements();
+    master_.resize(static_cast<size_t>(n));
+    ConvertToFloat(weights_->weight.data(), shape_.dtype, n, master_.data());
+    m_.assign(static_cast<size_t>(n), 0.0f);
+    v_.assign(static_cast<size_t>(n), 0.0f);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::shared_ptr<LceEngine>> Step(const AdamWParams& p, float grad_scale) override {
+    if (absl::Status s = PrepareStep(); !s.ok()) return s;
+    const int64_t n = grad_elements();
+    ++steps_;
+    AdamWStep(master_.data(), m_.data(), v_.data(), grad_.data(), n, p, steps_, grad_scale);
+    auto next = std::make_shared<HeadWeights>();
+    next->shape = shape_;
+    next->bias = weights_->bias;
+    next->weight.resize(weights_->weight.size());
+    ConvertFromFloat(master_.data(), n, shape_.dtype, next->weight.data());
+    return Serve(std::move(next));
+  }
+
+  absl::StatusOr<std::shared_ptr<LceEngine>> SetWeight(std::shared_ptr<const HeadWeights> w) override {
+    if (!make_) return absl::FailedPreconditionError("this server cannot build new head versions");
+    if (w->weight.size() != weights_->weight.size()) return absl::InvalidArgumentError("new weight has another shape");
+    if (!master_.empty()) ConvertToFloat(w->weight.data(), shape_.dtype, grad_elements(), master_.data());
+    return Serve(std::move(w));
+  }
+
+  absl::StatusOr<std::shared_ptr<const HeadWeights>> Weights() override { return weights_; }
+
+ private:
+  absl::StatusOr<std::shared_ptr<LceEngine>> Serve(std::shared_ptr<const HeadWeights> w) {
+    absl::StatusOr<std::shared_ptr<LceEngine>> e = make_(w);
+    if (!e.ok()) return e.status();
+    engine_ = *e;
+    weights_ = std::move(w);
+    return engine_;
+  }
+
+  std::shared_ptr<LceEngine> engine_;
+  std::shared_ptr<const HeadWeights> weights_;  // the weight engine_ serves
+  EngineMaker make_;
+  std::vector<float> grad_, master_, m_, v_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HeadTrainer>> CreateHeadTrainer(std::shared_ptr<LceEngine> engine,
+                                                               std::shared_ptr<const HeadWeights> weights,
+                                                               EngineMaker make_engine) {
+  if (engine == nullptr || weights == nullptr) return absl::InvalidArgumentError("a trainer needs an engine and its weight");
+  if (engine->backend() == "cpu") {
+    return std::unique_ptr<HeadTrainer>(new CpuHeadTrainer(std::move(engine), std::move(weights), std::move(make_engine)));
+  }
+#ifdef LCE_WITH_CUDA
+  if (engine->backend() == "cuda") return cuda::CreateCudaHeadTrainer(std::move(engine), std::move(weights));
+#endif
+  return absl::UnimplementedError(absl::StrCat("no head trainer for the '", std::string(engine->backend()), "' backend"));
 }
 
 float AggregationWeight(AggregationKind kind, int64_t seq_tokens, int64_t total_tokens, int64_t num_sequences) {

@@ -91,11 +91,6 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
                                            const RowsView& rows, bool hidden_on_device, const LceOptions& options,
                                            const Upstream& up, const RowOutputs& out, const GradOutputs& grads,
                                            bool d_hidden_on_device) {
-  if (grads.d_weight != nullptr) {
-    return absl::UnimplementedError(
-        "accumulate_weight_grad with hidden states in GPU memory (a CUDA IPC region, or server memory on the GPU) "
-        "is not supported yet");
-  }
   const int64_t row_bytes = engine.shape().hidden_size * DTypeSize(engine.shape().dtype);
   absl::StatusOr<StagedCall> call = StageOnDevice(st, rows, hidden_on_device, row_bytes, up, out, grads, d_hidden_on_device);
   if (!call.ok()) return call.status();
@@ -153,6 +148,7 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
     if (!d.ok()) return d.status();
     dev_out[k] = static_cast<float*>(*d);
   }
+  call.grads.d_weight = grads.d_weight;  // the head's trainer's dW: device memory already
   if (grads.d_hidden != nullptr) {
     if (d_hidden_on_device) {
       call.grads.d_hidden = grads.d_hidden;
@@ -324,13 +320,9 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   if (!msg.has_header()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first message of a request must be a header");
   }
-  absl::StatusOr<RequestPlan> plan = validator.ValidateHeader(msg.header());
+  std::optional<HeadStore::Use> head_use;  // the request runs start to end on this version of its head
+  absl::StatusOr<RequestPlan> plan = ValidateAndUse(validator, msg.header(), head_use);
   if (!plan.ok()) return ToGrpcStatus(plan.status());
-  if (plan->accumulate_weight_grad && config_.tp_size > 1 &&
-      (config_.tp_front == nullptr || !config_.tp_front->trainable())) {
-    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                        "accumulate_weight_grad on a GPU tensor-parallel group is not supported yet");
-  }
   LceEngine& engine = *plan->head->engine;
   const HeadShape& shape = engine.shape();
   const bool is_fb = rpc == RpcKind::kForwardBackward;
@@ -517,8 +509,8 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     // ValidateChunk checked every target: the engine need not check them again.
     RowsView view{hidden_ptr, chunk.targets().data(), n, MemorySpace::kHost, /*targets_checked=*/true};
     // A GPU engine of one rank gets every chunk in device memory, copied on this stream's thread
-    // (outside the engine's lock); weight-gradient accumulation (a host buffer) keeps the host path.
-    const bool device_path = on_device || (config_.cuda_device >= 0 && !plan->accumulate_weight_grad);
+    // (outside the engine's lock); its dW lives on the device too.
+    const bool device_path = on_device || config_.cuda_device >= 0;
     rows_seen += n;
     valid_seen += valid;
     ++chunk_index;
@@ -606,10 +598,10 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     if (s.ok()) {
       const RowOutputs second = is_pl ? RowOutputs{} : row_out;
       if (plan->accumulate_weight_grad) {
-        HeadTrainingState& training = *plan->head->training;
-        std::lock_guard<std::mutex> lock(training.mu);
-        grads.d_weight = training.grad.data();
-        s = compute(op, up, second, grads);
+        std::lock_guard<std::mutex> lock(plan->head->training->mu);
+        absl::StatusOr<HeadTrainer*> trainer = TrainerOf(*plan->head);
+        if (trainer.ok()) grads.d_weight = (*trainer)->grad();
+        s = trainer.ok() ? compute(op, up, second, grads) : trainer.status();
       } else {
         s = compute(op, up, second, grads);
       }

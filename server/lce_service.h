@@ -7,6 +7,7 @@
 #include <functional>
 #include <mutex>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "chunk_staging.h"
@@ -46,10 +47,14 @@ struct ServiceConfig {
   bool pipeline_chunks_on_cpu = false;
   // Metrics to update (null: none). Not owned.
   ServiceMetrics* metrics = nullptr;
-  // Rank 0 of a tensor-parallel group (null without one): training RPCs drive the peers through it.
-  TpFrontEngine* tp_front = nullptr;
-  // Builds the engine of a new head version (LoadHead, OptimizerStep, UpdateWeights).
-  std::function<absl::StatusOr<std::shared_ptr<LceEngine>>(std::shared_ptr<const HeadWeights>)> make_engine;
+  // The tensor-parallel group this server fronts (null without one): new heads and versions are
+  // served through it, and training RPCs drive the peers through it.
+  std::shared_ptr<TpGroup> tp_group;
+  // Builds the engine of a new head version (LoadHead; UpdateWeights and OptimizerStep on CPU engines).
+  EngineMaker make_engine;
+  // How long a weight change (OptimizerStep, UpdateWeights, LoadHead over a head) waits for the
+  // requests running on the head to end (head_store.h) when the client set no earlier deadline.
+  absl::Duration weight_change_wait = absl::Seconds(60);
 };
 
 // "OK", "INVALID_ARGUMENT", ...: the label value of a gRPC status code.
@@ -133,8 +138,17 @@ class LceService final : public v1::LceService::Service {
   // Device staging for one stream, reused across streams (allocation is slow, pinned or not).
   absl::StatusOr<std::unique_ptr<ChunkStaging>> TakeStaging();
   void ReturnStaging(std::unique_ptr<ChunkStaging> staging);
-  // The head a training RPC names, refusing tensor-parallel groups (not supported yet).
-  absl::StatusOr<std::shared_ptr<const ServedHead>> TrainableHead(const std::string& name) const;
+  // Training (lce_service_training.cc). The header's plan, with the request's hold on its head's
+  // version in `use`: validated again when the head changed while the request waited for a change.
+  absl::StatusOr<RequestPlan> ValidateAndUse(const StreamRequestValidator& validator, const v1::RequestHeader& header,
+                                             std::optional<HeadStore::Use>& use);
+  // This rank's trainer of `head`, made at first use. Hold head.training->mu.
+  absl::StatusOr<HeadTrainer*> TrainerOf(const ServedHead& head) const;
+  // The exclusive right to change head `name`, once the requests on it have ended.
+  absl::StatusOr<HeadStore::Change> BeginWeightChange(grpc::ServerContext* ctx, const std::string& name);
+  // Head `name`'s version `version` served by this rank's `shard_engine` (through the group under TP).
+  HeadVersion Serve(const std::string& name, int64_t version, std::shared_ptr<LceEngine> shard_engine,
+                    std::shared_ptr<const HeadWeights> weights, std::shared_ptr<HeadTraining> training) const;
 
   std::shared_ptr<HeadStore> heads_;
   ServiceConfig config_;

@@ -103,7 +103,7 @@ int main(int argc, char** argv) {
   config.device = flags->device;
   config.collectives = comm.get();
   // Builds the engine of a head version (this rank's shard; collectives included under TP).
-  EngineFactory make_engine = [b = *backend, config](std::shared_ptr<const HeadWeights> w)
+  EngineMaker make_engine = [b = *backend, config](std::shared_ptr<const HeadWeights> w)
       -> absl::StatusOr<std::shared_ptr<LceEngine>> {
     absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(b, std::move(w), config);
     if (!e.ok()) return e.status();
@@ -116,7 +116,7 @@ int main(int argc, char** argv) {
   if (flags->tp_rank > 0) {
     std::cout << "lce_server: tensor-parallel rank " << flags->tp_rank << " of " << flags->tp_size << " holds vocab rows ["
               << shape.vocab_begin << ", " << shape.vocab_end() << ")" << std::endl;
-    absl::Status s = RunTpPeer(*weights, *engine, make_engine, *comm, *staging);
+    absl::Status s = RunTpPeer({flags->head_name, *weights, *engine}, make_engine, *comm, *staging);
     if (!s.ok()) {
       std::cerr << "lce_server: rank " << flags->tp_rank << ": " << s << std::endl;
       std::_Exit(kExitTpFailure);
@@ -124,18 +124,20 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  std::shared_ptr<TpFrontEngine> front;
+  std::shared_ptr<TpGroup> group;
   std::shared_ptr<LceEngine> served = *engine;
   if (tp) {
-    front = std::make_shared<TpFrontEngine>(served, comm.get(), std::move(staging), [&](const absl::Status& s) {
+    group = std::make_shared<TpGroup>(comm.get(), std::move(staging), [&](const absl::Status& s) {
       std::cerr << "lce_server: tensor-parallel group failed: " << s << std::endl;
       for (int r = 1; r < flags->tp_size; ++r) service_metrics.peer_up.WithLabels({std::to_string(r)}).Set(0);
       Wake('F');
     });
-    served = front;
+    served = std::make_shared<TpFrontEngine>(group, flags->head_name, 1, served);
   }
   auto heads = std::make_shared<HeadStore>();
-  if (auto put = heads->Put(flags->head_name, served, *weights); !put.ok()) return Fail(put.status());
+  if (auto put = heads->Put(flags->head_name, HeadVersion{served, *engine, *weights, nullptr}); !put.ok()) {
+    return Fail(put.status());
+  }
 
   GrpcServerOptions options;
   options.address = absl::StrCat(flags->host, ":", flags->port);
@@ -160,7 +162,7 @@ int main(int argc, char** argv) {
   options.service.log_requests = flags->log_requests;
   options.service.pipeline_chunks = flags->pipeline_chunks;
   options.service.make_engine = make_engine;
-  options.service.tp_front = front.get();
+  options.service.tp_group = group;
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(heads, options);
   if (!server.ok()) return Fail(server.status());
   const int port = (*server)->port();
@@ -201,8 +203,8 @@ int main(int argc, char** argv) {
   }
   std::cout << "lce_server: signal " << static_cast<int>(why) << ", draining in-flight streams" << std::endl;
   (*server)->Shutdown(absl::Seconds(flags->shutdown_grace_seconds));
-  if (front != nullptr) {
-    if (absl::Status s = front->StopPeers(); !s.ok()) std::cerr << "lce_server: stopping peers: " << s << std::endl;
+  if (group != nullptr) {
+    if (absl::Status s = group->StopPeers(); !s.ok()) std::cerr << "lce_server: stopping peers: " << s << std::endl;
   }
   std::cout << "lce_server: stopped" << std::endl;
   return 0;

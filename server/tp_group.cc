@@ -2,25 +2,32 @@
 
 #include <cmath>
 #include <cstring>
+#include <iostream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "head_source.h"
-#include "lce/numeric.h"
+#include "absl/strings/str_join.h"
+#include "head_store.h"
 
 namespace lce::server {
 namespace {
 
-constexpr uint32_t kMagic = 0x4c434531;  // "LCE1"
-enum class TpOp : uint32_t { kCompute = 1, kStop = 2, kZeroGrad = 3, kStep = 4, kGetGrad = 5, kSave = 6 };
+constexpr uint32_t kMagic = 0x4c434532;  // "LCE2": this layout of the control block
+enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kSave, kLoad, kUpdate };
 enum Flags : uint32_t { kGradLoss = 1, kGradLogprob = 2, kGradEntropy = 4, kAccumulateWeightGrad = 8 };
 enum Slot : int { kControl, kHidden, kTargets, kGradLossSlot, kGradLogprobSlot, kGradEntropySlot,
-                  kOutLogprob, kOutEntropy, kOutLse, kOutLoss, kOutDHidden };
+                  kOutLogprob, kOutEntropy, kOutLse, kOutLoss, kOutDHidden, kScalars, kPiece };
+enum class SourceKind : uint32_t { kFile = 1, kSeeded = 2, kClone = 3 };
+// Shards move between ranks in pieces of at most this many bytes (a bounded staging buffer).
+constexpr int64_t kPieceBytes = int64_t{64} << 20;
 
-// Fixed-size control block broadcast before each call's data.
+// Fixed-size control block broadcast before each operation's data.
 struct TpControl {
   uint32_t magic = kMagic;
   TpOp op = TpOp::kCompute;
+  char head[64] = {};     // every operation but kStop: the head's name
+  int64_t version = 0;    // kCompute: the version the call runs on; kStep, kLoad, kUpdate: the new one
+  // kCompute
   int64_t rows = 0;
   uint32_t mode = 0;
   uint32_t flags = 0;
@@ -29,23 +36,32 @@ struct TpControl {
   uint32_t allow_tf32 = 0;
   // kStep
   float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, max_grad_norm = 0;
-  // kSave: directory and head name, NUL-terminated
-  char dir[480] = {};
-  char name[64] = {};
+  // kLoad: the source
+  SourceKind source = SourceKind::kFile;
+  uint32_t dtype = 0;
+  int64_t seed_vocab = 0, seed_hidden = 0;
+  uint64_t seed = 0;
+  char tensor[128] = {};
+  char clone_of[64] = {};
+  char path[480] = {};  // kLoad: the file; kSave: the directory
 };
 
-// Rank r's training state of its shard (the front's lives in the head store).
-struct ShardTraining {
-  std::vector<float> grad, master, exp_avg, exp_avg_sq;
-  int64_t step = 0;
-};
-
-// The AdamW scale for a global norm: min(1, max / (norm + 1e-6)) when clipping (as torch).
-float ClipScale(double norm, float max_grad_norm) {
-  return max_grad_norm > 0.0f && norm > max_grad_norm ? static_cast<float>(max_grad_norm / (norm + 1e-6)) : 1.0f;
+// Copies `text` into a fixed field of the control block, NUL-terminated.
+template <size_t N>
+absl::Status PutText(char (&field)[N], const std::string& text, const char* what) {
+  if (text.size() >= N) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " '", text, "' is longer than a tensor-parallel group takes (",
+                                                   N - 1, " bytes)"));
+  }
+  std::memcpy(field, text.data(), text.size());
+  return absl::OkStatus();
+}
+template <size_t N>
+std::string GetText(const char (&field)[N]) {
+  return std::string(field, strnlen(field, N));
 }
 
-// Broadcasts `bytes` at `src` (front) or into a staging slot (peers); returns the staged pointer.
+// Broadcasts `bytes` at `src` (the root) or into a staging slot (the others); returns the staged pointer.
 absl::StatusOr<void*> Share(TpCommunicator& comm, ChunkStaging& staging, int slot, const void* src, int64_t bytes) {
   absl::StatusOr<void*> buf = staging.Buffer(slot, std::max<int64_t>(bytes, 1));
   if (!buf.ok()) return buf.status();
@@ -63,9 +79,96 @@ absl::Status ShareControl(TpCommunicator& comm, ChunkStaging& staging, TpControl
   return staging.Download(&c, *buf, sizeof(c));
 }
 
+// All-reduces n floats of host memory through the staging (device memory for NCCL).
+absl::Status AllReduceFloats(TpCommunicator& comm, ChunkStaging& staging, float* values, int n, ReduceOp op) {
+  absl::StatusOr<void*> buf = staging.Buffer(kScalars, n * 4);
+  if (!buf.ok()) return buf.status();
+  if (absl::Status s = staging.Upload(*buf, values, n * 4); !s.ok()) return s;
+  if (absl::Status s = comm.AllReduce(static_cast<float*>(*buf), n, op, staging.device(), staging.stream()); !s.ok()) {
+    return s;
+  }
+  return staging.Download(values, *buf, n * 4);
+}
+
+// Every rank's outcome of its part of an operation, agreed on by all: OK when every rank's part
+// succeeded; else this rank's own error, or one naming the ranks that failed (with the largest of
+// their codes; their logs say why). Each failed rank adds 2^rank to one sum.
+absl::Status AgreeOnOutcome(TpCommunicator& comm, ChunkStaging& staging, const absl::Status& mine, const std::string& what) {
+  float v[2] = {mine.ok() ? 0.0f : std::ldexp(1.0f, std::min(comm.rank(), 23)), static_cast<float>(mine.code())};
+  if (absl::Status s = AllReduceFloats(comm, staging, v, 1, ReduceOp::kSum); !s.ok()) return s;
+  if (absl::Status s = AllReduceFloats(comm, staging, v + 1, 1, ReduceOp::kMax); !s.ok()) return s;
+  if (v[0] == 0.0f) return absl::OkStatus();
+  if (!mine.ok()) return mine;
+  std::vector<std::string> ranks;
+  for (int r = 0; r < std::min(comm.world_size(), 24); ++r) {
+    if (static_cast<int64_t>(v[0]) & (int64_t{1} << r)) ranks.push_back(absl::StrCat(r));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(static_cast<int>(v[1])),
+                      absl::StrCat("rank ", absl::StrJoin(ranks, ", rank "), " could not ", what, " (its log says why)"));
+}
+
+// Calls f(first_row, rows) for the pieces of `rows` rows of `row_bytes` each, in order.
+template <typename F>
+absl::Status ForEachPiece(int64_t rows, int64_t row_bytes, F&& f) {
+  const int64_t per = std::max<int64_t>(1, kPieceBytes / row_bytes);
+  for (int64_t r0 = 0; r0 < rows; r0 += per) {
+    if (absl::Status s = f(r0, std::min(per, rows - r0)); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StatusOf(const absl::Status& s) { return s; }
+template <typename T>
+absl::Status StatusOf(const absl::StatusOr<T>& s) { return s.status(); }
+
+absl::Status GroupDown() { return absl::UnavailableError("tensor-parallel group is down; it is being restarted"); }
+
 }  // namespace
 
-absl::Status TpFrontEngine::Fail(absl::Status s) {
+absl::StatusOr<ShardStep> StepShard(absl::StatusOr<HeadTrainer*> trainer, int64_t vocab_size, TpCommunicator* comm,
+                                    ChunkStaging* staging, const AdamWParams& p, float max_grad_norm) {
+  // (Data-parallel replicas: all-reduce (*trainer)->grad() across the replicas here, before the norm.)
+  absl::Status ready = trainer.status();
+  if (ready.ok()) ready = (*trainer)->PrepareStep();
+  // Every tile's squared norm in its own slot (lce/training.h), then the ranks that cannot step.
+  const int64_t tiles = VocabTileCount(vocab_size);
+  std::vector<float> v(static_cast<size_t>(2 * tiles + 1), 0.0f);
+  if (ready.ok()) {
+    absl::StatusOr<TileSquaredNorms> local = (*trainer)->GradTileSquaredNorms();
+    if (local.ok()) PackTileSquaredNorms(*local, v.data()); else ready = local.status();
+  }
+  v.back() = ready.ok() ? 0.0f : 1.0f;
+  if (comm != nullptr) {
+    if (absl::Status s = AllReduceFloats(*comm, *staging, v.data(), static_cast<int>(v.size()), ReduceOp::kSum); !s.ok()) {
+      return s;
+    }
+    if (v.back() != 0.0f) {
+      absl::Status agreed = AgreeOnOutcome(*comm, *staging, ready, "prepare its optimizer step");
+      return agreed.ok() ? absl::InternalError("ranks disagree on a failed step") : agreed;
+    }
+  } else if (!ready.ok()) {
+    return ready;
+  }
+  const double norm = std::sqrt(CombineTileSquaredNorms(v.data(), tiles));
+  absl::StatusOr<std::shared_ptr<LceEngine>> engine = (*trainer)->Step(p, ClipScale(norm, max_grad_norm));
+  if (!engine.ok()) {
+    return absl::InternalError(absl::StrCat("the optimizer step failed after changing its state: ", engine.status().message()));
+  }
+  return ShardStep{norm, *std::move(engine)};
+}
+
+absl::StatusOr<std::shared_ptr<const HeadWeights>> LoadShard(
+    const TpHeadSource& source, int rank, int world,
+    const std::function<absl::StatusOr<std::shared_ptr<const HeadWeights>>(const std::string&)>& clone) {
+  if (!source.clone_of.empty()) return clone(source.clone_of);
+  absl::StatusOr<std::shared_ptr<HeadWeights>> w = LoadHead(source.source, rank, world);
+  if (!w.ok()) return w.status();
+  return std::shared_ptr<const HeadWeights>(*std::move(w));
+}
+
+// ---- the front ----
+
+absl::Status TpGroup::Fail(absl::Status s) {
   if (!failed_) {
     failed_ = true;
     comm_->Abort();
@@ -74,22 +177,27 @@ absl::Status TpFrontEngine::Fail(absl::Status s) {
   return s;
 }
 
-absl::Status TpFrontEngine::Compute(const RowsView& rows, const LceOptions& o, const Upstream& up,
-                                    const RowOutputs& outputs, const GradOutputs& grads) {
-  if (rows.space != MemorySpace::kHost) return absl::InvalidArgumentError("tensor-parallel front takes host rows");
-  if (grads.d_weight != nullptr && staging_->device()) {
-    return absl::UnimplementedError("weight gradients on a GPU tensor-parallel group are not supported yet");
-  }
+template <typename T, typename F>
+T TpGroup::Locked(F&& op) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (failed_) return absl::UnavailableError("tensor-parallel group is down; it is being restarted");
-  absl::Status s = ComputeLocked(rows, o, up, outputs, grads);
-  if (s.code() == absl::StatusCode::kUnavailable) return Fail(s);
-  return s;
+  if (failed_) return T(GroupDown());
+  T out = op();
+  if (StatusOf(out).code() == absl::StatusCode::kUnavailable) Fail(StatusOf(out));
+  return out;
 }
 
-absl::Status TpFrontEngine::ComputeLocked(const RowsView& rows, const LceOptions& o, const Upstream& up,
-                                          const RowOutputs& outputs, const GradOutputs& grads) {
+absl::Status TpGroup::Compute(const std::string& head, int64_t version, LceEngine& local, const RowsView& rows,
+                              const LceOptions& o, const Upstream& up, const RowOutputs& outputs, const GradOutputs& grads) {
+  if (rows.space != MemorySpace::kHost) return absl::InvalidArgumentError("tensor-parallel front takes host rows");
+  return Locked<absl::Status>([&] { return ComputeLocked(head, version, local, rows, o, up, outputs, grads); });
+}
+
+absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, LceEngine& local, const RowsView& rows,
+                                    const LceOptions& o, const Upstream& up, const RowOutputs& outputs,
+                                    const GradOutputs& grads) {
   TpControl c;
+  if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+  c.version = version;
   c.rows = rows.rows;
   c.mode = static_cast<uint32_t>(up.mode);
   c.flags = (up.grad_loss ? kGradLoss : 0) | (up.grad_logprob ? kGradLogprob : 0) | (up.grad_entropy ? kGradEntropy : 0) |
@@ -101,7 +209,7 @@ absl::Status TpFrontEngine::ComputeLocked(const RowsView& rows, const LceOptions
   c.ignore_index = o.ignore_index;
   c.allow_tf32 = o.allow_tf32 ? 1 : 0;
   if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
-  const HeadShape& shape = local_->shape();
+  const HeadShape& shape = local.shape();
   const int64_t n = rows.rows;
   const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
   absl::StatusOr<void*> hidden = Share(*comm_, *staging_, kHidden, rows.hidden, n * row_bytes);
@@ -120,9 +228,10 @@ absl::Status TpFrontEngine::ComputeLocked(const RowsView& rows, const LceOptions
   }
   if (!staging_->device()) {
     RowsView view{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kHost};
-    return local_->Compute(view, o, staged_up, outputs, grads);
+    return local.Compute(view, o, staged_up, outputs, grads);
   }
-  // Device staging: outputs land in device buffers, then come back to the caller's host memory.
+  // Device staging: outputs land in device buffers, then come back to the caller's host memory; dW
+  // (the front's trainer's) is device memory already.
   RowOutputs dev_out;
   struct Out { float* host; int slot; float** dst; };
   for (Out x : {Out{outputs.logprob, kOutLogprob, &dev_out.logprob}, Out{outputs.entropy, kOutEntropy, &dev_out.entropy},
@@ -133,13 +242,14 @@ absl::Status TpFrontEngine::ComputeLocked(const RowsView& rows, const LceOptions
     *x.dst = static_cast<float*>(*p);
   }
   GradOutputs dev_grads;
+  dev_grads.d_weight = grads.d_weight;
   if (grads.d_hidden != nullptr) {
     absl::StatusOr<void*> p = staging_->Buffer(kOutDHidden, n * row_bytes);
     if (!p.ok()) return p.status();
     dev_grads.d_hidden = *p;
   }
   RowsView view{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice};
-  if (absl::Status s = local_->Compute(view, o, staged_up, dev_out, dev_grads); !s.ok()) return s;
+  if (absl::Status s = local.Compute(view, o, staged_up, dev_out, dev_grads); !s.ok()) return s;
   for (auto [host, dev] : {std::pair{outputs.logprob, dev_out.logprob}, std::pair{outputs.entropy, dev_out.entropy},
                            std::pair{outputs.lse, dev_out.lse}, std::pair{outputs.loss, dev_out.loss}}) {
     if (host == nullptr) continue;
@@ -149,7 +259,7 @@ absl::Status TpFrontEngine::ComputeLocked(const RowsView& rows, const LceOptions
   return absl::OkStatus();
 }
 
-absl::Status TpFrontEngine::StopPeers() {
+absl::Status TpGroup::StopPeers() {
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_) return absl::OkStatus();
   TpControl c;
@@ -157,176 +267,366 @@ absl::Status TpFrontEngine::StopPeers() {
   return ShareControl(*comm_, *staging_, c, true);
 }
 
-absl::Status TpFrontEngine::ZeroGradPeers() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (failed_) return absl::UnavailableError("tensor-parallel group is down; it is being restarted");
-  TpControl c;
-  c.op = TpOp::kZeroGrad;
-  absl::Status s = ShareControl(*comm_, *staging_, c, true);
-  return s.code() == absl::StatusCode::kUnavailable ? Fail(s) : s;
-}
-
-absl::StatusOr<double> TpFrontEngine::Step(
-    const AdamWParams& p, float max_grad_norm, double local_sq_norm,
-    const std::function<absl::StatusOr<std::shared_ptr<LceEngine>>(float)>& step_front) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (failed_) return absl::UnavailableError("tensor-parallel group is down; it is being restarted");
-  TpControl c;
-  c.op = TpOp::kStep;
-  c.lr = p.lr;
-  c.beta1 = p.beta1;
-  c.beta2 = p.beta2;
-  c.eps = p.eps;
-  c.weight_decay = p.weight_decay;
-  c.max_grad_norm = max_grad_norm;
-  absl::Status s = ShareControl(*comm_, *staging_, c, true);
-  float sq = static_cast<float>(local_sq_norm);
-  if (s.ok()) s = comm_->AllReduce(&sq, 1, ReduceOp::kSum, false, nullptr);
-  if (!s.ok()) return s.code() == absl::StatusCode::kUnavailable ? Fail(s) : s;
-  const double norm = std::sqrt(static_cast<double>(sq));
-  absl::StatusOr<std::shared_ptr<LceEngine>> next = step_front(ClipScale(norm, max_grad_norm));
-  if (!next.ok()) return next.status();
-  local_ = std::move(*next);
-  return norm;
-}
-
-absl::Status TpFrontEngine::FetchPeerGrads(const std::function<absl::Status(int64_t, int64_t, const float*)>& sink) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (failed_) return absl::UnavailableError("tensor-parallel group is down; it is being restarted");
-  TpControl c;
-  c.op = TpOp::kGetGrad;
-  absl::Status s = ShareControl(*comm_, *staging_, c, true);
-  const HeadShape& shape = local_->shape();
-  std::vector<float> buf;
-  for (int r = 1; s.ok() && r < comm_->world_size(); ++r) {
-    const VocabRange range = VocabShard(shape.vocab_size, r, comm_->world_size());
-    buf.resize(static_cast<size_t>((range.end - range.begin) * shape.hidden_size));
-    s = comm_->Broadcast(buf.data(), static_cast<int64_t>(buf.size() * 4), false, nullptr, r);
-    if (s.ok()) s = sink(range.begin, range.end - range.begin, buf.data());
-  }
-  return s.code() == absl::StatusCode::kUnavailable ? Fail(s) : s;
-}
-
-absl::Status TpFrontEngine::SaveShards(const std::string& dir, const std::string& name) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (failed_) return absl::UnavailableError("tensor-parallel group is down; it is being restarted");
-  TpControl c;
-  c.op = TpOp::kSave;
-  if (dir.size() >= sizeof(c.dir) || name.size() >= sizeof(c.name)) {
-    return absl::InvalidArgumentError("SaveHead directory or head name too long for a tensor-parallel group");
-  }
-  std::memcpy(c.dir, dir.data(), dir.size());
-  std::memcpy(c.name, name.data(), name.size());
-  absl::Status s = ShareControl(*comm_, *staging_, c, true);
-  // Every peer answers with its status code (0 = OK), so that a failed write is not silent.
-  for (int r = 1; s.ok() && r < comm_->world_size(); ++r) {
-    float code = 0;
-    s = comm_->Broadcast(&code, sizeof(code), false, nullptr, r);
-    if (s.ok() && code != 0) s = absl::InternalError(absl::StrCat("rank ", r, " could not write its shard to ", dir));
-  }
-  return s.code() == absl::StatusCode::kUnavailable ? Fail(s) : s;
-}
-
-absl::Status RunTpPeer(std::shared_ptr<const HeadWeights> weights, std::shared_ptr<LceEngine> engine,
-                       const EngineFactory& make_engine, TpCommunicator& comm, ChunkStaging& staging) {
-  const HeadShape shape = engine->shape();
-  const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
-  const int64_t shard_elems = shape.shard_rows * shape.hidden_size;
-  ShardTraining training;
-  training.grad.assign(static_cast<size_t>(shard_elems), 0.0f);
-  for (;;) {
+absl::Status TpGroup::ZeroGrad(const std::string& head) {
+  return Locked<absl::Status>([&]() -> absl::Status {
     TpControl c;
-    if (absl::Status st = ShareControl(comm, staging, c, false); !st.ok()) return st;
-    if (c.magic != kMagic) return absl::DataLossError("tensor-parallel control block is corrupt");
-    if (c.op == TpOp::kStop) return absl::OkStatus();
-    if (c.op == TpOp::kZeroGrad) {
-      std::fill(training.grad.begin(), training.grad.end(), 0.0f);
-      continue;
+    c.op = TpOp::kZeroGrad;
+    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    return ShareControl(*comm_, *staging_, c, true);
+  });
+}
+
+absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version, int64_t vocab_size,
+                                        absl::StatusOr<HeadTrainer*> front, const AdamWParams& p, float max_grad_norm) {
+  return Locked<absl::StatusOr<ShardStep>>([&]() -> absl::StatusOr<ShardStep> {
+    TpControl c;
+    c.op = TpOp::kStep;
+    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    c.version = version;
+    c.lr = p.lr;
+    c.beta1 = p.beta1;
+    c.beta2 = p.beta2;
+    c.eps = p.eps;
+    c.weight_decay = p.weight_decay;
+    c.max_grad_norm = max_grad_norm;
+    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    absl::StatusOr<ShardStep> r = StepShard(std::move(front), vocab_size, comm_, staging_.get(), p, max_grad_norm);
+    if (r.status().code() == absl::StatusCode::kInternal) {
+      return Fail(absl::InternalError(absl::StrCat("rank 0: ", r.status().message(),
+                                                   "; the group's shards disagree and it restarts")));
     }
-    if (c.op == TpOp::kStep) {
-      float sq = static_cast<float>(SquaredNorm(training.grad.data(), shard_elems));
-      if (absl::Status st = comm.AllReduce(&sq, 1, ReduceOp::kSum, false, nullptr); !st.ok()) return st;
-      if (training.master.empty()) {
-        training.master.resize(static_cast<size_t>(shard_elems));
-        ConvertToFloat(weights->weight.data(), shape.dtype, shard_elems, training.master.data());
-        training.exp_avg.assign(static_cast<size_t>(shard_elems), 0.0f);
-        training.exp_avg_sq.assign(static_cast<size_t>(shard_elems), 0.0f);
-      }
-      AdamWParams p{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay};
-      ++training.step;
-      AdamWStep(training.master.data(), training.exp_avg.data(), training.exp_avg_sq.data(), training.grad.data(),
-                shard_elems, p, training.step, ClipScale(std::sqrt(static_cast<double>(sq)), c.max_grad_norm));
-      auto next = std::make_shared<HeadWeights>();
-      next->shape = shape;
-      next->bias = weights->bias;
-      next->weight.resize(weights->weight.size());
-      ConvertFromFloat(training.master.data(), shard_elems, shape.dtype, next->weight.data());
-      absl::StatusOr<std::shared_ptr<LceEngine>> e = make_engine(next);
-      if (!e.ok()) return e.status();  // the ranks would disagree from here on: leave the group
-      engine = std::move(*e);
-      weights = std::move(next);
-      continue;
+    return r;
+  });
+}
+
+absl::Status TpGroup::GatherPeerGrads(const std::string& head, const HeadShape& shape,
+                                      const std::function<absl::Status(int64_t, int64_t, const float*)>& sink) {
+  return Locked<absl::Status>([&]() -> absl::Status {
+    TpControl c;
+    c.op = TpOp::kGetGrad;
+    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    const int64_t H = shape.hidden_size;
+    absl::Status sunk;
+    std::vector<float> host;
+    for (int r = 1; r < comm_->world_size(); ++r) {
+      const VocabRange range = VocabShard(shape.vocab_size, r, comm_->world_size());
+      absl::Status s = ForEachPiece(range.end - range.begin, H * 4, [&](int64_t r0, int64_t n) -> absl::Status {
+        absl::StatusOr<void*> buf = staging_->Buffer(kPiece, n * H * 4);
+        if (!buf.ok()) return buf.status();
+        if (absl::Status b = comm_->Broadcast(*buf, n * H * 4, staging_->device(), staging_->stream(), r); !b.ok()) return b;
+        host.resize(static_cast<size_t>(n * H));
+        if (absl::Status d = staging_->Download(host.data(), *buf, n * H * 4); !d.ok()) return d;
+        if (sunk.ok()) sunk = sink(range.begin + r0, n, host.data());  // the peers go on regardless
+        return absl::OkStatus();
+      });
+      if (!s.ok()) return s;
     }
-    if (c.op == TpOp::kGetGrad) {
-      for (int r = 1; r < comm.world_size(); ++r) {
-        std::vector<float> other;
-        float* data = training.grad.data();
-        if (r != comm.rank()) {  // another peer's turn: receive (and drop) its shard
-          const VocabRange range = VocabShard(shape.vocab_size, r, comm.world_size());
-          other.resize(static_cast<size_t>((range.end - range.begin) * shape.hidden_size));
-          data = other.data();
-        }
-        const int64_t bytes = r == comm.rank() ? shard_elems * 4 : static_cast<int64_t>(other.size() * 4);
-        if (absl::Status st = comm.Broadcast(data, bytes, false, nullptr, r); !st.ok()) return st;
-      }
-      continue;
+    return sunk;
+  });
+}
+
+absl::Status TpGroup::Save(const std::string& head, const std::string& dir, const std::function<absl::Status()>& front_part) {
+  return Locked<absl::Status>([&]() -> absl::Status {
+    TpControl c;
+    c.op = TpOp::kSave;
+    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    if (absl::Status s = PutText(c.path, dir, "SaveHead directory"); !s.ok()) return s;
+    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    return AgreeOnOutcome(*comm_, *staging_, front_part(), absl::StrCat("write its shard to ", dir));
+  });
+}
+
+absl::Status TpGroup::Load(const std::string& head, int64_t version, const TpHeadSource& source,
+                           const std::function<absl::Status()>& front_part) {
+  return Locked<absl::Status>([&]() -> absl::Status {
+    TpControl c;
+    c.op = TpOp::kLoad;
+    c.version = version;
+    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    const HeadSource& src = source.source;
+    c.source = !source.clone_of.empty() ? SourceKind::kClone : src.file.empty() ? SourceKind::kSeeded : SourceKind::kFile;
+    c.dtype = static_cast<uint32_t>(src.dtype);
+    c.seed_vocab = src.seed_vocab;
+    c.seed_hidden = src.seed_hidden;
+    c.seed = src.seed;
+    for (absl::Status s : {PutText(c.path, src.file, "LoadHead file"), PutText(c.tensor, src.tensor, "LoadHead tensor"),
+                           PutText(c.clone_of, source.clone_of, "LoadHead clone_of")}) {
+      if (!s.ok()) return s;
     }
-    if (c.op == TpOp::kSave) {
-      c.dir[sizeof(c.dir) - 1] = 0;
-      c.name[sizeof(c.name) - 1] = 0;
-      for (int r = 1; r < comm.world_size(); ++r) {
-        float code = 0;
-        if (r == comm.rank()) code = WriteHeadShard(c.dir, c.name, *weights, r, comm.world_size()).ok() ? 0.0f : 1.0f;
-        if (absl::Status st = comm.Broadcast(&code, sizeof(code), false, nullptr, r); !st.ok()) return st;
-      }
-      continue;
+    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    return AgreeOnOutcome(*comm_, *staging_, front_part(), absl::StrCat("load its shard of head '", head, "'"));
+  });
+}
+
+absl::Status TpGroup::Update(const std::string& head, int64_t version, const HeadWeights& full,
+                             const std::function<absl::Status()>& front_part) {
+  return Locked<absl::Status>([&]() -> absl::Status {
+    TpControl c;
+    c.op = TpOp::kUpdate;
+    c.version = version;
+    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    const int64_t row_bytes = full.shape.hidden_size * DTypeSize(full.shape.dtype);
+    for (int r = 1; r < comm_->world_size(); ++r) {  // each peer's rows, in pieces
+      const VocabRange range = VocabShard(full.shape.vocab_size, r, comm_->world_size());
+      absl::Status s = ForEachPiece(range.end - range.begin, row_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
+        return Share(*comm_, *staging_, kPiece, full.weight.data() + (range.begin + r0) * row_bytes, n * row_bytes).status();
+      });
+      if (!s.ok()) return s;
     }
-    const int64_t n = c.rows;
-    absl::StatusOr<void*> hidden = Share(comm, staging, kHidden, nullptr, n * row_bytes);
-    if (!hidden.ok()) return hidden.status();
-    absl::StatusOr<void*> targets = Share(comm, staging, kTargets, nullptr, n * 4);
-    if (!targets.ok()) return targets.status();
-    Upstream up;
-    up.mode = static_cast<GradMode>(c.mode);
-    struct GradIn { uint32_t flag; int slot; const float** dst; };
-    for (GradIn g : {GradIn{kGradLoss, kGradLossSlot, &up.grad_loss}, GradIn{kGradLogprob, kGradLogprobSlot, &up.grad_logprob},
-                     GradIn{kGradEntropy, kGradEntropySlot, &up.grad_entropy}}) {
-      if (!(c.flags & g.flag)) continue;
-      absl::StatusOr<void*> p = Share(comm, staging, g.slot, nullptr, n * 4);
-      if (!p.ok()) return p.status();
-      *g.dst = static_cast<const float*>(*p);
-    }
-    LceOptions o;
-    o.temperature = c.temperature;
-    o.softcap = c.softcap;
-    o.label_smoothing = c.label_smoothing;
-    o.z_loss = c.z_loss;
-    o.ignore_index = c.ignore_index;
-    o.allow_tf32 = c.allow_tf32 != 0;
-    GradOutputs grads;
-    if (c.flags & kAccumulateWeightGrad) grads.d_weight = training.grad.data();
-    if (up.mode != GradMode::kNone) {
-      // The d_hidden all-reduce inside the engine needs every rank; the front keeps the result.
-      absl::StatusOr<void*> p = staging.Buffer(kOutDHidden, n * row_bytes);
-      if (!p.ok()) return p.status();
-      grads.d_hidden = *p;
-    }
-    RowsView rows{*hidden, static_cast<const int32_t*>(*targets), n,
-                  staging.device() ? MemorySpace::kDevice : MemorySpace::kHost};
-    absl::Status st = engine->Compute(rows, o, up, RowOutputs{}, grads);
-    if (st.code() == absl::StatusCode::kUnavailable) return st;
-    // Other errors (bad rows) are deterministic: the front got the same one and answered the client.
+    absl::Status all = AgreeOnOutcome(*comm_, *staging_, front_part(), "serve its rows of the new weight");
+    if (all.ok() || all.code() == absl::StatusCode::kUnavailable) return all;
+    return Fail(absl::InternalError(absl::StrCat("UpdateWeights failed on part of the group, whose shards now disagree;",
+                                                 " it restarts: ", all.message())));
+  });
+}
+
+// ---- a peer ----
+
+namespace {
+
+class TpPeer {
+ public:
+  TpPeer(PeerHeadStart first, const EngineMaker& make, TpCommunicator& comm, ChunkStaging& staging)
+      : make_(make), comm_(comm), staging_(staging) {
+    Head& h = heads_[first.name];
+    h.weights = std::move(first.weights);
+    h.engine = std::move(first.engine);
   }
+
+  absl::Status Run() {
+    for (;;) {
+      TpControl c;
+      if (absl::Status s = ShareControl(comm_, staging_, c, false); !s.ok()) return s;
+      if (c.magic != kMagic) return absl::DataLossError("tensor-parallel control block is corrupt (another build?)");
+      if (c.op == TpOp::kStop) return absl::OkStatus();
+      absl::Status s = Dispatch(c);
+      if (!s.ok()) return s;
+    }
+  }
+
+ private:
+  struct Head {
+    std::shared_ptr<const HeadWeights> weights;  // as loaded or last updated
+    std::shared_ptr<LceEngine> engine;
+    std::unique_ptr<HeadTrainer> trainer;        // made at first use
+    int64_t version = 1;
+  };
+
+  absl::Status Dispatch(const TpControl& c) {
+    switch (c.op) {
+      case TpOp::kCompute: return OnCompute(c);
+      case TpOp::kZeroGrad: return OnZeroGrad(c);
+      case TpOp::kStep: return OnStep(c);
+      case TpOp::kGetGrad: return OnGetGrad(c);
+      case TpOp::kSave: return OnSave(c);
+      case TpOp::kLoad: return OnLoad(c);
+      case TpOp::kUpdate: return OnUpdate(c);
+      default: return absl::DataLossError(absl::StrCat("unknown tensor-parallel operation ", static_cast<uint32_t>(c.op)));
+    }
+  }
+
+  // The head an operation names; not holding it means this rank no longer follows the front.
+  absl::StatusOr<Head*> Find(const TpControl& c) {
+    auto it = heads_.find(GetText(c.head));
+    if (it == heads_.end()) return absl::DataLossError(absl::StrCat("rank ", comm_.rank(), " holds no head '", GetText(c.head), "'"));
+    return &it->second;
+  }
+  absl::StatusOr<HeadTrainer*> Trainer(Head& h) { return TrainerFor(h.trainer, h.engine, h.weights, make_); }
+  // A failure the group agreed on changed nothing: log it and go on.
+  void Log(const char* what, const absl::Status& s) {
+    std::cerr << "lce_server: rank " << comm_.rank() << ": " << what << ": " << s << std::endl;
+  }
+
+  absl::Status OnCompute(const TpControl& c);
+  absl::Status OnZeroGrad(const TpControl& c) {
+    absl::StatusOr<Head*> h = Find(c);
+    if (!h.ok()) return h.status();
+    return (*h)->trainer != nullptr ? (*h)->trainer->ZeroGrad() : absl::OkStatus();
+  }
+  absl::Status OnStep(const TpControl& c);
+  absl::Status OnGetGrad(const TpControl& c);
+  absl::Status OnSave(const TpControl& c);
+  absl::Status OnLoad(const TpControl& c);
+  absl::Status OnUpdate(const TpControl& c);
+
+  const EngineMaker& make_;
+  TpCommunicator& comm_;
+  ChunkStaging& staging_;
+  std::map<std::string, Head> heads_;
+};
+
+absl::Status TpPeer::OnCompute(const TpControl& c) {
+  absl::StatusOr<Head*> found = Find(c);
+  if (!found.ok()) return found.status();
+  Head& head = **found;
+  if (c.version != head.version) {
+    return absl::DataLossError(absl::StrCat("rank ", comm_.rank(), " serves head '", GetText(c.head), "' at version ",
+                                            head.version, ", the front at ", c.version));
+  }
+  const HeadShape& shape = head.engine->shape();
+  const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
+  const int64_t n = c.rows;
+  absl::StatusOr<void*> hidden = Share(comm_, staging_, kHidden, nullptr, n * row_bytes);
+  if (!hidden.ok()) return hidden.status();
+  absl::StatusOr<void*> targets = Share(comm_, staging_, kTargets, nullptr, n * 4);
+  if (!targets.ok()) return targets.status();
+  Upstream up;
+  up.mode = static_cast<GradMode>(c.mode);
+  struct GradIn { uint32_t flag; int slot; const float** dst; };
+  for (GradIn g : {GradIn{kGradLoss, kGradLossSlot, &up.grad_loss}, GradIn{kGradLogprob, kGradLogprobSlot, &up.grad_logprob},
+                   GradIn{kGradEntropy, kGradEntropySlot, &up.grad_entropy}}) {
+    if (!(c.flags & g.flag)) continue;
+    absl::StatusOr<void*> p = Share(comm_, staging_, g.slot, nullptr, n * 4);
+    if (!p.ok()) return p.status();
+    *g.dst = static_cast<const float*>(*p);
+  }
+  LceOptions o;
+  o.temperature = c.temperature;
+  o.softcap = c.softcap;
+  o.label_smoothing = c.label_smoothing;
+  o.z_loss = c.z_loss;
+  o.ignore_index = c.ignore_index;
+  o.allow_tf32 = c.allow_tf32 != 0;
+  GradOutputs grads;
+  if (c.flags & kAccumulateWeightGrad) {
+    absl::StatusOr<HeadTrainer*> t = Trainer(head);
+    if (!t.ok()) return t.status();  // this rank's dW would be missing: leave the group
+    grads.d_weight = (*t)->grad();
+  }
+  if (up.mode != GradMode::kNone) {
+    // The d_hidden all-reduce inside the engine needs every rank; the front keeps the result.
+    absl::StatusOr<void*> p = staging_.Buffer(kOutDHidden, n * row_bytes);
+    if (!p.ok()) return p.status();
+    grads.d_hidden = *p;
+  }
+  RowsView rows{*hidden, static_cast<const int32_t*>(*targets), n,
+                staging_.device() ? MemorySpace::kDevice : MemorySpace::kHost};
+  absl::Status st = head.engine->Compute(rows, o, up, RowOutputs{}, grads);
+  // Other errors (bad rows) are deterministic: the front got the same one and answered the client.
+  return st.code() == absl::StatusCode::kUnavailable ? st : absl::OkStatus();
+}
+
+absl::Status TpPeer::OnStep(const TpControl& c) {
+  absl::StatusOr<Head*> found = Find(c);
+  if (!found.ok()) return found.status();
+  Head& head = **found;
+  const AdamWParams p{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay};
+  absl::StatusOr<ShardStep> r =
+      StepShard(Trainer(head), head.weights->shape.vocab_size, &comm_, &staging_, p, c.max_grad_norm);
+  if (!r.ok()) {
+    const absl::StatusCode code = r.status().code();
+    if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kInternal) return r.status();
+    Log("optimizer step not taken", r.status());
+    return absl::OkStatus();
+  }
+  head.engine = std::move(r->engine);
+  head.version = c.version;
+  return absl::OkStatus();
+}
+
+absl::Status TpPeer::OnGetGrad(const TpControl& c) {
+  absl::StatusOr<Head*> found = Find(c);
+  if (!found.ok()) return found.status();
+  absl::StatusOr<HeadTrainer*> trainer = Trainer(**found);
+  if (!trainer.ok()) return trainer.status();
+  const HeadShape& shape = (*trainer)->shape();
+  const int64_t H = shape.hidden_size;
+  for (int r = 1; r < comm_.world_size(); ++r) {  // every peer's turn; ours broadcasts our dW in place
+    const VocabRange range = VocabShard(shape.vocab_size, r, comm_.world_size());
+    absl::Status s = ForEachPiece(range.end - range.begin, H * 4, [&](int64_t r0, int64_t n) -> absl::Status {
+      void* data = nullptr;
+      if (r == comm_.rank()) {
+        data = (*trainer)->grad() + r0 * H;
+      } else {
+        absl::StatusOr<void*> buf = staging_.Buffer(kPiece, n * H * 4);
+        if (!buf.ok()) return buf.status();
+        data = *buf;
+      }
+      return comm_.Broadcast(data, n * H * 4, staging_.device(), staging_.stream(), r);
+    });
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TpPeer::OnSave(const TpControl& c) {
+  absl::StatusOr<Head*> found = Find(c);
+  if (!found.ok()) return found.status();
+  Head& head = **found;
+  absl::Status mine;
+  absl::StatusOr<std::shared_ptr<const HeadWeights>> w = CurrentWeights(head.trainer.get(), head.weights);
+  if (w.ok()) {
+    mine = WriteHeadShard(GetText(c.path), GetText(c.head), **w, comm_.rank(), comm_.world_size()).status();
+  } else {
+    mine = w.status();
+  }
+  if (!mine.ok()) Log("SaveHead", mine);
+  absl::Status all = AgreeOnOutcome(comm_, staging_, mine, "write its shard");
+  return all.code() == absl::StatusCode::kUnavailable ? all : absl::OkStatus();
+}
+
+absl::Status TpPeer::OnLoad(const TpControl& c) {
+  TpHeadSource source;
+  source.source.file = c.source == SourceKind::kFile ? GetText(c.path) : "";
+  source.source.tensor = GetText(c.tensor);
+  source.source.seed_vocab = c.seed_vocab;
+  source.source.seed_hidden = c.seed_hidden;
+  source.source.seed = c.seed;
+  source.source.dtype = static_cast<DType>(c.dtype);
+  if (c.source == SourceKind::kClone) source.clone_of = GetText(c.clone_of);
+  absl::StatusOr<std::shared_ptr<const HeadWeights>> w =
+      LoadShard(source, comm_.rank(), comm_.world_size(), [&](const std::string& name) -> absl::StatusOr<std::shared_ptr<const HeadWeights>> {
+        auto it = heads_.find(name);
+        if (it == heads_.end()) return absl::NotFoundError(absl::StrCat("unknown head '", name, "'"));
+        return CurrentWeights(it->second.trainer.get(), it->second.weights);
+      });
+  absl::StatusOr<std::shared_ptr<LceEngine>> engine = w.ok() ? make_(*w) : absl::StatusOr<std::shared_ptr<LceEngine>>(w.status());
+  if (!engine.ok()) Log("LoadHead", engine.status());
+  absl::Status all = AgreeOnOutcome(comm_, staging_, engine.status(), "load its shard");
+  if (!all.ok()) return all.code() == absl::StatusCode::kUnavailable ? all : absl::OkStatus();
+  Head& head = heads_[GetText(c.head)];
+  head = Head{*std::move(w), *std::move(engine), nullptr, c.version};
+  return absl::OkStatus();
+}
+
+absl::Status TpPeer::OnUpdate(const TpControl& c) {
+  absl::StatusOr<Head*> found = Find(c);
+  if (!found.ok()) return found.status();
+  Head& head = **found;
+  const HeadShape& shape = head.weights->shape;
+  const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
+  auto next = std::make_shared<HeadWeights>();
+  next->shape = shape;
+  next->bias = head.weights->bias;
+  next->weight.resize(head.weights->weight.size());
+  for (int r = 1; r < comm_.world_size(); ++r) {  // every peer's rows go by; ours are kept
+    const VocabRange range = VocabShard(shape.vocab_size, r, comm_.world_size());
+    absl::Status s = ForEachPiece(range.end - range.begin, row_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
+      absl::StatusOr<void*> buf = Share(comm_, staging_, kPiece, nullptr, n * row_bytes);
+      if (!buf.ok() || r != comm_.rank()) return buf.status();
+      return staging_.Download(next->weight.data() + r0 * row_bytes, *buf, n * row_bytes);
+    });
+    if (!s.ok()) return s;
+  }
+  absl::StatusOr<std::shared_ptr<LceEngine>> engine = ReplaceWeight(head.trainer.get(), next, make_);
+  if (engine.ok()) {
+    head.engine = *std::move(engine);
+    head.weights = std::move(next);
+    head.version = c.version;
+  } else {
+    Log("UpdateWeights", engine.status());
+  }
+  // A failure anywhere leaves the ranks serving different weights: the front restarts the group.
+  return AgreeOnOutcome(comm_, staging_, engine.status(), "serve its rows of the new weight");
+}
+
+}  // namespace
+
+absl::Status RunTpPeer(PeerHeadStart first, const EngineMaker& make_engine, TpCommunicator& comm, ChunkStaging& staging) {
+  TpPeer peer(std::move(first), make_engine, comm, staging);
+  return peer.Run();
 }
 
 }  // namespace lce::server

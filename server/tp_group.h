@@ -1,75 +1,143 @@
-// Tensor parallelism over a vocabulary-sharded head: rank 0 (the front) serves the public API and,
-// for every engine call, broadcasts a small control block and the chunk's rows to its peers; then
-// every rank runs the same engine call on its shard, the engine's collectives combining the
-// per-row partials and d_hidden. The service sees an ordinary LceEngine. Chunks are staged where
-// the communicator moves data: host memory (Gloo) or device memory (NCCL).
+// Tensor parallelism over vocabulary-sharded heads: rank 0 (the front) serves the public API and,
+// for every engine call and every training operation, broadcasts a small control block (naming the
+// head and its version) and then the operation's data to its peers; every rank then does the same
+// work on its shard, the engine's collectives combining the per-row partials and d_hidden. Chunks and
+// pieces of shards are staged where the communicator moves data: host memory (Gloo) or device memory
+// (NCCL); the code is the same for both. Each rank keeps its shard's gradient and optimizer state
+// (a HeadTrainer in its engine's memory). Heads change only while no request runs on them
+// (head_store.h), so every rank serves one version of each head and a request sees one version
+// from start to end on every rank.
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 
 #include "absl/status/status.h"
 #include "chunk_staging.h"
+#include "head_source.h"
 #include "lce/engine.h"
 #include "lce/training.h"
 #include "tp_communicator.h"
 
 namespace lce::server {
 
-// Rank 0's view of the group, as an LceEngine whose shape() is its shard's (vocab_size is the
-// whole head's). `on_failure` runs once, on the first collective failure.
+// Where LoadHead takes a head from, on every rank: rows of a safetensors file (or a saved index), a
+// seeded head, or this rank's shard of another head it holds.
+struct TpHeadSource {
+  HeadSource source;      // file or seeded (LoadHead in head_source.h)
+  std::string clone_of;   // non-empty: a clone of this head
+};
+
+// One optimizer step of a shard: the global gradient norm (before clipping) and the engine serving
+// the new weight.
+struct ShardStep {
+  double grad_norm = 0;
+  std::shared_ptr<LceEngine> engine;
+};
+
+// One AdamW step of this rank's shard with the scale of the global norm, the same on every rank of a
+// group (comm and staging null: a server of one rank): the global norm comes from one all-reduce of
+// the ranks' per-tile squared norms (lce/training.h: the same bits for any group size); a rank that
+// cannot step (its optimizer state does not fit) fails the step on every rank before any weight
+// changes. INTERNAL: the step failed after this rank's state changed (a group must then restart).
+absl::StatusOr<ShardStep> StepShard(absl::StatusOr<HeadTrainer*> trainer, int64_t vocab_size, TpCommunicator* comm,
+                                    ChunkStaging* staging, const AdamWParams& params, float max_grad_norm);
+
+// A rank's shard of `source`: LoadHead's rows, or `clone(name)`, the current weight of a head it holds.
+absl::StatusOr<std::shared_ptr<const HeadWeights>> LoadShard(
+    const TpHeadSource& source, int rank, int world,
+    const std::function<absl::StatusOr<std::shared_ptr<const HeadWeights>>(const std::string&)>& clone);
+
+// The group as rank 0 drives it: one operation at a time across the whole group. The front's own
+// part of each operation is the caller's (`front_part`), run between the control block and the
+// group's agreement on the outcome. `on_failure` runs once, on the first failure that leaves the
+// group unusable (a collective that failed, or ranks whose shards no longer agree).
+class TpGroup {
+ public:
+  TpGroup(TpCommunicator* comm, std::unique_ptr<ChunkStaging> staging, std::function<void(const absl::Status&)> on_failure)
+      : comm_(comm), staging_(std::move(staging)), on_failure_(std::move(on_failure)) {}
+
+  int size() const { return comm_->world_size(); }
+
+  // An engine call of head `head` at `version` on every rank; `local` is the front's shard engine.
+  // grads.d_weight (when set) is the front's trainer's dW, in the staging's memory space.
+  absl::Status Compute(const std::string& head, int64_t version, LceEngine& local, const RowsView& rows,
+                       const LceOptions& options, const Upstream& upstream, const RowOutputs& outputs,
+                       const GradOutputs& grads);
+  // Tells the peers to exit their loops. Call once, when the front shuts down.
+  absl::Status StopPeers();
+
+  // Zeroes the peers' dW of `head` (the front zeroes its own).
+  absl::Status ZeroGrad(const std::string& head);
+  // StepShard on every rank; `version` is the head's new version.
+  absl::StatusOr<ShardStep> Step(const std::string& head, int64_t version, int64_t vocab_size,
+                                 absl::StatusOr<HeadTrainer*> front, const AdamWParams& params, float max_grad_norm);
+  // The peers' dW shards, in rank order, to sink(first_row, rows, data) in pieces. A sink error stops
+  // the sinking, not the transfer (the peers finish theirs), and is returned.
+  absl::Status GatherPeerGrads(const std::string& head, const HeadShape& shape,
+                               const std::function<absl::Status(int64_t, int64_t, const float*)>& sink);
+  // Every rank writes its shard of `head`'s current weight into `dir` (head_source.h, WriteHeadShard).
+  absl::Status Save(const std::string& head, const std::string& dir, const std::function<absl::Status()>& front_part);
+  // Every rank loads its shard of `source` as head `head` at `version` and keeps it only if every rank
+  // could (the front's part loads the front's shard).
+  absl::Status Load(const std::string& head, int64_t version, const TpHeadSource& source,
+                    const std::function<absl::Status()>& front_part);
+  // Every rank serves its rows of `full` (the whole [vocab, hidden] weight, host memory) as `head`'s
+  // `version` (the front's part serves the front's rows).
+  absl::Status Update(const std::string& head, int64_t version, const HeadWeights& full,
+                      const std::function<absl::Status()>& front_part);
+
+ private:
+  // Runs `op` under the group lock; a failure that leaves the group unusable (UNAVAILABLE from a
+  // collective, INTERNAL from ranks that no longer agree) marks it failed.
+  template <typename T, typename F>
+  T Locked(F&& op);
+  absl::Status ComputeLocked(const std::string& head, int64_t version, LceEngine& local, const RowsView& rows,
+                             const LceOptions& o, const Upstream& up, const RowOutputs& outputs, const GradOutputs& grads);
+  absl::Status Fail(absl::Status s);
+
+  TpCommunicator* comm_;
+  std::unique_ptr<ChunkStaging> staging_;
+  std::function<void(const absl::Status&)> on_failure_;
+  std::mutex mu_;  // one operation at a time across the whole group
+  bool failed_ = false;
+};
+
+// Rank 0's engine of one head version, as requests call it: every call runs on the whole group. Its
+// shape() is the front's shard's (vocab_size is the whole head's).
 class TpFrontEngine final : public LceEngine {
  public:
-  TpFrontEngine(std::shared_ptr<LceEngine> local, TpCommunicator* comm, std::unique_ptr<ChunkStaging> staging,
-                std::function<void(const absl::Status&)> on_failure)
-      : local_(std::move(local)), comm_(comm), staging_(std::move(staging)), on_failure_(std::move(on_failure)) {}
+  TpFrontEngine(std::shared_ptr<TpGroup> group, std::string head, int64_t version, std::shared_ptr<LceEngine> local)
+      : group_(std::move(group)), head_(std::move(head)), version_(version), local_(std::move(local)) {}
 
   std::string_view backend() const override { return local_->backend(); }
   const HeadShape& shape() const override { return local_->shape(); }
   EngineMemory memory() const override { return local_->memory(); }
   EngineInvariance invariance() const override { return local_->invariance(); }
   absl::Status Compute(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
-                       const RowOutputs& outputs, const GradOutputs& grads) override;
-
-  // Tells the peers to exit their loops. Call once, when the front shuts down.
-  absl::Status StopPeers();
-
-  // Training the sharded head (CPU groups; each rank owns the gradient and optimizer state of its
-  // shard). True when this group supports it.
-  bool trainable() const { return !staging_->device(); }
-  absl::Status ZeroGradPeers();
-  // One AdamW step on every rank under the group lock: the global gradient norm is the square root
-  // of the all-reduced sum of the ranks' squared norms (`local_sq_norm` is the front's);
-  // `step_front(scale)` steps the front's own shard and returns its new engine, which replaces the
-  // local one before any other call runs. Returns the global norm (before clipping).
-  absl::StatusOr<double> Step(const AdamWParams& params, float max_grad_norm, double local_sq_norm,
-                              const std::function<absl::StatusOr<std::shared_ptr<LceEngine>>(float)>& step_front);
-  // Each peer's gradient shard, in rank order: sink(first_row, rows, data).
-  absl::Status FetchPeerGrads(const std::function<absl::Status(int64_t, int64_t, const float*)>& sink);
-  // Every peer writes its shard of the current weight (head_source.h, WriteHeadShard).
-  absl::Status SaveShards(const std::string& dir, const std::string& name);
+                       const RowOutputs& outputs, const GradOutputs& grads) override {
+    return group_->Compute(head_, version_, *local_, rows, options, upstream, outputs, grads);
+  }
 
  private:
-  absl::Status ComputeLocked(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
-                             const RowOutputs& outputs, const GradOutputs& grads);
-  absl::Status Fail(absl::Status s);
-
+  std::shared_ptr<TpGroup> group_;
+  std::string head_;
+  int64_t version_;
   std::shared_ptr<LceEngine> local_;
-  TpCommunicator* comm_;
-  std::unique_ptr<ChunkStaging> staging_;
-  std::function<void(const absl::Status&)> on_failure_;
-  std::mutex mu_;  // one call at a time across the whole group
-  bool failed_ = false;
 };
 
-// Builds the engine of a new weight version (a peer after an optimizer step).
-using EngineFactory = std::function<absl::StatusOr<std::shared_ptr<LceEngine>>(std::shared_ptr<const HeadWeights>)>;
+// A peer's first head: the one every rank loads at start (version 1).
+struct PeerHeadStart {
+  std::string name;
+  std::shared_ptr<const HeadWeights> weights;
+  std::shared_ptr<LceEngine> engine;
+};
 
-// A peer's loop: runs the calls the front broadcasts until it says stop (OK) or the group fails
-// (UNAVAILABLE). The peer owns its shard's gradient and optimizer state.
-absl::Status RunTpPeer(std::shared_ptr<const HeadWeights> weights, std::shared_ptr<LceEngine> engine,
-                       const EngineFactory& make_engine, TpCommunicator& comm, ChunkStaging& staging);
+// A peer's loop: runs the operations the front broadcasts until it says stop (OK) or the group fails
+// (UNAVAILABLE; or another error where this rank can no longer follow the front).
+absl::Status RunTpPeer(PeerHeadStart first, const EngineMaker& make_engine, TpCommunicator& comm, ChunkStaging& staging);
 
 }  // namespace lce::server

@@ -247,6 +247,7 @@ class CudaEngine final : public LceEngine {
     return VocabTile(shape_.vocab_size) == kSegment && shape_.vocab_begin % kSegment == 0;
   }
   const HeadShape& shape() const override { return shape_; }
+  EngineWeightOnDevice weight_on_device() const { return {weight_.get(), config_.device}; }
 
   absl::Status Compute(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
                        const RowOutputs& outputs, const GradOutputs& grads) override;
@@ -739,6 +740,12 @@ bool DeviceAvailable() {
     return false;
   }
   return count > 0;
+}
+
+absl::StatusOr<EngineWeightOnDevice> WeightOnDevice(LceEngine& engine) {
+  auto* cuda = dynamic_cast<CudaEngine*>(&engine);
+  if (cuda == nullptr) return absl::InvalidArgumentError("not a CUDA engine");
+  return cuda->weight_on_device();
 }
 
 absl::StatusOr<std::unique_ptr<LceEngine>> CreateCudaEngine(std::shared_ptr<const HeadWeights> weights,

@@ -1,4 +1,4 @@
-// Internal: the CUDA backend's entry points, used by engine_factory.cc only.
+// Internal: the CUDA backend's entry points, used by engine_factory.cc and the CUDA head trainer only.
 #pragma once
 
 #include <memory>
@@ -13,5 +13,14 @@ bool DeviceAvailable();
 
 absl::StatusOr<std::unique_ptr<LceEngine>> CreateCudaEngine(std::shared_ptr<const HeadWeights> weights,
                                                             const EngineConfig& config);
+
+// The device copy of a CUDA engine's weight shard [shard_rows, hidden] in the head's dtype, which the
+// head's trainer rewrites in place (head_trainer.h) while no call runs on the engine.
+struct EngineWeightOnDevice {
+  void* weight = nullptr;
+  int device = 0;
+};
+// INVALID_ARGUMENT when `engine` is not a CUDA engine.
+absl::StatusOr<EngineWeightOnDevice> WeightOnDevice(LceEngine& engine);
 
 }  // namespace lce::cuda

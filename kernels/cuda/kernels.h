@@ -130,6 +130,31 @@ absl::Status LaunchScatterTargetDW(float* d_weight, int64_t rows, int64_t hidden
 // convert.cu. dst[i] = (dtype) src[i] (round to nearest even) for n elements.
 absl::Status LaunchFloatToDType(const float* src, DType dtype, void* dst, int64_t n, cudaStream_t stream);
 
+// convert.cu. dst[i] = (float) src[i] for n elements of `dtype`.
+absl::Status LaunchDTypeToFloat(const void* src, DType dtype, float* dst, int64_t n, cudaStream_t stream);
+
+// adamw.cu. The constants of one AdamW step (lce::AdamWCoefficientsAt and the hyper-parameters).
+struct AdamWKernelArgs {
+  float grad_scale = 1, decay = 1, beta1 = 0.9f, one_minus_beta1 = 0.1f, beta2 = 0.999f, one_minus_beta2 = 0.001f;
+  float bc2_sqrt = 1, eps = 1e-8f, step_size = 0;
+};
+// adamw.cu. One AdamW step over n parameters (every pointer 16-byte aligned): master, exp_avg and
+// exp_avg_sq updated in place from grad (fp32), and serving[i] = (dtype) master[i], in one pass.
+absl::Status LaunchAdamW(float* master, float* exp_avg, float* exp_avg_sq, const float* grad, DType dtype,
+                         void* serving, int64_t n, const AdamWKernelArgs& args, cudaStream_t stream);
+
+// grad_norm.cu. The vocabulary tiles of a gradient shard x [shard_rows, hidden] (lce::ShardTiles):
+// tile first_tile + t is the shard's rows [max(0, (first_tile + t)·tile_rows − vocab_begin),
+// min(shard_rows, (first_tile + t + 1)·tile_rows − vocab_begin)).
+struct TileNormShape {
+  int64_t hidden = 0, first_tile = 0, tiles = 0, tile_rows = 1, vocab_begin = 0, shard_rows = 0;
+};
+// grad_norm.cu. out[t] = Σ x² over tile t (t < tiles), in double, in a fixed order that depends on the
+// tile alone; `scratch` holds tiles·kTileChunks doubles.
+inline constexpr int kTileChunks = 64;
+absl::Status LaunchTileSquaredNorms(const float* x, const TileNormShape& shape, double* scratch, double* out,
+                                    cudaStream_t stream);
+
 // validate.cu. Finds the first row whose target is neither ignore_index nor in [0, vocab_size):
 // *bad_row = min(*bad_row, row) (initialised by the caller to ULLONG_MAX).
 absl::Status LaunchCheckTargets(const int32_t* targets, int64_t rows, int64_t vocab_size,

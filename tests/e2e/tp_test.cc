@@ -1,6 +1,8 @@
 // Tensor parallelism across processes (Gloo over loopback): k = 2 and 3 lce_server ranks give the
-// answers of one unsharded engine; a peer that dies or hangs mid-request ends the request with
-// UNAVAILABLE naming the rank, within the watchdog timeout, and the front exits for a restart.
+// answers of one unsharded engine and train like one rank (dW, global norm, weights; LoadHead,
+// UpdateWeights, versions that no request straddles); a peer that dies or hangs mid-request ends the
+// request with UNAVAILABLE naming the rank, within the watchdog timeout, and the front exits for a
+// restart. LCE_TEST_TP_BACKEND=cuda runs the same on GPUs.
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -18,6 +20,7 @@
 #include "head_source.h"
 #include "lce/client/lce_client.h"
 #include "test_server.h"
+#include "training_rpcs.h"
 
 extern char** environ;
 
@@ -202,93 +205,278 @@ TEST(TensorParallel, GroupsOfTwoAndThreeMatchOneEngine) {
   }
 }
 
-// Training a sharded head: the same requests on a group of 3 and a group of 1 accumulate the same
-// dW (GetGrad gathers the shards), the optimizer step sees the same global gradient norm and
-// leaves the same weights; a head saved by the group of 3 loads into a group of 2.
-TEST(TensorParallel, TrainingTheShardedHeadMatchesOneRank) {
-  if (Backend() != "cpu") GTEST_SKIP() << "training on GPU tensor-parallel groups is not supported yet";
-  Batch b = MakeBatch(300, v1::DTYPE_FLOAT32, 51);
-  TpGroup one(1, 10.0), three(3, 10.0);
-  auto run_fb = [&](const std::string& target) {
-    auto stub = RawStub(target);
-    grpc::ClientContext ctx;
-    auto s = stub->ForwardBackward(&ctx);
-    v1::StreamRequest m;
-    m.mutable_header()->set_hidden_size(kHidden);
-    m.mutable_header()->set_dtype(v1::DTYPE_FLOAT32);
-    m.mutable_header()->set_reduction(v1::REDUCTION_SUM);
-    m.mutable_header()->set_accumulate_weight_grad(true);
-    s->Write(m);
-    m.Clear();
-    m.mutable_chunk()->set_hidden(b.hidden.data(), b.hidden.size());
-    for (int32_t y : b.targets) m.mutable_chunk()->add_targets(y);
-    s->Write(m);
-    s->WritesDone();
-    v1::StreamResponse r;
-    while (s->Read(&r)) {
-    }
-    return s->Finish();
-  };
-  auto get_grad = [&](const std::string& target) {
-    auto stub = RawStub(target);
-    grpc::ClientContext ctx;
-    auto reader = stub->GetGrad(&ctx, v1::GetGradRequest{});
-    std::vector<float> g(kVocab * kHidden, std::nanf(""));
-    v1::TensorChunk c;
-    while (reader->Read(&c)) std::memcpy(g.data() + c.first_row() * kHidden, c.data().data(), c.data().size());
-    EXPECT_TRUE(reader->Finish().ok());
-    return g;
-  };
-  auto step = [&](const std::string& target) {
-    auto stub = RawStub(target);
-    grpc::ClientContext ctx;
-    v1::OptimizerStepRequest req;
-    req.set_lr(1e-2f);
-    req.set_weight_decay(0.01f);
-    req.set_max_grad_norm(0.5f);
-    req.set_zero_grad(true);
-    v1::OptimizerStepResponse resp;
-    grpc::Status s = stub->OptimizerStep(&ctx, req, &resp);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return resp;
-  };
-  auto score = [&](const std::string& target) {
-    auto c = Connect(target, 1 << 20);
-    auto r = c->Score({b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)},
-                      v1::RequestHeader{});
-    EXPECT_TRUE(r.ok()) << r.status();
-    return r.ok() ? r->logprobs : std::vector<float>();
-  };
-  for (int it = 0; it < 2; ++it) {
-    ASSERT_TRUE(run_fb(one.target()).ok());
-    grpc::Status st = run_fb(three.target());
-    ASSERT_TRUE(st.ok()) << st.error_message();
-    const std::vector<float> g1 = get_grad(one.target()), g3 = get_grad(three.target());
-    EXPECT_LE(RelErr(g3.data(), g1.data(), g1.size()), 1e-5) << "step " << it;
-    const v1::OptimizerStepResponse s1 = step(one.target()), s3 = step(three.target());
-    EXPECT_NEAR(s3.grad_norm(), s1.grad_norm(), 1e-5 * s1.grad_norm()) << "the global norm over all shards";
-    EXPECT_GT(s1.grad_norm(), 0.5) << "clipping must be exercised";
-    EXPECT_EQ(s3.head().version(), 2 + it);
-    const std::vector<float> a = score(one.target()), c = score(three.target());
-    ASSERT_EQ(a.size(), c.size());
-    EXPECT_LE(RelErr(c.data(), a.data(), a.size()), 1e-5) << "weights after step " << it;
-  }
-  for (float x : get_grad(three.target())) ASSERT_EQ(x, 0.0f) << "zero_grad reaches every shard";
+// ---- training on a group ----
 
-  const std::string dir = (fs::temp_directory_path() / ("lce_tp_save_" + std::to_string(::getpid()))).string();
-  auto stub = RawStub(three.target());
+// A ForwardBackward of `b` (sum reduction) on `head`, accumulating dW.
+grpc::Status Accumulate(const std::string& target, const Batch& b, const std::string& head = "") {
+  v1::RequestHeader h;
+  h.set_head(head);
+  h.set_hidden_size(kHidden);
+  h.set_dtype(b.dtype);
+  h.set_reduction(v1::REDUCTION_SUM);
+  h.set_accumulate_weight_grad(true);
+  std::vector<v1::StreamResponse> answers;
+  return RunOneChunk(*RawStub(target), "fb", h, b, &answers);
+}
+
+std::vector<float> GatheredGrad(const std::string& target, const std::string& head = "") {
+  return GradOf(*RawStub(target), head);
+}
+
+v1::OptimizerStepResponse Step(const std::string& target, const std::string& head = "") {
+  auto stub = RawStub(target);
+  grpc::ClientContext ctx;
+  v1::OptimizerStepRequest req;
+  req.set_head(head);
+  req.set_lr(1e-2f);
+  req.set_weight_decay(0.01f);
+  req.set_max_grad_norm(0.5f);
+  req.set_zero_grad(true);
+  v1::OptimizerStepResponse resp;
+  grpc::Status s = stub->OptimizerStep(&ctx, req, &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return resp;
+}
+
+// Logprobs of `b` on `head` (pinned to `version` unless 0); empty on failure, with its status in `st`.
+std::vector<float> Logprobs(const std::string& target, const Batch& b, const std::string& head = "", int64_t version = 0,
+                            grpc::Status* st = nullptr) {
+  auto c = Connect(target, 1 << 20);
+  v1::RequestHeader h;
+  h.set_head(head);
+  h.set_head_version(version);
+  auto r = c->Score({b.dtype, b.rows, kHidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)}, h);
+  if (st != nullptr) *st = r.ok() ? grpc::Status::OK : grpc::Status(static_cast<grpc::StatusCode>(r.status().code()), std::string(r.status().message()));
+  if (st == nullptr) EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? r->logprobs : std::vector<float>();
+}
+
+// The fp32 seeded head the groups start with (--seed=7), or another seed's.
+std::vector<float> SeededWeight(uint64_t seed = 7) {
+  server::HeadSource src;
+  src.seed_vocab = kVocab;
+  src.seed_hidden = kHidden;
+  src.seed = seed;
+  src.dtype = DType::kFloat32;
+  auto w = server::LoadHead(src, 0, 1);
+  EXPECT_TRUE(w.ok());
+  const float* p = reinterpret_cast<const float*>((*w)->weight.data());
+  return {p, p + kVocab * kHidden};
+}
+
+// `head`'s current weight, through SaveHead (every rank writes its shard) and the index it wrote.
+std::vector<float> SavedWeight(const std::string& target, const std::string& head = "") {
+  const fs::path dir = fs::temp_directory_path() / ("lce_tp_saved_" + std::to_string(::getpid()));
+  auto stub = RawStub(target);
   grpc::ClientContext ctx;
   v1::SaveHeadRequest save;
-  save.set_directory(dir);
+  save.set_head(head);
+  save.set_directory(dir.string());
   v1::SaveHeadResponse saved;
   grpc::Status st = stub->SaveHead(&ctx, save, &saved);
-  ASSERT_TRUE(st.ok()) << st.error_message();
-  EXPECT_EQ(saved.files_size(), 3);
-  TpGroup two(2, 10.0, saved.index_file());
-  const std::vector<float> before = score(three.target()), after = score(two.target());
-  ASSERT_EQ(before.size(), after.size());
-  EXPECT_LE(RelErr(after.data(), before.data(), before.size()), 1e-5) << "saved by 3 ranks, loaded by 2";
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  server::HeadSource src;
+  src.file = saved.index_file();
+  auto w = server::LoadHead(src, 0, 1);
   fs::remove_all(dir);
+  EXPECT_TRUE(w.ok()) << w.status();
+  if (!w.ok()) return {};
+  const float* p = reinterpret_cast<const float*>((*w)->weight.data());
+  return {p, p + kVocab * kHidden};
+}
+
+grpc::Status UpdateWeight(const std::string& target, const std::vector<float>& w, int64_t expected,
+                          v1::HeadDescription* out) {
+  return UpdateWeightsRpc(*RawStub(target), "default", w, expected, out);
+}
+
+grpc::Status LoadHeadRpc(const std::string& target, const v1::LoadHeadRequest& req, v1::HeadDescription* out) {
+  auto stub = RawStub(target);
+  grpc::ClientContext ctx;
+  return stub->LoadHead(&ctx, req, out);
+}
+
+// A batch whose first rows target every shard of every group size.
+Batch TrainingBatch(uint64_t seed) {
+  Batch b = MakeBatch(300, v1::DTYPE_FLOAT32, seed);
+  for (int i = 0; i < 12; ++i) b.targets[i] = static_cast<int32_t>(i * (kVocab / 12));
+  return b;
+}
+
+// Equal bits (bits), or within `tol` relative error.
+void ExpectSame(const std::vector<float>& got, const std::vector<float>& want, bool bits, double tol, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  if (bits) {
+    EXPECT_EQ(got, want) << what;
+  } else {
+    EXPECT_LE(RelErr(got.data(), want.data(), want.size()), tol) << what;
+  }
+}
+
+// Training a sharded head: the same requests on a group of k (2 and 3) and a group of 1 accumulate
+// the same dW (GetGrad gathers the shards), each optimizer step sees the same global gradient norm
+// and leaves the same weights (SaveHead, every rank's shard), three steps running: the same bits on
+// CPUs (the engine's dW and the tile-ordered norm do not depend on the group size), within rounding
+// on GPUs (cuBLAS picks algorithms by shape). A head saved by a group of 3 loads into a group of 2.
+TEST(TensorParallel, TrainingTheShardedHeadMatchesOneRank) {
+  const bool bits = Backend() == "cpu";
+  for (int k : GroupSizes()) {
+    if (k == 1) continue;
+    TpGroup one(1, 10.0), group(k, 10.0);
+    for (int it = 0; it < 3; ++it) {
+      const std::string tag = "k=" + std::to_string(k) + " step " + std::to_string(it + 1) + ": ";
+      const Batch b = TrainingBatch(51 + it);
+      ASSERT_TRUE(Accumulate(one.target(), b).ok());
+      grpc::Status st = Accumulate(group.target(), b);
+      ASSERT_TRUE(st.ok()) << tag << st.error_message();
+      ExpectSame(GatheredGrad(group.target()), GatheredGrad(one.target()), bits, 1e-5, tag + "dW");
+      const v1::OptimizerStepResponse s1 = Step(one.target()), sk = Step(group.target());
+      if (bits) EXPECT_EQ(sk.grad_norm(), s1.grad_norm()) << tag << "the global norm over all shards";
+      EXPECT_NEAR(sk.grad_norm(), s1.grad_norm(), 1e-5 * s1.grad_norm()) << tag << "the global norm over all shards";
+      EXPECT_GT(s1.grad_norm(), 0.5) << "clipping must be exercised";
+      EXPECT_EQ(sk.head().version(), 2 + it);
+      EXPECT_EQ(sk.step(), 1 + it);
+      ExpectSame(SavedWeight(group.target()), SavedWeight(one.target()), bits, 1e-5, tag + "weights");
+      ExpectSame(Logprobs(group.target(), b), Logprobs(one.target(), b), bits, 1e-5, tag + "answers");
+    }
+    for (float x : GatheredGrad(group.target())) ASSERT_EQ(x, 0.0f) << "k=" << k << ": zero_grad reaches every shard";
+    if (k != 3) continue;
+    const std::string dir = (fs::temp_directory_path() / ("lce_tp_save_" + std::to_string(::getpid()))).string();
+    auto stub = RawStub(group.target());
+    grpc::ClientContext ctx;
+    v1::SaveHeadRequest save;
+    save.set_directory(dir);
+    v1::SaveHeadResponse saved;
+    grpc::Status st = stub->SaveHead(&ctx, save, &saved);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(saved.files_size(), 3);
+    TpGroup two(2, 10.0, saved.index_file());
+    const Batch b = TrainingBatch(60);
+    const std::vector<float> before = Logprobs(group.target(), b), after = Logprobs(two.target(), b);
+    ASSERT_EQ(before.size(), after.size());
+    EXPECT_LE(RelErr(after.data(), before.data(), before.size()), 1e-5) << "saved by 3 ranks, loaded by 2";
+    fs::remove_all(dir);
+  }
+}
+
+// LoadHead on a group: each rank reads its rows of a seeded head, of a file, or clones its shard of
+// another head; UpdateWeights splits the new weight over the shards; both make versions as on one
+// server, and a source no rank can read changes nothing.
+TEST(TensorParallel, LoadHeadAndUpdateWeightsOnAGroup) {
+  const int k = GroupSizes().back();
+  TpGroup group(k, 10.0);
+  const Batch b = TrainingBatch(71);
+  const std::vector<float> w7 = SeededWeight(7), w9 = SeededWeight(9);
+
+  v1::LoadHeadRequest seeded;
+  seeded.set_name("seeded");
+  seeded.mutable_seeded()->set_vocab_size(kVocab);
+  seeded.mutable_seeded()->set_hidden_size(kHidden);
+  seeded.mutable_seeded()->set_seed(9);
+  seeded.mutable_seeded()->set_dtype(v1::DTYPE_FLOAT32);
+  v1::HeadDescription d;
+  grpc::Status st = LoadHeadRpc(group.target(), seeded, &d);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(d.version(), 1);
+  EXPECT_EQ(d.vocab_size(), kVocab);
+  const std::vector<float> lp9 = Logprobs(group.target(), b, "seeded");
+  EXPECT_LE(RelErr(lp9.data(), CpuEngineLogprobs(w9, b).data(), lp9.size()), 1e-5) << "a seeded head";
+
+  v1::LoadHeadRequest clone;
+  clone.set_name("ref");
+  clone.set_clone_of("default");
+  ASSERT_TRUE(LoadHeadRpc(group.target(), clone, &d).ok());
+  const std::vector<float> lp7 = Logprobs(group.target(), b, "default");
+  // (Another engine over the same weight: on a GPU its GEMMs may pick other algorithms, so not bits.)
+  const std::vector<float> lp_ref = Logprobs(group.target(), b, "ref");
+  EXPECT_LE(RelErr(lp_ref.data(), lp7.data(), lp7.size()), 1e-6) << "a clone";
+
+  const std::string dir = (fs::temp_directory_path() / ("lce_tp_load_" + std::to_string(::getpid()))).string();
+  {
+    auto stub = RawStub(group.target());
+    grpc::ClientContext ctx;
+    v1::SaveHeadRequest save;
+    save.set_head("seeded");
+    save.set_directory(dir);
+    v1::SaveHeadResponse saved;
+    ASSERT_TRUE(stub->SaveHead(&ctx, save, &saved).ok());
+    v1::LoadHeadRequest file;
+    file.set_name("from_file");
+    file.set_safetensors_file(saved.index_file());
+    st = LoadHeadRpc(group.target(), file, &d);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    const std::vector<float> lp_file = Logprobs(group.target(), b, "from_file");
+    EXPECT_LE(RelErr(lp_file.data(), lp9.data(), lp9.size()), 1e-6) << "a head read back from the shards it saved";
+  }
+  fs::remove_all(dir);
+
+  v1::LoadHeadRequest missing;
+  missing.set_name("missing");
+  missing.set_safetensors_file(dir + "/no-such-file.safetensors");
+  st = LoadHeadRpc(group.target(), missing, &d);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.error_code(), grpc::StatusCode::UNAVAILABLE) << st.error_message();
+  grpc::Status unknown;
+  Logprobs(group.target(), b, "missing", 0, &unknown);
+  EXPECT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND) << "no rank keeps a head that one rank could not load";
+
+  std::vector<float> negated = w7;
+  for (float& x : negated) x = -x;
+  EXPECT_EQ(UpdateWeight(group.target(), negated, 5, &d).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  st = UpdateWeight(group.target(), negated, 1, &d);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(d.version(), 2);
+  const std::vector<float> lp_neg = Logprobs(group.target(), b, "default");
+  EXPECT_LE(RelErr(lp_neg.data(), CpuEngineLogprobs(negated, b).data(), lp_neg.size()), 1e-5) << "the update reached every shard";
+  EXPECT_EQ(Logprobs(group.target(), b, "ref"), lp_ref) << "the clone is a copy";
+  EXPECT_LE(RelErr(SavedWeight(group.target()).data(), negated.data(), negated.size()), 0.0);
+
+  // The updated head trains on: the masters follow the update.
+  ASSERT_TRUE(Accumulate(group.target(), b).ok());
+  const v1::OptimizerStepResponse s = Step(group.target());
+  EXPECT_EQ(s.head().version(), 3);
+  EXPECT_LE(RelErr(SavedWeight(group.target()).data(), negated.data(), negated.size()), 0.2)
+      << "one step from the updated weight, not from the loaded one";
+  EXPECT_GT(RelErr(SavedWeight(group.target()).data(), w7.data(), w7.size()), 1.0);
+
+  auto c = Connect(group.target(), 1 << 20);
+  auto info = c->GetInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->heads_size(), 4);  // default, seeded, ref, from_file
+  EXPECT_EQ(info->head().version(), 3);
+}
+
+// A weight change while a request is in flight on a group (the first of LCE_TEST_TP_SIZES, default 2):
+// the request's later chunks get the answers of the version it started on, on every rank (each rank's
+// shard enters every logprob); the change waits for it, then takes effect, and the old version,
+// pinned, is gone.
+TEST(TensorParallel, AVersionChangeDuringARequestDoesNotChangeItsAnswers) {
+  TpGroup group(GroupSizes().front(), 10.0);
+  const Batch b = TrainingBatch(81);
+  auto stub = RawStub(group.target());
+  OpenScore request(*stub, "", b);
+
+  std::vector<float> negated = SeededWeight(7);
+  for (float& x : negated) x = -x;
+  grpc::Status update;
+  v1::HeadDescription d;
+  std::thread updater([&] { update = UpdateWeight(group.target(), negated, 0, &d); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the update arrives and waits
+  auto c = Connect(group.target(), 1 << 20);
+  auto info = c->GetInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->head().version(), 1) << "no new version while the request runs";
+
+  EXPECT_EQ(request.Again(), request.first()) << "the request's second chunk ran on the version it started on";
+  ASSERT_TRUE(request.Finish().ok());
+  updater.join();
+  ASSERT_TRUE(update.ok()) << update.error_message();
+  EXPECT_EQ(d.version(), 2);
+  const std::vector<float> now = Logprobs(group.target(), b);
+  EXPECT_LE(RelErr(now.data(), CpuEngineLogprobs(negated, b).data(), now.size()), 1e-5) << "the change took effect";
+  grpc::Status pinned;
+  Logprobs(group.target(), b, "", 1, &pinned);
+  EXPECT_EQ(pinned.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << pinned.error_message();
 }
 
 // A request that keeps the group busy for a while: many small chunks.

@@ -1,6 +1,7 @@
-// Training RPCs end to end (CPU engine, raw stubs): accumulated dW equals the engine's, AdamW steps
-// equal the host AdamW on the same gradient, versions pin, weight updates are atomic for readers,
-// and SaveHead -> LoadHead gives the same answers.
+// Training RPCs end to end (raw stubs; the CPU engine, or the CUDA one with LCE_TEST_BACKEND=cuda):
+// accumulated dW equals the engine's, AdamW steps equal the host AdamW on the same gradient,
+// versions pin, weight updates are atomic for readers and wait for the requests on their head, and
+// SaveHead -> LoadHead gives the same answers.
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -12,11 +13,10 @@
 #include "lce/numeric.h"
 #include "lce/training.h"
 #include "test_server.h"
+#include "training_rpcs.h"
 
 namespace lce::e2e {
 namespace {
-
-using Stream = grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>;
 
 class Training : public ::testing::Test {
  protected:
@@ -28,19 +28,7 @@ class Training : public ::testing::Test {
   // Runs a streamed RPC with one chunk; returns the status and fills the responses.
   grpc::Status RunOne(const std::string& rpc, const v1::RequestHeader& h, const Batch& b,
                       std::vector<v1::StreamResponse>* out) {
-    grpc::ClientContext ctx;
-    std::unique_ptr<Stream> s = rpc == "score" ? stub_->Score(&ctx) : stub_->ForwardBackward(&ctx);
-    v1::StreamRequest m;
-    *m.mutable_header() = h;
-    s->Write(m);
-    m.Clear();
-    m.mutable_chunk()->set_hidden(b.hidden.data(), b.hidden.size());
-    for (int32_t y : b.targets) m.mutable_chunk()->add_targets(y);
-    s->Write(m);
-    s->WritesDone();
-    v1::StreamResponse r;
-    while (s->Read(&r)) out->push_back(r);
-    return s->Finish();
+    return RunOneChunk(*stub_, rpc, h, b, out);
   }
   std::vector<float> Score(const Batch& b, const std::string& head = "wide", int64_t version = 0, grpc::Status* st = nullptr) {
     v1::RequestHeader h;
@@ -55,39 +43,14 @@ class Training : public ::testing::Test {
     EXPECT_EQ(out.size(), 1u);
     return {out[0].chunk().logprobs().begin(), out[0].chunk().logprobs().end()};
   }
-  std::vector<float> GetGrad(const std::string& head) {
-    grpc::ClientContext ctx;
-    v1::GetGradRequest req;
-    req.set_head(head);
-    auto reader = stub_->GetGrad(&ctx, req);
-    std::vector<float> g;
-    v1::TensorChunk c;
-    while (reader->Read(&c)) {
-      EXPECT_EQ(c.first_row() * kHidden, static_cast<int64_t>(g.size()));
-      const float* p = reinterpret_cast<const float*>(c.data().data());
-      g.insert(g.end(), p, p + c.rows() * c.cols());
-    }
-    EXPECT_TRUE(reader->Finish().ok());
-    return g;
-  }
+  std::vector<float> GetGrad(const std::string& head) { return GradOf(*stub_, head); }
   // The fp32 "wide" head's weight, as the test server made it.
   std::vector<float> WideWeight() const {
     const server::ServedHead& h = **ts_->heads->Get("wide");
     const float* p = reinterpret_cast<const float*>(h.weights->weight.data());
     return {p, p + kVocab * kHidden};
   }
-  std::vector<float> EngineScore(const std::vector<float>& weight, const Batch& b) {
-    auto w = std::make_shared<HeadWeights>();
-    w->shape = {kVocab, kHidden, DType::kFloat32, 0, kVocab, false};
-    w->weight.resize(weight.size() * 4);
-    std::memcpy(w->weight.data(), weight.data(), w->weight.size());
-    auto e = CreateEngine(Backend::kCpu, w, EngineConfig{});
-    EXPECT_TRUE(e.ok());
-    std::vector<float> lp(b.rows);
-    RowsView rows{b.hidden.data(), b.targets.data(), b.rows, MemorySpace::kHost};
-    EXPECT_TRUE((*e)->Compute(rows, LceOptions{}, {}, {lp.data(), nullptr, nullptr, nullptr}, {}).ok());
-    return lp;
-  }
+  std::vector<float> EngineScore(const std::vector<float>& weight, const Batch& b) { return CpuEngineLogprobs(weight, b); }
 
   std::unique_ptr<TestServer> ts_;
   std::unique_ptr<v1::LceService::Stub> stub_;
@@ -158,26 +121,7 @@ TEST_F(Training, AccumulatedGradientEqualsEngineAndAdamWStepsMatch) {
 }
 
 grpc::Status Update(v1::LceService::Stub& stub, const std::vector<float>& w, int64_t expected, v1::HeadDescription* out) {
-  grpc::ClientContext ctx;
-  auto writer = stub.UpdateWeights(&ctx, out);
-  v1::UpdateWeightsRequest m;
-  m.mutable_header()->set_head("wide");
-  m.mutable_header()->set_expected_version(expected);
-  writer->Write(m);
-  for (int64_t r0 = 0; r0 < kVocab; r0 += 1000) {
-    const int64_t n = std::min<int64_t>(1000, kVocab - r0);
-    m.Clear();
-    v1::TensorChunk* c = m.mutable_chunk();
-    c->set_first_row(r0);
-    c->set_rows(n);
-    c->set_cols(kHidden);
-    c->set_rows_total(kVocab);
-    c->set_dtype(v1::DTYPE_FLOAT32);
-    c->set_data(reinterpret_cast<const char*>(w.data() + r0 * kHidden), n * kHidden * 4);
-    writer->Write(m);
-  }
-  writer->WritesDone();
-  return writer->Finish();
+  return UpdateWeightsRpc(stub, "wide", w, expected, out);
 }
 
 TEST_F(Training, UpdateWeightsIsAtomicForConcurrentReaders) {
@@ -215,6 +159,43 @@ TEST_F(Training, UpdateWeightsIsAtomicForConcurrentReaders) {
   EXPECT_GT(reads.load(), 0);
   EXPECT_EQ(mixed.load(), 0) << "a request saw a head that was neither version";
   ExpectNear(Score(b), updates % 2 == 0 ? a1 : a2, 1e-5);  // the last update decides
+}
+
+// A weight change waits for the requests running on its head: a request's later chunks keep the
+// answers of the version it started on, a request arriving meanwhile waits and runs on the new
+// version, and a change whose deadline comes first is refused with ABORTED and changes nothing.
+TEST_F(Training, AWeightChangeWaitsForTheRequestsOnItsHead) {
+  Batch b = MakeBatch(64, v1::DTYPE_FLOAT32, 44);
+  std::vector<float> w1 = WideWeight(), w2 = w1;
+  for (float& x : w2) x = -x;
+  const std::vector<float> a2 = EngineScore(w2, b);
+  OpenScore request(*stub_, "wide", b);
+
+  {  // a step whose deadline comes before the request ends
+    grpc::ClientContext sctx;
+    sctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::OptimizerStepRequest req;
+    req.set_head("wide");
+    req.set_lr(1e-2f);
+    v1::OptimizerStepResponse resp;
+    grpc::Status st = stub_->OptimizerStep(&sctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::ABORTED) << st.error_message();
+    EXPECT_NE(st.error_message().find("still running"), std::string::npos) << st.error_message();
+  }
+  v1::HeadDescription d;
+  grpc::Status update;
+  std::thread updater([&] { update = Update(*stub_, w2, 0, &d); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the update arrives and waits
+  std::vector<float> late;
+  std::thread late_reader([&] { late = Score(b); });  // arrives while the update waits
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(request.Again(), request.first()) << "the request's second chunk ran on the version it started on";
+  ASSERT_TRUE(request.Finish().ok());
+  updater.join();
+  late_reader.join();
+  ASSERT_TRUE(update.ok()) << update.error_message();
+  EXPECT_EQ(d.version(), 2) << "the refused step made no version";
+  ExpectNear(late, a2, 1e-5);
 }
 
 TEST_F(Training, SaveHeadThenLoadHeadGivesTheSameAnswers) {

@@ -12,13 +12,17 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "lce/client/lce_client.h"
 #include "lce/engine.h"
@@ -46,7 +50,8 @@ class ServerProcess {
     const std::string port_file = (dir_ / "port").string();
     std::vector<std::string> args = {ServerPath(), "--port=0", "--port-file=" + port_file, "--backend=cuda",
                                      "--seed-head=" + std::to_string(kVocab) + "x" + std::to_string(kHidden),
-                                     "--seed=5", "--head-dtype=bf16", "--host=127.0.0.1", "--log-requests=false"};
+                                     "--seed=5", "--head-dtype=bf16", "--host=127.0.0.1", "--log-requests=false",
+                                     "--data-port=0"};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -204,6 +209,88 @@ TEST(CudaIpc, RegionsInTheClientsGpuMemoryGiveTheAnswersOfTheBytesPath) {
   ASSERT_TRUE((*session)->Unregister(*in_id).ok());
   r = cl.Score(ipc, h);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+}
+
+// The server's whole dW of the default head (GetGrad), after zeroing it and running `fb`.
+std::vector<float> GradientOf(const std::string& target, const std::function<void()>& fb) {
+  auto stub = v1::LceService::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext ctx;
+    v1::ZeroGradResponse z;
+    EXPECT_TRUE(stub->ZeroGrad(&ctx, v1::ZeroGradRequest{}, &z).ok());
+  }
+  fb();
+  grpc::ClientContext ctx;
+  auto reader = stub->GetGrad(&ctx, v1::GetGradRequest{});
+  std::vector<float> g(kVocab * kHidden, std::nanf(""));
+  v1::TensorChunk c;
+  while (reader->Read(&c)) std::memcpy(g.data() + c.first_row() * kHidden, c.data().data(), c.data().size());
+  EXPECT_TRUE(reader->Finish().ok());
+  return g;
+}
+
+// dW accumulates on the GPU whichever road the hidden states took (bytes, the data plane's server
+// memory, a CUDA IPC region), to the same gradient, and an optimizer step takes it.
+TEST(CudaIpc, WeightGradientsAccumulateFromEveryRoad) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device visible: CUDA IPC test skipped";
+  ServerProcess server;
+  client::ClientOptions o;
+  o.target = server.target();
+  o.chunk_bytes = 100 * kHidden * 2;
+  auto wire_client = client::LceClient::Create(o);
+  o.data_plane = true;
+  auto dp_client = client::LceClient::Create(o);
+  ASSERT_TRUE(wire_client.ok() && dp_client.ok());
+  std::mt19937_64 rng(17);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint16_t> hidden(kRows * kHidden);
+  for (auto& x : hidden) x = FloatToBf16(normal(rng));
+  std::vector<int32_t> targets(kRows);
+  for (int64_t i = 0; i < kRows; ++i) targets[i] = i % 7 == 3 ? -100 : static_cast<int32_t>((i * 613) % kVocab);
+  const int64_t bytes = kRows * kHidden * 2;
+  client::HiddenBatch wire{v1::DTYPE_BFLOAT16, kRows, kHidden,
+                           absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(hidden.data()), bytes),
+                           absl::MakeConstSpan(targets)};
+  v1::RequestHeader fb;
+  fb.set_reduction(v1::REDUCTION_SUM);
+  fb.set_accumulate_weight_grad(true);
+  auto run = [&](client::LceClient& c, const client::HiddenBatch& batch) {
+    return [&c, batch, fb] {
+      auto r = c.ForwardBackward(batch, fb);
+      EXPECT_TRUE(r.ok()) << r.status();
+    };
+  };
+  const std::vector<float> by_bytes = GradientOf(server.target(), run(**wire_client, wire));
+  const std::vector<float> by_data_plane = GradientOf(server.target(), run(**dp_client, wire));
+  DeviceBuffer in(bytes);
+  ASSERT_EQ(cudaMemcpy(in.p, hidden.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  auto session = (*wire_client)->OpenSession();
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto in_id = (*session)->RegisterCudaIpc(in.Handle(), 0, bytes, "hidden");
+  ASSERT_TRUE(in_id.ok()) << in_id.status();
+  client::HiddenBatch ipc = wire;
+  ipc.hidden = {};
+  ipc.hidden_region = client::RegionRef{(*session)->id(), *in_id, 0};
+  const std::vector<float> by_ipc = GradientOf(server.target(), run(**wire_client, ipc));
+  double norm = 0, d_dp = 0, d_ipc = 0;
+  for (size_t i = 0; i < by_bytes.size(); ++i) {
+    norm += static_cast<double>(by_bytes[i]) * by_bytes[i];
+    d_dp += std::pow(static_cast<double>(by_data_plane[i]) - by_bytes[i], 2);
+    d_ipc += std::pow(static_cast<double>(by_ipc[i]) - by_bytes[i], 2);
+  }
+  ASSERT_GT(norm, 0.0);
+  EXPECT_LE(std::sqrt(d_dp / norm), 1e-5) << "data plane vs bytes";
+  EXPECT_LE(std::sqrt(d_ipc / norm), 1e-5) << "CUDA IPC vs bytes";
+
+  auto stub = v1::LceService::NewStub(grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::OptimizerStepRequest step;
+  step.set_lr(1e-3f);
+  v1::OptimizerStepResponse resp;
+  grpc::Status st = stub->OptimizerStep(&ctx, step, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_NEAR(resp.grad_norm(), std::sqrt(norm), 1e-3 * std::sqrt(norm));
+  EXPECT_EQ(resp.head().version(), 2);
 }
 
 }  // namespace

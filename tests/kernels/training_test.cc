@@ -1,9 +1,12 @@
-// Host training math: AdamW against a float64 transcription of torch.optim.AdamW, and the policy
-// loss's upstream gradients against central differences of its own per-token loss.
+// Host training math: AdamW against a float64 transcription of torch.optim.AdamW, the CPU
+// HeadTrainer against that loop, and the policy loss's upstream gradients against central
+// differences of its own per-token loss.
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "gtest/gtest.h"
+#include "lce/numeric.h"
 #include "lce/training.h"
 
 namespace lce {
@@ -40,6 +43,149 @@ TEST(AdamW, MatchesTorchFormulaInFloat64) {
   }
   std::vector<float> g = {3.0f, 4.0f};
   EXPECT_DOUBLE_EQ(SquaredNorm(g.data(), 2), 25.0);
+}
+
+TEST(SquaredNorm, FixedOrderSumEqualsFloat64AndClipScaleIsTorchs) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> g((int64_t{1} << 17) + 37);  // more than one block, and a partial one
+  double want = 0;
+  for (float& x : g) {
+    x = normal(rng);
+    want += static_cast<double>(x) * x;
+  }
+  const double got = SquaredNorm(g.data(), static_cast<int64_t>(g.size()));
+  EXPECT_NEAR(got, want, 1e-12 * want);
+  EXPECT_EQ(got, SquaredNorm(g.data(), static_cast<int64_t>(g.size()))) << "the same bits every call";
+  EXPECT_FLOAT_EQ(ClipScale(4.0, 0.0f), 1.0f);
+  EXPECT_FLOAT_EQ(ClipScale(4.0, 8.0f), 1.0f);
+  EXPECT_FLOAT_EQ(ClipScale(4.0, 2.0f), static_cast<float>(2.0 / (4.0 + 1e-6)));
+}
+
+// A small bf16 head of random weights.
+std::shared_ptr<HeadWeights> RandomHead(int64_t vocab, int64_t hidden, uint64_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  auto w = std::make_shared<HeadWeights>();
+  w->shape = {vocab, hidden, DType::kBFloat16, 0, vocab, false};
+  std::vector<float> f(static_cast<size_t>(vocab * hidden));
+  for (float& x : f) x = normal(rng) / std::sqrt(static_cast<float>(hidden));
+  w->weight.resize(f.size() * 2);
+  ConvertFromFloat(f.data(), static_cast<int64_t>(f.size()), DType::kBFloat16, w->weight.data());
+  return w;
+}
+
+absl::StatusOr<std::shared_ptr<LceEngine>> MakeCpuEngine(std::shared_ptr<const HeadWeights> w) {
+  absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(Backend::kCpu, std::move(w), EngineConfig{});
+  if (!e.ok()) return e.status();
+  return std::shared_ptr<LceEngine>(std::move(*e));
+}
+
+// The CPU trainer: dW accumulates in its host buffer, steps equal AdamWStep on that buffer, the new
+// engine serves the masters rounded to bf16, SetWeight moves the masters and keeps the moments.
+TEST(HeadTrainer, CpuTrainerStepsLikeTheHostLoop) {
+  const int64_t V = 301, H = 16, N = 40;
+  std::shared_ptr<HeadWeights> w = RandomHead(V, H, 5);
+  absl::StatusOr<std::shared_ptr<LceEngine>> engine = MakeCpuEngine(w);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  absl::StatusOr<std::unique_ptr<HeadTrainer>> t = CreateHeadTrainer(*engine, w, MakeCpuEngine);
+  ASSERT_TRUE(t.ok()) << t.status();
+  HeadTrainer& trainer = **t;
+  EXPECT_EQ(trainer.backend(), "cpu");
+  EXPECT_EQ(trainer.grad_space(), MemorySpace::kHost);
+  ASSERT_EQ(trainer.grad_elements(), V * H);
+
+  std::mt19937 rng(6);
+  std::normal_distribution<float> normal;
+  std::vector<uint8_t> hidden(static_cast<size_t>(N * H * 2));
+  for (int64_t i = 0; i < N * H; ++i) reinterpret_cast<uint16_t*>(hidden.data())[i] = FloatToBf16(normal(rng));
+  std::vector<int32_t> targets(N);
+  for (int64_t i = 0; i < N; ++i) targets[i] = static_cast<int32_t>((i * 37) % V);
+  const RowsView rows{hidden.data(), targets.data(), N, MemorySpace::kHost};
+  const Upstream up{GradMode::kLoss, nullptr, nullptr, nullptr};
+  std::vector<float> want(static_cast<size_t>(V * H), 0.0f);
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE((*engine)->Compute(rows, LceOptions{}, up, {}, {nullptr, trainer.grad()}).ok());
+    ASSERT_TRUE((*engine)->Compute(rows, LceOptions{}, up, {}, {nullptr, want.data()}).ok());
+  }
+  ASSERT_EQ(std::memcmp(trainer.grad(), want.data(), want.size() * 4), 0);
+  absl::StatusOr<double> sq = trainer.GradSquaredNorm();
+  ASSERT_TRUE(sq.ok());
+  EXPECT_NEAR(*sq, SquaredNorm(want.data(), V * H), 1e-12 * *sq);
+  std::vector<float> slice(7 * H);
+  ASSERT_TRUE(trainer.CopyGrad(5, 7, slice.data()).ok());
+  EXPECT_EQ(std::memcmp(slice.data(), want.data() + 5 * H, slice.size() * 4), 0);
+  EXPECT_EQ(trainer.CopyGrad(V - 3, 7, slice.data()).code(), absl::StatusCode::kOutOfRange);
+
+  std::vector<float> master(static_cast<size_t>(V * H)), m(master.size(), 0.0f), v(master.size(), 0.0f);
+  ConvertToFloat(w->weight.data(), DType::kBFloat16, V * H, master.data());
+  AdamWParams p;
+  p.lr = 1e-2f;
+  p.weight_decay = 0.1f;
+  std::shared_ptr<LceEngine> served = *engine;
+  for (int step = 1; step <= 4; ++step) {
+    if (step == 3) {  // a trainer's update in between: the masters follow it, the moments stay
+      std::shared_ptr<HeadWeights> other = RandomHead(V, H, 9);
+      absl::StatusOr<std::shared_ptr<LceEngine>> e = trainer.SetWeight(other);
+      ASSERT_TRUE(e.ok()) << e.status();
+      ConvertToFloat(other->weight.data(), DType::kBFloat16, V * H, master.data());
+    }
+    const float scale = ClipScale(std::sqrt(*sq), 0.5f);
+    absl::StatusOr<std::shared_ptr<LceEngine>> e = trainer.Step(p, scale);
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_NE(e->get(), served.get()) << "a CPU step serves a new engine";
+    served = *e;
+    AdamWStep(master.data(), m.data(), v.data(), want.data(), V * H, p, step, scale);
+    EXPECT_EQ(trainer.steps(), step);
+    std::vector<uint8_t> rounded(static_cast<size_t>(V * H * 2));
+    ConvertFromFloat(master.data(), V * H, DType::kBFloat16, rounded.data());
+    absl::StatusOr<std::shared_ptr<const HeadWeights>> now = trainer.Weights();
+    ASSERT_TRUE(now.ok());
+    ASSERT_EQ((*now)->weight, rounded) << "step " << step;
+  }
+  std::vector<float> lp_served(N), lp_direct(N);
+  absl::StatusOr<std::shared_ptr<LceEngine>> direct = MakeCpuEngine(*trainer.Weights());
+  ASSERT_TRUE(direct.ok());
+  ASSERT_TRUE(served->Compute(rows, LceOptions{}, {}, {lp_served.data(), nullptr, nullptr, nullptr}, {}).ok());
+  ASSERT_TRUE((*direct)->Compute(rows, LceOptions{}, {}, {lp_direct.data(), nullptr, nullptr, nullptr}, {}).ok());
+  EXPECT_EQ(lp_served, lp_direct);
+
+  ASSERT_TRUE(trainer.ZeroGrad().ok());
+  EXPECT_EQ(*trainer.GradSquaredNorm(), 0.0);
+}
+
+// The squared norm a group combines from its shards' tiles has the bits of one rank's, for any split.
+TEST(HeadTrainer, ShardsTileNormsCombineToOneRanksBits) {
+  const int64_t V = 3001, H = 24;
+  std::shared_ptr<HeadWeights> full = RandomHead(V, H, 7);
+  std::mt19937 rng(8);
+  std::normal_distribution<float> normal;
+  std::vector<float> grad(static_cast<size_t>(V * H));
+  for (size_t i = 0; i < grad.size(); ++i) grad[i] = normal(rng) * static_cast<float>(1 + i % 7);
+  auto trainer_of = [&](std::shared_ptr<const HeadWeights> w) {
+    absl::StatusOr<std::shared_ptr<LceEngine>> e = MakeCpuEngine(w);
+    EXPECT_TRUE(e.ok());
+    absl::StatusOr<std::unique_ptr<HeadTrainer>> t = CreateHeadTrainer(*e, w, MakeCpuEngine);
+    EXPECT_TRUE(t.ok());
+    const HeadShape& s = w->shape;
+    std::memcpy((*t)->grad(), grad.data() + s.vocab_begin * H, static_cast<size_t>(s.shard_rows * H) * 4);
+    return std::move(*t);
+  };
+  const double one = *trainer_of(full)->GradSquaredNorm();
+  const int64_t tiles = VocabTileCount(V);
+  for (int world : {2, 3, 5}) {
+    std::vector<float> exchange(static_cast<size_t>(2 * tiles), 0.0f);
+    for (int r = 0; r < world; ++r) {
+      const VocabRange range = VocabShard(V, r, world);
+      auto shard = std::make_shared<HeadWeights>();
+      shard->shape = {V, H, DType::kBFloat16, range.begin, range.end - range.begin, false};
+      shard->weight.assign(full->weight.begin() + range.begin * H * 2, full->weight.begin() + range.end * H * 2);
+      absl::StatusOr<TileSquaredNorms> t = trainer_of(shard)->GradTileSquaredNorms();
+      ASSERT_TRUE(t.ok());
+      PackTileSquaredNorms(*t, exchange.data());
+    }
+    EXPECT_EQ(CombineTileSquaredNorms(exchange.data(), tiles), one) << world << " shards";
+  }
 }
 
 double TotalLoss(const PolicyLossConfig& c, std::vector<float> lp, const std::vector<float>& ent,

@@ -1,9 +1,17 @@
-// Host-side math of training the head: AdamW on fp32 master weights, and the per-token RL policy
-// loss (clipped surrogate, entropy bonus, KL penalty) with its gradients with respect to the
-// logprob and entropy the engine produced. Formulas: docs/MATH.md.
+// Training the head: AdamW on fp32 master weights (the host loop, and HeadTrainer: a head shard's
+// gradient and optimizer state where its engine computes, with a CPU and a CUDA implementation of the
+// same math), and the per-token RL policy loss (clipped surrogate, entropy bonus, KL penalty) with its
+// gradients with respect to the logprob and entropy the engine produced. Formulas: docs/MATH.md.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lce/engine.h"
 
 namespace lce {
 
@@ -21,8 +29,98 @@ struct AdamWParams {
 void AdamWStep(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n,
                const AdamWParams& p, int64_t step, float grad_scale);
 
-// Σ grad² in double.
+// The per-step constants of that update, computed once on the host for both implementations (so that
+// the CPU loop and the CUDA kernel do the same fp32 operations): step_size = lr / (1 − β1^t),
+// bc2_sqrt = sqrt(1 − β2^t), decay = 1 − lr·wd.
+struct AdamWCoefficients {
+  float step_size = 0, bc2_sqrt = 1, decay = 1;
+};
+AdamWCoefficients AdamWCoefficientsAt(const AdamWParams& p, int64_t step);
+
+// Σ grad² in double, summed in a fixed order (fixed blocks, then the blocks in order): the same bits
+// whatever the thread count.
 double SquaredNorm(const float* grad, int64_t n);
+
+// The AdamW gradient scale of global-norm clipping (as torch.nn.utils.clip_grad_norm_):
+// min(1, max_grad_norm / (norm + 1e-6)) when max_grad_norm > 0, else 1.
+float ClipScale(double norm, float max_grad_norm);
+
+// ‖dW‖² with the same bits however the head is sharded: each vocabulary tile's Σ dW² (tiles of
+// VocabTile rows at fixed global offsets; a shard holds whole tiles) in float64 in a fixed order, sent
+// between ranks as two fp32 halves (hi = fp32(s), lo = fp32(s − hi)) in a slot of its own of a vector
+// over every tile of the head (2·VocabTileCount floats, one all-reduce), then hi + lo of every tile
+// summed in global tile order.
+struct TileSquaredNorms {
+  int64_t first_tile = 0;    // global index of the shard's first tile
+  std::vector<double> sums;  // one a tile of the shard, in order
+};
+// The tiles a shard overlaps: tile first_tile + i is the shard's rows [RowBegin(i), RowEnd(i)).
+struct ShardTiles {
+  int64_t first_tile = 0, count = 0, tile_rows = 1, vocab_begin = 0, shard_rows = 0;
+  int64_t RowBegin(int64_t i) const { return std::max<int64_t>(0, (first_tile + i) * tile_rows - vocab_begin); }
+  int64_t RowEnd(int64_t i) const { return std::min(shard_rows, (first_tile + i + 1) * tile_rows - vocab_begin); }
+};
+ShardTiles TilesOf(const HeadShape& shape);
+// Writes the shard's tiles into their slots of `exchange` (leaves the others as they are: zero them).
+void PackTileSquaredNorms(const TileSquaredNorms& tiles, float* exchange);
+// Σ over the head's `tiles` tiles, in order, of hi + lo.
+double CombineTileSquaredNorms(const float* exchange, int64_t tiles);
+
+// Builds the engine of a new weight (the CPU trainer's next version).
+using EngineMaker = std::function<absl::StatusOr<std::shared_ptr<LceEngine>>(std::shared_ptr<const HeadWeights>)>;
+
+// The gradient dW and the AdamW state of one head shard, kept where the shard's engine computes: host
+// memory for the CPU engine, device memory for the CUDA engine (dW accumulated in place on the GPU,
+// the step a kernel). Both do the same fp32 math (AdamWStep). Not thread-safe: the caller serialises
+// every call, and the engine calls that accumulate into grad(). The master weights and moments are
+// made at the first step, from the current weight.
+class HeadTrainer {
+ public:
+  virtual ~HeadTrainer() = default;
+  // "cpu" or "cuda".
+  virtual std::string_view backend() const = 0;
+  // dW [shard_rows, hidden] fp32, for GradOutputs.d_weight of engine calls whose rows live in
+  // grad_space() (device rows for the CUDA engine).
+  virtual float* grad() = 0;
+  virtual MemorySpace grad_space() const = 0;
+  int64_t grad_elements() const { return shape_.shard_rows * shape_.hidden_size; }
+  // The cudaStream_t grad() is ordered on (null on the host), for collectives over it (e.g. a
+  // data-parallel all-reduce of dW before a step). Every call here is complete when it returns.
+  virtual void* stream() = 0;
+  const HeadShape& shape() const { return shape_; }
+  int64_t steps() const { return steps_; }
+
+  virtual absl::Status ZeroGrad() = 0;
+  // Σ dW² of each tile of this shard, in float64, in a fixed order (the CPU's and the GPU's differ).
+  virtual absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() = 0;
+  // ‖dW‖² of this shard as a group combines the tiles (a head of one rank: its global squared norm).
+  absl::StatusOr<double> GradSquaredNorm();
+  // Rows [first_row, first_row + rows) of this shard's dW into host memory.
+  virtual absl::Status CopyGrad(int64_t first_row, int64_t rows, float* host) = 0;
+  // Makes the AdamW state (fp32 masters from the current weight, zero moments) unless it exists: a
+  // step that cannot have it fails here, before anything changes. Step calls it too.
+  virtual absl::Status PrepareStep() = 0;
+  // One AdamW step with g = dW·grad_scale. The new serving weight (the masters rounded to the dtype)
+  // is written in the same pass; returns the engine that serves it: the same CUDA engine (its weight
+  // rewritten in place, so no call may run on it meanwhile) or a new CPU engine.
+  virtual absl::StatusOr<std::shared_ptr<LceEngine>> Step(const AdamWParams& p, float grad_scale) = 0;
+  // Serves `weights` (this shard's rows) instead, e.g. a trainer's update: the master weights follow,
+  // the moments and the step count stay. Returns the serving engine, as Step.
+  virtual absl::StatusOr<std::shared_ptr<LceEngine>> SetWeight(std::shared_ptr<const HeadWeights> weights) = 0;
+  // The current weight in host memory (SaveHead, clones).
+  virtual absl::StatusOr<std::shared_ptr<const HeadWeights>> Weights() = 0;
+
+ protected:
+  explicit HeadTrainer(const HeadShape& shape) : shape_(shape) {}
+  HeadShape shape_;
+  int64_t steps_ = 0;
+};
+
+// A trainer for `engine` (a CPU or CUDA engine, by its backend()) serving `weights`. `make_engine`
+// builds the CPU engine's new versions (unused by the CUDA trainer, which writes the weight in place).
+absl::StatusOr<std::unique_ptr<HeadTrainer>> CreateHeadTrainer(std::shared_ptr<LceEngine> engine,
+                                                               std::shared_ptr<const HeadWeights> weights,
+                                                               EngineMaker make_engine);
 
 enum class KlKind : uint8_t { kK1, kK3 };
 enum class AggregationKind : uint8_t { kTokenMean, kSeqMeanTokenSum, kSeqMeanTokenMean };

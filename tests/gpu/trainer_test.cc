@@ -1,0 +1,198 @@
+// The CUDA HeadTrainer against the host AdamW loop (the CPU trainer's math): the same gradient gives
+// the same serving weight bits after several clipped steps and an update, for bf16, fp16 and fp32
+// heads; the device norm is the float64 sum, in a fixed order that shards of any group size share;
+// the engine accumulates dW into the trainer's device buffer. Every test skips (GTEST_SKIP, with a message) where no CUDA device is visible.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "lce/engine.h"
+#include "lce/numeric.h"
+#include "lce/training.h"
+
+namespace lce {
+namespace {
+
+#define SKIP_WITHOUT_GPU() \
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device visible: CUDA trainer tests skipped"
+
+std::shared_ptr<HeadWeights> RandomHead(int64_t vocab, int64_t hidden, DType dtype, uint64_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  auto w = std::make_shared<HeadWeights>();
+  w->shape = {vocab, hidden, dtype, 0, vocab, false};
+  std::vector<float> f(static_cast<size_t>(vocab * hidden));
+  for (float& x : f) x = normal(rng) / std::sqrt(static_cast<float>(hidden));
+  w->weight.resize(f.size() * DTypeSize(dtype));
+  ConvertFromFloat(f.data(), static_cast<int64_t>(f.size()), dtype, w->weight.data());
+  return w;
+}
+
+struct Trained {
+  std::shared_ptr<LceEngine> engine;
+  std::unique_ptr<HeadTrainer> trainer;
+};
+
+Trained CudaTrainer(std::shared_ptr<HeadWeights> w) {
+  Trained t;
+  absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(Backend::kCuda, w, EngineConfig{});
+  EXPECT_TRUE(e.ok()) << e.status();
+  if (!e.ok()) return t;
+  t.engine = std::move(*e);
+  absl::StatusOr<std::unique_ptr<HeadTrainer>> tr = CreateHeadTrainer(t.engine, w, nullptr);
+  EXPECT_TRUE(tr.ok()) << tr.status();
+  if (tr.ok()) t.trainer = std::move(*tr);
+  return t;
+}
+
+TEST(CudaTrainer, AdamWKernelGivesTheHostLoopsBits) {
+  SKIP_WITHOUT_GPU();
+  // An odd element count: the kernel's vector loop and its tail both run.
+  const int64_t V = 1001, H = 27, n = V * H;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    std::shared_ptr<HeadWeights> w = RandomHead(V, H, dtype, 11);
+    Trained t = CudaTrainer(w);
+    ASSERT_NE(t.trainer, nullptr);
+    HeadTrainer& trainer = *t.trainer;
+    EXPECT_EQ(trainer.grad_space(), MemorySpace::kDevice);
+    std::mt19937 rng(12);
+    std::normal_distribution<float> normal;
+    std::vector<float> grad(static_cast<size_t>(n));
+    for (float& g : grad) g = 0.05f * normal(rng);
+    ASSERT_EQ(cudaMemcpy(trainer.grad(), grad.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    absl::StatusOr<double> sq = trainer.GradSquaredNorm();
+    ASSERT_TRUE(sq.ok()) << sq.status();
+    double want = 0;
+    for (float g : grad) want += static_cast<double>(g) * g;
+    EXPECT_NEAR(*sq, want, 1e-12 * want);
+    EXPECT_EQ(*sq, *trainer.GradSquaredNorm()) << "a fixed summation order";
+    std::vector<float> slice(3 * H);
+    ASSERT_TRUE(trainer.CopyGrad(V - 3, 3, slice.data()).ok());
+    EXPECT_EQ(std::memcmp(slice.data(), grad.data() + (V - 3) * H, slice.size() * 4), 0);
+
+    std::vector<float> master(static_cast<size_t>(n)), m(master.size(), 0.0f), v(master.size(), 0.0f);
+    ConvertToFloat(w->weight.data(), dtype, n, master.data());
+    AdamWParams p;
+    p.lr = 3e-3f;
+    p.beta2 = 0.95f;
+    p.weight_decay = 0.05f;
+    for (int step = 1; step <= 4; ++step) {
+      if (step == 3) {
+        std::shared_ptr<HeadWeights> other = RandomHead(V, H, dtype, 13);
+        ASSERT_TRUE(trainer.SetWeight(other).ok());
+        ConvertToFloat(other->weight.data(), dtype, n, master.data());
+      }
+      const float scale = ClipScale(std::sqrt(*sq), 0.5f);
+      absl::StatusOr<std::shared_ptr<LceEngine>> e = trainer.Step(p, scale);
+      ASSERT_TRUE(e.ok()) << e.status();
+      EXPECT_EQ(e->get(), t.engine.get()) << "the CUDA step rewrites the engine's weight in place";
+      AdamWStep(master.data(), m.data(), v.data(), grad.data(), n, p, step, scale);
+      std::vector<uint8_t> rounded(w->weight.size());
+      ConvertFromFloat(master.data(), n, dtype, rounded.data());
+      absl::StatusOr<std::shared_ptr<const HeadWeights>> now = trainer.Weights();
+      ASSERT_TRUE(now.ok()) << now.status();
+      size_t differ = 0;
+      for (size_t i = 0; i < rounded.size(); ++i) differ += (*now)->weight[i] != rounded[i];
+      EXPECT_EQ(differ, 0u) << "bytes of the serving weight that differ from the host loop's, step " << step;
+    }
+    ASSERT_TRUE(trainer.ZeroGrad().ok());
+    EXPECT_EQ(*trainer.GradSquaredNorm(), 0.0);
+  }
+}
+
+// The device's tile sums depend on the tile alone: shards of 2, 3 and 5 ranks combine to one rank's
+// bits, with float4 loads (H = 64) and without (H = 27).
+TEST(CudaTrainer, ShardsTileNormsCombineToOneRanksBits) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t H : {64, 27}) {
+    const int64_t V = 3001;
+    std::shared_ptr<HeadWeights> full = RandomHead(V, H, DType::kBFloat16, 31);
+    std::mt19937 rng(32);
+    std::normal_distribution<float> normal;
+    std::vector<float> grad(static_cast<size_t>(V * H));
+    for (size_t i = 0; i < grad.size(); ++i) grad[i] = normal(rng) * static_cast<float>(1 + i % 7);
+    auto tiles_of = [&](std::shared_ptr<HeadWeights> w) {
+      Trained t = CudaTrainer(w);
+      const HeadShape& s = w->shape;
+      EXPECT_EQ(cudaMemcpy(t.trainer->grad(), grad.data() + s.vocab_begin * H, s.shard_rows * H * 4, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      absl::StatusOr<TileSquaredNorms> n = t.trainer->GradTileSquaredNorms();
+      EXPECT_TRUE(n.ok()) << n.status();
+      return *n;
+    };
+    const int64_t tiles = VocabTileCount(V);
+    std::vector<float> one(static_cast<size_t>(2 * tiles), 0.0f);
+    PackTileSquaredNorms(tiles_of(full), one.data());
+    const double want = CombineTileSquaredNorms(one.data(), tiles);
+    for (int world : {2, 3, 5}) {
+      std::vector<float> exchange(one.size(), 0.0f);
+      for (int r = 0; r < world; ++r) {
+        const VocabRange range = VocabShard(V, r, world);
+        auto shard = std::make_shared<HeadWeights>();
+        shard->shape = {V, H, DType::kBFloat16, range.begin, range.end - range.begin, false};
+        shard->weight.assign(full->weight.begin() + range.begin * H * 2, full->weight.begin() + range.end * H * 2);
+        PackTileSquaredNorms(tiles_of(shard), exchange.data());
+      }
+      EXPECT_EQ(CombineTileSquaredNorms(exchange.data(), tiles), want) << "H=" << H << ", " << world << " shards";
+    }
+  }
+}
+
+// The engine's dW lands in the trainer's device buffer, as in any device buffer, and a step changes
+// what the same engine answers.
+TEST(CudaTrainer, EngineAccumulatesIntoTheDeviceGradient) {
+  SKIP_WITHOUT_GPU();
+  const int64_t V = 5003, H = 256, N = 300;
+  std::shared_ptr<HeadWeights> w = RandomHead(V, H, DType::kBFloat16, 21);
+  Trained t = CudaTrainer(w);
+  ASSERT_NE(t.trainer, nullptr);
+  std::mt19937 rng(22);
+  std::normal_distribution<float> normal;
+  std::vector<uint16_t> hidden(static_cast<size_t>(N * H));
+  for (uint16_t& x : hidden) x = FloatToBf16(normal(rng));
+  std::vector<int32_t> targets(N);
+  for (int64_t i = 0; i < N; ++i) targets[i] = i % 9 == 0 ? -100 : static_cast<int32_t>((i * 131) % V);
+  void *d_hidden = nullptr, *d_targets = nullptr, *d_dw = nullptr;
+  float* d_lp = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_hidden, hidden.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_targets, N * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_dw, V * H * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_lp, N * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_hidden, hidden.data(), hidden.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_targets, targets.data(), N * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(d_dw, 0, V * H * 4), cudaSuccess);
+  const RowsView rows{d_hidden, static_cast<const int32_t*>(d_targets), N, MemorySpace::kDevice};
+  const Upstream up{GradMode::kLoss, nullptr, nullptr, nullptr};
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(t.engine->Compute(rows, LceOptions{}, up, {}, {nullptr, t.trainer->grad()}).ok());
+    ASSERT_TRUE(t.engine->Compute(rows, LceOptions{}, up, {}, {nullptr, static_cast<float*>(d_dw)}).ok());
+  }
+  std::vector<float> got(static_cast<size_t>(V * H)), want(got.size());
+  ASSERT_TRUE(t.trainer->CopyGrad(0, V, got.data()).ok());
+  ASSERT_EQ(cudaMemcpy(want.data(), d_dw, want.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got, want);
+  double norm = 0;
+  for (float x : want) norm += static_cast<double>(x) * x;
+  EXPECT_GT(norm, 0.0);
+
+  std::vector<float> before(N), after(N);
+  ASSERT_TRUE(t.engine->Compute(rows, LceOptions{}, {}, {d_lp, nullptr, nullptr, nullptr}, {}).ok());
+  ASSERT_EQ(cudaMemcpy(before.data(), d_lp, N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  AdamWParams p;
+  p.lr = 1e-2f;
+  ASSERT_TRUE(t.trainer->Step(p, 1.0f).ok());
+  ASSERT_TRUE(t.engine->Compute(rows, LceOptions{}, {}, {d_lp, nullptr, nullptr, nullptr}, {}).ok());
+  ASSERT_EQ(cudaMemcpy(after.data(), d_lp, N * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  double mean_gain = 0;
+  for (int64_t i = 0; i < N; ++i) mean_gain += targets[i] == -100 ? 0.0 : after[i] - before[i];
+  EXPECT_GT(mean_gain, 0.0) << "a descent step on the loss raises the targets' logprobs";
+  for (void* ptr : {d_hidden, d_targets, d_dw, static_cast<void*>(d_lp)}) cudaFree(ptr);
+}
+
+}  // namespace
+}  // namespace lce
