@@ -66,7 +66,7 @@ grpc::Status LceService::LoadHead(grpc::ServerContext* ctx, const v1::LoadHeadRe
           source.file = req->safetensors_file();
           if (!req->tensor().empty()) source.tensor = req->tensor();
         }
-        absl::StatusOr<std::shared_ptr<HeadWeights>> w = lce::server::LoadHead(source, 0, 1);
+        absl::StatusOr<std::shared_ptr<HeadWeights>> w = lce::server::LoadHead(source, 0, 1, config_.max_head_bytes);
         if (!w.ok()) return ToGrpcStatus(w.status());
         weights = std::move(*w);
         break;
