@@ -321,12 +321,13 @@ grpc::Status LceService::WithinLimit(grpc::ServerContext* ctx, const ClientWait&
   // The handler is blocked in `wait` until Disarm returns, and the action has finished by then:
   // `ctx` and `limit` outlive it. Cancelling with a status (not TryCancel's bare CANCELLED) lets the
   // client see which wait it overran.
-  const StreamWatchdog::Ticket ticket = watchdog_.Arm(deadline, [ctx, &limit] {
+  // It is counted before the client can see it.
+  const StreamWatchdog::Ticket ticket = watchdog_.Arm(deadline, [this, ctx, &limit] {
+    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({limit.reason}).Increment();
     grpc_call_cancel_with_status(ctx->c_call(), GRPC_STATUS_DEADLINE_EXCEEDED, limit.message.c_str(), nullptr);
   });
   *done = wait();
   if (watchdog_.Disarm(ticket)) return grpc::Status::OK;
-  if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({limit.reason}).Increment();
   return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, limit.message);
 }
 
