@@ -84,6 +84,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   auto seconds = [](double* dst) {
     return [dst](const std::string& v) { return absl::SimpleAtod(v, dst) && *dst >= 0 && *dst <= 3.2e7; };
   };
+  absl::Status seed_shape;  // why --seed-head was refused
   std::map<std::string, std::function<bool(const std::string&)>> setters = {
       {"host", str(&f.host)},
       {"port", i32(&f.port)},
@@ -93,7 +94,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"head-file", str(&f.head.file)},
       {"head-tensor", str(&f.head.tensor)},
       {"head-bias-tensor", str(&f.head.bias_tensor)},
-      {"seed-head", [&f](const std::string& v) { return ParseSeedShape(v, f.head).ok(); }},
+      {"seed-head", [&f, &seed_shape](const std::string& v) { return (seed_shape = ParseSeedShape(v, f.head)).ok(); }},
       {"seed", [&f](const std::string& v) { return absl::SimpleAtoi(v, &f.head.seed); }},
       {"head-dtype", [&f](const std::string& v) {
          absl::StatusOr<DType> d = ParseDType(v);
@@ -161,7 +162,10 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     name = absl::StrReplaceAll(name, {{"_", "-"}});
     auto it = setters.find(name);
     if (it == setters.end()) return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
-    if (!it->second(value)) return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", name));
+    if (!it->second(value)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", name,
+                                                     seed_shape.ok() ? "" : ": ", seed_shape.message()));
+    }
   }
   if (f.port < 0 || f.port > 65535) return absl::InvalidArgumentError(absl::StrCat("bad --port ", f.port));
   if (f.tp_size < 1 || f.tp_rank < 0 || f.tp_rank >= f.tp_size) {
