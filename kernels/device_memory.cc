@@ -184,6 +184,16 @@ class CudaDeviceTransfer final : public DeviceTransfer {
 
 }  // namespace
 
+absl::StatusOr<int64_t> DeviceMemoryBytes(int device) {
+  cudaDeviceProp prop{};
+  const cudaError_t e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat("CUDA device ", device, " is not available: ", cudaGetErrorName(e)));
+  }
+  return static_cast<int64_t>(prop.totalGlobalMem);
+}
+
 absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateDeviceBuffer(int64_t bytes, int device) {
   if (bytes <= 0) return absl::InvalidArgumentError(absl::StrCat("device buffer of ", bytes, " bytes"));
   DeviceScope scope(device);
@@ -245,6 +255,8 @@ absl::StatusOr<std::unique_ptr<ImportedDeviceMemory>> ImportCudaIpcMemory(absl::
 }
 
 #else
+
+absl::StatusOr<int64_t> DeviceMemoryBytes(int) { return absl::UnimplementedError("this build has no CUDA backend"); }
 
 absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateDeviceBuffer(int64_t, int) {
   return absl::UnimplementedError("this build has no CUDA backend");

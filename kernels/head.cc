@@ -22,6 +22,16 @@ absl::StatusOr<DType> ParseDType(std::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", std::string(name), "' (fp32, bf16, fp16)"));
 }
 
+absl::StatusOr<int64_t> TensorBytes(int64_t rows, int64_t cols, int64_t element_bytes, std::string_view what) {
+  int64_t elements = 0, bytes = 0;
+  if (rows < 0 || cols < 0 || element_bytes < 0 || __builtin_mul_overflow(rows, cols, &elements) ||
+      __builtin_mul_overflow(elements, element_bytes, &bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(what), ": ", rows, " x ", cols, " elements of ", element_bytes,
+                                                   " bytes is not a valid size (negative, or over 2^63 bytes)"));
+  }
+  return bytes;
+}
+
 absl::Status ValidateHeadWeights(const HeadWeights& head) {
   const HeadShape& s = head.shape;
   if (s.vocab_size <= 0 || s.hidden_size <= 0) {
@@ -32,10 +42,11 @@ absl::Status ValidateHeadWeights(const HeadWeights& head) {
     return absl::InvalidArgumentError(absl::StrCat("head shard [", s.vocab_begin, ", ", s.vocab_end(),
                                                    ") is not inside [0, ", s.vocab_size, ")"));
   }
-  const int64_t want = s.shard_rows * s.hidden_size * DTypeSize(s.dtype);
-  if (static_cast<int64_t>(head.weight.size()) != want) {
+  const absl::StatusOr<int64_t> want = TensorBytes(s.shard_rows, s.hidden_size, DTypeSize(s.dtype), "head shard");
+  if (!want.ok()) return want.status();
+  if (static_cast<int64_t>(head.weight.size()) != *want) {
     return absl::InvalidArgumentError(
-        absl::StrCat("head weight holds ", head.weight.size(), " bytes, shape needs ", want));
+        absl::StrCat("head weight holds ", head.weight.size(), " bytes, shape needs ", *want));
   }
   if (s.has_bias != !head.bias.empty() ||
       (s.has_bias && static_cast<int64_t>(head.bias.size()) != s.shard_rows)) {

@@ -1,9 +1,13 @@
 #include "head_source.h"
 
+#include <unistd.h>
+
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -152,17 +156,29 @@ absl::Status ParseSeedShape(const std::string& text, HeadSource& source) {
     return absl::InvalidArgumentError(absl::StrCat("seeded head shape must be VxH (e.g. 32000x512), got '",
                                                    text, "'"));
   }
+  // Even in fp32 the head's size must be a number (the memory cap is checked when it is loaded).
+  if (absl::StatusOr<int64_t> b = TensorBytes(v, h, 4, "seeded head"); !b.ok()) return b.status();
   source.seed_vocab = v;
   source.seed_hidden = h;
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<HeadWeights>> LoadHead(const HeadSource& source, int tp_rank, int tp_size) {
-  auto head = std::make_shared<HeadWeights>();
-  HeadShape& shape = head->shape;
+int64_t HostMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return INT64_MAX;
+  int64_t bytes = 0;
+  return __builtin_mul_overflow(static_cast<int64_t>(pages), static_cast<int64_t>(page), &bytes) ? INT64_MAX : bytes;
+}
+
+namespace {
+
+// The head's whole shape, from the source's header alone (no weights read yet).
+absl::StatusOr<HeadShape> SourceShape(const HeadSource& source) {
+  HeadShape shape;
   if (source.file.empty()) {
     if (source.seed_vocab <= 0 || source.seed_hidden <= 0) {
-      return absl::InvalidArgumentError("no head: give --head-file or --seed-head=VxH");
+      return absl::InvalidArgumentError(absl::StrCat("no head: give --head-file or --seed-head=VxH (a seeded head needs a "
+                                                     "positive shape, got ", source.seed_vocab, "x", source.seed_hidden, ")"));
     }
     shape.vocab_size = source.seed_vocab;
     shape.hidden_size = source.seed_hidden;
@@ -184,64 +200,127 @@ absl::StatusOr<std::shared_ptr<HeadWeights>> LoadHead(const HeadSource& source, 
     shape.hidden_size = entry->cols;
     shape.dtype = entry->dtype;
   }
-  if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || tp_size > shape.vocab_size) {
+  if (shape.vocab_size <= 0 || shape.hidden_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head shape must be positive, got ", shape.vocab_size, "x", shape.hidden_size));
+  }
+  return shape;
+}
+
+// Refuses a shard whose weight would not fit: INVALID_ARGUMENT when its size is not even a number,
+// RESOURCE_EXHAUSTED over `max_shard_bytes` (0: the host's memory).
+absl::Status CheckShardSize(const HeadShape& shape, int64_t max_shard_bytes) {
+  absl::StatusOr<int64_t> bytes = TensorBytes(shape.shard_rows, shape.hidden_size, DTypeSize(shape.dtype), "head shard");
+  if (!bytes.ok()) return bytes.status();
+  const int64_t cap = max_shard_bytes > 0 ? max_shard_bytes : HostMemoryBytes();
+  if (*bytes > cap) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "head shard of ", shape.shard_rows, "x", shape.hidden_size, " ", DTypeName(shape.dtype), " needs ", *bytes,
+        " bytes, over this server's limit of ", cap,
+        " (--max-head-bytes; by default the GPU's memory on CUDA, the host's otherwise)"));
+  }
+  return absl::OkStatus();
+}
+
+void FillSeeded(const HeadSource& source, HeadWeights& head) {
+  const HeadShape& shape = head.shape;
+  const int64_t es = DTypeSize(shape.dtype);
+  head.weight.resize(static_cast<size_t>(shape.shard_rows * shape.hidden_size * es));
+  for (int64_t r = 0; r < shape.shard_rows; ++r) {
+    for (int64_t c = 0; c < shape.hidden_size; ++c) {
+      StoreAs(shape.dtype, SeededHeadValue(source.seed, shape.vocab_begin + r, c, shape.hidden_size),
+              head.weight.data() + (r * shape.hidden_size + c) * es);
+    }
+  }
+}
+
+absl::Status ReadIndexed(const HeadSource& source, HeadWeights& head) {
+  absl::StatusOr<HeadIndex> idx = ReadIndex(source.file);
+  if (!idx.ok()) return idx.status();
+  HeadShape& shape = head.shape;
+  if (absl::Status s = GatherRows(*idx, "lm_head.weight", shape.vocab_begin, shape.vocab_end(), head.weight); !s.ok()) {
+    return s;
+  }
+  if (idx->has_bias) {
+    std::vector<uint8_t> bias;
+    if (absl::Status s = GatherRows(*idx, "lm_head.bias", shape.vocab_begin, shape.vocab_end(), bias); !s.ok()) return s;
+    head.bias.resize(bias.size() / 4);
+    std::memcpy(head.bias.data(), bias.data(), head.bias.size() * 4);
+    shape.has_bias = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadBias(const HeadSource& source, HeadWeights& head) {
+  HeadShape& shape = head.shape;
+  absl::StatusOr<SafetensorsEntry> b = ReadSafetensorsEntry(source.file, source.bias_tensor);
+  if (!b.ok()) return b.status();
+  if (b->rows != shape.vocab_size || b->cols != 1) {
+    return absl::InvalidArgumentError(absl::StrCat("bias '", source.bias_tensor, "' must have ",
+                                                   shape.vocab_size, " entries"));
+  }
+  absl::StatusOr<std::vector<uint8_t>> bytes = ReadSafetensorsRows(source.file, *b, shape.vocab_begin, shape.vocab_end());
+  if (!bytes.ok()) return bytes.status();
+  head.bias.resize(static_cast<size_t>(shape.shard_rows));
+  for (int64_t i = 0; i < shape.shard_rows; ++i) {
+    const uint8_t* p = bytes->data() + i * DTypeSize(b->dtype);
+    uint16_t h16;
+    std::memcpy(&h16, p, 2);
+    switch (b->dtype) {
+      case DType::kFloat32: std::memcpy(&head.bias[i], p, 4); break;
+      case DType::kBFloat16: head.bias[i] = Bf16ToFloat(h16); break;
+      case DType::kFloat16: head.bias[i] = Fp16ToFloat(h16); break;
+    }
+  }
+  shape.has_bias = true;
+  return absl::OkStatus();
+}
+
+absl::Status ReadFile(const HeadSource& source, HeadWeights& head) {
+  absl::StatusOr<SafetensorsEntry> entry = ReadSafetensorsEntry(source.file, source.tensor);
+  if (!entry.ok()) return entry.status();
+  absl::StatusOr<std::vector<uint8_t>> rows =
+      ReadSafetensorsRows(source.file, *entry, head.shape.vocab_begin, head.shape.vocab_end());
+  if (!rows.ok()) return rows.status();
+  head.weight = std::move(*rows);
+  return source.bias_tensor.empty() ? absl::OkStatus() : ReadBias(source, head);
+}
+
+absl::StatusOr<std::shared_ptr<HeadWeights>> LoadCheckedHead(const HeadSource& source, int tp_rank, int tp_size,
+                                                             int64_t max_shard_bytes) {
+  absl::StatusOr<HeadShape> shape = SourceShape(source);
+  if (!shape.ok()) return shape.status();
+  if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || tp_size > shape->vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat("bad tensor-parallel rank ", tp_rank, " of ", tp_size));
   }
-  const VocabRange range = VocabShard(shape.vocab_size, tp_rank, tp_size);
-  shape.vocab_begin = range.begin;
-  shape.shard_rows = range.end - range.begin;
-  const int64_t es = DTypeSize(shape.dtype);
-
+  const VocabRange range = VocabShard(shape->vocab_size, tp_rank, tp_size);
+  shape->vocab_begin = range.begin;
+  shape->shard_rows = range.end - range.begin;
+  if (absl::Status s = CheckShardSize(*shape, max_shard_bytes); !s.ok()) return s;
+  auto head = std::make_shared<HeadWeights>();
+  head->shape = *shape;
   if (source.file.empty()) {
-    head->weight.resize(static_cast<size_t>(shape.shard_rows * shape.hidden_size * es));
-    for (int64_t r = 0; r < shape.shard_rows; ++r) {
-      for (int64_t c = 0; c < shape.hidden_size; ++c) {
-        StoreAs(shape.dtype, SeededHeadValue(source.seed, range.begin + r, c, shape.hidden_size),
-                head->weight.data() + (r * shape.hidden_size + c) * es);
-      }
-    }
-  } else if (IsIndex(source.file)) {
-    absl::StatusOr<HeadIndex> idx = ReadIndex(source.file);
-    if (!idx.ok()) return idx.status();
-    if (absl::Status s = GatherRows(*idx, "lm_head.weight", range.begin, range.end, head->weight); !s.ok()) return s;
-    if (idx->has_bias) {
-      std::vector<uint8_t> bias;
-      if (absl::Status s = GatherRows(*idx, "lm_head.bias", range.begin, range.end, bias); !s.ok()) return s;
-      head->bias.resize(bias.size() / 4);
-      std::memcpy(head->bias.data(), bias.data(), bias.size());
-      shape.has_bias = true;
-    }
-  } else {
-    absl::StatusOr<SafetensorsEntry> entry = ReadSafetensorsEntry(source.file, source.tensor);
-    if (!entry.ok()) return entry.status();
-    absl::StatusOr<std::vector<uint8_t>> rows = ReadSafetensorsRows(source.file, *entry, range.begin, range.end);
-    if (!rows.ok()) return rows.status();
-    head->weight = std::move(*rows);
-    if (!source.bias_tensor.empty()) {
-      absl::StatusOr<SafetensorsEntry> b = ReadSafetensorsEntry(source.file, source.bias_tensor);
-      if (!b.ok()) return b.status();
-      if (b->rows != shape.vocab_size || b->cols != 1) {
-        return absl::InvalidArgumentError(absl::StrCat("bias '", source.bias_tensor, "' must have ",
-                                                       shape.vocab_size, " entries"));
-      }
-      absl::StatusOr<std::vector<uint8_t>> bytes = ReadSafetensorsRows(source.file, *b, range.begin, range.end);
-      if (!bytes.ok()) return bytes.status();
-      head->bias.resize(static_cast<size_t>(shape.shard_rows));
-      for (int64_t i = 0; i < shape.shard_rows; ++i) {
-        const uint8_t* p = bytes->data() + i * DTypeSize(b->dtype);
-        uint16_t h16;
-        std::memcpy(&h16, p, 2);
-        switch (b->dtype) {
-          case DType::kFloat32: std::memcpy(&head->bias[i], p, 4); break;
-          case DType::kBFloat16: head->bias[i] = Bf16ToFloat(h16); break;
-          case DType::kFloat16: head->bias[i] = Fp16ToFloat(h16); break;
-        }
-      }
-      shape.has_bias = true;
-    }
+    FillSeeded(source, *head);
+  } else if (absl::Status s = IsIndex(source.file) ? ReadIndexed(source, *head) : ReadFile(source, *head); !s.ok()) {
+    return s;
   }
-  if (absl::Status s = ValidateHeadWeights(*head); !s.ok()) return s;
+  if (absl::Status v = ValidateHeadWeights(*head); !v.ok()) return v;
   return head;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<HeadWeights>> LoadHead(const HeadSource& source, int tp_rank, int tp_size,
+                                                      int64_t max_shard_bytes) {
+  // Nothing may escape to a handler: an allocation the host refuses is a status, as is a JSON
+  // value of the wrong type in an index.
+  try {
+    return LoadCheckedHead(source, tp_rank, tp_size, max_shard_bytes);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("loading the head: the host has not enough memory for it");
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source.file, ": not an lce-serve head index (", e.what(), ")"));
+  }
 }
 
 }  // namespace lce::server

@@ -25,14 +25,20 @@ struct HeadSource {
   DType dtype = DType::kBFloat16;
 };
 
-// Parses "VxH", e.g. "32000x512".
+// Parses "VxH", e.g. "32000x512"; INVALID_ARGUMENT when not positive or too large to be a size.
 absl::Status ParseSeedShape(const std::string& text, HeadSource& source);
 
 // Loads rank `tp_rank`'s shard (VocabShard) of the head. `file` may also be the index written by
 // WriteHeadIndex (".index.json"): then the rows come from whichever shard files hold them, so a
 // head saved by a group of one size loads into a group of any size.
 
-absl::StatusOr<std::shared_ptr<HeadWeights>> LoadHead(const HeadSource& source, int tp_rank, int tp_size);
+// A shard over `max_shard_bytes` of weight (0: the host's memory) is RESOURCE_EXHAUSTED, a shape
+// whose size overflows INVALID_ARGUMENT, before anything is allocated.
+absl::StatusOr<std::shared_ptr<HeadWeights>> LoadHead(const HeadSource& source, int tp_rank, int tp_size,
+                                                      int64_t max_shard_bytes = 0);
+
+// The host's physical memory in bytes: the default cap on a head.
+int64_t HostMemoryBytes();
 
 // A head saved by a group of `world` ranks: <dir>/<name>-shard-<r>-of-<world>.safetensors per rank,
 // each with tensor "lm_head.weight" [shard rows, H] (and "lm_head.bias" when present), plus

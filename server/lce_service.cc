@@ -4,8 +4,10 @@
 #include <optional>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "engine_call_pipeline.h"
+#include "grpc/grpc.h"
 #include "grpc_status.h"
 #include "stream_answer_writer.h"
 #include "wire_types.h"
@@ -292,9 +294,72 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
+LceService::ClientWait LceService::HeaderWait() const {
+  return {config_.stream_header_timeout_seconds, "header_timeout",
+          absl::StrCat("no request header within ", config_.stream_header_timeout_seconds,
+                       " s of the stream's start (the server's --stream-header-timeout-seconds)")};
+}
+
+LceService::ClientWait LceService::IdleWait(std::string what) const {
+  return {config_.stream_idle_timeout_seconds, "idle_timeout",
+          absl::StrCat("waited ", config_.stream_idle_timeout_seconds, " s for ", what,
+                       " (the server's --stream-idle-timeout-seconds)")};
+}
+
+template <typename F>
+grpc::Status LceService::WithinLimit(grpc::ServerContext* ctx, const ClientWait& limit, F&& wait, bool* done) {
+  if (limit.seconds <= 0) {
+    *done = wait();
+    return grpc::Status::OK;
+  }
+  const auto deadline = StreamWatchdog::Clock::now() + std::chrono::duration_cast<StreamWatchdog::Clock::duration>(
+                                                           std::chrono::duration<double>(limit.seconds));
+  // The handler is blocked in `wait` until Disarm returns, and the action has finished by then:
+  // `ctx` and `limit` outlive it. Cancelling with a status (not TryCancel's bare CANCELLED) lets the
+  // client see which wait it overran.
+  // It is counted before the client can see it.
+  const StreamWatchdog::Ticket ticket = watchdog_.Arm(deadline, [this, ctx, &limit] {
+    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({limit.reason}).Increment();
+    grpc_call_cancel_with_status(ctx->c_call(), GRPC_STATUS_DEADLINE_EXCEEDED, limit.message.c_str(), nullptr);
+  });
+  *done = wait();
+  if (watchdog_.Disarm(ticket)) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, limit.message);
+}
+
+grpc::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx,
+                                    grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream,
+                                    std::optional<RequestPlan>* plan, std::optional<HeadStore::Use>* head_use) {
+  v1::StreamRequest msg;
+  bool got = false;
+  const auto t0 = std::chrono::steady_clock::now();
+  grpc::Status g = WithinLimit(ctx, HeaderWait(), [&] { return stream->Read(&msg); }, &got);
+  if (RequestWork* work = RequestWork::Current(); work != nullptr) {
+    work->read_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  if (!g.ok()) return g;
+  if (!got) {
+    if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty request: expected a header message first");
+  }
+  if (!msg.has_header()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first message of a request must be a header");
+  }
+  absl::StatusOr<RequestPlan> p =
+      ValidateAndUse(StreamRequestValidator(rpc, *heads_, config_.limits), msg.header(), *head_use);
+  if (!p.ok()) return ToGrpcStatus(p.status());
+  plan->emplace(*std::move(p));
+  return grpc::Status::OK;
+}
+
 grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
                                    grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
   if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
+  // The slot is taken once the header is in: a client that opens streams and sends nothing holds
+  // none (and is dropped at the header timeout).
+  std::optional<RequestPlan> plan;
+  std::optional<HeadStore::Use> head_use;  // the request runs start to end on this version of its head
+  if (grpc::Status g = ReadHeader(rpc, ctx, stream, &plan, &head_use); !g.ok()) return g;
   StreamSlot slot(streams_in_flight_, config_.max_concurrent_streams);
   if (!slot.admitted()) {
     if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"concurrent_streams"}).Increment();
@@ -313,16 +378,6 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     work->*acc += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return r;
   };
-  if (!timed(&RequestWork::read_wait_seconds, [&] { return stream->Read(&msg); })) {
-    if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty request: expected a header message first");
-  }
-  if (!msg.has_header()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first message of a request must be a header");
-  }
-  std::optional<HeadStore::Use> head_use;  // the request runs start to end on this version of its head
-  absl::StatusOr<RequestPlan> plan = ValidateAndUse(validator, msg.header(), head_use);
-  if (!plan.ok()) return ToGrpcStatus(plan.status());
   LceEngine& engine = *plan->head->engine;
   const HeadShape& shape = engine.shape();
   const bool is_fb = rpc == RpcKind::kForwardBackward;
@@ -351,6 +406,12 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
   // Answers leave from their own thread while the next chunk computes (two in flight at most); a
   // pipelined stream's finish thread writes them itself.
   StreamAnswerWriter<v1::StreamResponse> writer(stream, 2, /*own_thread=*/!pipelined);
+  // However the stream ends, the answers still queued go out within the idle timeout: a client that
+  // stops reading must not hold the handler (and its slot) in the writer's last writes.
+  absl::Cleanup finish_writer = [&] {
+    bool drained = false;
+    (void)WithinLimit(ctx, IdleWait("the client to read the last answers"), [&] { return writer.Finish(); }, &drained);
+  };
   int64_t rows_seen = 0, valid_seen = 0, chunk_index = 0, bytes_seen = 0;
   double loss_sum = 0.0;
   PolicyLossSums policy_sums;
@@ -390,10 +451,13 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     c.hidden_slice = {};
     c.dh_slice = {};
     const bool last = !(is_fb || is_pl) && c.index == last_chunk.load();
-    if (!timed(&RequestWork::write_wait_seconds,
-               [&] { return last ? writer.PushLast(std::move(c.resp)) : writer.Push(std::move(c.resp)); })) {
-      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
-    }
+    bool written = false;
+    grpc::Status g = WithinLimit(ctx, IdleWait("the client to read an answer"), [&] {
+      return timed(&RequestWork::write_wait_seconds,
+                   [&] { return last ? writer.PushLast(std::move(c.resp)) : writer.Push(std::move(c.resp)); });
+    }, &written);
+    if (!g.ok()) return g;
+    if (!written) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     c.resp = v1::StreamResponse();
     return grpc::Status::OK;
   };
@@ -408,7 +472,18 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
     absl::Status s = pipeline->WaitOldest();
     return s.ok() ? grpc::Status::OK : chunk_error(c, s);
   };
-  while (timed(&RequestWork::read_wait_seconds, [&] { return stream->Read(&msg); })) {
+  // The client's next message, within the idle timeout; `more` is false at the stream's end.
+  bool more = false;
+  auto read_next = [&] {
+    return WithinLimit(ctx,
+                       IdleWait(chunk_index == 0 ? std::string("the first chunk")
+                                                 : absl::StrCat("the message after chunk ", chunk_index - 1)),
+                       [&] { return timed(&RequestWork::read_wait_seconds, [&] { return stream->Read(&msg); }); },
+                       &more);
+  };
+  for (;;) {
+    if (grpc::Status g = read_next(); !g.ok()) return g;
+    if (!more) break;
     if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
     if (msg.has_header()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -557,7 +632,8 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
             if (st != nullptr) {
               if (absl::Status s = UnstageFromDevice(*st, c.staged); !s.ok()) return s;
             }
-            return answer(c).ok() ? absl::OkStatus() : absl::CancelledError("client went away");
+            const grpc::Status g = answer(c);
+            return absl::Status(static_cast<absl::StatusCode>(g.error_code()), g.error_message());
           });
       continue;
     }
@@ -656,11 +732,18 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       sum->set_mean_ratio(policy_sums.ratio / t);
       sum->set_mean_kl(policy_sums.kl / t);
     }
-    if (!writer.PushLast(std::move(resp))) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    bool written = false;
+    grpc::Status g =
+        WithinLimit(ctx, IdleWait("the client to read an answer"), [&] { return writer.PushLast(std::move(resp)); }, &written);
+    if (!g.ok()) return g;
+    if (!written) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   }
-  if (!timed(&RequestWork::drain_seconds, [&] { return writer.Finish(); })) {
-    return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
-  }
+  bool drained = false;
+  grpc::Status g = WithinLimit(ctx, IdleWait("the client to read the last answers"), [&] {
+    return timed(&RequestWork::drain_seconds, [&] { return writer.Finish(); });
+  }, &drained);
+  if (!g.ok()) return g;
+  if (!drained) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   return grpc::Status::OK;
 }
 

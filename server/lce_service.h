@@ -17,6 +17,7 @@
 #include "request_authenticator.h"
 #include "request_log.h"
 #include "service_metrics.h"
+#include "stream_watchdog.h"
 #include "tp_group.h"
 #include "request_validator.h"
 
@@ -29,6 +30,14 @@ struct ServiceConfig {
   int64_t max_concurrent_streams = 0;
   // Largest total hidden bytes of one request (0: no limit).
   int64_t max_request_bytes = 0;
+  // Waits on a silent client, in seconds (0: no limit); gRPC's sync reads and writes have no
+  // deadline of their own. A stream must send its header within the first (it takes no admission
+  // slot meanwhile), then send each next message, and read each answer, within the second. Past
+  // either, the call ends DEADLINE_EXCEEDED naming the wait.
+  double stream_header_timeout_seconds = 10;
+  double stream_idle_timeout_seconds = 60;
+  // Largest head shard LoadHead builds, in weight bytes (0: the host's memory).
+  int64_t max_head_bytes = 0;
   int tp_size = 1;
   // The GPU of the engine (CUDA backend, one rank): CUDA IPC regions are opened there and requests
   // that use them run on device memory. -1: no device regions.
@@ -101,6 +110,25 @@ class LceService final : public v1::LceService::Service {
                                grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream);
   grpc::Status RunStream(RpcKind rpc, grpc::ServerContext* ctx,
                          grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream);
+  // Reads the stream's header (within the header timeout) and checks it into *plan, holding the
+  // version of its head the request will run on in *head_use.
+  grpc::Status ReadHeader(RpcKind rpc, grpc::ServerContext* ctx,
+                          grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream,
+                          std::optional<RequestPlan>* plan, std::optional<HeadStore::Use>* head_use);
+  // A blocking wait on the client (a read of its next message, or a write it must read) bounded by
+  // the watchdog: past `seconds` (0: no limit) the call is cancelled with DEADLINE_EXCEEDED and
+  // `message` (the client sees both), counted as lce_admission_rejections_total{reason}.
+  struct ClientWait {
+    double seconds;
+    const char* reason;
+    std::string message;
+  };
+  ClientWait HeaderWait() const;
+  ClientWait IdleWait(std::string what) const;
+  // Runs `wait` (true/false as gRPC's Read and Write) into *done under `limit`: OK, or
+  // DEADLINE_EXCEEDED when it ran past the limit (the call is then cancelled).
+  template <typename F>
+  grpc::Status WithinLimit(grpc::ServerContext* ctx, const ClientWait& limit, F&& wait, bool* done);
 
   absl::Status Authenticate(grpc::ServerContext* ctx, Access access) const;
   // Runs one RPC body, counting it in the metrics (requests by code, duration, in flight).
@@ -152,6 +180,7 @@ class LceService final : public v1::LceService::Service {
 
   std::shared_ptr<HeadStore> heads_;
   ServiceConfig config_;
+  StreamWatchdog watchdog_;  // deadlines of the streams' waits on their clients
   std::atomic<int64_t> streams_in_flight_{0};
   std::mutex engine_mu_;
   std::mutex staging_pool_mu_;

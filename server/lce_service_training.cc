@@ -160,7 +160,7 @@ grpc::Status LceService::LoadHead(grpc::ServerContext* ctx, const v1::LoadHeadRe
     std::shared_ptr<LceEngine> engine;
     auto load_own = [&]() -> absl::Status {  // this rank's shard
       absl::StatusOr<std::shared_ptr<const HeadWeights>> w =
-          LoadShard(*source, 0, config_.tp_size, [&](const std::string&) { return clone; });
+          LoadShard(*source, 0, config_.tp_size, [&](const std::string&) { return clone; }, config_.max_head_bytes);
       if (!w.ok()) return w.status();
       absl::StatusOr<std::shared_ptr<LceEngine>> e = config_.make_engine(*w);
       if (!e.ok()) return e.status();

@@ -5,6 +5,7 @@
 // launcher restarts the group as a unit.
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpc_server.h"
 #include "head_source.h"
+#include "lce/device_memory.h"
 #include "metrics.h"
 #include "metrics_http.h"
 #include "service_metrics.h"
@@ -38,6 +40,17 @@ void OnSignal(int sig) { Wake(static_cast<char>(sig)); }
 int Fail(const absl::Status& s) {
   std::cerr << "lce_server: " << s << std::endl;
   return 2;
+}
+
+// --max-head-bytes, or by default the memory the head lives in: the GPU's (its host copy too must
+// fit the host) on CUDA, the host's otherwise.
+absl::StatusOr<int64_t> HeadSizeCap(const lce::server::ServerFlags& flags, lce::Backend backend) {
+  if (flags.max_head_bytes > 0) return flags.max_head_bytes;
+  const int64_t host = lce::server::HostMemoryBytes();
+  if (backend == lce::Backend::kCpu || (backend == lce::Backend::kAuto && !lce::CudaAvailable())) return host;
+  absl::StatusOr<int64_t> device = lce::DeviceMemoryBytes(flags.device);
+  if (!device.ok()) return device.status();
+  return std::min(host, *device);
 }
 
 }  // namespace
@@ -95,7 +108,10 @@ int main(int argc, char** argv) {
     if (!c.ok()) return Fail(c.status());
     comm = TimeCollectives(std::move(*c), &service_metrics.collective_seconds.WithLabels({std::to_string(flags->tp_rank)}));
   }
-  absl::StatusOr<std::shared_ptr<HeadWeights>> weights = LoadHead(flags->head, flags->tp_rank, flags->tp_size);
+  absl::StatusOr<int64_t> max_head_bytes = HeadSizeCap(*flags, *backend);
+  if (!max_head_bytes.ok()) return Fail(max_head_bytes.status());
+  absl::StatusOr<std::shared_ptr<HeadWeights>> weights =
+      LoadHead(flags->head, flags->tp_rank, flags->tp_size, *max_head_bytes);
   if (!weights.ok()) return Fail(weights.status());
   EngineConfig config;
   config.workspace_bytes = flags->workspace_bytes;
@@ -154,6 +170,9 @@ int main(int argc, char** argv) {
   if (!tp && (*engine)->backend() == "cuda") options.service.cuda_device = flags->device;
   options.service.max_concurrent_streams = flags->max_concurrent_streams;
   options.service.max_request_bytes = flags->max_request_bytes;
+  options.service.stream_header_timeout_seconds = flags->stream_header_timeout_seconds;
+  options.service.stream_idle_timeout_seconds = flags->stream_idle_timeout_seconds;
+  options.service.max_head_bytes = *max_head_bytes;
   options.tls = {flags->tls_cert, flags->tls_key, flags->tls_client_ca};
   absl::StatusOr<RequestAuthenticator> auth = RequestAuthenticator::FromFiles(flags->auth_token_file, flags->admin_token_file);
   if (!auth.ok()) return Fail(auth.status());

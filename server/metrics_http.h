@@ -2,13 +2,23 @@
 // metrics_http.cc for why not civetweb):
 //   GET /metrics  -> 200, text/plain; version=0.0.4; charset=utf-8, Registry::Render()
 //   GET /healthz  -> 200 "ok" (or 503 "not serving" while the optional health callback says false)
-// Anything else is 404; methods other than GET/HEAD are 405.
+// Anything else is 404; methods other than GET/HEAD are 405. One request per connection.
+// Slow clients cannot blind it: one thread reads every connection without blocking, each request
+// must arrive whole within a deadline (and its answer be read within another), the oldest
+// connection still sending is dropped when too many are open, and answers are built by a few
+// worker threads of their own.
 #pragma once
 
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "metrics.h"
@@ -18,8 +28,13 @@ namespace lce::server::metrics {
 struct MetricsHttpOptions {
   std::string host = "0.0.0.0";  // listen address; "127.0.0.1" for loopback only
   int port = 9400;               // 0 picks a free port; port() reports it
-  int num_threads = 1;           // connections are served one at a time by one thread (kept for API stability)
+  int num_threads = 2;           // workers building answers (a slow scrape does not hold /healthz)
   std::function<bool()> healthy; // optional: /healthz answers 503 while it returns false
+  // A connection must send its whole request within this, and read the whole answer within as
+  // long again; otherwise it is closed.
+  double request_timeout_seconds = 5.0;
+  // Connections open at once; a new one beyond it drops the oldest still sending its request.
+  int max_connections = 128;
 };
 
 class MetricsHttpServer {
@@ -27,23 +42,47 @@ class MetricsHttpServer {
   // The registry must outlive the server. Errors (port in use, bad address) as absl::Status.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const Registry* registry,
                                                                   MetricsHttpOptions options);
-  ~MetricsHttpServer();  // stops the server thread, after the request in flight
+  ~MetricsHttpServer();  // stops the threads, after the answers being built; closes every connection
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
 
   int port() const { return port_; }
 
  private:
+  struct Connection;
+  struct Job {
+    uint64_t id;
+    std::string request;
+  };
+  struct Done {
+    uint64_t id;
+    std::string response;
+  };
+
   MetricsHttpServer() = default;
+  // The I/O thread: accepts, reads requests, writes answers, enforces deadlines.
   void Serve();
-  void HandleConnection(int fd);
+  void Accept(std::map<uint64_t, Connection>& conns, uint64_t& next_id);
+  // Reads what `c` has sent; true when its request is complete (or over the size limit).
+  bool ReadRequest(Connection& c);
+  // Writes what the socket takes of `c`'s answer; true when all of it is out (or the peer is gone).
+  bool WriteAnswer(Connection& c);
+  // A worker: builds answers for the requests the I/O thread hands over.
+  void Work();
+  std::string Answer(const std::string& request) const;
 
   const Registry* registry_ = nullptr;
   MetricsHttpOptions options_;
   int listen_fd_ = -1;
-  int wake_[2] = {-1, -1};  // the destructor writes here to stop Serve()
-  std::thread thread_;
+  int wake_[2] = {-1, -1};  // a byte here: an answer is ready, or the destructor wants Serve() to stop
   int port_ = 0;
+  std::mutex mu_;
+  std::condition_variable work_ready_;
+  std::deque<Job> jobs_;
+  std::deque<Done> done_;
+  bool stop_ = false;
+  std::thread io_thread_;
+  std::vector<std::thread> workers_;
 };
 
 }  // namespace lce::server::metrics

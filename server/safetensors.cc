@@ -1,6 +1,8 @@
 #include "safetensors.h"
 
+#include <algorithm>
 #include <fstream>
+#include <new>
 
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
@@ -22,6 +24,53 @@ const char* DTypeToSafetensors(DType d) {
     case DType::kFloat16: return "F16";
   }
   return "?";
+}
+
+}  // namespace
+
+namespace {
+
+// The entry of `tensor` in a parsed header, checked against the file: a shape of positive integers
+// whose byte size is a number and matches its offsets, inside the file's data.
+absl::StatusOr<SafetensorsEntry> EntryOf(const std::string& path, const nlohmann::json& j, const std::string& tensor,
+                                         uint64_t header_len, uint64_t file_size) {
+  auto it = j.find(tensor);
+  if (it == j.end() || !it->is_object()) {
+    return absl::NotFoundError(absl::StrCat(path, ": no tensor named '", tensor, "'"));
+  }
+  const auto& t = *it;
+  auto integers = [](const nlohmann::json& a) {
+    return a.is_array() && std::all_of(a.begin(), a.end(), [](const nlohmann::json& v) { return v.is_number_integer(); });
+  };
+  if (!t.contains("dtype") || !t["dtype"].is_string() || !t.contains("shape") || !integers(t["shape"]) ||
+      !t.contains("data_offsets") || !integers(t["data_offsets"]) || t["data_offsets"].size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": malformed entry for '", tensor, "'"));
+  }
+  absl::StatusOr<DType> dtype = DTypeFromSafetensors(t["dtype"].get<std::string>());
+  if (!dtype.ok()) return dtype.status();
+  const auto& shape = t["shape"];
+  if (shape.empty() || shape.size() > 2) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", tensor, "' must be 1-D or 2-D"));
+  }
+  SafetensorsEntry e;
+  e.dtype = *dtype;
+  e.rows = shape[0].get<int64_t>();
+  e.cols = shape.size() == 2 ? shape[1].get<int64_t>() : 1;
+  if (e.rows <= 0 || e.cols <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": tensor '", tensor, "' has shape ", shape.dump(), "; dimensions must be positive"));
+  }
+  absl::StatusOr<int64_t> want = TensorBytes(e.rows, e.cols, DTypeSize(e.dtype), absl::StrCat(path, ": tensor '", tensor, "'"));
+  if (!want.ok()) return want.status();
+  const uint64_t begin = t["data_offsets"][0].get<uint64_t>();
+  const uint64_t end = t["data_offsets"][1].get<uint64_t>();
+  const uint64_t data_bytes = file_size - 8 - header_len;  // the caller checked 8 + header_len <= file_size
+  if (end < begin || end - begin != static_cast<uint64_t>(*want) || end > data_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", tensor, "' offsets [", begin, ", ",
+                                                   end, ") do not match its shape or the file"));
+  }
+  e.data_offset = 8 + header_len + begin;
+  return e;
 }
 
 }  // namespace
@@ -49,34 +98,7 @@ absl::StatusOr<SafetensorsEntry> ReadSafetensorsEntry(const std::string& path, c
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": header is not a JSON object"));
   }
-  auto it = j.find(tensor);
-  if (it == j.end() || !it->is_object()) {
-    return absl::NotFoundError(absl::StrCat(path, ": no tensor named '", tensor, "'"));
-  }
-  const auto& t = *it;
-  if (!t.contains("dtype") || !t["dtype"].is_string() || !t.contains("shape") || !t["shape"].is_array() ||
-      !t.contains("data_offsets") || !t["data_offsets"].is_array() || t["data_offsets"].size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": malformed entry for '", tensor, "'"));
-  }
-  absl::StatusOr<DType> dtype = DTypeFromSafetensors(t["dtype"].get<std::string>());
-  if (!dtype.ok()) return dtype.status();
-  const auto& shape = t["shape"];
-  if (shape.empty() || shape.size() > 2) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", tensor, "' must be 1-D or 2-D"));
-  }
-  SafetensorsEntry e;
-  e.dtype = *dtype;
-  e.rows = shape[0].get<int64_t>();
-  e.cols = shape.size() == 2 ? shape[1].get<int64_t>() : 1;
-  const uint64_t begin = t["data_offsets"][0].get<uint64_t>();
-  const uint64_t end = t["data_offsets"][1].get<uint64_t>();
-  const uint64_t want = static_cast<uint64_t>(e.rows * e.cols * DTypeSize(e.dtype));
-  if (e.rows <= 0 || e.cols <= 0 || end < begin || end - begin != want || 8 + header_len + end > file_size) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", tensor, "' offsets [", begin, ", ",
-                                                   end, ") do not match its shape or the file"));
-  }
-  e.data_offset = 8 + header_len + begin;
-  return e;
+  return EntryOf(path, j, tensor, header_len, file_size);
 }
 
 absl::StatusOr<std::vector<uint8_t>> ReadSafetensorsRows(const std::string& path,
@@ -86,10 +108,18 @@ absl::StatusOr<std::vector<uint8_t>> ReadSafetensorsRows(const std::string& path
     return absl::InvalidArgumentError(
         absl::StrCat("row range [", row_begin, ", ", row_end, ") outside [0, ", entry.rows, ")"));
   }
+  // The entry's whole size was checked (ReadSafetensorsEntry); an entry made elsewhere is checked here.
+  absl::StatusOr<int64_t> bytes = TensorBytes(row_end - row_begin, entry.cols, DTypeSize(entry.dtype), path);
+  if (!bytes.ok()) return bytes.status();
   const int64_t row_bytes = entry.cols * DTypeSize(entry.dtype);
-  std::vector<uint8_t> out(static_cast<size_t>((row_end - row_begin) * row_bytes));
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  std::vector<uint8_t> out;
+  try {
+    out.resize(static_cast<size_t>(*bytes));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(path, ": no memory for ", *bytes, " bytes of rows"));
+  }
   in.seekg(static_cast<std::streamoff>(entry.data_offset + row_begin * row_bytes));
   if (!in.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(out.size()))) {
     return absl::DataLossError(absl::StrCat(path, ": short read"));

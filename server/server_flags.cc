@@ -65,6 +65,12 @@ const char* ServerUsage() {
   --tp-timeout-seconds=S      a collective slower than this fails the group (default 30): in-flight
                               requests get UNAVAILABLE naming the rank, health turns NOT_SERVING,
                               and every rank exits with code 3 for its launcher to restart the group
+  --stream-header-timeout-seconds=S  a stream must send its header within S seconds of opening, or
+                              end DEADLINE_EXCEEDED; it holds no admission slot meanwhile (default 10; 0 = no limit)
+  --stream-idle-timeout-seconds=S  then it must send each next message, and read each answer, within S
+                              seconds (default 60; 0 = no limit)
+  --max-head-bytes=N          largest head shard (weight bytes) loaded at start or by LoadHead; larger is
+                              RESOURCE_EXHAUSTED (default 0: the GPU's memory on CUDA, the host's otherwise)
   --help
 )";
 }
@@ -74,6 +80,11 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   auto str = [](std::string* dst) { return [dst](const std::string& v) { *dst = v; return true; }; };
   auto i64 = [](int64_t* dst) { return [dst](const std::string& v) { return absl::SimpleAtoi(v, dst); }; };
   auto i32 = [](int* dst) { return [dst](const std::string& v) { return absl::SimpleAtoi(v, dst); }; };
+  // A timeout: 0 (none) up to a year.
+  auto seconds = [](double* dst) {
+    return [dst](const std::string& v) { return absl::SimpleAtod(v, dst) && *dst >= 0 && *dst <= 3.2e7; };
+  };
+  absl::Status seed_shape;  // why --seed-head was refused
   std::map<std::string, std::function<bool(const std::string&)>> setters = {
       {"host", str(&f.host)},
       {"port", i32(&f.port)},
@@ -83,7 +94,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"head-file", str(&f.head.file)},
       {"head-tensor", str(&f.head.tensor)},
       {"head-bias-tensor", str(&f.head.bias_tensor)},
-      {"seed-head", [&f](const std::string& v) { return ParseSeedShape(v, f.head).ok(); }},
+      {"seed-head", [&f, &seed_shape](const std::string& v) { return (seed_shape = ParseSeedShape(v, f.head)).ok(); }},
       {"seed", [&f](const std::string& v) { return absl::SimpleAtoi(v, &f.head.seed); }},
       {"head-dtype", [&f](const std::string& v) {
          absl::StatusOr<DType> d = ParseDType(v);
@@ -127,6 +138,9 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"tp-host", str(&f.tp_host)},
       {"tp-timeout-seconds", [&f](const std::string& v) { return absl::SimpleAtod(v, &f.tp_timeout_seconds); }},
       {"shutdown-grace-seconds", [&f](const std::string& v) { return absl::SimpleAtod(v, &f.shutdown_grace_seconds); }},
+      {"stream-header-timeout-seconds", seconds(&f.stream_header_timeout_seconds)},
+      {"stream-idle-timeout-seconds", seconds(&f.stream_idle_timeout_seconds)},
+      {"max-head-bytes", [&f](const std::string& v) { return absl::SimpleAtoi(v, &f.max_head_bytes) && f.max_head_bytes >= 0; }},
   };
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -148,7 +162,10 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     name = absl::StrReplaceAll(name, {{"_", "-"}});
     auto it = setters.find(name);
     if (it == setters.end()) return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
-    if (!it->second(value)) return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", name));
+    if (!it->second(value)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", name,
+                                                     seed_shape.ok() ? "" : ": ", seed_shape.message()));
+    }
   }
   if (f.port < 0 || f.port > 65535) return absl::InvalidArgumentError(absl::StrCat("bad --port ", f.port));
   if (f.tp_size < 1 || f.tp_rank < 0 || f.tp_rank >= f.tp_size) {

@@ -45,6 +45,11 @@ struct ServerFlags {
   std::string tp_rendezvous;
   std::string tp_host = "127.0.0.1";
   double tp_timeout_seconds = 30.0;
+  // Edge limits (docs/SECURITY.md): waits on silent stream clients (0: no limit), and the largest
+  // head shard built (0: the GPU's memory on CUDA, the host's otherwise).
+  double stream_header_timeout_seconds = 10.0;
+  double stream_idle_timeout_seconds = 60.0;
+  int64_t max_head_bytes = 0;
   bool help = false;
 };
 

@@ -159,9 +159,10 @@ absl::StatusOr<ShardStep> StepShard(absl::StatusOr<HeadTrainer*> trainer, int64_
 
 absl::StatusOr<std::shared_ptr<const HeadWeights>> LoadShard(
     const TpHeadSource& source, int rank, int world,
-    const std::function<absl::StatusOr<std::shared_ptr<const HeadWeights>>(const std::string&)>& clone) {
+    const std::function<absl::StatusOr<std::shared_ptr<const HeadWeights>>(const std::string&)>& clone,
+    int64_t max_shard_bytes) {
   if (!source.clone_of.empty()) return clone(source.clone_of);
-  absl::StatusOr<std::shared_ptr<HeadWeights>> w = LoadHead(source.source, rank, world);
+  absl::StatusOr<std::shared_ptr<HeadWeights>> w = LoadHead(source.source, rank, world, max_shard_bytes);
   if (!w.ok()) return w.status();
   return std::shared_ptr<const HeadWeights>(*std::move(w));
 }

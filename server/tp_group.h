@@ -46,10 +46,12 @@ struct ShardStep {
 absl::StatusOr<ShardStep> StepShard(absl::StatusOr<HeadTrainer*> trainer, int64_t vocab_size, TpCommunicator* comm,
                                     ChunkStaging* staging, const AdamWParams& params, float max_grad_norm);
 
-// A rank's shard of `source`: LoadHead's rows, or `clone(name)`, the current weight of a head it holds.
+// A rank's shard of `source`: LoadHead's rows (at most max_shard_bytes of weight, 0: the host's
+// memory), or `clone(name)`, the current weight of a head it holds.
 absl::StatusOr<std::shared_ptr<const HeadWeights>> LoadShard(
     const TpHeadSource& source, int rank, int world,
-    const std::function<absl::StatusOr<std::shared_ptr<const HeadWeights>>(const std::string&)>& clone);
+    const std::function<absl::StatusOr<std::shared_ptr<const HeadWeights>>(const std::string&)>& clone,
+    int64_t max_shard_bytes = 0);
 
 // The group as rank 0 drives it: one operation at a time across the whole group. The front's own
 // part of each operation is the caller's (`front_part`), run between the control block and the

@@ -196,6 +196,26 @@ TEST_F(BadInput, MeanNeedsTheValidTokenCount) {
   ExpectError(Run(kForwardBackward, {h, Chunk(b)}), grpc::StatusCode::INVALID_ARGUMENT, "declared 11");
 }
 
+// A seeded head's shape comes from the client: its byte size once wrapped to a tiny allocation that
+// the fill overran. Sizes that overflow are INVALID_ARGUMENT, sizes beyond memory RESOURCE_EXHAUSTED.
+TEST_F(BadInput, LoadHeadOfAHugeSeededHead) {
+  auto load = [&](int64_t vocab, int64_t hidden, v1::DType dtype) {
+    grpc::ClientContext ctx;
+    v1::LoadHeadRequest req;
+    req.set_name("huge");
+    req.mutable_seeded()->set_vocab_size(vocab);
+    req.mutable_seeded()->set_hidden_size(hidden);
+    req.mutable_seeded()->set_dtype(dtype);
+    v1::HeadDescription desc;
+    return stub_->LoadHead(&ctx, req, &desc);
+  };
+  ExpectError(load((int64_t{1} << 61) + 1, 4, v1::DTYPE_BFLOAT16), grpc::StatusCode::INVALID_ARGUMENT,
+              "not a valid size");
+  ExpectError(load(int64_t{1} << 40, 1024, v1::DTYPE_FLOAT32), grpc::StatusCode::RESOURCE_EXHAUSTED,
+              "over this server's limit");
+  ExpectError(load(-5, 4, v1::DTYPE_BFLOAT16), grpc::StatusCode::INVALID_ARGUMENT, "positive shape");
+}
+
 TEST_F(BadInput, ClientCancelsMidStream) {
   {
     grpc::ClientContext ctx;

@@ -13,7 +13,8 @@ Backend TestBackend() {
   return env != nullptr && std::string(env) == "cuda" ? Backend::kCuda : Backend::kCpu;
 }
 
-std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_requests, bool data_plane) {
+std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_requests, bool data_plane,
+                                            const std::function<void(server::GrpcServerOptions&)>& tune) {
   auto ts = std::make_unique<TestServer>();
   ts->heads = std::make_shared<server::HeadStore>();
   for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
@@ -46,6 +47,7 @@ std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_
     if (!e.ok()) return e.status();
     return std::shared_ptr<LceEngine>(std::move(*e));
   };
+  if (tune) tune(options);
   auto server = server::GrpcServer::Start(ts->heads, options);
   EXPECT_TRUE(server.ok()) << server.status();
   ts->server = std::move(*server);

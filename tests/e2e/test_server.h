@@ -33,9 +33,11 @@ struct TestServer {
 // The engines of the in-process server: LCE_TEST_BACKEND=cuda on a GPU machine, else the CPU engine.
 Backend TestBackend();
 
-// With `data_plane`, the server runs one (RegionDataPlane) on a free port.
+// With `data_plane`, the server runs one (RegionDataPlane) on a free port. `tune` changes the
+// options last (limits under test).
 std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes = 8 << 20, bool log_requests = false,
-                                            bool data_plane = true);
+                                            bool data_plane = true,
+                                            const std::function<void(server::GrpcServerOptions&)>& tune = {});
 
 struct Batch {
   v1::DType dtype;

@@ -1,7 +1,9 @@
 #include "head_source.h"
 
 #include <filesystem>
+#include <fstream>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "lce/numeric.h"
 #include "safetensors.h"
@@ -62,11 +64,58 @@ TEST(HeadSource, ShardedFileLoadReadsItsRows) {
   std::filesystem::remove(path);
 }
 
+void ExpectError(const absl::Status& s, absl::StatusCode code, const std::string& words) {
+  EXPECT_EQ(s.code(), code) << s;
+  EXPECT_NE(s.message().find(words), std::string::npos) << "'" << s.message() << "' lacks '" << words << "'";
+}
+
 TEST(HeadSource, BadSeedShape) {
   HeadSource src;
-  EXPECT_FALSE(ParseSeedShape("12x", src).ok());
-  EXPECT_FALSE(ParseSeedShape("0x4", src).ok());
-  EXPECT_FALSE(LoadHead(HeadSource{}, 0, 1).ok());
+  ExpectError(ParseSeedShape("12x", src), absl::StatusCode::kInvalidArgument, "must be VxH");
+  ExpectError(ParseSeedShape("0x4", src), absl::StatusCode::kInvalidArgument, "must be VxH");
+  // 2^62 x 4 fp32 elements do not fit in 2^63 bytes.
+  ExpectError(ParseSeedShape("4611686018427387904x4", src), absl::StatusCode::kInvalidArgument, "not a valid size");
+  ExpectError(LoadHead(HeadSource{}, 0, 1).status(), absl::StatusCode::kInvalidArgument, "no head");
+}
+
+// The shape of a seeded head from LoadHead is the client's: its byte size once wrapped (2^61 + 1
+// rows) to a tiny allocation that the fill overran.
+TEST(HeadSource, HugeSeededHeadIsRefusedBeforeAnyAllocation) {
+  HeadSource src;
+  src.seed_vocab = (int64_t{1} << 61) + 1;
+  src.seed_hidden = 4;
+  ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kInvalidArgument, "not a valid size");
+  src.seed_vocab = int64_t{1} << 40;
+  src.seed_hidden = 1 << 20;  // 2^61 bytes in bf16: a number, but no host has it
+  ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kResourceExhausted, "over this server's limit");
+}
+
+TEST(HeadSource, TheCapIsOnEachRanksShard) {
+  HeadSource src;
+  ASSERT_TRUE(ParseSeedShape("103x16", src).ok());  // bf16: 32 bytes a row
+  ExpectError(LoadHead(src, 0, 1, /*max_shard_bytes=*/1000).status(), absl::StatusCode::kResourceExhausted,
+              "limit of 1000");
+  // Rank 0 of 3 holds more than 1000 bytes, rank 0 of 4 less (whatever the tiles of the split).
+  const int64_t rows3 = VocabShard(103, 0, 3).end, rows4 = VocabShard(103, 0, 4).end;
+  ASSERT_GT(rows3 * 32, 1000);
+  ASSERT_LE(rows4 * 32, 1000);
+  ExpectError(LoadHead(src, 0, 3, 1000).status(), absl::StatusCode::kResourceExhausted,
+              absl::StrCat(rows3, "x16 bf16 needs ", rows3 * 32));
+  auto shard = LoadHead(src, 0, 4, 1000);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  EXPECT_EQ(static_cast<int64_t>((*shard)->weight.size()), rows4 * 32);
+}
+
+// An index whose values have the wrong JSON types is refused (its parser threw before).
+TEST(HeadSource, MalformedIndexIsInvalid) {
+  const std::string path = (std::filesystem::temp_directory_path() / "hs_bad.index.json").string();
+  std::ofstream(path) << R"({"vocab_size":"many","hidden_size":4,"dtype":"bf16","shards":[]})";
+  HeadSource src;
+  src.file = path;
+  ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kInvalidArgument, "not an lce-serve head index");
+  std::ofstream(path) << R"({"vocab_size":4,"hidden_size":4,"dtype":"bf16","shards":[{"file":7}]})";
+  ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kInvalidArgument, "not an lce-serve head index");
+  std::filesystem::remove(path);
 }
 
 }  // namespace

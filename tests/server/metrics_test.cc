@@ -7,6 +7,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -256,19 +259,29 @@ struct HttpResponse {
   std::string headers, body;
 };
 
-// A plain HTTP/1.0 client: one request, reads until the server closes.
-HttpResponse HttpRequest(int port, const std::string& method, const std::string& path) {
-  HttpResponse resp;
+// A connection to 127.0.0.1:port (-1 on failure); reads on it give up after 60 s, so that a server
+// that never answers fails the test instead of hanging it.
+int Connect(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return resp;
+  if (fd < 0) return -1;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval tv{60, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     close(fd);
-    return resp;
+    return -1;
   }
+  return fd;
+}
+
+// A plain HTTP/1.0 client: one request, reads until the server closes.
+HttpResponse HttpRequest(int port, const std::string& method, const std::string& path) {
+  HttpResponse resp;
+  const int fd = Connect(port);
+  if (fd < 0) return resp;
   std::string req = method + " " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
   if (write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
     close(fd);
@@ -381,6 +394,71 @@ TEST(MetricsHttp, PortInUseIsAnError) {
       << second.status();
   EXPECT_FALSE(MetricsHttpServer::Start(&r, {.port = 70000}).ok());
   EXPECT_FALSE(MetricsHttpServer::Start(nullptr, {.port = 0}).ok());
+}
+
+// Slow-loris clients, more than the server has workers, each sending its request a byte at a time
+// more often than any per-read timeout: /metrics and /healthz still answer meanwhile.
+TEST(MetricsHttp, SlowClientsDoNotBlindIt) {
+  Registry r;
+  Populate(r);
+  auto server = MetricsHttpServer::Start(&r, {.host = "127.0.0.1", .port = 0, .num_threads = 2});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  std::vector<int> slow;
+  for (int i = 0; i < 8; ++i) {
+    slow.push_back(Connect(port));
+    ASSERT_GE(slow.back(), 0);
+  }
+  std::atomic<bool> done{false};
+  std::thread dribble([&] {
+    const std::string req = "GET /metrics HTTP/1.1\r\nHost: x\r\n";  // never the blank line
+    for (size_t k = 0; !done; k = (k + 1) % req.size()) {
+      for (int fd : slow) (void)!send(fd, &req[k], 1, MSG_NOSIGNAL);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  });
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(HttpRequest(port, "GET", "/metrics").body, r.Render());
+    EXPECT_EQ(HttpRequest(port, "GET", "/healthz").status, 200);
+  }
+  done = true;
+  dribble.join();
+  for (int fd : slow) close(fd);
+}
+
+// A request that does not arrive whole within the deadline is dropped, however steadily it trickles.
+TEST(MetricsHttp, ARequestMustArriveWithinTheDeadline) {
+  Registry r;
+  auto server = MetricsHttpServer::Start(&r, {.host = "127.0.0.1", .port = 0, .request_timeout_seconds = 0.3});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int fd = Connect((*server)->port());
+  ASSERT_GE(fd, 0);
+  const std::string req = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: ";
+  char byte = 0;
+  ssize_t got = -1;
+  // One byte every 20 ms: each read is prompt, but the request would take for ever.
+  for (size_t k = 0; k < 100000; ++k) {
+    if (send(fd, k < req.size() ? &req[k] : "a", 1, MSG_NOSIGNAL) != 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    got = recv(fd, &byte, 1, MSG_DONTWAIT);
+    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) break;
+  }
+  EXPECT_LE(got, 0) << "the server answered a request it never got whole";
+  close(fd);
+  // And it still serves.
+  EXPECT_EQ(HttpRequest((*server)->port(), "GET", "/healthz").status, 200);
+}
+
+// Past max_connections, the oldest connection still sending its request makes room for a new one.
+TEST(MetricsHttp, ManyIdleConnectionsDoNotLockItOut) {
+  Registry r;
+  auto server = MetricsHttpServer::Start(&r, {.host = "127.0.0.1", .port = 0, .request_timeout_seconds = 600,
+                                              .max_connections = 4});
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::vector<int> idle;
+  for (int i = 0; i < 16; ++i) idle.push_back(Connect((*server)->port()));
+  EXPECT_EQ(HttpRequest((*server)->port(), "GET", "/healthz").status, 200);
+  for (int fd : idle) close(fd);
 }
 
 TEST(MetricsHttp, PromtoolAcceptsTheScrape) {

@@ -57,5 +57,41 @@ TEST(Safetensors, ErrorsNameTheProblem) {
   std::remove(path.c_str());
 }
 
+// A file with `header` (JSON) and `data_bytes` zero bytes after it.
+void WriteRaw(const std::string& path, const std::string& header, size_t data_bytes) {
+  std::ofstream out(path, std::ios::binary);
+  const uint64_t len = header.size();
+  out.write(reinterpret_cast<const char*>(&len), 8);
+  out << header << std::string(data_bytes, '\0');
+}
+
+void ExpectInvalid(const absl::Status& s, const std::string& words) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find(words), std::string::npos) << "'" << s.message() << "' lacks '" << words << "'";
+}
+
+// Crafted headers: a shape whose byte size wraps to match its offsets, values of the wrong JSON
+// type (they used to throw out of the parser), offsets that wrap past the file's end.
+TEST(Safetensors, CraftedHeadersAreRefusedWithTheirProblem) {
+  const std::string path = TempPath("st_crafted.safetensors");
+  // (2^61 + 1) x 4 fp32 is 2^67 + 16 bytes: 16 modulo 2^64, as the offsets say.
+  WriteRaw(path, R"({"w":{"dtype":"F32","shape":[2305843009213693953,4],"data_offsets":[0,16]}})", 16);
+  ExpectInvalid(ReadSafetensorsEntry(path, "w").status(), "not a valid size");
+  WriteRaw(path, R"({"w":{"dtype":"F32","shape":["2",2],"data_offsets":[0,16]}})", 16);
+  ExpectInvalid(ReadSafetensorsEntry(path, "w").status(), "malformed entry for 'w'");
+  WriteRaw(path, R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,"16"]}})", 16);
+  ExpectInvalid(ReadSafetensorsEntry(path, "w").status(), "malformed entry for 'w'");
+  WriteRaw(path, R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[18446744073709551596,18446744073709551612]}})", 16);
+  ExpectInvalid(ReadSafetensorsEntry(path, "w").status(), "do not match its shape or the file");
+  WriteRaw(path, R"({"w":{"dtype":"F32","shape":[0,2],"data_offsets":[0,0]}})", 16);
+  ExpectInvalid(ReadSafetensorsEntry(path, "w").status(), "dimensions must be positive");
+  std::remove(path.c_str());
+}
+
+TEST(Safetensors, RowReadsCheckTheirSize) {
+  SafetensorsEntry e{DType::kFloat32, int64_t{1} << 62, int64_t{1} << 40, 0};
+  ExpectInvalid(ReadSafetensorsRows("/dev/null", e, 0, int64_t{1} << 62).status(), "not a valid size");
+}
+
 }  // namespace
 }  // namespace lce::server

@@ -46,6 +46,10 @@ class DeviceBuffer {
   virtual int64_t size() const = 0;
 };
 
+// Total memory of `device`, in bytes (what caps a head's size there). UNIMPLEMENTED without CUDA;
+// FAILED_PRECONDITION: no such device.
+absl::StatusOr<int64_t> DeviceMemoryBytes(int device);
+
 // `bytes` of device memory on `device`. RESOURCE_EXHAUSTED: the GPU has not that much free;
 // UNIMPLEMENTED without CUDA.
 absl::StatusOr<std::unique_ptr<DeviceBuffer>> AllocateDeviceBuffer(int64_t bytes, int device);

@@ -35,6 +35,11 @@ struct HeadWeights {
   std::vector<float> bias;
 };
 
+// rows x cols elements of `element_bytes` each, in bytes. INVALID_ARGUMENT naming `what` when a
+// factor is negative or the product does not fit in int64 (a shape from a client or a file must
+// never wrap to a small allocation).
+absl::StatusOr<int64_t> TensorBytes(int64_t rows, int64_t cols, int64_t element_bytes, std::string_view what);
+
 // Checks sizes and ranges of a HeadWeights against its shape.
 absl::Status ValidateHeadWeights(const HeadWeights& head);
 

@@ -1,0 +1,139 @@
+// Streams whose clients go silent: they hold no admission slot before their header, and they end
+// DEADLINE_EXCEEDED (naming the wait) once the header or the next message is overdue; the server
+// keeps serving others meanwhile and afterwards. Raw gRPC streams, as a hostile client sends.
+#include <chrono>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+#include "test_server.h"
+
+namespace lce::e2e {
+namespace {
+
+using Stream = grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>;
+
+v1::StreamRequest Header(bool sends_ahead = false) {
+  v1::StreamRequest m;
+  m.mutable_header()->set_hidden_size(kHidden);
+  m.mutable_header()->set_dtype(v1::DTYPE_BFLOAT16);
+  m.mutable_header()->set_sends_ahead(sends_ahead);
+  return m;
+}
+
+v1::StreamRequest Chunk(const Batch& b) {
+  v1::StreamRequest m;
+  m.mutable_chunk()->set_hidden(b.hidden.data(), b.hidden.size());
+  for (int32_t y : b.targets) m.mutable_chunk()->add_targets(y);
+  return m;
+}
+
+// A whole Score of a few rows.
+grpc::Status ScoreFew(const std::string& target) {
+  auto stub = RawStub(target);
+  grpc::ClientContext ctx;
+  auto stream = stub->Score(&ctx);
+  stream->Write(Header());
+  stream->Write(Chunk(MakeBatch(5, v1::DTYPE_BFLOAT16, 1)));
+  stream->WritesDone();
+  v1::StreamResponse r;
+  int answers = 0;
+  while (stream->Read(&r)) answers += r.chunk().logprobs_size() == 5 ? 1 : 0;
+  grpc::Status s = stream->Finish();
+  if (s.ok() && answers != 1) return grpc::Status(grpc::StatusCode::INTERNAL, "no answer of 5 rows");
+  return s;
+}
+
+// Reads to the end of a stream the server ends, and returns its status.
+grpc::Status Drain(Stream& stream) {
+  v1::StreamResponse r;
+  while (stream.Read(&r)) {
+  }
+  return stream.Finish();
+}
+
+double Rejections(const TestServer& ts, const char* reason) {
+  return ts.metrics->rejections.WithLabels({reason}).Value();
+}
+
+void ExpectDeadline(const grpc::Status& s, const std::string& words) {
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  EXPECT_NE(s.error_message().find(words), std::string::npos) << "'" << s.error_message() << "' lacks '" << words << "'";
+}
+
+TEST(StreamLimits, StreamsWithoutAHeaderHoldNoSlot) {
+  constexpr int kSlots = 2, kSilent = 6;
+  auto ts = StartTestServer(8 << 20, false, false, [](server::GrpcServerOptions& o) {
+    o.service.max_concurrent_streams = kSlots;
+    o.service.stream_header_timeout_seconds = 300;  // they stay silent for the whole test
+  });
+  auto stub = RawStub(ts->target);
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<Stream>> silent;
+  for (int i = 0; i < kSilent; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    silent.push_back(stub->Score(contexts.back().get()));
+  }
+  // Every silent stream's handler is running (waiting for its header) before the real request.
+  for (int i = 0; i < 2000 && ts->metrics->inflight.Value() < kSilent; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(ts->metrics->inflight.Value(), kSilent);
+  for (int i = 0; i < 3; ++i) {
+    grpc::Status s = ScoreFew(ts->target);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+  EXPECT_EQ(Rejections(*ts, "concurrent_streams"), 0);
+  for (int i = 0; i < kSilent; ++i) {
+    contexts[i]->TryCancel();
+    EXPECT_EQ(Drain(*silent[i]).error_code(), grpc::StatusCode::CANCELLED);
+  }
+}
+
+TEST(StreamLimits, AStreamWithoutAHeaderEndsAtTheHeaderTimeout) {
+  auto ts = StartTestServer(8 << 20, false, false,
+                            [](server::GrpcServerOptions& o) { o.service.stream_header_timeout_seconds = 0.5; });
+  auto stub = RawStub(ts->target);
+  grpc::ClientContext ctx;
+  auto stream = stub->Score(&ctx);
+  ExpectDeadline(Drain(*stream), "no request header within 0.5 s");
+  EXPECT_EQ(Rejections(*ts, "header_timeout"), 1);
+  grpc::Status s = ScoreFew(ts->target);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(Rejections(*ts, "header_timeout"), 1) << "a prompt request was cut";
+}
+
+// Serial and pipelined streams (the test server pipelines clients that send ahead).
+TEST(StreamLimits, AStreamSilentBetweenChunksEndsAtTheIdleTimeout) {
+  auto ts = StartTestServer(8 << 20, false, false,
+                            [](server::GrpcServerOptions& o) { o.service.stream_idle_timeout_seconds = 0.2; });
+  auto stub = RawStub(ts->target);
+  for (bool sends_ahead : {false, true}) {
+    SCOPED_TRACE(sends_ahead ? "pipelined" : "serial");
+    grpc::ClientContext ctx;
+    auto stream = stub->Score(&ctx);
+    ASSERT_TRUE(stream->Write(Header(sends_ahead)));
+    ASSERT_TRUE(stream->Write(Chunk(MakeBatch(7, v1::DTYPE_BFLOAT16, 3))));
+    v1::StreamResponse r;
+    ASSERT_TRUE(stream->Read(&r));  // chunk 0 answered; then the client says nothing more
+    EXPECT_EQ(r.chunk().logprobs_size(), 7);
+    ExpectDeadline(Drain(*stream), "for the message after chunk 0");
+  }
+  EXPECT_EQ(Rejections(*ts, "idle_timeout"), 2);
+  // Before its first chunk too.
+  {
+    grpc::ClientContext ctx;
+    auto stream = stub->ForwardBackward(&ctx);
+    v1::StreamRequest h = Header();
+    h.mutable_header()->set_reduction(v1::REDUCTION_SUM);
+    ASSERT_TRUE(stream->Write(h));
+    ExpectDeadline(Drain(*stream), "--stream-idle-timeout-seconds");
+  }
+  grpc::Status s = ScoreFew(ts->target);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+}  // namespace
+}  // namespace lce::e2e
