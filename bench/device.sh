@@ -10,7 +10,7 @@
 set -u
 [ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
 export LD_LIBRARY_PATH=$PWD/.rt/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-export LCE_SERVER_BIN=$PWD/.devbin/lce_server NCCL_NVLS_ENABLE=0
+export LCE_SERVER_BIN=$PWD/.devbin/lce_server LCE_CLI_BIN=$PWD/.devbin/lce_cli NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SHAPES=${SHAPES:-8192x4096x128256,16384x2048x151936,4096x8192x152064,16384x4096x151936,4096x2880x201088}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1

@@ -203,7 +203,9 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
     if (!head.ok()) return ToGrpcStatus(head.status());
     const HeadShape& shape = (*head)->shard_engine->shape();
     const int64_t H = shape.hidden_size;
-    const int64_t rows_per_chunk = std::max<int64_t>(1, (config_.max_message_bytes / 2) / (H * 4));
+    // Messages within any gRPC client's default receive limit (4 MiB) as well as the server's.
+    const int64_t chunk_bytes = std::min<int64_t>(config_.max_message_bytes / 2, int64_t{2} << 20);
+    const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_bytes / (H * 4));
     std::lock_guard<std::mutex> lock((*head)->training->mu);
     absl::StatusOr<HeadTrainer*> trainer = TrainerOf(**head);
     if (!trainer.ok()) return ToGrpcStatus(trainer.status());

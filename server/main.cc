@@ -116,6 +116,8 @@ int main(int argc, char** argv) {
   EngineConfig config;
   config.workspace_bytes = flags->workspace_bytes;
   config.cpu_threads = flags->cpu_threads;
+  config.batch_invariant = flags->batch_invariant;
+  config.tp_invariant = flags->tp_invariant;
   config.device = flags->device;
   config.collectives = comm.get();
   // Builds the engine of a head version (this rank's shard; collectives included under TP).

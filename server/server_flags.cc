@@ -54,6 +54,11 @@ const char* ServerUsage() {
   --admin-token-file=PATH     bearer token for admin RPCs (also accepted for scoring)
   --workspace-bytes=N         engine scratch budget (default 1073741824)
   --cpu-threads=N             CPU engine threads (default: all cores)
+  --batch-invariant=true|false  CUDA engine: a row's results the same bits in any batch (one GEMM
+                              algorithm for every row count; costs 5-13% at some train shapes,
+                              more on small calls; default false; the CPU engine always is)
+  --tp-invariant=true|false   CUDA engine, with --batch-invariant: logprob, entropy and loss the same
+                              bits for any TP group size, V >= 131072 (default false)
   --device=N                  CUDA device ordinal (default 0)
   --shutdown-grace-seconds=S  on SIGTERM, time in-flight streams get to finish (default 30)
   --tp-size=K                  tensor-parallel group size (default 1): the head's vocabulary is
@@ -131,6 +136,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"auth-token-file", str(&f.auth_token_file)},
       {"admin-token-file", str(&f.admin_token_file)},
       {"cpu-threads", i32(&f.cpu_threads)},
+      {"batch-invariant", [&f](const std::string& v) { return absl::SimpleAtob(v, &f.batch_invariant); }},
+      {"tp-invariant", [&f](const std::string& v) { return absl::SimpleAtob(v, &f.tp_invariant); }},
       {"device", i32(&f.device)},
       {"tp-size", i32(&f.tp_size)},
       {"tp-rank", i32(&f.tp_rank)},

@@ -37,6 +37,8 @@ struct ServerFlags {
   std::string auth_token_file, admin_token_file;
   int64_t workspace_bytes = int64_t{1} << 30;
   int cpu_threads = 0;
+  bool batch_invariant = false;  // EngineConfig::batch_invariant (CUDA)
+  bool tp_invariant = false;     // EngineConfig::tp_invariant (CUDA)
   int device = 0;
   double shutdown_grace_seconds = 30.0;
   // Tensor parallelism: this process is rank tp_rank of tp_size; ranks meet in tp_rendezvous.

@@ -213,8 +213,8 @@ class CudaEngine final : public LceEngine {
     // Forward logit GEMMs leave this many multiprocessors to the tile reductions on aux_.
     const int64_t spare = std::clamp<int64_t>(EnvInt("LCE_CUDA_STATS_SMS", 0), 0, prop.multiProcessorCount / 2);
     fwd_sm_target_ = spare > 0 ? prop.multiProcessorCount - static_cast<int>(spare) : 0;
-    batch_invariant_ = EnvInt("LCE_CUDA_BATCH_INVARIANT", 1) != 0;
-    tp_invariant_option_ = batch_invariant_ && EnvInt("LCE_CUDA_TP_INVARIANT", 0) != 0;
+    batch_invariant_ = EnvInt("LCE_CUDA_BATCH_INVARIANT", config_.batch_invariant ? 1 : 0) != 0;
+    tp_invariant_option_ = batch_invariant_ && EnvInt("LCE_CUDA_TP_INVARIANT", config_.tp_invariant ? 1 : 0) != 0;
     tile_ = RoundUp(std::max<int64_t>(EnvInt("LCE_CUDA_VOCAB_TILE", 8192), kSegment), kSegment);
     tile_ = std::min(tile_, RoundUp(shape_.shard_rows, kSegment));
     ldz_ = RoundUp(std::min(tile_, shape_.shard_rows), 4);
@@ -235,10 +235,10 @@ class CudaEngine final : public LceEngine {
 
   std::string_view backend() const override { return "cuda"; }
   // Per-row statistics come from fixed vocabulary tiles and segments whatever N; with batch-invariant
-  // GEMMs (the default; LCE_CUDA_BATCH_INVARIANT=0 turns them off) the logit and d_hidden products
-  // use one algorithm without split-K for every row count (docs/MATH.md).
+  // GEMMs (EngineConfig::batch_invariant) the logit and d_hidden products use one algorithm without
+  // split-K for every row count (docs/MATH.md). Without, cuBLAS's tuned choice varies with N.
   EngineInvariance invariance() const override {
-    if (!batch_invariant_) return {{"logprob", "entropy", "lse", "loss"}, {}};
+    if (!batch_invariant_) return {};
     EngineInvariance inv{{"logprob", "entropy", "lse", "loss", "d_hidden"}, {}};
     if (tp_invariant_option_ && SegmentsAreGlobal()) inv.across_tp_sizes = {"logprob", "entropy", "lse", "loss"};
     return inv;
@@ -368,10 +368,10 @@ class CudaEngine final : public LceEngine {
   DeviceMemory weight_, bias_, workspace_;
   PinnedMemory pinned_;
   int64_t tile_ = 0, ldz_ = 0, lds_ = 0, nseg_ = 0;
-  bool batch_invariant_ = true;  // one GEMM algorithm for every row count (GemmSpec::n_invariant)
-  // LCE_CUDA_TP_INVARIANT=1 (off by default: it costs 3-15% at some shapes, bench/RESULTS.md): one
-  // logit GEMM algorithm for every tile length too, and under TP the forward's statistics gathered
-  // and folded in global segment order, so that groups of any size give one GPU's bits.
+  bool batch_invariant_ = false;  // one GEMM algorithm for every row count (GemmSpec::n_invariant)
+  // EngineConfig::tp_invariant: one logit GEMM algorithm for every tile length too, and under TP the
+  // forward's statistics gathered and folded in global segment order, so that groups of any size
+  // give one GPU's bits.
   bool tp_invariant_option_ = false;
   bool tp_invariant_ = false;
   int64_t nseg_global_ = 0;

@@ -532,7 +532,8 @@ class ThreadCollectives final : public Collectives {
 
 // The answers of k shards of `full`, each an engine on this GPU joined by ThreadCollectives; rank r
 // runs from device memory for even r, host memory for odd r; d_weight starts at its rows of dw0.
-std::vector<Answers> RunSharded(const Problem& full, int k, const std::vector<float>& dw0) {
+std::vector<Answers> RunSharded(const Problem& full, int k, const std::vector<float>& dw0,
+                                EngineConfig cfg = {}) {
   const int64_t V = full.ref.vocab, H = full.ref.hidden;
   ThreadGroup group(k);
   std::vector<Answers> answers(k);
@@ -552,9 +553,9 @@ std::vector<Answers> RunSharded(const Problem& full, int k, const std::vector<fl
       }
       shard.head = head;
       ThreadCollectives coll(&group, r);
-      EngineConfig cfg;
-      cfg.collectives = &coll;
-      auto e = CreateEngine(Backend::kCuda, head, cfg);
+      EngineConfig rank_cfg = cfg;
+      rank_cfg.collectives = &coll;
+      auto e = CreateEngine(Backend::kCuda, head, rank_cfg);
       if (!e.ok()) {
         answers[r].status = e.status();
         return;
@@ -604,10 +605,8 @@ TEST_F(CudaTest, VocabParallelStatisticsBitForBit) {
   // V >= 131072 and LCE_CUDA_TP_INVARIANT=1: segments at fixed global offsets, so groups of 2 and 3
   // give one GPU's logprob, entropy, lse and loss bit for bit (docs/MATH.md, "Order of reductions"),
   // on the fast loss path, the general path (softcap, label smoothing) and the generic backward.
-  setenv("LCE_CUDA_TP_INVARIANT", "1", 1);
-  struct Unset {
-    ~Unset() { unsetenv("LCE_CUDA_TP_INVARIANT"); }
-  } unset;
+  EngineConfig cfg;
+  cfg.batch_invariant = cfg.tp_invariant = true;
   for (int variant = 0; variant < 3; ++variant) {
     ProblemSpec sp;
     sp.rows = 300;
@@ -619,12 +618,12 @@ TEST_F(CudaTest, VocabParallelStatisticsBitForBit) {
       sp.options.label_smoothing = 0.1f;
     }
     const Problem full = MakeProblem(sp, 301 + variant);
-    auto one = MakeCuda(full);
+    auto one = MakeCuda(full, cfg);
     ASSERT_NE(one, nullptr);
     const Answers want = RunEngine(*one, full, MemorySpace::kDevice, {});
     ASSERT_TRUE(want.status.ok()) << want.status;
     for (int k : {2, 3}) {
-      const std::vector<Answers> got = RunSharded(full, k, {});
+      const std::vector<Answers> got = RunSharded(full, k, {}, cfg);
       for (int r = 0; r < k; ++r) {
         ASSERT_TRUE(got[r].status.ok()) << "k=" << k << " rank " << r << ": " << got[r].status;
         for (int64_t i = 0; i < sp.rows; ++i) {
@@ -675,6 +674,8 @@ void ExpectRowSameBits(const Answers& whole, const Answers& part, int64_t row, i
 TEST_F(CudaTest, BatchInvarianceBitForBit) {
   // DESIGN.md, "Guarantees": a row's results are the same bits alone and in batches of 7, 300 and
   // 4096, on the fast loss path, the general path (label smoothing) and the generic backward.
+  EngineConfig cfg;
+  cfg.batch_invariant = true;
   for (int variant = 0; variant < 3; ++variant) {
     ProblemSpec sp;
     sp.rows = 4096;
@@ -683,7 +684,7 @@ TEST_F(CudaTest, BatchInvarianceBitForBit) {
     sp.mode = variant == 2 ? GradMode::kGeneric : GradMode::kLoss;
     if (variant == 1) sp.options.label_smoothing = 0.1f;
     const Problem p = MakeProblem(sp, 40 + variant);
-    auto e = MakeCuda(p);
+    auto e = MakeCuda(p, cfg);
     ASSERT_NE(e, nullptr);
     const Answers whole = RunEngine(*e, p, MemorySpace::kDevice, {});
     ASSERT_TRUE(whole.status.ok()) << whole.status;

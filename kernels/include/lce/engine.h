@@ -88,6 +88,15 @@ struct EngineConfig {
   int device = 0;
   // Threads of the CPU backend; 0 = hardware concurrency.
   int cpu_threads = 0;
+  // CUDA backend (the CPU backend is invariant by construction). batch_invariant: the logit and
+  // d_hidden GEMMs run one algorithm for every row count, so a row's results are the same bits in
+  // any batch; tp_invariant (with batch_invariant): also one logit algorithm for every tile length,
+  // and groups fold their statistics in global segment order, so logprob, entropy, lse and loss are
+  // the same bits for any group size (V >= 131072). Off by default: they cost 5-13% at some train
+  // shapes and up to 1.7x on 64-row calls (bench/RESULTS.md). LCE_CUDA_BATCH_INVARIANT /
+  // LCE_CUDA_TP_INVARIANT (0 or 1) override them.
+  bool batch_invariant = false;
+  bool tp_invariant = false;
   // Tensor parallelism: collectives over the ranks that hold the other vocabulary shards. Null
   // when the head is not sharded. Not owned; must outlive the engine.
   Collectives* collectives = nullptr;
