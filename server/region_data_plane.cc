@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 #include <cerrno>
 #include <cstring>
 
@@ -175,6 +176,13 @@ void RegionDataPlane::Serve(uint64_t id, int fd) {
     v1::data_plane::TransferHeader h;
     if (!v1::data_plane::DecodeTransferHeader(head, &h)) {
       Reply(fd, absl::InvalidArgumentError("data plane: bad magic (expected \"LCE1\")"));
+      break;
+    }
+    // Placement and size are checked before anything uses them; with a length that is not one,
+    // the payload's end is unknown, so the connection ends.
+    if (h.offset < 0 || h.length < 0 || h.offset > std::numeric_limits<int64_t>::max() - h.length) {
+      Reply(fd, absl::InvalidArgumentError(absl::StrCat("data plane: offset ", h.offset, " and length ", h.length,
+                                                        " must be non-negative and their sum fit in 63 bits")));
       break;
     }
     const uint32_t op = h.op;

@@ -271,8 +271,10 @@ absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string&
         what, ": region ", slice.region_id(), " belongs to another session",
         session.empty() ? " (the request carries no lce-session metadata)" : " than the request's lce-session"));
   }
-  if (slice.offset() < 0 || slice.byte_size() != bytes_needed || slice.offset() > r->byte_size ||
-      slice.byte_size() > r->byte_size - slice.offset()) {
+  // Every term is checked as signed: a negative size would pass the bound below and wrap to a huge
+  // span (issue 16: a read of length -1 streamed the heap, a write overflowed it).
+  if (slice.offset() < 0 || slice.byte_size() < 0 || bytes_needed < 0 || slice.byte_size() != bytes_needed ||
+      slice.offset() > r->byte_size || slice.byte_size() > r->byte_size - slice.offset()) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": slice at offset ", slice.offset(), " of ", slice.byte_size(), " bytes does not fit: region ",
         slice.region_id(), " ('", r->name, "') has ", r->byte_size, " bytes and the chunk needs exactly ",

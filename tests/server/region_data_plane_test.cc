@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -130,6 +131,50 @@ TEST(RegionDataPlane, ConnectionsBeyondTheLimitAreRefusedAndTheOthersServed) {
   const Reply r = ReadOnANewConnection((*dp)->port(), session, *region, 4);
   EXPECT_EQ(r.code, 0) << r.message;
   ::close(a);
+}
+
+// Issue 16, item 1: a negative length or offset (or an end past 2^63) is refused before any byte
+// moves and the connection closed; a read of length -1 once streamed the heap beyond a 4 KiB
+// region, a write of length -1 overflowed it. The region's bytes stay as they were.
+TEST(RegionDataPlane, NegativeOrOverflowingPlacementIsRefusedBeforeAnyByteMoves) {
+  RegionRegistry regions;
+  regions.EnableServerMemory(1 << 20);
+  RegionDataPlaneOptions o;
+  o.max_write_bytes = 1 << 20;
+  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  const std::string session = RegionRegistry::NewSessionId();
+  auto region = regions.RegisterServerMemory(session, "r", 4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const int w = Connect((*dp)->port());
+  SendTransfer(w, v1::data_plane::kOpWrite, session, *region, 0, std::string(4096, 'a'), 4096);
+  ASSERT_EQ(ReadReply(w).code, 0);
+  ::close(w);
+  struct Bad {
+    uint32_t op;
+    int64_t offset, length;
+    std::string payload;
+  };
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  for (const Bad& b : {Bad{v1::data_plane::kOpRead, 0, -1, ""}, Bad{v1::data_plane::kOpWrite, 0, -1, std::string(65536, 'z')},
+                       Bad{v1::data_plane::kOpRead, -8, 16, ""}, Bad{v1::data_plane::kOpWrite, 16, max, std::string(64, 'z')},
+                       Bad{v1::data_plane::kOpRead, max, 1, ""}}) {
+    const int fd = Connect((*dp)->port());
+    SendTransfer(fd, b.op, session, *region, b.offset, b.payload, b.length);
+    const Reply r = ReadReply(fd);
+    EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument))
+        << "op " << b.op << " offset " << b.offset << " length " << b.length << ": " << r.message;
+    char one;
+    EXPECT_LE(::recv(fd, &one, 1, 0), 0) << "no bytes follow a refusal; the connection ends";
+    ::close(fd);
+  }
+  // The same slice through Resolve (the gRPC path names slices too).
+  v1::RegionSlice slice;
+  slice.set_region_id(*region);
+  slice.set_byte_size(-1);
+  EXPECT_EQ(regions.Resolve(session, slice, -1, "chunk").status().code(), absl::StatusCode::kInvalidArgument);
+  const Reply back = ReadOnANewConnection((*dp)->port(), session, *region, 4096);
+  EXPECT_EQ(back.code, 0) << back.message;
 }
 
 // A transfer that stops half-way loses its connection after the stall timeout, and its slot is
