@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <limits>
 #include <cerrno>
 #include <cstring>
 
@@ -178,11 +177,10 @@ void RegionDataPlane::Serve(uint64_t id, int fd) {
       Reply(fd, absl::InvalidArgumentError("data plane: bad magic (expected \"LCE1\")"));
       break;
     }
-    // Placement and size are checked before anything uses them; with a length that is not one,
-    // the payload's end is unknown, so the connection ends.
-    if (h.offset < 0 || h.length < 0 || h.offset > std::numeric_limits<int64_t>::max() - h.length) {
-      Reply(fd, absl::InvalidArgumentError(absl::StrCat("data plane: offset ", h.offset, " and length ", h.length,
-                                                        " must be non-negative and their sum fit in 63 bits")));
+    // A negative length is refused before anything uses it (Resolve refuses it too), and as the
+    // payload's end is then unknown, the connection ends. Offsets are Resolve's to refuse.
+    if (h.length < 0) {
+      Reply(fd, absl::InvalidArgumentError(absl::StrCat("data plane: negative length ", h.length)));
       break;
     }
     const uint32_t op = h.op;
