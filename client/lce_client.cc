@@ -803,8 +803,9 @@ absl::StatusOr<std::unique_ptr<SharedMemorySession>> LceClient::OpenSessionOn(v1
   s->stream_ = stub.OpenSession(&s->ctx_);
   v1::SessionResponse first;
   if (!s->stream_->Read(&first)) {
-    s->broken_ = true;
-    return ToAbsl(s->stream_->Finish());
+    const absl::Status refused = ToAbsl(s->stream_->Finish());
+    s->stream_.reset();  // finished: the destructor must not finish it again (a gRPC API misuse)
+    return refused;
   }
   s->session_id_ = first.session_id();
   if (s->session_id_.empty()) return absl::InternalError("the server's first session message has no session_id");

@@ -60,7 +60,8 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
         RegionDataPlane::Start(self->service_->mutable_regions(), host, options.data_port, dpo);
     if (!dp.ok()) return dp.status();
     self->data_plane_ = *std::move(dp);
-    self->service_->mutable_regions().EnableServerMemory(options.server_memory_per_session);
+    self->service_->mutable_regions().EnableServerMemory(options.server_memory_per_session,
+                                                         options.server_memory_total);
     self->service_->set_data_port(self->data_plane_->port());
   }
   grpc::ServerBuilder builder;

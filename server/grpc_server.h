@@ -36,6 +36,7 @@ struct GrpcServerOptions {
   // port), on the gRPC address's host, and the server memory one session may hold.
   int data_port = -1;
   int64_t server_memory_per_session = int64_t{4} << 30;
+  int64_t server_memory_total = 0;  // over all sessions (0: no limit)
   int data_plane_max_connections = 512;
 };
 

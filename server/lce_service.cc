@@ -16,6 +16,18 @@
 namespace lce::server {
 namespace {
 
+// The host of a gRPC peer string: "ipv4:10.0.0.1:5000" -> "10.0.0.1", "ipv6:[::1]:5000" -> "[::1]",
+// anything else (a Unix socket) as it is.
+std::string PeerHost(const std::string& peer) {
+  for (const char* scheme : {"ipv4:", "ipv6:"}) {
+    if (peer.rfind(scheme, 0) != 0) continue;
+    const std::string addr = peer.substr(5);
+    const size_t colon = addr.rfind(':');
+    return colon == std::string::npos ? addr : addr.substr(0, colon);
+  }
+  return peer;
+}
+
 // Points a repeated float field at `n` new zeroed elements and returns their storage.
 float* Grow(google::protobuf::RepeatedField<float>* field, int64_t n) {
   field->Resize(static_cast<int>(n), 0.0f);
@@ -247,6 +259,22 @@ grpc::Status LceService::OpenSession(grpc::ServerContext* ctx,
 grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
                                          grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
   if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
+  // Sessions are capped per peer host: each may hold server memory and mapped regions.
+  const std::string peer = PeerHost(ctx->peer());
+  {
+    std::lock_guard<std::mutex> lock(sessions_mu_);
+    if (config_.max_sessions_per_peer > 0 && sessions_by_peer_[peer] >= config_.max_sessions_per_peer) {
+      if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"sessions_per_peer"}).Increment();
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("peer ", peer, " already holds ", config_.max_sessions_per_peer,
+                                       " sessions, the most one peer may (--max-sessions-per-peer)"));
+    }
+    ++sessions_by_peer_[peer];
+  }
+  absl::Cleanup end_peer_session = [this, &peer] {
+    std::lock_guard<std::mutex> lock(sessions_mu_);
+    if (--sessions_by_peer_[peer] == 0) sessions_by_peer_.erase(peer);
+  };
   const std::string session = RegionRegistry::NewSessionId();
   auto count_regions = [this] {
     if (config_.metrics == nullptr) return;
@@ -280,6 +308,9 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
       absl::StatusOr<uint64_t> id = regions_.Register(session, r);
       if (id.ok()) resp.set_region_id(*id);
       s = id.status();
+      if (absl::IsResourceExhausted(s) && config_.metrics != nullptr) {
+        config_.metrics->rejections.WithLabels({"session_regions"}).Increment();
+      }
     } else if (req.has_unregister_region()) {
       s = regions_.Unregister(session, req.unregister_region().region_id());
     } else {

@@ -167,6 +167,9 @@ int main(int argc, char** argv) {
   options.channel_args = flags->grpc_channel_args;
   options.data_port = flags->data_port;
   options.server_memory_per_session = flags->data_plane_bytes_per_session;
+  options.server_memory_total =
+      flags->data_plane_total_bytes < 0 ? HostMemoryBytes() / 2 : flags->data_plane_total_bytes;
+  options.service.max_sessions_per_peer = flags->max_sessions_per_peer;
   options.data_plane_max_connections = flags->data_plane_max_connections;
   // Co-located clients may hand over GPU memory (CUDA IPC) when the engine is one GPU's.
   if (!tp && (*engine)->backend() == "cuda") options.service.cuda_device = flags->device;

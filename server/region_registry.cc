@@ -202,11 +202,17 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
 
 absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t server_bytes) const {
   size_t held = 0;
-  int64_t held_bytes = 0;
+  int64_t held_bytes = 0, all_bytes = 0;
   for (const auto& [_, r] : regions_) {
+    all_bytes += r->server_memory() ? r->byte_size : 0;
     if (r->session != session) continue;
     held += 1;
     held_bytes += r->server_memory() ? r->byte_size : 0;
+  }
+  if (max_total_server_bytes_ > 0 && server_bytes > max_total_server_bytes_ - all_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(server_bytes, " bytes more than the ", all_bytes,
+                                                     " all sessions hold would pass the server's limit of ",
+                                                     max_total_server_bytes_, " (--data-plane-total-bytes)"));
   }
   if (held >= kMaxRegionsPerSession) {
     return absl::ResourceExhaustedError(absl::StrCat("the session already holds ", held,

@@ -55,8 +55,12 @@ class RegionRegistry {
   // and it has room, else on the host), filled and drained over the data plane. FAILED_PRECONDITION: server memory is not enabled;
   // RESOURCE_EXHAUSTED: beyond the session's limit.
   absl::StatusOr<uint64_t> RegisterServerMemory(const std::string& session, const std::string& name, int64_t byte_size);
-  // Lets sessions allocate server memory, up to `max_bytes_per_session` each (the data plane's).
-  void EnableServerMemory(int64_t max_bytes_per_session) { max_server_bytes_ = max_bytes_per_session; }
+  // Lets sessions allocate server memory, up to `max_bytes_per_session` each (the data plane's) and
+  // `max_total_bytes` over all sessions together (0: no total limit).
+  void EnableServerMemory(int64_t max_bytes_per_session, int64_t max_total_bytes = 0) {
+    max_server_bytes_ = max_bytes_per_session;
+    max_total_server_bytes_ = max_total_bytes;
+  }
   bool server_memory_enabled() const { return max_server_bytes_ > 0; }
   // Any of the above, as the RegisterRegion message says.
   absl::StatusOr<uint64_t> Register(const std::string& session, const v1::RegisterRegion& r);
@@ -91,6 +95,7 @@ class RegionRegistry {
   absl::StatusOr<std::shared_ptr<ImportedDeviceMemory>> OpenIpc(const std::string& ipc_handle);
   int cuda_device_;
   int64_t max_server_bytes_ = 0;  // per session; 0: no server memory
+  int64_t max_total_server_bytes_ = 0;  // over all sessions (0: no limit)
   std::mutex ipc_mu_;
   std::map<std::string, std::weak_ptr<ImportedDeviceMemory>> ipc_open_;  // by handle bytes
   mutable std::mutex mu_;

@@ -32,6 +32,10 @@ const char* ServerUsage() {
   --data-port=N               data plane for remote clients' bulk bytes (plain TCP, no TLS: trusted
                               networks only) on the --host address (default -1: off; 0: any port)
   --data-plane-bytes-per-session=N  server memory one session may allocate (default 4294967296)
+  --data-plane-total-bytes=N  server memory all sessions together may allocate (default -1: half the
+                              host's memory; 0: no limit); beyond, RESOURCE_EXHAUSTED
+  --max-sessions-per-peer=N   sessions (OpenSession) one client host may hold at once (default 64;
+                              0: no limit); more get RESOURCE_EXHAUSTED
   --data-plane-max-connections=N    data-plane connections served at once (default 512; a client opens
                               2 x data_plane_sockets a stream); more are answered RESOURCE_EXHAUSTED
                               and closed (a client already sending sees the connection reset)
@@ -111,6 +115,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"grpc-cqs", i32(&f.grpc_cqs)},
       {"data-port", i32(&f.data_port)},
       {"data-plane-bytes-per-session", i64(&f.data_plane_bytes_per_session)},
+      {"data-plane-total-bytes", i64(&f.data_plane_total_bytes)},
+      {"max-sessions-per-peer", i64(&f.max_sessions_per_peer)},
       {"data-plane-max-connections", i32(&f.data_plane_max_connections)},
       {"grpc-poll-strategy", str(&f.grpc_poll_strategy)},
       {"grpc-channel-args", [&f](const std::string& v) {
@@ -190,6 +196,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError(absl::StrCat("--data-port must be -1 (off), 0 (any) or a port, got ", f.data_port));
   }
   if (f.data_plane_bytes_per_session <= 0) return absl::InvalidArgumentError("--data-plane-bytes-per-session must be > 0");
+  if (f.data_plane_total_bytes < -1) return absl::InvalidArgumentError("--data-plane-total-bytes must be >= -1");
+  if (f.max_sessions_per_peer < 0) return absl::InvalidArgumentError("--max-sessions-per-peer must be >= 0");
   if (f.data_plane_max_connections < 1 || f.data_plane_max_connections > 65536) {
     return absl::InvalidArgumentError("--data-plane-max-connections must be in [1, 65536]");
   }
