@@ -55,6 +55,8 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
     RegionDataPlaneOptions dpo;
     dpo.max_write_bytes = options.server_memory_per_session;
     dpo.max_connections = options.data_plane_max_connections;
+    dpo.auth_timeout = absl::Seconds(options.data_plane_auth_timeout_seconds);
+    dpo.max_unauthenticated = options.data_plane_max_unauthenticated;
     dpo.metrics = options.service.metrics;
     absl::StatusOr<std::unique_ptr<RegionDataPlane>> dp =
         RegionDataPlane::Start(self->service_->mutable_regions(), host, options.data_port, dpo);

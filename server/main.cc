@@ -170,6 +170,8 @@ int main(int argc, char** argv) {
   options.server_memory_total =
       flags->data_plane_total_bytes < 0 ? HostMemoryBytes() / 2 : flags->data_plane_total_bytes;
   options.service.max_sessions_per_peer = flags->max_sessions_per_peer;
+  options.data_plane_auth_timeout_seconds = flags->data_plane_auth_timeout_seconds;
+  options.data_plane_max_unauthenticated = flags->data_plane_max_unauthenticated;
   options.data_plane_max_connections = flags->data_plane_max_connections;
   // Co-located clients may hand over GPU memory (CUDA IPC) when the engine is one GPU's.
   if (!tp && (*engine)->backend() == "cuda") options.service.cuda_device = flags->device;

@@ -123,7 +123,10 @@ RegionDataPlane::~RegionDataPlane() {
 
 void RegionDataPlane::AcceptLoop() {
   while (!stopping_) {
-    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    sockaddr_in peer_addr{};
+    socklen_t peer_len = sizeof(peer_addr);
+    const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer_addr), &peer_len, SOCK_CLOEXEC);
+    const uint32_t peer = peer_addr.sin_addr.s_addr;
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       return;  // shut down
@@ -131,7 +134,8 @@ void RegionDataPlane::AcceptLoop() {
     const int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     std::vector<std::thread> done;  // finished connections' threads, joined below whatever happens
-    bool stop = false, refused = false;
+    bool stop = false;
+    std::pair<std::string, std::string> refused;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (uint64_t id : finished_) {
@@ -143,33 +147,65 @@ void RegionDataPlane::AcceptLoop() {
       }
       finished_.clear();
       stop = stopping_;
-      refused = !stop && static_cast<int>(conns_.size()) >= max_connections_;
-      if (!stop && !refused) {
+      if (!stop) refused = RefusalLocked(peer);
+      if (!stop && refused.first.empty()) {
         conns_.push_back(fd);
+        ++unauthenticated_[peer];
         const uint64_t id = next_id_++;
-        threads_.emplace(id, std::thread([this, id, fd] { Serve(id, fd); }));
+        threads_.emplace(id, std::thread([this, id, fd, peer] { Serve(id, fd, peer); }));
       }
     }
-    if (refused) {  // at once, with the reason where the client reads its first reply
-      if (metrics_ != nullptr) metrics_->rejections.WithLabels({"data_plane_connections"}).Increment();
-      Reply(fd, absl::ResourceExhaustedError(absl::StrCat("data plane: the server is at its limit of ",
-                                                           max_connections_, " connections; retry later")));
+    if (!refused.first.empty()) {  // at once, with the reason where the client reads its first reply
+      if (metrics_ != nullptr) metrics_->rejections.WithLabels({refused.first}).Increment();
+      Reply(fd, absl::ResourceExhaustedError(refused.second));
       ::shutdown(fd, SHUT_RDWR);
     }
-    if (stop || refused) ::close(fd);
+    if (stop || !refused.first.empty()) ::close(fd);
     for (std::thread& t : done) t.join();  // already returned, or about to
     if (stop) return;
   }
 }
 
-void RegionDataPlane::Serve(uint64_t id, int fd) {
+std::pair<std::string, std::string> RegionDataPlane::RefusalLocked(uint32_t peer) const {
+  if (authenticated_ >= max_connections_) {
+    return {"data_plane_connections",
+            absl::StrCat("data plane: the server is at its limit of ", max_connections_, " connections; retry later")};
+  }
+  int total = 0;
+  for (const auto& [_, n] : unauthenticated_) total += n;
+  auto it = unauthenticated_.find(peer);
+  if (total >= max_unauthenticated_ || (it != unauthenticated_.end() && it->second >= max_unauthenticated_per_peer_)) {
+    return {"data_plane_unauthenticated",
+            absl::StrCat("data plane: too many connections that have not presented a session yet (", total,
+                         " here, at most ", max_unauthenticated_, ", ", max_unauthenticated_per_peer_,
+                         " from one address); retry later")};
+  }
+  return {};
+}
+
+bool RegionDataPlane::Authenticate(uint32_t peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (authenticated_ >= max_connections_) return false;
+  if (--unauthenticated_[peer] == 0) unauthenticated_.erase(peer);
+  ++authenticated_;
+  return true;
+}
+
+void RegionDataPlane::Serve(uint64_t id, int fd, uint32_t peer) {
   uint8_t head[v1::data_plane::kHeaderBytes];
   std::unique_ptr<DeviceTransfer> transfer;  // made on the first transfer to or from GPU memory
+  bool authenticated = false;  // by a first transfer that resolved: until then, no second chance
   while (!stopping_) {
-    // Idle between transfers for as long as the client likes; within one, every read and write must
-    // progress within the stall timeout (a recv or send that times out fails, and the connection ends).
-    SetTimeouts(fd, absl::ZeroDuration());
-    if (!RecvAll(fd, head, 1)) break;
+    // Idle between transfers for as long as the client likes, once authenticated (before, the first
+    // transfer must come within the auth timeout); within one, every read and write must progress
+    // within the stall timeout (a recv or send that times out fails, and the connection ends).
+    SetTimeouts(fd, authenticated ? absl::ZeroDuration() : auth_timeout_);
+    if (!RecvAll(fd, head, 1)) {
+      if (!authenticated && !stopping_ && metrics_ != nullptr) {
+        metrics_->rejections.WithLabels({"data_plane_auth_timeout"}).Increment();
+      }
+      break;
+    }
     SetTimeouts(fd, stall_timeout_);
     if (!RecvAll(fd, head + 1, sizeof(head) - 1)) break;
     v1::data_plane::TransferHeader h;
@@ -197,6 +233,19 @@ void RegionDataPlane::Serve(uint64_t id, int fd) {
             : absl::InvalidArgumentError(absl::StrCat("data plane: unknown op ", op));
     if (s.ok() && !s->server_memory) {
       s = absl::InvalidArgumentError(absl::StrCat("data plane: region ", region, " is not server memory"));
+    }
+    if (s.ok() && !authenticated) {
+      if (!Authenticate(peer)) {
+        if (metrics_ != nullptr) metrics_->rejections.WithLabels({"data_plane_connections"}).Increment();
+        Reply(fd, absl::ResourceExhaustedError(absl::StrCat("data plane: the server is at its limit of ",
+                                                             max_connections_, " connections; retry later")));
+        break;
+      }
+      authenticated = true;
+    }
+    if (!s.ok() && !authenticated) {  // a connection that has not presented a session gets no second try
+      Reply(fd, s.status());
+      break;
     }
     if (!s.ok()) {
       // A refused write's payload follows: read it into nothing, so that the client sees the
@@ -238,6 +287,11 @@ void RegionDataPlane::Serve(uint64_t id, int fd) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   conns_.erase(std::remove(conns_.begin(), conns_.end(), fd), conns_.end());
+  if (authenticated) {
+    --authenticated_;
+  } else if (--unauthenticated_[peer] == 0) {
+    unauthenticated_.erase(peer);
+  }
   ::close(fd);
   finished_.push_back(id);
 }

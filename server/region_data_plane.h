@@ -34,8 +34,15 @@ namespace lce::server {
 
 struct RegionDataPlaneOptions {
   int64_t max_write_bytes = int64_t{4} << 30;  // the largest region a session may hold (longer refused writes are not drained)
-  int max_connections = 512;                   // open connections served at once
+  int max_connections = 512;                   // authenticated connections served at once
   absl::Duration stall_timeout = absl::Seconds(60);
+  // A connection is authenticated by its first transfer, which must arrive within auth_timeout and
+  // resolve (its session owns the region); until then it counts against max_unauthenticated, and
+  // against max_unauthenticated_per_peer for its peer address, never against max_connections.
+  // Anything else ends it: connections that present nothing cannot lock out real sessions.
+  absl::Duration auth_timeout = absl::Seconds(5);
+  int max_unauthenticated = 256;
+  int max_unauthenticated_per_peer = 128;  // a client opens 2 x sockets x streams at once
   // May be null: the bytes moved count in lce_bytes_{received,sent}_total, as those of gRPC messages
   // do; refused connections in lce_admission_rejections_total{reason="data_plane_connections"}.
   ServiceMetrics* metrics = nullptr;
@@ -55,20 +62,33 @@ class RegionDataPlane {
         max_write_bytes_(options.max_write_bytes),
         max_connections_(options.max_connections),
         stall_timeout_(options.stall_timeout),
+        auth_timeout_(options.auth_timeout),
+        max_unauthenticated_(options.max_unauthenticated),
+        max_unauthenticated_per_peer_(options.max_unauthenticated_per_peer),
         metrics_(options.metrics) {}
   void AcceptLoop();
-  void Serve(uint64_t id, int fd);
+  // Why a new connection from `peer` is refused at once: {metric reason, message}, or an empty
+  // reason. Hold mu_.
+  std::pair<std::string, std::string> RefusalLocked(uint32_t peer) const;
+  // Moves a connection from unauthenticated to authenticated: false when that pool is full.
+  bool Authenticate(uint32_t peer);
+  void Serve(uint64_t id, int fd, uint32_t peer);
 
   RegionRegistry& regions_;
   const int64_t max_write_bytes_;
   const int max_connections_;
   const absl::Duration stall_timeout_;
+  const absl::Duration auth_timeout_;
+  const int max_unauthenticated_;
+  const int max_unauthenticated_per_peer_;
   ServiceMetrics* const metrics_;
   int listen_fd_ = -1;
   int port_ = 0;
   std::atomic<bool> stopping_{false};
   std::mutex mu_;
-  std::vector<int> conns_;
+  std::vector<int> conns_;                       // every open connection (to wake them at stop)
+  int authenticated_ = 0;
+  std::map<uint32_t, int> unauthenticated_;      // by peer IPv4 address
   std::map<uint64_t, std::thread> threads_;  // by connection
   std::vector<uint64_t> finished_;           // connections whose thread is done: joined on the next accept
   uint64_t next_id_ = 0;

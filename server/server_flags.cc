@@ -36,6 +36,10 @@ const char* ServerUsage() {
                               host's memory; 0: no limit); beyond, RESOURCE_EXHAUSTED
   --max-sessions-per-peer=N   sessions (OpenSession) one client host may hold at once (default 64;
                               0: no limit); more get RESOURCE_EXHAUSTED
+  --data-plane-auth-timeout-seconds=S  a new data-plane connection's first transfer must come within S
+                              and name its session's region, or the connection ends (default 5)
+  --data-plane-max-unauthenticated=N   connections that have not done so yet, at most (default 256;
+                              128 from one address); they never take --data-plane-max-connections' slots
   --data-plane-max-connections=N    data-plane connections served at once (default 512; a client opens
                               2 x data_plane_sockets a stream); more are answered RESOURCE_EXHAUSTED
                               and closed (a client already sending sees the connection reset)
@@ -117,6 +121,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"data-plane-bytes-per-session", i64(&f.data_plane_bytes_per_session)},
       {"data-plane-total-bytes", i64(&f.data_plane_total_bytes)},
       {"max-sessions-per-peer", i64(&f.max_sessions_per_peer)},
+      {"data-plane-auth-timeout-seconds", [&f](const std::string& v) { return absl::SimpleAtod(v, &f.data_plane_auth_timeout_seconds); }},
+      {"data-plane-max-unauthenticated", i32(&f.data_plane_max_unauthenticated)},
       {"data-plane-max-connections", i32(&f.data_plane_max_connections)},
       {"grpc-poll-strategy", str(&f.grpc_poll_strategy)},
       {"grpc-channel-args", [&f](const std::string& v) {
@@ -198,6 +204,10 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (f.data_plane_bytes_per_session <= 0) return absl::InvalidArgumentError("--data-plane-bytes-per-session must be > 0");
   if (f.data_plane_total_bytes < -1) return absl::InvalidArgumentError("--data-plane-total-bytes must be >= -1");
   if (f.max_sessions_per_peer < 0) return absl::InvalidArgumentError("--max-sessions-per-peer must be >= 0");
+  if (!(f.data_plane_auth_timeout_seconds > 0 && f.data_plane_auth_timeout_seconds <= 3600)) {
+    return absl::InvalidArgumentError("--data-plane-auth-timeout-seconds must be in (0, 3600]");
+  }
+  if (f.data_plane_max_unauthenticated < 1) return absl::InvalidArgumentError("--data-plane-max-unauthenticated must be >= 1");
   if (f.data_plane_max_connections < 1 || f.data_plane_max_connections > 65536) {
     return absl::InvalidArgumentError("--data-plane-max-connections must be in [1, 65536]");
   }

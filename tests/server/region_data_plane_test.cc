@@ -179,6 +179,62 @@ TEST(RegionDataPlane, NegativeOrOverflowingPlacementIsRefusedBeforeAnyByteMoves)
   EXPECT_EQ(back.code, 0) << back.message;
 }
 
+// Issue 16, item 4: connections that present no session cannot lock the data plane. They count
+// against their own cap (and one a peer address), never the authenticated connections', and end at
+// the auth timeout; a connection whose first transfer is refused gets no second try.
+TEST(RegionDataPlane, SilentConnectionsCannotLockOutASession) {
+  RegionRegistry regions;
+  regions.EnableServerMemory(1 << 20);
+  metrics::Registry registry;
+  ServiceMetrics metrics(registry);
+  RegionDataPlaneOptions o;
+  o.max_connections = 2;
+  o.max_unauthenticated = 8;
+  o.max_unauthenticated_per_peer = 3;
+  o.auth_timeout = absl::Milliseconds(400);
+  o.metrics = &metrics;
+  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  const std::string session = RegionRegistry::NewSessionId();
+  auto region = regions.RegisterServerMemory(session, "r", 4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  const int real = Connect((*dp)->port());  // authenticated by its first transfer
+  SendTransfer(real, v1::data_plane::kOpWrite, session, *region, 0, std::string(16, 'r'), 16);
+  ASSERT_EQ(ReadReply(real).code, 0);
+
+  std::vector<int> silent;
+  for (int i = 0; i < 3; ++i) silent.push_back(Connect((*dp)->port()));
+  const int fourth = Connect((*dp)->port());  // past the per-address cap: refused at once
+  const Reply refused = ReadReply(fourth);
+  EXPECT_EQ(refused.code, static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) << refused.message;
+  EXPECT_NE(refused.message.find("not presented a session"), std::string::npos) << refused.message;
+  ::close(fourth);
+  EXPECT_GE(metrics.rejections.WithLabels({"data_plane_unauthenticated"}).Value(), 1.0);
+  // Meanwhile the session's connection works, and the silent ones take none of its slots.
+  SendTransfer(real, v1::data_plane::kOpRead, session, *region, 0, "", 16);
+  ASSERT_EQ(ReadReply(real).code, 0);
+  std::string back(16, '\0');
+  ASSERT_TRUE(RecvAll(real, back.data(), back.size()));
+  EXPECT_EQ(back, std::string(16, 'r'));
+  // At the auth timeout the silent ones are dropped; a new connection is served again.
+  for (int fd : silent) {
+    char one;
+    EXPECT_LE(::recv(fd, &one, 1, 0), 0) << "a silent connection ends at the auth timeout";
+    ::close(fd);
+  }
+  EXPECT_GE(metrics.rejections.WithLabels({"data_plane_auth_timeout"}).Value(), 3.0);
+  const Reply again = ReadOnANewConnection((*dp)->port(), session, *region, 16);
+  EXPECT_EQ(again.code, 0) << again.message;
+  // A first transfer naming a made-up session is answered and the connection closed.
+  const int forged = Connect((*dp)->port());
+  SendTransfer(forged, v1::data_plane::kOpRead, RegionRegistry::NewSessionId(), *region, 0, "", 16);
+  EXPECT_EQ(ReadReply(forged).code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied));
+  char one;
+  EXPECT_LE(::recv(forged, &one, 1, 0), 0);
+  ::close(forged);
+  ::close(real);
+}
+
 // A transfer that stops half-way loses its connection after the stall timeout, and its slot is
 // freed; a connection idle between transfers keeps going however long it waits.
 TEST(RegionDataPlane, AStalledTransferEndsItsConnection) {
