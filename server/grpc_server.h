@@ -38,7 +38,7 @@ struct GrpcServerOptions {
   int64_t server_memory_per_session = int64_t{4} << 30;
   int64_t server_memory_total = 0;  // over all sessions (0: no limit)
   int data_plane_max_connections = 512;
-  double data_plane_auth_timeout_seconds = 5;  // RegionDataPlaneOptions::auth_timeout
+  double data_plane_auth_timeout_seconds = 60;  // RegionDataPlaneOptions::auth_timeout
   int data_plane_max_unauthenticated = 256;
 };
 

@@ -276,6 +276,7 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
     if (--sessions_by_peer_[peer] == 0) sessions_by_peer_.erase(peer);
   };
   const std::string session = RegionRegistry::NewSessionId();
+  const RegionRegistry::Peer peer_identity = RegionRegistry::IdentifyPeer(ctx->peer());
   auto count_regions = [this] {
     if (config_.metrics == nullptr) return;
     const RegionRegistry::Counts c = regions_.counts();
@@ -305,7 +306,7 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
     absl::Status s;
     if (req.has_register_region()) {
       const v1::RegisterRegion& r = req.register_region();
-      absl::StatusOr<uint64_t> id = regions_.Register(session, r);
+      absl::StatusOr<uint64_t> id = regions_.Register(session, peer_identity, r);
       if (id.ok()) resp.set_region_id(*id);
       s = id.status();
       if (absl::IsResourceExhausted(s) && config_.metrics != nullptr) {

@@ -40,7 +40,9 @@ struct RegionDataPlaneOptions {
   // resolve (its session owns the region); until then it counts against max_unauthenticated, and
   // against max_unauthenticated_per_peer for its peer address, never against max_connections.
   // Anything else ends it: connections that present nothing cannot lock out real sessions.
-  absl::Duration auth_timeout = absl::Seconds(5);
+  // 60 s: the clients open their sockets ahead of use (a download socket first carries the first
+  // answer's d_hidden); a hello at connect would allow seconds.
+  absl::Duration auth_timeout = absl::Seconds(60);
   int max_unauthenticated = 256;
   int max_unauthenticated_per_peer = 128;  // a client opens 2 x sockets x streams at once
   // May be null: the bytes moved count in lce_bytes_{received,sent}_total, as those of gRPC messages

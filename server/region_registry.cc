@@ -1,5 +1,6 @@
 #include "region_registry.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -7,6 +8,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -19,6 +23,8 @@ namespace lce::server {
 // One mapping; unmapped when the last holder (registry or in-flight request) lets go.
 struct RegionRegistry::Region {
   std::string session, name, shm_name;
+  dev_t shm_dev = 0;  // the shm object's identity (st_dev, st_ino): one session's at a time
+  ino_t shm_ino = 0;
   void* map_base = nullptr;
   size_t map_len = 0;
   uint8_t* data = nullptr;  // map_base + (offset - page-aligned offset), or into device_memory
@@ -51,9 +57,63 @@ std::string RegionRegistry::NewSessionId() {
   return id;
 }
 
-absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, const std::string& name,
+namespace {
+
+// The uid owning the loopback TCP socket whose local end is `ip:port` (the client's end of our
+// connection), from the kernel's socket table; -1 when not found.
+int64_t LoopbackSocketUid(const std::string& ip, int port) {
+  in_addr a{};
+  if (inet_pton(AF_INET, ip.c_str(), &a) != 1) return -1;
+  // The client's socket is IPv4, or IPv6 with the address v4-mapped (::ffff:a.b.c.d; gRPC's sockets
+  // are dual-stack): the kernel prints each 32-bit word of the address in hex, in host order.
+  char v4[32], v6[64];
+  std::snprintf(v4, sizeof(v4), "%08X:%04X", a.s_addr, port);
+  std::snprintf(v6, sizeof(v6), "0000000000000000%08X%08X:%04X", htonl(0xffffu) == 0xffffu ? 0xffffu : 0xffff0000u,
+                a.s_addr, port);
+  for (const auto& [path, want] : {std::pair<const char*, const char*>{"/proc/net/tcp", v4}, {"/proc/net/tcp6", v6}}) {
+    std::ifstream table(path);
+    std::string line;
+    std::getline(table, line);  // the header
+    while (std::getline(table, line)) {
+      std::istringstream fields(line);
+      std::string sl, local, remote, st, queues, timer, retransmits;
+      int64_t uid = -1;
+      if (fields >> sl >> local >> remote >> st >> queues >> timer >> retransmits >> uid && local == want) return uid;
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+RegionRegistry::Peer RegionRegistry::IdentifyPeer(const std::string& grpc_peer) {
+  Peer p;
+  p.description = grpc_peer;
+  if (grpc_peer.rfind("unix:", 0) == 0 || grpc_peer.rfind("ipv6:[::1]:", 0) == 0) {
+    p.local = true;
+    return p;
+  }
+  if (grpc_peer.rfind("ipv4:127.", 0) != 0) return p;
+  p.local = true;
+  const std::string addr = grpc_peer.substr(5);
+  const size_t colon = addr.rfind(':');
+  if (colon != std::string::npos) p.uid = LoopbackSocketUid(addr.substr(0, colon), std::atoi(addr.c_str() + colon + 1));
+  return p;
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, const Peer& peer, const std::string& name,
                                                   const std::string& shm_name, int64_t offset, int64_t byte_size) {
   const std::string what = absl::StrCat("region '", name, "' (", shm_name, ")");
+  // Shared memory by name is for clients on this host that own the object (issue 16 item 3: a second
+  // session could otherwise map any object the server's user can open).
+  if (!peer.local) {
+    return absl::PermissionDeniedError(absl::StrCat(what, ": shared memory by name is only for clients on the server's host"));
+  }
+  if (peer.uid < 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": the client's uid is unknown (connect over IPv4 loopback), so its ownership of the object cannot be checked",
+        peer.description.empty() ? "" : absl::StrCat(" (peer ", peer.description, ")")));
+  }
   if (shm_name.size() < 2 || shm_name[0] != '/' || shm_name.find('/', 1) != std::string::npos ||
       shm_name.size() > 255) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": shm_name must be \"/\" followed by a name without \"/\""));
@@ -76,6 +136,11 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
     close(fd);
     return absl::InternalError(absl::StrCat(what, ": fstat failed: ", std::strerror(e)));
   }
+  if (static_cast<int64_t>(st.st_uid) != peer.uid) {
+    close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(what, ": the object belongs to uid ", st.st_uid,
+                                                    ", the client runs as uid ", peer.uid));
+  }
   if (offset > st.st_size || byte_size > st.st_size - offset) {
     close(fd);
     return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", offset, " + byte_size ", byte_size,
@@ -87,6 +152,8 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
   region->session = session;
   region->name = name;
   region->shm_name = shm_name;
+  region->shm_dev = st.st_dev;
+  region->shm_ino = st.st_ino;
   region->map_len = static_cast<size_t>(byte_size + (offset - aligned));
   void* p = mmap(nullptr, region->map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, aligned);
   const int e = errno;
@@ -186,7 +253,8 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterServerMemory(const std::string&
   return Add(session, std::move(region));
 }
 
-absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, const v1::RegisterRegion& r) {
+absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, const Peer& peer,
+                                                  const v1::RegisterRegion& r) {
   const bool shm = !r.shm_name().empty(), ipc = !r.cuda_ipc_handle().empty(), own = r.server_memory();
   if (int(shm) + int(ipc) + int(own) != 1) {
     return absl::InvalidArgumentError(absl::StrCat("region '", r.name(),
@@ -197,7 +265,7 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
     return RegisterServerMemory(session, r.name(), r.byte_size());
   }
   if (ipc) return RegisterCudaIpc(session, r.name(), r.cuda_ipc_handle(), r.offset(), r.byte_size());
-  return Register(session, r.name(), r.shm_name(), r.offset(), r.byte_size());
+  return Register(session, peer, r.name(), r.shm_name(), r.offset(), r.byte_size());
 }
 
 absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t server_bytes) const {
@@ -227,6 +295,14 @@ absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t
 
 absl::StatusOr<uint64_t> RegionRegistry::Add(const std::string& session, std::shared_ptr<Region> region) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (region->shm_ino != 0) {
+    for (const auto& [_, r] : regions_) {
+      if (r->session != session && r->shm_ino == region->shm_ino && r->shm_dev == region->shm_dev) {
+        return absl::PermissionDeniedError(absl::StrCat("region '", region->name, "' (", region->shm_name,
+                                                        "): the object is registered by another session"));
+      }
+    }
+  }
   if (absl::Status s = CheckRoomLocked(session, region->server_memory() ? region->byte_size : 0); !s.ok()) return s;
   const uint64_t id = next_id_++;
   regions_.emplace(id, std::move(region));

@@ -41,11 +41,22 @@ class RegionRegistry {
   // A new session id: 128 random bits as 32 lowercase hex digits.
   static std::string NewSessionId();
 
-  // Opens and maps [offset, offset + byte_size) of the shm object `shm_name` for `session`.
-  // NOT_FOUND: no such object; PERMISSION_DENIED: the server may not open it; INVALID_ARGUMENT:
-  // a bad name, offset or size (beyond the object's size).
-  absl::StatusOr<uint64_t> Register(const std::string& session, const std::string& name, const std::string& shm_name,
-                                    int64_t offset, int64_t byte_size);
+  // Who opened a session, for name-based shared memory: a peer on this host, and its uid where the
+  // kernel's socket table names it (loopback TCP: /proc/net/tcp); -1: unknown.
+  struct Peer {
+    bool local = false;
+    int64_t uid = -1;
+    std::string description;  // gRPC's peer string, for messages
+  };
+  // From a gRPC peer string ("ipv4:127.0.0.1:40000").
+  static Peer IdentifyPeer(const std::string& grpc_peer);
+
+  // Opens and maps [offset, offset + byte_size) of the shm object `shm_name` for `session`, opened by
+  // `peer`. NOT_FOUND: no such object; PERMISSION_DENIED: the server may not open it, the peer is not
+  // on this host, its uid is unknown or does not own the object, or another session registered the
+  // object; INVALID_ARGUMENT: a bad name, offset or size (beyond the object's size).
+  absl::StatusOr<uint64_t> Register(const std::string& session, const Peer& peer, const std::string& name,
+                                    const std::string& shm_name, int64_t offset, int64_t byte_size);
   // Opens the CUDA allocation of `ipc_handle` (cudaIpcGetMemHandle, 64 bytes) and registers
   // [offset, offset + byte_size) of it for `session`. INVALID_ARGUMENT: a bad handle, offset or size
   // (beyond the allocation); UNIMPLEMENTED: no GPU engine here.
@@ -63,7 +74,7 @@ class RegionRegistry {
   }
   bool server_memory_enabled() const { return max_server_bytes_ > 0; }
   // Any of the above, as the RegisterRegion message says.
-  absl::StatusOr<uint64_t> Register(const std::string& session, const v1::RegisterRegion& r);
+  absl::StatusOr<uint64_t> Register(const std::string& session, const Peer& peer, const v1::RegisterRegion& r);
   // NOT_FOUND: no such region; PERMISSION_DENIED: it belongs to another session.
   absl::Status Unregister(const std::string& session, uint64_t region_id);
   // Drops every region of the session; returns how many.

@@ -37,7 +37,7 @@ const char* ServerUsage() {
   --max-sessions-per-peer=N   sessions (OpenSession) one client host may hold at once (default 64;
                               0: no limit); more get RESOURCE_EXHAUSTED
   --data-plane-auth-timeout-seconds=S  a new data-plane connection's first transfer must come within S
-                              and name its session's region, or the connection ends (default 5)
+                              and name its session's region, or the connection ends (default 60)
   --data-plane-max-unauthenticated=N   connections that have not done so yet, at most (default 256;
                               128 from one address); they never take --data-plane-max-connections' slots
   --data-plane-max-connections=N    data-plane connections served at once (default 512; a client opens

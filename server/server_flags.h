@@ -26,7 +26,7 @@ struct ServerFlags {
   int data_plane_max_connections = 512;
   int64_t data_plane_total_bytes = -1;  // server memory over all sessions; -1: half the host's, 0: no limit
   int64_t max_sessions_per_peer = 64;
-  double data_plane_auth_timeout_seconds = 5;
+  double data_plane_auth_timeout_seconds = 60;
   int data_plane_max_unauthenticated = 256;
   std::string grpc_poll_strategy;
   std::vector<std::pair<std::string, int>> grpc_channel_args;  // extra integer gRPC channel arguments

@@ -10,6 +10,10 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include "absl/cleanup/cleanup.h"
 #include "gtest/gtest.h"
 #include "lce/client/lce_client.h"
 #include "lce/numeric.h"
@@ -196,8 +200,15 @@ TEST(SharedMemory, DeviceRegionsNeedAGpuEngineAndOneSourceAndSessionsHaveACap) {
   ASSERT_TRUE(raw->Write(req) && raw->Read(&resp));
   EXPECT_EQ(resp.code(), static_cast<int>(absl::StatusCode::kInvalidArgument)) << resp.message();
 
-  // A session holds at most kMaxRegionsPerSession regions; another session is not affected.
-  req.mutable_register_region()->set_shm_name(region->shm_name);
+  // A session holds at most kMaxRegionsPerSession regions; another session is not affected. (An
+  // object of its own: one another session registered is refused, shm_ownership_test.cc.)
+  const std::string own = "/lce-cap-" + std::to_string(getpid());
+  const int own_fd = shm_open(own.c_str(), O_CREAT | O_RDWR, 0600);
+  ASSERT_GE(own_fd, 0);
+  ASSERT_EQ(ftruncate(own_fd, 4096), 0);
+  close(own_fd);
+  absl::Cleanup unlink_own = [&own] { shm_unlink(own.c_str()); };
+  req.mutable_register_region()->set_shm_name(own);
   int registered = 0;
   for (size_t i = 0; i < server::RegionRegistry::kMaxRegionsPerSession; ++i) {
     ASSERT_TRUE(raw->Write(req) && raw->Read(&resp));
