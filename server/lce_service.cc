@@ -480,6 +480,12 @@ grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
       config_.metrics->bytes_received.Increment(static_cast<double>(c.message_bytes));
       config_.metrics->bytes_sent.Increment(static_cast<double>(c.resp.ByteSizeLong()));
     }
+    // A client that shrank its shm object meanwhile had the server compute on zeros: no answer.
+    for (const auto& [slice, what] : {std::pair{&c.hidden_slice, "hidden_region"}, {&c.dh_slice, "d_hidden_region"}}) {
+      if (absl::Status s = RegionRegistry::CheckIntact(*slice, what); !s.ok()) {
+        return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("chunk ", c.index, ": ", s.message())));
+      }
+    }
     c.hidden_slice = {};
     c.dh_slice = {};
     const bool last = !(is_fb || is_pl) && c.index == last_chunk.load();

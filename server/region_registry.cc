@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
@@ -17,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lce/device_memory.h"
+#include "shm_fault_guard.h"
 
 namespace lce::server {
 
@@ -33,10 +35,15 @@ struct RegionRegistry::Region {
   std::unique_ptr<PinnedHostRange> pinned;              // shm and server regions of a GPU server
   void* owned = nullptr;                                // server memory (RegisterServerMemory) on the host
   std::unique_ptr<DeviceBuffer> owned_device;           // ... or on the server's GPU
+  // The client shrank the shm object under the mapping, which now holds zeros (shm_fault_guard.h).
+  std::atomic<bool> lost{false};
   bool server_memory() const { return owned != nullptr || owned_device != nullptr; }
   ~Region() {
     pinned.reset();  // before the mapping goes
-    if (map_base != nullptr) munmap(map_base, map_len);
+    if (map_base != nullptr) {
+      UnwatchSharedMapping(map_base);
+      munmap(map_base, map_len);
+    }
     std::free(owned);
   }
 };
@@ -160,6 +167,7 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
   close(fd);
   if (p == MAP_FAILED) return absl::InternalError(absl::StrCat(what, ": mmap failed: ", std::strerror(e)));
   region->map_base = p;
+  WatchSharedMapping(p, region->map_len, &region->lost);
   region->data = static_cast<uint8_t*>(p) + (offset - aligned);
   region->byte_size = byte_size;
   // A GPU server copies chunks between the region and the device: page-locked, they move at the
@@ -353,6 +361,7 @@ absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string&
         what, ": region ", slice.region_id(), " belongs to another session",
         session.empty() ? " (the request carries no lce-session metadata)" : " than the request's lce-session"));
   }
+  if (absl::Status s = LostError(*r, what); !s.ok()) return s;
   // Every term is checked as signed: a negative size would pass the bound below and wrap to a huge
   // span (issue 16: a read of length -1 streamed the heap, a write overflowed it).
   if (slice.offset() < 0 || slice.byte_size() < 0 || bytes_needed < 0 || slice.byte_size() != bytes_needed ||
@@ -363,7 +372,18 @@ absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string&
         bytes_needed, " bytes there"));
   }
   return Slice{absl::Span<uint8_t>(r->data + slice.offset(), static_cast<size_t>(bytes_needed)), r,
-               r->device_memory != nullptr || r->owned_device != nullptr, r->server_memory()};
+               r->device_memory != nullptr || r->owned_device != nullptr, r->server_memory(), r.get()};
+}
+
+absl::Status RegionRegistry::LostError(const Region& r, const char* what) {
+  if (!r.lost.load(std::memory_order_acquire)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": region '", r.name, "' (", r.shm_name, ") is gone: the shm object was shrunk below the region while "
+      "the server had it mapped; unregister it and register a new one"));
+}
+
+absl::Status RegionRegistry::CheckIntact(const Slice& slice, const char* what) {
+  return slice.region != nullptr ? LostError(*slice.region, what) : absl::OkStatus();
 }
 
 RegionRegistry::Counts RegionRegistry::counts() const {

@@ -20,6 +20,8 @@
 namespace lce::server {
 
 class RegionRegistry {
+  struct Region;
+
  public:
   // A resolved slice: its bytes, valid while `hold` (the region's mapping) is alive.
   struct Slice {
@@ -27,6 +29,7 @@ class RegionRegistry {
     std::shared_ptr<const void> hold;
     bool device = false;         // bytes are device memory on the server's GPU (CUDA IPC, or server memory there)
     bool server_memory = false;  // the server's own memory (RegisterServerMemory)
+    const Region* region = nullptr;  // kept alive by `hold`
   };
 
   // Most regions one session may hold at once (RESOURCE_EXHAUSTED beyond).
@@ -82,10 +85,15 @@ class RegionRegistry {
 
   // The bytes of `slice` for a request of `session` that needs exactly `bytes_needed` bytes there.
   // NOT_FOUND: unknown region; PERMISSION_DENIED: the region belongs to another session (or the
-  // request names none); INVALID_ARGUMENT: the slice is out of the region's bounds or not
+  // request names none); FAILED_PRECONDITION: its shm object was shrunk under it (CheckIntact);
+  // INVALID_ARGUMENT: the slice is out of the region's bounds or not
   // `bytes_needed` long. `what` ("hidden_region", ...) names the field in messages.
   absl::StatusOr<Slice> Resolve(const std::string& session, const v1::RegionSlice& slice, int64_t bytes_needed,
                                 const char* what) const;
+
+  // After a request has used `slice`: FAILED_PRECONDITION when its client shrank the shm object
+  // meanwhile (the server read zeros and must not answer with them; the region stays unusable).
+  static absl::Status CheckIntact(const Slice& slice, const char* what);
 
   // Regions registered now (all sessions), and of those in device memory.
   size_t size() const;
@@ -96,7 +104,7 @@ class RegionRegistry {
   Counts counts() const;
 
  private:
-  struct Region;
+  static absl::Status LostError(const Region& r, const char* what);
   absl::StatusOr<uint64_t> Add(const std::string& session, std::shared_ptr<Region> region);
   // RESOURCE_EXHAUSTED when `session` may not hold one more region with `server_bytes` more bytes
   // of server memory. Under mu_.

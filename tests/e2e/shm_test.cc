@@ -165,6 +165,61 @@ TEST(SharedMemory, MisuseGetsItsStatusAndTheServerKeepsServing) {
   EXPECT_EQ(ok->logprobs, ref->logprobs);
 }
 
+// Issue 16 item 2: a client that shrinks its object under the server's mapping (the server then
+// faults on it with SIGBUS) gets FAILED_PRECONDITION naming the region, the region stays refused,
+// and the server keeps serving everyone. The client's own mappings are not touched after the cut.
+TEST(SharedMemory, AClientThatShrinksItsObjectGetsAnErrorAndTheServerKeepsServing) {
+  auto ts = StartTestServer();
+  const Batch b = MakeBatch(200, v1::DTYPE_FLOAT32, 14);
+  auto c = Connect(*ts, 4 << 20);
+  auto s = c->OpenSession();
+  ASSERT_TRUE(s.ok()) << s.status();
+  const auto bytes = static_cast<int64_t>(b.hidden.size());
+  ASSERT_GT(bytes, 3 * 4096);
+  auto hidden = (*s)->CreateRegion(bytes, "hidden");
+  auto cut = (*s)->CreateRegion(bytes, "cut");
+  auto d_hidden = (*s)->CreateRegion(bytes, "d_hidden");
+  ASSERT_TRUE(hidden.ok() && cut.ok() && d_hidden.ok());
+  std::memcpy(hidden->bytes.data(), b.hidden.data(), b.hidden.size());
+  std::memcpy(cut->bytes.data(), b.hidden.data(), b.hidden.size());
+  v1::RequestHeader h;
+  h.set_head("wide");
+  HiddenBatch shm = View(b);
+  shm.hidden = {};
+  shm.hidden_region = cut->Ref();
+  auto before = c->Score(shm, h);
+  ASSERT_TRUE(before.ok()) << before.status();
+  auto shrink = [](const std::string& name, off_t size) {
+    const int fd = shm_open(name.c_str(), O_RDWR, 0);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, size), 0);
+    close(fd);
+  };
+  shrink(cut->shm_name, 0);
+  auto r = c->Score(shm, h);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(r.status().message().find("region 'cut'"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("shrunk"), std::string::npos) << r.status();
+  r = c->Score(shm, h);  // refused from now on, before any use
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+
+  // d_hidden written into an object cut in its middle.
+  shrink(d_hidden->shm_name, 4096);
+  shm.hidden_region = hidden->Ref();
+  shm.d_hidden_region = d_hidden->Ref();
+  auto fb = c->ForwardBackward(shm, v1::RequestHeader(h));
+  EXPECT_EQ(fb.status().code(), absl::StatusCode::kFailedPrecondition) << fb.status();
+  EXPECT_NE(fb.status().message().find("d_hidden_region"), std::string::npos) << fb.status();
+
+  // Everyone else, this session's intact regions included, is served as before.
+  shm.d_hidden_region.reset();
+  auto after = c->Score(shm, h);
+  auto bytes_path = ConnectClient(ts->target, 4 << 20)->Score(View(b), h);
+  ASSERT_TRUE(after.ok() && bytes_path.ok()) << after.status() << bytes_path.status();
+  EXPECT_EQ(after->logprobs, before->logprobs);
+  EXPECT_EQ(bytes_path->logprobs, before->logprobs);
+}
+
 TEST(SharedMemory, DeviceRegionsNeedAGpuEngineAndOneSourceAndSessionsHaveACap) {
   auto ts = StartTestServer();
   auto c = Connect(*ts, 4 << 20);
