@@ -65,8 +65,9 @@ const char* ServerUsage() {
   --batch-invariant=true|false  CUDA engine: a row's results the same bits in any batch (one GEMM
                               algorithm for every row count; costs 5-13% at some train shapes,
                               more on small calls; default false; the CPU engine always is)
-  --tp-invariant=true|false   CUDA engine, with --batch-invariant: logprob, entropy and loss the same
-                              bits for any TP group size, V >= 131072 (default false)
+  --tp-invariant=true|false   CUDA engine, with --batch-invariant: logprob, entropy, loss and d_hidden
+                              the same bits for any TP group size, V >= 131072; costs 31-44% of a
+                              train step (default false)
   --device=N                  CUDA device ordinal (default 0)
   --shutdown-grace-seconds=S  on SIGTERM, time in-flight streams get to finish (default 30)
   --tp-size=K                  tensor-parallel group size (default 1): the head's vocabulary is

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "cpu/fixed_order_gemm.h"
 #include "lce/numeric.h"
+#include "tile_tree.h"
 
 namespace lce {
 namespace {
@@ -358,29 +359,11 @@ void CpuEngine::GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const i
   }
 }
 
-// Adds a tile's node to a stack of subtrees over consecutive tiles, joining siblings: the stack
-// ends as the dyadic decomposition of the tiles pushed, each value the canonical left + right sum.
-// Nodes without values (structure only) join the same way.
+// Adds a tile's node to the stack of subtrees (tile_tree.h), summing siblings' values.
 void PushTile(std::vector<TreeNode>& stack, TreeNode node) {
-  stack.push_back(std::move(node));
-  while (stack.size() >= 2) {
-    TreeNode& right = stack.back();
-    TreeNode& left = stack[stack.size() - 2];
-    if (left.level != right.level || (left.index & 1) != 0 || right.index != left.index + 1) break;
+  PushTreeNode(stack, std::move(node), [](TreeNode& left, TreeNode& right) {
     for (size_t i = 0; i < left.value.size(); ++i) left.value[i] += right.value[i];
-    ++left.level;
-    left.index >>= 1;
-    stack.pop_back();
-  }
-}
-
-// The subtrees rank `rank` of `world` computes (its tiles' dyadic decomposition), without values.
-std::vector<TreeNode> RankSubtrees(int64_t vocab, int rank, int world) {
-  const VocabRange range = VocabShard(vocab, rank, world);
-  const int64_t tile = VocabTile(vocab);
-  std::vector<TreeNode> stack;
-  for (int64_t t = range.begin / tile; t * tile < range.end; ++t) PushTile(stack, {0, t, {}});
-  return stack;
+  });
 }
 
 // Canonical sum of subtree (level, index) into `out` from the subtrees held; false when it covers
@@ -413,8 +396,8 @@ absl::Status CpuEngine::CombineDHidden(std::vector<TreeNode> own, Workspace& ws)
     int64_t mine = 0;  // where this rank's subtrees start in `all` (same order as `held`)
     for (int r = 0; r < collectives_->world_size(); ++r) {
       if (r == collectives_->rank()) mine = static_cast<int64_t>(all.size());
-      for (TreeNode& n : RankSubtrees(shape_.vocab_size, r, collectives_->world_size())) {
-        all.push_back(std::move(n));
+      for (const TileTreeNode& n : RankSubtrees(shape_.vocab_size, r, collectives_->world_size())) {
+        all.push_back({n.level, n.index, {}});
       }
     }
     std::vector<float> buf(all.size() * node_floats, -std::numeric_limits<float>::infinity());
@@ -431,9 +414,7 @@ absl::Status CpuEngine::CombineDHidden(std::vector<TreeNode> own, Workspace& ws)
     }
     held = std::move(all);
   }
-  int root = 0;
-  while ((int64_t{1} << root) < Tiles()) ++root;
-  SumSubtree(held, root, 0, Tiles(), ws.dh_t);
+  SumSubtree(held, TileTreeRootLevel(Tiles()), 0, Tiles(), ws.dh_t);
   return absl::OkStatus();
 }
 

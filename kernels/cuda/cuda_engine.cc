@@ -28,12 +28,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
+#include "tile_tree.h"
 
 namespace lce::cuda {
 namespace {
@@ -143,6 +146,8 @@ struct Scratch {
   float* m = nullptr;             // [R]
   float* info = nullptr;          // [R, kRowInfo]
   float* dh = nullptr;            // [R, H] fp32 (backward only; may alias the logit tiles)
+  float* tree = nullptr;          // [TreeSlots(), R, H] fp32: d_hidden's tile tree (tree_dh_)
+  float* tree_gathered = nullptr; // [GatheredNodes(), R, H] fp32: every rank's subtrees (tree_dh_, TP)
   unsigned long long* bad = nullptr;  // [2]: first non-finite row; [1] holds the overflow flag (float bits)
   float* row_c = nullptr;         // [R] fast path: c_row
   void* h_scaled = nullptr;       // [R, H] bf16, fast path with d_weight
@@ -160,6 +165,7 @@ struct Layout {
   bool host = false;
   bool host_dw = false;
   bool fast = false;  // fast loss path with d_weight: needs the scaled copy of h
+  bool tree = false;  // d_hidden over the canonical tile tree (tree_dh_)
 };
 
 class CudaEngine final : public LceEngine {
@@ -224,11 +230,12 @@ class CudaEngine final : public LceEngine {
     // tiles): a group folds every segment in global order, as one GPU does (docs/MATH.md).
     nseg_global_ = (shape_.vocab_size + kSegment - 1) / kSegment;
     tp_invariant_ = config_.collectives != nullptr && tp_invariant_option_ && SegmentsAreGlobal();
+    tree_dh_ = tp_invariant_option_ && SegmentsAreGlobal();
     // The smallest block must fit the budget.
-    if (Bytes({true, true, true, true}, 1) > config_.workspace_bytes) {
+    if (Bytes({true, true, true, true, tree_dh_}, 1) > config_.workspace_bytes) {
       return absl::InvalidArgumentError(absl::StrCat("workspace_bytes ", config_.workspace_bytes,
                                                      " is too small for one row of this head (needs ",
-                                                     Bytes({true, true, true, true}, 1), ")"));
+                                                     Bytes({true, true, true, true, tree_dh_}, 1), ")"));
     }
     return absl::OkStatus();
   }
@@ -240,7 +247,7 @@ class CudaEngine final : public LceEngine {
   EngineInvariance invariance() const override {
     if (!batch_invariant_) return {};
     EngineInvariance inv{{"logprob", "entropy", "lse", "loss", "d_hidden"}, {}};
-    if (tp_invariant_option_ && SegmentsAreGlobal()) inv.across_tp_sizes = {"logprob", "entropy", "lse", "loss"};
+    if (tree_dh_) inv.across_tp_sizes = {"logprob", "entropy", "lse", "loss", "d_hidden"};
     return inv;
   }
   bool SegmentsAreGlobal() const {
@@ -277,6 +284,10 @@ class CudaEngine final : public LceEngine {
       s->store = c.Take<uint8_t>(R * lds_ * (shape_.dtype == DType::kFloat32 ? 4 : 2));
       // d_hidden's fp32 accumulator reuses the logit tiles (free by then) where it fits.
       s->dh = H <= 2 * ldz_ ? s->logits[0] : c.Take<float>(R * H);
+    }
+    if (l.backward && l.tree) {
+      s->tree = c.Take<float>(TreeSlots() * R * H);
+      if (config_.collectives != nullptr) s->tree_gathered = c.Take<float>(GatheredNodes() * R * H);
     }
     if (l.host) {
       s->hidden = c.Take<uint8_t>(R * H * esz);
@@ -351,6 +362,16 @@ class CudaEngine final : public LceEngine {
   absl::Status CheckCall(const RowsView& rows, const LceOptions& o, const Upstream& up) const;
   absl::Status CheckTargets(const RowsView& rows, const LceOptions& o, Scratch& s);
 
+  // d_hidden's tile tree (tree_dh_): the node slots a block needs (a stack of subtrees over the
+  // shard's tiles, and temporaries of the final sum), and the subtrees of every rank together.
+  int64_t TreeSlots() const {
+    int depth = 0;
+    while ((int64_t{1} << depth) < VocabTileCount(shape_.vocab_size)) ++depth;
+    return 2 * (depth + 2);
+  }
+  int64_t GatheredNodes() const;
+  absl::Status DHiddenByTiles(Scratch& s, int64_t nr, const uint8_t* w, bool tf32);
+
   std::shared_ptr<const HeadWeights> weights_;
   HeadShape shape_;
   EngineConfig config_;
@@ -374,6 +395,9 @@ class CudaEngine final : public LceEngine {
   // give one GPU's bits.
   bool tp_invariant_option_ = false;
   bool tp_invariant_ = false;
+  // d_hidden as the canonical tree over the head's tiles (tp_invariant with global segments): the
+  // same additions in the same order on one GPU and on any group (DHiddenByTiles).
+  bool tree_dh_ = false;
   int64_t nseg_global_ = 0;
   int fwd_sm_target_ = 0;
   std::mutex mu_;
@@ -442,9 +466,10 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   // Fast loss path (fast_grad.cu): no dA pass; the per-row factors go around the GEMMs.
   const bool fast = backward && shape_.dtype == DType::kBFloat16 && up.mode == GradMode::kLoss &&
                     o.softcap == 0.0f && o.label_smoothing == 0.0f && !(host && grads.d_weight != nullptr) &&
+                    !tree_dh_ &&
                     EnvInt("LCE_CUDA_NO_FAST", 0) == 0;
   const Layout layout{backward, host, host && backward && grads.d_weight != nullptr,
-                      fast && grads.d_weight != nullptr};
+                      fast && grads.d_weight != nullptr, tree_dh_};
 
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t r_max = RowsPerBlock(layout, N);
@@ -690,10 +715,14 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvHandoff], 0));
     if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
     if (grads.d_hidden != nullptr) {
-      // dh[nr, H] = dA[nr, Vs] · W[Vs, H]   (column-major: [H, nr] = W · dA)
-      LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F,
-                          H, tf32, /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
-      if (tp) LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
+      if (tree_dh_) {
+        if (absl::Status st = DHiddenByTiles(s, nr, w, tf32); !st.ok()) return st;
+      } else {
+        // dh[nr, H] = dA[nr, Vs] · W[Vs, H]   (column-major: [H, nr] = W · dA)
+        LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F,
+                            H, tf32, /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
+        if (tp) LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
+      }
       void* dst = host ? s.d_hidden : static_cast<uint8_t*>(grads.d_hidden) + r0 * H * esz;
       LCE_CUDA_CHECK(LaunchFloatToDType(s.dh, shape_.dtype, dst, nr * H, stream_));
       if (host) {
@@ -728,6 +757,98 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     }
   }
   LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return absl::OkStatus();
+}
+
+int64_t CudaEngine::GatheredNodes() const {
+  const int world = config_.collectives->world_size();
+  int64_t nodes = 0;
+  for (int r = 0; r < world; ++r) nodes += static_cast<int64_t>(RankSubtrees(shape_.vocab_size, r, world).size());
+  return nodes;
+}
+
+// d_hidden of a block into s.dh over the canonical tile tree (tile_tree.h): each tile's product
+// dA[:, tile] · W[tile, :] through one GEMM algorithm whatever the row count (rows in n), joined as
+// the tiles come; a group gathers every rank's subtrees (−inf elsewhere: a max all-reduce copies
+// them) and each rank sums the same tree. A GEMM per tile and an add per join, against one GEMM and
+// NCCL's sum (whose order varies with its algorithm): the cost is in bench/RESULTS.md.
+absl::Status CudaEngine::DHiddenByTiles(Scratch& s, int64_t nr, const uint8_t* w, bool tf32) {
+  const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows, n = nr * H;
+  const int64_t esz = DTypeSize(shape_.dtype), sesz = StoreBytes();
+  const cudaDataType_t dt = CudaType(shape_.dtype);
+  struct Node {
+    int level = 0;
+    int64_t index = 0;
+    float* value = nullptr;
+  };
+  std::vector<float*> free_slots;
+  for (int64_t i = TreeSlots() - 1; i >= 0; --i) free_slots.push_back(s.tree + i * n);
+  auto take = [&]() -> float* {
+    float* p = free_slots.empty() ? nullptr : free_slots.back();
+    if (p != nullptr) free_slots.pop_back();
+    return p;
+  };
+  absl::Status status;
+  std::vector<Node> stack;
+  for (int64_t v0 = 0, t = shape_.vocab_begin / kSegment; v0 < Vs; v0 += kSegment, ++t) {
+    const int64_t nv = std::min<int64_t>(kSegment, Vs - v0);
+    float* slot = take();
+    if (slot == nullptr) return absl::InternalError("d_hidden tile tree: out of node slots");
+    // [H, nr] = W[v0:v0+nv, H]ᵀ-major · dA[nr, v0:v0+nv]   (column-major, as the one-GEMM path)
+    LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, nv, w + v0 * H * esz, dt, H,
+                        static_cast<const uint8_t*>(s.store) + v0 * sesz, dt, lds_, 0.0f, slot, CUDA_R_32F, H,
+                        tf32, /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
+    PushTreeNode(stack, Node{0, t, slot}, [&](Node& left, Node& right) {
+      if (status.ok()) status = LaunchAddFloats(left.value, left.value, right.value, n, stream_);
+      free_slots.push_back(right.value);
+    });
+    if (!status.ok()) return status;
+  }
+  std::vector<Node> held = stack;
+  if (config_.collectives != nullptr) {
+    const int world = config_.collectives->world_size(), me = config_.collectives->rank();
+    LCE_CUDA_CHECK(LaunchFillFloats(s.tree_gathered, -std::numeric_limits<float>::infinity(), GatheredNodes() * n,
+                                    stream_));
+    held.clear();
+    for (int r = 0; r < world; ++r) {
+      const std::vector<TileTreeNode> subtrees = RankSubtrees(shape_.vocab_size, r, world);
+      for (size_t i = 0; i < subtrees.size(); ++i) {
+        float* dst = s.tree_gathered + static_cast<int64_t>(held.size()) * n;
+        if (r == me) {
+          LCE_CUDA_CHECK(cudaMemcpyAsync(dst, stack[i].value, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+          free_slots.push_back(stack[i].value);
+        }
+        held.push_back({subtrees[i].level, subtrees[i].index, dst});
+      }
+    }
+    LCE_CUDA_CHECK(config_.collectives->AllReduce(s.tree_gathered, static_cast<int64_t>(held.size()) * n,
+                                                  ReduceOp::kMax, true, stream_));
+  }
+  // The canonical sum from the held subtrees; a temporary is a slot of ours, a held node is not.
+  const int64_t tiles = VocabTileCount(shape_.vocab_size);
+  struct Value {
+    float* p = nullptr;
+    bool temp = false;
+  };
+  std::function<Value(int, int64_t)> sum = [&](int level, int64_t index) -> Value {
+    if ((index << level) >= tiles || !status.ok()) return {};
+    for (const Node& h : held) {
+      if (h.level == level && h.index == index) return {h.value, false};
+    }
+    Value left = sum(level - 1, 2 * index), right = sum(level - 1, 2 * index + 1);
+    if (right.p == nullptr || !status.ok()) return left;
+    Value out{left.temp ? left.p : take(), true};
+    if (out.p == nullptr) {
+      status = absl::InternalError("d_hidden tile tree: out of node slots");
+      return {};
+    }
+    status = LaunchAddFloats(out.p, left.p, right.p, n, stream_);
+    if (right.temp) free_slots.push_back(right.p);
+    return out;
+  };
+  const Value root = sum(TileTreeRootLevel(tiles), 0);
+  if (!status.ok()) return status;
+  LCE_CUDA_CHECK(cudaMemcpyAsync(s.dh, root.p, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
   return absl::OkStatus();
 }
 

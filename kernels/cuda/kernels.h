@@ -127,6 +127,11 @@ absl::Status LaunchScatterTargetDW(float* d_weight, int64_t rows, int64_t hidden
                                    const void* h, const int32_t* targets, int32_t ignore_index,
                                    int64_t vocab_begin, int64_t shard_rows, cudaStream_t stream);
 
+// tree_sum.cu. dst[i] = a[i] + b[i] (rounded to nearest, never fused) for n floats; dst may be a.
+absl::Status LaunchAddFloats(float* dst, const float* a, const float* b, int64_t n, cudaStream_t stream);
+// tree_sum.cu. dst[i] = value for n floats.
+absl::Status LaunchFillFloats(float* dst, float value, int64_t n, cudaStream_t stream);
+
 // convert.cu. dst[i] = (dtype) src[i] (round to nearest even) for n elements.
 absl::Status LaunchFloatToDType(const float* src, DType dtype, void* dst, int64_t n, cudaStream_t stream);
 

@@ -603,8 +603,10 @@ TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
 
 TEST_F(CudaTest, VocabParallelStatisticsBitForBit) {
   // V >= 131072 and LCE_CUDA_TP_INVARIANT=1: segments at fixed global offsets, so groups of 2 and 3
-  // give one GPU's logprob, entropy, lse and loss bit for bit (docs/MATH.md, "Order of reductions"),
-  // on the fast loss path, the general path (softcap, label smoothing) and the generic backward.
+  // give one GPU's logprob, entropy, lse, loss and d_hidden bit for bit (docs/MATH.md, "Order of
+  // reductions": d_hidden over the canonical tile tree), on the loss path, the general path
+  // (softcap, label smoothing) and the generic backward; d_hidden still within the float64
+  // reference's tolerance.
   EngineConfig cfg;
   cfg.batch_invariant = cfg.tp_invariant = true;
   for (int variant = 0; variant < 3; ++variant) {
@@ -622,6 +624,8 @@ TEST_F(CudaTest, VocabParallelStatisticsBitForBit) {
     ASSERT_NE(one, nullptr);
     const Answers want = RunEngine(*one, full, MemorySpace::kDevice, {});
     ASSERT_TRUE(want.status.ok()) << want.status;
+    ExpectMatches(want, full, {}, absl::StrCat("tree variant ", variant));
+    ASSERT_EQ(want.d_hidden.size(), static_cast<size_t>(sp.rows * sp.hidden));
     for (int k : {2, 3}) {
       const std::vector<Answers> got = RunSharded(full, k, {}, cfg);
       for (int r = 0; r < k; ++r) {
@@ -632,6 +636,8 @@ TEST_F(CudaTest, VocabParallelStatisticsBitForBit) {
           ASSERT_EQ(std::memcmp(&got[r].entropy[i], &want.entropy[i], 4), 0) << what << " entropy";
           ASSERT_EQ(std::memcmp(&got[r].lse[i], &want.lse[i], 4), 0) << what << " lse";
           ASSERT_EQ(std::memcmp(&got[r].loss[i], &want.loss[i], 4), 0) << what << " loss";
+          ASSERT_EQ(std::memcmp(&got[r].d_hidden[i * sp.hidden], &want.d_hidden[i * sp.hidden], 4 * sp.hidden), 0)
+              << what << " d_hidden";
         }
       }
     }

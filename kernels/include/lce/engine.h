@@ -91,9 +91,10 @@ struct EngineConfig {
   // CUDA backend (the CPU backend is invariant by construction). batch_invariant: the logit and
   // d_hidden GEMMs run one algorithm for every row count, so a row's results are the same bits in
   // any batch; tp_invariant (with batch_invariant): also one logit algorithm for every tile length,
-  // and groups fold their statistics in global segment order, so logprob, entropy, lse and loss are
-  // the same bits for any group size (V >= 131072). Off by default: they cost 5-13% at some train
-  // shapes and up to 1.7x on 64-row calls (bench/RESULTS.md). LCE_CUDA_BATCH_INVARIANT /
+  // groups fold their statistics in global segment order and sum d_hidden over the canonical tile
+  // tree (tile_tree.h), so logprob, entropy, lse, loss and d_hidden are the same bits for any group
+  // size (V >= 131072). Off by default: batch_invariant costs 5-13% at some train shapes and up to
+  // 1.7x on 64-row calls, tp_invariant 31-44% more at train (bench/RESULTS.md). LCE_CUDA_BATCH_INVARIANT /
   // LCE_CUDA_TP_INVARIANT (0 or 1) override them.
   bool batch_invariant = false;
   bool tp_invariant = false;
