@@ -679,14 +679,16 @@ void ExpectRowSameBits(const Answers& whole, const Answers& part, int64_t row, i
 
 TEST_F(CudaTest, BatchInvarianceBitForBit) {
   // DESIGN.md, "Guarantees": a row's results are the same bits alone and in batches of 7, 300 and
-  // 4096, on the fast loss path, the general path (label smoothing) and the generic backward.
-  EngineConfig cfg;
-  cfg.batch_invariant = true;
-  for (int variant = 0; variant < 3; ++variant) {
+  // 4096, on the fast loss path, the general path (label smoothing) and the generic backward; and
+  // with --tp-invariant's d_hidden tile tree (variant 3, V >= 131072).
+  for (int variant = 0; variant < 4; ++variant) {
+    EngineConfig cfg;
+    cfg.batch_invariant = true;
+    cfg.tp_invariant = variant == 3;
     ProblemSpec sp;
     sp.rows = 4096;
-    sp.hidden = 512;
-    sp.vocab = 32003;
+    sp.hidden = variant == 3 ? 128 : 512;
+    sp.vocab = variant == 3 ? 140001 : 32003;
     sp.mode = variant == 2 ? GradMode::kGeneric : GradMode::kLoss;
     if (variant == 1) sp.options.label_smoothing = 0.1f;
     const Problem p = MakeProblem(sp, 40 + variant);
