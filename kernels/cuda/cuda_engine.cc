@@ -45,6 +45,7 @@ constexpr int64_t kMiB = int64_t{1} << 20;
 constexpr int64_t kCublasWorkspace = 32 * kMiB;
 constexpr int64_t kHostDwSlabBytes = 64 * kMiB;
 constexpr int64_t kMaxRowsPerBlock = 32768;  // grid.y limit is 65535
+constexpr int64_t kWideLogitBytes = int64_t{256} << 20;  // small blocks' logit tiles (WideTile)
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -166,6 +167,7 @@ struct Layout {
   bool host_dw = false;
   bool fast = false;  // fast loss path with d_weight: needs the scaled copy of h
   bool tree = false;  // d_hidden over the canonical tile tree (tree_dh_)
+  int64_t tile = 0;   // logit tile columns (0: the engine's default, tile_)
 };
 
 class CudaEngine final : public LceEngine {
@@ -223,7 +225,6 @@ class CudaEngine final : public LceEngine {
     tp_invariant_option_ = batch_invariant_ && EnvInt("LCE_CUDA_TP_INVARIANT", config_.tp_invariant ? 1 : 0) != 0;
     tile_ = RoundUp(std::max<int64_t>(EnvInt("LCE_CUDA_VOCAB_TILE", 8192), kSegment), kSegment);
     tile_ = std::min(tile_, RoundUp(shape_.shard_rows, kSegment));
-    ldz_ = RoundUp(std::min(tile_, shape_.shard_rows), 4);
     lds_ = RoundUp(shape_.shard_rows, 8);
     nseg_ = (shape_.shard_rows + kSegment - 1) / kSegment;
     // Segments at fixed global offsets (VocabTile(V) == kSegment: V >= 131072, and shards of whole
@@ -266,8 +267,9 @@ class CudaEngine final : public LceEngine {
     const int64_t esz = DTypeSize(shape_.dtype);
     Carver c(base);
     s->cublas_ws = c.Take<uint8_t>(kCublasWorkspace);
-    s->logits[0] = c.Take<float>(2 * R * ldz_);
-    s->logits[1] = s->logits[0] == nullptr ? nullptr : s->logits[0] + R * ldz_;
+    const int64_t ldz = Ldz(l);
+    s->logits[0] = c.Take<float>(2 * R * ldz);
+    s->logits[1] = s->logits[0] == nullptr ? nullptr : s->logits[0] + R * ldz;
     s->part = c.Take<float>(R * nseg_ * 4);
     if (tp_invariant_) {
       s->part_global = c.Take<float>(R * nseg_global_ * 4);
@@ -283,7 +285,7 @@ class CudaEngine final : public LceEngine {
     if (l.backward) {
       s->store = c.Take<uint8_t>(R * lds_ * (shape_.dtype == DType::kFloat32 ? 4 : 2));
       // d_hidden's fp32 accumulator reuses the logit tiles (free by then) where it fits.
-      s->dh = H <= 2 * ldz_ ? s->logits[0] : c.Take<float>(R * H);
+      s->dh = H <= 2 * ldz ? s->logits[0] : c.Take<float>(R * H);
     }
     if (l.backward && l.tree) {
       s->tree = c.Take<float>(TreeSlots() * R * H);
@@ -298,6 +300,16 @@ class CudaEngine final : public LceEngine {
     }
     if (l.host_dw) s->dw_slab = c.Take<float>(DwSlabRows() * H);
     return c.used();
+  }
+  int64_t TileOf(const Layout& l) const { return l.tile > 0 ? l.tile : tile_; }
+  int64_t Ldz(const Layout& l) const { return RoundUp(std::min(TileOf(l), shape_.shard_rows), 4); }
+  // Logit tile columns for blocks of R rows: the default for large blocks; for a few rows as many as
+  // kWideLogitBytes of double-buffered fp32 logits hold, up to the whole shard. A GEMM of 8192
+  // vocabulary rows by a handful of batch rows keeps too few SMs streaming W; one over the whole
+  // shard reads W at near HBM speed (bench/RESULTS.md: 1-64 rows, 0.60 -> 0.48-0.54 ms at V=151936).
+  int64_t WideTile(int64_t R) const {
+    const int64_t fits = kWideLogitBytes / (2 * static_cast<int64_t>(sizeof(float)) * R) / kSegment * kSegment;
+    return std::min(RoundUp(shape_.shard_rows, kSegment), std::max(tile_, fits));
   }
   int64_t Bytes(const Layout& l, int64_t R) const {
     Scratch s;
@@ -388,7 +400,7 @@ class CudaEngine final : public LceEngine {
   void* cublas_ws_ = nullptr;
   DeviceMemory weight_, bias_, workspace_;
   PinnedMemory pinned_;
-  int64_t tile_ = 0, ldz_ = 0, lds_ = 0, nseg_ = 0;
+  int64_t tile_ = 0, lds_ = 0, nseg_ = 0;
   bool batch_invariant_ = false;  // one GEMM algorithm for every row count (GemmSpec::n_invariant)
   // EngineConfig::tp_invariant: one logit GEMM algorithm for every tile length too, and under TP the
   // forward's statistics gathered and folded in global segment order, so that groups of any size
@@ -468,14 +480,22 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
                     o.softcap == 0.0f && o.label_smoothing == 0.0f && !(host && grads.d_weight != nullptr) &&
                     !tree_dh_ &&
                     EnvInt("LCE_CUDA_NO_FAST", 0) == 0;
-  const Layout layout{backward, host, host && backward && grads.d_weight != nullptr,
-                      fast && grads.d_weight != nullptr, tree_dh_};
+  Layout layout{backward, host, host && backward && grads.d_weight != nullptr,
+                fast && grads.d_weight != nullptr, tree_dh_};
 
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t r_max = RowsPerBlock(layout, N);
   const int64_t nblocks = (N + r_max - 1) / r_max;
   int64_t R = (N + nblocks - 1) / nblocks;
   if (nblocks > 1 && RoundUp(R, 128) <= r_max) R = RoundUp(R, 128);
+  // Small blocks take wider logit tiles (WideTile). Not with batch-invariant GEMMs, whose algorithm
+  // is chosen per tile length: a row's logits would then change with the row count.
+  if (!batch_invariant_) {
+    Layout wide = layout;
+    wide.tile = WideTile(R);
+    if (wide.tile > tile_ && Bytes(wide, R) <= config_.workspace_bytes) layout = wide;
+  }
+  const int64_t tile = TileOf(layout), ldz = Ldz(layout);
   // Timing aid only (results are wrong): 1 skips TileStats, 2 skips WriteGrad.
   const int64_t debug_skip = EnvInt("LCE_CUDA_DEBUG_SKIP", 0);
   const int64_t need = Bytes(layout, R);
@@ -488,7 +508,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   LCE_CUDA_CHECK(cublasSetWorkspace(cublas_, s.cublas_ws, kCublasWorkspace));
   cublas_ws_ = s.cublas_ws;
   tune_scratch_ = s.logits[0];
-  tune_floats_ = 2 * R * ldz_;
+  tune_floats_ = 2 * R * ldz;
   const int64_t bad_off = RoundUp(R * H * esz, 64);  // 2 × u64 after the staging
   if (host) LCE_CUDA_CHECK(pinned_.Ensure(bad_off + 64));
   unsigned long long* bad_host = nullptr;
@@ -545,8 +565,8 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     unsigned* overflow = reinterpret_cast<unsigned*>(s.bad + 1);
     // GEMM of tile t on stream_ overlaps TileStats of tile t−1 on aux_; two logit buffers.
     int64_t t = 0;
-    for (int64_t v0 = 0; v0 < Vs; v0 += tile_, ++t) {
-      const int64_t nv = std::min(tile_, Vs - v0);
+    for (int64_t v0 = 0; v0 < Vs; v0 += tile, ++t) {
+      const int64_t nv = std::min(tile, Vs - v0);
       const int b = static_cast<int>(t % 2);
       if (t >= 2) LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvStats0 + b], 0));
       // logits[nr, nv] = h[nr, H] · W[v0:v0+nv, H]ᵀ   (column-major: [nv, nr] = Wᵀ · h): whole
@@ -556,12 +576,12 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       const int64_t whole = nv / kSegment * kSegment;
       if (whole > 0) {
         LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, whole, nr, H, w + v0 * H * esz, dt, H, h, dt, H, 0.0f,
-                            s.logits[b], CUDA_R_32F, ldz_, tf32, /*c_is_scratch=*/true, fwd_sm_target_,
+                            s.logits[b], CUDA_R_32F, ldz, tf32, /*c_is_scratch=*/true, fwd_sm_target_,
                             /*rows_in_n=*/true, /*cols_in_m=*/true));
       }
       if (whole < nv) {
         LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, nv - whole, nr, H, w + (v0 + whole) * H * esz, dt, H, h, dt,
-                            H, 0.0f, s.logits[b] + whole, CUDA_R_32F, ldz_, tf32, /*c_is_scratch=*/true,
+                            H, 0.0f, s.logits[b] + whole, CUDA_R_32F, ldz, tf32, /*c_is_scratch=*/true,
                             fwd_sm_target_, /*rows_in_n=*/true));
       }
       LCE_CUDA_CHECK(cudaEventRecord(events_[kEvGemm0 + b], stream_));
@@ -569,11 +589,11 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       if (!(debug_skip & 1)) {
         // The fast path's first segment sets c_row before the rest of the shard is stored.
         const int64_t first = (block_fast && v0 == 0) ? std::min<int64_t>(nv, kSegment) : nv;
-        LCE_CUDA_CHECK(LaunchTileStats(s.logits[b], ldz_, nr, v0, first, tf, y, o.ignore_index, shape_.vocab_begin,
+        LCE_CUDA_CHECK(LaunchTileStats(s.logits[b], ldz, nr, v0, first, tf, y, o.ignore_index, shape_.vocab_begin,
                                        s.part, nseg_, s.packed, backward ? s.store : nullptr, lds_, mode, s.row_c,
                                        overflow, aux_));
         if (first < nv) {
-          LCE_CUDA_CHECK(LaunchTileStats(s.logits[b] + first, ldz_, nr, v0 + first, nv - first, tf, y, o.ignore_index,
+          LCE_CUDA_CHECK(LaunchTileStats(s.logits[b] + first, ldz, nr, v0 + first, nv - first, tf, y, o.ignore_index,
                                          shape_.vocab_begin, s.part, nseg_, s.packed, s.store, lds_, mode, s.row_c,
                                          overflow, aux_));
         }
