@@ -108,6 +108,7 @@ class LceService final : public v1::LceService::Service {
   void set_data_port(int port) { data_port_ = port; }
 
  private:
+  friend class StreamedRequest;  // a streamed request's stages (streamed_request.h)
   grpc::Status GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp);
   grpc::Status OpenSessionBody(grpc::ServerContext* ctx,
                                grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream);
@@ -130,8 +131,8 @@ class LceService final : public v1::LceService::Service {
   ClientWait IdleWait(std::string what) const;
   // Runs `wait` (true/false as gRPC's Read and Write) into *done under `limit`: OK, or
   // DEADLINE_EXCEEDED when it ran past the limit (the call is then cancelled).
-  template <typename F>
-  grpc::Status WithinLimit(grpc::ServerContext* ctx, const ClientWait& limit, F&& wait, bool* done);
+  grpc::Status WithinLimit(grpc::ServerContext* ctx, const ClientWait& limit, const std::function<bool()>& wait,
+                           bool* done);
 
   absl::Status Authenticate(grpc::ServerContext* ctx, Access access) const;
   // Runs one RPC body, counting it in the metrics (requests by code, duration, in flight).

@@ -1,0 +1,456 @@
+#include "streamed_request.h"
+
+#include <chrono>
+#include <mutex>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpc_status.h"
+#include "lce/training.h"
+#include "wire_types.h"
+
+namespace lce::server {
+namespace {
+
+// Points a repeated float field at `n` new zeroed elements and returns their storage.
+float* Grow(google::protobuf::RepeatedField<float>* field, int64_t n) {
+  field->Resize(static_cast<int>(n), 0.0f);
+  return field->mutable_data();
+}
+
+}  // namespace
+
+StreamedRequest::StreamedRequest(LceService& service, RpcKind rpc, grpc::ServerContext* ctx, Stream* stream)
+    : service_(service),
+      config_(service.config_),
+      rpc_(rpc),
+      ctx_(ctx),
+      stream_(stream),
+      work_(RequestWork::Current()),
+      is_fb_(rpc == RpcKind::kForwardBackward),
+      is_bw_(rpc == RpcKind::kBackward),
+      is_pl_(rpc == RpcKind::kPolicyLoss),
+      method_(RpcName(rpc)),
+      op_(is_fb_ ? "forward_backward" : is_bw_ ? "backward" : is_pl_ ? "policy_loss" : "score") {}
+
+StreamedRequest::~StreamedRequest() {
+  pipeline_.reset();
+  // A client that stops reading must not hold the handler (and its slot) in the last writes.
+  if (writer_.has_value()) {
+    bool drained = false;
+    (void)service_.WithinLimit(ctx_, service_.IdleWait("the client to read the last answers"),
+                               [&] { return writer_->Finish(); }, &drained);
+  }
+}
+
+template <typename F>
+auto StreamedRequest::Timed(double RequestWork::*acc, F&& f) {
+  if (work_ == nullptr) return f();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = f();
+  work_->*acc += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+grpc::Status StreamedRequest::Run() {
+  if (grpc::Status g = Admit(); !g.ok()) return g;
+  for (;;) {
+    bool more = false;
+    if (grpc::Status g = Receive(&more); !g.ok()) return g;
+    if (!more) break;
+    // The slot's last chunk (two back) must be done before this one takes its place.
+    if (pipeline_.has_value() && pipeline_->outstanding() > 1) {
+      if (grpc::Status g = WaitOldest(); !g.ok()) return g;
+    }
+    InFlightChunk& c = chunks_[chunk_index_ % 2];
+    c.msg.Swap(&msg_);
+    if (grpc::Status g = Accept(c); !g.ok()) return g;
+    if (grpc::Status g = Prepare(c); !g.ok()) return g;
+    if (grpc::Status g = pipelined_ ? Submit(c) : Compute(c); !g.ok()) return g;
+  }
+  return Finish();
+}
+
+// The header, the head's version, then the slot: a client that opens streams and sends nothing
+// holds none (and is dropped at the header timeout).
+grpc::Status StreamedRequest::Admit() {
+  if (grpc::Status g = service_.ReadHeader(rpc_, ctx_, stream_, &plan_, &head_use_); !g.ok()) return g;
+  slot_.emplace(service_.streams_in_flight_, config_.max_concurrent_streams);
+  if (!slot_->admitted()) {
+    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"concurrent_streams"}).Increment();
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("server is at its limit of ", config_.max_concurrent_streams,
+                                     " concurrent streams; retry later"));
+  }
+  validator_.emplace(rpc_, *service_.heads_, config_.limits);
+  const HeadShape& shape = plan_->head->engine->shape();
+  row_bytes_ = shape.hidden_size * DTypeSize(shape.dtype);
+  num_seq_ = static_cast<int64_t>(plan_->sequence_valid_tokens.size());
+  seq_seen_.assign(static_cast<size_t>(num_seq_), 0);
+  // Pipelined streams: calls and answers on threads of their own, on GPU engines where the client
+  // sends ahead (a client waiting for an answer before it sends more would wait for ever on a server
+  // reading ahead), except PolicyLoss's (host work between its two calls) and those that accumulate
+  // the weight gradient (the training lock).
+  pipelined_ = (config_.cuda_device >= 0 ? config_.pipeline_chunks : config_.pipeline_chunks_on_cpu) &&
+               plan_->sends_ahead && !is_pl_ && !plan_->accumulate_weight_grad;
+  // Answers leave from their own thread while the next chunk computes (two in flight at most); a
+  // pipelined stream's finish thread writes them itself.
+  writer_.emplace(stream_, 2, /*own_thread=*/!pipelined_);
+  // Its threads start now, while the first chunk is on its way.
+  if (pipelined_) pipeline_.emplace(work_);
+  return grpc::Status::OK;
+}
+
+// The client's next message, within the idle timeout; `*more` is false at the stream's end.
+grpc::Status StreamedRequest::Receive(bool* more) {
+  const std::string what = chunk_index_ == 0 ? std::string("the first chunk")
+                                             : absl::StrCat("the message after chunk ", chunk_index_ - 1);
+  grpc::Status g = service_.WithinLimit(
+      ctx_, service_.IdleWait(what),
+      [&] { return Timed(&RequestWork::read_wait_seconds, [&] { return stream_->Read(&msg_); }); }, more);
+  if (!g.ok() || !*more) return g;
+  if (ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+  if (msg_.has_header()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("repeated header (message ", chunk_index_ + 1, "): a request has exactly one"));
+  }
+  if (!msg_.has_chunk()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("message ", chunk_index_ + 1, " is neither a header nor a chunk"));
+  }
+  if (chunk_index_ == 0 && work_ != nullptr) work_->first_chunk_wait_seconds = work_->read_wait_seconds;
+  return grpc::Status::OK;
+}
+
+// The chunk checked against the plan, its regions resolved, the request's byte budget.
+grpc::Status StreamedRequest::Accept(InFlightChunk& c) {
+  const v1::RowChunk& chunk = c.msg.chunk();
+  absl::StatusOr<int64_t> rows = validator_->ValidateChunk(*plan_, chunk, chunk_index_, rows_seen_);
+  if (!rows.ok()) {
+    if (rows.status().code() == absl::StatusCode::kResourceExhausted && config_.metrics != nullptr) {
+      config_.metrics->rejections.WithLabels({"request_rows"}).Increment();
+    }
+    return ToGrpcStatus(rows.status());
+  }
+  c.index = chunk_index_;
+  c.first_row = rows_seen_;
+  c.rows = *rows;
+  c.message_bytes = static_cast<int64_t>(c.msg.ByteSizeLong());
+  if (grpc::Status g = ResolveRegions(c); !g.ok()) return g;
+  bytes_seen_ += c.rows * row_bytes_;
+  if (config_.max_request_bytes > 0 && bytes_seen_ > config_.max_request_bytes) {
+    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"request_bytes"}).Increment();
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("chunk ", chunk_index_, ": request exceeds ", config_.max_request_bytes,
+                                     " bytes of hidden states, the server's limit per request"));
+  }
+  return grpc::Status::OK;
+}
+
+// Co-located clients: hidden states read from, and d_hidden written to, shared-memory regions of
+// the request's session (checked: owner, bounds, size). The slices stay mapped until the chunk is
+// done.
+grpc::Status StreamedRequest::ResolveRegions(InFlightChunk& c) {
+  const v1::RowChunk& chunk = c.msg.chunk();
+  c.hidden = chunk.hidden().data();
+  c.hidden_slice = {};
+  c.dh_slice = {};
+  if (!chunk.has_hidden_region() && !chunk.has_d_hidden_region()) return grpc::Status::OK;
+  const auto& md = ctx_->client_metadata();
+  auto it = md.find("lce-session");
+  const std::string session = it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+  auto fail = [&](const absl::Status& e) {
+    return ToGrpcStatus(absl::Status(e.code(), absl::StrCat("chunk ", chunk_index_, ": ", e.message())));
+  };
+  const int64_t bytes = c.rows * row_bytes_;
+  RegionRegistry& regions = service_.regions_;
+  if (chunk.has_hidden_region()) {
+    absl::StatusOr<RegionRegistry::Slice> r = regions.Resolve(session, chunk.hidden_region(), bytes, "hidden_region");
+    if (!r.ok()) return fail(r.status());
+    c.hidden_slice = *std::move(r);
+    c.hidden = reinterpret_cast<const char*>(c.hidden_slice.bytes.data());
+  }
+  if (!chunk.has_d_hidden_region()) return grpc::Status::OK;
+  if (!(is_fb_ || is_bw_ || is_pl_)) return fail(absl::InvalidArgumentError("d_hidden_region: Score returns no d_hidden"));
+  absl::StatusOr<RegionRegistry::Slice> r = regions.Resolve(session, chunk.d_hidden_region(), bytes, "d_hidden_region");
+  if (!r.ok()) return fail(r.status());
+  c.dh_slice = *std::move(r);
+  if (c.dh_slice.device && !c.hidden_slice.device) {
+    return fail(absl::InvalidArgumentError(
+        "d_hidden_region is device memory (CUDA IPC) but the hidden states are not: put both on the GPU"));
+  }
+  // The engine reads hidden after it starts writing d_hidden: the two must not share bytes.
+  const auto* hp = reinterpret_cast<const uint8_t*>(c.hidden);
+  const uint8_t* dp = c.dh_slice.bytes.data();
+  if (c.dh_slice.device == c.hidden_slice.device && hp < dp + bytes && dp < hp + bytes) {
+    return fail(absl::InvalidArgumentError("d_hidden_region overlaps the chunk's hidden states"));
+  }
+  return grpc::Status::OK;
+}
+
+// Where the chunk's outputs go, its upstream gradients, and (GPU engines) the stream's staging.
+grpc::Status StreamedRequest::Prepare(InFlightChunk& c) {
+  const v1::RowChunk& chunk = c.msg.chunk();
+  const int64_t n = c.rows;
+  int64_t valid = 0;
+  for (int32_t y : chunk.targets()) valid += y != plan_->options.ignore_index ? 1 : 0;
+  c.resp.Clear();
+  v1::ChunkResult* out = c.resp.mutable_chunk();
+  out->set_first_row(rows_seen_);
+  out->set_rows(n);
+  c.outs = RowOutputs{};
+  if (plan_->want_logprobs) c.outs.logprob = Grow(out->mutable_logprobs(), n);
+  if (plan_->want_entropy) c.outs.entropy = Grow(out->mutable_entropy(), n);
+  c.loss.clear();
+  if (is_fb_) {
+    c.loss.assign(n, 0.0f);
+    c.outs.loss = c.loss.data();
+  }
+  c.up = Upstream{};
+  c.grads = GradOutputs{};
+  if (c.dh_slice.hold != nullptr) {
+    c.grads.d_hidden = c.dh_slice.bytes.data();
+  } else if (is_fb_ || is_bw_ || is_pl_) {
+    std::string* dh = out->mutable_d_hidden();
+    dh->resize(static_cast<size_t>(n * row_bytes_));
+    c.grads.d_hidden = dh->data();
+  }
+  // ValidateChunk checked every target: the engine need not check them again.
+  c.view = RowsView{c.hidden, chunk.targets().data(), n, MemorySpace::kHost, /*targets_checked=*/true};
+  // A GPU engine of one rank gets every chunk in device memory, copied on this stream's thread
+  // (outside the engine's lock); its dW lives on the device too.
+  c.device_path = c.hidden_slice.device || config_.cuda_device >= 0;
+  rows_seen_ += n;
+  valid_seen_ += valid;
+  ++chunk_index_;
+  if (c.device_path) {
+    for (int k = 0; k < (pipelined_ ? 2 : 1); ++k) {
+      if (staging_.held[k] != nullptr) continue;
+      absl::StatusOr<std::unique_ptr<ChunkStaging>> st = service_.TakeStaging();
+      if (!st.ok()) return ToGrpcStatus(st.status());
+      staging_.held[k] = *std::move(st);
+    }
+  }
+  if (is_fb_) {
+    c.up.mode = GradMode::kLoss;
+    if (plan_->reduction == v1::REDUCTION_NONE) {
+      c.up.grad_loss = chunk.grad_loss_size() > 0 ? chunk.grad_loss().data() : nullptr;
+    } else if (plan_->reduction == v1::REDUCTION_MEAN) {
+      const float g = plan_->declared_valid_tokens > 0 ? 1.0f / static_cast<float>(plan_->declared_valid_tokens) : 0.0f;
+      c.grad.assign(n, g);
+      c.up.grad_loss = c.grad.data();
+    }
+  } else if (is_bw_) {
+    c.up.mode = GradMode::kGeneric;
+    c.up.grad_logprob = chunk.grad_logprob_size() > 0 ? chunk.grad_logprob().data() : nullptr;
+    c.up.grad_entropy = chunk.grad_entropy_size() > 0 ? chunk.grad_entropy().data() : nullptr;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status StreamedRequest::ChunkError(const InFlightChunk& c, const absl::Status& s) const {
+  return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("chunk ", c.index, " (rows ", c.first_row, "..",
+                                                    c.first_row + c.rows - 1, "): ", s.message())));
+}
+
+// Pipelined: the chunk is staged now (its uploads overlap the previous chunk's compute) and its call
+// queued; its outputs come back and its answer leaves on the pipeline's second thread.
+grpc::Status StreamedRequest::Submit(InFlightChunk& c) {
+  const int slot = static_cast<int>(c.index % 2);
+  if (c.device_path) {
+    absl::StatusOr<LceService::StagedCall> staged = service_.StageOnDevice(
+        *staging_.held[slot], c.view, c.hidden_slice.device, row_bytes_, c.up, c.outs, c.grads, c.dh_slice.device);
+    if (!staged.ok()) return ChunkError(c, staged.status());
+    c.staged = *staged;
+  } else {
+    c.staged = LceService::StagedCall{c.view, c.up, c.outs, c.grads};
+  }
+  ChunkStaging* st = c.device_path ? staging_.held[slot].get() : nullptr;
+  pipeline_->Submit(
+      [this, &c] {
+        return service_.RunEngine(method_, op_, *plan_->head->engine, c.staged.rows, plan_->options, c.staged.up,
+                                  c.staged.outs, c.staged.grads);
+      },
+      [this, st, &c]() -> absl::Status {
+        if (st != nullptr) {
+          if (absl::Status s = service_.UnstageFromDevice(*st, c.staged); !s.ok()) return s;
+        }
+        const grpc::Status g = Answer(c);
+        return absl::Status(static_cast<absl::StatusCode>(g.error_code()), g.error_message());
+      });
+  return grpc::Status::OK;
+}
+
+// Waits for the oldest pipelined chunk to be computed and answered.
+grpc::Status StreamedRequest::WaitOldest() {
+  const InFlightChunk& c = chunks_[(chunk_index_ - pipeline_->outstanding()) % 2];
+  absl::Status s = pipeline_->WaitOldest();
+  return s.ok() ? grpc::Status::OK : ChunkError(c, s);
+}
+
+absl::Status StreamedRequest::CallEngine(InFlightChunk& c, const char* what, const Upstream& up,
+                                         const RowOutputs& outs, const GradOutputs& grads) {
+  LceEngine& engine = *plan_->head->engine;
+  return c.device_path ? service_.RunEngineOnDevice(method_, what, engine, *staging_.held[0], c.view,
+                                                    c.hidden_slice.device, plan_->options, up, outs, grads,
+                                                    c.dh_slice.device)
+                       : service_.RunEngine(method_, what, engine, c.view, plan_->options, up, outs, grads);
+}
+
+// Unpipelined: the engine call here (under the training lock when it accumulates dW), then the
+// answer.
+grpc::Status StreamedRequest::Compute(InFlightChunk& c) {
+  absl::Status s;
+  if (is_pl_) s = PolicyForward(c);
+  if (s.ok()) {
+    const RowOutputs second = is_pl_ ? RowOutputs{} : c.outs;
+    if (plan_->accumulate_weight_grad) {
+      std::lock_guard<std::mutex> lock(plan_->head->training->mu);
+      absl::StatusOr<HeadTrainer*> trainer = service_.TrainerOf(*plan_->head);
+      if (trainer.ok()) c.grads.d_weight = (*trainer)->grad();
+      s = trainer.ok() ? CallEngine(c, op_, c.up, second, c.grads) : trainer.status();
+    } else {
+      s = CallEngine(c, op_, c.up, second, c.grads);
+    }
+  }
+  if (!s.ok()) return ChunkError(c, s);
+  return Answer(c);
+}
+
+// PolicyLoss: the forward for logprob and entropy, the policy loss and its upstream gradients on
+// the host; the generic backward (which recomputes the logits tile by tile) follows in Compute.
+absl::Status StreamedRequest::PolicyForward(InFlightChunk& c) {
+  const v1::RowChunk& chunk = c.msg.chunk();
+  const int64_t n = c.rows;
+  lp_buf_.assign(n, 0.0f);
+  ent_buf_.assign(n, 0.0f);
+  if (absl::Status s = CallEngine(c, "policy_forward", Upstream{}, {lp_buf_.data(), ent_buf_.data(), nullptr, nullptr},
+                                  {});
+      !s.ok()) {
+    return s;
+  }
+  w_buf_.assign(n, 0.0f);
+  valid_buf_.reset(new bool[n]);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t sid = chunk.sequence_ids_size() > 0 ? chunk.sequence_ids(static_cast<int>(i)) : 0;
+    valid_buf_[i] = chunk.targets(static_cast<int>(i)) != plan_->options.ignore_index;
+    if (!valid_buf_[i]) continue;
+    ++seq_seen_[sid];
+    w_buf_[i] = AggregationWeight(plan_->aggregation, plan_->sequence_valid_tokens[sid], plan_->total_valid_tokens,
+                                  num_seq_);
+  }
+  c.loss.assign(n, 0.0f);
+  u_buf_.assign(n, 0.0f);
+  e_buf_.assign(n, 0.0f);
+  PolicyLossRows(n, plan_->policy, lp_buf_.data(), ent_buf_.data(), chunk.old_logprobs().data(),
+                 chunk.advantages().data(), chunk.ref_logprobs_size() > 0 ? chunk.ref_logprobs().data() : nullptr,
+                 w_buf_.data(), valid_buf_.get(), c.loss.data(), u_buf_.data(), e_buf_.data(), &policy_sums_);
+  if (plan_->want_logprobs) std::copy(lp_buf_.begin(), lp_buf_.end(), c.outs.logprob);
+  if (plan_->want_entropy) std::copy(ent_buf_.begin(), ent_buf_.end(), c.outs.entropy);
+  c.up = Upstream{GradMode::kGeneric, nullptr, u_buf_.data(), e_buf_.data()};
+  return absl::OkStatus();
+}
+
+// After its engine call: sums, metrics, and the answer on its way.
+grpc::Status StreamedRequest::Answer(InFlightChunk& c) {
+  v1::ChunkResult* out = c.resp.mutable_chunk();
+  if (is_fb_ || is_pl_) {
+    for (float l : c.loss) loss_sum_ += l;
+    if (plan_->want_loss) out->mutable_loss()->Add(c.loss.begin(), c.loss.end());
+  }
+  if (config_.metrics != nullptr) {
+    config_.metrics->tokens.WithLabels({op_}).Increment(static_cast<double>(c.rows));
+    config_.metrics->bytes_received.Increment(static_cast<double>(c.message_bytes));
+    config_.metrics->bytes_sent.Increment(static_cast<double>(c.resp.ByteSizeLong()));
+  }
+  // A client that shrank its shm object meanwhile had the server compute on zeros: no answer.
+  for (const auto& [slice, what] : {std::pair{&c.hidden_slice, "hidden_region"}, {&c.dh_slice, "d_hidden_region"}}) {
+    if (absl::Status s = RegionRegistry::CheckIntact(*slice, what); !s.ok()) {
+      return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("chunk ", c.index, ": ", s.message())));
+    }
+  }
+  c.hidden_slice = {};
+  c.dh_slice = {};
+  const bool last = !(is_fb_ || is_pl_) && c.index == last_chunk_.load();
+  bool written = false;
+  grpc::Status g = service_.WithinLimit(ctx_, service_.IdleWait("the client to read an answer"), [&] {
+    return Timed(&RequestWork::write_wait_seconds,
+                 [&] { return last ? writer_->PushLast(std::move(c.resp)) : writer_->Push(std::move(c.resp)); });
+  }, &written);
+  if (!g.ok()) return g;
+  if (!written) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  c.resp = v1::StreamResponse();
+  return grpc::Status::OK;
+}
+
+// The stream's end: the pipeline drained, the declared counts, the summary, the last answers out.
+grpc::Status StreamedRequest::Finish() {
+  last_chunk_.store(chunk_index_ - 1);
+  if (pipeline_.has_value()) pipeline_->Close();  // its threads end with the last chunk
+  while (pipeline_.has_value() && pipeline_->outstanding() > 0) {
+    if (grpc::Status g = WaitOldest(); !g.ok()) return g;
+  }
+  if (ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+  if (rows_seen_ == 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request has a header but no rows");
+  if (grpc::Status g = CheckDeclaredCounts(); !g.ok()) return g;
+  if (grpc::Status g = SendSummary(); !g.ok()) return g;
+  bool drained = false;
+  grpc::Status g = service_.WithinLimit(ctx_, service_.IdleWait("the client to read the last answers"), [&] {
+    return Timed(&RequestWork::drain_seconds, [&] { return writer_->Finish(); });
+  }, &drained);
+  if (!g.ok()) return g;
+  if (!drained) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  return grpc::Status::OK;
+}
+
+// A part of a split request (header.partial) carries the whole request's counts: the client checks
+// that its parts add up.
+grpc::Status StreamedRequest::CheckDeclaredCounts() const {
+  if (plan_->partial) return grpc::Status::OK;
+  if (is_fb_ && plan_->reduction == v1::REDUCTION_MEAN && plan_->declared_valid_tokens != valid_seen_) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("header.num_valid_tokens declared ", plan_->declared_valid_tokens,
+                                     " but the request has ", valid_seen_,
+                                     " non-ignored rows; the returned d_hidden is wrong, discard it"));
+  }
+  if (!is_pl_) return grpc::Status::OK;
+  for (int64_t q = 0; q < num_seq_; ++q) {
+    if (seq_seen_[q] != plan_->sequence_valid_tokens[q]) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("policy.sequence_valid_tokens[", q, "] declared ", plan_->sequence_valid_tokens[q],
+                                       " but the request has ", seq_seen_[q],
+                                       " non-ignored rows in that sequence; discard the returned d_hidden"));
+    }
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status StreamedRequest::SendSummary() {
+  if (!(is_fb_ || is_pl_)) return grpc::Status::OK;
+  v1::StreamResponse resp;
+  v1::RequestSummary* sum = resp.mutable_summary();
+  sum->set_rows(rows_seen_);
+  sum->set_valid_tokens(valid_seen_);
+  sum->set_head_version(plan_->head->version);
+  if (is_fb_) {
+    // The mean's denominator is the declared count; for a whole request it equals valid_seen.
+    const int64_t denom = plan_->partial ? plan_->declared_valid_tokens : valid_seen_;
+    sum->set_loss(plan_->reduction == v1::REDUCTION_MEAN ? (denom > 0 ? loss_sum_ / denom : 0.0) : loss_sum_);
+  } else {
+    const double t = std::max<int64_t>(policy_sums_.tokens, 1);
+    sum->set_loss(policy_sums_.loss);
+    sum->set_clip_fraction(policy_sums_.clipped / t);
+    sum->set_approx_kl(policy_sums_.approx_kl / t);
+    sum->set_mean_entropy(policy_sums_.entropy / t);
+    sum->set_mean_ratio(policy_sums_.ratio / t);
+    sum->set_mean_kl(policy_sums_.kl / t);
+  }
+  bool written = false;
+  grpc::Status g = service_.WithinLimit(ctx_, service_.IdleWait("the client to read an answer"),
+                                        [&] { return writer_->PushLast(std::move(resp)); }, &written);
+  if (!g.ok()) return g;
+  if (!written) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  return grpc::Status::OK;
+}
+
+}  // namespace lce::server

@@ -1,0 +1,135 @@
+// One streamed request (Score, ForwardBackward, Backward, PolicyLoss) on the server, from its header
+// to its last answer, as named stages (Triton Inference Server's per-request state objects are the
+// model):
+//   Admit    the header read within its timeout and checked; the head's version held; a stream slot
+//   per chunk:
+//     Receive  the next message within the idle timeout
+//     Accept   the chunk checked, its shared-memory slices resolved, the request's byte budget
+//     Prepare  where its outputs go, its upstream gradients, its device staging
+//     Compute  the engine call here and Answer; or Submit: staged now, computed and answered on
+//              the pipeline's threads while the next chunk is read (RequestHeader.sends_ahead)
+//   Finish   the pipeline drained, the declared counts checked, the summary, the last answers out
+// The serial and the pipelined paths share every stage but the engine call's place.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine_call_pipeline.h"
+#include "lce_service.h"
+#include "stream_answer_writer.h"
+
+namespace lce::server {
+
+class StreamedRequest {
+ public:
+  using Stream = grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>;
+  StreamedRequest(LceService& service, RpcKind rpc, grpc::ServerContext* ctx, Stream* stream);
+  // Ends the pipeline (its steps finish first), then lets the queued answers out within the idle
+  // timeout, however the request ended.
+  ~StreamedRequest();
+  StreamedRequest(const StreamedRequest&) = delete;
+  StreamedRequest& operator=(const StreamedRequest&) = delete;
+
+  // The whole request; its status is the RPC's.
+  grpc::Status Run();
+
+ private:
+  // A chunk from its message to its answer. Two exist: on a pipelined stream chunk k computes while
+  // chunk k+1 is read and staged.
+  struct InFlightChunk {
+    v1::StreamRequest msg;  // its message: the engine may read targets and hidden states from it
+    v1::StreamResponse resp;
+    RegionRegistry::Slice hidden_slice, dh_slice;  // mapped until the chunk is done
+    std::vector<float> loss, grad;
+    int64_t index = 0, first_row = 0, rows = 0, message_bytes = 0;
+    const char* hidden = nullptr;  // its hidden states: in the message or a region
+    RowsView view;
+    RowOutputs outs;
+    Upstream up;
+    GradOutputs grads;
+    bool device_path = false;  // a GPU engine's call through the stream's staging
+    LceService::StagedCall staged;  // the call's views (device ones when staged)
+  };
+  // One admission slot, held for the life of the stream.
+  class StreamSlot {
+   public:
+    StreamSlot(std::atomic<int64_t>& counter, int64_t limit) : counter_(counter) {
+      admitted_ = counter_.fetch_add(1) < limit || limit <= 0;
+    }
+    ~StreamSlot() { counter_.fetch_sub(1); }
+    bool admitted() const { return admitted_; }
+
+   private:
+    std::atomic<int64_t>& counter_;
+    bool admitted_;
+  };
+  // The stream's device stagings (two when pipelined), back to the service's pool at the end.
+  struct StagingLease {
+    LceService* service;
+    std::unique_ptr<ChunkStaging> held[2];
+    ~StagingLease() {
+      for (auto& h : held) service->ReturnStaging(std::move(h));
+    }
+  };
+
+  grpc::Status Admit();
+  grpc::Status Receive(bool* more);
+  grpc::Status Accept(InFlightChunk& c);
+  grpc::Status ResolveRegions(InFlightChunk& c);
+  grpc::Status Prepare(InFlightChunk& c);
+  grpc::Status Submit(InFlightChunk& c);
+  grpc::Status Compute(InFlightChunk& c);
+  // PolicyLoss: the forward, the loss and its upstream gradients on the host, for the backward.
+  absl::Status PolicyForward(InFlightChunk& c);
+  absl::Status CallEngine(InFlightChunk& c, const char* what, const Upstream& up, const RowOutputs& outs,
+                          const GradOutputs& grads);
+  grpc::Status Answer(InFlightChunk& c);
+  grpc::Status WaitOldest();
+  grpc::Status Finish();
+  grpc::Status CheckDeclaredCounts() const;
+  grpc::Status SendSummary();
+  grpc::Status ChunkError(const InFlightChunk& c, const absl::Status& s) const;
+  // `f()`, its time added to the request log's `acc` when the request is accounted.
+  template <typename F>
+  auto Timed(double RequestWork::*acc, F&& f);
+
+  LceService& service_;
+  const ServiceConfig& config_;
+  const RpcKind rpc_;
+  grpc::ServerContext* const ctx_;
+  Stream* const stream_;
+  RequestWork* const work_;
+  const bool is_fb_, is_bw_, is_pl_;
+  const char* const method_;
+  const char* const op_;
+
+  // Admit's.
+  std::optional<RequestPlan> plan_;
+  std::optional<HeadStore::Use> head_use_;  // the request runs start to end on this version of its head
+  std::optional<StreamSlot> slot_;
+  std::optional<StreamRequestValidator> validator_;
+  int64_t row_bytes_ = 0, num_seq_ = 0;
+  bool pipelined_ = false;
+
+  StagingLease staging_{&service_, {}};
+  std::optional<StreamAnswerWriter<v1::StreamResponse>> writer_;
+  v1::StreamRequest msg_;
+  int64_t rows_seen_ = 0, valid_seen_ = 0, chunk_index_ = 0, bytes_seen_ = 0;
+  double loss_sum_ = 0.0;
+  PolicyLossSums policy_sums_;
+  std::vector<int64_t> seq_seen_;
+  std::vector<float> lp_buf_, ent_buf_, u_buf_, e_buf_, w_buf_;
+  std::unique_ptr<bool[]> valid_buf_;
+  InFlightChunk chunks_[2];
+  // The stream's last chunk once the client has sent it (-1 before): where no summary follows, its
+  // answer goes with the status (a pipelined chunk is usually answered after the client is done).
+  std::atomic<int64_t> last_chunk_{-1};
+  // Last: destroyed (its steps finished) before everything its steps use.
+  std::optional<EngineCallPipeline> pipeline_;
+};
+
+}  // namespace lce::server
