@@ -1,25 +1,138 @@
 #!/usr/bin/env bash
-# One entry point for runs on the GPU machine (the device tool), from the repo root, with .devbin/
-# (stripped binaries: bench/device_pack.sh) and .rtpack/rt.tar.xz (runtime libraries) carried.
-# Every log lands under $OUT; a summary is printed last.
+# The one entry point for runs on the GPU machine (the device tool), from the repo root, with .devbin/
+# (stripped binaries and liblce_gpu_timeline.so: bench/device_pack.sh) and .rtpack/rt.tar.xz (runtime
+# libraries) carried; .whl/ and .peers/peers.py too for the peers. Every log lands under $OUT; a
+# summary is printed last.
 # Usage: bench/device.sh STEP...   STEP is one of
 #   gpu-tests[=FILTER]        gpu_engine_test (gtest filter)
+#   sanitizer                 compute-sanitizer memcheck over gpu_engine_test
 #   e2e-cuda[=FILTER]         e2e_test against lce_server --backend=cuda
 #   bench[=VAR=V:VAR=V]       lce_bench on $SHAPES (default: the five issue shapes), with env vars set
+#   peers                     ../shared/bench/peers.py (as .peers/peers.py) on $SHAPES
+#   tp                        TP process tests on every GPU, lce_tp_bench at k = 1 and all GPUs, verl's
+#                             kernel at the same k ($TP_SHAPES)
+#   transport                 the IPC test, then lce_transport_bench over every path (ROWS, HIDDEN,
+#                             VOCAB, STREAMS, TCP_STREAMS, CHUNK, ITERS, MODES, SERVER_FLAGS, BENCH_FLAGS)
+#   grpc-sweep                the gRPC path for each of $CONFIGS "STREAMS:CHUNK:WINDOW[:CQS[:ARGS[:FIRST[:POLL]]]]"
+#   data-plane-sweep          the data plane for each of $CONFIGS "STREAMS:CHUNK:FIRST:LAST[:GROW]"
+#   timeline                  `transport` with the CUPTI recorder injected, and its GPU timeline summary
 #   bin=NAME[:ARGS]           any .devbin binary with ARGS (':' for spaces), output to $OUT/NAME.log
 set -u
 [ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
 export LD_LIBRARY_PATH=$PWD/.rt/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-export LCE_SERVER_BIN=$PWD/.devbin/lce_server LCE_CLI_BIN=$PWD/.devbin/lce_cli NCCL_NVLS_ENABLE=0
+export LCE_SERVER_BIN=$PWD/.devbin/lce_server LCE_CLI_BIN=$PWD/.devbin/lce_cli
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SHAPES=${SHAPES:-8192x4096x128256,16384x2048x151936,4096x8192x152064,16384x4096x151936,4096x2880x201088}
+N=${ROWS:-8192} H=${HIDDEN:-4096} V=${VOCAB:-128256}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+
+# A CUDA server on a seeded V×H head, its port in $PORT, its pid in $SERVER; extra flags as arguments.
+start_server() {
+  rm -f /tmp/lce.port
+  ./.devbin/lce_server --port=0 --port-file=/tmp/lce.port --backend=cuda --seed-head="${V}x${H}" --seed=0 \
+    --head-dtype=bf16 "$@" &
+  SERVER=$!
+  for _ in $(seq 600); do [ -s /tmp/lce.port ] && break; sleep 0.2; done
+  PORT=$(cat /tmp/lce.port)
+}
+stop_server() { kill $SERVER; wait $SERVER 2>/dev/null; }
+
+step_tp() {
+  local ngpu rdv k r shapes=${TP_SHAPES:-16384x4096x151936,32768x8192x262144}
+  ngpu=$(nvidia-smi -L | wc -l)
+  LCE_TEST_TP_BACKEND=cuda LCE_TEST_TP_SIZES=1,$ngpu LCE_TEST_TP_FAULT_SIZE=$ngpu timeout 400 \
+    ./.devbin/e2e_test --gtest_filter='TensorParallel.*' > "$OUT/tp_test.log" 2>&1
+  echo "tp tests (cuda, k=1,$ngpu) rc=$?"
+  : > "$OUT/tp_bench.log"
+  for k in 1 $ngpu; do
+    rdv=$(mktemp -d)
+    for ((r = 1; r < k; r++)); do
+      ./.devbin/lce_tp_bench --rank=$r --world=$k --rendezvous=$rdv --shapes=$shapes > "$OUT/tp_bench_rank$r.log" 2>&1 &
+    done
+    timeout 300 ./.devbin/lce_tp_bench --rank=0 --world=$k --rendezvous=$rdv --shapes=$shapes >> "$OUT/tp_bench.log" 2>&1
+    echo "tp bench k=$k rc=$?"
+    wait
+  done
+  if [ -d .whl ] && [ -f .peers/peers.py ]; then  # verl's kernel with its process group, same shapes
+    for k in 1 $ngpu; do
+      timeout 300 python3 -m torch.distributed.run --nproc_per_node=$k bench/verl_tp_peer.py \
+        --verl-wheel .whl/verl-*.whl --peers .peers/peers.py --shapes "$shapes" >> "$OUT/verl_tp.log" 2>&1
+      echo "verl k=$k rc=$?"
+    done
+  fi
+}
+
+step_transport() {
+  if [ -x .devbin/gpu_ipc_test ]; then
+    ./.devbin/gpu_ipc_test > "$OUT/gpu_ipc_test.log" 2>&1; echo "gpu_ipc_test rc=$?"
+  fi
+  start_server --log-requests=${LOG_REQUESTS:-false} --max-message-bytes=67108864 --data-port=0 ${SERVER_FLAGS:-} \
+    > "$OUT/server.log" 2>&1
+  ./.devbin/lce_transport_bench --target=127.0.0.1:$PORT --rows="$N" --hidden="$H" --vocab="$V" --seed=0 \
+    --streams="${STREAMS:-1,2,4,8}" --tcp-streams="${TCP_STREAMS:-1,2,4}" --chunk-bytes="${CHUNK:-4194304}" \
+    --iterations="${ITERS:-5}" --warmup=1 ${MODES:+--modes=$MODES} ${BENCH_FLAGS:-} > "$OUT/transport.log" 2>&1
+  echo "transport rc=$?"
+  stop_server
+}
+
+step_grpc_sweep() {
+  local cfg s chunk w cqs args first poll n=0
+  for cfg in ${CONFIGS:-1:4194304:0 4:4194304:0}; do
+    IFS=: read -r s chunk w cqs args first poll <<< "$cfg"
+    if [ -n "${poll:-}" ]; then export GRPC_POLL_STRATEGY=$poll; else unset GRPC_POLL_STRATEGY; fi
+    n=$((n + 1))
+    start_server --log-requests=true --max-message-bytes=134217728 --http2-window-bytes="$w" --grpc-cqs="${cqs:-0}" \
+      ${args:+--grpc-channel-args=$args} 2> "$OUT/server_$n.log" > /dev/null
+    { echo "== streams $s, chunk $chunk (first ${first:-0}), window $w, cqs ${cqs:-0}, args ${args:-none}, poll ${poll:-default}"
+      ./.devbin/lce_transport_bench --target=127.0.0.1:$PORT --rows="$N" --hidden="$H" --vocab="$V" --seed=0 \
+        --modes=grpc --streams="$s" --chunk-bytes="$chunk" --http2-window-bytes="$w" ${args:+--grpc-channel-args=$args} \
+        --first-chunk-bytes="${first:-0}" --iterations=4 --warmup=1 2>&1 | grep -E "^\| grpc|[A-Z_]+: "
+      python3 bench/transport_log_summary.py "$OUT/server_$n.log"; } >> "$OUT/grpc_sweep.log"
+    stop_server
+  done
+  echo "grpc sweep done"
+}
+
+step_data_plane_sweep() {
+  local cfg s chunk first last grow from
+  start_server --log-requests=true --data-port=0 ${SERVER_FLAGS:-} > /dev/null 2> "$OUT/server.log"
+  for cfg in ${CONFIGS:-2:8388608:1048576:1048576}; do
+    IFS=: read -r s chunk first last grow <<< "$cfg"
+    from=$(($(wc -l < "$OUT/server.log") + 1))
+    { echo "== streams $s, chunk $chunk, first $first, last $last, grow ${grow:-0}"
+      ./.devbin/lce_transport_bench --target=127.0.0.1:$PORT --rows="$N" --hidden="$H" --vocab="$V" --seed=0 \
+        --tcp-streams="$s" --chunk-bytes="$chunk" --first-chunk-bytes="${first:-0}" --last-chunk-bytes="${last:-0}" \
+        --grow-chunks="${grow:-0}" --tcp-sockets="${SOCKETS:-4}" --iterations="${ITERS:-5}" --warmup="${WARMUP:-1}" \
+        --modes="${MODES:-tcp}" --trace-file=/tmp/trace.jsonl 2>&1 | grep -E "^\| [a-z0-9]" | grep -v "^| path"
+      python3 bench/transport_log_summary.py "$OUT/server.log" "$from"
+      python3 bench/transport_trace_summary.py /tmp/trace.jsonl "$OUT/server.log" "$from"; } >> "$OUT/data_plane_sweep.log"
+  done
+  stop_server
+  echo "data plane sweep done"
+}
+
+step_timeline() {
+  local tag=${TAG:-timeline} f
+  mkdir -p /tmp/$tag
+  (export LD_LIBRARY_PATH=$PWD/.devbin:$LD_LIBRARY_PATH CUDA_INJECTION64_PATH=$PWD/.devbin/liblce_gpu_timeline.so \
+     LCE_GPU_TIMELINE_DIR=/tmp/$tag; step_transport)
+  for f in /tmp/$tag/timeline.*.csv; do
+    [ -s "$f" ] && python3 bench/gpu_timeline_summary.py "$f" --rows "$N" | grep -v "no engine calls"
+  done > "$OUT/$tag.summary.md"
+  echo "timeline done"
+}
+
 for step in "$@"; do
   arg=${step#*=}; [ "$arg" = "$step" ] && arg=""
   case ${step%%=*} in
     gpu-tests)
       timeout 400 ./.devbin/gpu_engine_test ${arg:+--gtest_filter=$arg} > "$OUT/gpu_test.log" 2>&1
       echo "gpu tests rc=$?" ;;
+    sanitizer)
+      timeout 400 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
+        ./.devbin/gpu_engine_test --gtest_filter=-*HundredThousand* > "$OUT/sanitizer.log" 2>&1
+      echo "compute-sanitizer rc=$?" ;;
     e2e-cuda)
       LCE_TEST_BACKEND=cuda timeout 400 ./.devbin/e2e_test ${arg:+--gtest_filter=$arg} > "$OUT/e2e_cuda.log" 2>&1
       echo "e2e (cuda) rc=$?" ;;
@@ -27,14 +140,26 @@ for step in "$@"; do
       echo "## bench ${arg:-default}" >> "$OUT/bench.log"
       env ${arg//:/ } timeout 300 ./.devbin/lce_bench --shapes "$SHAPES" --reps ${REPS:-7} >> "$OUT/bench.log" 2>&1
       echo "bench ${arg:-default} rc=$?" ;;
+    peers)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl \
+        .whl/cut_cross_entropy-*.whl > "$OUT/pip.log" 2>&1
+      PYTHONPATH=/tmp/site timeout 400 python3 .peers/peers.py --shapes "$SHAPES" --verl-wheel .whl/verl-*.whl \
+        --json "$OUT/peers.json" > "$OUT/peers.log" 2>&1; echo "peers rc=$?" ;;
+    tp) step_tp ;;
+    transport) step_transport ;;
+    grpc-sweep) step_grpc_sweep ;;
+    data-plane-sweep) step_data_plane_sweep ;;
+    timeline) step_timeline ;;
     bin)
       name=${arg%%:*}; args=${arg#*:}; [ "$args" = "$arg" ] && args=""
       timeout 400 ./.devbin/$name ${args//:/ } > "$OUT/$name.log" 2>&1; echo "$name rc=$?" ;;
+    *) echo "unknown step: $step" ;;
   esac
 done
 echo "== gpu"; cat "$OUT/gpu.txt"
-for f in gpu_test e2e_cuda; do
+for f in gpu_test e2e_cuda tp_test; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|rror|tests ran|^\[  FAILED" "$OUT/$f.log" | head -40; }
 done
-[ -f "$OUT/bench.log" ] && { echo "== bench"; cat "$OUT/bench.log"; }
+[ -f "$OUT/sanitizer.log" ] && { echo "== sanitizer"; tail -4 "$OUT/sanitizer.log"; }
+for f in bench tp_bench peers transport; do [ -f "$OUT/$f.log" ] && { echo "== $f"; cat "$OUT/$f.log"; }; done
 exit 0

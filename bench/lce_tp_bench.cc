@@ -8,7 +8,7 @@
 //   floor  one bf16 [N,H]x[H,V/k] cuBLAS GEMM on rank 0 (train's per-rank floor is three, score's one)
 //   comm   time inside collectives per train call (all-reduces of partials and of d_hidden)
 //
-// Usage (see bench/device_tp_run.sh): lce_tp_bench --rank=R --world=K --rendezvous=DIR
+// Usage (see `bench/device.sh tp`): lce_tp_bench --rank=R --world=K --rendezvous=DIR
 //          [--shapes=16384x4096x151936,...] [--reps=10] [--warmup=3]
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
