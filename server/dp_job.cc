@@ -1,5 +1,6 @@
 #include "dp_job.h"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -188,11 +189,10 @@ absl::StatusOr<v1::LceService::Stub*> DpJob::Front(int replica) {
   return (fronts_[replica] = std::move(stub)).get();
 }
 
-DpJob::Answer DpJob::CallFront(int replica, grpc::ServerContext* ctx, const std::map<std::string, std::string>& marks,
-                               const FrontCall& call) {
+DpJob::Answer DpJob::CallFront(int replica, grpc::ServerContext* ctx, const Marks& marks, const FrontCall& call,
+                               grpc::ClientContext& c) {
   absl::StatusOr<v1::LceService::Stub*> stub = Front(replica);
   if (!stub.ok()) return {ToGrpcStatus(stub.status()), false};
-  grpc::ClientContext c;
   // Long enough for a front's drain, the meeting and the call; a client's deadline comes first.
   c.set_deadline(ForwardDeadline(ctx, 2 * (options_.change_wait + options_.dp.timeout) + absl::Seconds(30)));
   const auto& md = ctx->client_metadata();
@@ -205,7 +205,8 @@ DpJob::Answer DpJob::CallFront(int replica, grpc::ServerContext* ctx, const std:
 }
 
 grpc::Status DpJob::Relay(grpc::ServerContext* ctx, const FrontCall& call) {
-  const Answer a = CallFront(0, ctx, {{kSecret, secret_}, {kOrigin, absl::StrCat(replica())}}, call);
+  grpc::ClientContext c;
+  const Answer a = CallFront(0, ctx, {{kSecret, secret_}, {kOrigin, absl::StrCat(replica())}}, call, c);
   if (a.reached) return a.status;
   return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                       absl::StrCat("data-parallel replica 0 (the job's sequencer) did not answer (",
@@ -216,15 +217,26 @@ grpc::Status DpJob::Relay(grpc::ServerContext* ctx, const FrontCall& call) {
 grpc::Status DpJob::Sequence(grpc::ServerContext* ctx, DpCallKind kind, int origin, const FrontCall& call) {
   std::lock_guard<std::mutex> lock(sequence_mu_);
   if (!down_.ok()) return ToGrpcStatus(down_);
-  const std::map<std::string, std::string> marks = {{kSecret, secret_}, {kSequence, absl::StrCat(++sequence_)}};
+  const Marks marks = {{kSecret, secret_}, {kSequence, absl::StrCat(++sequence_)}};
   std::vector<int> replicas;
   for (int d = 0; d < size(); ++d) {
     if (kind.everywhere || d == origin) replicas.push_back(d);
   }
   std::vector<Answer> answers(replicas.size());
+  std::vector<grpc::ClientContext> contexts(replicas.size());
+  std::atomic<bool> dropping{false};
   std::vector<std::thread> calls;
   for (size_t i = 0; i < replicas.size(); ++i) {
-    calls.emplace_back([&, i] { answers[i] = CallFront(replicas[i], ctx, marks, call); });
+    calls.emplace_back([&, i] {
+      answers[i] = CallFront(replicas[i], ctx, marks, call, contexts[i]);
+      answers[i].dropped =
+          dropping && !answers[i].reached && answers[i].status.error_code() == grpc::StatusCode::CANCELLED;
+      // A lost replica fails the call: the others are not waited for (a hung one would hold the
+      // answer until its deadline). Their handlers run on, and change nothing without the lost one.
+      if (answers[i].lost() && !dropping.exchange(true)) {
+        for (grpc::ClientContext& other : contexts) other.TryCancel();
+      }
+    });
   }
   for (std::thread& t : calls) t.join();
   return Combine(kind, replicas, answers);
@@ -235,21 +247,18 @@ grpc::Status DpJob::Combine(DpCallKind kind, const std::vector<int>& replicas, c
   grpc::StatusCode code = grpc::StatusCode::OK;
   for (size_t i = 0; i < answers.size(); ++i) {
     const grpc::Status& s = answers[i].status;
-    if (s.ok()) applied.push_back(absl::StrCat("replica ", replicas[i]));
-    if (s.ok()) continue;
-    if (!answers[i].reached) {
-      lost.push_back(absl::StrCat("replica ", replicas[i], " did not answer (", s.error_message(), ")"));
-    } else if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-      lost.push_back(absl::StrCat("replica ", replicas[i], ": ", s.error_message()));
-    } else {
+    if (s.ok()) {
+      applied.push_back(absl::StrCat("replica ", replicas[i]));
+    } else if (answers[i].lost()) {
+      lost.push_back(absl::StrCat("replica ", replicas[i], answers[i].reached ? ": " : " did not answer (",
+                                  s.error_message(), answers[i].reached ? "" : ")"));
+    } else if (!answers[i].dropped) {
       failed.push_back(absl::StrCat("replica ", replicas[i], ": ", s.error_message()));
       if (code == grpc::StatusCode::OK) code = s.error_code();
     }
   }
-  for (const absl::Status& h : {front_rank_->health(), ControlHealth()}) {
-    if (!h.ok()) lost.push_back(std::string(h.message()));
-  }
-  if (!lost.empty()) {
+  if (!lost.empty() || !front_rank_->health().ok()) {
+    if (lost.empty()) lost.push_back(std::string(front_rank_->health().message()));
     down_ = absl::UnavailableError(absl::StrCat("the data-parallel job's training is down until it restarts (every ",
                                                 "replica keeps scoring): ", absl::StrJoin(lost, "; ")));
     return ToGrpcStatus(down_);
@@ -259,11 +268,6 @@ grpc::Status DpJob::Combine(DpCallKind kind, const std::vector<int>& replicas, c
     failed.push_back(absl::StrCat(absl::StrJoin(applied, ", "), " did apply it: the replicas differ until it is applied again"));
   }
   return grpc::Status(code, absl::StrJoin(failed, "; "));
-}
-
-absl::Status DpJob::ControlHealth() {
-  std::lock_guard<std::mutex> lock(meet_mu_);
-  return control_health_;
 }
 
 absl::Status DpJob::LoseControl(const absl::Status& why) {

@@ -82,20 +82,23 @@ class DpJob {
   struct Answer {
     grpc::Status status;
     bool reached = false;  // the front's handler answered (not the transport)
+    bool dropped = false;  // cancelled by the sequencer once another replica was lost
+    // A front that did not answer, or whose replica (links or group) is down.
+    bool lost() const { return !status.ok() && !dropped && (!reached || status.error_code() == grpc::StatusCode::UNAVAILABLE); }
   };
+  using Marks = std::map<std::string, std::string>;
   DpJob(DpJobOptions options, DpRank* front_rank, std::unique_ptr<TpCommunicator> control)
       : options_(std::move(options)), front_rank_(front_rank), control_(std::move(control)) {}
   absl::Status ShareSecret();
   bool Marked(grpc::ServerContext* ctx, const char* key, std::string* value) const;
   absl::StatusOr<v1::LceService::Stub*> Front(int replica);
-  Answer CallFront(int replica, grpc::ServerContext* ctx, const std::map<std::string, std::string>& marks,
-                   const FrontCall& call);
+  Answer CallFront(int replica, grpc::ServerContext* ctx, const Marks& marks, const FrontCall& call,
+                   grpc::ClientContext& c);
   grpc::Status Relay(grpc::ServerContext* ctx, const FrontCall& call);
   grpc::Status Sequence(grpc::ServerContext* ctx, DpCallKind kind, int origin, const FrontCall& call);
   grpc::Status Combine(DpCallKind kind, const std::vector<int>& replicas, const std::vector<Answer>& answers);
   absl::Status CheckShapes(const HeadShape& shape, int tp_size);
   absl::Status LoseControl(const absl::Status& why);
-  absl::Status ControlHealth();
 
   DpJobOptions options_;
   DpRank* front_rank_;

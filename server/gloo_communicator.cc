@@ -140,10 +140,13 @@ absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateGlooCommunicator(const TpB
     ctx->setTimeout(absl::ToChronoMilliseconds(join));
     std::filesystem::create_directories(std::filesystem::path(b.rendezvous_dir) / "gloo", ec);
     gloo::rendezvous::FileStore store((std::filesystem::path(b.rendezvous_dir) / "gloo").string());
-    // Every member announces itself first; the mesh's own first wait is store.get's fixed 30 s.
-    std::vector<std::string> earlier;
-    for (int r = 0; r < b.rank; ++r) earlier.push_back(absl::StrCat("rank_", r));
-    if (!earlier.empty()) store.wait(earlier, absl::ToChronoMilliseconds(join));
+    // Every member announces itself and waits for all the others, as long as the join may take
+    // (members start at different times: a replica's front joins after loading its head); the
+    // mesh's own waits for addresses are store.get's fixed 30 s.
+    std::vector<std::string> members;
+    for (int r = 0; r < b.world_size; ++r) members.push_back(absl::StrCat("joined_", r));
+    store.set(members[b.rank], {'1'});
+    store.wait(members, absl::ToChronoMilliseconds(join));
     ctx->connectFullMesh(store, device);
     ctx->setTimeout(absl::ToChronoMilliseconds(b.timeout));  // every collective's, from now on
     return std::unique_ptr<TpCommunicator>(new GlooCommunicator(b, std::move(ctx)));

@@ -200,7 +200,9 @@ def test_training_calls_act_on_the_whole_job(dp_job, single, tmp_path):
     ref.optimizer_step("t", **STEP)
     wa, wb = (saved_weight(c, tmp_path / f"t-{d}", "t") for d, c in enumerate((a, b)))
     assert np.array_equal(wa, wb)
-    np.testing.assert_allclose(wa, saved_weight(ref, tmp_path / "t-ref", "t"), rtol=1e-5, atol=1e-6)
+    # (Within one AdamW update's rounding: where an element's dW is near 0, m / sqrt(v) magnifies the
+    # rounding of the replicas' sum, which adds the batches in another order than one server does.)
+    np.testing.assert_allclose(wa, saved_weight(ref, tmp_path / "t-ref", "t"), rtol=0, atol=1e-4)
     # UpdateWeights on replica 1 reaches both; a failed one (a stale expected version) changes none.
     w = np.full((VOCAB, HIDDEN), 0.01, np.float32)
     with pytest.raises(lce_client.LceError) as ei:
@@ -217,15 +219,21 @@ def test_training_calls_act_on_the_whole_job(dp_job, single, tmp_path):
     assert a.optimizer_step("t", **STEP)[1].version == 5
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_killed_replica_fails_the_step_and_the_others_keep_scoring(dp_job, tmp_path, victim):
+@pytest.mark.parametrize("victim,ranks", [(1, "all"), (0, "all"), (1, "peer")])
+def test_a_killed_replica_fails_the_step_and_the_others_keep_scoring(dp_job, victim, ranks):
+    """SIGKILL of a whole replica (the sequencer, replica 0, or another), or of one tensor-parallel
+    peer of a replica (its group goes down): the next step is UNAVAILABLE naming that replica and
+    changes no replica; training stays down; the survivor keeps scoring."""
     job = dp_job(2, 2)
     survivor = 1 - victim
     clients = [r.client() for r in job.replicas]
     for d, c in enumerate(clients):
         c.forward_backward(*batch(0, d), reduction="sum", accumulate_weight_grad=True)
     clients[victim].optimizer_step(**STEP)
-    job.replicas[victim].kill()
+    if ranks == "all":
+        job.replicas[victim].kill()
+    else:
+        job.replicas[victim].procs[1].kill()
     c = clients[survivor]
     h, y = batch(1, survivor)
     c.forward_backward(h, y, reduction="sum", accumulate_weight_grad=True)
