@@ -250,3 +250,35 @@ def test_a_killed_replica_fails_the_step_and_the_others_keep_scoring(dp_job, vic
     with pytest.raises(lce_client.LceError) as ei:  # training stays down until the job restarts
         c.zero_grad()
     assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_launcher_starts_a_job_of_r_groups_and_stops_it(tmp_path):
+    """deploy/lce_dp_launch.sh 2 2: four processes, two fronts on their own ports (port files .0 and
+    .1), training as one job; SIGTERM stops every process."""
+    port_file = tmp_path / "front.port"
+    env = dict(os.environ, LCE_SERVER=str(server_binary()), LCE_DP_RENDEZVOUS=str(tmp_path / "rdv"))
+    log = open(tmp_path / "launch.log", "w")
+    launcher = subprocess.Popen(
+        ["bash", str(Path(__file__).resolve().parents[2] / "deploy" / "lce_dp_launch.sh"), "2", "2", "--",
+         "--host=127.0.0.1", "--port=0", f"--port-file={port_file}", "--backend=cpu", "--cpu-threads=1",
+         f"--seed-head={VOCAB}x{HIDDEN}", "--head-dtype=fp32", "--shutdown-grace-seconds=2", "--log-requests=false"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        fronts = [Replica([launcher], Path(f"{port_file}.{d}"), [log]) for d in range(2)]
+        deadline = time.time() + 60
+        for f in fronts:
+            f.wait_serving(deadline)
+        a, b = (f.client() for f in fronts)
+        for d, c in enumerate((a, b)):
+            c.forward_backward(*batch(0, d), reduction="sum", accumulate_weight_grad=True)
+        assert b.optimizer_step(**STEP)[1].version == 2 and a.info().head.version == 2
+        h, y = batch(1, 0)
+        assert np.array_equal(a.score(h, y)[0], b.score(h, y)[0])
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 0, (tmp_path / "launch.log").read_text()
+        assert "job stopped" in (tmp_path / "launch.log").read_text()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        log.close()
