@@ -79,7 +79,7 @@ const char* ServerUsage() {
                               requests get UNAVAILABLE naming the rank, health turns NOT_SERVING,
                               and every rank exits with code 3 for its launcher to restart the group
   --dp-size=R                 data-parallel replicas (default 1): R groups of the same --tp-size serve
-                              one head and train it as one job (README "Data-parallel replicas")
+                              one head and train it as one job (docs/TRAINING.md)
   --dp-rank=D                 this group's replica (every rank of the group passes the same D)
   --dp-rendezvous=DIR         directory every process of every replica sees, fresh for each start of
                               the job (deploy/lce_dp_launch.sh makes one)
