@@ -7,7 +7,9 @@
 #   e.g. lce_tp_launch.sh 2 -- --port=50051 --backend=cpu --seed-head=151936x4096
 # Environment: LCE_SERVER (binary, default build/bin/lce_server next to this repo),
 #   LCE_TP_RENDEZVOUS (directory, default a fresh temporary one), CUDA_VISIBLE_DEVICES is set to
-#   the rank for each rank when LCE_TP_BIND_GPUS=1.
+#   the rank (plus LCE_TP_GPU_OFFSET, default 0) for each rank when LCE_TP_BIND_GPUS=1.
+# A rank that exits with code 4 (a data-parallel replica whose job formed without it: it cannot
+# rejoin, see lce_dp_launch.sh) is not restarted: the launcher exits 4.
 set -uo pipefail
 K=${1:?usage: lce_tp_launch.sh K [--restarts=N] -- FLAGS...}
 shift
@@ -38,7 +40,7 @@ while :; do
   rm -rf "$RDV" && mkdir -p "$RDV"
   pids=()
   for ((r = 0; r < K; r++)); do
-    if [ "${LCE_TP_BIND_GPUS:-0}" = 1 ]; then export CUDA_VISIBLE_DEVICES=$r; fi
+    if [ "${LCE_TP_BIND_GPUS:-0}" = 1 ]; then export CUDA_VISIBLE_DEVICES=$((${LCE_TP_GPU_OFFSET:-0} + r)); fi
     "$SERVER" "$@" --tp-size="$K" --tp-rank="$r" --tp-rendezvous="$RDV" &
     pids+=($!)
   done
@@ -50,9 +52,13 @@ while :; do
     echo "lce_tp_launch: group stopped"
     exit 0
   fi
-  echo "lce_tp_launch: a rank exited with code $code; restarting the whole group" >&2
   kill -KILL "${pids[@]}" 2>/dev/null
   wait "${pids[@]}" 2>/dev/null
+  if [ "$code" = 4 ]; then
+    echo "lce_tp_launch: the data-parallel job formed without this group; start the whole job again" >&2
+    exit 4
+  fi
+  echo "lce_tp_launch: a rank exited with code $code; restarting the whole group" >&2
   attempt=$((attempt + 1))
   if [ "$attempt" -gt "$RESTARTS" ]; then
     echo "lce_tp_launch: giving up after $RESTARTS restarts" >&2

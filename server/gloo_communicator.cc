@@ -31,8 +31,8 @@ class GlooCommunicator final : public TpCommunicator {
 
   absl::Status AllReduce(float* data, int64_t count, ReduceOp op, bool device_memory, void*) override {
     if (device_memory) return absl::InvalidArgumentError("the Gloo communicator takes host memory only");
-    return Guard("all-reduce", [&] {
-      gloo::AllreduceOptions opts(ctx_);
+    return Guard("all-reduce", [&](const std::shared_ptr<gloo::rendezvous::Context>& ctx) {
+      gloo::AllreduceOptions opts(ctx);
       opts.setOutput(data, static_cast<size_t>(count));
       opts.setTag(1);
       using Fn = void (*)(void*, const void*, const void*, size_t);
@@ -45,8 +45,8 @@ class GlooCommunicator final : public TpCommunicator {
   absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void*, int root) override {
     if (device_memory) return absl::InvalidArgumentError("the Gloo communicator takes host memory only");
     if (bytes == 0) return absl::OkStatus();
-    return Guard("broadcast", [&] {
-      gloo::BroadcastOptions opts(ctx_);
+    return Guard("broadcast", [&](const std::shared_ptr<gloo::rendezvous::Context>& ctx) {
+      gloo::BroadcastOptions opts(ctx);
       opts.setOutput(static_cast<uint8_t*>(data), static_cast<size_t>(bytes));
       opts.setRoot(root);
       opts.setTag(2);
@@ -54,19 +54,27 @@ class GlooCommunicator final : public TpCommunicator {
     });
   }
 
-  void Abort() override { aborted_ = true; }
+  // Also lets the context go, which closes its connections once no collective runs on it: the other
+  // members' collectives then fail at once rather than at their timeout.
+  void Abort() override {
+    aborted_ = true;
+    std::atomic_store(&ctx_, std::shared_ptr<gloo::rendezvous::Context>());
+  }
 
  private:
   template <typename F>
   absl::Status Guard(const char* what, F&& f) {
-    if (aborted_) return absl::UnavailableError("tensor-parallel group is down (aborted after a peer failure)");
+    std::shared_ptr<gloo::rendezvous::Context> ctx = std::atomic_load(&ctx_);
+    if (aborted_ || ctx == nullptr) {
+      return absl::UnavailableError(absl::StrCat(bootstrap_.group, " group is down (aborted after a peer failure)"));
+    }
     try {
-      f();
+      f(ctx);
       return absl::OkStatus();
     } catch (const std::exception& e) {
-      aborted_ = true;  // a failed Gloo context cannot be reused: the group restarts as a unit
-      return absl::UnavailableError(absl::StrCat("tensor-parallel ", what, " failed on rank ", bootstrap_.rank,
-                                                 ": ", DescribeDeadPeers(bootstrap_), " (", e.what(), ")"));
+      Abort();  // a failed Gloo context cannot be reused: the group restarts as a unit
+      return absl::UnavailableError(absl::StrCat(bootstrap_.group, " ", what, " failed on ", bootstrap_.member, " ",
+                                                 bootstrap_.rank, ": ", DescribeDeadPeers(bootstrap_), " (", e.what(), ")"));
     }
   }
 
@@ -102,22 +110,22 @@ std::string DescribeDeadPeers(const TpBootstrap& b) {
       std::ifstream in(std::filesystem::path(b.rendezvous_dir) / absl::StrCat("rank-", r, ".pid"));
       long pid = 0;
       if (in >> pid && pid > 0 && ProcessGone(pid)) {
-        dead.push_back(absl::StrCat("rank ", r, " (pid ", pid, ") exited"));
+        dead.push_back(absl::StrCat(b.member, " ", r, " (pid ", pid, ") exited"));
       }
     }
   }
   if (dead.empty()) {
     return absl::StrCat("a peer did not answer within ", absl::FormatDuration(b.timeout),
-                        " (no dead rank process found on this host)");
+                        " (no dead ", b.member, " process found on this host)");
   }
   return absl::StrJoin(dead, ", ");
 }
 
 absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateGlooCommunicator(const TpBootstrap& b) {
   if (b.world_size < 1 || b.rank < 0 || b.rank >= b.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("bad tensor-parallel rank ", b.rank, " of ", b.world_size));
+    return absl::InvalidArgumentError(absl::StrCat("bad ", b.group, " ", b.member, " ", b.rank, " of ", b.world_size));
   }
-  if (b.rendezvous_dir.empty()) return absl::InvalidArgumentError("--tp-rendezvous directory is required");
+  if (b.rendezvous_dir.empty()) return absl::InvalidArgumentError(absl::StrCat(b.group, " rendezvous directory is required"));
   std::error_code ec;
   std::filesystem::create_directories(b.rendezvous_dir, ec);
   {
@@ -128,13 +136,22 @@ absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateGlooCommunicator(const TpB
     gloo::transport::tcp::attr attr(b.host.c_str());
     auto device = gloo::transport::tcp::CreateDevice(attr);
     auto ctx = std::make_shared<gloo::rendezvous::Context>(b.rank, b.world_size);
-    ctx->setTimeout(absl::ToChronoMilliseconds(b.timeout));
+    const absl::Duration join = b.join_timeout > absl::ZeroDuration() ? b.join_timeout : b.timeout;
+    ctx->setTimeout(absl::ToChronoMilliseconds(join));
     std::filesystem::create_directories(std::filesystem::path(b.rendezvous_dir) / "gloo", ec);
     gloo::rendezvous::FileStore store((std::filesystem::path(b.rendezvous_dir) / "gloo").string());
+    // Every member announces itself and waits for all the others, as long as the join may take
+    // (members start at different times: a replica's front joins after loading its head); the
+    // mesh's own waits for addresses are store.get's fixed 30 s.
+    std::vector<std::string> members;
+    for (int r = 0; r < b.world_size; ++r) members.push_back(absl::StrCat("joined_", r));
+    store.set(members[b.rank], {'1'});
+    store.wait(members, absl::ToChronoMilliseconds(join));
     ctx->connectFullMesh(store, device);
+    ctx->setTimeout(absl::ToChronoMilliseconds(b.timeout));  // every collective's, from now on
     return std::unique_ptr<TpCommunicator>(new GlooCommunicator(b, std::move(ctx)));
   } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("tensor-parallel bootstrap of rank ", b.rank, " of ", b.world_size,
+    return absl::UnavailableError(absl::StrCat(b.group, " bootstrap of ", b.member, " ", b.rank, " of ", b.world_size,
                                                " failed: ", e.what()));
   }
 }

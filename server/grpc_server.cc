@@ -13,7 +13,6 @@
 #include "grpcpp/server_builder.h"
 
 namespace lce::server {
-namespace {
 
 absl::StatusOr<std::string> ReadPem(const std::string& path) {
   std::ifstream in(path);
@@ -22,6 +21,8 @@ absl::StatusOr<std::string> ReadPem(const std::string& path) {
   ss << in.rdbuf();
   return ss.str();
 }
+
+namespace {
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const TlsFiles& tls) {
   if (!tls.enabled()) return grpc::InsecureServerCredentials();

@@ -21,6 +21,9 @@ struct TlsFiles {
   bool enabled() const { return !cert.empty(); }
 };
 
+// A PEM file's text (TLS certificates and keys).
+absl::StatusOr<std::string> ReadPem(const std::string& path);
+
 struct GrpcServerOptions {
   std::string address = "0.0.0.0:50051";  // port 0 picks a free port
   ServiceConfig service;

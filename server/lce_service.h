@@ -24,6 +24,8 @@
 
 namespace lce::server {
 
+class DpJob;  // dp_job.h
+
 struct ServiceConfig {
   RequestLimits limits;
   int64_t max_message_bytes = 64 << 20;
@@ -62,6 +64,9 @@ struct ServiceConfig {
   // The tensor-parallel group this server fronts (null without one): new heads and versions are
   // served through it, and training RPCs drive the peers through it.
   std::shared_ptr<TpGroup> tp_group;
+  // The data-parallel job this server's group is a replica of (null without one): the training RPCs
+  // that act on the whole job go through it (dp_job.h).
+  std::shared_ptr<DpJob> dp_job;
   // Builds the engine of a new head version (LoadHead; UpdateWeights and OptimizerStep on CPU engines).
   EngineMaker make_engine;
   // How long a weight change (OptimizerStep, UpdateWeights, LoadHead over a head) waits for the

@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "dp_job.h"
 #include "grpc_status.h"
 #include "head_source.h"
 #include "lce/training.h"
@@ -139,12 +140,14 @@ HeadVersion LceService::Serve(const std::string& name, int64_t version, std::sha
 grpc::Status LceService::LoadHead(grpc::ServerContext* ctx, const v1::LoadHeadRequest* req, v1::HeadDescription* resp) {
   return Recorded("LoadHead", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
+    DpCall dp = DpCall::Route(config_.dp_job.get(), ctx, &v1::LceService::Stub::LoadHead, *req, resp);
+    if (dp.answered()) return dp.answer();  // data-parallel replicas: every replica loads it
     if (!config_.make_engine) return ToGrpcStatus(absl::FailedPreconditionError("this server cannot build heads"));
     if (req->name().empty()) return ToGrpcStatus(absl::InvalidArgumentError("LoadHead needs a name"));
     absl::StatusOr<TpHeadSource> source = SourceFrom(*req);
     if (!source.ok()) return ToGrpcStatus(source.status());
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, req->name());
-    if (!change.ok()) return ToGrpcStatus(change.status());
+    if (absl::Status s = dp.Ready(change.status()); !s.ok()) return ToGrpcStatus(s);
     const int64_t current = heads_->Version(req->name());
     // A clone's weight is taken before the group's lock (the order every request takes the locks in).
     std::shared_ptr<const HeadWeights> clone;
@@ -180,9 +183,11 @@ grpc::Status LceService::LoadHead(grpc::ServerContext* ctx, const v1::LoadHeadRe
   });
 }
 
-grpc::Status LceService::ZeroGrad(grpc::ServerContext* ctx, const v1::ZeroGradRequest* req, v1::ZeroGradResponse*) {
+grpc::Status LceService::ZeroGrad(grpc::ServerContext* ctx, const v1::ZeroGradRequest* req, v1::ZeroGradResponse* resp) {
   return Recorded("ZeroGrad", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
+    DpCall dp = DpCall::Route(config_.dp_job.get(), ctx, &v1::LceService::Stub::ZeroGrad, *req, resp);
+    if (dp.answered()) return dp.answer();  // data-parallel replicas: every replica zeroes its dW
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
     if (!head.ok()) return ToGrpcStatus(head.status());
     HeadTraining& t = *(*head)->training;
@@ -243,12 +248,14 @@ grpc::Status LceService::OptimizerStep(grpc::ServerContext* ctx, const v1::Optim
                                        v1::OptimizerStepResponse* resp) {
   return Recorded("OptimizerStep", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
+    DpCall dp = DpCall::Route(config_.dp_job.get(), ctx, &v1::LceService::Stub::OptimizerStep, *req, resp);
+    if (dp.answered()) return dp.answer();  // data-parallel replicas: every replica steps on the summed dW
     absl::StatusOr<AdamWParams> p = AdamWFrom(*req);
     if (!p.ok()) return ToGrpcStatus(p.status());
     absl::StatusOr<std::shared_ptr<const ServedHead>> named = heads_->Get(req->head());
     if (!named.ok()) return ToGrpcStatus(named.status());
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, (*named)->name);
-    if (!change.ok()) return ToGrpcStatus(change.status());
+    if (absl::Status s = dp.Ready(change.status()); !s.ok()) return ToGrpcStatus(s);
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get((*named)->name);  // current, now fixed
     if (!head.ok()) return ToGrpcStatus(head.status());
     const ServedHead& h = **head;
@@ -256,10 +263,11 @@ grpc::Status LceService::OptimizerStep(grpc::ServerContext* ctx, const v1::Optim
     absl::StatusOr<HeadTrainer*> trainer = TrainerOf(h);
     const int64_t vocab = h.shard_engine->shape().vocab_size;
     absl::StatusOr<ShardStep> step =
-        config_.tp_group != nullptr ? config_.tp_group->Step(h.name, h.version + 1, vocab, trainer, *p, req->max_grad_norm())
-                                    : StepShard(trainer, vocab, nullptr, nullptr, *p, req->max_grad_norm());
+        config_.tp_group != nullptr
+            ? config_.tp_group->Step(h.name, h.version + 1, vocab, trainer, *p, req->max_grad_norm(), dp.reducer())
+            : StepShard(trainer, vocab, nullptr, nullptr, *p, req->max_grad_norm(), dp.reducer());
     if (!step.ok()) return ToGrpcStatus(step.status());
-    if (req->zero_grad()) {
+    if (req->zero_grad() || dp.ZeroesGradAfterStep()) {
       if (absl::Status s = (*trainer)->ZeroGrad(); !s.ok()) return ToGrpcStatus(s);
       if (config_.tp_group != nullptr) {
         if (absl::Status s = config_.tp_group->ZeroGrad(h.name); !s.ok()) return ToGrpcStatus(s);
@@ -279,6 +287,8 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
                                        v1::HeadDescription* resp) {
   return Recorded("UpdateWeights", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
+    DpCall dp = DpCall::RouteUpdate(config_.dp_job.get(), ctx, reader, resp);
+    if (dp.answered()) return dp.answer();  // data-parallel replicas: every replica serves it
     v1::UpdateWeightsRequest msg;
     if (!reader->Read(&msg) || !msg.has_header()) {
       return ToGrpcStatus(absl::InvalidArgumentError("UpdateWeights starts with a header message"));
@@ -290,7 +300,7 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
     absl::StatusOr<HeadWeights> full = ReadWholeWeight(*reader, (*named)->shard_engine->shape());
     if (!full.ok()) return ToGrpcStatus(full.status());
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, (*named)->name);
-    if (!change.ok()) return ToGrpcStatus(change.status());
+    if (absl::Status s = dp.Ready(change.status()); !s.ok()) return ToGrpcStatus(s);
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get((*named)->name);
     if (!head.ok()) return ToGrpcStatus(head.status());
     const ServedHead& h = **head;
@@ -324,6 +334,8 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
 grpc::Status LceService::SaveHead(grpc::ServerContext* ctx, const v1::SaveHeadRequest* req, v1::SaveHeadResponse* resp) {
   return Recorded("SaveHead", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
+    DpCall dp = DpCall::Route(config_.dp_job.get(), ctx, &v1::LceService::Stub::SaveHead, *req, resp);
+    if (dp.answered()) return dp.answer();  // data-parallel replicas: this front's replica writes, in the job's order
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
     if (!head.ok()) return ToGrpcStatus(head.status());
     if (req->directory().empty()) return ToGrpcStatus(absl::InvalidArgumentError("SaveHead needs a directory"));

@@ -2,7 +2,8 @@
 // lce.v1.LceService (rank 0) or runs the tensor-parallel peer loop (ranks > 0).
 // Rank 0 runs until SIGTERM/SIGINT, then stops accepting, lets in-flight streams finish, tells the
 // peers to stop and exits 0. A tensor-parallel failure exits every rank with code 3, so that the
-// launcher restarts the group as a unit.
+// launcher restarts the group as a unit. A data-parallel replica (--dp-size) that finds its job
+// formed already (it restarted alone) exits with code 4: the job restarts as a whole.
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,12 +23,15 @@
 #include "service_metrics.h"
 #include "server_flags.h"
 #include "chunk_staging.h"
+#include "dp_job.h"
+#include "dp_rank.h"
 #include "tp_communicator.h"
 #include "tp_group.h"
 
 namespace {
 
 constexpr int kExitTpFailure = 3;
+constexpr int kExitStaleDpJob = 4;
 
 // SIGTERM/SIGINT (and a tensor-parallel failure, as 'F') write a byte here; main blocks reading
 // it. A handler rather than sigwait, because libraries start threads before main and a blocked
@@ -51,6 +55,17 @@ absl::StatusOr<int64_t> HeadSizeCap(const lce::server::ServerFlags& flags, lce::
   absl::StatusOr<int64_t> device = lce::DeviceMemoryBytes(flags.device);
   if (!device.ok()) return device.status();
   return std::min(host, *device);
+}
+
+lce::server::DpOptions DpOptionsFrom(const lce::server::ServerFlags& f) {
+  lce::server::DpOptions o;
+  o.size = f.dp_size;
+  o.replica = f.dp_rank;
+  o.rendezvous = f.dp_rendezvous;
+  o.host = f.dp_host;
+  o.timeout = absl::Seconds(f.dp_timeout_seconds);
+  o.join_timeout = absl::Seconds(f.dp_join_timeout_seconds);
+  return o;
 }
 
 }  // namespace
@@ -78,7 +93,12 @@ int main(int argc, char** argv) {
   absl::StatusOr<Backend> backend = ParseBackend(flags->backend);
   if (!backend.ok()) return Fail(backend.status());
   const bool tp = flags->tp_size > 1;
-  if (tp && *backend == Backend::kAuto) backend = CudaAvailable() ? Backend::kCuda : Backend::kCpu;
+  const bool dp = flags->dp_size > 1;
+  if ((tp || dp) && *backend == Backend::kAuto) backend = CudaAvailable() ? Backend::kCuda : Backend::kCpu;
+  if (absl::Status s = dp ? CheckDpJobIsNew(DpOptionsFrom(*flags)) : absl::OkStatus(); !s.ok()) {
+    std::cerr << "lce_server: " << s << std::endl;
+    return kExitStaleDpJob;
+  }
 
   metrics::Registry registry;
   ServiceMetrics service_metrics(registry);
@@ -108,6 +128,13 @@ int main(int argc, char** argv) {
     if (!c.ok()) return Fail(c.status());
     comm = TimeCollectives(std::move(*c), &service_metrics.collective_seconds.WithLabels({std::to_string(flags->tp_rank)}));
   }
+  std::unique_ptr<DpRank> dp_rank;  // this rank's link to the other replicas' (after the group's own)
+  if (dp) {
+    absl::StatusOr<std::unique_ptr<DpRank>> r =
+        DpRank::Join(DpOptionsFrom(*flags), flags->tp_rank, *backend == Backend::kCuda, flags->device);
+    if (!r.ok()) return Fail(r.status());
+    dp_rank = *std::move(r);
+  }
   absl::StatusOr<int64_t> max_head_bytes = HeadSizeCap(*flags, *backend);
   if (!max_head_bytes.ok()) return Fail(max_head_bytes.status());
   absl::StatusOr<std::shared_ptr<HeadWeights>> weights =
@@ -134,7 +161,7 @@ int main(int argc, char** argv) {
   if (flags->tp_rank > 0) {
     std::cout << "lce_server: tensor-parallel rank " << flags->tp_rank << " of " << flags->tp_size << " holds vocab rows ["
               << shape.vocab_begin << ", " << shape.vocab_end() << ")" << std::endl;
-    absl::Status s = RunTpPeer({flags->head_name, *weights, *engine}, make_engine, *comm, *staging);
+    absl::Status s = RunTpPeer({flags->head_name, *weights, *engine}, make_engine, *comm, *staging, dp_rank.get());
     if (!s.ok()) {
       std::cerr << "lce_server: rank " << flags->tp_rank << ": " << s << std::endl;
       std::_Exit(kExitTpFailure);
@@ -189,9 +216,19 @@ int main(int argc, char** argv) {
   options.service.pipeline_chunks = flags->pipeline_chunks;
   options.service.make_engine = make_engine;
   options.service.tp_group = group;
+  if (dp) {
+    DpJobOptions job{DpOptionsFrom(*flags), options.service.weight_change_wait, flags->tls_cert, flags->tls_key,
+                     flags->tls_client_ca, flags->dp_tls_ca};
+    absl::StatusOr<std::shared_ptr<DpJob>> j = DpJob::Join(job, dp_rank.get(), shape, flags->tp_size);
+    if (!j.ok()) return Fail(j.status());
+    options.service.dp_job = *std::move(j);
+  }
   absl::StatusOr<std::unique_ptr<GrpcServer>> server = GrpcServer::Start(heads, options);
   if (!server.ok()) return Fail(server.status());
   const int port = (*server)->port();
+  if (options.service.dp_job != nullptr) {
+    if (absl::Status s = options.service.dp_job->Publish(port); !s.ok()) return Fail(s);
+  }
   std::atomic<bool> serving{true};
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
   if (flags->metrics_port >= 0) {
@@ -210,7 +247,8 @@ int main(int argc, char** argv) {
   }
   std::cout << "lce_server listening on " << (flags->host == "0.0.0.0" ? "127.0.0.1" : flags->host) << ":" << port
             << " (backend " << served->backend() << ", head '" << flags->head_name << "' V=" << shape.vocab_size
-            << " H=" << shape.hidden_size << " " << DTypeName(shape.dtype) << ", tp " << flags->tp_size << ")"
+            << " H=" << shape.hidden_size << " " << DTypeName(shape.dtype) << ", tp " << flags->tp_size << ", dp replica "
+            << flags->dp_rank << " of " << flags->dp_size << ")"
             << std::endl;
   if ((*server)->data_port() > 0) std::cout << "lce_server: data plane on port " << (*server)->data_port() << std::endl;
 

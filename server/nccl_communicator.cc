@@ -62,7 +62,7 @@ class NcclCommunicator final : public TpCommunicator {
 
  private:
   absl::Status Down() const {
-    return absl::UnavailableError("tensor-parallel group is down (aborted after a peer failure)");
+    return absl::UnavailableError(absl::StrCat(bootstrap_.group, " group is down (aborted after a peer failure)"));
   }
 
   // The watchdog: polls the stream until the collective is done; on timeout or an asynchronous
@@ -78,7 +78,8 @@ class NcclCommunicator final : public TpCommunicator {
       const bool late = std::chrono::steady_clock::now() > deadline;
       if (async != ncclSuccess || late) {
         if (!aborted_.exchange(true)) ncclCommAbort(comm_);
-        return absl::UnavailableError(absl::StrCat("tensor-parallel ", what, " failed on rank ", bootstrap_.rank, ": ",
+        return absl::UnavailableError(absl::StrCat(bootstrap_.group, " ", what, " failed on ", bootstrap_.member, " ",
+                                                   bootstrap_.rank, ": ",
                                                    DescribeDeadPeers(bootstrap_),
                                                    async != ncclSuccess ? absl::StrCat(" (NCCL: ", ncclGetErrorString(async), ")")
                                                                         : std::string(" (watchdog timeout)")));
@@ -96,7 +97,7 @@ class NcclCommunicator final : public TpCommunicator {
 
 absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateNcclCommunicator(const TpBootstrap& b, int device) {
   if (b.world_size < 1 || b.rank < 0 || b.rank >= b.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("bad tensor-parallel rank ", b.rank, " of ", b.world_size));
+    return absl::InvalidArgumentError(absl::StrCat("bad ", b.group, " ", b.member, " ", b.rank, " of ", b.world_size));
   }
   std::error_code ec;
   fs::create_directories(b.rendezvous_dir, ec);
@@ -114,10 +115,12 @@ absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateNcclCommunicator(const TpB
     fs::rename(tmp, id_path, ec);
     if (ec) return absl::InternalError(absl::StrCat("cannot publish the NCCL id in ", b.rendezvous_dir, ": ", ec.message()));
   } else {
-    const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoMilliseconds(b.timeout);
+    const absl::Duration join = b.join_timeout > absl::ZeroDuration() ? b.join_timeout : b.timeout;
+    const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoMilliseconds(join);
     while (!fs::exists(id_path)) {
       if (std::chrono::steady_clock::now() > deadline) {
-        return absl::UnavailableError(absl::StrCat("rank ", b.rank, ": rank 0 published no NCCL id in ", b.rendezvous_dir));
+        return absl::UnavailableError(absl::StrCat(b.member, " ", b.rank, ": ", b.member, " 0 published no NCCL id in ",
+                                                   b.rendezvous_dir));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }

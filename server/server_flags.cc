@@ -79,6 +79,17 @@ const char* ServerUsage() {
   --tp-timeout-seconds=S      a collective slower than this fails the group (default 30): in-flight
                               requests get UNAVAILABLE naming the rank, health turns NOT_SERVING,
                               and every rank exits with code 3 for its launcher to restart the group
+  --dp-size=R                 data-parallel replicas (default 1): R groups of the same --tp-size serve
+                              one head and train it as one job (docs/TRAINING.md)
+  --dp-rank=D                 this group's replica (every rank of the group passes the same D)
+  --dp-rendezvous=DIR         directory every process of every replica sees, fresh for each start of
+                              the job (deploy/lce_dp_launch.sh makes one)
+  --dp-host=ADDR              address the other replicas reach this process on (default 127.0.0.1);
+                              a front's also, with its --port, where the other fronts call it
+  --dp-timeout-seconds=S      a dW sum between replicas slower than this fails (default 30): the job's
+                              training is down (UNAVAILABLE naming the replica), every replica keeps scoring
+  --dp-join-timeout-seconds=S how long start waits for every replica to join (default 600)
+  --dp-tls-ca=PEM             with --tls-cert: the CA that signed the other fronts' certificates
   --stream-header-timeout-seconds=S  a stream must send its header within S seconds of opening, or
                               end DEADLINE_EXCEEDED; it holds no admission slot meanwhile (default 10; 0 = no limit)
   --stream-idle-timeout-seconds=S  then it must send each next message, and read each answer, within S
@@ -88,6 +99,25 @@ const char* ServerUsage() {
   --help
 )";
 }
+
+namespace {
+
+absl::Status CheckDpFlags(const ServerFlags& f) {
+  if (f.dp_size < 1 || f.dp_rank < 0 || f.dp_rank >= f.dp_size) {
+    return absl::InvalidArgumentError(absl::StrCat("--dp-rank must be in [0, --dp-size), got ", f.dp_rank, " of ", f.dp_size));
+  }
+  if (f.dp_size == 1) return absl::OkStatus();
+  if (f.dp_rendezvous.empty()) return absl::InvalidArgumentError("--dp-size > 1 needs --dp-rendezvous=DIR");
+  if (f.dp_timeout_seconds <= 0 || f.dp_join_timeout_seconds <= 0) {
+    return absl::InvalidArgumentError("--dp-timeout-seconds and --dp-join-timeout-seconds must be > 0");
+  }
+  if (!f.tls_cert.empty() && f.dp_tls_ca.empty()) {
+    return absl::InvalidArgumentError("--dp-size > 1 with --tls-cert needs --dp-tls-ca (the fronts call each other over TLS)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   ServerFlags f;
@@ -157,6 +187,13 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"tp-rendezvous", str(&f.tp_rendezvous)},
       {"tp-host", str(&f.tp_host)},
       {"tp-timeout-seconds", [&f](const std::string& v) { return absl::SimpleAtod(v, &f.tp_timeout_seconds); }},
+      {"dp-size", i32(&f.dp_size)},
+      {"dp-rank", i32(&f.dp_rank)},
+      {"dp-rendezvous", str(&f.dp_rendezvous)},
+      {"dp-host", str(&f.dp_host)},
+      {"dp-timeout-seconds", seconds(&f.dp_timeout_seconds)},
+      {"dp-join-timeout-seconds", seconds(&f.dp_join_timeout_seconds)},
+      {"dp-tls-ca", str(&f.dp_tls_ca)},
       {"shutdown-grace-seconds", [&f](const std::string& v) { return absl::SimpleAtod(v, &f.shutdown_grace_seconds); }},
       {"stream-header-timeout-seconds", seconds(&f.stream_header_timeout_seconds)},
       {"stream-idle-timeout-seconds", seconds(&f.stream_idle_timeout_seconds)},
@@ -194,6 +231,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (f.tp_size > 1 && f.tp_rendezvous.empty()) {
     return absl::InvalidArgumentError("--tp-size > 1 needs --tp-rendezvous=DIR");
   }
+  if (absl::Status s = CheckDpFlags(f); !s.ok()) return s;
   if (f.max_message_bytes < (1 << 16)) return absl::InvalidArgumentError("--max-message-bytes must be >= 65536");
   if (f.http2_window_bytes < 0 || f.http2_window_bytes > INT32_MAX) {
     return absl::InvalidArgumentError("--http2-window-bytes must be in [0, 2147483647]");

@@ -51,6 +51,14 @@ struct ServerFlags {
   std::string tp_rendezvous;
   std::string tp_host = "127.0.0.1";
   double tp_timeout_seconds = 30.0;
+  // Data parallelism: this group is replica dp_rank of dp_size, which meet in dp_rendezvous (dp_rank.h).
+  int dp_size = 1;
+  int dp_rank = 0;
+  std::string dp_rendezvous;
+  std::string dp_host = "127.0.0.1";
+  double dp_timeout_seconds = 30.0;
+  double dp_join_timeout_seconds = 600.0;
+  std::string dp_tls_ca;
   // Edge limits (docs/SECURITY.md): waits on silent stream clients (0: no limit), and the largest
   // head shard built (0: the GPU's memory on CUDA, the host's otherwise).
   double stream_header_timeout_seconds = 10.0;

@@ -32,6 +32,11 @@ struct TpBootstrap {
   std::string rendezvous_dir;
   std::string host = "127.0.0.1";        // address this rank listens on for its peers
   absl::Duration timeout = absl::Seconds(30);  // any collective that takes longer fails
+  // How long to wait at start for the others to join (0: `timeout`).
+  absl::Duration join_timeout = absl::ZeroDuration();
+  // What messages call the group and its members (data-parallel links: "data-parallel", "replica").
+  std::string group = "tensor-parallel";
+  std::string member = "rank";
 };
 
 absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateGlooCommunicator(const TpBootstrap& bootstrap);
@@ -44,7 +49,7 @@ absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateNcclCommunicator(const TpB
 // Wraps a communicator so that the wall time of every collective is added to `seconds`.
 std::unique_ptr<TpCommunicator> TimeCollectives(std::unique_ptr<TpCommunicator> inner, metrics::Counter* seconds);
 
-// After a collective failed: names the ranks whose process is gone (pid files in the rendezvous
+// After a collective failed: names the members whose process is gone (pid files in the rendezvous
 // directory, same host), e.g. "rank 2 (pid 1234) exited"; or says none could be identified.
 std::string DescribeDeadPeers(const TpBootstrap& bootstrap);
 

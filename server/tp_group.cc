@@ -79,6 +79,8 @@ absl::Status ShareControl(TpCommunicator& comm, ChunkStaging& staging, TpControl
   return staging.Download(&c, *buf, sizeof(c));
 }
 
+}  // namespace
+
 // All-reduces n floats of host memory through the staging (device memory for NCCL).
 absl::Status AllReduceFloats(TpCommunicator& comm, ChunkStaging& staging, float* values, int n, ReduceOp op) {
   absl::StatusOr<void*> buf = staging.Buffer(kScalars, n * 4);
@@ -89,6 +91,8 @@ absl::Status AllReduceFloats(TpCommunicator& comm, ChunkStaging& staging, float*
   }
   return staging.Download(values, *buf, n * 4);
 }
+
+namespace {
 
 // Every rank's outcome of its part of an operation, agreed on by all: OK when every rank's part
 // succeeded; else this rank's own error, or one naming the ranks that failed (with the largest of
@@ -126,10 +130,10 @@ absl::Status GroupDown() { return absl::UnavailableError("tensor-parallel group 
 }  // namespace
 
 absl::StatusOr<ShardStep> StepShard(absl::StatusOr<HeadTrainer*> trainer, int64_t vocab_size, TpCommunicator* comm,
-                                    ChunkStaging* staging, const AdamWParams& p, float max_grad_norm) {
-  // (Data-parallel replicas: all-reduce (*trainer)->grad() across the replicas here, before the norm.)
+                                    ChunkStaging* staging, const AdamWParams& p, float max_grad_norm, GradReducer* dp) {
   absl::Status ready = trainer.status();
   if (ready.ok()) ready = (*trainer)->PrepareStep();
+  if (dp != nullptr) ready = dp->Reduce(ready, trainer.ok() ? *trainer : nullptr, comm, staging);
   // Every tile's squared norm in its own slot (lce/training.h), then the ranks that cannot step.
   const int64_t tiles = VocabTileCount(vocab_size);
   std::vector<float> v(static_cast<size_t>(2 * tiles + 1), 0.0f);
@@ -278,7 +282,8 @@ absl::Status TpGroup::ZeroGrad(const std::string& head) {
 }
 
 absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version, int64_t vocab_size,
-                                        absl::StatusOr<HeadTrainer*> front, const AdamWParams& p, float max_grad_norm) {
+                                        absl::StatusOr<HeadTrainer*> front, const AdamWParams& p, float max_grad_norm,
+                                        GradReducer* dp) {
   return Locked<absl::StatusOr<ShardStep>>([&]() -> absl::StatusOr<ShardStep> {
     TpControl c;
     c.op = TpOp::kStep;
@@ -291,7 +296,7 @@ absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version
     c.weight_decay = p.weight_decay;
     c.max_grad_norm = max_grad_norm;
     if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
-    absl::StatusOr<ShardStep> r = StepShard(std::move(front), vocab_size, comm_, staging_.get(), p, max_grad_norm);
+    absl::StatusOr<ShardStep> r = StepShard(std::move(front), vocab_size, comm_, staging_.get(), p, max_grad_norm, dp);
     if (r.status().code() == absl::StatusCode::kInternal) {
       return Fail(absl::InternalError(absl::StrCat("rank 0: ", r.status().message(),
                                                    "; the group's shards disagree and it restarts")));
@@ -389,8 +394,8 @@ namespace {
 
 class TpPeer {
  public:
-  TpPeer(PeerHeadStart first, const EngineMaker& make, TpCommunicator& comm, ChunkStaging& staging)
-      : make_(make), comm_(comm), staging_(staging) {
+  TpPeer(PeerHeadStart first, const EngineMaker& make, TpCommunicator& comm, ChunkStaging& staging, GradReducer* dp)
+      : make_(make), comm_(comm), staging_(staging), dp_(dp) {
     Head& h = heads_[first.name];
     h.weights = std::move(first.weights);
     h.engine = std::move(first.engine);
@@ -455,6 +460,7 @@ class TpPeer {
   const EngineMaker& make_;
   TpCommunicator& comm_;
   ChunkStaging& staging_;
+  GradReducer* dp_;
   std::map<std::string, Head> heads_;
 };
 
@@ -515,7 +521,7 @@ absl::Status TpPeer::OnStep(const TpControl& c) {
   Head& head = **found;
   const AdamWParams p{c.lr, c.beta1, c.beta2, c.eps, c.weight_decay};
   absl::StatusOr<ShardStep> r =
-      StepShard(Trainer(head), head.weights->shape.vocab_size, &comm_, &staging_, p, c.max_grad_norm);
+      StepShard(Trainer(head), head.weights->shape.vocab_size, &comm_, &staging_, p, c.max_grad_norm, dp_);
   if (!r.ok()) {
     const absl::StatusCode code = r.status().code();
     if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kInternal) return r.status();
@@ -625,8 +631,9 @@ absl::Status TpPeer::OnUpdate(const TpControl& c) {
 
 }  // namespace
 
-absl::Status RunTpPeer(PeerHeadStart first, const EngineMaker& make_engine, TpCommunicator& comm, ChunkStaging& staging) {
-  TpPeer peer(std::move(first), make_engine, comm, staging);
+absl::Status RunTpPeer(PeerHeadStart first, const EngineMaker& make_engine, TpCommunicator& comm, ChunkStaging& staging,
+                       GradReducer* dp) {
+  TpPeer peer(std::move(first), make_engine, comm, staging, dp);
   return peer.Run();
 }
 

@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "chunk_staging.h"
+#include "dp_grad_reducer.h"
 #include "head_source.h"
 #include "lce/engine.h"
 #include "lce/training.h"
@@ -42,9 +43,14 @@ struct ShardStep {
 // group (comm and staging null: a server of one rank): the global norm comes from one all-reduce of
 // the ranks' per-tile squared norms (lce/training.h: the same bits for any group size); a rank that
 // cannot step (its optimizer state does not fit) fails the step on every rank before any weight
-// changes. INTERNAL: the step failed after this rank's state changed (a group must then restart).
+// changes. INTERNAL: the step failed after this rank's state changed (a group must then restart). With
+// `dp` (data-parallel replicas), dW is first summed over the replicas.
 absl::StatusOr<ShardStep> StepShard(absl::StatusOr<HeadTrainer*> trainer, int64_t vocab_size, TpCommunicator* comm,
-                                    ChunkStaging* staging, const AdamWParams& params, float max_grad_norm);
+                                    ChunkStaging* staging, const AdamWParams& params, float max_grad_norm,
+                                    GradReducer* dp = nullptr);
+
+// All-reduces n floats of host memory through `staging` (device memory for NCCL).
+absl::Status AllReduceFloats(TpCommunicator& comm, ChunkStaging& staging, float* values, int n, ReduceOp op);
 
 // A rank's shard of `source`: LoadHead's rows (at most max_shard_bytes of weight, 0: the host's
 // memory), or `clone(name)`, the current weight of a head it holds.
@@ -74,9 +80,10 @@ class TpGroup {
 
   // Zeroes the peers' dW of `head` (the front zeroes its own).
   absl::Status ZeroGrad(const std::string& head);
-  // StepShard on every rank; `version` is the head's new version.
+  // StepShard on every rank; `version` is the head's new version; `dp`: the front's, when replicas.
   absl::StatusOr<ShardStep> Step(const std::string& head, int64_t version, int64_t vocab_size,
-                                 absl::StatusOr<HeadTrainer*> front, const AdamWParams& params, float max_grad_norm);
+                                 absl::StatusOr<HeadTrainer*> front, const AdamWParams& params, float max_grad_norm,
+                                 GradReducer* dp = nullptr);
   // The peers' dW shards, in rank order, to sink(first_row, rows, data) in pieces. A sink error stops
   // the sinking, not the transfer (the peers finish theirs), and is returned.
   absl::Status GatherPeerGrads(const std::string& head, const HeadShape& shape,
@@ -139,7 +146,9 @@ struct PeerHeadStart {
 };
 
 // A peer's loop: runs the operations the front broadcasts until it says stop (OK) or the group fails
-// (UNAVAILABLE; or another error where this rank can no longer follow the front).
-absl::Status RunTpPeer(PeerHeadStart first, const EngineMaker& make_engine, TpCommunicator& comm, ChunkStaging& staging);
+// (UNAVAILABLE; or another error where this rank can no longer follow the front). `dp`: this rank's
+// part in data-parallel replicas' steps (null: none).
+absl::Status RunTpPeer(PeerHeadStart first, const EngineMaker& make_engine, TpCommunicator& comm, ChunkStaging& staging,
+                       GradReducer* dp = nullptr);
 
 }  // namespace lce::server

@@ -160,8 +160,9 @@ def check_k8s(root, k8s):
     for rel, d in k8s:
         kind = d.get("kind")
         if kind == "Kustomization":
+            here = os.path.dirname(os.path.join(root, rel))  # resources are relative to the kustomization
             for r in d.get("resources", []):
-                check(os.path.isfile(os.path.join(root, "deploy/k8s", r)), f"k8s: kustomization resource {r} exists")
+                check(os.path.isfile(os.path.join(here, r)), f"k8s: kustomization resource {r} of {rel} exists")
             continue
         check(bool(d.get("apiVersion")) and bool(kind) and bool(d.get("metadata", {}).get("name")),
               f"k8s: {rel} {kind} has apiVersion, kind, metadata.name")
@@ -198,6 +199,10 @@ def check_k8s(root, k8s):
             if argv and argv[0].endswith("lce_tp_launch.sh"):
                 check(len(argv) > 1 and argv[1] == str(gpus),
                       f"k8s: {cname} TP size (launcher argument {argv[1] if len(argv) > 1 else '?'}) equals its GPUs ({gpus})")
+            dp = [a.split("=", 1)[1] for a in argv if a.startswith("--dp-size=")]
+            if dp:  # a data-parallel job: one replica a pod
+                check(dp == [str(spec.get("replicas"))],
+                      f"k8s: {cname} --dp-size ({dp}) equals the StatefulSet's replicas ({spec.get('replicas')})")
             ports = {p.get("name"): p.get("containerPort") for p in c.get("ports", [])}
             check(ports.get("grpc") == 50051 and ports.get("metrics") == 9400 and ports.get("data") == 50052,
                   f"k8s: {cname} names ports grpc=50051, metrics=9400 and data=50052")

@@ -41,5 +41,25 @@ TEST(ServerFlags, SeedShapeTooLargeToBeASizeIsRefusedWithTheReason) {
   EXPECT_NE(s.message().find("--seed-head"), std::string::npos) << s;
 }
 
+TEST(ServerFlags, DataParallelFlagsAreCheckedTogether) {
+  absl::StatusOr<ServerFlags> f = Parse({"--dp-size=3", "--dp-rank=2", "--dp-rendezvous=/tmp/job", "--dp-host=10.0.0.5",
+                                         "--dp-timeout-seconds=5", "--dp-join-timeout-seconds=90"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->dp_size, 3);
+  EXPECT_EQ(f->dp_rank, 2);
+  EXPECT_EQ(f->dp_rendezvous, "/tmp/job");
+  EXPECT_EQ(f->dp_host, "10.0.0.5");
+  EXPECT_EQ(f->dp_timeout_seconds, 5);
+  EXPECT_EQ(f->dp_join_timeout_seconds, 90);
+  const std::vector<std::vector<std::string>> bad = {
+      {"--dp-size=2", "--dp-rank=2", "--dp-rendezvous=/tmp/job"},  // rank out of range
+      {"--dp-size=0"},
+      {"--dp-size=2", "--dp-rank=1"},  // no rendezvous
+      {"--dp-size=2", "--dp-rendezvous=/tmp/job", "--dp-timeout-seconds=0"},
+      {"--dp-size=2", "--dp-rendezvous=/tmp/job", "--tls-cert=c.pem", "--tls-key=k.pem"},  // no --dp-tls-ca
+  };
+  for (const auto& args : bad) EXPECT_EQ(Parse(args).status().code(), absl::StatusCode::kInvalidArgument) << args[0];
+}
+
 }  // namespace
 }  // namespace lce::server

@@ -1,0 +1,345 @@
+#include "dp_job.h"
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "grpc_server.h"
+#include "grpc_status.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "request_authenticator.h"
+#include "tp_group.h"
+
+namespace lce::server {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Metadata of the calls between fronts. kSecret: the job's secret (relays and forwards); kSequence:
+// the sequencer's forward, to apply as this call; kOrigin: a relay, from this replica's front.
+constexpr char kSecret[] = "lce-dp-job";
+constexpr char kSequence[] = "lce-dp-seq";
+constexpr char kOrigin[] = "lce-dp-origin";
+// Trailing metadata of an answer that a front's handler (not the transport) gave.
+constexpr char kReached[] = "lce-dp-reached";
+// A meeting's slot of a front whose data-parallel links are down (other slots: a status code).
+constexpr float kLinksDown = 100.0f;
+
+// An integer as a float that all-reduces exactly (below 2^24).
+float Exact(int64_t v) { return static_cast<float>(v % (int64_t{1} << 24)); }
+
+fs::path AddressFile(const DpOptions& o, int replica) {
+  return fs::path(o.rendezvous) / "fronts" / absl::StrCat("front-", replica, ".addr");
+}
+
+// The meeting's verdict from every front's slot (v[0, n)) and the call's number (v[n], -v[n + 1]).
+absl::Status Judge(const std::vector<float>& v, int n, const absl::Status& mine) {
+  for (int d = 0; d < n; ++d) {
+    if (v[d] == kLinksDown) {
+      return absl::UnavailableError(absl::StrCat("replica ", d, "'s data-parallel links are down since an earlier ",
+                                                 "failure; the job's training is down until it restarts"));
+    }
+  }
+  if (!mine.ok()) return mine;
+  for (int d = 0; d < n; ++d) {
+    if (v[d] != 0.0f) {
+      return absl::Status(static_cast<absl::StatusCode>(static_cast<int>(v[d])),
+                          absl::StrCat("replica ", d, " could not get ready for this change (its answer says why); ",
+                                       "no replica changed"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::chrono::system_clock::time_point ForwardDeadline(grpc::ServerContext* ctx, absl::Duration cap) {
+  const auto capped = std::chrono::system_clock::now() +
+                      std::chrono::duration_cast<std::chrono::system_clock::duration>(absl::ToChronoNanoseconds(cap));
+  return std::min(ctx->deadline(), capped);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<DpJob>> DpJob::Join(const DpJobOptions& o, DpRank* front_rank, const HeadShape& shape,
+                                                   int tp_size) {
+  TpBootstrap b = DpBootstrap(o.dp, "fronts", "data-parallel control link");
+  b.timeout = o.change_wait + o.dp.timeout;  // the slowest front's drain, then the call itself
+  absl::StatusOr<std::unique_ptr<TpCommunicator>> control = CreateGlooCommunicator(b);
+  if (!control.ok()) return control.status();
+  std::shared_ptr<DpJob> job(new DpJob(o, front_rank, *std::move(control)));
+  if (absl::Status s = job->CheckShapes(shape, tp_size); !s.ok()) return s;
+  if (absl::Status s = job->ShareSecret(); !s.ok()) return s;
+  if (o.dp.replica == 0) {
+    if (absl::Status s = MarkDpJobFormed(o.dp); !s.ok()) return s;
+  }
+  return job;
+}
+
+absl::Status DpJob::CheckShapes(const HeadShape& shape, int tp_size) {
+  const float mine[4] = {Exact(shape.vocab_size), Exact(shape.hidden_size), static_cast<float>(shape.dtype),
+                         static_cast<float>(tp_size)};
+  float v[8];
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = mine[i];
+    v[2 * i + 1] = -mine[i];
+  }
+  if (absl::Status s = AllReduceFloats(*control_, *control_staging_, v, 8, ReduceOp::kMax); !s.ok()) return s;
+  for (int i = 0; i < 8; i += 2) {
+    if (v[i] != -v[i + 1]) {
+      return absl::FailedPreconditionError(
+          "the data-parallel replicas start with different heads or tensor-parallel sizes: every replica needs the "
+          "same head (shape and dtype) and the same --tp-size");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DpJob::ShareSecret() {
+  char hex[33] = {};
+  if (replica() == 0) {
+    std::random_device random;
+    for (int i = 0; i < 32; ++i) hex[i] = "0123456789abcdef"[random() % 16];
+  }
+  if (absl::Status s = control_->Broadcast(hex, 32, false, nullptr, 0); !s.ok()) return s;
+  secret_.assign(hex, 32);
+  return absl::OkStatus();
+}
+
+absl::Status DpJob::Publish(int port) {
+  const fs::path file = AddressFile(options_.dp, replica());
+  const fs::path tmp = file.string() + ".tmp";
+  std::ofstream(tmp) << options_.dp.host << ":" << port << "\n";
+  std::error_code ec;
+  fs::rename(tmp, file, ec);  // readers never see a half-written address
+  if (ec) return absl::InternalError(absl::StrCat("cannot publish this front's address in ", file.string(), ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+bool DpJob::Marked(grpc::ServerContext* ctx, const char* key, std::string* value) const {
+  const auto& md = ctx->client_metadata();
+  auto it = md.find(key);
+  if (it == md.end()) return false;
+  value->assign(it->second.data(), it->second.size());
+  return true;
+}
+
+std::optional<grpc::Status> DpJob::Route(grpc::ServerContext* ctx, DpCallKind kind, const FrontCall& call,
+                                         const std::function<void(int)>& take, int64_t* seq) {
+  std::string secret, text;
+  const bool marked = Marked(ctx, kSecret, &secret);
+  if (marked && !ConstantTimeEquals(secret, secret_)) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "the call carries another data-parallel job's mark");
+  }
+  if (marked && Marked(ctx, kSequence, &text)) {  // the sequencer's forward: this replica's part
+    if (!absl::SimpleAtoi(text, seq)) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "bad call number");
+    ctx->AddTrailingMetadata(kReached, "1");
+    return std::nullopt;
+  }
+  if (replica() != 0) {
+    grpc::Status s = Relay(ctx, call);
+    if (s.ok()) take(0);
+    return s;
+  }
+  int origin = 0;
+  if (marked && Marked(ctx, kOrigin, &text) && (!absl::SimpleAtoi(text, &origin) || origin < 0 || origin >= size())) {
+    origin = 0;
+  }
+  ctx->AddTrailingMetadata(kReached, "1");
+  grpc::Status s = Sequence(ctx, kind, origin, call);
+  if (s.ok()) take(origin);
+  return s;
+}
+
+absl::StatusOr<v1::LceService::Stub*> DpJob::Front(int replica) {
+  std::lock_guard<std::mutex> lock(fronts_mu_);
+  if (auto it = fronts_.find(replica); it != fronts_.end()) return it->second.get();
+  std::string address;
+  for (int i = 0; i < 100 && !(std::ifstream(AddressFile(options_.dp, replica)) >> address); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // it may still be starting to serve
+  }
+  if (address.empty()) {
+    return absl::UnavailableError(absl::StrCat("replica ", replica, "'s front published no address in ",
+                                               AddressFile(options_.dp, replica).string()));
+  }
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (!options_.tls_cert.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    absl::StatusOr<std::string> ca = ReadPem(options_.tls_ca);
+    if (!ca.ok()) return absl::FailedPreconditionError(absl::StrCat("--dp-tls-ca: ", ca.status().message()));
+    ssl.pem_root_certs = *ca;
+    if (!options_.tls_client_ca.empty()) {  // the fronts want client certificates: present ours
+      absl::StatusOr<std::string> cert = ReadPem(options_.tls_cert), key = ReadPem(options_.tls_key);
+      if (!cert.ok() || !key.ok()) return cert.ok() ? key.status() : cert.status();
+      ssl.pem_cert_chain = *cert;
+      ssl.pem_private_key = *key;
+    }
+    creds = grpc::SslCredentials(ssl);
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  auto stub = v1::LceService::NewStub(grpc::CreateCustomChannel(address, creds, args));
+  return (fronts_[replica] = std::move(stub)).get();
+}
+
+DpJob::Answer DpJob::CallFront(int replica, grpc::ServerContext* ctx, const Marks& marks, const FrontCall& call,
+                               grpc::ClientContext& c) {
+  absl::StatusOr<v1::LceService::Stub*> stub = Front(replica);
+  if (!stub.ok()) return {ToGrpcStatus(stub.status()), false};
+  // Long enough for a front's drain, the meeting and the call; a client's deadline comes first.
+  c.set_deadline(ForwardDeadline(ctx, 2 * (options_.change_wait + options_.dp.timeout) + absl::Seconds(30)));
+  const auto& md = ctx->client_metadata();
+  if (auto auth = md.find("authorization"); auth != md.end()) {
+    c.AddMetadata("authorization", std::string(auth->second.data(), auth->second.size()));
+  }
+  for (const auto& [key, value] : marks) c.AddMetadata(key, value);
+  grpc::Status s = call(replica, **stub, c);
+  return {s, c.GetServerTrailingMetadata().count(kReached) > 0};
+}
+
+grpc::Status DpJob::Relay(grpc::ServerContext* ctx, const FrontCall& call) {
+  grpc::ClientContext c;
+  const Answer a = CallFront(0, ctx, {{kSecret, secret_}, {kOrigin, absl::StrCat(replica())}}, call, c);
+  if (a.reached) return a.status;
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                      absl::StrCat("data-parallel replica 0 (the job's sequencer) did not answer (",
+                                   a.status.error_message(), "); the job's training is down until it restarts, ",
+                                   "every replica keeps scoring"));
+}
+
+grpc::Status DpJob::Sequence(grpc::ServerContext* ctx, DpCallKind kind, int origin, const FrontCall& call) {
+  std::lock_guard<std::mutex> lock(sequence_mu_);
+  if (!down_.ok()) return ToGrpcStatus(down_);
+  const Marks marks = {{kSecret, secret_}, {kSequence, absl::StrCat(++sequence_)}};
+  std::vector<int> replicas;
+  for (int d = 0; d < size(); ++d) {
+    if (kind.everywhere || d == origin) replicas.push_back(d);
+  }
+  std::vector<Answer> answers(replicas.size());
+  std::vector<grpc::ClientContext> contexts(replicas.size());
+  std::atomic<bool> dropping{false};
+  std::vector<std::thread> calls;
+  for (size_t i = 0; i < replicas.size(); ++i) {
+    calls.emplace_back([&, i] {
+      answers[i] = CallFront(replicas[i], ctx, marks, call, contexts[i]);
+      answers[i].dropped =
+          dropping && !answers[i].reached && answers[i].status.error_code() == grpc::StatusCode::CANCELLED;
+      // A lost replica fails the call: the others are not waited for (a hung one would hold the
+      // answer until its deadline). Their handlers run on, and change nothing without the lost one.
+      if (answers[i].lost() && !dropping.exchange(true)) {
+        for (grpc::ClientContext& other : contexts) other.TryCancel();
+      }
+    });
+  }
+  for (std::thread& t : calls) t.join();
+  return Combine(kind, replicas, answers);
+}
+
+grpc::Status DpJob::Combine(DpCallKind kind, const std::vector<int>& replicas, const std::vector<Answer>& answers) {
+  std::vector<std::string> lost, failed, applied;
+  grpc::StatusCode code = grpc::StatusCode::OK;
+  for (size_t i = 0; i < answers.size(); ++i) {
+    const grpc::Status& s = answers[i].status;
+    if (s.ok()) {
+      applied.push_back(absl::StrCat("replica ", replicas[i]));
+    } else if (answers[i].lost()) {
+      lost.push_back(absl::StrCat("replica ", replicas[i], answers[i].reached ? ": " : " did not answer (",
+                                  s.error_message(), answers[i].reached ? "" : ")"));
+    } else if (!answers[i].dropped) {
+      failed.push_back(absl::StrCat("replica ", replicas[i], ": ", s.error_message()));
+      if (code == grpc::StatusCode::OK) code = s.error_code();
+    }
+  }
+  if (!lost.empty() || !front_rank_->health().ok()) {
+    if (lost.empty()) lost.push_back(std::string(front_rank_->health().message()));
+    down_ = absl::UnavailableError(absl::StrCat("the data-parallel job's training is down until it restarts (every ",
+                                                "replica keeps scoring): ", absl::StrJoin(lost, "; ")));
+    return ToGrpcStatus(down_);
+  }
+  if (failed.empty()) return grpc::Status::OK;
+  if (kind.meets && !applied.empty()) {
+    failed.push_back(absl::StrCat(absl::StrJoin(applied, ", "), " did apply it: the replicas differ until it is applied again"));
+  }
+  return grpc::Status(code, absl::StrJoin(failed, "; "));
+}
+
+absl::Status DpJob::LoseControl(const absl::Status& why) {
+  control_->Abort();
+  control_health_ = absl::UnavailableError(absl::StrCat("the data-parallel fronts lost each other: ", why.message()));
+  return control_health_;
+}
+
+absl::Status DpJob::Meet(int64_t seq, const absl::Status& mine) {
+  std::lock_guard<std::mutex> lock(meet_mu_);
+  if (!control_health_.ok()) return control_health_;
+  const int n = size();
+  std::vector<float> v(static_cast<size_t>(n) + 2, 0.0f);
+  v[replica()] = !front_rank_->health().ok() ? kLinksDown : mine.ok() ? 0.0f : static_cast<float>(mine.code());
+  v[n] = Exact(seq);
+  v[n + 1] = -Exact(seq);
+  if (absl::Status s = AllReduceFloats(*control_, *control_staging_, v.data(), n + 2, ReduceOp::kMax); !s.ok()) {
+    return LoseControl(s);
+  }
+  if (v[n] != -v[n + 1]) return LoseControl(absl::InternalError("the fronts met at different calls"));
+  return Judge(v, n, mine);
+}
+
+// ---- DpCall ----
+
+DpCall::DpCall(DpJob* job, grpc::ServerContext* ctx, DpCallKind kind, const FrontCall& call,
+               const std::function<void(int)>& take)
+    : job_(job) {
+  answer_ = job->Route(ctx, kind, call, take, &seq_);
+  must_meet_ = !answer_.has_value() && kind.meets;
+}
+
+DpCall& DpCall::operator=(DpCall&& other) noexcept {
+  job_ = std::exchange(other.job_, nullptr);
+  answer_ = std::move(other.answer_);
+  seq_ = other.seq_;
+  must_meet_ = std::exchange(other.must_meet_, false);
+  return *this;
+}
+
+DpCall::~DpCall() {
+  if (must_meet_) {
+    job_->Meet(seq_, absl::AbortedError(absl::StrCat("replica ", job_->replica(), " answered before getting ready")))
+        .IgnoreError();
+  }
+}
+
+absl::Status DpCall::Ready(const absl::Status& mine) {
+  if (!must_meet_) return mine;
+  must_meet_ = false;
+  return job_->Meet(seq_, mine);
+}
+
+DpCall DpCall::RouteUpdate(DpJob* job, grpc::ServerContext* ctx, grpc::ServerReader<v1::UpdateWeightsRequest>* reader,
+                           v1::HeadDescription* resp) {
+  if (job == nullptr) return DpCall();
+  // A client's stream is read once, whole, before it goes on; a forward is read by the RPC itself.
+  std::once_flag read;
+  std::vector<v1::UpdateWeightsRequest> stream;
+  std::vector<v1::HeadDescription> answers(static_cast<size_t>(job->size()));
+  auto call = [&](int replica, v1::LceService::Stub& stub, grpc::ClientContext& c) -> grpc::Status {
+    std::call_once(read, [&] {
+      for (v1::UpdateWeightsRequest msg; reader->Read(&msg);) stream.push_back(std::move(msg));
+    });
+    std::unique_ptr<grpc::ClientWriter<v1::UpdateWeightsRequest>> writer = stub.UpdateWeights(&c, &answers[replica]);
+    for (const v1::UpdateWeightsRequest& msg : stream) {
+      if (!writer->Write(msg)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  return DpCall(job, ctx, DpCallKind{true, true}, call, [&](int replica) { *resp = std::move(answers[replica]); });
+}
+
+}  // namespace lce::server
