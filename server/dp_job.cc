@@ -242,26 +242,42 @@ grpc::Status DpJob::Sequence(grpc::ServerContext* ctx, DpCallKind kind, int orig
   return Combine(kind, replicas, answers);
 }
 
+std::vector<std::string> DpJob::LostReplicas(const std::vector<int>& replicas, const std::vector<Answer>& answers) {
+  std::vector<std::string> lost, silent;
+  bool unreachable = false;
+  for (size_t i = 0; i < answers.size(); ++i) {
+    const Answer& a = answers[i];
+    if (a.dropped) silent.push_back(absl::StrCat("replica ", replicas[i], " did not answer in time"));
+    if (!a.lost()) continue;
+    unreachable = unreachable || !a.reached;
+    lost.push_back(a.reached ? absl::StrCat("replica ", replicas[i], ": ", a.status.error_message())
+                             : absl::StrCat("replica ", replicas[i], " did not answer (", a.status.error_message(), ")"));
+  }
+  // A replica that timed out waiting (its links say only that a peer was silent) was waiting for the
+  // ones still silent when the sequencer gave up: they are named first. Where a front could not be
+  // reached at all, the silent ones are merely the calls the sequencer cut short.
+  if (!lost.empty() && !unreachable) lost.insert(lost.begin(), silent.begin(), silent.end());
+  if (lost.empty() && !front_rank_->health().ok()) lost.push_back(std::string(front_rank_->health().message()));
+  return lost;
+}
+
 grpc::Status DpJob::Combine(DpCallKind kind, const std::vector<int>& replicas, const std::vector<Answer>& answers) {
-  std::vector<std::string> lost, failed, applied;
+  const std::vector<std::string> lost = LostReplicas(replicas, answers);
+  if (!lost.empty()) {
+    down_ = absl::UnavailableError(absl::StrCat("the data-parallel job's training is down until it restarts (every ",
+                                                "replica keeps scoring): ", absl::StrJoin(lost, "; ")));
+    return ToGrpcStatus(down_);
+  }
+  std::vector<std::string> failed, applied;
   grpc::StatusCode code = grpc::StatusCode::OK;
   for (size_t i = 0; i < answers.size(); ++i) {
     const grpc::Status& s = answers[i].status;
     if (s.ok()) {
       applied.push_back(absl::StrCat("replica ", replicas[i]));
-    } else if (answers[i].lost()) {
-      lost.push_back(absl::StrCat("replica ", replicas[i], answers[i].reached ? ": " : " did not answer (",
-                                  s.error_message(), answers[i].reached ? "" : ")"));
     } else if (!answers[i].dropped) {
       failed.push_back(absl::StrCat("replica ", replicas[i], ": ", s.error_message()));
       if (code == grpc::StatusCode::OK) code = s.error_code();
     }
-  }
-  if (!lost.empty() || !front_rank_->health().ok()) {
-    if (lost.empty()) lost.push_back(std::string(front_rank_->health().message()));
-    down_ = absl::UnavailableError(absl::StrCat("the data-parallel job's training is down until it restarts (every ",
-                                                "replica keeps scoring): ", absl::StrJoin(lost, "; ")));
-    return ToGrpcStatus(down_);
   }
   if (failed.empty()) return grpc::Status::OK;
   if (kind.meets && !applied.empty()) {

@@ -96,6 +96,8 @@ class DpJob {
                    grpc::ClientContext& c);
   grpc::Status Relay(grpc::ServerContext* ctx, const FrontCall& call);
   grpc::Status Sequence(grpc::ServerContext* ctx, DpCallKind kind, int origin, const FrontCall& call);
+  // Why the job's training is down after a call (empty: it is not).
+  std::vector<std::string> LostReplicas(const std::vector<int>& replicas, const std::vector<Answer>& answers);
   grpc::Status Combine(DpCallKind kind, const std::vector<int>& replicas, const std::vector<Answer>& answers);
   absl::Status CheckShapes(const HeadShape& shape, int tp_size);
   absl::Status LoseControl(const absl::Status& why);

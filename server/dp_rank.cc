@@ -58,7 +58,7 @@ absl::Status MarkDpJobFormed(const DpOptions& o) {
 
 absl::StatusOr<std::unique_ptr<DpRank>> DpRank::Join(const DpOptions& o, int tp_rank, bool cuda, int device) {
   const TpBootstrap b = DpBootstrap(o, absl::StrCat("tp-", tp_rank), absl::StrCat("data-parallel link of rank ", tp_rank));
-  absl::StatusOr<std::unique_ptr<TpCommunicator>> comm = absl::UnimplementedError("NCCL needs a CUDA build");
+  absl::StatusOr<std::unique_ptr<TpCommunicator>> comm;
   std::unique_ptr<ChunkStaging> staging;
   if (cuda) {
 #ifdef LCE_WITH_CUDA
@@ -66,6 +66,9 @@ absl::StatusOr<std::unique_ptr<DpRank>> DpRank::Join(const DpOptions& o, int tp_
     if (!st.ok()) return st.status();
     staging = *std::move(st);
     comm = CreateNcclCommunicator(b, device);
+#else
+    (void)device;
+    return absl::FailedPreconditionError("data-parallel links between GPUs need a CUDA build (NCCL)");
 #endif
   } else {
     staging = CreateHostStaging();
