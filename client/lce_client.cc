@@ -580,6 +580,107 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
       c->mutable_grad_entropy()->Add(grad_entropy.begin() + first, grad_entropy.begin() + first + n);
     }
   };
+  // Answers are placed by first_row/rows (relative to the part); together they must cover the
+  // part's rows exactly once.
+  absl::Status shape_error;
+  auto place = [&](const auto& src, std::vector<float>& dst, int64_t first, int64_t n, std::atomic<int64_t>& count,
+                   const char* what) {
+    if (src.empty()) return;
+    if (static_cast<int64_t>(src.size()) != n) {
+      shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n, ") has ", src.size(),
+                                                     " ", what, " values"));
+      return;
+    }
+    std::copy(src.begin(), src.end(), assembly.Floats(dst) + first);
+    count += n;
+  };
+  ForwardBackwardResult* out = assembly.out;
+  // One answer placed by first_row/rows (relative to the part); false once the answers are unusable.
+  auto handle = [&](const v1::StreamResponse& resp) -> bool {
+    if (tracing) {
+      trace.last_answer = now();
+      if (trace.first_answer == StreamTrace::Time{}) trace.first_answer = trace.last_answer;
+    }
+    if (resp.has_summary()) {
+      summary->loss = resp.summary().loss();
+      summary->valid_tokens = resp.summary().valid_tokens();
+      summary->head_version = resp.summary().head_version();
+      return true;
+    }
+    const v1::ChunkResult& c = resp.chunk();
+    const int64_t n = c.rows(), first = part_first + c.first_row();
+    if (c.first_row() < 0 || n <= 0 || c.first_row() > part_rows - n) {
+      shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n,
+                                                     ") is outside the stream's rows [", part_first, ", ",
+                                                     part_first + part_rows, ")"));
+      return false;
+    }
+    for (int64_t r = first; r < first + n; ++r) {
+      if (assembly.seen[r]++) {
+        shape_error = absl::InternalError(absl::StrCat("row ", r, " was answered twice"));
+        return false;
+      }
+    }
+    if (!shape_error.ok()) return false;
+    place(c.logprobs(), out->logprobs, first, n, assembly.n_logprobs, "logprob");
+    place(c.entropy(), out->entropy, first, n, assembly.n_entropy, "entropy");
+    place(c.loss(), out->loss, first, n, assembly.n_loss, "loss");
+    if (lane != nullptr && batch.d_hidden_region) {  // the server wrote it into its memory before answering
+      const RegionRef& from = *batch.d_hidden_region;
+      uint8_t* dst = assembly.DHidden() + first * row_bytes;
+      auto read = [&](DataPlaneConnection& c, int64_t off, int64_t len) {
+        return c.Read(from.session_id, from.region_id, from.offset + first * row_bytes + off,
+                      absl::MakeSpan(dst + off, len));
+      };
+      shape_error = SplitTransfer(lane->down, n * row_bytes, *workers_, read);
+      if (!shape_error.ok()) return false;
+      assembly.n_dhidden += n;
+    } else if (!c.d_hidden().empty()) {
+      if (static_cast<int64_t>(c.d_hidden().size()) != n * row_bytes) {
+        shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n, ") has ",
+                                                       c.d_hidden().size(), " d_hidden bytes, not ", n * row_bytes));
+      } else {
+        std::copy(c.d_hidden().begin(), c.d_hidden().end(), assembly.DHidden() + first * row_bytes);
+        assembly.n_dhidden += n;
+      }
+    }
+    assembly.covered += n;
+    return shape_error.ok();
+  };
+  // A whole request of one chunk, without the data plane: one Call, one message each way (no stream
+  // to set up, no round trip a message), unless the server has no Call (an older one).
+  if (lane == nullptr && plan.size() == 1 && part_rows == assembly.rows && !tracing && !no_call_.load()) {
+    v1::CallRequest req;
+    req.set_method(which == "Score"             ? v1::CALL_SCORE
+                   : which == "ForwardBackward" ? v1::CALL_FORWARD_BACKWARD
+                                                : v1::CALL_BACKWARD);
+    *req.mutable_header() = header;
+    req.mutable_header()->set_hidden_size(batch.hidden_size);
+    req.mutable_header()->set_dtype(batch.dtype);
+    v1::StreamRequest msg;
+    chunk_message(0, msg);
+    *req.mutable_chunk() = std::move(*msg.mutable_chunk());
+    grpc::ClientContext call_ctx;
+    Prepare(&call_ctx);
+    if (batch.hidden_region || batch.d_hidden_region) {
+      call_ctx.AddMetadata("lce-session", batch.hidden_region ? batch.hidden_region->session_id
+                                                              : batch.d_hidden_region->session_id);
+    }
+    v1::CallResponse answer;
+    const grpc::Status s = stub.Call(&call_ctx, req, &answer);
+    if (s.error_code() != grpc::StatusCode::UNIMPLEMENTED) {
+      if (!s.ok()) return ToAbsl(s);
+      v1::StreamResponse chunk;
+      *chunk.mutable_chunk() = std::move(*answer.mutable_chunk());
+      if (handle(chunk) && answer.has_summary()) {
+        v1::StreamResponse last;
+        *last.mutable_summary() = std::move(*answer.mutable_summary());
+        handle(last);
+      }
+      return shape_error;
+    }
+    no_call_ = true;  // an older server: stream from now on (if it refuses that too, it says why)
+  }
   // The call is created first (at once: its initial metadata waits for the header), then the
   // uploaders start on threads kept for the client's life, and the header goes. An upload that
   // fails cancels the call.
@@ -675,71 +776,8 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     });
   }
 
-  // Answers are placed by first_row/rows (relative to the part); together they must cover the
-  // part's rows exactly once.
-  absl::Status shape_error;
   v1::StreamResponse resp;
-  auto place = [&](const auto& src, std::vector<float>& dst, int64_t first, int64_t n, std::atomic<int64_t>& count,
-                   const char* what) {
-    if (src.empty()) return;
-    if (static_cast<int64_t>(src.size()) != n) {
-      shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n, ") has ", src.size(),
-                                                     " ", what, " values"));
-      return;
-    }
-    std::copy(src.begin(), src.end(), assembly.Floats(dst) + first);
-    count += n;
-  };
-  ForwardBackwardResult* out = assembly.out;
-  while (shape_error.ok() && stream->Read(&resp)) {
-    if (tracing) {
-      trace.last_answer = now();
-      if (trace.first_answer == StreamTrace::Time{}) trace.first_answer = trace.last_answer;
-    }
-    if (resp.has_summary()) {
-      summary->loss = resp.summary().loss();
-      summary->valid_tokens = resp.summary().valid_tokens();
-      summary->head_version = resp.summary().head_version();
-      continue;
-    }
-    const v1::ChunkResult& c = resp.chunk();
-    const int64_t n = c.rows(), first = part_first + c.first_row();
-    if (c.first_row() < 0 || n <= 0 || c.first_row() > part_rows - n) {
-      shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n,
-                                                     ") is outside the stream's rows [", part_first, ", ",
-                                                     part_first + part_rows, ")"));
-      break;
-    }
-    for (int64_t r = first; r < first + n; ++r) {
-      if (assembly.seen[r]++) {
-        shape_error = absl::InternalError(absl::StrCat("row ", r, " was answered twice"));
-        break;
-      }
-    }
-    if (!shape_error.ok()) break;
-    place(c.logprobs(), out->logprobs, first, n, assembly.n_logprobs, "logprob");
-    place(c.entropy(), out->entropy, first, n, assembly.n_entropy, "entropy");
-    place(c.loss(), out->loss, first, n, assembly.n_loss, "loss");
-    if (lane != nullptr && batch.d_hidden_region) {  // the server wrote it into its memory before answering
-      const RegionRef& from = *batch.d_hidden_region;
-      uint8_t* dst = assembly.DHidden() + first * row_bytes;
-      auto read = [&](DataPlaneConnection& c, int64_t off, int64_t len) {
-        return c.Read(from.session_id, from.region_id, from.offset + first * row_bytes + off,
-                      absl::MakeSpan(dst + off, len));
-      };
-      shape_error = SplitTransfer(lane->down, n * row_bytes, *workers_, read);
-      if (!shape_error.ok()) break;
-      assembly.n_dhidden += n;
-    } else if (!c.d_hidden().empty()) {
-      if (static_cast<int64_t>(c.d_hidden().size()) != n * row_bytes) {
-        shape_error = absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n, ") has ",
-                                                       c.d_hidden().size(), " d_hidden bytes, not ", n * row_bytes));
-      } else {
-        std::copy(c.d_hidden().begin(), c.d_hidden().end(), assembly.DHidden() + first * row_bytes);
-        assembly.n_dhidden += n;
-      }
-    }
-    assembly.covered += n;
+  while (shape_error.ok() && stream->Read(&resp) && handle(resp)) {
   }
   if (!shape_error.ok()) {
     ctx.TryCancel();  // stop the server's work and our writer; the answer is unusable

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpc/grpc.h"
 #include "grpc_status.h"
+#include "one_message_stream.h"
 #include "streamed_request.h"
 #include "wire_types.h"
 #include "lce/training.h"
@@ -229,6 +230,24 @@ grpc::Status LceService::PolicyLoss(grpc::ServerContext* ctx,
                                     grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
   return Recorded("PolicyLoss", ctx, [&] { return RunStream(RpcKind::kPolicyLoss, ctx, stream); });
 }
+grpc::Status LceService::Call(grpc::ServerContext* ctx, const v1::CallRequest* req, v1::CallResponse* resp) {
+  static constexpr std::pair<v1::CallMethod, RpcKind> kMethods[] = {
+      {v1::CALL_SCORE, RpcKind::kScore},
+      {v1::CALL_FORWARD_BACKWARD, RpcKind::kForwardBackward},
+      {v1::CALL_BACKWARD, RpcKind::kBackward},
+      {v1::CALL_POLICY_LOSS, RpcKind::kPolicyLoss}};
+  for (const auto& [method, rpc] : kMethods) {
+    if (req->method() != method) continue;
+    // Counted under the streamed RPC's name: the same work, whichever way it came.
+    return Recorded(RpcName(rpc), ctx, [&, rpc = rpc] {
+      OneMessageStream stream(*req, resp);
+      return RunStream(rpc, ctx, &stream, /*one_message=*/true);
+    });
+  }
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      absl::StrCat("CallRequest.method ", req->method(), " is not a computation (set CALL_SCORE, ",
+                                   "CALL_FORWARD_BACKWARD, CALL_BACKWARD or CALL_POLICY_LOSS)"));
+}
 
 grpc::Status LceService::OpenSession(grpc::ServerContext* ctx,
                                      grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
@@ -339,7 +358,7 @@ grpc::Status LceService::WithinLimit(grpc::ServerContext* ctx, const ClientWait&
 }
 
 grpc::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx,
-                                    grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream,
+                                    grpc::ServerReaderWriterInterface<v1::StreamResponse, v1::StreamRequest>* stream,
                                     std::optional<RequestPlan>* plan, std::optional<HeadStore::Use>* head_use) {
   v1::StreamRequest msg;
   bool got = false;
@@ -364,9 +383,10 @@ grpc::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx,
 }
 
 grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
-                                   grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
+                                   grpc::ServerReaderWriterInterface<v1::StreamResponse, v1::StreamRequest>* stream,
+                                   bool one_message) {
   if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
-  StreamedRequest request(*this, rpc, ctx, stream);
+  StreamedRequest request(*this, rpc, ctx, stream, one_message);
   return request.Run();
 }
 

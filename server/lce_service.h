@@ -92,6 +92,8 @@ class LceService final : public v1::LceService::Service {
                         grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override;
   grpc::Status PolicyLoss(grpc::ServerContext* ctx,
                           grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override;
+  // Any of the four as one message each way (small requests), through the same stages.
+  grpc::Status Call(grpc::ServerContext* ctx, const v1::CallRequest* req, v1::CallResponse* resp) override;
 
   // Training RPCs (lce_service_training.cc); admin token.
   grpc::Status LoadHead(grpc::ServerContext* ctx, const v1::LoadHeadRequest* req, v1::HeadDescription* resp) override;
@@ -117,12 +119,14 @@ class LceService final : public v1::LceService::Service {
   grpc::Status GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp);
   grpc::Status OpenSessionBody(grpc::ServerContext* ctx,
                                grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream);
+  // `one_message`: a Call's stream (answers written inline, no writer thread).
   grpc::Status RunStream(RpcKind rpc, grpc::ServerContext* ctx,
-                         grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream);
+                         grpc::ServerReaderWriterInterface<v1::StreamResponse, v1::StreamRequest>* stream,
+                         bool one_message = false);
   // Reads the stream's header (within the header timeout) and checks it into *plan, holding the
   // version of its head the request will run on in *head_use.
   grpc::Status ReadHeader(RpcKind rpc, grpc::ServerContext* ctx,
-                          grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream,
+                          grpc::ServerReaderWriterInterface<v1::StreamResponse, v1::StreamRequest>* stream,
                           std::optional<RequestPlan>* plan, std::optional<HeadStore::Use>* head_use);
   // A blocking wait on the client (a read of its next message, or a write it must read) bounded by
   // the watchdog: past `seconds` (0: no limit) the call is cancelled with DEADLINE_EXCEEDED and

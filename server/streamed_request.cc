@@ -20,13 +20,15 @@ float* Grow(google::protobuf::RepeatedField<float>* field, int64_t n) {
 
 }  // namespace
 
-StreamedRequest::StreamedRequest(LceService& service, RpcKind rpc, grpc::ServerContext* ctx, Stream* stream)
+StreamedRequest::StreamedRequest(LceService& service, RpcKind rpc, grpc::ServerContext* ctx, Stream* stream,
+                                 bool one_message)
     : service_(service),
       config_(service.config_),
       rpc_(rpc),
       ctx_(ctx),
       stream_(stream),
       work_(RequestWork::Current()),
+      one_message_(one_message),
       is_fb_(rpc == RpcKind::kForwardBackward),
       is_bw_(rpc == RpcKind::kBackward),
       is_pl_(rpc == RpcKind::kPolicyLoss),
@@ -94,8 +96,8 @@ grpc::Status StreamedRequest::Admit() {
   pipelined_ = (config_.cuda_device >= 0 ? config_.pipeline_chunks : config_.pipeline_chunks_on_cpu) &&
                plan_->sends_ahead && !is_pl_ && !plan_->accumulate_weight_grad;
   // Answers leave from their own thread while the next chunk computes (two in flight at most); a
-  // pipelined stream's finish thread writes them itself.
-  writer_.emplace(stream_, 2, /*own_thread=*/!pipelined_);
+  // pipelined stream's finish thread writes them itself, a Call's handler into its response.
+  writer_.emplace(stream_, 2, /*own_thread=*/!pipelined_ && !one_message_);
   // Its threads start now, while the first chunk is on its way.
   if (pipelined_) pipeline_.emplace(work_);
   return grpc::Status::OK;

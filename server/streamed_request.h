@@ -26,8 +26,10 @@ namespace lce::server {
 
 class StreamedRequest {
  public:
-  using Stream = grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>;
-  StreamedRequest(LceService& service, RpcKind rpc, grpc::ServerContext* ctx, Stream* stream);
+  using Stream = grpc::ServerReaderWriterInterface<v1::StreamResponse, v1::StreamRequest>;
+  // `one_message`: a Call (one_message_stream.h), whose answers are written inline.
+  StreamedRequest(LceService& service, RpcKind rpc, grpc::ServerContext* ctx, Stream* stream,
+                  bool one_message = false);
   // Ends the pipeline (its steps finish first), then lets the queued answers out within the idle
   // timeout, however the request ended.
   ~StreamedRequest();
@@ -103,6 +105,7 @@ class StreamedRequest {
   grpc::ServerContext* const ctx_;
   Stream* const stream_;
   RequestWork* const work_;
+  const bool one_message_;
   const bool is_fb_, is_bw_, is_pl_;
   const char* const method_;
   const char* const op_;

@@ -217,6 +217,53 @@ def test_chunking_invariance(heads):
             assert_close(b, a, rtol=2e-5, atol=1e-6, what="chunked vs unchunked")
 
 
+class _NoCall(grpc.RpcError):
+    """What an older server, without LceService.Call, answers it."""
+
+    def code(self):
+        return grpc.StatusCode.UNIMPLEMENTED
+
+    def details(self):
+        return "Method not found!"
+
+
+def test_small_requests_go_as_one_call_with_the_streams_bits(heads):
+    """A request of one chunk goes as one Call (one message each way); its answers are the stream's,
+    bit for bit; against a server without Call the client streams, and goes on streaming."""
+    head = heads["fp32"]
+    rows = 20
+    h, _ = head.hidden(rows, seed=80)
+    y = targets_for(rows, seed=81)
+    u = np.random.default_rng(82).standard_normal(rows).astype(np.float32)
+
+    def all_four(c):
+        r = c.forward_backward(h, y, reduction="mean")
+        return (*c.score(h, y), r.loss, r.per_token_loss, r.d_hidden, c.backward(h, y, u, u))
+
+    with head.client() as c:
+        stub = c._replicas[0].stub
+        real, calls = stub.Call, []
+        stub.Call = lambda *a, **k: calls.append(1) or real(*a, **k)
+        called = all_four(c)
+        assert len(calls) == 3
+        c._streams_only.add(id(stub))  # as against an older server
+        streamed = all_four(c)
+        assert len(calls) == 3
+    for a, b in zip(called, streamed):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), "Call and stream differ"
+
+    with head.client() as c:
+        stub = c._replicas[0].stub
+
+        def refuse(*a, **k):
+            raise _NoCall()
+
+        stub.Call = refuse
+        lp, ent = c.score(h, y)
+        assert np.array_equal(lp, called[0]) and np.array_equal(ent, called[1])
+        assert id(stub) in c._streams_only
+
+
 def test_tqdm_progress(heads, capsys):
     pytest.importorskip("tqdm")
     head = heads["fp32"]

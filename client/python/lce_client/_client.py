@@ -346,6 +346,7 @@ class Client:
         self._front = _Replica(self, targets[0], [("grpc.lb_policy_name", "pick_first")], False) if lb \
             else self._replicas[0]
         self._next_replica = 0
+        self._streams_only: set = set()  # ids of stubs whose server has no Call
 
     # The first replica's channel, stubs and data plane, as attributes of the client (tests replace
     # them with intercepted ones).
@@ -979,8 +980,16 @@ class Client:
         """_run_part's call: sends the part's requests and places its answers."""
         row_bytes = h.hidden_size * h.itemsize
         end = begin + n
-        call = getattr(stub, rpc)(self._requests(h, targets, header, per_row, plan, hidden_at, d_hidden_at, uploads),
-                                  timeout=self.timeout, metadata=metadata)
+        requests = self._requests(h, targets, header, per_row, plan, hidden_at, d_hidden_at, uploads)
+        answers = None
+        if len(plan) == 1 and uploads is None and on_call is None and id(stub) not in self._streams_only:
+            answers = self._call(stub, rpc, requests, metadata)
+        call = None
+        if answers is None:
+            if len(plan) == 1:  # the one-message path was refused: the stream gets messages made afresh
+                requests = self._requests(h, targets, header, per_row, plan, hidden_at, d_hidden_at, uploads)
+            call = getattr(stub, rpc)(requests, timeout=self.timeout, metadata=metadata)
+            answers = call
         if uploads is not None:
             uploads.attach(call)
             uploads.start()
@@ -988,7 +997,7 @@ class Client:
             on_call(call)
         expect, summary = 0, None
         try:
-            for msg in call:
+            for msg in answers:
                 kind = msg.WhichOneof("kind")
                 if kind == "summary":
                     summary = msg.summary
@@ -1031,13 +1040,32 @@ class Client:
                 raise uploads.error from e
             raise _wrap(e, rpc) from e
         except BaseException:
-            call.cancel()
+            if call is not None:
+                call.cancel()
             raise
         if uploads is not None and uploads.error is not None:
             raise uploads.error
         if expect != n:
             raise LceError(grpc.StatusCode.INTERNAL, f"server answered {expect} of {n} rows", rpc)
         return summary
+
+    def _call(self, stub, rpc, requests, metadata):
+        """A request of one chunk as one Call (one message each way: no stream to set up, no round trip
+        per message). Its answers as the stream's messages, or None where the server has no Call (then
+        this stub streams from now on)."""
+        header, chunk = next(requests).header, next(requests).chunk
+        req = pb.CallRequest(method=_CALL_METHODS[rpc], header=header, chunk=chunk)
+        try:
+            resp = stub.Call(req, timeout=self.timeout, metadata=metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older server; if the stream refuses too, it says why
+                self._streams_only.add(id(stub))
+                return None
+            raise _wrap(e, rpc) from e
+        answers = [pb.StreamResponse(chunk=resp.chunk)]
+        if resp.HasField("summary"):
+            answers.append(pb.StreamResponse(summary=resp.summary))
+        return answers
 
     def _run_parts(self, replica, parts, header, prog, expect_valid, rpc, *args, routes: Optional[List[Route]] = None):
         """A request split over len(parts) streams (header.partial), one thread and one channel each.
@@ -1160,6 +1188,8 @@ class _Replica:
 
 # How long a replica that failed with UNAVAILABLE is passed over by scoring calls (seconds).
 _REPLICA_COOLDOWN = 1.0
+_CALL_METHODS = {"Score": pb.CALL_SCORE, "ForwardBackward": pb.CALL_FORWARD_BACKWARD, "Backward": pb.CALL_BACKWARD,
+                 "PolicyLoss": pb.CALL_POLICY_LOSS}
 _TRAINING_RPCS = frozenset({"LoadHead", "ZeroGrad", "GetGrad", "OptimizerStep", "UpdateWeights", "SaveHead"})
 
 

@@ -323,6 +323,7 @@ class LceClient {
   std::unique_ptr<Replica> front_owned_;
   Replica* front_ = nullptr;
   std::atomic<uint64_t> next_replica_{0};
+  std::atomic<bool> no_call_{false};  // the server has no LceService.Call: requests stream
   // Runs each call's writer, uploaders and download shares, and a split request's extra streams.
   std::unique_ptr<WorkerPool> workers_;
 };
