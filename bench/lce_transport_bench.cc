@@ -17,7 +17,7 @@
 //
 // Usage (server already running with --backend=cuda --seed-head=VxH --seed=S --head-dtype=bf16):
 //   lce_transport_bench --target=127.0.0.1:PORT --vocab=V --hidden=H --seed=S [--rows=8192]
-//       [--streams=1,2,4,8] [--tcp-streams=1,2,4] [--tcp-sockets=4] [--grow-chunks=0 (1: growing chunks; 0,1: both)] [--chunk-bytes=4194304] [--iterations=5] [--warmup=1]
+//       [--streams=1,2,4,8] [--single-message-calls=1 (0: always stream; 1,0: both)] [--tcp-streams=1,2,4] [--tcp-sockets=4] [--grow-chunks=0 (1: growing chunks; 0,1: both)] [--chunk-bytes=4194304] [--iterations=5] [--warmup=1]
 //       [--modes=engine,grpc,tcp,wire,shm,ipc]
 //       [--http2-window-bytes=0] [--grpc-channel-args=K=V,...] [--first-chunk-bytes=0] [--last-chunk-bytes=0]
 //       [--trace-file=PATH (one JSON line per timed request: its start and end and its streams' points,
@@ -321,14 +321,18 @@ int main(int argc, char** argv) {
     return o;
   };
   if (has("grpc")) {
-    for (const std::string& s : Split(get("streams", "1,2,4,8"))) {
-      lce::client::ClientOptions o = streamed(s);
-      o.http2_window_bytes = std::stoll(get("http2-window-bytes", "0"));
-      for (const std::string& kv : Split(get("grpc-channel-args", ""))) {
-        o.channel_args.emplace_back(kv.substr(0, kv.find('=')), std::stoi(kv.substr(kv.find('=') + 1)));
+    for (const std::string& calls : Split(get("single-message-calls", "1"))) {
+      for (const std::string& s : Split(get("streams", "1,2,4,8"))) {
+        lce::client::ClientOptions o = streamed(s);
+        o.single_message_calls = calls != "0";
+        o.http2_window_bytes = std::stoll(get("http2-window-bytes", "0"));
+        for (const std::string& kv : Split(get("grpc-channel-args", ""))) {
+          o.channel_args.emplace_back(kv.substr(0, kv.find('=')), std::stoi(kv.substr(kv.find('=') + 1)));
+        }
+        auto c = Check(lce::client::LceClient::Create(o), "client");
+        run_path("grpc, " + s + (s == "1" ? " stream" : " streams") + (calls != "0" ? "" : ", never a Call"), *c,
+                 wire, nullptr);
       }
-      auto c = Check(lce::client::LceClient::Create(o), "client");
-      run_path("grpc, " + s + (s == "1" ? " stream" : " streams"), *c, wire, nullptr);
     }
   }
   if (has("tcp")) {

@@ -649,7 +649,8 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   };
   // A whole request of one chunk, without the data plane: one Call, one message each way (no stream
   // to set up, no round trip a message), unless the server has no Call (an older one).
-  if (lane == nullptr && plan.size() == 1 && part_rows == assembly.rows && !tracing && !no_call_.load()) {
+  if (lane == nullptr && plan.size() == 1 && part_rows == assembly.rows && options_.single_message_calls &&
+      !no_call_.load()) {
     v1::CallRequest req;
     req.set_method(which == "Score"             ? v1::CALL_SCORE
                    : which == "ForwardBackward" ? v1::CALL_FORWARD_BACKWARD
@@ -667,7 +668,12 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
                                                               : batch.d_hidden_region->session_id);
     }
     v1::CallResponse answer;
+    if (tracing) trace.opened = trace.first_chunk_sent = trace.last_chunk_sent = now();
     const grpc::Status s = stub.Call(&call_ctx, req, &answer);
+    if (tracing) {
+      trace.first_answer = trace.last_answer = trace.ended = now();
+      options_.stream_trace(trace);
+    }
     if (s.error_code() != grpc::StatusCode::UNIMPLEMENTED) {
       if (!s.ok()) return ToAbsl(s);
       v1::StreamResponse chunk;

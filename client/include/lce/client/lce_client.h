@@ -79,6 +79,10 @@ struct ClientOptions {
   // Nothing overlaps the last chunk's compute and answer; a smaller one shortens that tail. Scores
   // ignore it: their last answer is a few floats, and a smaller last chunk only adds an engine call.
   int64_t last_chunk_bytes = 0;
+  // A request that fits one chunk (and does not go over the data plane) goes as one LceService.Call:
+  // one message each way, no stream to set up and no round trip a message (a few rows: ~0.7 ms less
+  // a call). Against a server without Call the client streams. False: always stream.
+  bool single_message_calls = true;
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: insecure
   std::string bearer_token;                // sent as "authorization: Bearer <token>" when set
   // Sent instead of bearer_token on the training RPCs (LoadHead, ZeroGrad, GetGrad, OptimizerStep,
