@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-# What lce_server exports (server/metrics.h registry; names fixed with the server's owner).
+# What lce_server exports (server/ops/metrics.h registry; names fixed with the server's owner).
 # name -> (type, labels)
 EXPORTED = {
     "lce_requests_total": ("counter", {"method", "code"}),

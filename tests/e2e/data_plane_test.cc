@@ -1,4 +1,4 @@
-// The data plane (ClientOptions.data_plane, server/region_data_plane.h): a remote client's hidden
+// The data plane (ClientOptions.data_plane, server/transport/region_data_plane.h): a remote client's hidden
 // states and d_hidden travel over plain TCP into and out of server memory, and the answers are the
 // bytes path's; every transfer is checked (owner, bounds, kind of region) and a refusal leaves the
 // connection and the server working; a session's server memory goes with the session.

@@ -1,4 +1,4 @@
-"""The data plane (Client(data_plane=True), lce_client._data_plane, server/region_data_plane.h): hidden
+"""The data plane (Client(data_plane=True), lce_client._data_plane, server/transport/region_data_plane.h): hidden
 states and d_hidden travel over plain TCP into and out of server memory, and the answers are the bytes
 path's bit for bit (same chunks, same engine calls on the CPU engine), over one and several streams and
 sockets; regions grow with the batch and go with the session; a server without a data plane is a clear

@@ -1,4 +1,4 @@
-// The data plane's own limits (server/region_data_plane.h), without a gRPC server: a session's
+// The data plane's own limits (server/transport/region_data_plane.h), without a gRPC server: a session's
 // server memory written and read back over a raw socket, and connections beyond max_connections
 // refused with RESOURCE_EXHAUSTED while the others go on being served.
 #include "region_data_plane.h"

@@ -106,5 +106,93 @@ TEST_F(ValidatorTest, ChunkChecks) {
   ExpectError(bw.ValidateChunk(*bplan, c, 0, 0).status(), absl::StatusCode::kInvalidArgument, "grad_entropy has 1 values for 4 rows");
 }
 
+// The row limit is inclusive: exactly the limit passes, one row more does not (a `>=` would refuse
+// the first and a `>` turned into `>=` must fail here).
+TEST_F(ValidatorTest, RowLimitIsInclusive) {
+  StreamRequestValidator v(RpcKind::kScore, heads_, {.max_rows_per_request = 10});
+  auto plan = v.ValidateHeader(Header());
+  ASSERT_TRUE(plan.ok());
+  auto at = v.ValidateChunk(*plan, Chunk(4), 2, 6);
+  ASSERT_TRUE(at.ok()) << at.status();
+  EXPECT_EQ(*at, 4);
+  EXPECT_TRUE(v.ValidateChunk(*plan, Chunk(10), 0, 0).ok());
+  ExpectError(v.ValidateChunk(*plan, Chunk(5), 2, 6).status(), absl::StatusCode::kResourceExhausted, "10 rows");
+  ExpectError(v.ValidateChunk(*plan, Chunk(11), 0, 0).status(), absl::StatusCode::kResourceExhausted, "10 rows");
+}
+
+v1::RequestHeader PolicyHeader(v1::RequestHeader h, std::vector<int64_t> sequence_valid_tokens) {
+  v1::PolicyLossOptions* p = h.mutable_policy();
+  p->set_clip_low(0.2f);
+  p->set_clip_high(0.28f);
+  for (int64_t n : sequence_valid_tokens) p->add_sequence_valid_tokens(n);
+  return h;
+}
+
+v1::RowChunk PolicyChunk(v1::RowChunk c, const std::vector<int32_t>& sequence_ids) {
+  for (int i = 0; i < c.targets_size(); ++i) {
+    c.add_old_logprobs(-1.0f);
+    c.add_advantages(0.5f);
+  }
+  for (int32_t id : sequence_ids) c.add_sequence_ids(id);
+  return c;
+}
+
+// PolicyLoss's options and rows: every sequence id must index sequence_valid_tokens (the server reads
+// that array by id), and the per-row fields must cover every row.
+TEST_F(ValidatorTest, PolicyLossChecks) {
+  StreamRequestValidator pl(RpcKind::kPolicyLoss, heads_, {});
+  auto plan = pl.ValidateHeader(PolicyHeader(Header(), {3, 1}));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->total_valid_tokens, 4);
+  EXPECT_EQ(plan->aggregation, AggregationKind::kTokenMean);
+
+  EXPECT_TRUE(pl.ValidateChunk(*plan, PolicyChunk(Chunk(4), {0, 0, 1, 1}), 0, 0).ok());
+  // The last valid id passes; the first past the end does not; nor does a negative one.
+  ExpectError(pl.ValidateChunk(*plan, PolicyChunk(Chunk(4), {0, 0, 1, 2}), 0, 7).status(),
+              absl::StatusCode::kInvalidArgument, "row 10: sequence id 2 is outside [0, 2)");
+  ExpectError(pl.ValidateChunk(*plan, PolicyChunk(Chunk(4), {0, -1, 1, 1}), 0, 0).status(),
+              absl::StatusCode::kInvalidArgument, "sequence id -1");
+  ExpectError(pl.ValidateChunk(*plan, PolicyChunk(Chunk(4), {}), 0, 0).status(), absl::StatusCode::kInvalidArgument,
+              "sequence_ids are required when the request declares 2 sequences");
+  ExpectError(pl.ValidateChunk(*plan, PolicyChunk(Chunk(4), {0, 0, 1}), 0, 0).status(),
+              absl::StatusCode::kInvalidArgument, "sequence_ids has 3 values for 4 rows");
+  ExpectError(pl.ValidateChunk(*plan, Chunk(4), 0, 0).status(), absl::StatusCode::kInvalidArgument,
+              "PolicyLoss needs old_logprobs and advantages");
+
+  // One sequence: ids may be left out.
+  auto one = pl.ValidateHeader(PolicyHeader(Header(), {4}));
+  ASSERT_TRUE(one.ok());
+  EXPECT_TRUE(pl.ValidateChunk(*one, PolicyChunk(Chunk(4), {}), 0, 0).ok());
+
+  // The options.
+  v1::RequestHeader h = PolicyHeader(Header(), {4});
+  h.mutable_policy()->set_kl_coef(0.1f);
+  auto kl = pl.ValidateHeader(h);
+  ASSERT_TRUE(kl.ok());
+  ExpectError(pl.ValidateChunk(*kl, PolicyChunk(Chunk(4), {}), 0, 0).status(), absl::StatusCode::kInvalidArgument,
+              "kl_coef > 0 needs ref_logprobs");
+  h = PolicyHeader(Header(), {4});
+  h.mutable_policy()->set_clip_low(1.0f);
+  ExpectError(pl.ValidateHeader(h).status(), absl::StatusCode::kInvalidArgument, "clip_low must be in (0, 1)");
+  h = PolicyHeader(Header(), {4});
+  h.mutable_policy()->set_dual_clip(1.0f);
+  ExpectError(pl.ValidateHeader(h).status(), absl::StatusCode::kInvalidArgument, "dual_clip must be > 1");
+  h = PolicyHeader(Header(), {4});
+  h.mutable_policy()->set_entropy_coef(-0.1f);
+  ExpectError(pl.ValidateHeader(h).status(), absl::StatusCode::kInvalidArgument, "must be >= 0");
+  h = PolicyHeader(Header(), {4, -1});
+  ExpectError(pl.ValidateHeader(h).status(), absl::StatusCode::kInvalidArgument, "sequence_valid_tokens must be >= 0");
+  ExpectError(pl.ValidateHeader(PolicyHeader(Header(), {})).status(), absl::StatusCode::kInvalidArgument,
+              "sequence_valid_tokens is required");
+  h = PolicyHeader(Header(), {4});
+  h.mutable_policy()->set_aggregation(v1::AGGREGATION_SEQ_MEAN_TOKEN_SUM);
+  auto agg = pl.ValidateHeader(h);
+  ASSERT_TRUE(agg.ok());
+  EXPECT_EQ(agg->aggregation, AggregationKind::kSeqMeanTokenSum);
+  StreamRequestValidator score(RpcKind::kScore, heads_, {});
+  ExpectError(score.ValidateHeader(PolicyHeader(Header(), {4})).status(), absl::StatusCode::kInvalidArgument,
+              "header.policy applies to PolicyLoss only");
+}
+
 }  // namespace
 }  // namespace lce::server

@@ -34,6 +34,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import grpc
 
+from ._errors import LceError
+
 MAGIC = b"LCE1"
 OP_WRITE, OP_READ = 1, 2
 HEADER = struct.Struct("<4sI32sQqq")  # 64 bytes
@@ -58,8 +60,6 @@ def status_code(code: int) -> grpc.StatusCode:
 
 
 def _error(code: grpc.StatusCode, details: str, rpc: str = "DataPlane"):
-    from ._client import LceError
-
     return LceError(code, details, rpc)
 
 

@@ -40,6 +40,7 @@ from typing import Any, List, Optional
 import grpc
 import numpy as np
 
+from ._errors import LceError, _wrap
 from ._proto import lce_pb2 as pb
 
 _COUNTER = itertools.count()
@@ -146,8 +147,6 @@ class SharedMemorySession:
             raise _lce_error(grpc.StatusCode.INTERNAL, "the server's first session message has no session_id")
 
     def _next(self, what: str):
-        from ._client import _wrap
-
         try:
             return next(self._call)
         except grpc.RpcError as e:
@@ -351,6 +350,4 @@ def _code_tuple(code: int):
 
 
 def _lce_error(code, details, rpc=""):
-    from ._client import LceError
-
     return LceError(code, details, rpc)

@@ -1,5 +1,5 @@
 // The data plane's wire format (lce_server --data-port; GetInfoResponse.data_port), the one
-// definition the server (server/region_data_plane.h) and the C++ client (client/
+// definition the server (server/transport/region_data_plane.h) and the C++ client (client/
 // data_plane_connection.h) both encode and decode with. Little-endian, one transfer after another
 // on a connection:
 //   request  64 bytes: "LCE1", u32 op (1 write, 2 read), 32 bytes session id (hex),
