@@ -346,16 +346,18 @@ grpc::Status LceService::SaveHead(grpc::ServerContext* ctx, const v1::SaveHeadRe
     auto write_own = [&]() -> absl::Status {
       absl::StatusOr<std::shared_ptr<const HeadWeights>> w = CurrentWeights(h.training->trainer.get(), h.weights);
       if (!w.ok()) return w.status();
-      shard = WriteHeadShard(req->directory(), h.name, **w, 0, world);
+      shard = WriteHeadShard(req->directory(), h.name, h.version, **w, 0, world);
       return shard.status();
     };
-    absl::Status s = config_.tp_group != nullptr ? config_.tp_group->Save(h.name, req->directory(), write_own) : write_own();
+    absl::Status s = config_.tp_group != nullptr ? config_.tp_group->Save(h.name, h.version, req->directory(), write_own)
+                                                 : write_own();
     if (!s.ok()) return ToGrpcStatus(s);
-    absl::StatusOr<std::string> index = WriteHeadIndex(req->directory(), h.name, h.shard_engine->shape(), world);
+    // Last: the index's rename commits the save (head_source.h).
+    absl::StatusOr<std::string> index = WriteHeadIndex(req->directory(), h.name, h.version, h.shard_engine->shape(), world);
     if (!index.ok()) return ToGrpcStatus(index.status());
     resp->add_files(*shard);
     for (int r = 1; r < world; ++r) {
-      resp->add_files((std::filesystem::path(req->directory()) / ShardFileName(h.name, r, world)).string());
+      resp->add_files((std::filesystem::path(req->directory()) / ShardFileName(h.name, h.version, r, world)).string());
     }
     resp->set_index_file(*index);
     return grpc::Status::OK;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <set>
 #include <fstream>
 #include <new>
 
@@ -13,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "lce/numeric.h"
+#include "durable_file.h"
 #include "nlohmann/json.hpp"
 #include "safetensors.h"
 
@@ -31,6 +33,23 @@ void StoreAs(DType dtype, float v, uint8_t* dst) {
     case DType::kFloat32: std::memcpy(dst, &v, 4); return;
     case DType::kBFloat16: { const uint16_t b = FloatToBf16(v); std::memcpy(dst, &b, 2); return; }
     case DType::kFloat16: { const uint16_t b = FloatToFp16(v); std::memcpy(dst, &b, 2); return; }
+  }
+}
+
+// After a save's commit: shard files of head `name` in `dir` (any version or group size) that the
+// new index does not name. Best effort: one that cannot be removed only takes space.
+void RemoveStaleShards(const std::string& dir, const std::string& name, const std::set<std::string>& keep) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    // <name>-v<digits>-shard-...safetensors: exactly this head's (not "<name>-v2"'s, say).
+    const std::string file = entry.path().filename().string();
+    const std::string prefix = name + "-v";
+    if (file.rfind(prefix, 0) != 0 || keep.count(file) != 0) continue;
+    size_t i = prefix.size();
+    while (i < file.size() && file[i] >= '0' && file[i] <= '9') ++i;
+    const bool ours = i > prefix.size() && file.compare(i, 7, "-shard-") == 0 && file.size() > 12 &&
+                      file.compare(file.size() - 12, 12, ".safetensors") == 0;
+    if (ours) std::filesystem::remove(entry.path(), ec);
   }
 }
 
@@ -98,12 +117,12 @@ absl::Status GatherRows(const HeadIndex& idx, const std::string& tensor, int64_t
 
 }  // namespace
 
-absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::string& name, const HeadWeights& w,
-                                           int rank, int world) {
+absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::string& name, int64_t version,
+                                           const HeadWeights& w, int rank, int world) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
-  const std::string path = (std::filesystem::path(dir) / ShardFileName(name, rank, world)).string();
+  const std::string path = (std::filesystem::path(dir) / ShardFileName(name, version, rank, world)).string();
   std::vector<SafetensorsTensor> tensors = {{"lm_head.weight", w.shape.dtype, {w.shape.shard_rows, w.shape.hidden_size},
                                              w.weight.data(), static_cast<int64_t>(w.weight.size())}};
   if (w.shape.has_bias) {
@@ -114,28 +133,35 @@ absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::st
   return path;
 }
 
-absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::string& name, const HeadShape& shape,
-                                           int world) {
+absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::string& name, int64_t version,
+                                           const HeadShape& shape, int world) {
   nlohmann::ordered_json index = {{"format", "lce-serve sharded head"},
                                   {"tensor", "lm_head.weight"},
                                   {"vocab_size", shape.vocab_size},
                                   {"hidden_size", shape.hidden_size},
                                   {"dtype", DTypeName(shape.dtype)},
                                   {"has_bias", shape.has_bias},
+                                  {"version", version},
                                   {"shards", nlohmann::ordered_json::array()}};
+  std::set<std::string> named;
   for (int r = 0; r < world; ++r) {
     const VocabRange range = VocabShard(shape.vocab_size, r, world);
-    index["shards"].push_back({{"file", ShardFileName(name, r, world)}, {"vocab_begin", range.begin}, {"vocab_end", range.end}});
+    named.insert(ShardFileName(name, version, r, world));
+    index["shards"].push_back(
+        {{"file", ShardFileName(name, version, r, world)}, {"vocab_begin", range.begin}, {"vocab_end", range.end}});
   }
   const std::string path = (std::filesystem::path(dir) / (name + ".index.json")).string();
-  std::ofstream out(path);
-  out << index.dump(1) << "\n";
-  if (!out) return absl::DataLossError(absl::StrCat("cannot write ", path));
+  const std::string text = index.dump(1) + "\n";
+  if (absl::Status s = WriteFileDurably(path, [&](int fd) { return WriteAll(fd, text.data(), text.size(), path); });
+      !s.ok()) {
+    return s;
+  }
+  RemoveStaleShards(dir, name, named);
   return path;
 }
 
-std::string ShardFileName(const std::string& name, int rank, int world) {
-  return absl::StrCat(name, "-shard-", rank, "-of-", world, ".safetensors");
+std::string ShardFileName(const std::string& name, int64_t version, int rank, int world) {
+  return absl::StrCat(name, "-v", version, "-shard-", rank, "-of-", world, ".safetensors");
 }
 
 float SeededHeadValue(uint64_t seed, int64_t row, int64_t col, int64_t hidden) {

@@ -40,15 +40,19 @@ absl::StatusOr<std::shared_ptr<HeadWeights>> LoadHead(const HeadSource& source, 
 // The host's physical memory in bytes: the default cap on a head.
 int64_t HostMemoryBytes();
 
-// A head saved by a group of `world` ranks: <dir>/<name>-shard-<r>-of-<world>.safetensors per rank,
-// each with tensor "lm_head.weight" [shard rows, H] (and "lm_head.bias" when present), plus
-// <dir>/<name>.index.json naming each file's vocabulary range (VocabShard). Each rank writes its
-// own shard; rank 0 also writes the index. Both return the path written.
-std::string ShardFileName(const std::string& name, int rank, int world);
-absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::string& name, const HeadWeights& shard,
-                                           int rank, int world);
-absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::string& name, const HeadShape& shape,
-                                           int world);
+// A head saved by a group of `world` ranks at version `version`:
+// <dir>/<name>-v<version>-shard-<r>-of-<world>.safetensors per rank, each with tensor
+// "lm_head.weight" [shard rows, H] (and "lm_head.bias" when present), plus <dir>/<name>.index.json
+// naming each file's vocabulary range (VocabShard). Each rank writes its own shard; rank 0 writes the
+// index last, once every shard is in. Every file is written durably (durable_file.h) and the index's
+// rename is the save's commit: a save killed at any point leaves the previous save loadable, whole.
+// After the commit, shard files of `name` the new index does not name are removed. Both return the
+// path written.
+std::string ShardFileName(const std::string& name, int64_t version, int rank, int world);
+absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::string& name, int64_t version,
+                                           const HeadWeights& shard, int rank, int world);
+absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::string& name, int64_t version,
+                                           const HeadShape& shape, int world);
 
 // Element (row, col) of the seeded head, as fp32 before rounding to the head's dtype. Shared by
 // shards so that every rank generates exactly its rows of the same head.

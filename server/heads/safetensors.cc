@@ -5,6 +5,7 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
+#include "durable_file.h"
 #include "nlohmann/json.hpp"
 
 namespace lce::server {
@@ -138,16 +139,18 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   }
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text.push_back(' ');  // keep tensor data 8-byte aligned
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write ", path));
-  uint8_t len[8];
-  uint64_t n = text.size();
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
-  out.write(reinterpret_cast<const char*>(len), 8);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  for (const auto& t : tensors) out.write(reinterpret_cast<const char*>(t.data), t.bytes);
-  if (!out) return absl::DataLossError(absl::StrCat("write to ", path, " failed"));
-  return absl::OkStatus();
+  // Durably: a save killed half-way leaves the file it replaces (durable_file.h).
+  return WriteFileDurably(path, [&](int fd) -> absl::Status {
+    uint8_t len[8];
+    const uint64_t n = text.size();
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
+    if (absl::Status s = WriteAll(fd, len, 8, path); !s.ok()) return s;
+    if (absl::Status s = WriteAll(fd, text.data(), text.size(), path); !s.ok()) return s;
+    for (const auto& t : tensors) {
+      if (absl::Status s = WriteAll(fd, t.data, static_cast<size_t>(t.bytes), path); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace lce::server

@@ -332,10 +332,12 @@ absl::Status TpGroup::GatherPeerGrads(const std::string& head, const HeadShape& 
   });
 }
 
-absl::Status TpGroup::Save(const std::string& head, const std::string& dir, const std::function<absl::Status()>& front_part) {
+absl::Status TpGroup::Save(const std::string& head, int64_t version, const std::string& dir,
+                           const std::function<absl::Status()>& front_part) {
   return Locked<absl::Status>([&]() -> absl::Status {
     TpControl c;
     c.op = TpOp::kSave;
+    c.version = version;
     if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
     if (absl::Status s = PutText(c.path, dir, "SaveHead directory"); !s.ok()) return s;
     if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
@@ -565,7 +567,7 @@ absl::Status TpPeer::OnSave(const TpControl& c) {
   absl::Status mine;
   absl::StatusOr<std::shared_ptr<const HeadWeights>> w = CurrentWeights(head.trainer.get(), head.weights);
   if (w.ok()) {
-    mine = WriteHeadShard(GetText(c.path), GetText(c.head), **w, comm_.rank(), comm_.world_size()).status();
+    mine = WriteHeadShard(GetText(c.path), GetText(c.head), c.version, **w, comm_.rank(), comm_.world_size()).status();
   } else {
     mine = w.status();
   }

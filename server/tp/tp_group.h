@@ -88,8 +88,10 @@ class TpGroup {
   // the sinking, not the transfer (the peers finish theirs), and is returned.
   absl::Status GatherPeerGrads(const std::string& head, const HeadShape& shape,
                                const std::function<absl::Status(int64_t, int64_t, const float*)>& sink);
-  // Every rank writes its shard of `head`'s current weight into `dir` (head_source.h, WriteHeadShard).
-  absl::Status Save(const std::string& head, const std::string& dir, const std::function<absl::Status()>& front_part);
+  // Every rank writes its shard of `head`'s current weight, at `version`, into `dir` (head_source.h,
+  // WriteHeadShard).
+  absl::Status Save(const std::string& head, int64_t version, const std::string& dir,
+                    const std::function<absl::Status()>& front_part);
   // Every rank loads its shard of `source` as head `head` at `version` and keeps it only if every rank
   // could (the front's part loads the front's shard).
   absl::Status Load(const std::string& head, int64_t version, const TpHeadSource& source,
