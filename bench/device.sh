@@ -11,6 +11,8 @@
 #   peers                     ../shared/bench/peers.py (as .peers/peers.py) on $SHAPES
 #   tp                        TP process tests on every GPU, lce_tp_bench at k = 1 and all GPUs, verl's
 #                             kernel at the same k ($TP_SHAPES)
+#   dp                        one data-parallel replica a GPU (NCCL links): $DP_STEPS AdamW steps from
+#                             lce_cli, then each replica's SaveHead compared byte for byte
 #   transport                 the IPC test, then lce_transport_bench over every path (ROWS, HIDDEN,
 #                             VOCAB, STREAMS, TCP_STREAMS, CHUNK, ITERS, MODES, SERVER_FLAGS, BENCH_FLAGS)
 #   grpc-sweep                the gRPC path for each of $CONFIGS "STREAMS:CHUNK:WINDOW[:CQS[:ARGS[:FIRST[:POLL]]]]"
@@ -61,6 +63,36 @@ step_tp() {
       echo "verl k=$k rc=$?"
     done
   fi
+}
+
+step_dp() {
+  local ngpu port=52100 d s steps=${DP_STEPS:-5}
+  ngpu=$(nvidia-smi -L | wc -l)
+  rm -f /tmp/dp.port.* && rm -rf /tmp/dp_save_*
+  LCE_SERVER=$PWD/.devbin/lce_server LCE_TP_BIND_GPUS=1 bash deploy/lce_dp_launch.sh "$ngpu" 1 -- --port=$port \
+    --port-file=/tmp/dp.port --backend=cuda --seed-head="${V}x${H}" --seed=0 --head-dtype=bf16 > "$OUT/dp_job.log" 2>&1 &
+  local job=$!
+  for _ in $(seq 600); do [ -s /tmp/dp.port.$((ngpu - 1)) ] && [ -s /tmp/dp.port.0 ] && break; sleep 0.2; done
+  local cli=./.devbin/lce_cli
+  {
+    for ((s = 1; s <= steps; s++)); do
+      for ((d = 0; d < ngpu; d++)); do  # each replica accumulates its own batch
+        $cli forward-backward --target=127.0.0.1:$((port + d)) --rows=2048 --seed=$((100 * s + d)) \
+          --accumulate-weight-grad=1 --show=0 || echo "forward-backward failed (step $s, replica $d)"
+      done
+      $cli step --target=127.0.0.1:$((port + s % ngpu)) --lr=1e-3 --max-grad-norm=1 || echo "step $s failed"
+    done
+    for ((d = 0; d < ngpu; d++)); do
+      $cli save-head --target=127.0.0.1:$((port + d)) --directory=/tmp/dp_save_$d || echo "save-head $d failed"
+    done
+    for ((d = 1; d < ngpu; d++)); do
+      for f in /tmp/dp_save_0/*.safetensors; do
+        cmp "$f" "/tmp/dp_save_$d/$(basename "$f")" && echo "replica $d: $(basename "$f") the same bytes as replica 0's"
+      done
+    done
+  } > "$OUT/dp.log" 2>&1
+  kill -TERM $job; wait $job 2>/dev/null
+  echo "dp done ($ngpu replicas, $steps steps)"
 }
 
 step_transport() {
@@ -146,6 +178,7 @@ for step in "$@"; do
       PYTHONPATH=/tmp/site timeout 400 python3 .peers/peers.py --shapes "$SHAPES" --verl-wheel .whl/verl-*.whl \
         --json "$OUT/peers.json" > "$OUT/peers.log" 2>&1; echo "peers rc=$?" ;;
     tp) step_tp ;;
+    dp) step_dp ;;
     transport) step_transport ;;
     grpc-sweep) step_grpc_sweep ;;
     data-plane-sweep) step_data_plane_sweep ;;
@@ -161,5 +194,5 @@ for f in gpu_test e2e_cuda tp_test; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|rror|tests ran|^\[  FAILED" "$OUT/$f.log" | head -40; }
 done
 [ -f "$OUT/sanitizer.log" ] && { echo "== sanitizer"; tail -4 "$OUT/sanitizer.log"; }
-for f in bench tp_bench peers transport; do [ -f "$OUT/$f.log" ] && { echo "== $f"; cat "$OUT/$f.log"; }; done
+for f in bench tp_bench peers transport dp; do [ -f "$OUT/$f.log" ] && { echo "== $f"; cat "$OUT/$f.log"; }; done
 exit 0

@@ -56,7 +56,9 @@ std::vector<int> GroupSizes() {
 
 class TpGroup {
  public:
-  TpGroup(int k, double timeout_seconds, const std::string& head_file = "") : dir_(fs::temp_directory_path() / ("lce_tp_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
+  // `extra`: more flags for every rank (later ones win over the defaults above them).
+  TpGroup(int k, double timeout_seconds, const std::string& head_file = "", const std::vector<std::string>& extra = {})
+      : dir_(fs::temp_directory_path() / ("lce_tp_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     const std::string port_file = (dir_ / "port").string();
@@ -70,6 +72,7 @@ class TpGroup {
                                        "--tp-timeout-seconds=" + std::to_string(timeout_seconds), "--host=127.0.0.1",
                                        "--log-requests=false", "--data-port=0"};
       if (!head_file.empty()) args.push_back("--head-file=" + head_file);
+      args.insert(args.end(), extra.begin(), extra.end());
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -142,6 +145,50 @@ double RelErr(const float* got, const float* want, size_t n) {
     den += double(want[i]) * want[i];
   }
   return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// With --batch-invariant --tp-invariant (the CUDA engine's flags; the CPU engine always is), a row's
+// logprob, entropy, loss and d_hidden are the same bits on a group of any size as on one server
+// (issue 17). On GPUs the vocabulary must be >= 131072 (segments at global offsets).
+TEST(TensorParallel, InvariantGroupsGiveOneServersBits) {
+  const int64_t vocab = Backend() == "cuda" ? 140001 : 5003, hidden = 2 * kHidden, rows = 96;
+  const std::vector<std::string> extra = {"--seed-head=" + std::to_string(vocab) + "x" + std::to_string(hidden),
+                                          "--head-dtype=bf16", "--batch-invariant=true", "--tp-invariant=true"};
+  Batch b = MakeBatch(2 * rows, v1::DTYPE_BFLOAT16, 41);  // 2·rows rows of kHidden = rows rows of `hidden`
+  b.targets.resize(rows);
+  for (int64_t i = 0; i < 16; ++i) b.targets[i] = static_cast<int32_t>(i * (vocab / 16));  // every shard
+  client::HiddenBatch view{b.dtype, rows, hidden, absl::MakeConstSpan(b.hidden), absl::MakeConstSpan(b.targets)};
+  struct Answers {
+    std::vector<float> logprobs, entropy, loss;
+    std::string d_hidden;
+  };
+  std::vector<int> sizes = {1};
+  for (int k : GroupSizes()) {
+    if (k != 1) sizes.push_back(k);
+  }
+  std::vector<Answers> got;
+  for (int k : sizes) {
+    TpGroup group(k, 30.0, "", extra);
+    auto c = Connect(group.target(), 1 << 20);
+    auto info = c->GetInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    ASSERT_EQ(info->tp_size(), k);
+    auto score = c->Score(view, v1::RequestHeader());
+    ASSERT_TRUE(score.ok()) << "k=" << k << ": " << score.status();
+    v1::RequestHeader h;
+    h.set_reduction(v1::REDUCTION_SUM);
+    auto fb = c->ForwardBackward(view, h);
+    ASSERT_TRUE(fb.ok()) << "k=" << k << ": " << fb.status();
+    got.push_back({score->logprobs, score->entropy, fb->loss,
+                   std::string(fb->d_hidden.begin(), fb->d_hidden.end())});
+  }
+  for (size_t i = 1; i < got.size(); ++i) {
+    const std::string tag = "k=" + std::to_string(sizes[i]) + " vs one server";
+    EXPECT_EQ(got[i].logprobs, got[0].logprobs) << tag;
+    EXPECT_EQ(got[i].entropy, got[0].entropy) << tag;
+    EXPECT_EQ(got[i].loss, got[0].loss) << tag;
+    EXPECT_TRUE(got[i].d_hidden == got[0].d_hidden) << tag << ": d_hidden differs";
+  }
 }
 
 TEST(TensorParallel, GroupsOfTwoAndThreeMatchOneEngine) {
