@@ -7,6 +7,9 @@
     d_hidden = c.backward(hidden, targets, grad_logprob, grad_entropy)
     c = Client("gpu-host:50051", data_plane=True)        # bulk bytes over the server's data plane (--data-port)
 
+asyncio (many requests in flight from one event loop): lce_client.aio.Client, the same computations
+as coroutines over grpc.aio.
+
 PyTorch autograd (needs torch): lce_client.torch.RemoteLinearCrossEntropy and remote_logprobs, also
 reachable as lce_client.RemoteLinearCrossEntropy / lce_client.remote_logprobs.
 """
@@ -14,6 +17,7 @@ from ._arrays import bf16_bits_to_f32, f32_to_bf16_bits
 from ._client import (DEFAULT_CHUNK_BYTES, DEFAULT_MIN_STREAM_BYTES, Client, ForwardBackwardResult, HeadInfo, LceError, PolicyLossResult,
                       ServerInfo, plan_chunks)
 from ._shm import Region, SharedMemorySession
+from . import aio
 
 __version__ = "0.1.0"
 __all__ = ["Client", "LceError", "HeadInfo", "ServerInfo", "ForwardBackwardResult", "PolicyLossResult",

@@ -532,11 +532,12 @@ class Client:
         h = self._hidden(hidden, dtype, hidden_region)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
-        res = self._stream("Score", h, t, hdr, {}, want_dhidden=False, progress=progress, use_tqdm=tqdm,
-                           hidden_region=hidden_region, streams=streams)
-        lp = A.to_caller_rows(res["logprobs"], h)
-        ent = A.to_caller_rows(res["entropy"], h) if entropy else None
-        return lp, ent
+        def finish(res):
+            lp = A.to_caller_rows(res["logprobs"], h)
+            return lp, (A.to_caller_rows(res["entropy"], h) if entropy else None)
+
+        return self._run("Score", h, t, hdr, {}, finish, want_dhidden=False, progress=progress, use_tqdm=tqdm,
+                         hidden_region=hidden_region, streams=streams)
 
     def forward_backward(self, hidden, targets, reduction: str = "mean", ignore_index: int = -100,
                          label_smoothing: float = 0.0, z_loss: float = 0.0, temperature: float = 1.0,
@@ -574,22 +575,23 @@ class Client:
         per_row = {}
         if grad_loss is not None:
             per_row["grad_loss"] = A.host_rows(grad_loss, h.rows, "grad_loss", np.float32, h.lead_shape)
-        res = self._stream("ForwardBackward", h, t, hdr, per_row, want_dhidden=True, progress=progress,
-                           use_tqdm=tqdm, hidden_region=hidden_region, d_hidden_region=d_hidden_region,
-                           d_hidden_offset=d_hidden_offset, streams=streams,
-                           expect_valid=valid)
-        s = res["summary"]
-        if s is None:
-            raise LceError(grpc.StatusCode.INTERNAL, "server ended ForwardBackward without a summary",
-                           "ForwardBackward")
-        return ForwardBackwardResult(
-            loss=float(s.loss),
-            per_token_loss=A.to_caller_rows(res["loss"], h),
-            d_hidden=A.to_caller_hidden(res["d_hidden"], h),
-            valid_tokens=int(s.valid_tokens), rows=int(s.rows), head_version=int(s.head_version),
-            logprobs=A.to_caller_rows(res["logprobs"], h) if return_logprobs else None,
-            entropy=A.to_caller_rows(res["entropy"], h) if return_entropy else None,
-        )
+        def finish(res):
+            s = res["summary"]
+            if s is None:
+                raise LceError(grpc.StatusCode.INTERNAL, "server ended ForwardBackward without a summary",
+                               "ForwardBackward")
+            return ForwardBackwardResult(
+                loss=float(s.loss),
+                per_token_loss=A.to_caller_rows(res["loss"], h),
+                d_hidden=A.to_caller_hidden(res["d_hidden"], h),
+                valid_tokens=int(s.valid_tokens), rows=int(s.rows), head_version=int(s.head_version),
+                logprobs=A.to_caller_rows(res["logprobs"], h) if return_logprobs else None,
+                entropy=A.to_caller_rows(res["entropy"], h) if return_entropy else None,
+            )
+
+        return self._run("ForwardBackward", h, t, hdr, per_row, finish, want_dhidden=True, progress=progress,
+                         use_tqdm=tqdm, hidden_region=hidden_region, d_hidden_region=d_hidden_region,
+                         d_hidden_offset=d_hidden_offset, streams=streams, expect_valid=valid)
 
     def backward(self, hidden, targets, grad_logprob=None, grad_entropy=None, temperature: float = 1.0,
                  softcap: Optional[float] = None, ignore_index: int = -100, *, head: Optional[str] = None,
@@ -607,10 +609,9 @@ class Client:
             per_row["grad_logprob"] = A.host_rows(grad_logprob, h.rows, "grad_logprob", np.float32, h.lead_shape)
         if grad_entropy is not None:
             per_row["grad_entropy"] = A.host_rows(grad_entropy, h.rows, "grad_entropy", np.float32, h.lead_shape)
-        res = self._stream("Backward", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm,
-                           hidden_region=hidden_region, d_hidden_region=d_hidden_region,
-                           d_hidden_offset=d_hidden_offset, streams=streams)
-        return A.to_caller_hidden(res["d_hidden"], h)
+        return self._run("Backward", h, t, hdr, per_row, lambda res: A.to_caller_hidden(res["d_hidden"], h),
+                         want_dhidden=True, progress=progress, use_tqdm=tqdm, hidden_region=hidden_region,
+                         d_hidden_region=d_hidden_region, d_hidden_offset=d_hidden_offset, streams=streams)
 
     def policy_loss(self, hidden, targets, old_logprobs, advantages, *, sequence_ids=None,
                     ref_logprobs=None, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float = 0.0,
@@ -656,21 +657,28 @@ class Client:
         }
         if ref_logprobs is not None:
             per_row["ref_logprobs"] = A.host_rows(ref_logprobs, h.rows, "ref_logprobs", np.float32, h.lead_shape)
-        res = self._stream("PolicyLoss", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm,
-                           hidden_region=hidden_region, d_hidden_region=d_hidden_region,
-                           d_hidden_offset=d_hidden_offset, streams=streams,
-                           expect_valid=int(sum(hdr.policy.sequence_valid_tokens)))
-        s = res["summary"]
-        if s is None:
-            raise LceError(grpc.StatusCode.INTERNAL, "server ended PolicyLoss without a summary", "PolicyLoss")
-        return PolicyLossResult(
-            loss=float(s.loss), d_hidden=A.to_caller_hidden(res["d_hidden"], h),
-            logprobs=A.to_caller_rows(res["logprobs"], h), entropy=A.to_caller_rows(res["entropy"], h),
-            valid_tokens=int(s.valid_tokens), clip_fraction=s.clip_fraction, approx_kl=s.approx_kl,
-            mean_entropy=s.mean_entropy, mean_ratio=s.mean_ratio, mean_kl=s.mean_kl,
-            head_version=int(s.head_version))
+        def finish(res):
+            s = res["summary"]
+            if s is None:
+                raise LceError(grpc.StatusCode.INTERNAL, "server ended PolicyLoss without a summary", "PolicyLoss")
+            return PolicyLossResult(
+                loss=float(s.loss), d_hidden=A.to_caller_hidden(res["d_hidden"], h),
+                logprobs=A.to_caller_rows(res["logprobs"], h), entropy=A.to_caller_rows(res["entropy"], h),
+                valid_tokens=int(s.valid_tokens), clip_fraction=s.clip_fraction, approx_kl=s.approx_kl,
+                mean_entropy=s.mean_entropy, mean_ratio=s.mean_ratio, mean_kl=s.mean_kl,
+                head_version=int(s.head_version))
+
+        return self._run("PolicyLoss", h, t, hdr, per_row, finish, want_dhidden=True, progress=progress,
+                         use_tqdm=tqdm, hidden_region=hidden_region, d_hidden_region=d_hidden_region,
+                         d_hidden_offset=d_hidden_offset, streams=streams,
+                         expect_valid=int(sum(hdr.policy.sequence_valid_tokens)))
 
     # ---------------------------------------------------------------------------------- internals
+    def _run(self, rpc: str, h, targets, header, per_row: dict, finish, **kw):
+        """A computation's call, its answers turned into the result by `finish` (lce_client.aio's
+        Client runs the same on asyncio and returns a coroutine)."""
+        return finish(self._stream(rpc, h, targets, header, per_row, **kw))
+
     def _head(self, head: Optional[str]) -> str:
         return self.head if head is None else head
 
@@ -979,37 +987,10 @@ class Client:
                     continue
                 if kind != "chunk":
                     continue
-                c = msg.chunk
-                r0, rows = int(c.first_row), int(c.rows)
-                if r0 != expect or rows <= 0 or r0 + rows > n:
-                    raise LceError(grpc.StatusCode.INTERNAL,
-                                   f"server answered rows [{r0}, {r0 + rows}) where rows from {expect} of {n} "
-                                   "were expected" + (f" (in the part of rows {begin}..{end - 1})" if header.partial
-                                                      else ""), rpc)
-                r1 = r0 + rows
-                g0, g1 = begin + r0, begin + r1
-                for name in ("logprobs", "entropy", "loss"):
-                    vals = getattr(c, name)
-                    if len(vals):
-                        if len(vals) != rows:
-                            raise LceError(grpc.StatusCode.INTERNAL,
-                                           f"server sent {len(vals)} {name} for a chunk of {rows} rows", rpc)
-                        out[name][g0:g1] = vals
-                if route is not None and route.d_hidden_region is not None:
-                    # The server wrote the chunk's d_hidden into its memory before it answered.
-                    if len(c.d_hidden):
-                        raise LceError(grpc.StatusCode.INTERNAL, f"server sent {len(c.d_hidden)} bytes of d_hidden "
-                                       "in the answer of a chunk that named a d_hidden region", rpc)
-                    route.download(d_hidden_at[1] + g0 * row_bytes, memoryview(dh_bytes[g0 * row_bytes:g1 * row_bytes]))
-                elif dh_bytes is not None:
-                    if len(c.d_hidden) != rows * row_bytes:
-                        raise LceError(grpc.StatusCode.INTERNAL,
-                                       f"server sent {len(c.d_hidden)} bytes of d_hidden for {rows} rows "
-                                       f"of {row_bytes} bytes", rpc)
-                    dh_bytes[g0 * row_bytes:g1 * row_bytes] = np.frombuffer(c.d_hidden, dtype=np.uint8)
-                expect = r1
+                expect = self._place_chunk(msg.chunk, begin, n, expect, out, dh_bytes, row_bytes, rpc, header,
+                                           route, d_hidden_at)
                 if on_rows is not None:
-                    on_rows(r1, rows)
+                    on_rows(expect, int(msg.chunk.rows))
         except grpc.RpcError as e:
             if uploads is not None and uploads.error is not None:  # the CANCELLED is the failed upload's doing
                 raise uploads.error from e
@@ -1023,6 +1004,40 @@ class Client:
         if expect != n:
             raise LceError(grpc.StatusCode.INTERNAL, f"server answered {expect} of {n} rows", rpc)
         return summary
+
+    @staticmethod
+    def _place_chunk(c, begin, n, expect, out, dh_bytes, row_bytes, rpc, header, route=None, d_hidden_at=None) -> int:
+        """One chunk's answers written into `out` at their rows (the part's rows start at `begin`; `expect`:
+        the first row not yet answered); returns the next row expected."""
+        r0, rows = int(c.first_row), int(c.rows)
+        end = begin + n
+        if r0 != expect or rows <= 0 or r0 + rows > n:
+            raise LceError(grpc.StatusCode.INTERNAL,
+                           f"server answered rows [{r0}, {r0 + rows}) where rows from {expect} of {n} "
+                           "were expected" + (f" (in the part of rows {begin}..{end - 1})" if header.partial
+                                              else ""), rpc)
+        r1 = r0 + rows
+        g0, g1 = begin + r0, begin + r1
+        for name in ("logprobs", "entropy", "loss"):
+            vals = getattr(c, name)
+            if len(vals):
+                if len(vals) != rows:
+                    raise LceError(grpc.StatusCode.INTERNAL,
+                                   f"server sent {len(vals)} {name} for a chunk of {rows} rows", rpc)
+                out[name][g0:g1] = vals
+        if route is not None and route.d_hidden_region is not None:
+            # The server wrote the chunk's d_hidden into its memory before it answered.
+            if len(c.d_hidden):
+                raise LceError(grpc.StatusCode.INTERNAL, f"server sent {len(c.d_hidden)} bytes of d_hidden "
+                               "in the answer of a chunk that named a d_hidden region", rpc)
+            route.download(d_hidden_at[1] + g0 * row_bytes, memoryview(dh_bytes[g0 * row_bytes:g1 * row_bytes]))
+        elif dh_bytes is not None:
+            if len(c.d_hidden) != rows * row_bytes:
+                raise LceError(grpc.StatusCode.INTERNAL,
+                               f"server sent {len(c.d_hidden)} bytes of d_hidden for {rows} rows "
+                               f"of {row_bytes} bytes", rpc)
+            dh_bytes[g0 * row_bytes:g1 * row_bytes] = np.frombuffer(c.d_hidden, dtype=np.uint8)
+        return r1
 
     def _call(self, stub, rpc, requests, metadata):
         """A request of one chunk as one Call (one message each way: no stream to set up, no round trip
