@@ -189,7 +189,468 @@ class _Progress:
             self.bar.close()
 
 
-class Client:
+@dataclass
+class _StreamCall:
+    """A streaming call made from its arguments: what goes on the wire (the header, the hidden states, the
+    targets and per-row inputs) and how the answers become its result (`finish`). Built by the calls of
+    _Calls, shared by the sync Client and lce_client.aio.Client, which only differ in how they run it."""
+
+    rpc: str
+    h: Any                                   # A.HostArray (or A.DeviceArray for a CUDA region)
+    targets: np.ndarray
+    header: pb.RequestHeader
+    per_row: dict
+    want_dhidden: bool
+    finish: Callable[[dict], Any]            # the answers ({"logprobs", ..., "summary"}) -> the call's result
+    expect_valid: Optional[int] = None       # valid tokens the parts of a split request must add up to
+    regions: dict = field(default_factory=dict)  # hidden_region / d_hidden_region / d_hidden_offset given
+
+
+def _new_outputs(n: int, h, want_dhidden: bool) -> dict:
+    """Preallocated answers of a call of n rows (d_hidden on the host, in the wire dtype's storage)."""
+    return {"logprobs": A.new_rows_out(n), "entropy": A.new_rows_out(n), "loss": A.new_rows_out(n),
+            "d_hidden": A.new_hidden_out(n, h.hidden_size, h.wire_dtype) if want_dhidden else None,
+            "summary": None}
+
+
+def _empty_summary() -> pb.RequestSummary:
+    # The server refuses requests without rows; an empty batch has an empty answer (and a loss of 0, as a
+    # mean over no valid tokens is defined to be), so it is answered without an RPC.
+    return pb.RequestSummary(rows=0, valid_tokens=0, loss=0.0)
+
+
+class _AnswerReader:
+    """Places the answers of one stream (rows [begin, begin + n) of the request) into the outputs: the
+    per-row values, d_hidden (from the message, or over the data plane with `route`), the summary.
+    Checks that chunks come in order and have the sizes asked for."""
+
+    def __init__(self, rpc: str, out: dict, begin: int, n: int, row_bytes: int, dh_bytes, partial: bool,
+                 route: Optional[Route] = None, d_hidden_at=None):
+        self.rpc, self.out, self.begin, self.n, self.row_bytes = rpc, out, begin, n, row_bytes
+        self.dh_bytes, self.partial, self.route, self.d_hidden_at = dh_bytes, partial, route, d_hidden_at
+        self.expect, self.summary = 0, None
+
+    def take(self, msg) -> Optional[Tuple[int, int]]:
+        """One answer message. Returns (rows answered so far, rows of this chunk) for a chunk, else None."""
+        kind = msg.WhichOneof("kind")
+        if kind == "summary":
+            self.summary = msg.summary
+            return None
+        if kind != "chunk":
+            return None
+        c, n, rpc, row_bytes = msg.chunk, self.n, self.rpc, self.row_bytes
+        r0, rows = int(c.first_row), int(c.rows)
+        if r0 != self.expect or rows <= 0 or r0 + rows > n:
+            raise LceError(grpc.StatusCode.INTERNAL,
+                           f"server answered rows [{r0}, {r0 + rows}) where rows from {self.expect} of {n} were "
+                           "expected" + (f" (in the part of rows {self.begin}..{self.begin + n - 1})" if self.partial
+                                         else ""), rpc)
+        r1 = r0 + rows
+        g0, g1 = self.begin + r0, self.begin + r1
+        for name in ("logprobs", "entropy", "loss"):
+            vals = getattr(c, name)
+            if len(vals):
+                if len(vals) != rows:
+                    raise LceError(grpc.StatusCode.INTERNAL, f"server sent {len(vals)} {name} for a chunk of {rows} rows",
+                                   rpc)
+                self.out[name][g0:g1] = vals
+        if self.route is not None and self.route.d_hidden_region is not None:
+            # The server wrote the chunk's d_hidden into its memory before it answered.
+            if len(c.d_hidden):
+                raise LceError(grpc.StatusCode.INTERNAL, f"server sent {len(c.d_hidden)} bytes of d_hidden in the "
+                               "answer of a chunk that named a d_hidden region", rpc)
+            self.route.download(self.d_hidden_at[1] + g0 * row_bytes,
+                                memoryview(self.dh_bytes[g0 * row_bytes:g1 * row_bytes]))
+        elif self.dh_bytes is not None:
+            if len(c.d_hidden) != rows * row_bytes:
+                raise LceError(grpc.StatusCode.INTERNAL, f"server sent {len(c.d_hidden)} bytes of d_hidden for "
+                               f"{rows} rows of {row_bytes} bytes", rpc)
+            self.dh_bytes[g0 * row_bytes:g1 * row_bytes] = np.frombuffer(c.d_hidden, dtype=np.uint8)
+        self.expect = r1
+        return r1, rows
+
+    def done(self) -> Optional[pb.RequestSummary]:
+        """After the last message: all rows answered; returns the summary (or None)."""
+        if self.expect != self.n:
+            raise LceError(grpc.StatusCode.INTERNAL, f"server answered {self.expect} of {self.n} rows", self.rpc)
+        return self.summary
+
+
+class _Calls:
+    """The calls that the sync Client and lce_client.aio.Client share. Each public call checks its
+    arguments and builds its request(s) here; the subclass runs them:
+      _execute(call: _StreamCall, progress, tqdm, streams)  -> the streaming calls (score, forward_backward,
+                                                               backward, policy_loss)
+      _execute_unary(rpc, request, finish)                  -> unary and client-streaming calls
+      _execute_collect(rpc, request, fold)                  -> server-streaming calls (GetGrad)
+    In the sync client these return the result; in the asyncio client they return coroutines, and its
+    public methods are `async def` wrappers of these (lce_client.aio)."""
+
+    def _init_settings(self, *, timeout, chunk_bytes, first_chunk_bytes, last_chunk_bytes, grow_chunks, head,
+                       options, tls, root_certificates, private_key, certificate_chain, token, admin_token) -> None:
+        """The settings both clients take: deadline, chunking, default head, channel options, TLS, tokens."""
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be positive")
+        for name, v in (("first_chunk_bytes", first_chunk_bytes), ("last_chunk_bytes", last_chunk_bytes)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0: off), got {v!r}")
+        self.timeout = timeout
+        self.chunk_bytes = int(chunk_bytes)
+        self.first_chunk_bytes = int(first_chunk_bytes)
+        self.last_chunk_bytes = int(last_chunk_bytes)
+        self.grow_chunks = bool(grow_chunks)
+        self.head = head
+        self._options = [
+            ("grpc.max_receive_message_length", _MAX_RECV),
+            ("grpc.max_send_message_length", _MAX_RECV),
+        ] + list(options)
+        secure = tls if tls is not None else any(x is not None for x in (root_certificates, private_key, certificate_chain))
+        self._creds = None
+        if secure:
+            self._creds = grpc.ssl_channel_credentials(
+                root_certificates=_as_bytes(root_certificates),
+                private_key=_as_bytes(private_key),
+                certificate_chain=_as_bytes(certificate_chain),
+            )
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._admin_metadata = (("authorization", f"Bearer {admin_token}"),) if admin_token else self._metadata
+        self._info_cache: dict = {}
+        self._lock = threading.Lock()
+
+    def _call_metadata(self, rpc: str):
+        """The training RPCs carry the admin token, the others the token."""
+        return self._admin_metadata if rpc in _TRAINING_RPCS else self._metadata
+
+    def _cached_head(self, head: Optional[str], refresh: bool) -> Optional[HeadInfo]:
+        with self._lock:
+            cached = self._info_cache.get(self._head(head))
+        return None if cached is None or refresh else cached.head
+
+    def _remember_info(self, head: Optional[str], info: ServerInfo) -> ServerInfo:
+        with self._lock:
+            self._info_cache[self._head(head)] = info
+        return info
+
+    # ------------------------------------------------------------------------------------- unary
+    def load_head(self, name: str, *, safetensors_file: Optional[str] = None, tensor: str = "",
+                  clone_of: Optional[str] = None, seeded: Optional[tuple] = None) -> HeadInfo:
+        """Adds or replaces a head: from a safetensors file on the server, a clone of another head, or
+        a seeded random head `seeded=(vocab, hidden, seed, dtype)`."""
+        req = pb.LoadHeadRequest(name=name, tensor=tensor)
+        if safetensors_file is not None:
+            req.safetensors_file = safetensors_file
+        elif clone_of is not None:
+            req.clone_of = clone_of
+        elif seeded is not None:
+            v, h, s, d = seeded
+            req.seeded.CopyFrom(pb.SeededHead(vocab_size=v, hidden_size=h, seed=s, dtype=A.parse_dtype(d)))
+        else:
+            raise ValueError("load_head needs safetensors_file, clone_of or seeded")
+        with self._lock:
+            self._info_cache.pop(name, None)
+        return self._execute_unary("LoadHead", req, HeadInfo._from)
+
+    def zero_grad(self, head: Optional[str] = None) -> None:
+        return self._execute_unary("ZeroGrad", pb.ZeroGradRequest(head=self._head(head)), lambda r: None)
+
+    def get_grad(self, head: Optional[str] = None) -> np.ndarray:
+        """The head's accumulated fp32 gradient dW [vocab, hidden] as numpy."""
+        def fold(out, c):
+            if out is None:
+                out = np.zeros((c.rows_total, c.cols), dtype=np.float32)
+            out[c.first_row:c.first_row + c.rows] = np.frombuffer(c.data, dtype="<f4").reshape(c.rows, c.cols)
+            return out
+
+        return self._execute_collect("GetGrad", pb.GetGradRequest(head=self._head(head)), fold,
+                                     lambda out: out if out is not None else np.zeros((0, 0), dtype=np.float32))
+
+    def optimizer_step(self, head: Optional[str] = None, *, lr: float, beta1: float = 0.9, beta2: float = 0.999,
+                       eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
+                       zero_grad: bool = True):
+        """One AdamW step on the server's fp32 master weights. Returns (grad_norm, HeadInfo, step)."""
+        req = pb.OptimizerStepRequest(head=self._head(head), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                      weight_decay=weight_decay, max_grad_norm=max_grad_norm, zero_grad=zero_grad)
+        return self._execute_unary("OptimizerStep", req, lambda r: (r.grad_norm, HeadInfo._from(r.head), r.step))
+
+    def update_weights(self, weight: Any, head: Optional[str] = None, expected_version: int = 0) -> HeadInfo:
+        """Replaces the head's weight [vocab, hidden] (numpy or torch, of the head's dtype)."""
+        w = A.host_hidden(weight)
+        if len(w.lead_shape) != 1:
+            raise ValueError("weight must be [vocab, hidden]")
+        row_bytes = w.hidden_size * w.array.itemsize
+        step = max(1, self.chunk_bytes // max(1, row_bytes))
+        buf = w.byte_view()
+
+        def gen():
+            yield pb.UpdateWeightsRequest(header=pb.UpdateWeightsHeader(head=self._head(head),
+                                                                        expected_version=expected_version))
+            for r0 in range(0, w.rows, step):
+                r1 = min(w.rows, r0 + step)
+                yield pb.UpdateWeightsRequest(chunk=pb.TensorChunk(
+                    first_row=r0, rows=r1 - r0, cols=w.hidden_size, rows_total=w.rows, dtype=w.wire_dtype,
+                    data=bytes(buf[r0 * row_bytes:r1 * row_bytes])))
+
+        return self._execute_unary("UpdateWeights", gen(), HeadInfo._from)
+
+    def save_head(self, directory: str, head: Optional[str] = None):
+        return self._execute_unary("SaveHead", pb.SaveHeadRequest(head=self._head(head), directory=directory),
+                                   lambda r: (list(r.files), r.index_file))
+
+    # --------------------------------------------------------------------------------- streaming
+    def score(self, hidden, targets, temperature: float = 1.0, softcap: Optional[float] = None,
+              entropy: bool = True, ignore_index: int = -100, *, head: Optional[str] = None,
+              head_version: int = 0, allow_tf32: bool = False, dtype=None,
+              progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
+              hidden_region: Optional[Region] = None, streams: Optional[int] = None):
+        """Per-token logprob of the target and (if `entropy`) entropy of the softmax.
+
+        hidden: [..., H] numpy or torch (bf16 / fp16 / fp32, the head's dtype); targets: [...] ints.
+        Returns (logprobs, entropy_or_None), fp32, shaped like targets, numpy or torch on hidden's device.
+        hidden_region: a shared-memory Region that `hidden` lies in (shared_memory_session()): the
+        server reads the hidden states there instead of receiving them. For a CUDA region
+        (session.register_cuda), `hidden` is the torch CUDA tensor in it (not copied).
+        streams: overrides the client's `streams` for this call (a large request is split over that
+        many concurrent streams; see Client).
+        """
+        outputs = [pb.OUTPUT_LOGPROBS] + ([pb.OUTPUT_ENTROPY] if entropy else [])
+        h = self._hidden(hidden, dtype, hidden_region)
+        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
+        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
+        def finish(res):
+            return A.to_caller_rows(res["logprobs"], h), A.to_caller_rows(res["entropy"], h) if entropy else None
+
+        return self._execute(_StreamCall("Score", h, t, hdr, {}, False, finish,
+                                         regions=_regions(hidden_region=hidden_region)),
+                             progress=progress, tqdm=tqdm, streams=streams)
+
+    def forward_backward(self, hidden, targets, reduction: str = "mean", ignore_index: int = -100,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, temperature: float = 1.0,
+                         softcap: Optional[float] = None, grad_loss=None, *, head: Optional[str] = None,
+                         head_version: int = 0, accumulate_weight_grad: bool = False,
+                         return_logprobs: bool = False, return_entropy: bool = False, allow_tf32: bool = False,
+                         dtype=None, progress: Optional[ProgressFn] = None,
+                         tqdm: Union[bool, dict] = False, hidden_region: Optional[Region] = None,
+                         d_hidden_region: Optional[Region] = None, d_hidden_offset: int = 0,
+                         streams: Optional[int] = None) -> ForwardBackwardResult:
+        """Loss and d_hidden in one round trip. reduction: "mean" (over non-ignored rows of the whole
+        call; the client declares their count to the server), "sum", or "none" (with optional per-row
+        upstream gradients `grad_loss`: d_hidden is then the gradient of sum_i grad_loss_i * loss_i).
+        hidden_region / d_hidden_region (+ d_hidden_offset): co-located, as in score(); d_hidden is
+        written in place into d_hidden_region at d_hidden_offset and returned as a view of it."""
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
+        if grad_loss is not None and reduction != "none":
+            raise ValueError("grad_loss applies to reduction='none' only")
+        outputs = [pb.OUTPUT_LOSS]
+        if return_logprobs:
+            outputs.append(pb.OUTPUT_LOGPROBS)
+        if return_entropy:
+            outputs.append(pb.OUTPUT_ENTROPY)
+        h = self._hidden(hidden, dtype, hidden_region)
+        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
+        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
+        hdr.reduction = _REDUCTIONS[reduction]
+        hdr.label_smoothing = label_smoothing
+        hdr.z_loss = z_loss
+        hdr.accumulate_weight_grad = accumulate_weight_grad
+        valid = int(np.count_nonzero(t != ignore_index)) if reduction == "mean" else None
+        if reduction == "mean":
+            hdr.num_valid_tokens = valid
+        per_row = {}
+        if grad_loss is not None:
+            per_row["grad_loss"] = A.host_rows(grad_loss, h.rows, "grad_loss", np.float32, h.lead_shape)
+
+        def finish(res):
+            s = _summary_of(res, "ForwardBackward")
+            return ForwardBackwardResult(
+                loss=float(s.loss),
+                per_token_loss=A.to_caller_rows(res["loss"], h),
+                d_hidden=A.to_caller_hidden(res["d_hidden"], h),
+                valid_tokens=int(s.valid_tokens), rows=int(s.rows), head_version=int(s.head_version),
+                logprobs=A.to_caller_rows(res["logprobs"], h) if return_logprobs else None,
+                entropy=A.to_caller_rows(res["entropy"], h) if return_entropy else None,
+            )
+
+        return self._execute(_StreamCall("ForwardBackward", h, t, hdr, per_row, True, finish, valid,
+                                         _regions(hidden_region, d_hidden_region, d_hidden_offset)),
+                             progress=progress, tqdm=tqdm, streams=streams)
+
+    def backward(self, hidden, targets, grad_logprob=None, grad_entropy=None, temperature: float = 1.0,
+                 softcap: Optional[float] = None, ignore_index: int = -100, *, head: Optional[str] = None,
+                 head_version: int = 0, allow_tf32: bool = False, dtype=None,
+                 progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
+                 hidden_region: Optional[Region] = None, d_hidden_region: Optional[Region] = None,
+                 d_hidden_offset: int = 0, streams: Optional[int] = None):
+        """Generic backward: d_hidden from upstream grads of logprob and entropy (None: zeros).
+        hidden_region / d_hidden_region: co-located, as in forward_backward()."""
+        h = self._hidden(hidden, dtype, hidden_region)
+        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
+        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, [], allow_tf32)
+        per_row = {}
+        if grad_logprob is not None:
+            per_row["grad_logprob"] = A.host_rows(grad_logprob, h.rows, "grad_logprob", np.float32, h.lead_shape)
+        if grad_entropy is not None:
+            per_row["grad_entropy"] = A.host_rows(grad_entropy, h.rows, "grad_entropy", np.float32, h.lead_shape)
+        return self._execute(_StreamCall("Backward", h, t, hdr, per_row, True,
+                                         lambda res: A.to_caller_hidden(res["d_hidden"], h),
+                                         regions=_regions(hidden_region, d_hidden_region, d_hidden_offset)),
+                             progress=progress, tqdm=tqdm, streams=streams)
+
+    def policy_loss(self, hidden, targets, old_logprobs, advantages, *, sequence_ids=None,
+                    ref_logprobs=None, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float = 0.0,
+                    aggregation: str = "token-mean", entropy_coef: float = 0.0, kl_coef: float = 0.0,
+                    kl_estimator: str = "k1", temperature: float = 1.0, softcap: Optional[float] = None,
+                    ignore_index: int = -100, head: Optional[str] = None, head_version: int = 0,
+                    accumulate_weight_grad: bool = False, allow_tf32: bool = False, dtype=None,
+                    progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
+                    hidden_region: Optional[Region] = None, d_hidden_region: Optional[Region] = None,
+                    d_hidden_offset: int = 0, streams: Optional[int] = None) -> PolicyLossResult:
+        """Fused PPO/GRPO policy loss and its d_hidden (docs/MATH.md, "Policy loss").
+
+        sequence_ids: per row, the row's sequence (default: for [B, T] hidden states, the batch index;
+        otherwise one sequence). The client fills in each sequence's valid-token count."""
+        if aggregation not in _AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {sorted(_AGGREGATIONS)}")
+        if kl_estimator not in _KL:
+            raise ValueError(f"kl_estimator must be one of {sorted(_KL)}")
+        h = self._hidden(hidden, dtype, hidden_region)
+        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
+        if sequence_ids is None:
+            if len(h.lead_shape) >= 2:
+                inner = int(np.prod(h.lead_shape[1:]))
+                sequence_ids = np.repeat(np.arange(h.lead_shape[0], dtype=np.int32), inner)
+            else:
+                sequence_ids = np.zeros(h.rows, dtype=np.int32)
+        seq = A.host_rows(sequence_ids, h.rows, "sequence_ids", np.int32, h.lead_shape)
+        if seq.size and seq.min() < 0:
+            raise ValueError("sequence_ids must be >= 0")
+        nseq = int(seq.max()) + 1 if seq.size else 0
+        counts = np.bincount(seq[t != ignore_index], minlength=nseq) if nseq else np.zeros(0, np.int64)
+        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index,
+                           [pb.OUTPUT_LOGPROBS, pb.OUTPUT_ENTROPY], allow_tf32)
+        hdr.accumulate_weight_grad = accumulate_weight_grad
+        hdr.policy.CopyFrom(pb.PolicyLossOptions(
+            clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=_AGGREGATIONS[aggregation],
+            entropy_coef=entropy_coef, kl_coef=kl_coef, kl_estimator=_KL[kl_estimator],
+            sequence_valid_tokens=[int(c) for c in counts]))
+        per_row = {
+            "old_logprobs": A.host_rows(old_logprobs, h.rows, "old_logprobs", np.float32, h.lead_shape),
+            "advantages": A.host_rows(advantages, h.rows, "advantages", np.float32, h.lead_shape),
+            "sequence_ids": seq,
+        }
+        if ref_logprobs is not None:
+            per_row["ref_logprobs"] = A.host_rows(ref_logprobs, h.rows, "ref_logprobs", np.float32, h.lead_shape)
+
+        def finish(res):
+            s = _summary_of(res, "PolicyLoss")
+            return PolicyLossResult(
+                loss=float(s.loss), d_hidden=A.to_caller_hidden(res["d_hidden"], h),
+                logprobs=A.to_caller_rows(res["logprobs"], h), entropy=A.to_caller_rows(res["entropy"], h),
+                valid_tokens=int(s.valid_tokens), clip_fraction=s.clip_fraction, approx_kl=s.approx_kl,
+                mean_entropy=s.mean_entropy, mean_ratio=s.mean_ratio, mean_kl=s.mean_kl,
+                head_version=int(s.head_version))
+
+        return self._execute(_StreamCall("PolicyLoss", h, t, hdr, per_row, True, finish,
+                                         int(sum(hdr.policy.sequence_valid_tokens)),
+                                         _regions(hidden_region, d_hidden_region, d_hidden_offset)),
+                             progress=progress, tqdm=tqdm, streams=streams)
+
+    # ---------------------------------------------------------------------------------- internals
+    def _head(self, head: Optional[str]) -> str:
+        return self.head if head is None else head
+
+    def _header(self, h, head, head_version, temperature, softcap, ignore_index, outputs,
+                allow_tf32) -> pb.RequestHeader:
+        if temperature is None:
+            temperature = 1.0
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be a finite number, got {temperature!r}")
+        hdr = pb.RequestHeader(
+            head=self._head(head), head_version=head_version, hidden_size=h.hidden_size, dtype=h.wire_dtype,
+            temperature=float(temperature), softcap=float(softcap or 0.0), outputs=outputs,
+            ignore_index=int(ignore_index), allow_tf32=allow_tf32)
+        return hdr
+
+    @staticmethod
+    def _hidden(hidden, dtype, hidden_region: Optional[Region]):
+        """The caller's hidden states: host memory (copied from a GPU if need be), or left on the GPU
+        when the server reads them from a CUDA IPC region."""
+        if hidden_region is not None and hidden_region.is_cuda:
+            return A.device_hidden(hidden)
+        return A.host_hidden(hidden, dtype)
+
+    def _rows_per_chunk(self, h) -> int:
+        row_bytes = h.hidden_size * h.itemsize
+        return max(1, self.chunk_bytes // max(1, row_bytes))
+
+    def _plan_part(self, rows: int, row_bytes: int, region_backed: bool,
+                   d_hidden_back: bool = True) -> List[Tuple[int, int]]:
+        """The chunks [(first_row, rows), ...] of one stream's `rows` rows (relative to the stream's
+        first row). A request whose hidden states are in a shared-memory or CUDA region (not the data
+        plane) carries no hidden bytes: it is cut at chunk_bytes alone, without the smaller first and
+        last chunks (the C++ client, StreamPart, ignores them there too, sending up to 65536 rows a
+        chunk instead). Elsewhere (bytes on the wire, the data plane) plan_chunks with the client's
+        first_chunk_bytes and last_chunk_bytes; the smaller last chunk only where d_hidden comes back
+        (d_hidden_back): a score's last answer is a few floats, its tail the last chunk's compute,
+        which a smaller chunk does not shorten (one more engine call, as the C++ client)."""
+        if region_backed:
+            return plan_chunks(rows, row_bytes, self.chunk_bytes)
+        return plan_chunks(rows, row_bytes, self.chunk_bytes, self.first_chunk_bytes,
+                           self.last_chunk_bytes if d_hidden_back else 0, self.grow_chunks)
+
+    def _requests(self, h, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
+                  plan: Sequence[Tuple[int, int]], hidden_at=None, d_hidden_at=None,
+                  uploads: Optional[UploadState] = None) -> Iterator[pb.StreamRequest]:
+        """The request stream of one part, made lazily: a header, then one message per chunk of `plan`
+        ([(first_row, rows), ...] in the request's rows), each built from a memoryview slice of the
+        caller's (host) hidden states, or naming a slice of a registered region (at the rows' offset in
+        it). Over the data plane (`uploads`), the part's uploaders write the chunks into the region
+        meanwhile; a chunk's message is made once all its shares are in (this waits in gRPC's request
+        thread, beside the answers being read). A failed upload cancels the call through `uploads`
+        and ends the stream. Every message is sent without waiting for answers (header.sends_ahead:
+        the server may then compute one chunk while it reads and stages the next)."""
+        header.sends_ahead = True
+        yield pb.StreamRequest(header=header)
+        buf = h.byte_view() if hidden_at is None else None
+        row_bytes = h.hidden_size * h.itemsize
+        for c, (r0, rows) in enumerate(plan):
+            r1 = r0 + rows
+            if uploads is not None and not uploads.wait(c):
+                return
+            if hidden_at is None:
+                chunk = pb.RowChunk(hidden=bytes(buf[r0 * row_bytes:r1 * row_bytes]), targets=targets[r0:r1].tolist())
+            else:  # a slice of a region (shared memory, or server memory filled by the uploaders), no bytes
+                chunk = pb.RowChunk(targets=targets[r0:r1].tolist(), hidden_region=pb.RegionSlice(
+                    region_id=hidden_at[0], offset=hidden_at[1] + r0 * row_bytes, byte_size=rows * row_bytes))
+            if d_hidden_at is not None:
+                chunk.d_hidden_region.CopyFrom(pb.RegionSlice(
+                    region_id=d_hidden_at[0], offset=d_hidden_at[1] + r0 * row_bytes, byte_size=rows * row_bytes))
+            for name, arr in per_row.items():
+                getattr(chunk, name).extend(arr[r0:r1].tolist())
+            yield pb.StreamRequest(chunk=chunk)
+
+
+
+
+def _regions(hidden_region=None, d_hidden_region=None, d_hidden_offset: int = 0) -> dict:
+    """The region arguments a call was given (none: {})."""
+    out = {}
+    if hidden_region is not None:
+        out["hidden_region"] = hidden_region
+    if d_hidden_region is not None:
+        out["d_hidden_region"] = d_hidden_region
+        out["d_hidden_offset"] = d_hidden_offset
+    return out
+
+
+def _summary_of(res: dict, rpc: str) -> pb.RequestSummary:
+    s = res["summary"]
+    if s is None:
+        raise LceError(grpc.StatusCode.INTERNAL, f"server ended {rpc} without a summary", rpc)
+    return s
+
+
+class Client(_Calls):
     """A connection to an lce_server, or to several replicas of one.
 
     Args:
@@ -298,11 +759,10 @@ class Client:
         if data_plane and load_balancing:
             raise ValueError("data_plane needs the replicas listed in `target`, not a round_robin name (a "
                              "data-plane session lives on one server)")
-        if chunk_bytes <= 0:
-            raise ValueError("chunk_bytes must be positive")
-        for name, v in (("first_chunk_bytes", first_chunk_bytes), ("last_chunk_bytes", last_chunk_bytes)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0 (0: off), got {v!r}")
+        self._init_settings(timeout=timeout, chunk_bytes=chunk_bytes, first_chunk_bytes=first_chunk_bytes,
+                            last_chunk_bytes=last_chunk_bytes, grow_chunks=grow_chunks, head=head, options=options,
+                            tls=tls, root_certificates=root_certificates, private_key=private_key,
+                            certificate_chain=certificate_chain, token=token, admin_token=admin_token)
         if int(streams) < 1:
             raise ValueError("streams must be >= 1")
         if min_stream_bytes < 0:
@@ -314,32 +774,10 @@ class Client:
         self.targets = targets
         self.target = targets[0]  # the front (with round_robin: the name)
         self.load_balancing = load_balancing or None
-        self.timeout = timeout
         self.max_attempts = int(max_attempts)
         self.retry_backoff = float(retry_backoff)
-        self.chunk_bytes = int(chunk_bytes)
-        self.first_chunk_bytes = int(first_chunk_bytes)
-        self.last_chunk_bytes = int(last_chunk_bytes)
-        self.grow_chunks = bool(grow_chunks)
-        self.head = head
         self.streams = int(streams)
         self.min_stream_bytes = int(min_stream_bytes)
-        self._options = [
-            ("grpc.max_receive_message_length", _MAX_RECV),
-            ("grpc.max_send_message_length", _MAX_RECV),
-        ] + list(options)
-        secure = tls if tls is not None else any(x is not None for x in (root_certificates, private_key, certificate_chain))
-        self._creds = None
-        if secure:
-            self._creds = grpc.ssl_channel_credentials(
-                root_certificates=_as_bytes(root_certificates),
-                private_key=_as_bytes(private_key),
-                certificate_chain=_as_bytes(certificate_chain),
-            )
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._admin_metadata = (("authorization", f"Bearer {admin_token}"),) if admin_token else self._metadata
-        self._info_cache: dict = {}
-        self._lock = threading.Lock()
         self.data_plane_sockets = int(data_plane_sockets)
         lb = [("grpc.lb_policy_name", "round_robin")] if load_balancing else []
         self._replicas = [_Replica(self, t, lb, data_plane) for t in targets]
@@ -397,12 +835,31 @@ class Client:
         self.close()
 
     def _unary(self, name: str, request, stub=None):
-        """A unary call on the front (or `stub`); the training RPCs carry the admin token."""
-        metadata = self._admin_metadata if name in _TRAINING_RPCS else self._metadata
+        """A unary (or client-streaming: `request` an iterator) call on the front (or `stub`); the
+        training RPCs carry the admin token."""
         try:
-            return getattr(stub or self._front.stub, name)(request, timeout=self.timeout, metadata=metadata)
+            return getattr(stub or self._front.stub, name)(request, timeout=self.timeout,
+                                                           metadata=self._call_metadata(name))
         except grpc.RpcError as e:
             raise _wrap(e, name) from e
+
+    def _execute_unary(self, rpc: str, request, finish):
+        return finish(self._unary(rpc, request))
+
+    def _execute_collect(self, rpc: str, request, fold, finish):
+        acc = None
+        try:
+            for msg in getattr(self._front.stub, rpc)(request, timeout=self.timeout, metadata=self._call_metadata(rpc)):
+                acc = fold(acc, msg)
+        except grpc.RpcError as e:
+            raise _wrap(e, rpc) from e
+        return finish(acc)
+
+    def _execute(self, call: _StreamCall, progress=None, tqdm=False, streams=None):
+        res = self._stream(call.rpc, call.h, call.targets, call.header, call.per_row, want_dhidden=call.want_dhidden,
+                           progress=progress, use_tqdm=tqdm, streams=streams, expect_valid=call.expect_valid,
+                           **call.regions)
+        return call.finish(res)
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Blocks until the channel is connected (raises LceError UNAVAILABLE after `timeout`)."""
@@ -433,9 +890,7 @@ class Client:
             except LceError as e:
                 if e.code != grpc.StatusCode.UNAVAILABLE or i == len(others):
                     raise
-        with self._lock:
-            self._info_cache[self._head(head)] = info
-        return info
+        return self._remember_info(head, info)
 
     def replica_info(self, head: Optional[str] = None) -> List[Tuple[str, Union[ServerInfo, "LceError"]]]:
         """What this client's calls run on: [(target, GetInfo of it)] for each replica, the front first
@@ -458,284 +913,7 @@ class Client:
 
     def head_info(self, head: Optional[str] = None, refresh: bool = False) -> HeadInfo:
         """The head's description, cached after the first call (refresh=True asks again)."""
-        key = self._head(head)
-        with self._lock:
-            cached = self._info_cache.get(key)
-        if cached is None or refresh:
-            cached = self.info(head)
-        return cached.head
-
-    def load_head(self, name: str, *, safetensors_file: Optional[str] = None, tensor: str = "",
-                  clone_of: Optional[str] = None, seeded: Optional[tuple] = None) -> HeadInfo:
-        """Adds or replaces a head: from a safetensors file on the server, a clone of another head, or
-        a seeded random head `seeded=(vocab, hidden, seed, dtype)`."""
-        req = pb.LoadHeadRequest(name=name, tensor=tensor)
-        if safetensors_file is not None:
-            req.safetensors_file = safetensors_file
-        elif clone_of is not None:
-            req.clone_of = clone_of
-        elif seeded is not None:
-            v, h, s, d = seeded
-            req.seeded.CopyFrom(pb.SeededHead(vocab_size=v, hidden_size=h, seed=s, dtype=A.parse_dtype(d)))
-        else:
-            raise ValueError("load_head needs safetensors_file, clone_of or seeded")
-        with self._lock:
-            self._info_cache.pop(name, None)
-        return HeadInfo._from(self._unary("LoadHead", req))
-
-    def zero_grad(self, head: Optional[str] = None) -> None:
-        self._unary("ZeroGrad", pb.ZeroGradRequest(head=self._head(head)))
-
-    def get_grad(self, head: Optional[str] = None) -> np.ndarray:
-        """The head's accumulated fp32 gradient dW [vocab, hidden] as numpy."""
-        out = None
-        try:
-            for c in self._front.stub.GetGrad(pb.GetGradRequest(head=self._head(head)), timeout=self.timeout,
-                                              metadata=self._admin_metadata):
-                if out is None:
-                    out = np.zeros((c.rows_total, c.cols), dtype=np.float32)
-                out[c.first_row:c.first_row + c.rows] = np.frombuffer(c.data, dtype="<f4").reshape(c.rows, c.cols)
-        except grpc.RpcError as e:
-            raise _wrap(e, "GetGrad") from e
-        return out if out is not None else np.zeros((0, 0), dtype=np.float32)
-
-    def optimizer_step(self, head: Optional[str] = None, *, lr: float, beta1: float = 0.9, beta2: float = 0.999,
-                       eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
-                       zero_grad: bool = True):
-        """One AdamW step on the server's fp32 master weights. Returns (grad_norm, HeadInfo, step)."""
-        r = self._unary("OptimizerStep", pb.OptimizerStepRequest(
-            head=self._head(head), lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-            max_grad_norm=max_grad_norm, zero_grad=zero_grad))
-        return r.grad_norm, HeadInfo._from(r.head), r.step
-
-    def update_weights(self, weight: Any, head: Optional[str] = None, expected_version: int = 0) -> HeadInfo:
-        """Replaces the head's weight [vocab, hidden] (numpy or torch, of the head's dtype)."""
-        w = A.host_hidden(weight)
-        if len(w.lead_shape) != 1:
-            raise ValueError("weight must be [vocab, hidden]")
-        row_bytes = w.hidden_size * w.array.itemsize
-        step = max(1, self.chunk_bytes // max(1, row_bytes))
-        buf = w.byte_view()
-
-        def gen():
-            yield pb.UpdateWeightsRequest(header=pb.UpdateWeightsHeader(head=self._head(head),
-                                                                        expected_version=expected_version))
-            for r0 in range(0, w.rows, step):
-                r1 = min(w.rows, r0 + step)
-                yield pb.UpdateWeightsRequest(chunk=pb.TensorChunk(
-                    first_row=r0, rows=r1 - r0, cols=w.hidden_size, rows_total=w.rows, dtype=w.wire_dtype,
-                    data=bytes(buf[r0 * row_bytes:r1 * row_bytes])))
-
-        try:
-            r = self._front.stub.UpdateWeights(gen(), timeout=self.timeout, metadata=self._admin_metadata)
-        except grpc.RpcError as e:
-            raise _wrap(e, "UpdateWeights") from e
-        return HeadInfo._from(r)
-
-    def save_head(self, directory: str, head: Optional[str] = None):
-        r = self._unary("SaveHead", pb.SaveHeadRequest(head=self._head(head), directory=directory))
-        return list(r.files), r.index_file
-
-    # --------------------------------------------------------------------------------- streaming
-    def score(self, hidden, targets, temperature: float = 1.0, softcap: Optional[float] = None,
-              entropy: bool = True, ignore_index: int = -100, *, head: Optional[str] = None,
-              head_version: int = 0, allow_tf32: bool = False, dtype=None,
-              progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
-              hidden_region: Optional[Region] = None, streams: Optional[int] = None):
-        """Per-token logprob of the target and (if `entropy`) entropy of the softmax.
-
-        hidden: [..., H] numpy or torch (bf16 / fp16 / fp32, the head's dtype); targets: [...] ints.
-        Returns (logprobs, entropy_or_None), fp32, shaped like targets, numpy or torch on hidden's device.
-        hidden_region: a shared-memory Region that `hidden` lies in (shared_memory_session()): the
-        server reads the hidden states there instead of receiving them. For a CUDA region
-        (session.register_cuda), `hidden` is the torch CUDA tensor in it (not copied).
-        streams: overrides the client's `streams` for this call (a large request is split over that
-        many concurrent streams; see Client).
-        """
-        outputs = [pb.OUTPUT_LOGPROBS] + ([pb.OUTPUT_ENTROPY] if entropy else [])
-        h = self._hidden(hidden, dtype, hidden_region)
-        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
-        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
-        res = self._stream("Score", h, t, hdr, {}, want_dhidden=False, progress=progress, use_tqdm=tqdm,
-                           hidden_region=hidden_region, streams=streams)
-        lp = A.to_caller_rows(res["logprobs"], h)
-        ent = A.to_caller_rows(res["entropy"], h) if entropy else None
-        return lp, ent
-
-    def forward_backward(self, hidden, targets, reduction: str = "mean", ignore_index: int = -100,
-                         label_smoothing: float = 0.0, z_loss: float = 0.0, temperature: float = 1.0,
-                         softcap: Optional[float] = None, grad_loss=None, *, head: Optional[str] = None,
-                         head_version: int = 0, accumulate_weight_grad: bool = False,
-                         return_logprobs: bool = False, return_entropy: bool = False, allow_tf32: bool = False,
-                         dtype=None, progress: Optional[ProgressFn] = None,
-                         tqdm: Union[bool, dict] = False, hidden_region: Optional[Region] = None,
-                         d_hidden_region: Optional[Region] = None, d_hidden_offset: int = 0,
-                         streams: Optional[int] = None) -> ForwardBackwardResult:
-        """Loss and d_hidden in one round trip. reduction: "mean" (over non-ignored rows of the whole
-        call; the client declares their count to the server), "sum", or "none" (with optional per-row
-        upstream gradients `grad_loss`: d_hidden is then the gradient of sum_i grad_loss_i * loss_i).
-        hidden_region / d_hidden_region (+ d_hidden_offset): co-located, as in score(); d_hidden is
-        written in place into d_hidden_region at d_hidden_offset and returned as a view of it."""
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
-        if grad_loss is not None and reduction != "none":
-            raise ValueError("grad_loss applies to reduction='none' only")
-        outputs = [pb.OUTPUT_LOSS]
-        if return_logprobs:
-            outputs.append(pb.OUTPUT_LOGPROBS)
-        if return_entropy:
-            outputs.append(pb.OUTPUT_ENTROPY)
-        h = self._hidden(hidden, dtype, hidden_region)
-        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
-        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
-        hdr.reduction = _REDUCTIONS[reduction]
-        hdr.label_smoothing = label_smoothing
-        hdr.z_loss = z_loss
-        hdr.accumulate_weight_grad = accumulate_weight_grad
-        valid = int(np.count_nonzero(t != ignore_index)) if reduction == "mean" else None
-        if reduction == "mean":
-            hdr.num_valid_tokens = valid
-        per_row = {}
-        if grad_loss is not None:
-            per_row["grad_loss"] = A.host_rows(grad_loss, h.rows, "grad_loss", np.float32, h.lead_shape)
-        res = self._stream("ForwardBackward", h, t, hdr, per_row, want_dhidden=True, progress=progress,
-                           use_tqdm=tqdm, hidden_region=hidden_region, d_hidden_region=d_hidden_region,
-                           d_hidden_offset=d_hidden_offset, streams=streams,
-                           expect_valid=valid)
-        s = res["summary"]
-        if s is None:
-            raise LceError(grpc.StatusCode.INTERNAL, "server ended ForwardBackward without a summary",
-                           "ForwardBackward")
-        return ForwardBackwardResult(
-            loss=float(s.loss),
-            per_token_loss=A.to_caller_rows(res["loss"], h),
-            d_hidden=A.to_caller_hidden(res["d_hidden"], h),
-            valid_tokens=int(s.valid_tokens), rows=int(s.rows), head_version=int(s.head_version),
-            logprobs=A.to_caller_rows(res["logprobs"], h) if return_logprobs else None,
-            entropy=A.to_caller_rows(res["entropy"], h) if return_entropy else None,
-        )
-
-    def backward(self, hidden, targets, grad_logprob=None, grad_entropy=None, temperature: float = 1.0,
-                 softcap: Optional[float] = None, ignore_index: int = -100, *, head: Optional[str] = None,
-                 head_version: int = 0, allow_tf32: bool = False, dtype=None,
-                 progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
-                 hidden_region: Optional[Region] = None, d_hidden_region: Optional[Region] = None,
-                 d_hidden_offset: int = 0, streams: Optional[int] = None):
-        """Generic backward: d_hidden from upstream grads of logprob and entropy (None: zeros).
-        hidden_region / d_hidden_region: co-located, as in forward_backward()."""
-        h = self._hidden(hidden, dtype, hidden_region)
-        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
-        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, [], allow_tf32)
-        per_row = {}
-        if grad_logprob is not None:
-            per_row["grad_logprob"] = A.host_rows(grad_logprob, h.rows, "grad_logprob", np.float32, h.lead_shape)
-        if grad_entropy is not None:
-            per_row["grad_entropy"] = A.host_rows(grad_entropy, h.rows, "grad_entropy", np.float32, h.lead_shape)
-        res = self._stream("Backward", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm,
-                           hidden_region=hidden_region, d_hidden_region=d_hidden_region,
-                           d_hidden_offset=d_hidden_offset, streams=streams)
-        return A.to_caller_hidden(res["d_hidden"], h)
-
-    def policy_loss(self, hidden, targets, old_logprobs, advantages, *, sequence_ids=None,
-                    ref_logprobs=None, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float = 0.0,
-                    aggregation: str = "token-mean", entropy_coef: float = 0.0, kl_coef: float = 0.0,
-                    kl_estimator: str = "k1", temperature: float = 1.0, softcap: Optional[float] = None,
-                    ignore_index: int = -100, head: Optional[str] = None, head_version: int = 0,
-                    accumulate_weight_grad: bool = False, allow_tf32: bool = False, dtype=None,
-                    progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
-                    hidden_region: Optional[Region] = None, d_hidden_region: Optional[Region] = None,
-                    d_hidden_offset: int = 0, streams: Optional[int] = None) -> PolicyLossResult:
-        """Fused PPO/GRPO policy loss and its d_hidden (docs/MATH.md, "Policy loss").
-
-        sequence_ids: per row, the row's sequence (default: for [B, T] hidden states, the batch index;
-        otherwise one sequence). The client fills in each sequence's valid-token count."""
-        if aggregation not in _AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {sorted(_AGGREGATIONS)}")
-        if kl_estimator not in _KL:
-            raise ValueError(f"kl_estimator must be one of {sorted(_KL)}")
-        h = self._hidden(hidden, dtype, hidden_region)
-        t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
-        if sequence_ids is None:
-            if len(h.lead_shape) >= 2:
-                inner = int(np.prod(h.lead_shape[1:]))
-                sequence_ids = np.repeat(np.arange(h.lead_shape[0], dtype=np.int32), inner)
-            else:
-                sequence_ids = np.zeros(h.rows, dtype=np.int32)
-        seq = A.host_rows(sequence_ids, h.rows, "sequence_ids", np.int32, h.lead_shape)
-        if seq.size and seq.min() < 0:
-            raise ValueError("sequence_ids must be >= 0")
-        nseq = int(seq.max()) + 1 if seq.size else 0
-        counts = np.bincount(seq[t != ignore_index], minlength=nseq) if nseq else np.zeros(0, np.int64)
-        hdr = self._header(h, head, head_version, temperature, softcap, ignore_index,
-                           [pb.OUTPUT_LOGPROBS, pb.OUTPUT_ENTROPY], allow_tf32)
-        hdr.accumulate_weight_grad = accumulate_weight_grad
-        hdr.policy.CopyFrom(pb.PolicyLossOptions(
-            clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=_AGGREGATIONS[aggregation],
-            entropy_coef=entropy_coef, kl_coef=kl_coef, kl_estimator=_KL[kl_estimator],
-            sequence_valid_tokens=[int(c) for c in counts]))
-        per_row = {
-            "old_logprobs": A.host_rows(old_logprobs, h.rows, "old_logprobs", np.float32, h.lead_shape),
-            "advantages": A.host_rows(advantages, h.rows, "advantages", np.float32, h.lead_shape),
-            "sequence_ids": seq,
-        }
-        if ref_logprobs is not None:
-            per_row["ref_logprobs"] = A.host_rows(ref_logprobs, h.rows, "ref_logprobs", np.float32, h.lead_shape)
-        res = self._stream("PolicyLoss", h, t, hdr, per_row, want_dhidden=True, progress=progress, use_tqdm=tqdm,
-                           hidden_region=hidden_region, d_hidden_region=d_hidden_region,
-                           d_hidden_offset=d_hidden_offset, streams=streams,
-                           expect_valid=int(sum(hdr.policy.sequence_valid_tokens)))
-        s = res["summary"]
-        if s is None:
-            raise LceError(grpc.StatusCode.INTERNAL, "server ended PolicyLoss without a summary", "PolicyLoss")
-        return PolicyLossResult(
-            loss=float(s.loss), d_hidden=A.to_caller_hidden(res["d_hidden"], h),
-            logprobs=A.to_caller_rows(res["logprobs"], h), entropy=A.to_caller_rows(res["entropy"], h),
-            valid_tokens=int(s.valid_tokens), clip_fraction=s.clip_fraction, approx_kl=s.approx_kl,
-            mean_entropy=s.mean_entropy, mean_ratio=s.mean_ratio, mean_kl=s.mean_kl,
-            head_version=int(s.head_version))
-
-    # ---------------------------------------------------------------------------------- internals
-    def _head(self, head: Optional[str]) -> str:
-        return self.head if head is None else head
-
-    def _header(self, h, head, head_version, temperature, softcap, ignore_index, outputs,
-                allow_tf32) -> pb.RequestHeader:
-        if temperature is None:
-            temperature = 1.0
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be a finite number, got {temperature!r}")
-        hdr = pb.RequestHeader(
-            head=self._head(head), head_version=head_version, hidden_size=h.hidden_size, dtype=h.wire_dtype,
-            temperature=float(temperature), softcap=float(softcap or 0.0), outputs=outputs,
-            ignore_index=int(ignore_index), allow_tf32=allow_tf32)
-        return hdr
-
-    @staticmethod
-    def _hidden(hidden, dtype, hidden_region: Optional[Region]):
-        """The caller's hidden states: host memory (copied from a GPU if need be), or left on the GPU
-        when the server reads them from a CUDA IPC region."""
-        if hidden_region is not None and hidden_region.is_cuda:
-            return A.device_hidden(hidden)
-        return A.host_hidden(hidden, dtype)
-
-    def _rows_per_chunk(self, h) -> int:
-        row_bytes = h.hidden_size * h.itemsize
-        return max(1, self.chunk_bytes // max(1, row_bytes))
-
-    def _plan_part(self, rows: int, row_bytes: int, region_backed: bool,
-                   d_hidden_back: bool = True) -> List[Tuple[int, int]]:
-        """The chunks [(first_row, rows), ...] of one stream's `rows` rows (relative to the stream's
-        first row). A request whose hidden states are in a shared-memory or CUDA region (not the data
-        plane) carries no hidden bytes: it is cut at chunk_bytes alone, without the smaller first and
-        last chunks (the C++ client, StreamPart, ignores them there too, sending up to 65536 rows a
-        chunk instead). Elsewhere (bytes on the wire, the data plane) plan_chunks with the client's
-        first_chunk_bytes and last_chunk_bytes; the smaller last chunk only where d_hidden comes back
-        (d_hidden_back): a score's last answer is a few floats, its tail the last chunk's compute,
-        which a smaller chunk does not shorten (one more engine call, as the C++ client)."""
-        if region_backed:
-            return plan_chunks(rows, row_bytes, self.chunk_bytes)
-        return plan_chunks(rows, row_bytes, self.chunk_bytes, self.first_chunk_bytes,
-                           self.last_chunk_bytes if d_hidden_back else 0, self.grow_chunks)
+        return self._cached_head(head, refresh) or self.info(head).head
 
     def _stream_stub(self, i: int, replica: Optional["_Replica"] = None):
         """The stub of a replica's (default: the first's) i-th extra channel for the parts of split
@@ -780,37 +958,6 @@ class Client:
                 return parts
             k -= 1
         return [(0, n)]
-
-    def _requests(self, h, targets: np.ndarray, header: pb.RequestHeader, per_row: dict,
-                  plan: Sequence[Tuple[int, int]], hidden_at=None, d_hidden_at=None,
-                  uploads: Optional[UploadState] = None) -> Iterator[pb.StreamRequest]:
-        """The request stream of one part, made lazily: a header, then one message per chunk of `plan`
-        ([(first_row, rows), ...] in the request's rows), each built from a memoryview slice of the
-        caller's (host) hidden states, or naming a slice of a registered region (at the rows' offset in
-        it). Over the data plane (`uploads`), the part's uploaders write the chunks into the region
-        meanwhile; a chunk's message is made once all its shares are in (this waits in gRPC's request
-        thread, beside the answers being read). A failed upload cancels the call through `uploads`
-        and ends the stream. Every message is sent without waiting for answers (header.sends_ahead:
-        the server may then compute one chunk while it reads and stages the next)."""
-        header.sends_ahead = True
-        yield pb.StreamRequest(header=header)
-        buf = h.byte_view() if hidden_at is None else None
-        row_bytes = h.hidden_size * h.itemsize
-        for c, (r0, rows) in enumerate(plan):
-            r1 = r0 + rows
-            if uploads is not None and not uploads.wait(c):
-                return
-            if hidden_at is None:
-                chunk = pb.RowChunk(hidden=bytes(buf[r0 * row_bytes:r1 * row_bytes]), targets=targets[r0:r1].tolist())
-            else:  # a slice of a region (shared memory, or server memory filled by the uploaders), no bytes
-                chunk = pb.RowChunk(targets=targets[r0:r1].tolist(), hidden_region=pb.RegionSlice(
-                    region_id=hidden_at[0], offset=hidden_at[1] + r0 * row_bytes, byte_size=rows * row_bytes))
-            if d_hidden_at is not None:
-                chunk.d_hidden_region.CopyFrom(pb.RegionSlice(
-                    region_id=d_hidden_at[0], offset=d_hidden_at[1] + r0 * row_bytes, byte_size=rows * row_bytes))
-            for name, arr in per_row.items():
-                getattr(chunk, name).extend(arr[r0:r1].tolist())
-            yield pb.StreamRequest(chunk=chunk)
 
     def _stream(self, rpc: str, h, targets: np.ndarray, header: pb.RequestHeader, per_row: dict, **kw) -> dict:
         """A streaming call: on the front when it accumulates the weight gradient or names a session's
@@ -857,8 +1004,7 @@ class Client:
                    expect_valid: Optional[int] = None) -> dict:
         step = self._rows_per_chunk(h)
         n = h.rows
-        out = {"logprobs": A.new_rows_out(n), "entropy": A.new_rows_out(n), "loss": A.new_rows_out(n),
-               "d_hidden": None, "summary": None}
+        out = _new_outputs(n, h, want_dhidden and d_hidden_region is None)
         metadata, hidden_at, d_hidden_at = self._metadata, None, None
         if d_hidden_region is not None and not want_dhidden:
             raise ValueError(f"{rpc} returns no d_hidden: d_hidden_region does not apply")
@@ -880,12 +1026,8 @@ class Client:
                 out["d_hidden"] = d_hidden_region.ndarray((n, h.hidden_size), A.storage_dtype(h.wire_dtype),
                                                           d_hidden_offset)
                 d_hidden_at = (d_hidden_region.id, d_hidden_offset)
-            else:
-                out["d_hidden"] = A.new_hidden_out(n, h.hidden_size, h.wire_dtype)
         if n == 0:
-            # The server refuses requests without rows; an empty batch has an empty answer (and a loss
-            # of 0, as a mean over no valid tokens is defined to be), so answer it here without an RPC.
-            out["summary"] = pb.RequestSummary(rows=0, valid_tokens=0, loss=0.0)
+            out["summary"] = _empty_summary()
             return out
         if cuda_regions:
             # The server's GPU reads (and writes) this memory: the caller's queued work on it goes first.
@@ -978,7 +1120,6 @@ class Client:
                    metadata, out, dh_bytes, route, plan, uploads):
         """_run_part's call: sends the part's requests and places its answers."""
         row_bytes = h.hidden_size * h.itemsize
-        end = begin + n
         call = getattr(stub, rpc)(self._requests(h, targets, header, per_row, plan, hidden_at, d_hidden_at, uploads),
                                   timeout=self.timeout, metadata=metadata)
         if uploads is not None:
@@ -986,46 +1127,12 @@ class Client:
             uploads.start()
         if on_call is not None:
             on_call(call)
-        expect, summary = 0, None
+        reader = _AnswerReader(rpc, out, begin, n, row_bytes, dh_bytes, header.partial, route, d_hidden_at)
         try:
             for msg in call:
-                kind = msg.WhichOneof("kind")
-                if kind == "summary":
-                    summary = msg.summary
-                    continue
-                if kind != "chunk":
-                    continue
-                c = msg.chunk
-                r0, rows = int(c.first_row), int(c.rows)
-                if r0 != expect or rows <= 0 or r0 + rows > n:
-                    raise LceError(grpc.StatusCode.INTERNAL,
-                                   f"server answered rows [{r0}, {r0 + rows}) where rows from {expect} of {n} "
-                                   "were expected" + (f" (in the part of rows {begin}..{end - 1})" if header.partial
-                                                      else ""), rpc)
-                r1 = r0 + rows
-                g0, g1 = begin + r0, begin + r1
-                for name in ("logprobs", "entropy", "loss"):
-                    vals = getattr(c, name)
-                    if len(vals):
-                        if len(vals) != rows:
-                            raise LceError(grpc.StatusCode.INTERNAL,
-                                           f"server sent {len(vals)} {name} for a chunk of {rows} rows", rpc)
-                        out[name][g0:g1] = vals
-                if route is not None and route.d_hidden_region is not None:
-                    # The server wrote the chunk's d_hidden into its memory before it answered.
-                    if len(c.d_hidden):
-                        raise LceError(grpc.StatusCode.INTERNAL, f"server sent {len(c.d_hidden)} bytes of d_hidden "
-                                       "in the answer of a chunk that named a d_hidden region", rpc)
-                    route.download(d_hidden_at[1] + g0 * row_bytes, memoryview(dh_bytes[g0 * row_bytes:g1 * row_bytes]))
-                elif dh_bytes is not None:
-                    if len(c.d_hidden) != rows * row_bytes:
-                        raise LceError(grpc.StatusCode.INTERNAL,
-                                       f"server sent {len(c.d_hidden)} bytes of d_hidden for {rows} rows "
-                                       f"of {row_bytes} bytes", rpc)
-                    dh_bytes[g0 * row_bytes:g1 * row_bytes] = np.frombuffer(c.d_hidden, dtype=np.uint8)
-                expect = r1
-                if on_rows is not None:
-                    on_rows(r1, rows)
+                placed = reader.take(msg)
+                if placed is not None and on_rows is not None:
+                    on_rows(*placed)
         except grpc.RpcError as e:
             if uploads is not None and uploads.error is not None:  # the CANCELLED is the failed upload's doing
                 raise uploads.error from e
@@ -1035,8 +1142,7 @@ class Client:
             raise
         if uploads is not None and uploads.error is not None:
             raise uploads.error
-        if expect != n:
-            raise LceError(grpc.StatusCode.INTERNAL, f"server answered {expect} of {n} rows", rpc)
+        summary = reader.done()
         return summary
 
     def _run_parts(self, replica, parts, header, prog, expect_valid, rpc, *args, routes: Optional[List[Route]] = None):
