@@ -39,27 +39,11 @@ def make_model(family: str, seed: int = 0):
 FAMILIES = ["llama", "qwen2", "gemma2"]
 
 
-@pytest.fixture(scope="module")
-def client(server_factory_module):
-    srv = server_factory_module(["--seed-head=8x8", "--head-dtype=fp32"], name="hf")
+@pytest.fixture
+def client(server_factory):
+    srv = server_factory(["--seed-head=8x8", "--head-dtype=fp32"], name="hf")
     with lce_client.Client(srv.target, timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def server_factory_module(workdir):
-    from conftest import Server
-
-    started = []
-
-    def start(args, name):
-        s = Server(args, workdir, f"{name}_{len(started)}")
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        s.stop()
 
 
 def batch(seed=1):
@@ -77,6 +61,24 @@ def close(a, b, rtol=2e-5, atol=2e-6, what=""):
     err = (a - b).abs().max().item()
     tol = atol + rtol * b.abs().max().item()
     assert err <= tol, f"{what}: max |diff| {err:.3g} > {tol:.3g}"
+
+
+def train_both(ref, opt_ref, model, opt, seed, after_backward, after_step):
+    """Four steps of the unpatched model and the patched one on the same batches; their losses track."""
+    for step in range(4):
+        ids, mask, labels = batch(seed=seed + step)
+        losses = []
+        for m, o, hooks in ((ref, opt_ref, ()), (model, opt, (after_backward, after_step))):
+            loss = m(ids, attention_mask=mask, labels=labels).loss
+            o.zero_grad()
+            loss.backward()
+            if hooks:
+                hooks[0]()
+            o.step()
+            if hooks:
+                hooks[1]()
+            losses.append(loss)
+        close(losses[1], losses[0], rtol=1e-4, what=f"step {step} loss")
 
 
 def grads(model):
@@ -159,19 +161,7 @@ def test_adamw_steps_track_the_unpatched_model_with_tied_embeddings(client, fami
     rh = apply_remote_head(model, client, head=f"hf-train-{family}", train_head="local")
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(4):
-        ids, mask, labels = batch(seed=10 + step)
-        la = ref(ids, attention_mask=mask, labels=labels).loss
-        opt_ref.zero_grad()
-        la.backward()
-        opt_ref.step()
-        lb = model(ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        lb.backward()
-        rh.collect_grad()
-        opt.step()
-        rh.push_weights()
-        close(lb, la, rtol=1e-4, what=f"step {step} loss")
+    train_both(ref, opt_ref, model, opt, 10, rh.collect_grad, rh.push_weights)
     assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
     close(model.lm_head.weight, ref.lm_head.weight, rtol=1e-3, atol=1e-5, what="trained head")
 
@@ -186,18 +176,7 @@ def test_server_adamw_trains_the_head_like_local_adamw_and_pull_weights(client):
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.0)
     opt = torch.optim.AdamW([p for n, p in model.named_parameters() if n != "lm_head.weight"], lr=3e-3,
                             weight_decay=0.0)
-    for step in range(4):
-        ids, mask, labels = batch(seed=20 + step)
-        la = ref(ids, attention_mask=mask, labels=labels).loss
-        opt_ref.zero_grad()
-        la.backward()
-        opt_ref.step()
-        lb = model(ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        lb.backward()
-        opt.step()
-        rh.optimizer_step(lr=3e-3, weight_decay=0.0)
-        close(lb, la, rtol=1e-4, what=f"step {step} loss")
+    train_both(ref, opt_ref, model, opt, 20, lambda: None, lambda: rh.optimizer_step(lr=3e-3, weight_decay=0.0))
     before = model.lm_head.weight.detach().clone()
     rh.pull_weights()
     assert not torch.equal(before, model.lm_head.weight)
