@@ -91,6 +91,9 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
     return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+_shift_left = shift_labels  # (the forward's argument of the same name hides it there)
+
+
 def _check_supported(model) -> None:
     cfg = model.config
     for name in _UNSUPPORTED_SCALINGS:
@@ -236,12 +239,12 @@ def _remote_forward(model, input_ids=None, attention_mask=None, position_ids=Non
     shift_labels_given = shift_labels is not None
     if shift_labels is None:
         if labels is not None:
-            shift_labels = globals()["shift_labels"](labels, ignore_index)
+            shift_labels = _shift_left(labels, ignore_index)
         else:
             if input_ids is None:
                 raise ValueError("return_logprobs / return_entropy without labels score input_ids: pass input_ids "
                                  "or labels")
-            shift_labels = globals()["shift_labels"](input_ids, ignore_index)
+            shift_labels = _shift_left(input_ids, ignore_index)
     targets = shift_labels.to(hidden.device)
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"labels of shape {tuple(targets.shape)} for hidden states {tuple(hidden.shape[:-1])}")
