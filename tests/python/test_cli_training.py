@@ -5,7 +5,6 @@ checked against a twin head driven the same way by the Python client (the CPU en
 so the answers are equal bit for bit), and the admin token."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 import lce_client
+import lce_client.local
 from conftest import server_binary
 
 VOCAB, HIDDEN = 96, 48
@@ -34,16 +34,6 @@ def cli(*args, code=0) -> str:
                        timeout=120)
     assert p.returncode == code, f"lce_cli {' '.join(map(str, args))} exited {p.returncode}\n{p.stdout}\n{p.stderr}"
     return p.stdout + p.stderr
-
-
-def read_safetensors(path) -> dict:
-    raw = Path(path).read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    dtypes = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
-    return {name: np.frombuffer(raw[8 + n + m["data_offsets"][0]:8 + n + m["data_offsets"][1]],
-                                dtype=dtypes[m["dtype"]]).reshape(m["shape"])
-            for name, m in header.items() if name != "__metadata__"}
 
 
 @pytest.fixture
@@ -87,7 +77,7 @@ def test_cli_trains_a_head_like_the_python_client(server, tmp_path):
         out = cli("get-grad", t, "--head=pol", f"--output={tmp_path / name}")
         assert f"{VOCAB} x {HIDDEN} fp32" in out, out
     np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), want)
-    np.testing.assert_array_equal(read_safetensors(tmp_path / "g.safetensors")["grad"], want)
+    np.testing.assert_array_equal(lce_client.local.read_safetensors(tmp_path / "g.safetensors")["grad"], want)
     np.testing.assert_array_equal(np.fromfile(tmp_path / "g.raw", "<f4").reshape(VOCAB, HIDDEN), want)
     np.testing.assert_array_equal(c.get_grad("pol"), want)
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import lce_client
+import lce_client.local
 from conftest import (GRAD_RTOL, HIDDEN, VOCAB, as_f64, assert_close, grad_of, reference, requires_torch)
 
 OPTION_SETS = {
@@ -510,22 +511,6 @@ def test_tls_and_mutual_tls(server_factory, tls_files):
     assert ei.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def _read_safetensors(path):
-    import json as _json
-
-    raw = open(path, "rb").read()
-    n = int.from_bytes(raw[:8], "little")
-    header = _json.loads(raw[8:8 + n])
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = meta["data_offsets"]
-        dt = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}[meta["dtype"]]
-        out[name] = np.frombuffer(raw[8 + n + a:8 + n + b], dtype=dt).reshape(meta["shape"])
-    return out
-
-
 def test_head_management_roundtrip(server_factory, workdir):
     """load_head (seeded, clone), update_weights, info versions, save_head, and scoring a named head."""
     srv = server_factory([f"--seed-head=16x{HIDDEN}", "--head-dtype=bf16"], name="heads")
@@ -548,6 +533,6 @@ def test_head_management_roundtrip(server_factory, workdir):
         np.testing.assert_array_equal(lp1, lp2)
         files, index = c.save_head(str(workdir / "saved"), head="extra")
     assert index and files
-    saved = _read_safetensors(files[0])
+    saved = lce_client.local.read_safetensors(files[0])
     (tensor,) = saved.values()
     np.testing.assert_array_equal(tensor, w)

@@ -18,7 +18,7 @@ import pytest
 
 import lce_client
 from conftest import server_binary
-from test_cli_training import read_safetensors
+from lce_client.local import read_safetensors
 
 VOCAB, HIDDEN = 389, 48
 SEED = 5

@@ -69,3 +69,22 @@ def test_rollout_logprobs_prints_a_table(tmp_path):
     ignored = [r for r in rows if r[2] == "ignored"]
     assert len(ignored) == 2 and all(float(r[3]) == 0.0 for r in ignored)
     assert all(float(r[3]) < 0 and float(r[5]) > 0 for r in rows if r[2] != "ignored")
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="grpo_hf.py needs torch and transformers")
+def test_grpo_hf_trains_the_policy_and_draws_its_reward_curve(tmp_path):
+    """examples/grpo_hf.py for 8 steps (about 5 s on 2 cores): generation, old / ref logprobs from the
+    service, the fused policy loss, the head's AdamW on the server (one version a step) and the body's
+    here; the reward rises above the uniform policy's, the reference head stays frozen, the PNG is drawn."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "rewards.json"
+    png = tmp_path / "grpo.png"
+    stdout = _run([str(EXAMPLES / "grpo_hf.py"), "--steps", "8", "--json", str(out), "--png", str(png)], tmp_path)
+    res = json.loads(out.read_text())
+    h = res["history"]
+    assert [r["head_version"] for r in h] == list(range(3, 11))  # LoadHead 1, UpdateWeights 2, a step each
+    assert res["ref_version_before"] == res["ref_version_after"] == 1
+    first, last = sum(r["reward"] for r in h[:3]) / 3, sum(r["reward"] for r in h[-3:]) / 3
+    assert last > first + 0.1 and last > res["good_fraction"] + 0.1, [r["reward"] for r in h]
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "running on:" in stdout and "reward curve drawn to" in stdout

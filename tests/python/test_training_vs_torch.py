@@ -1,29 +1,15 @@
 """Server-side training of the head against PyTorch: the accumulated dW equals autograd's on the
 materialised logits, and several OptimizerStep calls equal torch.optim.AdamW (with
 clip_grad_norm_) applied to the same weight, step by step (the weight is read back with SaveHead)."""
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import lce_client
+import lce_client.local
 from conftest import HIDDEN, requires_torch, write_safetensors
 
 VOCAB = 211
-
-
-def read_weight(index_file: str) -> np.ndarray:
-    """The fp32 weight of a head saved by SaveHead (single shard), read with plain numpy."""
-    index = json.loads(Path(index_file).read_text())
-    parts = []
-    for shard in index["shards"]:
-        raw = (Path(index_file).parent / shard["file"]).read_bytes()
-        n = int.from_bytes(raw[:8], "little")
-        meta = json.loads(raw[8:8 + n])["lm_head.weight"]
-        a, b = meta["data_offsets"]
-        parts.append(np.frombuffer(raw[8 + n + a:8 + n + b], dtype="<f4").reshape(meta["shape"]))
-    return np.concatenate(parts)
 
 
 @requires_torch
@@ -64,4 +50,4 @@ def test_adamw_steps_match_torch(server_factory, workdir):
         assert grad_norm == pytest.approx(norm, rel=1e-5)
         assert grad_norm > 0.05, "clipping must be exercised"
         _, index = c.save_head(str(workdir / f"adamw_step{step}"))
-        np.testing.assert_allclose(read_weight(index), W.detach().numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lce_client.local.read_saved_head(index), W.detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -12,6 +12,8 @@ as coroutines over grpc.aio.
 
 PyTorch autograd (needs torch): lce_client.torch.RemoteLinearCrossEntropy and remote_logprobs, also
 reachable as lce_client.RemoteLinearCrossEntropy / lce_client.remote_logprobs.
+lce_client.hf: a Hugging Face causal LM's head served remotely (apply_remote_head). lce_client.rl: verl's linear_cross_entropy contract, TRL-style
+per_token_logps, the fused policy loss. docs/INTEGRATIONS.md describes them.
 """
 from ._arrays import bf16_bits_to_f32, f32_to_bf16_bits
 from ._client import (DEFAULT_CHUNK_BYTES, DEFAULT_MIN_STREAM_BYTES, Client, ForwardBackwardResult, HeadInfo, LceError, PolicyLossResult,

@@ -29,6 +29,10 @@ _CALL_METHODS = {"Score": pb.CALL_SCORE, "ForwardBackward": pb.CALL_FORWARD_BACK
                  "Backward": pb.CALL_BACKWARD, "PolicyLoss": pb.CALL_POLICY_LOSS}
 
 
+class _MaskedStatus(Exception):
+    """grpc.aio reported INTERNAL "Internal error from Core" for a stream the server ended early."""
+
+
 class Client(_SyncClient):
     """lce_client.Client's arguments (one target or several: requests take turns over them)."""
 
@@ -90,12 +94,11 @@ class Client(_SyncClient):
         answers = None
         if len(plan) == 1 and id(stub) not in self._aio_streams_only:
             answers = await self._acall(stub, rpc, requests)
-        try:
-            if answers is None:
-                call = getattr(stub, rpc)(iter(requests), timeout=self.timeout, metadata=self._metadata)
-                answers = [msg async for msg in call]
-        except grpc.RpcError as e:
-            raise _wrap(e, rpc) from e
+        if answers is None:
+            try:
+                answers = await self._astream(stub, rpc, requests)
+            except _MaskedStatus:
+                return await self._resend_for_the_status(rpc, h, targets, header, per_row, finish, want_dhidden)
         expect = 0
         for msg in answers:
             kind = msg.WhichOneof("kind")
@@ -106,6 +109,36 @@ class Client(_SyncClient):
         if expect != n:
             raise LceError(grpc.StatusCode.INTERNAL, f"server answered {expect} of {n} rows", rpc)
         return finish(out)
+
+    async def _astream(self, stub, rpc, requests):
+        """A streamed request, written message by message. A server that refuses the request early (an
+        unknown head, a bad header) ends the stream while we still write; grpc.aio then reports INTERNAL
+        for an iterator-fed stream (grpc/grpc#36066), so we stop writing and read the call's own status."""
+        call = getattr(stub, rpc)(timeout=self.timeout, metadata=self._metadata)
+        try:
+            for req in requests:
+                if call.done():
+                    break
+                await call.write(req)
+            if not call.done():
+                await call.done_writing()
+            return [msg async for msg in call]
+        except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+            code, details = await call.code(), await call.details()
+            if code == grpc.StatusCode.INTERNAL and details == "Internal error from Core":
+                raise _MaskedStatus() from e
+            if code == grpc.StatusCode.OK:
+                code, details = grpc.StatusCode.INTERNAL, f"stream ended while writing: {e}"
+            raise LceError(code, details, rpc) from e
+
+    async def _resend_for_the_status(self, rpc, h, targets, header, per_row, finish, want_dhidden):
+        """grpc.aio lost the server's status of a stream it ended early (grpc/grpc#36066): send the request
+        again through the sync client, which reports it. A call that accumulates dW is not sent twice."""
+        if header.accumulate_weight_grad:
+            raise LceError(grpc.StatusCode.INTERNAL, "the server ended the stream early and grpc.aio lost its "
+                           "status (grpc/grpc#36066); not resent, as it accumulates the weight gradient", rpc)
+        return await asyncio.to_thread(_SyncClient._run, self, rpc, h, targets, header, per_row, finish,
+                                       want_dhidden=want_dhidden, progress=None, use_tqdm=False)
 
     async def _acall(self, stub, rpc, requests):
         """A request of one chunk as one Call; None where the server has none (then this stub streams)."""

@@ -109,3 +109,36 @@ def write_safetensors(path: str, tensors: dict) -> None:
         f.write(h)
         for b in blobs:
             f.write(b)
+
+
+_NP_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+
+
+def read_safetensors(path: str) -> dict:
+    """{name: array} of a safetensors file (float32, float16, or bf16 as uint16 bits), without copying
+    more than the file's bytes."""
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, m in header.items():
+        if name == "__metadata__":
+            continue
+        if m["dtype"] not in _NP_DTYPES:
+            raise TypeError(f"{path}: {name} is {m['dtype']}, not F32, F16 or BF16")
+        a, b = m["data_offsets"]
+        out[name] = np.frombuffer(raw[8 + n + a:8 + n + b], dtype=_NP_DTYPES[m["dtype"]]).reshape(m["shape"])
+    return out
+
+
+def read_saved_head(index_file: str, tensor: str = "lm_head.weight") -> np.ndarray:
+    """The weight [vocab, hidden] of a head written by SaveHead (Client.save_head's index file): its shards
+    in row order, as float32 (bf16 and fp16 converted)."""
+    index = json.loads(Path(index_file).read_text())
+    parts = []
+    for shard in index["shards"]:
+        arr = read_safetensors(str(Path(index_file).parent / shard["file"]))[tensor]
+        if arr.dtype == np.uint16:
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        parts.append(arr.astype(np.float32))
+    return np.concatenate(parts)

@@ -90,16 +90,24 @@ class _RemoteLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, client, opts):
         wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
+        divisor = opts["divisor"]
+        # With a divisor: the sum's per-row upstream gradient 1 / divisor goes to the server (as grad_loss of
+        # reduction "none"), so that d_hidden and an accumulated dW are those of sum / divisor.
         res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.forward_backward(
-            w, targets, reduction=opts["reduction"], ignore_index=opts["ignore_index"],
-            label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"], temperature=opts["temperature"],
-            softcap=opts["softcap"], head=opts["head"], accumulate_weight_grad=opts["accumulate_weight_grad"], **kw))
+            w, targets, reduction="none" if divisor is not None else opts["reduction"],
+            ignore_index=opts["ignore_index"], label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"],
+            temperature=opts["temperature"], softcap=opts["softcap"], head=opts["head"],
+            grad_loss=torch.full(tuple(targets.shape), 1.0 / divisor) if divisor is not None else None,
+            accumulate_weight_grad=opts["accumulate_weight_grad"], **kw))
         ctx.client, ctx.opts, ctx.hidden_dtype = client, opts, hidden.dtype
         ctx.d_hidden = res.d_hidden  # gradient for grad_output == 1 (per row for "none")
         if opts["backward_mode"] == "rpc":
             ctx.save_for_backward(hidden, targets)
         if opts["reduction"] == "none":
             return res.per_token_loss.to(hidden.device)
+        if divisor is not None:
+            total = torch.as_tensor(res.per_token_loss).detach().to("cpu", torch.float64).sum().item()
+            return torch.tensor(total / divisor, dtype=torch.float32, device=hidden.device)
         return torch.tensor(res.loss, dtype=torch.float32, device=hidden.device)
 
     @staticmethod
@@ -128,10 +136,15 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
                                 reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
                                 z_loss: float = 0.0, temperature: float = 1.0, softcap: Optional[float] = None,
                                 head: Optional[str] = None, cast: bool = True, accumulate_weight_grad: bool = False,
-                                backward_mode: str = "scale", cuda_session=None) -> torch.Tensor:
-    """Functional form of RemoteLinearCrossEntropy."""
+                                backward_mode: str = "scale", cuda_session=None,
+                                divisor: Optional[float] = None) -> torch.Tensor:
+    """Functional form of RemoteLinearCrossEntropy. divisor (reduction "sum" only): the loss is the sum
+    divided by it (Hugging Face's num_items_in_batch: the valid tokens of a whole accumulated batch), and
+    d_hidden and an accumulated dW are those of the quotient."""
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be none, sum or mean, got {reduction!r}")
+    if divisor is not None and (reduction != "sum" or not divisor > 0):
+        raise ValueError(f"divisor applies to reduction='sum' and must be > 0, got {divisor!r} with {reduction!r}")
     if backward_mode not in ("scale", "rpc"):
         raise ValueError("backward_mode must be 'scale' or 'rpc'")
     if backward_mode == "rpc" and reduction != "none":
@@ -139,7 +152,8 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
     client = client or get_default_client()
     opts = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
                 temperature=temperature, softcap=softcap, head=head, cast=cast,
-                accumulate_weight_grad=accumulate_weight_grad, backward_mode=backward_mode, cuda_session=cuda_session)
+                accumulate_weight_grad=accumulate_weight_grad, backward_mode=backward_mode, cuda_session=cuda_session,
+                divisor=None if divisor is None else float(divisor))
     return _RemoteLCE.apply(hidden, targets, client, opts)
 
 

@@ -1,0 +1,161 @@
+"""RL training loops (verl, TRL, OpenRLHF style) with the loss head on lce-serve.
+
+* ``linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)`` — verl's
+  fused-kernel contract (``verl.utils.kernel.linear_cross_entropy``): per-token ``(logprobs, entropy)``
+  of ``labels`` under ``softmax(hidden @ weight.T / temperature)``, differentiable w.r.t. ``hidden``.
+  A verl user swaps one import::
+
+      # from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+      from lce_client.rl import linear_cross_entropy
+      lce_client.rl.set_head(client, head="policy")          # once: which server and head to use
+
+  The **weight argument is checked, not used**: the logits are those of the head the server serves. Its
+  shape must be the served head's ``[vocab, hidden]`` (with a ``dist_process_group`` of k ranks: a
+  vocab shard ``[vocab / k, hidden]``, verl's tensor-parallel layout), or a ValueError names both; its
+  values are not compared (keep the server's head equal to it: ``Client.update_weights``, or
+  ``lce_client.hf.apply_remote_head``). ``weight=None`` skips the check. The weight gets no gradient
+  (``d_weight`` is None): train the head on the server (``remote_policy_loss(...,
+  accumulate_weight_grad=True)`` + ``Client.optimizer_step``) or keep it frozen. ``dist_process_group``
+  is not used for communication: the server holds the whole head, so each rank gets the whole answer.
+  ``reduction``: "none" (per token, shaped like labels), "sum" or "mean" (over the tokens, as verl's
+  kernel); ``ignore_index`` (-100) rows get logprob 0 and are left out of "sum" / "mean".
+* ``per_token_logps(model, input_ids, attention_mask, logits_to_keep, ...)`` — TRL's
+  ``GRPOTrainer._get_per_token_logps_and_entropies``: the logprobs (and entropies) of the last
+  ``logits_to_keep`` tokens of each sequence under a Hugging Face causal LM whose head is on the server,
+  ``[B, logits_to_keep]``, without logits (TRL's ``selective_log_softmax`` / ``entropy_from_logits`` of
+  the logits, computed by the server).
+* ``remote_policy_loss(hidden, targets, old_logprobs, advantages, ...)`` — the fused PPO / GRPO loss
+  (``Client.policy_loss``, docs/MATH.md) as a differentiable scalar: one PolicyLoss round trip returns the
+  loss and d_hidden; the backward hands d_hidden to the body. With ``accumulate_weight_grad=True`` the
+  server also accumulates the head's dW for ``Client.optimizer_step``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ._client import Client
+from .torch import _wire_hidden, get_default_client, remote_logprobs
+
+__all__ = ["linear_cross_entropy", "set_head", "per_token_logps", "remote_policy_loss", "PolicyLossStats"]
+
+_default = {"client": None, "head": None}
+
+
+def set_head(client: Optional[Client], head: Optional[str] = None) -> None:
+    """The client and head that linear_cross_entropy uses when given none (default: the torch module's
+    default client — set_default_client or $LCE_TARGET — and its default head)."""
+    _default["client"], _default["head"] = client, head
+
+
+def _check_weight(client: Client, head: Optional[str], weight, dist_process_group) -> None:
+    if weight is None:
+        return
+    info = client.head_info(head)
+    ranks = 1
+    if dist_process_group is not None:
+        import torch.distributed as dist
+
+        ranks = dist.get_world_size(dist_process_group)
+    want = (info.vocab_size // ranks if info.vocab_size % ranks == 0 else None, info.hidden_size)
+    if tuple(weight.shape) != want:
+        raise ValueError(f"weight of shape {tuple(weight.shape)} is not the served head "
+                         f"{info.name!r} {info.vocab_size}x{info.hidden_size}"
+                         + (f" split over {ranks} ranks" if ranks > 1 else "")
+                         + ": the server computes with its own head; point set_head at the head this weight is")
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: Optional[torch.Tensor], labels: torch.Tensor,
+                         temperature: Optional[float] = 1.0, reduction: Optional[str] = "none",
+                         dist_process_group=None, *, client: Optional[Client] = None, head: Optional[str] = None,
+                         softcap: Optional[float] = None, ignore_index: int = -100,
+                         **_ignored) -> Tuple[torch.Tensor, torch.Tensor]:
+    """verl's fused linear cross-entropy, served remotely: (logprobs, entropy). See the module docstring
+    for the weight (checked against the served head's shape, never used) and the process group.
+    Extra keywords of verl's function (e.g. impl_backend) are accepted and ignored."""
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+    client = client or _default["client"] or get_default_client()
+    head = head if head is not None else _default["head"]
+    _check_weight(client, head, weight, dist_process_group)
+    lp, ent = remote_logprobs(hidden, labels, client, temperature=1.0 if temperature is None else temperature,
+                              softcap=softcap, ignore_index=ignore_index, head=head)
+    if reduction == "none":
+        return lp, ent
+    valid = (labels != ignore_index).to(lp.device)
+    lp_sum, ent_sum = lp.sum(), (ent * valid).sum()
+    if reduction == "sum":
+        return lp_sum, ent_sum
+    n = valid.sum().clamp(min=1)
+    return lp_sum / n, ent_sum / n
+
+
+def per_token_logps(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], logits_to_keep: int,
+                    *, client: Optional[Client] = None, head: Optional[str] = None, temperature: float = 1.0,
+                    compute_entropy: bool = False, batch_size: Optional[int] = None, remote_head=None):
+    """TRL's per-token logprobs of the completion tokens: for [B, L] input_ids, the logprobs of the last
+    `logits_to_keep` tokens, each under the logits of the position before it divided by `temperature`,
+    [B, logits_to_keep] (and the entropies when compute_entropy; else None). The body runs here
+    (model.base_model), the head on the server: `remote_head` (lce_client.hf.apply_remote_head's handle)
+    or `client` + `head`; the model config's final_logit_softcapping applies. Differentiable w.r.t. the
+    body's parameters (a Backward RPC in the backward). batch_size: rows of input_ids per body forward."""
+    if remote_head is not None:
+        client, head = remote_head.client, remote_head.head
+    client = client or get_default_client()
+    softcap = getattr(model.config, "final_logit_softcapping", None) or None
+    step = batch_size or input_ids.shape[0]
+    lps, ents = [], []
+    for i in range(0, input_ids.shape[0], step):
+        ids = input_ids[i:i + step]
+        mask = attention_mask[i:i + step] if attention_mask is not None else None
+        hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = hidden[:, -logits_to_keep - 1:-1, :]
+        lp, ent = remote_logprobs(hidden, ids[:, -logits_to_keep:], client, temperature=temperature,
+                                  softcap=softcap, head=head)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), (torch.cat(ents) if compute_entropy else None)
+
+
+class PolicyLossStats(dict):
+    """The statistics of a remote_policy_loss call: clip_fraction, approx_kl, mean_entropy, mean_ratio,
+    mean_kl, valid_tokens, head_version, and the per-token logprobs / entropy (detached)."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class _RemotePolicyLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, targets, client, kw, stats):
+        wire = _wire_hidden(client, hidden, kw.get("head"), True)
+        r = client.policy_loss(wire, targets, **kw)
+        ctx.d_hidden, ctx.hidden_dtype = r.d_hidden, hidden.dtype
+        stats.update(clip_fraction=r.clip_fraction, approx_kl=r.approx_kl, mean_entropy=r.mean_entropy,
+                     mean_ratio=r.mean_ratio, mean_kl=r.mean_kl, valid_tokens=r.valid_tokens,
+                     head_version=r.head_version, logprobs=r.logprobs, entropy=r.entropy)
+        return torch.tensor(r.loss, dtype=torch.float32, device=hidden.device)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        d = ctx.d_hidden
+        g = grad_out.to(device=d.device, dtype=torch.float32)
+        return (d.to(torch.float32) * g).to(ctx.hidden_dtype), None, None, None, None
+
+
+def remote_policy_loss(hidden: torch.Tensor, targets: torch.Tensor, old_logprobs, advantages,
+                       client: Optional[Client] = None, **kw) -> Tuple[torch.Tensor, PolicyLossStats]:
+    """The fused PPO / GRPO policy loss of Client.policy_loss (same keywords: ref_logprobs, sequence_ids,
+    clip_low, clip_high, aggregation, entropy_coef, kl_coef, kl_estimator, temperature, softcap, head,
+    accumulate_weight_grad, ...) as (loss, stats): the loss is a differentiable scalar whose backward
+    returns the server's d_hidden (one PolicyLoss round trip in all)."""
+    client = client or get_default_client()
+    stats = PolicyLossStats()
+    loss = _RemotePolicyLoss.apply(hidden, targets, client, dict(kw, old_logprobs=old_logprobs,
+                                                                  advantages=advantages), stats)
+    return loss, stats
