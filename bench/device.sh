@@ -18,6 +18,10 @@
 #   grpc-sweep                the gRPC path for each of $CONFIGS "STREAMS:CHUNK:WINDOW[:CQS[:ARGS[:FIRST[:POLL]]]]"
 #   data-plane-sweep          the data plane for each of $CONFIGS "STREAMS:CHUNK:FIRST:LAST[:GROW]"
 #   timeline                  `transport` with the CUPTI recorder injected, and its GPU timeline summary
+#   py-wheels                 install .whl/py/*.whl (grpcio, protobuf, transformers, matplotlib; carried alone,
+#                             it is large: bench/device_pack.sh py) into /tmp/site, kept while the machine is warm
+#   py-gpu                    the Python client against a CUDA server: examples/grpo_hf.py, and test_hf, test_rl,
+#                             test_aio with LCE_TEST_BACKEND=cuda (carry client/python/lce_client/_proto)
 #   bin=NAME[:ARGS]           any .devbin binary with ARGS (':' for spaces), output to $OUT/NAME.log
 set -u
 [ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
@@ -144,6 +148,17 @@ step_data_plane_sweep() {
   echo "data plane sweep done"
 }
 
+step_py_gpu() {
+  export PYTHONPATH=/tmp/site:$PWD/client/python
+  V=32768 H=1024 start_server
+  timeout 300 python3 examples/grpo_hf.py --target "127.0.0.1:$PORT" --steps 40 --png "$OUT/grpo_hf_cuda.png" \
+    --json "$OUT/grpo_hf_cuda.json" > "$OUT/py_gpu.log" 2>&1
+  echo "grpo_hf (cuda server) rc=$?"; stop_server
+  LCE_TEST_BACKEND=cuda timeout 400 python3 -m pytest -q -p no:cacheprovider tests/python/test_hf.py \
+    tests/python/test_rl.py tests/python/test_aio.py >> "$OUT/py_gpu.log" 2>&1
+  echo "pytest hf/rl/aio (cuda server) rc=$?"
+}
+
 step_timeline() {
   local tag=${TAG:-timeline} f
   mkdir -p /tmp/$tag
@@ -183,6 +198,10 @@ for step in "$@"; do
     grpc-sweep) step_grpc_sweep ;;
     data-plane-sweep) step_data_plane_sweep ;;
     timeline) step_timeline ;;
+    py-wheels)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py/*.whl > "$OUT/pip_py.log" 2>&1
+      echo "py-wheels rc=$?" ;;
+    py-gpu) step_py_gpu ;;
     bin)
       name=${arg%%:*}; args=${arg#*:}; [ "$args" = "$arg" ] && args=""
       timeout 400 ./.devbin/$name ${args//:/ } > "$OUT/$name.log" 2>&1; echo "$name rc=$?" ;;
@@ -194,5 +213,5 @@ for f in gpu_test e2e_cuda tp_test; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|rror|tests ran|^\[  FAILED" "$OUT/$f.log" | head -40; }
 done
 [ -f "$OUT/sanitizer.log" ] && { echo "== sanitizer"; tail -4 "$OUT/sanitizer.log"; }
-for f in bench tp_bench peers transport dp; do [ -f "$OUT/$f.log" ] && { echo "== $f"; cat "$OUT/$f.log"; }; done
+for f in bench tp_bench peers transport dp py_gpu; do [ -f "$OUT/$f.log" ] && { echo "== $f"; cat "$OUT/$f.log"; }; done
 exit 0

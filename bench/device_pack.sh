@@ -2,7 +2,17 @@
 # Packs what bench/device.sh needs on the GPU machine: stripped binaries in .devbin/ and the runtime
 # libraries the machine lacks in .rtpack/rt.tar.xz (both git-ignored through .git/info/exclude).
 # Usage: bench/device_pack.sh [BUILD_DIR]   (default build)
+#        bench/device_pack.sh py   the Python client's wheels for the GPU machine's python3.12 in .whl/py
+#                                  (~60 MB: carry them in a call of their own, `bench/device.sh py-wheels`)
 set -euo pipefail
+if [ "${1:-}" = py ]; then
+  mkdir -p .whl/py
+  .venv/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 -d .whl/py \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+    "grpcio>=1.62" "protobuf>=4.25" "transformers>=4.48" matplotlib tqdm
+  rm -f .whl/py/numpy-*.whl   # the GPU machine has its own, matched to its torch
+  du -sh .whl/py; exit 0
+fi
 build=${1:-build}
 rm -rf .devbin .rt .rtpack && mkdir -p .devbin .rtpack
 for b in "$build"/bin/*; do strip -o ".devbin/$(basename "$b")" "$b"; done

@@ -72,6 +72,16 @@ def write_safetensors(path: Path, tensors: dict) -> None:
     lce_client.local.write_safetensors(str(path), {name: arr for name, (arr, _) in tensors.items()})
 
 
+def _backend_args() -> list:
+    """The CPU engine on one thread; LCE_TEST_BACKEND=cuda runs the same tests against a CUDA server (on a
+    GPU machine: bench/device.sh py-gpu)."""
+    backend = os.environ.get("LCE_TEST_BACKEND", "cpu")
+    if backend == "cpu":
+        return ["--backend=cpu", "--cpu-threads=1"]
+    # The tests compare answers across batchings bit for bit: the CPU engine's default, a CUDA flag.
+    return [f"--backend={backend}", "--batch-invariant=true"]
+
+
 class Server:
     def __init__(self, args, workdir: Path, name: str = "srv"):
         self.port_file = workdir / f"{name}.port"
@@ -79,7 +89,7 @@ class Server:
         self.log = open(self.log_path, "w")
         self.port_file.unlink(missing_ok=True)  # a stale file from an earlier server of the same name
         cmd = [str(server_binary()), "--host=127.0.0.1", "--port=0", f"--port-file={self.port_file}",
-               "--backend=cpu", "--cpu-threads=1", "--shutdown-grace-seconds=2"] + list(args)
+               *_backend_args(), "--shutdown-grace-seconds=2"] + list(args)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 60
         while True:
