@@ -1,106 +1,199 @@
+// lce_server's flags, as absl flags (typed, each with its help and default). Names take dashes or
+// underscores; values come as `--name=value` or `--name value`; `--flagfile=FILE` reads one flag a
+// line (blank lines and '#' comments skipped). ParseServerFlags returns a Status instead of exiting, so
+// that main() reports a bad flag its own way and tests can parse many command lines in one process.
 #include "server_flags.h"
 
-#include <functional>
-#include <map>
+#include <fstream>
+#include <vector>
 
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+
+ABSL_FLAG(std::string, host, "0.0.0.0",
+          "listen address");
+ABSL_FLAG(int32_t, port, 50051,
+          "listen port (0 picks a free one)");
+ABSL_FLAG(std::string, port_file, "",
+          "write the port there once serving");
+ABSL_FLAG(std::string, backend, "auto",
+          "engine backend: cpu, cuda, or auto (cuda when a GPU is visible)");
+ABSL_FLAG(std::string, head_name, "default",
+          "name of the served head");
+ABSL_FLAG(std::string, head_file, "",
+          "safetensors file holding the head");
+ABSL_FLAG(std::string, head_tensor, "lm_head.weight",
+          "tensor in it, [vocab, hidden]");
+ABSL_FLAG(std::string, head_bias_tensor, "",
+          "optional bias tensor [vocab]");
+ABSL_FLAG(std::string, seed_head, "",
+          "instead of a file: a seeded random head, e.g. 32000x512");
+ABSL_FLAG(uint64_t, seed, 0,
+          "seed of the seeded head");
+ABSL_FLAG(std::string, head_dtype, "bf16",
+          "dtype of the seeded head: bf16, fp16 or fp32");
+ABSL_FLAG(int64_t, max_message_bytes, 64 << 20,
+          "largest gRPC message accepted");
+ABSL_FLAG(int64_t, http2_window_bytes, 0,
+          "HTTP/2 flow-control window per stream (0: gRPC's, adapted by its bandwidth probe); larger lets a client stream further ahead");
+ABSL_FLAG(int32_t, grpc_cqs, 0,
+          "gRPC completion queues (each with its own pollers), over which connections are spread (0: one per core, at most 16)");
+ABSL_FLAG(int32_t, data_port, -1,
+          "data plane for remote clients' bulk bytes (plain TCP, no TLS: trusted networks only) on the --host address (-1: off; 0: any port)");
+ABSL_FLAG(int64_t, data_plane_bytes_per_session, int64_t{4} << 30,
+          "server memory one session may allocate");
+ABSL_FLAG(int64_t, data_plane_total_bytes, -1,
+          "server memory all sessions together may allocate (-1: half the host's memory; 0: no limit); beyond, RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_sessions_per_peer, 64,
+          "sessions (OpenSession) one client host may hold at once (0: no limit); more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(double, data_plane_auth_timeout_seconds, 60,
+          "a new data-plane connection's first transfer must come within S and name its session's region, or the connection ends");
+ABSL_FLAG(int32_t, data_plane_max_unauthenticated, 256,
+          "connections that have not done so yet, at most (128 from one address); they never take --data-plane-max-connections' slots");
+ABSL_FLAG(int32_t, data_plane_max_connections, 512,
+          "data-plane connections served at once (a client opens 2 x data_plane_sockets a stream); more are answered RESOURCE_EXHAUSTED and closed (a client already sending sees the connection reset)");
+ABSL_FLAG(std::string, grpc_poll_strategy, "",
+          "gRPC's I/O poller (GRPC_POLL_STRATEGY): epoll1 (gRPC's default) or poll (each completion queue polls its own connections); empty: gRPC's choice");
+ABSL_FLAG(std::string, grpc_channel_args, "",
+          "extra integer gRPC channel arguments, for transport tuning, e.g. grpc.http2.max_frame_size=16777215");
+ABSL_FLAG(int64_t, max_rows_per_request, int64_t{1} << 24,
+          "largest request, in rows (0 = no limit)");
+ABSL_FLAG(bool, log_requests, true,
+          "one JSON line per finished RPC on stderr, with its request id");
+ABSL_FLAG(bool, pipeline_chunks, true,
+          "GPU engines, for clients that send ahead (RequestHeader.sends_ahead): compute a chunk while the next is read and staged, answer from another thread");
+ABSL_FLAG(int32_t, metrics_port, -1,
+          "serve Prometheus metrics at http://HOST:N/metrics (and /healthz); rank 0 only (-1: off, 0 picks a free port)");
+ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
+          "listen address of the metrics endpoint");
+ABSL_FLAG(int64_t, max_concurrent_streams, 64,
+          "streams served at once; more get RESOURCE_EXHAUSTED (0 = no limit)");
+ABSL_FLAG(int64_t, max_request_bytes, int64_t{16} << 30,
+          "largest request, in bytes of hidden states (0 = no limit)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "serve TLS: the certificate chain (with --tls-key)");
+ABSL_FLAG(std::string, tls_key, "",
+          "serve TLS: the private key (with --tls-cert)");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "require client certificates signed by this CA (mutual TLS)");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "bearer token for scoring RPCs (read from the file, never the command line)");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "bearer token for admin RPCs (also accepted for scoring)");
+ABSL_FLAG(int64_t, workspace_bytes, int64_t{1} << 30,
+          "engine scratch budget");
+ABSL_FLAG(int32_t, cpu_threads, 0,
+          "CPU engine threads (0: all cores)");
+ABSL_FLAG(bool, batch_invariant, false,
+          "CUDA engine: a row's results the same bits in any batch (one GEMM algorithm for every row count; costs 5-13% at some train shapes, more on small calls; the CPU engine always is)");
+ABSL_FLAG(bool, tp_invariant, false,
+          "CUDA engine, with --batch-invariant: logprob, entropy, loss and d_hidden the same bits for any TP group size, V >= 131072; costs 31-44% of a train step");
+ABSL_FLAG(int32_t, device, 0,
+          "CUDA device ordinal");
+ABSL_FLAG(double, shutdown_grace_seconds, 30.0,
+          "on SIGTERM, time in-flight streams get to finish");
+ABSL_FLAG(int32_t, tp_size, 1,
+          "tensor-parallel group size: the head's vocabulary is split over K processes, one per GPU (or CPU process)");
+ABSL_FLAG(int32_t, tp_rank, 0,
+          "this process's rank; rank 0 serves the API, the others are peers");
+ABSL_FLAG(std::string, tp_rendezvous, "",
+          "directory the ranks share to meet (pid files, Gloo store, NCCL id); wipe it before (re)starting a group (deploy/lce_tp_launch.sh does)");
+ABSL_FLAG(std::string, tp_host, "127.0.0.1",
+          "address peers reach this rank on");
+ABSL_FLAG(double, tp_timeout_seconds, 30.0,
+          "a collective slower than this fails the group: in-flight requests get UNAVAILABLE naming the rank, health turns NOT_SERVING, and every rank exits with code 3 for its launcher to restart the group");
+ABSL_FLAG(int32_t, dp_size, 1,
+          "data-parallel replicas: R groups of the same --tp-size serve one head and train it as one job (docs/TRAINING.md)");
+ABSL_FLAG(int32_t, dp_rank, 0,
+          "this group's replica (every rank of the group passes the same D)");
+ABSL_FLAG(std::string, dp_rendezvous, "",
+          "directory every process of every replica sees, fresh for each start of the job (deploy/lce_dp_launch.sh makes one)");
+ABSL_FLAG(std::string, dp_host, "127.0.0.1",
+          "address the other replicas reach this process on; a front's also, with its --port, where the other fronts call it");
+ABSL_FLAG(double, dp_timeout_seconds, 30.0,
+          "a dW sum between replicas slower than this fails: the job's training is down (UNAVAILABLE naming the replica), every replica keeps scoring");
+ABSL_FLAG(double, dp_join_timeout_seconds, 600.0,
+          "how long start waits for every replica to join");
+ABSL_FLAG(std::string, dp_tls_ca, "",
+          "with --tls-cert: the CA that signed the other fronts' certificates");
+ABSL_FLAG(double, stream_header_timeout_seconds, 10.0,
+          "a stream must send its header within S seconds of opening, or end DEADLINE_EXCEEDED; it holds no admission slot meanwhile (0 = no limit)");
+ABSL_FLAG(double, stream_idle_timeout_seconds, 60.0,
+          "then it must send each next message, and read each answer, within S seconds (0 = no limit)");
+ABSL_FLAG(int64_t, max_head_bytes, 0,
+          "largest head shard (weight bytes) loaded at start or by LoadHead; larger is RESOURCE_EXHAUSTED (0: the GPU's memory on CUDA, the host's otherwise)");
+
 
 namespace lce::server {
-
-const char* ServerUsage() {
-  return R"(lce_server: fused linear-cross-entropy loss head over gRPC (lce.v1.LceService)
-
-  --host=ADDR                 listen address (default 0.0.0.0)
-  --port=N                    listen port (default 50051; 0 picks a free one)
-  --port-file=PATH            write the port there once serving
-  --backend=cpu|cuda|auto     engine backend (default auto: cuda when a GPU is visible)
-  --head-name=NAME            name of the served head (default "default")
-  --head-file=PATH            safetensors file holding the head
-  --head-tensor=NAME          tensor in it (default lm_head.weight), [vocab, hidden]
-  --head-bias-tensor=NAME     optional bias tensor [vocab]
-  --seed-head=VxH             instead of a file: a seeded random head, e.g. 32000x512
-  --seed=N                    seed of the seeded head (default 0)
-  --head-dtype=bf16|fp16|fp32 dtype of the seeded head (default bf16)
-  --max-message-bytes=N       largest gRPC message accepted (default 67108864)
-  --http2-window-bytes=N      HTTP/2 flow-control window per stream (default 0: gRPC's, adapted by
-                              its bandwidth probe); larger lets a client stream further ahead
-  --grpc-cqs=N                gRPC completion queues (each with its own pollers), over which
-                              connections are spread (default 0: one per core, at most 16)
-  --data-port=N               data plane for remote clients' bulk bytes (plain TCP, no TLS: trusted
-                              networks only) on the --host address (default -1: off; 0: any port)
-  --data-plane-bytes-per-session=N  server memory one session may allocate (default 4294967296)
-  --data-plane-total-bytes=N  server memory all sessions together may allocate (default -1: half the
-                              host's memory; 0: no limit); beyond, RESOURCE_EXHAUSTED
-  --max-sessions-per-peer=N   sessions (OpenSession) one client host may hold at once (default 64;
-                              0: no limit); more get RESOURCE_EXHAUSTED
-  --data-plane-auth-timeout-seconds=S  a new data-plane connection's first transfer must come within S
-                              and name its session's region, or the connection ends (default 60)
-  --data-plane-max-unauthenticated=N   connections that have not done so yet, at most (default 256;
-                              128 from one address); they never take --data-plane-max-connections' slots
-  --data-plane-max-connections=N    data-plane connections served at once (default 512; a client opens
-                              2 x data_plane_sockets a stream); more are answered RESOURCE_EXHAUSTED
-                              and closed (a client already sending sees the connection reset)
-  --grpc-poll-strategy=NAME   gRPC's I/O poller (GRPC_POLL_STRATEGY): epoll1 (gRPC's default) or
-                              poll (each completion queue polls its own connections); default: gRPC's
-  --grpc-channel-args=K=V,... extra integer gRPC channel arguments, for transport tuning, e.g.
-                              grpc.http2.max_frame_size=16777215
-  --max-rows-per-request=N    largest request, in rows (default 16777216; 0 = no limit)
-  --log-requests=true|false   one JSON line per finished RPC on stderr, with its request id (default true)
-  --pipeline-chunks=true|false  GPU engines, for clients that send ahead (RequestHeader.sends_ahead): compute
-                              a chunk while the next is read and staged, answer from another thread (default true)
-  --metrics-port=N            serve Prometheus metrics at http://HOST:N/metrics (and /healthz); rank 0 only;
-                              default off, 0 picks a free port
-  --metrics-host=ADDR         listen address of the metrics endpoint (default 0.0.0.0)
-  --max-concurrent-streams=N  streams served at once; more get RESOURCE_EXHAUSTED (default 64; 0 = no limit)
-  --max-request-bytes=N       largest request, in bytes of hidden states (default 16 GiB; 0 = no limit)
-  --tls-cert=PEM --tls-key=PEM  serve TLS
-  --tls-client-ca=PEM         require client certificates signed by this CA (mutual TLS)
-  --auth-token-file=PATH      bearer token for scoring RPCs (read from the file, never the command line)
-  --admin-token-file=PATH     bearer token for admin RPCs (also accepted for scoring)
-  --workspace-bytes=N         engine scratch budget (default 1073741824)
-  --cpu-threads=N             CPU engine threads (default: all cores)
-  --batch-invariant=true|false  CUDA engine: a row's results the same bits in any batch (one GEMM
-                              algorithm for every row count; costs 5-13% at some train shapes,
-                              more on small calls; default false; the CPU engine always is)
-  --tp-invariant=true|false   CUDA engine, with --batch-invariant: logprob, entropy, loss and d_hidden
-                              the same bits for any TP group size, V >= 131072; costs 31-44% of a
-                              train step (default false)
-  --device=N                  CUDA device ordinal (default 0)
-  --shutdown-grace-seconds=S  on SIGTERM, time in-flight streams get to finish (default 30)
-  --tp-size=K                  tensor-parallel group size (default 1): the head's vocabulary is
-                              split over K processes, one per GPU (or CPU process)
-  --tp-rank=R                 this process's rank; rank 0 serves the API, the others are peers
-  --tp-rendezvous=DIR         directory the ranks share to meet (pid files, Gloo store, NCCL id);
-                              wipe it before (re)starting a group (deploy/lce_tp_launch.sh does)
-  --tp-host=ADDR              address peers reach this rank on (default 127.0.0.1)
-  --tp-timeout-seconds=S      a collective slower than this fails the group (default 30): in-flight
-                              requests get UNAVAILABLE naming the rank, health turns NOT_SERVING,
-                              and every rank exits with code 3 for its launcher to restart the group
-  --dp-size=R                 data-parallel replicas (default 1): R groups of the same --tp-size serve
-                              one head and train it as one job (docs/TRAINING.md)
-  --dp-rank=D                 this group's replica (every rank of the group passes the same D)
-  --dp-rendezvous=DIR         directory every process of every replica sees, fresh for each start of
-                              the job (deploy/lce_dp_launch.sh makes one)
-  --dp-host=ADDR              address the other replicas reach this process on (default 127.0.0.1);
-                              a front's also, with its --port, where the other fronts call it
-  --dp-timeout-seconds=S      a dW sum between replicas slower than this fails (default 30): the job's
-                              training is down (UNAVAILABLE naming the replica), every replica keeps scoring
-  --dp-join-timeout-seconds=S how long start waits for every replica to join (default 600)
-  --dp-tls-ca=PEM             with --tls-cert: the CA that signed the other fronts' certificates
-  --stream-header-timeout-seconds=S  a stream must send its header within S seconds of opening, or
-                              end DEADLINE_EXCEEDED; it holds no admission slot meanwhile (default 10; 0 = no limit)
-  --stream-idle-timeout-seconds=S  then it must send each next message, and read each answer, within S
-                              seconds (default 60; 0 = no limit)
-  --max-head-bytes=N          largest head shard (weight bytes) loaded at start or by LoadHead; larger is
-                              RESOURCE_EXHAUSTED (default 0: the GPU's memory on CUDA, the host's otherwise)
-  --help
-)";
-}
-
 namespace {
+
+// Every flag of lce_server, in --help's order (names as declared above).
+const std::vector<std::string>& FlagNames() {
+  static const std::vector<std::string> names = {
+      "host",
+      "port",
+      "port_file",
+      "backend",
+      "head_name",
+      "head_file",
+      "head_tensor",
+      "head_bias_tensor",
+      "seed_head",
+      "seed",
+      "head_dtype",
+      "max_message_bytes",
+      "http2_window_bytes",
+      "grpc_cqs",
+      "data_port",
+      "data_plane_bytes_per_session",
+      "data_plane_total_bytes",
+      "max_sessions_per_peer",
+      "data_plane_auth_timeout_seconds",
+      "data_plane_max_unauthenticated",
+      "data_plane_max_connections",
+      "grpc_poll_strategy",
+      "grpc_channel_args",
+      "max_rows_per_request",
+      "log_requests",
+      "pipeline_chunks",
+      "metrics_port",
+      "metrics_host",
+      "max_concurrent_streams",
+      "max_request_bytes",
+      "tls_cert",
+      "tls_key",
+      "tls_client_ca",
+      "auth_token_file",
+      "admin_token_file",
+      "workspace_bytes",
+      "cpu_threads",
+      "batch_invariant",
+      "tp_invariant",
+      "device",
+      "shutdown_grace_seconds",
+      "tp_size",
+      "tp_rank",
+      "tp_rendezvous",
+      "tp_host",
+      "tp_timeout_seconds",
+      "dp_size",
+      "dp_rank",
+      "dp_rendezvous",
+      "dp_host",
+      "dp_timeout_seconds",
+      "dp_join_timeout_seconds",
+      "dp_tls_ca",
+      "stream_header_timeout_seconds",
+      "stream_idle_timeout_seconds",
+      "max_head_bytes"};
+  return names;
+}
 
 absl::Status CheckDpFlags(const ServerFlags& f) {
   if (f.dp_size < 1 || f.dp_rank < 0 || f.dp_rank >= f.dp_size) {
@@ -117,92 +210,42 @@ absl::Status CheckDpFlags(const ServerFlags& f) {
   return absl::OkStatus();
 }
 
-}  // namespace
 
-absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
-  ServerFlags f;
-  auto str = [](std::string* dst) { return [dst](const std::string& v) { *dst = v; return true; }; };
-  auto i64 = [](int64_t* dst) { return [dst](const std::string& v) { return absl::SimpleAtoi(v, dst); }; };
-  auto i32 = [](int* dst) { return [dst](const std::string& v) { return absl::SimpleAtoi(v, dst); }; };
-  // A timeout: 0 (none) up to a year.
-  auto seconds = [](double* dst) {
-    return [dst](const std::string& v) { return absl::SimpleAtod(v, dst) && *dst >= 0 && *dst <= 3.2e7; };
-  };
-  absl::Status seed_shape;  // why --seed-head was refused
-  std::map<std::string, std::function<bool(const std::string&)>> setters = {
-      {"host", str(&f.host)},
-      {"port", i32(&f.port)},
-      {"port-file", str(&f.port_file)},
-      {"backend", str(&f.backend)},
-      {"head-name", str(&f.head_name)},
-      {"head-file", str(&f.head.file)},
-      {"head-tensor", str(&f.head.tensor)},
-      {"head-bias-tensor", str(&f.head.bias_tensor)},
-      {"seed-head", [&f, &seed_shape](const std::string& v) { return (seed_shape = ParseSeedShape(v, f.head)).ok(); }},
-      {"seed", [&f](const std::string& v) { return absl::SimpleAtoi(v, &f.head.seed); }},
-      {"head-dtype", [&f](const std::string& v) {
-         absl::StatusOr<DType> d = ParseDType(v);
-         if (d.ok()) f.head.dtype = *d;
-         return d.ok();
-       }},
-      {"max-message-bytes", i64(&f.max_message_bytes)},
-      {"http2-window-bytes", i64(&f.http2_window_bytes)},
-      {"grpc-cqs", i32(&f.grpc_cqs)},
-      {"data-port", i32(&f.data_port)},
-      {"data-plane-bytes-per-session", i64(&f.data_plane_bytes_per_session)},
-      {"data-plane-total-bytes", i64(&f.data_plane_total_bytes)},
-      {"max-sessions-per-peer", i64(&f.max_sessions_per_peer)},
-      {"data-plane-auth-timeout-seconds", [&f](const std::string& v) { return absl::SimpleAtod(v, &f.data_plane_auth_timeout_seconds); }},
-      {"data-plane-max-unauthenticated", i32(&f.data_plane_max_unauthenticated)},
-      {"data-plane-max-connections", i32(&f.data_plane_max_connections)},
-      {"grpc-poll-strategy", str(&f.grpc_poll_strategy)},
-      {"grpc-channel-args", [&f](const std::string& v) {
-         for (absl::string_view kv : absl::StrSplit(v, ',', absl::SkipEmpty())) {
-           std::pair<absl::string_view, absl::string_view> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
-           int value = 0;
-           if (p.first.empty() || !absl::SimpleAtoi(p.second, &value)) return false;
-           f.grpc_channel_args.emplace_back(std::string(p.first), value);
-         }
-         return true;
-       }},
-      {"max-rows-per-request", i64(&f.max_rows_per_request)},
-      {"workspace-bytes", i64(&f.workspace_bytes)},
-      {"max-concurrent-streams", i64(&f.max_concurrent_streams)},
-      {"metrics-port", i32(&f.metrics_port)},
-      {"log-requests", [&f](const std::string& v) { return absl::SimpleAtob(v, &f.log_requests); }},
-      {"pipeline-chunks", [&f](const std::string& v) { return absl::SimpleAtob(v, &f.pipeline_chunks); }},
-      {"metrics-host", str(&f.metrics_host)},
-      {"max-request-bytes", i64(&f.max_request_bytes)},
-      {"tls-cert", str(&f.tls_cert)},
-      {"tls-key", str(&f.tls_key)},
-      {"tls-client-ca", str(&f.tls_client_ca)},
-      {"auth-token-file", str(&f.auth_token_file)},
-      {"admin-token-file", str(&f.admin_token_file)},
-      {"cpu-threads", i32(&f.cpu_threads)},
-      {"batch-invariant", [&f](const std::string& v) { return absl::SimpleAtob(v, &f.batch_invariant); }},
-      {"tp-invariant", [&f](const std::string& v) { return absl::SimpleAtob(v, &f.tp_invariant); }},
-      {"device", i32(&f.device)},
-      {"tp-size", i32(&f.tp_size)},
-      {"tp-rank", i32(&f.tp_rank)},
-      {"tp-rendezvous", str(&f.tp_rendezvous)},
-      {"tp-host", str(&f.tp_host)},
-      {"tp-timeout-seconds", [&f](const std::string& v) { return absl::SimpleAtod(v, &f.tp_timeout_seconds); }},
-      {"dp-size", i32(&f.dp_size)},
-      {"dp-rank", i32(&f.dp_rank)},
-      {"dp-rendezvous", str(&f.dp_rendezvous)},
-      {"dp-host", str(&f.dp_host)},
-      {"dp-timeout-seconds", seconds(&f.dp_timeout_seconds)},
-      {"dp-join-timeout-seconds", seconds(&f.dp_join_timeout_seconds)},
-      {"dp-tls-ca", str(&f.dp_tls_ca)},
-      {"shutdown-grace-seconds", [&f](const std::string& v) { return absl::SimpleAtod(v, &f.shutdown_grace_seconds); }},
-      {"stream-header-timeout-seconds", seconds(&f.stream_header_timeout_seconds)},
-      {"stream-idle-timeout-seconds", seconds(&f.stream_idle_timeout_seconds)},
-      {"max-head-bytes", [&f](const std::string& v) { return absl::SimpleAtoi(v, &f.max_head_bytes) && f.max_head_bytes >= 0; }},
-  };
+// Back to the defaults, so that each parse starts from them.
+void ResetFlags() {
+  for (const std::string& name : FlagNames()) {
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    std::string error;
+    flag->ParseFrom(flag->DefaultValue(), &error);
+  }
+}
+
+// The command line's words with every --flagfile expanded in place.
+absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(int argc, char** argv) {
+  std::vector<std::string> words;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
+    absl::string_view path = arg;
+    if (!absl::ConsumePrefix(&path, "--flagfile=")) {
+      words.push_back(arg);
+      continue;
+    }
+    std::ifstream in{std::string(path)};
+    if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read --flagfile ", path));
+    for (std::string line; std::getline(in, line);) {
+      absl::string_view t = absl::StripAsciiWhitespace(line);
+      if (!t.empty() && t[0] != '#') words.emplace_back(t);
+    }
+  }
+  return words;
+}
+
+// Sets the flags the words name; INVALID_ARGUMENT naming the first unknown flag or bad value.
+absl::Status SetFlags(const std::vector<std::string>& words, bool& help) {
+  for (size_t i = 0; i < words.size(); ++i) {
+    const std::string& arg = words[i];
     if (arg == "--help" || arg == "-h") {
-      f.help = true;
+      help = true;
       continue;
     }
     if (arg.rfind("--", 0) != 0) return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
@@ -211,19 +254,143 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     if (eq != std::string::npos) {
       value = name.substr(eq + 1);
       name = name.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
+    } else if (i + 1 < words.size()) {
+      value = words[++i];
     } else {
       return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
     }
-    name = absl::StrReplaceAll(name, {{"_", "-"}});
-    auto it = setters.find(name);
-    if (it == setters.end()) return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
-    if (!it->second(value)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", name,
-                                                     seed_shape.ok() ? "" : ": ", seed_shape.message()));
+    const std::string key = absl::StrReplaceAll(name, {{"-", "_"}});
+    absl::CommandLineFlag* flag = nullptr;
+    for (const std::string& known : FlagNames()) {
+      if (known == key) flag = absl::FindCommandLineFlag(known);
+    }
+    if (flag == nullptr) return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
+    std::string error;
+    if (!flag->ParseFrom(value, &error)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", name, ": ", error));
     }
   }
+  return absl::OkStatus();
+}
+
+// The flags that are not plain values: the seeded head's shape and dtype, the gRPC channel arguments.
+absl::Status ReadCompositeFlags(ServerFlags& f) {
+  if (const std::string shape = absl::GetFlag(FLAGS_seed_head); !shape.empty()) {
+    if (absl::Status s = ParseSeedShape(shape, f.head); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("bad value '", shape, "' for --seed-head: ", s.message()));
+    }
+  }
+  absl::StatusOr<DType> dtype = ParseDType(absl::GetFlag(FLAGS_head_dtype));
+  if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat("--head-dtype: ", dtype.status().message()));
+  f.head.dtype = *dtype;
+  for (absl::string_view kv : absl::StrSplit(absl::GetFlag(FLAGS_grpc_channel_args), ',', absl::SkipEmpty())) {
+    std::pair<absl::string_view, absl::string_view> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    int value = 0;
+    if (p.first.empty() || !absl::SimpleAtoi(p.second, &value)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad --grpc-channel-args entry '", kv, "': want NAME=INTEGER"));
+    }
+    f.grpc_channel_args.emplace_back(std::string(p.first), value);
+  }
+  return absl::OkStatus();
+}
+
+// A timeout: 0 (none) up to a year; NaN refused.
+absl::Status CheckSeconds(const char* name, double v) {
+  if (v >= 0 && v <= 3.2e7) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--", name, " must be in [0, 3.2e7] seconds, got ", v));
+}
+
+absl::Status CheckTimeouts(const ServerFlags& f) {
+  for (auto [name, v] : {std::pair{"dp-timeout-seconds", f.dp_timeout_seconds},
+                         std::pair{"dp-join-timeout-seconds", f.dp_join_timeout_seconds},
+                         std::pair{"stream-header-timeout-seconds", f.stream_header_timeout_seconds},
+                         std::pair{"stream-idle-timeout-seconds", f.stream_idle_timeout_seconds}}) {
+    if (absl::Status s = CheckSeconds(name, v); !s.ok()) return s;
+  }
+  if (f.max_head_bytes < 0) return absl::InvalidArgumentError("--max-head-bytes must be >= 0");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string ServerUsage() {
+  std::string usage = "lce_server: fused linear-cross-entropy loss head over gRPC (lce.v1.LceService)\n\n"
+                      "  --name=VALUE or --name VALUE (dashes or underscores); --flagfile=FILE: one flag a line\n\n";
+  for (const std::string& name : FlagNames()) {
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    absl::StrAppend(&usage, "  --", absl::StrReplaceAll(name, {{"_", "-"}}), " (default: ",
+                    flag->DefaultValue().empty() ? "\"\"" : flag->DefaultValue(), ")\n");
+    std::string line = "     ";
+    for (absl::string_view word : absl::StrSplit(flag->Help(), ' ')) {  // wrapped at 100 columns
+      if (line.size() + 1 + word.size() > 100) absl::StrAppend(&usage, line, "\n"), line = "     ";
+      absl::StrAppend(&line, " ", word);
+    }
+    absl::StrAppend(&usage, line, "\n");
+  }
+  return usage + "  --help\n";
+}
+
+absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
+  ResetFlags();
+  absl::StatusOr<std::vector<std::string>> words = ExpandFlagfiles(argc, argv);
+  if (!words.ok()) return words.status();
+  ServerFlags f;
+  if (absl::Status s = SetFlags(*words, f.help); !s.ok()) return s;
+  f.host = absl::GetFlag(FLAGS_host);
+  f.port = absl::GetFlag(FLAGS_port);
+  f.port_file = absl::GetFlag(FLAGS_port_file);
+  f.backend = absl::GetFlag(FLAGS_backend);
+  f.head_name = absl::GetFlag(FLAGS_head_name);
+  f.head.file = absl::GetFlag(FLAGS_head_file);
+  f.head.tensor = absl::GetFlag(FLAGS_head_tensor);
+  f.head.bias_tensor = absl::GetFlag(FLAGS_head_bias_tensor);
+  f.head.seed = absl::GetFlag(FLAGS_seed);
+  f.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  f.http2_window_bytes = absl::GetFlag(FLAGS_http2_window_bytes);
+  f.grpc_cqs = absl::GetFlag(FLAGS_grpc_cqs);
+  f.data_port = absl::GetFlag(FLAGS_data_port);
+  f.data_plane_bytes_per_session = absl::GetFlag(FLAGS_data_plane_bytes_per_session);
+  f.data_plane_total_bytes = absl::GetFlag(FLAGS_data_plane_total_bytes);
+  f.max_sessions_per_peer = absl::GetFlag(FLAGS_max_sessions_per_peer);
+  f.data_plane_auth_timeout_seconds = absl::GetFlag(FLAGS_data_plane_auth_timeout_seconds);
+  f.data_plane_max_unauthenticated = absl::GetFlag(FLAGS_data_plane_max_unauthenticated);
+  f.data_plane_max_connections = absl::GetFlag(FLAGS_data_plane_max_connections);
+  f.grpc_poll_strategy = absl::GetFlag(FLAGS_grpc_poll_strategy);
+  f.max_rows_per_request = absl::GetFlag(FLAGS_max_rows_per_request);
+  f.log_requests = absl::GetFlag(FLAGS_log_requests);
+  f.pipeline_chunks = absl::GetFlag(FLAGS_pipeline_chunks);
+  f.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  f.metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  f.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  f.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  f.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  f.tls_key = absl::GetFlag(FLAGS_tls_key);
+  f.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  f.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  f.admin_token_file = absl::GetFlag(FLAGS_admin_token_file);
+  f.workspace_bytes = absl::GetFlag(FLAGS_workspace_bytes);
+  f.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  f.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
+  f.tp_invariant = absl::GetFlag(FLAGS_tp_invariant);
+  f.device = absl::GetFlag(FLAGS_device);
+  f.shutdown_grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+  f.tp_size = absl::GetFlag(FLAGS_tp_size);
+  f.tp_rank = absl::GetFlag(FLAGS_tp_rank);
+  f.tp_rendezvous = absl::GetFlag(FLAGS_tp_rendezvous);
+  f.tp_host = absl::GetFlag(FLAGS_tp_host);
+  f.tp_timeout_seconds = absl::GetFlag(FLAGS_tp_timeout_seconds);
+  f.dp_size = absl::GetFlag(FLAGS_dp_size);
+  f.dp_rank = absl::GetFlag(FLAGS_dp_rank);
+  f.dp_rendezvous = absl::GetFlag(FLAGS_dp_rendezvous);
+  f.dp_host = absl::GetFlag(FLAGS_dp_host);
+  f.dp_timeout_seconds = absl::GetFlag(FLAGS_dp_timeout_seconds);
+  f.dp_join_timeout_seconds = absl::GetFlag(FLAGS_dp_join_timeout_seconds);
+  f.dp_tls_ca = absl::GetFlag(FLAGS_dp_tls_ca);
+  f.stream_header_timeout_seconds = absl::GetFlag(FLAGS_stream_header_timeout_seconds);
+  f.stream_idle_timeout_seconds = absl::GetFlag(FLAGS_stream_idle_timeout_seconds);
+  f.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);
+  if (absl::Status s = ReadCompositeFlags(f); !s.ok()) return s;
+  if (absl::Status s = CheckTimeouts(f); !s.ok()) return s;
   if (f.port < 0 || f.port > 65535) return absl::InvalidArgumentError(absl::StrCat("bad --port ", f.port));
   if (f.tp_size < 1 || f.tp_rank < 0 || f.tp_rank >= f.tp_size) {
     return absl::InvalidArgumentError(absl::StrCat("--tp-rank must be in [0, --tp-size), got ", f.tp_rank, " of ", f.tp_size));

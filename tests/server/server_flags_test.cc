@@ -61,5 +61,67 @@ TEST(ServerFlags, DataParallelFlagsAreCheckedTogether) {
   for (const auto& args : bad) EXPECT_EQ(Parse(args).status().code(), absl::StatusCode::kInvalidArgument) << args[0];
 }
 
+
+// The flags are absl flags: --help lists every one with its default, values are typed, and a bad
+// value, an unknown flag or a missing value is INVALID_ARGUMENT naming the flag.
+TEST(ServerFlags, HelpListsEveryFlagWithItsDefault) {
+  absl::StatusOr<ServerFlags> f = Parse({"--help"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(f->help);
+  const std::string usage = ServerUsage();
+  for (const char* line : {"--port (default: 50051)", "--head-dtype (default: bf16)", "--data-port (default: -1)",
+                           "--batch-invariant (default: false)", "--dp-join-timeout-seconds (default: 600)",
+                           "--grpc-channel-args", "--max-head-bytes (default: 0)"}) {
+    EXPECT_NE(usage.find(line), std::string::npos) << line << " not in\n" << usage;
+  }
+}
+
+TEST(ServerFlags, DefaultsTypedValuesAndClearErrors) {
+  absl::StatusOr<ServerFlags> d = Parse({});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->port, 50051);
+  EXPECT_EQ(d->host, "0.0.0.0");
+  EXPECT_EQ(d->max_message_bytes, 64 << 20);
+  EXPECT_EQ(d->data_port, -1);
+  EXPECT_TRUE(d->log_requests);
+  EXPECT_EQ(d->head.tensor, "lm_head.weight");
+  absl::StatusOr<ServerFlags> f = Parse({"--port", "7", "--port_file=/tmp/p", "--log-requests=false",
+                                         "--grpc-channel-args=a.b=1,c=2", "--seed-head=10x4", "--head-dtype=fp16"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->port, 7);
+  EXPECT_EQ(f->port_file, "/tmp/p");
+  EXPECT_FALSE(f->log_requests);
+  ASSERT_EQ(f->grpc_channel_args.size(), 2u);
+  EXPECT_EQ(f->grpc_channel_args[1], (std::pair<std::string, int>{"c", 2}));
+  EXPECT_EQ(f->head.seed_vocab, 10);
+  EXPECT_EQ(f->head.dtype, DType::kFloat16);
+  // Each parse starts from the defaults.
+  EXPECT_EQ(Parse({})->port, 50051);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"--port=abc"}, "--port"},           {{"--port=99999"}, "--port"},
+      {{"--log-requests=maybe"}, "--log-requests"}, {{"--no-such-flag=1"}, "unknown flag --no-such-flag"},
+      {{"--port"}, "needs a value"},         {{"--head-dtype=int8"}, "--head-dtype"},
+      {{"--grpc-channel-args=x"}, "--grpc-channel-args"}, {{"stray"}, "unexpected argument 'stray'"},
+  };
+  for (const auto& [args, what] : bad) {
+    absl::Status s = Parse(args).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << args[0];
+    EXPECT_NE(s.message().find(what), std::string::npos) << s;
+  }
+}
+
+TEST(ServerFlags, FlagfileExpandsInPlace) {
+  const std::string path = ::testing::TempDir() + "/lce_server.flags";
+  FILE* out = fopen(path.c_str(), "w");
+  ASSERT_NE(out, nullptr);
+  fputs("# a comment\n--port=9\n\n  --metrics-port=0  \n", out);
+  fclose(out);
+  absl::StatusOr<ServerFlags> f = Parse({"--flagfile=" + path, "--port=10"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->port, 10);  // later words win
+  EXPECT_EQ(f->metrics_port, 0);
+  EXPECT_EQ(Parse({"--flagfile=/no/such/file"}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace lce::server
