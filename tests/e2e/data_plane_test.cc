@@ -38,13 +38,6 @@ std::unique_ptr<LceClient> Connect(const TestServer& ts, int streams, bool data_
 }
 
 // Same chunks, same engine calls: equal on the CPU engine, to rounding on a GPU.
-void ExpectSame(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  const double tol = TestBackend() == Backend::kCpu ? 0 : 1e-4;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_NEAR(got[i], want[i], tol * (1 + std::fabs(want[i]))) << what << " row " << i;
-  }
-}
 
 void ExpectSameBytes(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want, const char* what) {
   ASSERT_EQ(got.size(), want.size()) << what;
@@ -71,8 +64,8 @@ TEST(DataPlane, AnswersEqualTheBytesPathOverOneAndSeveralStreams) {
     auto want_s = bytes->Score(View(b), h);
     auto got_s = plane->Score(View(b), h);
     ASSERT_TRUE(want_s.ok() && got_s.ok()) << want_s.status() << got_s.status();
-    ExpectSame(got_s->logprobs, want_s->logprobs, "logprobs");
-    ExpectSame(got_s->entropy, want_s->entropy, "entropy");
+    ExpectElementsNear(got_s->logprobs, want_s->logprobs, TransportTolerance(), "logprobs");
+    ExpectElementsNear(got_s->entropy, want_s->entropy, TransportTolerance(), "entropy");
     EXPECT_EQ(ts->server->regions().counts().server, 1u);  // the hidden states' region; Score needs no other
 
     v1::RequestHeader fb;
@@ -85,7 +78,7 @@ TEST(DataPlane, AnswersEqualTheBytesPathOverOneAndSeveralStreams) {
     EXPECT_GE(ts->metrics->bytes_sent.Value() - sent, static_cast<double>(b.hidden.size()));
     ASSERT_TRUE(want.ok() && got.ok()) << want.status() << got.status();
     EXPECT_NEAR(got->reduced_loss, want->reduced_loss, 1e-6 * std::fabs(want->reduced_loss));
-    ExpectSame(got->loss, want->loss, "loss");
+    ExpectElementsNear(got->loss, want->loss, TransportTolerance(), "loss");
     ExpectSameBytes(got->d_hidden, want->d_hidden, "d_hidden");
     EXPECT_EQ(ts->server->regions().counts().server, 2u);
 

@@ -24,13 +24,6 @@ std::unique_ptr<LceClient> Connect(const TestServer& ts, int streams, int64_t ch
   });
 }
 
-void ExpectNear(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_NEAR(got[i], want[i], 1e-5 * (1 + std::fabs(want[i]))) << what << " row " << i;
-  }
-}
-
 TEST(PlanStreams, SplitsIntoWholeChunksAndKeepsSmallBatchesWhole) {
   // 1000 rows of 64 bytes, chunks of 10 rows: 4 parts of 25 chunks.
   auto p = client::PlanStreams(1000, 64, 640, 4, 1000);
@@ -67,8 +60,8 @@ TEST(MultiStream, AnswersEqualOneStreamOverSeveralConnections) {
   auto s4 = four->Score(View(b), h);
   const std::string log = ::testing::internal::GetCapturedStderr();
   ASSERT_TRUE(s1.ok() && s4.ok()) << s1.status() << s4.status();
-  ExpectNear(s4->logprobs, s1->logprobs, "logprobs");
-  ExpectNear(s4->entropy, s1->entropy, "entropy");
+  ExpectElementsNear(s4->logprobs, s1->logprobs, 1e-5, "logprobs");
+  ExpectElementsNear(s4->entropy, s1->entropy, 1e-5, "entropy");
   // The request went out as four Score streams, from four client connections (peer ports).
   std::set<std::string> peers;
   int scores = 0;
@@ -93,8 +86,8 @@ TEST(MultiStream, AnswersEqualOneStreamOverSeveralConnections) {
     auto r1 = one->ForwardBackward(View(b), fb);
     auto r4 = four->ForwardBackward(View(b), fb);
     ASSERT_TRUE(r1.ok() && r4.ok()) << r1.status() << r4.status();
-    ExpectNear(r4->loss, r1->loss, "loss");
-    ExpectNear(r4->logprobs, r1->logprobs, "logprobs");
+    ExpectElementsNear(r4->loss, r1->loss, 1e-5, "loss");
+    ExpectElementsNear(r4->logprobs, r1->logprobs, 1e-5, "logprobs");
     EXPECT_NEAR(r4->reduced_loss, r1->reduced_loss, 1e-9 * std::fabs(r1->reduced_loss) + 1e-12);
     EXPECT_EQ(r4->valid_tokens, r1->valid_tokens);
     // Each row's d_hidden depends on that row alone: the bytes agree exactly.

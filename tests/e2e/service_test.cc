@@ -39,13 +39,6 @@ Expected EngineAnswer(LceEngine& e, const Batch& b, const LceOptions& o, const U
   return x;
 }
 
-void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, double rel, const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_NEAR(got[i], want[i], rel * std::max(1.0f, std::abs(want[i]))) << what << "[" << i << "]";
-  }
-}
-
 std::vector<float> Bf16(const std::vector<uint8_t>& bytes) {
   std::vector<float> out(bytes.size() / 2);
   for (size_t i = 0; i < out.size(); ++i) out[i] = Bf16ToFloat(static_cast<uint16_t>(bytes[2 * i] | (bytes[2 * i + 1] << 8)));
@@ -110,8 +103,8 @@ TEST_F(Service, ScoreMatchesEngineWhateverTheChunking) {
     auto c = Connect(*ts_, chunk_bytes);
     auto got = c->Score(View(b), h);
     ASSERT_TRUE(got.ok()) << got.status();
-    ExpectClose(got->logprobs, want.logprob, 1e-6, "logprob");
-    ExpectClose(got->entropy, want.entropy, 1e-6, "entropy");
+    ExpectElementsNear(got->logprobs, want.logprob, 1e-6, "logprob");
+    ExpectElementsNear(got->entropy, want.entropy, 1e-6, "entropy");
   }
 }
 
@@ -137,8 +130,8 @@ TEST_F(Service, ForwardBackwardEveryReduction) {
     Expected want = EngineAnswer(*ts_->bf16_engine, b, o, up);
     auto got = c->ForwardBackward(View(b), h, red == v1::REDUCTION_NONE ? absl::MakeConstSpan(g) : absl::Span<const float>{});
     ASSERT_TRUE(got.ok()) << got.status();
-    ExpectClose(got->loss, want.loss, 1e-6, "loss");
-    ExpectClose(Bf16(got->d_hidden), Bf16(want.d_hidden), 1e-2, "d_hidden");
+    ExpectElementsNear(got->loss, want.loss, 1e-6, "loss");
+    ExpectElementsNear(Bf16(got->d_hidden), Bf16(want.d_hidden), 1e-2, "d_hidden");
     double sum = 0;
     for (float l : want.loss) sum += l;
     EXPECT_NEAR(got->reduced_loss, red == v1::REDUCTION_MEAN ? sum / valid : sum, 1e-5 * std::abs(sum));

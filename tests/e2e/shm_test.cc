@@ -33,6 +33,9 @@ std::unique_ptr<LceClient> Connect(const TestServer& ts, int64_t chunk_bytes) {
 }
 
 // Lines of this process's memory map that map `shm_name` (client and in-process server alike).
+// Shared memory against bytes: the same bits on the CPU engine; a GPU may chunk another way.
+const double kShmTolerance = TestBackend() == Backend::kCpu ? 1e-5 : 1e-4;
+
 int Mappings(const std::string& shm_name) {
   std::ifstream f("/proc/self/maps");
   std::string line;
@@ -48,12 +51,6 @@ bool WaitFor(const std::function<bool()>& pred) {
 
 // A region-backed request goes as one chunk, the bytes as several (a smaller first chunk, then full
 // ones): the same math, summed in another order, so the answers agree to rounding.
-void ExpectClose(const std::vector<float>& got, const std::vector<float>& want) {
-  ASSERT_EQ(got.size(), want.size());
-  const double tol = TestBackend() == Backend::kCpu ? 1e-5 : 1e-4;
-  for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], tol * (1 + std::fabs(want[i]))) << "row " << i;
-}
-
 // bf16 bytes: within one bf16 rounding step of each other on the CPU engine; within 1% of the
 // largest magnitude on the GPU.
 void ExpectBf16Close(const uint8_t* got, const uint8_t* want, size_t bytes) {
@@ -96,8 +93,8 @@ TEST(SharedMemory, AnswersEqualTheBytesPathAndDHiddenLandsInPlace) {
   auto want_s = c->Score(View(b), h);
   auto got_s = c->Score(shm, h);
   ASSERT_TRUE(want_s.ok() && got_s.ok()) << want_s.status() << got_s.status();
-  ExpectClose(got_s->logprobs, want_s->logprobs);
-  ExpectClose(got_s->entropy, want_s->entropy);
+  ExpectElementsNear(got_s->logprobs, want_s->logprobs, kShmTolerance);
+  ExpectElementsNear(got_s->entropy, want_s->entropy, kShmTolerance);
 
   v1::RequestHeader fb;
   auto want = c->ForwardBackward(View(b), fb);
@@ -105,7 +102,7 @@ TEST(SharedMemory, AnswersEqualTheBytesPathAndDHiddenLandsInPlace) {
   auto got = c->ForwardBackward(shm, fb);
   ASSERT_TRUE(want.ok() && got.ok()) << want.status() << got.status();
   EXPECT_NEAR(got->reduced_loss, want->reduced_loss, 1e-5 * std::fabs(want->reduced_loss));
-  ExpectClose(got->loss, want->loss);
+  ExpectElementsNear(got->loss, want->loss, kShmTolerance);
   EXPECT_TRUE(got->d_hidden.empty());  // written in place instead
   ASSERT_EQ(want->d_hidden.size(), out->bytes.size());
   ExpectBf16Close(out->bytes.data(), want->d_hidden.data(), out->bytes.size());

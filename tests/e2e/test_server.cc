@@ -1,5 +1,8 @@
 #include "test_server.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
@@ -92,5 +95,15 @@ std::unique_ptr<client::LceClient> ConnectClient(const std::string& target, int6
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? std::move(*c) : nullptr;
 }
+
+void ExpectElementsNear(const std::vector<float>& got, const std::vector<float>& want, double rel,
+                        const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], rel * std::max(1.0f, std::fabs(want[i]))) << what << "[" << i << "]";
+  }
+}
+
+double TransportTolerance() { return TestBackend() == Backend::kCpu ? 0 : 1e-4; }
 
 }  // namespace lce::e2e

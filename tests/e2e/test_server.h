@@ -61,4 +61,12 @@ std::unique_ptr<v1::LceService::Stub> RawStub(const std::string& target);
 std::unique_ptr<client::LceClient> ConnectClient(const std::string& target, int64_t chunk_bytes,
                                                  const std::function<void(client::ClientOptions&)>& tune = {});
 
+// Each element of `got` within rel·max(1, |want|) of `want`'s; a failure names `what` and the element.
+void ExpectElementsNear(const std::vector<float>& got, const std::vector<float>& want, double rel,
+                        const std::string& what = "");
+
+// The tolerance between two transports' answers to one request: 0 (the same bits) on the CPU engine,
+// 1e-4 relative on a GPU, whose cuBLAS may pick another algorithm for another chunking.
+double TransportTolerance();
+
 }  // namespace lce::e2e

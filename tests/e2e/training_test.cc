@@ -56,11 +56,6 @@ class Training : public ::testing::Test {
   std::unique_ptr<v1::LceService::Stub> stub_;
 };
 
-void ExpectNear(const std::vector<float>& a, const std::vector<float>& b, double tol) {
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], tol * std::max(1.0f, std::abs(b[i]))) << i;
-}
-
 TEST_F(Training, AccumulatedGradientEqualsEngineAndAdamWStepsMatch) {
   Batch b = MakeBatch(120, v1::DTYPE_FLOAT32, 41);
   v1::RequestHeader h;
@@ -81,7 +76,7 @@ TEST_F(Training, AccumulatedGradientEqualsEngineAndAdamWStepsMatch) {
     ASSERT_TRUE(ts_->fp32_engine->Compute(rows, LceOptions{}, up, {}, {nullptr, want.data()}).ok());
   }
   std::vector<float> got = GetGrad("wide");
-  ExpectNear(got, want, 1e-5);
+  ExpectElementsNear(got, want, 1e-5);
 
   // Two AdamW steps with clipping, against AdamWStep on the same gradient.
   std::vector<float> master = WideWeight(), m(master.size(), 0.0f), v(master.size(), 0.0f);
@@ -104,7 +99,7 @@ TEST_F(Training, AccumulatedGradientEqualsEngineAndAdamWStepsMatch) {
     const float scale = norm > 0.5 ? static_cast<float>(0.5 / (norm + 1e-6)) : 1.0f;
     AdamWStep(master.data(), m.data(), v.data(), got.data(), static_cast<int64_t>(master.size()), p, step, scale);
   }
-  ExpectNear(Score(b), EngineScore(master, b), 1e-5);
+  ExpectElementsNear(Score(b), EngineScore(master, b), 1e-5);
 
   // Version pinning: the old version is gone.
   grpc::Status st;
@@ -158,7 +153,7 @@ TEST_F(Training, UpdateWeightsIsAtomicForConcurrentReaders) {
   reader.join();
   EXPECT_GT(reads.load(), 0);
   EXPECT_EQ(mixed.load(), 0) << "a request saw a head that was neither version";
-  ExpectNear(Score(b), updates % 2 == 0 ? a1 : a2, 1e-5);  // the last update decides
+  ExpectElementsNear(Score(b), updates % 2 == 0 ? a1 : a2, 1e-5);  // the last update decides
 }
 
 // A weight change waits for the requests running on its head: a request's later chunks keep the
@@ -195,7 +190,7 @@ TEST_F(Training, AWeightChangeWaitsForTheRequestsOnItsHead) {
   late_reader.join();
   ASSERT_TRUE(update.ok()) << update.error_message();
   EXPECT_EQ(d.version(), 2) << "the refused step made no version";
-  ExpectNear(late, a2, 1e-5);
+  ExpectElementsNear(late, a2, 1e-5);
 }
 
 TEST_F(Training, SaveHeadThenLoadHeadGivesTheSameAnswers) {
