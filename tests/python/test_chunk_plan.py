@@ -26,7 +26,7 @@ import lce_client
 from lce_client import plan_chunks
 from lce_client._proto import lce_pb2_grpc as pb_grpc
 from conftest import (assert_close, DTYPES, GRAD_RTOL, HIDDEN, serve_heads, targets_for_rows)
-from test_multistream import Recorder, intercept_parts
+from helpers import Recorder, intercept_parts
 
 ROW_BYTES = {"fp32": HIDDEN * 4, "bf16": HIDDEN * 2, "fp16": HIDDEN * 2}
 

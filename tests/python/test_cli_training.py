@@ -5,9 +5,7 @@ checked against a twin head driven the same way by the Python client (the CPU en
 so the answers are equal bit for bit), and the admin token."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -16,24 +14,9 @@ import pytest
 
 import lce_client
 import lce_client.local
-from conftest import server_binary
+from helpers import cli
 
 VOCAB, HIDDEN = 96, 48
-
-
-def cli_binary() -> Path:
-    env = os.environ.get("LCE_CLI_BIN")
-    p = Path(env) if env else server_binary().parent / "lce_cli"
-    if not p.is_file():
-        pytest.fail(f"lce_cli not found at {p}: build it (ninja -C build lce_cli) or set LCE_CLI_BIN", pytrace=False)
-    return p
-
-
-def cli(*args, code=0) -> str:
-    p = subprocess.run([str(cli_binary()), *map(str, args), "--timeout-seconds=60"], capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == code, f"lce_cli {' '.join(map(str, args))} exited {p.returncode}\n{p.stdout}\n{p.stderr}"
-    return p.stdout + p.stderr
 
 
 @pytest.fixture

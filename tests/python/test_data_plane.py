@@ -21,7 +21,7 @@ import lce_client
 from lce_client import _data_plane as dpm
 from conftest import (as_f64, assert_close, DTYPES, grad_of, GRAD_RTOL, HIDDEN, reference, requires_torch,
                       serve_heads, targets_for_rows, VOCAB)
-from test_operability import free_port, sample, scrape
+from helpers import free_port, sample, scrape
 
 ROW_BYTES = {"fp32": HIDDEN * 4, "bf16": HIDDEN * 2, "fp16": HIDDEN * 2}
 
@@ -480,7 +480,7 @@ def test_messages_carry_no_hidden_bytes(dp_heads):
     """Over the data plane the chunks name slices of the session's server memory (and carry the
     session's id in lce-session metadata), as co-located requests name shared memory."""
     from lce_client._proto import lce_pb2_grpc as pb_grpc
-    from test_multistream import Recorder
+    from helpers import Recorder
 
     head = dp_heads["fp32"]
     rows, chunk_rows = 100, 30
@@ -583,7 +583,7 @@ class UploadLog:
 
 def recorded(client, streams, log):
     """Puts `log` on the request streams of the client's calls (each part's channel when split)."""
-    from test_multistream import Recorder, intercept_parts
+    from helpers import Recorder, intercept_parts
 
     if streams > 1:
         intercept_parts(client, streams, lambda i: Recorder(tamper=log.message))

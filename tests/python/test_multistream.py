@@ -17,7 +17,7 @@ from lce_client._client import _combine_summaries
 from lce_client._proto import lce_pb2 as pb
 from lce_client._proto import lce_pb2_grpc as pb_grpc
 from conftest import HIDDEN, VOCAB
-from test_operability import free_port, sample, scrape
+from helpers import Recorder, free_port, intercept_parts, sample, scrape
 
 ROW_BYTES = {"fp32": HIDDEN * 4, "bf16": HIDDEN * 2, "fp16": HIDDEN * 2}
 CHUNK_ROWS = 16
@@ -37,38 +37,6 @@ def data(rows, seed=0, ignore_every=7):
     y = rng.integers(0, VOCAB, rows).astype(np.int64)
     y[::ignore_every] = -100
     return y
-
-
-class Recorder(grpc.StreamStreamClientInterceptor):
-    """Records (and optionally rewrites) the request messages of each streaming call on a channel."""
-
-    def __init__(self, tamper=None):
-        self.calls, self.tamper, self.lock = [], tamper, threading.Lock()
-
-    def intercept_stream_stream(self, continuation, details, request_iterator):
-        msgs = []
-        with self.lock:
-            self.calls.append((details.method, msgs))
-
-        def gen():
-            for i, m in enumerate(request_iterator):
-                if self.tamper is not None:
-                    m = self.tamper(i, m)
-                msgs.append(m)
-                yield m
-
-        return continuation(details, gen())
-
-
-def intercept_parts(client, n, make):
-    """Puts an interceptor (make(i)) on the channels of the first n parts of split requests."""
-    recs = []
-    for i in range(n):
-        client._stream_stub(i)
-        rec = make(i)
-        recs.append(rec)
-        client._part_stubs[i] = pb_grpc.LceServiceStub(grpc.intercept_channel(client._part_channels[i], rec))
-    return recs
 
 
 def test_plan_parts_cut_at_chunks_and_respect_the_minimum():

@@ -4,7 +4,6 @@ overload, and cancelled requests releasing their resources."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -15,38 +14,11 @@ import numpy as np
 import pytest
 
 import lce_client
-from conftest import HIDDEN, Server
+from conftest import HIDDEN
+from helpers import free_port, sample, scrape
 
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        return r.read().decode()
-
-
-def sample(text: str, name: str, **labels) -> float:
-    """Value of the series `name{labels}` (exact label set match on the given labels), or 0."""
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        series, value = line.rsplit(" ", 1)
-        if series.split("{")[0] != name:
-            continue
-        body = series[len(name):].strip("{}")
-        got = dict(kv.split("=", 1) for kv in body.split(",") if kv) if body else {}
-        got = {k: v.strip('"') for k, v in got.items()}
-        if all(got.get(k) == str(v) for k, v in labels.items()):
-            return float(value)
-    return 0.0
 
 
 def batch(rows, seed=0):

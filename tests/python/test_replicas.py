@@ -10,8 +10,8 @@ import pytest
 
 import lce_client
 from conftest import HIDDEN
-from test_cli_training import cli
-from test_operability import free_port, sample, scrape
+from helpers import cli
+from helpers import free_port, sample, scrape
 
 VOCAB = 64
 SCORING = ("Score", "ForwardBackward", "Backward", "PolicyLoss")
