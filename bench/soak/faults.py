@@ -110,8 +110,8 @@ class _Abort(Exception):
 
 def cancel_after_answers(f: FaultLane):
     """The client walks away from a many-chunk request once some answers came (lce_client cancels it)."""
-    req = make_request(f.rng, f.head, str(f.rng.choice(["score", "forward_backward"])), rows=600)
-    stop_at = int(f.rng.integers(1, 550))
+    req = make_request(f.rng, f.head, str(f.rng.choice(["score", "forward_backward"])), rows=500)
+    stop_at = int(f.rng.integers(1, 450))
 
     def progress(done, _total):
         if done >= stop_at:
@@ -131,7 +131,7 @@ def deadline_stall(f: FaultLane):
 
 def deadline_short(f: FaultLane):
     """A deadline the request may or may not meet: the answer, if any, must be right."""
-    req = make_request(f.rng, f.head, str(f.rng.choice(["score", "forward_backward", "backward"])), rows=700)
+    req = make_request(f.rng, f.head, str(f.rng.choice(["score", "forward_backward", "backward"])), rows=500)
     with lce_client.Client(f.ctx.target, timeout=float(f.rng.uniform(0.001, 0.05)), chunk_bytes=16 << 10) as c:
         res = issue(c, req)
     return "OK" if check(f.ledger, "faults/deadline_short", req, res) else "WRONG_ANSWER"
@@ -293,7 +293,7 @@ def session_closed_midrequest(f: FaultLane):
     (right answers) or fails NOT_FOUND from the first chunk that names the gone region."""
     s = f.client.shared_memory_session()
     try:
-        req = make_request(f.rng, f.head, "score", rows=600)
+        req = make_request(f.rng, f.head, "score", rows=500)
         region = s.create(req.st.nbytes)
         h = region.ndarray(req.st.shape, req.st.dtype)
         h[...] = req.st

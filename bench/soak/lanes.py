@@ -92,7 +92,7 @@ class ShmLane(Lane):
     lives for a few dozen requests, then closes (and its regions with it)."""
 
     name = "shm"
-    MAX_ROWS = 700
+    MAX_ROWS = 500
 
     def __init__(self, ctx, seed):
         super().__init__(ctx, seed)

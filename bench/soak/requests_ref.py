@@ -32,7 +32,7 @@ class Request:
         return f"{self.kind} head={self.head.name} v{self.version} rows={len(self.y)} {shown}"
 
 
-def pick_rows(rng: np.random.Generator, large: int = 700) -> int:
+def pick_rows(rng: np.random.Generator, large: int = 500) -> int:
     """Mostly a few to a few hundred rows; now and then enough for several chunks."""
     return int(rng.integers(1, 257)) if rng.random() < 0.9 else int(rng.integers(257, large + 1))
 

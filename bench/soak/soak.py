@@ -16,8 +16,8 @@ have grown by at most --max-rss-growth-mb over the warm level, its fds and threa
 Exit status 0 when all held, 1 otherwise; the report lists requests by kind, faults by kind and
 outcome, and the memory / fd / thread figures.
 
---probe-open-bugs adds faults for bugs known and not fixed yet (bench/soak/README in
-docs/OPERATING.md, "Soak"): they fail the run until fixed.
+--probe-open-bugs adds faults for bugs known and not fixed yet (probes.py; docs/OPERATING.md,
+"Soak"): they fail the run until the bugs are fixed.
 """
 from __future__ import annotations
 
@@ -241,7 +241,7 @@ def main() -> int:
         soak_from = time.time()
         if warm is not None:
             run_phase(ctx, a.duration - warmup, server, a.probe_open_bugs)
-        final = settle(server, target=warm) if server.alive() else None
+        final = settle(server, target=warm, timeout=60.0) if server.alive() else None
     finally:
         monitor.stop.set()
         crashed = not server.alive()
@@ -291,7 +291,11 @@ def summarize(ledger: Ledger, warm, final, monitor: Monitor, soak_from: float, c
             "requests": sum(by_kind.values()), "requests_by_kind": by_kind, "requests_by_lane": snap["requests"],
             "faults": sum(sum(v.values()) for v in snap["faults"].values()), "faults_by_kind": snap["faults"],
             "notes": snap["notes"], "figures": figures, "server_exit": exit_code, "failures": failures,
-            "series_s_rss_mb_fds_threads": series}
+            "series_s_rss_mb_fds_threads": series, "driver_peak_rss_mb": _own_peak_rss_mb()}
+
+
+def _own_peak_rss_mb() -> float:
+    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
 
 
 def thread_growth(warm: dict, final: dict) -> list:
@@ -321,7 +325,7 @@ def print_report(r: dict) -> None:
         print(f"fds: warm {f['fds']['warm']}, final {f['fds']['final']}, peak {f['fds']['peak']:.0f}; threads: warm "
               f"{f['threads']['warm']}, final {f['threads']['final']}, peak {f['threads']['peak']:.0f}; after: {f['after']}")
         print(f"threads by name: warm {f['threads']['warm_by_name']}, final {f['threads']['final_by_name']}")
-    print(f"server exit status {r['server_exit']}")
+    print(f"server exit status {r['server_exit']}; this driver's peak RSS {r['driver_peak_rss_mb']:.0f} MB")
     for x in r["failures"]:
         print(f"FAILED: {x}")
     print("soak: PASSED" if r["passed"] else f"soak: FAILED ({len(r['failures'])} failures)")
