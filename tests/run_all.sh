@@ -15,3 +15,4 @@ if [ -d tests/python ]; then
   .venv/bin/python -m pip install -q ./client/python
   LCE_SERVER_BIN="$PWD/$BUILD/bin/lce_server" .venv/bin/python -m pytest -q tests/python
 fi
+echo "== Soak (bench/soak, 2 minutes)" && .venv/bin/python bench/soak/soak.py --server-bin="$PWD/$BUILD/bin/lce_server" --duration="${LCE_SOAK_SECONDS:-120}"
