@@ -51,6 +51,13 @@ const char* ServerUsage() {
   --log-requests=true|false   one JSON line per finished RPC on stderr, with its request id (default true)
   --pipeline-chunks=true|false  GPU engines, for clients that send ahead (RequestHeader.sends_ahead): compute
                               a chunk while the next is read and staged, answer from another thread (default true)
+  --batch-max-rows=N          dynamic batching: concurrent small Calls (Score; ForwardBackward and Backward
+                              without accumulate_weight_grad) of the same head version and options are
+                              merged into one engine call of at most N rows; a request of more rows runs
+                              alone (default 0: off). Only on engines whose rows are the same bits in any
+                              batch (the CPU engine; CUDA with --batch-invariant=true)
+  --batch-max-delay-us=US     how long a batch waits for more requests before it launches (default 0: at
+                              once when the engine is free; requests queue only while it is busy)
   --metrics-port=N            serve Prometheus metrics at http://HOST:N/metrics (and /healthz); rank 0 only;
                               default off, 0 picks a free port
   --metrics-host=ADDR         listen address of the metrics endpoint (default 0.0.0.0)
@@ -170,6 +177,10 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
       {"max-concurrent-streams", i64(&f.max_concurrent_streams)},
       {"metrics-port", i32(&f.metrics_port)},
       {"log-requests", [&f](const std::string& v) { return absl::SimpleAtob(v, &f.log_requests); }},
+      {"batch-max-rows", [&f](const std::string& v) { return absl::SimpleAtoi(v, &f.batch_max_rows) && f.batch_max_rows >= 0; }},
+      {"batch-max-delay-us", [&f](const std::string& v) {
+         return absl::SimpleAtoi(v, &f.batch_max_delay_us) && f.batch_max_delay_us >= 0 && f.batch_max_delay_us <= 1000000;
+       }},
       {"pipeline-chunks", [&f](const std::string& v) { return absl::SimpleAtob(v, &f.pipeline_chunks); }},
       {"metrics-host", str(&f.metrics_host)},
       {"max-request-bytes", i64(&f.max_request_bytes)},
