@@ -12,6 +12,7 @@
 #include <string>
 
 #include "chunk_staging.h"
+#include "dynamic_batcher.h"
 #include "head_store.h"
 #include "region_registry.h"
 #include "lce/v1/lce.grpc.pb.h"
@@ -59,6 +60,10 @@ struct ServiceConfig {
   // for a 1024-row score on two cores. The in-process test server turns it on, so that CI covers the
   // pipelined stream.
   bool pipeline_chunks_on_cpu = false;
+  // Dynamic batching of small Calls (dynamic_batcher.h; --batch-max-rows, --batch-max-delay-us):
+  // Scores, and ForwardBackwards and Backwards that do not accumulate dW, of at most max_rows rows
+  // whose hidden states are in the message, on engines that give a row the same bits in any batch.
+  DynamicBatcher::Options batching;
   // Metrics to update (null: none). Not owned.
   ServiceMetrics* metrics = nullptr;
   // The tensor-parallel group this server fronts (null without one): new heads and versions are
@@ -80,7 +85,10 @@ std::string StatusCodeName(grpc::StatusCode code);
 class LceService final : public v1::LceService::Service {
  public:
   LceService(std::shared_ptr<HeadStore> heads, ServiceConfig config)
-      : heads_(std::move(heads)), config_(config), regions_(config.cuda_device) {}
+      : heads_(std::move(heads)),
+        config_(config),
+        regions_(config.cuda_device),
+        batcher_(config.batching, config.metrics) {}
 
   grpc::Status GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequest* req,
                        v1::GetInfoResponse* resp) override;
@@ -201,6 +209,7 @@ class LceService final : public v1::LceService::Service {
   std::mutex staging_pool_mu_;
   std::vector<std::unique_ptr<ChunkStaging>> staging_pool_;  // idle device stagings
   RegionRegistry regions_;
+  DynamicBatcher batcher_;
   int data_port_ = 0;
 };
 

@@ -1,5 +1,6 @@
 #include "streamed_request.h"
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <utility>
@@ -311,12 +312,62 @@ grpc::Status StreamedRequest::Compute(InFlightChunk& c) {
       absl::StatusOr<HeadTrainer*> trainer = service_.TrainerOf(*plan_->head);
       if (trainer.ok()) c.grads.d_weight = (*trainer)->grad();
       s = trainer.ok() ? CallEngine(c, op_, c.up, second, c.grads) : trainer.status();
+    } else if (Batchable(c)) {
+      s = ComputeBatched(c);
     } else {
       s = CallEngine(c, op_, c.up, second, c.grads);
     }
   }
   if (!s.ok()) return ChunkError(c, s);
   return Answer(c);
+}
+
+// A Call of a few rows whose hidden states came in its message, without side effects on the head,
+// on an engine that gives each of its outputs the same bits in any batch: the batcher may merge it.
+bool StreamedRequest::Batchable(const InFlightChunk& c) const {
+  const DynamicBatcher& batcher = service_.batcher_;
+  if (!batcher.enabled() || !one_message_ || is_pl_ || plan_->accumulate_weight_grad) return false;
+  if (c.rows > batcher.options().max_rows || c.hidden_slice.hold != nullptr || c.dh_slice.hold != nullptr) {
+    return false;
+  }
+  const std::vector<std::string> invariant = plan_->head->engine->invariance().across_batches;
+  auto is_invariant = [&](const char* output) {
+    return std::find(invariant.begin(), invariant.end(), output) != invariant.end();
+  };
+  return (c.outs.logprob == nullptr || is_invariant("logprob")) &&
+         (c.outs.entropy == nullptr || is_invariant("entropy")) && (c.outs.loss == nullptr || is_invariant("loss")) &&
+         (c.grads.d_hidden == nullptr || is_invariant("d_hidden"));
+}
+
+// The chunk's engine call through the dynamic batcher: merged with other requests' rows, or (when
+// this request leads) the merged call made here with this request's staging.
+absl::Status StreamedRequest::ComputeBatched(InFlightChunk& c) {
+  const BatchRows rows{c.view.hidden, c.view.targets, c.rows, c.up.grad_loss, c.up.grad_logprob,
+                       c.up.grad_entropy, c.outs.logprob, c.outs.entropy, c.outs.loss, c.grads.d_hidden};
+  const BatchKey key{plan_->head.get(), plan_->options, c.up.mode, row_bytes_, PresentArrays(rows)};
+  auto run = [this, &c](const BatchRows& r) {
+    // The merged call is every batched request's: no one request's log accounts it (see below).
+    RequestWork::Scope unaccounted(nullptr);
+    const RowsView view{r.hidden, r.targets, r.rows, MemorySpace::kHost, /*targets_checked=*/true};
+    const Upstream up{c.up.mode, r.grad_loss, r.grad_logprob, r.grad_entropy};
+    const RowOutputs outs{r.logprob, r.entropy, nullptr, r.loss};
+    const GradOutputs grads{r.d_hidden, nullptr};
+    LceEngine& engine = *plan_->head->engine;
+    return c.device_path ? service_.RunEngineOnDevice(method_, op_, engine, *staging_.held[0], view, false,
+                                                      plan_->options, up, outs, grads, false)
+                         : service_.RunEngine(method_, op_, engine, view, plan_->options, up, outs, grads);
+  };
+  DynamicBatcher::Timing t;
+  absl::Status s = service_.batcher_.Run(key, rows, run, [this] { return ctx_->IsCancelled(); }, op_, &t);
+  if (work_ != nullptr && t.launched != std::chrono::steady_clock::time_point{}) {
+    // This request's share of the log: its wait for the batch as queue time, the batch's call.
+    if (work_->engine_calls == 0) work_->first_call_start = t.launched;
+    work_->last_call_end = t.ended;
+    ++work_->engine_calls;
+    work_->queue_seconds += std::chrono::duration<double>(t.launched - t.enqueued).count();
+    work_->engine_seconds += std::chrono::duration<double>(t.ended - t.launched).count();
+  }
+  return s;
 }
 
 // PolicyLoss: the forward for logprob and entropy, the policy loss and its upstream gradients on

@@ -85,6 +85,10 @@ class StreamedRequest {
   grpc::Status Prepare(InFlightChunk& c);
   grpc::Status Submit(InFlightChunk& c);
   grpc::Status Compute(InFlightChunk& c);
+  // Dynamic batching (dynamic_batcher.h): may the chunk's call be merged with other requests'; the
+  // call through the batcher.
+  bool Batchable(const InFlightChunk& c) const;
+  absl::Status ComputeBatched(InFlightChunk& c);
   // PolicyLoss: the forward, the loss and its upstream gradients on the host, for the backward.
   absl::Status PolicyForward(InFlightChunk& c);
   absl::Status CallEngine(InFlightChunk& c, const char* what, const Upstream& up, const RowOutputs& outs,

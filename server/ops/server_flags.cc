@@ -68,6 +68,10 @@ ABSL_FLAG(bool, log_requests, true,
           "one JSON line per finished RPC on stderr, with its request id");
 ABSL_FLAG(bool, pipeline_chunks, true,
           "GPU engines, for clients that send ahead (RequestHeader.sends_ahead): compute a chunk while the next is read and staged, answer from another thread");
+ABSL_FLAG(int64_t, batch_max_rows, 0,
+          "dynamic batching: concurrent small Calls (Score; ForwardBackward and Backward without accumulate_weight_grad) of the same head version and options are merged into one engine call of at most N rows; a request of more rows runs alone (0: off). Only on engines whose rows are the same bits in any batch (the CPU engine; CUDA with --batch-invariant=true)");
+ABSL_FLAG(int64_t, batch_max_delay_us, 0,
+          "how long a batch waits for more requests before it launches, in microseconds, at most 1000000 (0: at once when the engine is free; requests queue only while it is busy)");
 ABSL_FLAG(int32_t, metrics_port, -1,
           "serve Prometheus metrics at http://HOST:N/metrics (and /healthz); rank 0 only (-1: off, 0 picks a free port)");
 ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
@@ -162,6 +166,8 @@ const std::vector<std::string>& FlagNames() {
       "max_rows_per_request",
       "log_requests",
       "pipeline_chunks",
+      "batch_max_rows",
+      "batch_max_delay_us",
       "metrics_port",
       "metrics_host",
       "max_concurrent_streams",
@@ -359,6 +365,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   f.max_rows_per_request = absl::GetFlag(FLAGS_max_rows_per_request);
   f.log_requests = absl::GetFlag(FLAGS_log_requests);
   f.pipeline_chunks = absl::GetFlag(FLAGS_pipeline_chunks);
+  f.batch_max_rows = absl::GetFlag(FLAGS_batch_max_rows);
+  f.batch_max_delay_us = absl::GetFlag(FLAGS_batch_max_delay_us);
   f.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   f.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   f.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
@@ -399,6 +407,10 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError("--tp-size > 1 needs --tp-rendezvous=DIR");
   }
   if (absl::Status s = CheckDpFlags(f); !s.ok()) return s;
+  if (f.batch_max_rows < 0) return absl::InvalidArgumentError("--batch-max-rows must be >= 0");
+  if (f.batch_max_delay_us < 0 || f.batch_max_delay_us > 1000000) {
+    return absl::InvalidArgumentError("--batch-max-delay-us must be in [0, 1000000]");
+  }
   if (f.max_message_bytes < (1 << 16)) return absl::InvalidArgumentError("--max-message-bytes must be >= 65536");
   if (f.http2_window_bytes < 0 || f.http2_window_bytes > INT32_MAX) {
     return absl::InvalidArgumentError("--http2-window-bytes must be in [0, 2147483647]");

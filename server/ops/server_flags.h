@@ -35,6 +35,10 @@ struct ServerFlags {
   int64_t max_rows_per_request{};
   bool log_requests{};  // one JSON line per finished RPC on stderr
   bool pipeline_chunks{};  // ServiceConfig.pipeline_chunks
+  // Dynamic batching (ServiceConfig.batching): rows of a merged engine call at most (<= 1: off),
+  // and how long a batch waits for more rows (0: it launches as soon as the engine is free).
+  int64_t batch_max_rows{};
+  int64_t batch_max_delay_us{};
   int metrics_port{};  // -1: no metrics endpoint; 0: pick a free port
   std::string metrics_host;
   int64_t max_concurrent_streams{};

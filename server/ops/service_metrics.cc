@@ -30,7 +30,17 @@ ServiceMetrics::ServiceMetrics(metrics::Registry& r)
       regions(r.AddGauge("lce_regions",
                          "Registered regions of sessions, by kind (host shm, device CUDA IPC, server memory of the "
                          "data plane).",
-                         {"kind"})) {}
+                         {"kind"})),
+      batch_rows(r.AddHistogram("lce_batch_rows", "Rows of each engine call of the dynamic batcher, by operation.",
+                                {"op"}, metrics::ExponentialBuckets(1, 2, 13))),
+      batch_requests(r.AddHistogram("lce_batch_requests",
+                                    "Requests merged into each engine call of the dynamic batcher, by operation.",
+                                    {"op"}, metrics::ExponentialBuckets(1, 2, 10))),
+      batch_queue_seconds(r.AddHistogram("lce_batch_queue_seconds",
+                                         "Time a batched request waited from its arrival to its batch's launch.",
+                                         {"op"}, metrics::ExponentialBuckets(0.00001, 2, 18))),
+      batch_fallbacks(r.AddCounter("lce_batch_fallbacks",
+                                   "Merged engine calls that failed and ran again one request at a time.", {"op"})) {}
 
 void ServiceMetrics::Sample(const HeadStore& heads) {
   double weights = 0, workspace = 0;

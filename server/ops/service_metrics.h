@@ -30,6 +30,13 @@ class ServiceMetrics {
   metrics::Family<metrics::Gauge>& peer_up;             // lce_peer_up{rank}
   metrics::Gauge& sessions;                             // lce_sessions
   metrics::Family<metrics::Gauge>& regions;             // lce_regions{kind}
+  // Dynamic batching (server/api/dynamic_batcher.h), by op: rows and requests per batched engine
+  // call, a request's wait from its arrival to its batch's launch, merged calls that failed and
+  // ran again one request at a time.
+  metrics::Family<metrics::Histogram>& batch_rows;      // lce_batch_rows{op}
+  metrics::Family<metrics::Histogram>& batch_requests;  // lce_batch_requests{op}
+  metrics::Family<metrics::Histogram>& batch_queue_seconds;  // lce_batch_queue_seconds{op}
+  metrics::Family<metrics::Counter>& batch_fallbacks;   // lce_batch_fallbacks_total{op}
 
   // Refreshes the sampled gauges (head versions, engine memory) from the head store.
   void Sample(const HeadStore& heads);
