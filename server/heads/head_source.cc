@@ -200,6 +200,38 @@ absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::st
   return path;
 }
 
+absl::Status ProtectCommittedSave(const std::string& dir, const std::string& name, int64_t version, int world) {
+  namespace fs = std::filesystem;
+  if (absl::Status s = CheckSaveName(name); !s.ok()) return s;
+  const std::string path = (fs::path(dir) / (name + ".index.json")).string();
+  std::ifstream in(path);
+  if (!in) return absl::OkStatus();  // no save yet
+  nlohmann::ordered_json index = nlohmann::ordered_json::parse(in, nullptr, false);
+  auto shards = index.is_object() ? index.find("shards") : index.end();
+  if (shards == index.end() || !shards->is_array()) return absl::OkStatus();  // nothing loadable to keep
+  std::set<std::string> ours;
+  for (int r = 0; r < world; ++r) ours.insert(ShardFileName(name, version, r, world));
+  auto file_of = [](const nlohmann::ordered_json& s) {
+    auto f = s.is_object() ? s.find("file") : s.end();
+    return f != s.end() && f->is_string() ? f->get<std::string>() : std::string();
+  };
+  if (std::none_of(shards->begin(), shards->end(), [&](const auto& s) { return ours.count(file_of(s)) != 0; })) {
+    return absl::OkStatus();
+  }
+  const int n = static_cast<int>(shards->size());
+  for (int k = 0; k < n; ++k) {
+    const std::string file = file_of((*shards)[k]);
+    if (file.empty()) return absl::OkStatus();  // an index that does not load: nothing to keep
+    const std::string moved = ShardFileName(name, 0, k, n);
+    if (absl::Status s = LinkDurably((fs::path(dir) / file).string(), (fs::path(dir) / moved).string()); !s.ok()) {
+      return s;
+    }
+    (*shards)[k]["file"] = moved;
+  }
+  const std::string text = index.dump(1) + "\n";
+  return WriteFileDurably(path, [&](int fd) { return WriteAll(fd, text.data(), text.size(), path); });
+}
+
 std::string ShardFileName(const std::string& name, int64_t version, int rank, int world) {
   return absl::StrCat(name, "-v", version, "-shard-", rank, "-of-", world, ".safetensors");
 }
