@@ -189,8 +189,14 @@ float AggregationWeight(AggregationKind kind, int64_t seq_tokens, int64_t total_
   switch (kind) {
     case AggregationKind::kTokenMean: return total_tokens > 0 ? 1.0f / static_cast<float>(total_tokens) : 0.0f;
     case AggregationKind::kSeqMeanTokenSum: return num_sequences > 0 ? 1.0f / static_cast<float>(num_sequences) : 0.0f;
-    case AggregationKind::kSeqMeanTokenMean:
-      return num_sequences > 0 && seq_tokens > 0 ? 1.0f / static_cast<float>(num_sequences * seq_tokens) : 0.0f;
+    case AggregationKind::kSeqMeanTokenMean: {
+      if (num_sequences <= 0 || seq_tokens <= 0) return 0.0f;
+      int64_t n = 0;  // declared counts come from requests: their product may not be a number
+      if (__builtin_mul_overflow(num_sequences, seq_tokens, &n)) {
+        return static_cast<float>(1.0 / (static_cast<double>(num_sequences) * static_cast<double>(seq_tokens)));
+      }
+      return 1.0f / static_cast<float>(n);
+    }
   }
   return 0.0f;
 }

@@ -13,8 +13,12 @@ namespace {
 using RowsFn = void (*)(int64_t, int64_t, int64_t, int64_t, StridedMatrix, const float*, int64_t,
                         float*, int64_t, bool);
 
+#if defined(__clang__)  // clang has no GCC target pragmas (the sanitizer and fuzz builds use clang)
+#pragma clang attribute push(__attribute__((target("avx512f,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,fma")
+#endif
 namespace avx512 {
 struct Vec {
   using T = __m512;
@@ -28,10 +32,18 @@ struct Vec {
 constexpr int kRowsPerTile = 8;
 #include "cpu/fixed_order_gemm_tile.inc"
 }  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
+#if defined(__clang__)  // clang has no GCC target pragmas (the sanitizer and fuzz builds use clang)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#endif
 namespace avx2 {
 struct Vec {
   using T = __m256;
@@ -45,7 +57,11 @@ struct Vec {
 constexpr int kRowsPerTile = 6;
 #include "cpu/fixed_order_gemm_tile.inc"
 }  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 namespace scalar {
 // Without an FMA unit: std::fma (and __builtin_fmaf, a libm call here) round once, as the hardware

@@ -342,6 +342,10 @@ grpc::Status LceService::SaveHead(grpc::ServerContext* ctx, const v1::SaveHeadRe
     const ServedHead& h = **head;
     const int world = config_.tp_size;
     std::lock_guard<std::mutex> lock(h.training->mu);  // no step rewrites the weight meanwhile
+    // Before any rank writes: a committed save of this very version (another run's) moves aside.
+    if (absl::Status s = ProtectCommittedSave(req->directory(), h.name, h.version, world); !s.ok()) {
+      return ToGrpcStatus(s);
+    }
     absl::StatusOr<std::string> shard;
     auto write_own = [&]() -> absl::Status {
       absl::StatusOr<std::shared_ptr<const HeadWeights>> w = CurrentWeights(h.training->trainer.get(), h.weights);

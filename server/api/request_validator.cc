@@ -78,8 +78,11 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
     }
     for (int64_t n : p.sequence_valid_tokens()) {
       if (n < 0) return absl::InvalidArgumentError("policy.sequence_valid_tokens must be >= 0");
+      // Their sum must be a number (signed overflow is undefined: found by tests/fuzz).
+      if (__builtin_add_overflow(plan.total_valid_tokens, n, &plan.total_valid_tokens)) {
+        return absl::InvalidArgumentError("policy.sequence_valid_tokens add up to more than 2^63 - 1 tokens");
+      }
       plan.sequence_valid_tokens.push_back(n);
-      plan.total_valid_tokens += n;
     }
   }
   if (!is_fb && (h.label_smoothing() != 0.0f || h.z_loss() != 0.0f || h.reduction() != v1::REDUCTION_UNSPECIFIED ||

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "absl/strings/str_cat.h"
 
@@ -19,6 +20,17 @@ absl::Status Errno(const std::string& what, const std::string& path) {
   if (e == EACCES || e == EPERM || e == EROFS) return absl::PermissionDeniedError(msg);
   if (e == ENOSPC || e == EDQUOT) return absl::ResourceExhaustedError(msg);
   return absl::DataLossError(msg);
+}
+
+// fsync of the directory holding `path`: makes the names made in it durable. Best effort (some
+// filesystems cannot sync a directory).
+void SyncDirectoryOf(const std::string& path) {
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
 }
 
 }  // namespace
@@ -48,13 +60,30 @@ absl::Status WriteFileDurably(const std::string& path, const std::function<absl:
     ::unlink(tmp.c_str());
     return s;
   }
-  // The rename itself is durable once the directory is.
-  const std::string dir = std::filesystem::path(path).parent_path().string();
-  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
+  SyncDirectoryOf(path);  // the rename itself is durable once the directory is
+  return absl::OkStatus();
+}
+
+absl::Status LinkDurably(const std::string& from, const std::string& to) {
+  const std::string tmp = to + ".tmp-link";
+  ::unlink(tmp.c_str());
+  if (::link(from.c_str(), tmp.c_str()) != 0) {
+    std::ifstream in(from, std::ios::binary);
+    if (!in) return Errno("cannot open", from);
+    return WriteFileDurably(to, [&](int fd) -> absl::Status {
+      char buf[1 << 16];
+      while (in.read(buf, sizeof buf) || in.gcount() > 0) {
+        if (absl::Status s = WriteAll(fd, buf, static_cast<size_t>(in.gcount()), to); !s.ok()) return s;
+      }
+      return in.eof() ? absl::OkStatus() : absl::DataLossError(absl::StrCat("cannot read ", from));
+    });
   }
+  if (::rename(tmp.c_str(), to.c_str()) != 0) {
+    absl::Status s = Errno("cannot rename onto", to);
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  SyncDirectoryOf(to);
   return absl::OkStatus();
 }
 

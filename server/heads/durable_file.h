@@ -16,5 +16,8 @@ namespace lce::server {
 absl::Status WriteFileDurably(const std::string& path, const std::function<absl::Status(int fd)>& fill);
 // Writes all `bytes` at `data` to `fd` (retrying short writes); `path` names the file in errors.
 absl::Status WriteAll(int fd, const void* data, size_t bytes, const std::string& path);
+// Makes `to` a durable second name of the file `from` (a hard link, or a durable copy where the
+// filesystem has none), replacing whatever `to` was at once.
+absl::Status LinkDurably(const std::string& from, const std::string& to);
 
 }  // namespace lce::server

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstring>
@@ -70,26 +71,47 @@ struct HeadIndex {
   std::vector<IndexedShard> shards;
 };
 
+// Every field is looked up with a check: a missing key read through a const json's operator[] is
+// undefined behaviour in nlohmann::json (tests/fuzz/fuzz_head_index found an index whose shard
+// lacked "vocab_end" reading freed memory).
 absl::StatusOr<HeadIndex> ReadIndex(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-  if (j.is_discarded() || !j.contains("shards") || !j.contains("vocab_size") || !j.contains("hidden_size") ||
-      !j.contains("dtype")) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not an lce-serve head index"));
-  }
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not an lce-serve head index (", why, ")"));
+  };
+  if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
+  auto integer = [](const nlohmann::json& o, const char* key, int64_t* out) {
+    auto it = o.find(key);
+    if (it == o.end() || !it->is_number_integer()) return false;
+    *out = it->get<int64_t>();
+    return true;
+  };
   HeadIndex idx;
-  idx.vocab_size = j["vocab_size"].get<int64_t>();
-  idx.hidden_size = j["hidden_size"].get<int64_t>();
-  absl::StatusOr<DType> d = ParseDType(j["dtype"].get<std::string>());
+  if (!integer(j, "vocab_size", &idx.vocab_size) || !integer(j, "hidden_size", &idx.hidden_size)) {
+    return bad("vocab_size and hidden_size must be integers");
+  }
+  auto dtype = j.find("dtype");
+  if (dtype == j.end() || !dtype->is_string()) return bad("dtype must be a string");
+  absl::StatusOr<DType> d = ParseDType(dtype->get<std::string>());
   if (!d.ok()) return d.status();
   idx.dtype = *d;
-  idx.has_bias = j.value("has_bias", false);
+  auto bias = j.find("has_bias");
+  if (bias != j.end() && !bias->is_boolean()) return bad("has_bias must be true or false");
+  idx.has_bias = bias != j.end() && bias->get<bool>();
+  auto shards = j.find("shards");
+  if (shards == j.end() || !shards->is_array()) return bad("shards must be an array");
   const std::filesystem::path dir = std::filesystem::path(path).parent_path();
   int64_t next = 0;
-  for (const auto& s : j["shards"]) {
-    IndexedShard sh{(dir / s["file"].get<std::string>()).string(), s["vocab_begin"].get<int64_t>(),
-                    s["vocab_end"].get<int64_t>()};
+  for (const nlohmann::json& sj : *shards) {
+    IndexedShard sh{};
+    auto file = sj.is_object() ? sj.find("file") : sj.end();
+    if (!sj.is_object() || file == sj.end() || !file->is_string() || !integer(sj, "vocab_begin", &sh.begin) ||
+        !integer(sj, "vocab_end", &sh.end)) {
+      return bad("each shard needs a file name and integer vocab_begin and vocab_end");
+    }
+    sh.file = (dir / file->get<std::string>()).string();
     if (sh.begin != next || sh.end <= sh.begin) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": shards must cover the vocabulary in order"));
     }
@@ -100,17 +122,33 @@ absl::StatusOr<HeadIndex> ReadIndex(const std::string& path) {
   return idx;
 }
 
-// Appends rows [begin, end) of `tensor` gathered from the indexed shard files to `out`.
-absl::Status GatherRows(const HeadIndex& idx, const std::string& tensor, int64_t begin, int64_t end,
-                        std::vector<uint8_t>& out) {
+// Appends rows [begin, end) of `tensor` gathered from the indexed shard files to `out`. Each file's
+// tensor must be what the index says: its rows, `cols` wide, of `dtype`.
+absl::Status GatherRows(const HeadIndex& idx, const std::string& tensor, DType dtype, int64_t cols, int64_t begin,
+                        int64_t end, std::vector<uint8_t>& out) {
   for (const IndexedShard& sh : idx.shards) {
     const int64_t lo = std::max(begin, sh.begin), hi = std::min(end, sh.end);
     if (lo >= hi) continue;
     absl::StatusOr<SafetensorsEntry> e = ReadSafetensorsEntry(sh.file, tensor);
     if (!e.ok()) return e.status();
+    if (e->rows != sh.end - sh.begin || e->cols != cols || e->dtype != dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          sh.file, ": '", tensor, "' is ", e->rows, "x", e->cols, " ", DTypeName(e->dtype), ", but the index says ",
+          sh.end - sh.begin, "x", cols, " ", DTypeName(dtype), " (vocabulary rows [", sh.begin, ", ", sh.end, "))"));
+    }
     absl::StatusOr<std::vector<uint8_t>> rows = ReadSafetensorsRows(sh.file, *e, lo - sh.begin, hi - sh.begin);
     if (!rows.ok()) return rows.status();
     out.insert(out.end(), rows->begin(), rows->end());
+  }
+  return absl::OkStatus();
+}
+
+// A head's name becomes part of file names: it may not leave the save's directory.
+absl::Status CheckSaveName(const std::string& name) {
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
+      name.find('\0') != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot save head '", name, "' under its name: a head saved to files needs a name without '/'"));
   }
   return absl::OkStatus();
 }
@@ -119,6 +157,7 @@ absl::Status GatherRows(const HeadIndex& idx, const std::string& tensor, int64_t
 
 absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::string& name, int64_t version,
                                            const HeadWeights& w, int rank, int world) {
+  if (absl::Status s = CheckSaveName(name); !s.ok()) return s;
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
@@ -135,6 +174,7 @@ absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::st
 
 absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::string& name, int64_t version,
                                            const HeadShape& shape, int world) {
+  if (absl::Status s = CheckSaveName(name); !s.ok()) return s;
   nlohmann::ordered_json index = {{"format", "lce-serve sharded head"},
                                   {"tensor", "lm_head.weight"},
                                   {"vocab_size", shape.vocab_size},
@@ -158,6 +198,38 @@ absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::st
   }
   RemoveStaleShards(dir, name, named);
   return path;
+}
+
+absl::Status ProtectCommittedSave(const std::string& dir, const std::string& name, int64_t version, int world) {
+  namespace fs = std::filesystem;
+  if (absl::Status s = CheckSaveName(name); !s.ok()) return s;
+  const std::string path = (fs::path(dir) / (name + ".index.json")).string();
+  std::ifstream in(path);
+  if (!in) return absl::OkStatus();  // no save yet
+  nlohmann::ordered_json index = nlohmann::ordered_json::parse(in, nullptr, false);
+  auto shards = index.is_object() ? index.find("shards") : index.end();
+  if (shards == index.end() || !shards->is_array()) return absl::OkStatus();  // nothing loadable to keep
+  std::set<std::string> ours;
+  for (int r = 0; r < world; ++r) ours.insert(ShardFileName(name, version, r, world));
+  auto file_of = [](const nlohmann::ordered_json& s) {
+    auto f = s.is_object() ? s.find("file") : s.end();
+    return f != s.end() && f->is_string() ? f->get<std::string>() : std::string();
+  };
+  if (std::none_of(shards->begin(), shards->end(), [&](const auto& s) { return ours.count(file_of(s)) != 0; })) {
+    return absl::OkStatus();
+  }
+  const int n = static_cast<int>(shards->size());
+  for (int k = 0; k < n; ++k) {
+    const std::string file = file_of((*shards)[k]);
+    if (file.empty()) return absl::OkStatus();  // an index that does not load: nothing to keep
+    const std::string moved = ShardFileName(name, 0, k, n);
+    if (absl::Status s = LinkDurably((fs::path(dir) / file).string(), (fs::path(dir) / moved).string()); !s.ok()) {
+      return s;
+    }
+    (*shards)[k]["file"] = moved;
+  }
+  const std::string text = index.dump(1) + "\n";
+  return WriteFileDurably(path, [&](int fd) { return WriteAll(fd, text.data(), text.size(), path); });
 }
 
 std::string ShardFileName(const std::string& name, int64_t version, int rank, int world) {
@@ -264,12 +336,17 @@ absl::Status ReadIndexed(const HeadSource& source, HeadWeights& head) {
   absl::StatusOr<HeadIndex> idx = ReadIndex(source.file);
   if (!idx.ok()) return idx.status();
   HeadShape& shape = head.shape;
-  if (absl::Status s = GatherRows(*idx, "lm_head.weight", shape.vocab_begin, shape.vocab_end(), head.weight); !s.ok()) {
+  if (absl::Status s = GatherRows(*idx, "lm_head.weight", shape.dtype, shape.hidden_size, shape.vocab_begin,
+                                 shape.vocab_end(), head.weight);
+      !s.ok()) {
     return s;
   }
   if (idx->has_bias) {
     std::vector<uint8_t> bias;
-    if (absl::Status s = GatherRows(*idx, "lm_head.bias", shape.vocab_begin, shape.vocab_end(), bias); !s.ok()) return s;
+    if (absl::Status s = GatherRows(*idx, "lm_head.bias", DType::kFloat32, 1, shape.vocab_begin, shape.vocab_end(), bias);
+        !s.ok()) {
+      return s;
+    }
     head.bias.resize(bias.size() / 4);
     std::memcpy(head.bias.data(), bias.data(), head.bias.size() * 4);
     shape.has_bias = true;

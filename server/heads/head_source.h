@@ -54,6 +54,13 @@ absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::st
 absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::string& name, int64_t version,
                                            const HeadShape& shape, int world);
 
+// Called once before the ranks of a save of `name` at `version` by `world` ranks write into `dir`:
+// when the save committed there names the very files this one will write (the same version saved
+// again over another run's save, e.g. by a restarted group), those files get names of their own
+// first (version 0, which no served head has) and an index naming them is committed, so that no
+// rank's write replaces a file the committed index names. Otherwise (a new version) nothing to do.
+absl::Status ProtectCommittedSave(const std::string& dir, const std::string& name, int64_t version, int world);
+
 // Element (row, col) of the seeded head, as fp32 before rounding to the head's dtype. Shared by
 // shards so that every rank generates exactly its rows of the same head.
 float SeededHeadValue(uint64_t seed, int64_t row, int64_t col, int64_t hidden);

@@ -1,6 +1,10 @@
 #include "safetensors.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <new>
 
@@ -67,16 +71,31 @@ absl::StatusOr<SafetensorsEntry> EntryOf(const std::string& path, const nlohmann
   const uint64_t end = t["data_offsets"][1].get<uint64_t>();
   const uint64_t data_bytes = file_size - 8 - header_len;  // the caller checked 8 + header_len <= file_size
   if (end < begin || end - begin != static_cast<uint64_t>(*want) || end > data_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", tensor, "' offsets [", begin, ", ",
-                                                   end, ") do not match its shape or the file"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": tensor '", tensor, "' offsets [", begin, ", ", end, ") do not match its shape or the file",
+        end >= begin && end - begin == static_cast<uint64_t>(*want)
+            ? absl::StrCat(" (the file holds ", data_bytes, " bytes of tensor data: truncated?)")
+            : std::string()));
   }
   e.data_offset = 8 + header_len + begin;
   return e;
 }
 
+// A FIFO or a device (/dev/zero, /dev/urandom) is not a head: it would block, or feed a header of
+// up to 100 MB of noise.
+absl::Status CheckRegularFile(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<SafetensorsEntry> ReadSafetensorsEntry(const std::string& path, const std::string& tensor) {
+  if (absl::Status s = CheckRegularFile(path); !s.ok()) return s;
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   in.seekg(0, std::ios::end);
@@ -89,7 +108,8 @@ absl::StatusOr<SafetensorsEntry> ReadSafetensorsEntry(const std::string& path, c
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
   if (header_len > (uint64_t{100} << 20) || 8 + header_len > file_size) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": bad safetensors header length ", header_len));
+    return absl::InvalidArgumentError(absl::StrCat(path, ": bad safetensors header length ", header_len, " (the file has ",
+                                                   file_size, " bytes: truncated, or not a safetensors file)"));
   }
   std::string header(header_len, '\0');
   if (!in.read(header.data(), static_cast<std::streamsize>(header_len))) {
@@ -113,6 +133,7 @@ absl::StatusOr<std::vector<uint8_t>> ReadSafetensorsRows(const std::string& path
   absl::StatusOr<int64_t> bytes = TensorBytes(row_end - row_begin, entry.cols, DTypeSize(entry.dtype), path);
   if (!bytes.ok()) return bytes.status();
   const int64_t row_bytes = entry.cols * DTypeSize(entry.dtype);
+  if (absl::Status s = CheckRegularFile(path); !s.ok()) return s;
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   std::vector<uint8_t> out;

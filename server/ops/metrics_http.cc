@@ -67,7 +67,8 @@ struct MetricsHttpServer::Connection {
   Clock::time_point deadline;  // of the state it is in (none while a worker builds its answer)
 };
 
-std::string MetricsHttpServer::Answer(const std::string& req) const {
+std::string AnswerHttpRequest(const Registry& registry, const std::function<bool()>& healthy,
+                              const std::string& req) {
   const size_t sp1 = req.find(' ');
   const size_t sp2 = sp1 == std::string::npos ? sp1 : req.find(' ', sp1 + 1);
   if (sp2 == std::string::npos) return Reply(400, "text/plain; charset=utf-8", "bad request\n", false);
@@ -79,9 +80,13 @@ std::string MetricsHttpServer::Answer(const std::string& req) const {
   if (method != "GET" && !head_only) {
     return Reply(405, "text/plain; charset=utf-8", "method not allowed\n", false, "Allow: GET, HEAD\r\n");
   }
-  if (path == "/metrics") return Reply(200, kMetricsContentType, registry_->Render(), head_only);
-  const bool ok = !options_.healthy || options_.healthy();
+  if (path == "/metrics") return Reply(200, kMetricsContentType, registry.Render(), head_only);
+  const bool ok = !healthy || healthy();
   return Reply(ok ? 200 : 503, "text/plain; charset=utf-8", ok ? "ok\n" : "not serving\n", head_only);
+}
+
+std::string MetricsHttpServer::Answer(const std::string& req) const {
+  return AnswerHttpRequest(*registry_, options_.healthy, req);
 }
 
 bool MetricsHttpServer::ReadRequest(Connection& c) {

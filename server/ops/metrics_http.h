@@ -37,6 +37,12 @@ struct MetricsHttpOptions {
   int max_connections = 128;
 };
 
+// The whole answer (status line, headers, body) to one request's bytes as the server read them (up
+// to the blank line, or kMaxRequestBytes): the parse of the request line and the routing above.
+// No I/O; the server's workers call it, and tests/fuzz/fuzz_metrics_http.cc fuzzes it.
+std::string AnswerHttpRequest(const Registry& registry, const std::function<bool()>& healthy,
+                              const std::string& request);
+
 class MetricsHttpServer {
  public:
   // The registry must outlive the server. Errors (port in use, bad address) as absl::Status.

@@ -4,7 +4,6 @@
 // request with UNAVAILABLE naming the rank, within the watchdog timeout, and the front exits for a
 // restart. LCE_TEST_TP_BACKEND=cuda runs the same on GPUs.
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,29 +19,15 @@
 #include "head_source.h"
 #include "lce/client/lce_client.h"
 #include "test_server.h"
+#include "tp_processes.h"
 #include "training_rpcs.h"
-
-extern char** environ;
 
 namespace lce::e2e {
 namespace {
 
 namespace fs = std::filesystem;
 
-// LCE_TEST_TP_BACKEND=cuda runs the same groups on GPUs (one per rank, NCCL); default cpu (Gloo).
-std::string Backend() {
-  const char* b = std::getenv("LCE_TEST_TP_BACKEND");
-  return b != nullptr && *b != 0 ? b : "cpu";
-}
-
 // LCE_TEST_TP_SIZES=1,2 picks the group sizes compared with one unsharded engine (default 2,3).
-// The lce_server binary: $LCE_SERVER_BIN (a tree copied elsewhere, e.g. to a GPU machine), else the
-// one this build made.
-std::string ServerPath() {
-  const char* env = std::getenv("LCE_SERVER_BIN");
-  return env != nullptr && *env != 0 ? env : LCE_SERVER_PATH;
-}
-
 std::vector<int> GroupSizes() {
   const char* env = std::getenv("LCE_TEST_TP_SIZES");
   std::vector<int> sizes;
@@ -53,73 +38,6 @@ std::vector<int> GroupSizes() {
   }
   return sizes;
 }
-
-class TpGroup {
- public:
-  // `extra`: more flags for every rank (later ones win over the defaults above them).
-  TpGroup(int k, double timeout_seconds, const std::string& head_file = "", const std::vector<std::string>& extra = {})
-      : dir_(fs::temp_directory_path() / ("lce_tp_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    const std::string port_file = (dir_ / "port").string();
-    for (int r = 0; r < k; ++r) {
-      const std::string server = ServerPath();
-      std::vector<std::string> args = {server, "--port=0", "--port-file=" + port_file, "--backend=" + Backend(),
-                                       "--device=" + std::to_string(r),
-                                       "--seed-head=" + std::to_string(kVocab) + "x" + std::to_string(kHidden), "--seed=7",
-                                       "--head-dtype=fp32", "--cpu-threads=1", "--tp-size=" + std::to_string(k),
-                                       "--tp-rank=" + std::to_string(r), "--tp-rendezvous=" + (dir_ / "rdv").string(),
-                                       "--tp-timeout-seconds=" + std::to_string(timeout_seconds), "--host=127.0.0.1",
-                                       "--log-requests=false", "--data-port=0"};
-      if (!head_file.empty()) args.push_back("--head-file=" + head_file);
-      args.insert(args.end(), extra.begin(), extra.end());
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      pid_t pid = 0;
-      EXPECT_EQ(posix_spawn(&pid, server.c_str(), nullptr, nullptr, argv.data(), environ), 0);
-      pids_.push_back(pid);
-    }
-    for (int i = 0; i < 300 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    std::ifstream in(port_file);
-    int port = 0;
-    in >> port;
-    EXPECT_GT(port, 0) << "the front never wrote its port";
-    target_ = "127.0.0.1:" + std::to_string(port);
-  }
-  ~TpGroup() {
-    for (pid_t p : pids_) {
-      if (p > 0) ::kill(p, SIGKILL);  // never kill(-1): that signals every process we may
-    }
-    for (pid_t p : pids_) {
-      if (p > 0) ::waitpid(p, nullptr, 0);
-    }
-    fs::remove_all(dir_);
-  }
-  const std::string& target() const { return target_; }
-  pid_t pid(int rank) const { return pids_[rank]; }
-  void Signal(int rank, int sig) const {
-    if (pids_[rank] > 0) ::kill(pids_[rank], sig);
-  }
-  // Exit code of `rank` once it exits within `seconds`, or -1.
-  int WaitExit(int rank, double seconds) {
-    for (int i = 0; i < seconds * 10; ++i) {
-      int status = 0;
-      if (::waitpid(pids_[rank], &status, WNOHANG) == pids_[rank]) {
-        pids_[rank] = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    return -1;
-  }
-
- private:
-  static inline int counter_ = 0;
-  fs::path dir_;
-  std::vector<pid_t> pids_;
-  std::string target_;
-};
 
 std::unique_ptr<client::LceClient> Connect(const std::string& target, int64_t chunk_bytes) {
   return ConnectClient(target, chunk_bytes, [](client::ClientOptions& o) { o.timeout = absl::Seconds(60); });
@@ -151,7 +69,7 @@ double RelErr(const float* got, const float* want, size_t n) {
 // logprob, entropy, loss and d_hidden are the same bits on a group of any size as on one server
 // (issue 17). On GPUs the vocabulary must be >= 131072 (segments at global offsets).
 TEST(TensorParallel, InvariantGroupsGiveOneServersBits) {
-  const int64_t vocab = Backend() == "cuda" ? 140001 : 5003, hidden = 2 * kHidden, rows = 96;
+  const int64_t vocab = TpBackend() == "cuda" ? 140001 : 5003, hidden = 2 * kHidden, rows = 96;
   const std::vector<std::string> extra = {"--seed-head=" + std::to_string(vocab) + "x" + std::to_string(hidden),
                                           "--head-dtype=bf16", "--batch-invariant=true", "--tp-invariant=true"};
   Batch b = MakeBatch(2 * rows, v1::DTYPE_BFLOAT16, 41);  // 2·rows rows of kHidden = rows rows of `hidden`
@@ -366,7 +284,7 @@ void ExpectSame(const std::vector<float>& got, const std::vector<float>& want, b
 // CPUs (the engine's dW and the tile-ordered norm do not depend on the group size), within rounding
 // on GPUs (cuBLAS picks algorithms by shape). A head saved by a group of 3 loads into a group of 2.
 TEST(TensorParallel, TrainingTheShardedHeadMatchesOneRank) {
-  const bool bits = Backend() == "cpu";
+  const bool bits = TpBackend() == "cpu";
   for (int k : GroupSizes()) {
     if (k == 1) continue;
     TpGroup one(1, 10.0), group(k, 10.0);

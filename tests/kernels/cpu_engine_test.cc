@@ -19,8 +19,27 @@ using testing::Decode;
 using testing::Encode;
 using testing::RelErr;
 
-
-
+// RelErr holds every row to the tolerance, not only the whole (an L2 ratio over N rows dilutes one
+// bad row by ~1/sqrt(N): a 1% error in one row of 1000 read as 3e-4 and passed 1e-3).
+TEST(Reference, RelErrSeesOneBadRow) {
+  std::vector<double> want(1000);
+  for (size_t i = 0; i < want.size(); ++i) want[i] = -3.0 - static_cast<double>(i % 7);
+  std::vector<float> got(want.begin(), want.end());
+  EXPECT_LE(RelErr(got, want), 1e-7);
+  got[617] = static_cast<float>(want[617] * 1.01);
+  EXPECT_GT(RelErr(got, want), 5e-3);
+  // Rows of 16 values (d_hidden): one row off by 1% of its norm, the others exact.
+  std::vector<double> dh(64 * 16);
+  for (size_t i = 0; i < dh.size(); ++i) dh[i] = std::sin(0.37 * static_cast<double>(i));
+  std::vector<float> dh_got(dh.begin(), dh.end());
+  for (size_t c = 0; c < 16; ++c) dh_got[40 * 16 + c] = static_cast<float>(dh[40 * 16 + c] * 1.01);
+  EXPECT_GT(RelErr(dh_got, dh, 16), 5e-3);
+  // A row near zero is held to a typical row's norm, not its own: rounding there is not an error.
+  std::vector<double> small = {1.0, -2.0, 1e-12, 3.0};
+  std::vector<float> small_got = {1.0f, -2.0f, 1e-9f, 3.0f};
+  EXPECT_LE(RelErr(small_got, small), 1e-8);
+  EXPECT_EQ(RelErr(std::vector<float>(3), small), std::numeric_limits<double>::infinity());
+}
 
 struct Case {
   RefProblem ref;

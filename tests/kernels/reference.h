@@ -27,8 +27,11 @@ struct RefResult {
 
 RefResult ReferenceLce(const RefProblem& p);
 
-// ‖got − want‖ / ‖want‖ (absolute when want is all zeros); infinity when got holds a non-finite value.
-double RelErr(const std::vector<float>& got, const std::vector<double>& want);
+// The larger of ‖got − want‖ / ‖want‖ (absolute when want is all zeros) and, over rows of `cols`
+// values (1: each value), the worst row's ‖got_r − want_r‖ / max(‖want_r‖, RMS row norm of want):
+// a bug in one row or at one tile edge shows at its own size, not diluted over all rows. Infinity
+// when got holds a non-finite value or the sizes differ.
+double RelErr(const std::vector<float>& got, const std::vector<double>& want, size_t cols = 1);
 
 // Rounds v to `dtype` (round to nearest even), appends its little-endian bytes to `out` and returns
 // the rounded value, so a reference can run on exactly the engine's inputs.

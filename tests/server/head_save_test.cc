@@ -146,5 +146,63 @@ TEST(HeadSave, ADamagedShardIsAClearErrorAtLoad) {
   fs::remove_all(dir);
 }
 
+// A save by a group of two at the version the committed save has (a restarted group saving over
+// its last run's directory) would rewrite the very files the committed index names: a crash after
+// one rank's write, before the index, would leave a mix of the two saves. ProtectCommittedSave,
+// which SaveHead calls before any rank writes, moves the committed save out of the way first.
+TEST(HeadSave, ASaveAtTheCommittedVersionLeavesTheCommittedSaveWhole) {
+  const fs::path dir = FreshDir("same-version");
+  const auto a = Seeded("300x16", 1), b = Seeded("300x16", 2);
+  auto save_rank = [&](const HeadWeights& whole, int r) {
+    HeadWeights shard = whole;
+    const VocabRange range = VocabShard(300, r, 2);
+    const int64_t row = 16 * 2;
+    shard.shape.vocab_begin = range.begin;
+    shard.shape.shard_rows = range.end - range.begin;
+    shard.weight.assign(whole.weight.begin() + range.begin * row, whole.weight.begin() + range.end * row);
+    ASSERT_TRUE(WriteHeadShard(dir.string(), "h", 4, shard, r, 2).ok());
+  };
+  save_rank(*a, 0);
+  save_rank(*a, 1);
+  ASSERT_TRUE(WriteHeadIndex(dir.string(), "h", 4, a->shape, 2).ok());
+  // Another run's save at version 4 dies after rank 1 wrote its shard.
+  ASSERT_TRUE(ProtectCommittedSave(dir.string(), "h", 4, 2).ok());
+  save_rank(*b, 1);
+  auto loaded = Load(dir, "h");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ((*loaded)->weight, a->weight) << "the committed save is no longer whole";
+  // Saved again, whole: the new save loads and the moved files are gone.
+  ASSERT_TRUE(ProtectCommittedSave(dir.string(), "h", 4, 2).ok());
+  save_rank(*b, 0);
+  save_rank(*b, 1);
+  ASSERT_TRUE(WriteHeadIndex(dir.string(), "h", 4, b->shape, 2).ok());
+  loaded = Load(dir, "h");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ((*loaded)->weight, b->weight);
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir)) files += e.path().extension() == ".safetensors";
+  EXPECT_EQ(files, 2) << "the moved save's files were left behind";
+  // Nothing to move: no save yet, or one at another version or group size.
+  EXPECT_TRUE(ProtectCommittedSave(dir.string(), "h", 5, 2).ok());
+  EXPECT_TRUE(ProtectCommittedSave(dir.string(), "other", 4, 2).ok());
+  fs::remove_all(dir);
+}
+
+// A head's name becomes part of the saved files' names: one with a '/' would write outside the
+// directory asked for, so it cannot be saved under its name (by any rank).
+TEST(HeadSave, ANameWithASlashIsRefused) {
+  const fs::path dir = FreshDir("slash");
+  const auto w = Seeded("30x16", 1);
+  for (const std::string name : {"../evil", "a/b", "..", ""}) {
+    const absl::Status shard = WriteHeadShard(dir.string(), name, 1, *w, 0, 1).status();
+    EXPECT_EQ(shard.code(), absl::StatusCode::kInvalidArgument) << name << ": " << shard;
+    EXPECT_NE(shard.message().find("needs a name without '/'"), std::string::npos) << shard;
+    EXPECT_EQ(WriteHeadIndex(dir.string(), name, 1, w->shape, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_FALSE(fs::exists(dir.parent_path() / ShardFileName("evil", 1, 0, 1)));
+  EXPECT_TRUE(fs::is_empty(dir));
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace lce::server

@@ -1,5 +1,7 @@
 #include "head_source.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 
@@ -10,6 +12,11 @@
 
 namespace lce::server {
 namespace {
+
+void ExpectError(const absl::Status& s, absl::StatusCode code, const std::string& words) {
+  EXPECT_EQ(s.code(), code) << s;
+  EXPECT_NE(s.message().find(words), std::string::npos) << "'" << s.message() << "' lacks '" << words << "'";
+}
 
 TEST(HeadSource, SeededHeadIsDeterministicAndShardsAgree) {
   HeadSource src;
@@ -60,13 +67,10 @@ TEST(HeadSource, ShardedFileLoadReadsItsRows) {
   EXPECT_EQ(got[11], 27.0f);
   EXPECT_EQ((*shard)->bias, (std::vector<float>{-4, -5, -6}));
   src.tensor = "nope";
-  EXPECT_EQ(LoadHead(src, 0, 1).status().code(), absl::StatusCode::kNotFound);
+  ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kNotFound, "no tensor named 'nope'");
+  src.tensor = "lm_head.weight";
+  ExpectError(LoadHead(src, 2, 2).status(), absl::StatusCode::kInvalidArgument, "bad tensor-parallel rank 2 of 2");
   std::filesystem::remove(path);
-}
-
-void ExpectError(const absl::Status& s, absl::StatusCode code, const std::string& words) {
-  EXPECT_EQ(s.code(), code) << s;
-  EXPECT_NE(s.message().find(words), std::string::npos) << "'" << s.message() << "' lacks '" << words << "'";
 }
 
 TEST(HeadSource, BadSeedShape) {
@@ -115,7 +119,77 @@ TEST(HeadSource, MalformedIndexIsInvalid) {
   ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kInvalidArgument, "not an lce-serve head index");
   std::ofstream(path) << R"({"vocab_size":4,"hidden_size":4,"dtype":"bf16","shards":[{"file":7}]})";
   ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kInvalidArgument, "not an lce-serve head index");
+  // A shard without vocab_end: nlohmann's const operator[] on a missing key read freed memory
+  // (tests/fuzz/corpus/fuzz_head_index/regress_shard_without_vocab_end).
+  std::ofstream(path) << R"({"vocab_size":4,"hidden_size":4,"dtype":"bf16","shards":[{"file":"x","vocab_begin":0}]})";
+  ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kInvalidArgument, "integer vocab_begin and vocab_end");
+  std::ofstream(path) << R"({"vocab_size":4,"hidden_size":4,"dtype":"bf16","shards":{"file":"x"}})";
+  ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kInvalidArgument, "shards must be an array");
+  std::ofstream(path) << R"({"vocab_size":4,"hidden_size":4,"dtype":"bf16","has_bias":"yes","shards":[]})";
+  ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kInvalidArgument, "has_bias must be true or false");
+  std::ofstream(path) << R"([1, 2])";
+  ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kInvalidArgument, "not a JSON object");
   std::filesystem::remove(path);
+}
+
+// An index whose shard file is not what it says (another hidden size, another dtype) is refused
+// with both shapes named, not read as bytes of the wrong shape.
+TEST(HeadSource, IndexedShardOfAnotherShapeIsInvalid) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("hs_shape_mismatch_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  HeadSource src;
+  ASSERT_TRUE(ParseSeedShape("8x6", src).ok());
+  auto w = LoadHead(src, 0, 1);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE(WriteHeadShard(dir.string(), "m", 1, **w, 0, 1).ok());
+  HeadShape claimed = (*w)->shape;
+  claimed.hidden_size = 3;  // 8 x 6 bf16 has the bytes of 8 x 3 fp32, and of 16 x 3 bf16
+  claimed.dtype = DType::kFloat32;
+  auto index = WriteHeadIndex(dir.string(), "m", 1, claimed, 1);
+  ASSERT_TRUE(index.ok()) << index.status();
+  src.file = *index;
+  ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kInvalidArgument, "but the index says 8x3 fp32");
+  std::filesystem::remove_all(dir);
+}
+
+// A truncated or corrupt shard is a clear error at load, naming the file and what is wrong; so is
+// a file that is not a regular file.
+TEST(HeadSource, TruncatedOrCorruptShardIsAClearError) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("hs_truncated_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  HeadSource a;
+  ASSERT_TRUE(ParseSeedShape("103x16", a).ok());
+  for (int r = 0; r < 2; ++r) {
+    auto shard = LoadHead(a, r, 2);
+    ASSERT_TRUE(shard.ok());
+    ASSERT_TRUE(WriteHeadShard(dir.string(), "h", 3, **shard, r, 2).ok());
+  }
+  auto whole = LoadHead(a, 0, 1);
+  ASSERT_TRUE(whole.ok());
+  auto index = WriteHeadIndex(dir.string(), "h", 3, (*whole)->shape, 2);
+  ASSERT_TRUE(index.ok()) << index.status();
+  HeadSource saved;
+  saved.file = *index;
+  ASSERT_TRUE(LoadHead(saved, 0, 1).ok());
+  const std::string shard1 = (dir / ShardFileName("h", 3, 1, 2)).string();
+  const auto size = fs::file_size(shard1);
+  fs::resize_file(shard1, size - 10);
+  ExpectError(LoadHead(saved, 0, 1).status(), absl::StatusCode::kInvalidArgument, "truncated?");
+  fs::resize_file(shard1, 20);
+  ExpectError(LoadHead(saved, 0, 1).status(), absl::StatusCode::kInvalidArgument, "bad safetensors header length");
+  {
+    std::fstream f(shard1, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8);
+    f << "garbage!";
+  }
+  fs::resize_file(shard1, size);
+  ExpectError(LoadHead(saved, 0, 1).status(), absl::StatusCode::kInvalidArgument, "header is not a JSON object");
+  // Not a regular file (a FIFO would block the loader; a device would feed it noise).
+  HeadSource dev;
+  dev.file = "/dev/zero";
+  ExpectError(LoadHead(dev, 0, 1).status(), absl::StatusCode::kInvalidArgument, "not a regular file");
+  fs::remove_all(dir);
 }
 
 }  // namespace

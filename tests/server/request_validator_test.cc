@@ -1,5 +1,8 @@
 #include "request_validator.h"
 
+#include <cmath>
+#include <cstdint>
+
 #include "gtest/gtest.h"
 #include "head_source.h"
 
@@ -192,6 +195,38 @@ TEST_F(ValidatorTest, PolicyLossChecks) {
   StreamRequestValidator score(RpcKind::kScore, heads_, {});
   ExpectError(score.ValidateHeader(PolicyHeader(Header(), {4})).status(), absl::StatusCode::kInvalidArgument,
               "header.policy applies to PolicyLoss only");
+}
+
+// PolicyLoss's options at and just past their bounds (each `<` against `<=` of the validator's
+// checks fails here), and declared counts whose sum is not a number.
+TEST_F(ValidatorTest, PolicyLossOptionBounds) {
+  StreamRequestValidator pl(RpcKind::kPolicyLoss, heads_, {});
+  auto with = [&](auto set) {
+    v1::RequestHeader h = PolicyHeader(Header(), {2, 1});
+    set(*h.mutable_policy());
+    return pl.ValidateHeader(h).status();
+  };
+  using P = v1::PolicyLossOptions;
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  EXPECT_TRUE(with([](P& p) { p.set_clip_low(0.999f); }).ok());
+  EXPECT_TRUE(with([](P& p) { p.set_clip_low(1e-6f); }).ok());
+  ExpectError(with([](P& p) { p.set_clip_low(0.0f); }), kInvalid, "policy.clip_low must be in (0, 1) and clip_high > 0, got 0, 0.28");
+  ExpectError(with([](P& p) { p.set_clip_low(std::nanf("")); }), kInvalid, "policy.clip_low must be in (0, 1)");
+  EXPECT_TRUE(with([](P& p) { p.set_clip_high(5.0f); }).ok());
+  ExpectError(with([](P& p) { p.set_clip_high(0.0f); }), kInvalid, "clip_high > 0, got 0.2, 0");
+  EXPECT_TRUE(with([](P& p) { p.set_dual_clip(0.0f); }).ok());  // off
+  EXPECT_TRUE(with([](P& p) { p.set_dual_clip(1.0001f); }).ok());
+  ExpectError(with([](P& p) { p.set_dual_clip(-3.0f); }), kInvalid, "policy.dual_clip must be > 1");
+  EXPECT_TRUE(with([](P& p) { p.set_kl_coef(0.0f); p.set_entropy_coef(0.0f); }).ok());
+  ExpectError(with([](P& p) { p.set_kl_coef(-1e-6f); }), kInvalid, "policy.kl_coef and policy.entropy_coef must be >= 0");
+  EXPECT_TRUE(with([](P& p) { p.add_sequence_valid_tokens(0); }).ok());  // an empty sequence
+  ExpectError(with([](P& p) { p.set_aggregation(static_cast<v1::Aggregation>(99)); }), kInvalid, "unknown aggregation 99");
+  // Declared counts whose sum overflows int64 (summed unchecked before: UBSan in tests/fuzz).
+  ExpectError(with([](P& p) {
+                p.add_sequence_valid_tokens(INT64_MAX);
+                p.add_sequence_valid_tokens(INT64_MAX);
+              }),
+              kInvalid, "policy.sequence_valid_tokens add up to more than 2^63 - 1 tokens");
 }
 
 }  // namespace
