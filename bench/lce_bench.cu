@@ -5,10 +5,13 @@
 //   floor  one bf16 [N,H]×[H,V] cublasGemmEx (fp32 accumulate, bf16 out, as torch's a @ b.t())
 //   train  Compute(kLoss, mean over valid rows): loss, d_hidden (bf16), d_weight (fp32, accumulated)
 //   score  Compute(kNone): logprob + entropy
+//   --score-ab: the score again with LCE_CUDA_EPILOGUE_STATS=0 and =1 in turns (two rounds of each, one
+//          engine; the epilogue-statistics GEMM where built), and the largest |difference| of the two
+//          paths' logprob and entropy
 // Median of --reps timed calls after --warmup, CUDA events. Extra memory = device memory the engine
 // takes beyond its weight copy (cudaMemGetInfo around the first calls; outputs are the caller's).
 //
-// Usage: lce_bench [--shapes 8192x4096x128256,...] [--reps 10] [--warmup 3] [--json FILE]
+// Usage: lce_bench [--shapes 8192x4096x128256,...] [--reps 10] [--warmup 3] [--json FILE] [--score-ab]
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -89,7 +92,14 @@ int64_t FreeBytes() {
 struct Row {
   int64_t N, H, V;
   double gemm_ms, train_ms, score_ms, extra_gib, loss;
+  double off_ms = NAN, on_ms = NAN, d_logprob = NAN, d_entropy = NAN;  // --score-ab
 };
+
+double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+  return m;
+}
 
 // --probe R: times the GEMM shapes the engine runs per row block of R rows (dW chunk, forward tile)
 // with cublasGemmEx (beta 1 / 0, fp32 / bf16 out) and every cuBLASLt heuristic candidate.
@@ -171,6 +181,7 @@ int main(int argc, char** argv) {
   std::string json;
   int reps = 10, warmup = 3;
   int64_t probe_rows = 0;
+  bool score_ab = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -178,6 +189,7 @@ int main(int argc, char** argv) {
     else if (a == "--json") json = next();
     else if (a == "--reps") reps = std::atoi(next().c_str());
     else if (a == "--warmup") warmup = std::atoi(next().c_str());
+    else if (a == "--score-ab") score_ab = true;
     else if (a == "--probe") probe_rows = std::atoll(next().c_str());
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
@@ -299,6 +311,35 @@ int main(int argc, char** argv) {
     const double train_ms = MedianMs(train, warmup, reps, stream);
     const double score_ms = MedianMs(score, warmup, reps, stream);
     const double extra = static_cast<double>(free1 - free2) / (1 << 30);
+    Row row{N, H, V, 0, train_ms, score_ms, extra, mean_loss};
+    if (score_ab) {
+      const char* was = std::getenv("LCE_CUDA_EPILOGUE_STATS");
+      const std::string saved = was != nullptr ? was : "";
+      std::vector<float> t_off, t_on;
+      for (int round = 0; round < 2; ++round) {
+        for (int on = 0; on < 2; ++on) {
+          setenv("LCE_CUDA_EPILOGUE_STATS", on ? "1" : "0", 1);
+          const double ms = MedianMs(score, warmup, reps, stream);
+          (on ? t_on : t_off).push_back(static_cast<float>(ms));
+        }
+      }
+      std::vector<float> lp_on(N), ent_on(N), lp_off(N), ent_off(N);
+      for (int on = 0; on < 2; ++on) {
+        setenv("LCE_CUDA_EPILOGUE_STATS", on ? "1" : "0", 1);
+        score();
+        CHECK_CUDA(cudaMemcpy((on ? lp_on : lp_off).data(), lp, N * 4, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy((on ? ent_on : ent_off).data(), ent, N * 4, cudaMemcpyDeviceToHost));
+      }
+      if (was != nullptr) setenv("LCE_CUDA_EPILOGUE_STATS", saved.c_str(), 1); else unsetenv("LCE_CUDA_EPILOGUE_STATS");
+      row.off_ms = std::min(t_off[0], t_off[1]);
+      row.on_ms = std::min(t_on[0], t_on[1]);
+      row.d_logprob = MaxAbsDiff(lp_on, lp_off);
+      row.d_entropy = MaxAbsDiff(ent_on, ent_off);
+      std::printf("N=%ld H=%ld V=%ld: score switch off %.3f ms, on %.3f ms (rounds %.3f/%.3f, %.3f/%.3f) | max "
+                  "|dlogprob| %.2e |dentropy| %.2e\n",
+                  N, H, V, row.off_ms, row.on_ms, t_off[0], t_off[1], t_on[0], t_on[1], row.d_logprob,
+                  row.d_entropy);
+    }
     engine.reset();
     CHECK_CUDA(cudaMalloc(&logits, N * V * 2));
     MedianMs(gemm, 3, 20, stream, &floor_ms);
@@ -306,7 +347,8 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaFree(logits));
     std::sort(floor_ms.begin(), floor_ms.end());
     const double gemm_ms = floor_ms[floor_ms.size() / 2];
-    rows.push_back({N, H, V, gemm_ms, train_ms, score_ms, extra, mean_loss});
+    row.gemm_ms = gemm_ms;
+    rows.push_back(row);
     std::printf("N=%ld H=%ld V=%ld: gemm %.3f ms (%.0f TFLOP/s) | train %.2f ms (x%.3f of 3 GEMMs) | score %.2f ms "
                 "(x%.3f) | extra %.2f GiB (weight copy %.2f GiB) | mean loss %.4f\n",
                 N, H, V, gemm_ms, 2.0 * N * H * V / gemm_ms / 1e9, train_ms, train_ms / (3 * gemm_ms), score_ms,
@@ -323,6 +365,14 @@ int main(int argc, char** argv) {
   for (const Row& r : rows) {
     std::printf("| %ldx%ldx%ld | %.3f | %.2f | %.3f | %.2f | %.3f | %.2f |\n", r.N, r.H, r.V, r.gemm_ms, r.train_ms,
                 r.train_ms / (3 * r.gemm_ms), r.score_ms, r.score_ms / r.gemm_ms, r.extra_gib);
+  }
+  if (score_ab) {
+    std::printf("\n| N x H x V | GEMM ms | score off ms | off/floor | score on ms | on/floor | max dlogprob | max dentropy |\n");
+    std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    for (const Row& r : rows) {
+      std::printf("| %ldx%ldx%ld | %.3f | %.3f | %.3f | %.3f | %.3f | %.1e | %.1e |\n", r.N, r.H, r.V, r.gemm_ms,
+                  r.off_ms, r.off_ms / r.gemm_ms, r.on_ms, r.on_ms / r.gemm_ms, r.d_logprob, r.d_entropy);
+    }
   }
   if (!json.empty()) {
     FILE* f = std::fopen(json.c_str(), "w");

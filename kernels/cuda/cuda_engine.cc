@@ -138,6 +138,7 @@ class Carver {
 struct Scratch {
   void* cublas_ws = nullptr;
   float* logits[2] = {nullptr, nullptr};  // [R, ldz] fp32 logit tiles (double-buffered)
+  float* tile_part = nullptr;     // [R, ntile, 4] epilogue-statistics GEMM's per-tile partials (Layout::epi)
   void* store = nullptr;          // [R, lds] compact z − m_seg, then dA (backward only)
   float* part = nullptr;          // [R, nseg, 4]
   float* part_global = nullptr;   // [R, nseg_global, 4] (tensor parallel, tp_invariant_)
@@ -168,6 +169,7 @@ struct Layout {
   bool fast = false;  // fast loss path with d_weight: needs the scaled copy of h
   bool tree = false;  // d_hidden over the canonical tile tree (tree_dh_)
   int64_t tile = 0;   // logit tile columns (0: the engine's default, tile_)
+  bool epi = false;   // score path through the epilogue-statistics GEMM: no logit tiles
 };
 
 class CudaEngine final : public LceEngine {
@@ -231,6 +233,8 @@ class CudaEngine final : public LceEngine {
     // tiles): a group folds every segment in global order, as one GPU does (docs/MATH.md).
     nseg_global_ = (shape_.vocab_size + kSegment - 1) / kSegment;
     tp_invariant_ = config_.collectives != nullptr && tp_invariant_option_ && SegmentsAreGlobal();
+    epi_capable_ = prop.major == 9 && prop.minor == 0;
+    epi_config_ = static_cast<int>(EnvInt("LCE_CUDA_EPI_KERNEL", 0));
     tree_dh_ = tp_invariant_option_ && SegmentsAreGlobal();
     // The smallest block must fit the budget.
     if (Bytes({true, true, true, true, tree_dh_}, 1) > config_.workspace_bytes) {
@@ -268,8 +272,12 @@ class CudaEngine final : public LceEngine {
     Carver c(base);
     s->cublas_ws = c.Take<uint8_t>(kCublasWorkspace);
     const int64_t ldz = Ldz(l);
-    s->logits[0] = c.Take<float>(2 * R * ldz);
-    s->logits[1] = s->logits[0] == nullptr ? nullptr : s->logits[0] + R * ldz;
+    if (l.epi) {
+      s->tile_part = c.Take<float>(R * EpiTiles() * 4);
+    } else {
+      s->logits[0] = c.Take<float>(2 * R * ldz);
+      s->logits[1] = s->logits[0] == nullptr ? nullptr : s->logits[0] + R * ldz;
+    }
     s->part = c.Take<float>(R * nseg_ * 4);
     if (tp_invariant_) {
       s->part_global = c.Take<float>(R * nseg_global_ * 4);
@@ -302,6 +310,29 @@ class CudaEngine final : public LceEngine {
     return c.used();
   }
   int64_t TileOf(const Layout& l) const { return l.tile > 0 ? l.tile : tile_; }
+  // The epilogue-statistics GEMM's column tiles over the shard (epilogue_stats_gemm.cu).
+  int64_t EpiTiles() const {
+#if defined(LCE_WITH_CUTLASS)
+    const int64_t cols = EpilogueStatsTileCols(epi_config_);
+    return (shape_.shard_rows + cols - 1) / cols;
+#else
+    return 0;
+#endif
+  }
+  // Whether this call's forward can run through the epilogue-statistics GEMM (LCE_CUDA_EPILOGUE_STATS=1):
+  // the score path (no backward) of a bf16 head on an sm_90 device, hidden a multiple of 8, the rows
+  // 16-byte aligned (host rows are staged, so they are).
+  bool UseEpilogueStats(bool backward, const RowsView& rows) const {
+#if defined(LCE_WITH_CUTLASS)
+    return !backward && epi_capable_ && EnvInt("LCE_CUDA_EPILOGUE_STATS", 0) != 0 &&
+           shape_.dtype == DType::kBFloat16 && shape_.hidden_size % 8 == 0 &&
+           (rows.space == MemorySpace::kHost || reinterpret_cast<uintptr_t>(rows.hidden) % 16 == 0);
+#else
+    (void)backward;
+    (void)rows;
+    return false;
+#endif
+  }
   int64_t Ldz(const Layout& l) const { return RoundUp(std::min(TileOf(l), shape_.shard_rows), 4); }
   // Logit tile columns for blocks of R rows: the default for large blocks; for a few rows as many as
   // kWideLogitBytes of double-buffered fp32 logits hold, up to the whole shard. A GEMM of 8192
@@ -372,6 +403,10 @@ class CudaEngine final : public LceEngine {
   }
 
   absl::Status CheckCall(const RowsView& rows, const LceOptions& o, const Upstream& up) const;
+  // The forward of a row block through the epilogue-statistics GEMM: segment partials into s.part and
+  // target logits into s.packed, as the logit tiles and TileStats leave them.
+  absl::Status EpilogueStatsForward(Scratch& s, const void* h, int64_t nr, const int32_t* y, int32_t ignore_index,
+                                    const LogitTransform& tf);
   absl::Status CheckTargets(const RowsView& rows, const LceOptions& o, Scratch& s);
 
   // d_hidden's tile tree (tree_dh_): the node slots a block needs (a stack of subtrees over the
@@ -412,6 +447,8 @@ class CudaEngine final : public LceEngine {
   bool tree_dh_ = false;
   int64_t nseg_global_ = 0;
   int fwd_sm_target_ = 0;
+  bool epi_capable_ = false;  // an sm_90 device: the epilogue-statistics GEMM can run
+  int epi_config_ = 0;        // its kernel configuration (EpilogueStatsArgs::config), fixed per engine
   std::mutex mu_;
 };
 
@@ -482,6 +519,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
                     EnvInt("LCE_CUDA_NO_FAST", 0) == 0;
   Layout layout{backward, host, host && backward && grads.d_weight != nullptr,
                 fast && grads.d_weight != nullptr, tree_dh_};
+  layout.epi = UseEpilogueStats(backward, rows);
 
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t r_max = RowsPerBlock(layout, N);
@@ -490,7 +528,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   if (nblocks > 1 && RoundUp(R, 128) <= r_max) R = RoundUp(R, 128);
   // Small blocks take wider logit tiles (WideTile). Not with batch-invariant GEMMs, whose algorithm
   // is chosen per tile length: a row's logits would then change with the row count.
-  if (!batch_invariant_) {
+  if (!batch_invariant_ && !layout.epi) {
     Layout wide = layout;
     wide.tile = WideTile(R);
     if (wide.tile > tile_ && Bytes(wide, R) <= config_.workspace_bytes) layout = wide;
@@ -508,7 +546,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   LCE_CUDA_CHECK(cublasSetWorkspace(cublas_, s.cublas_ws, kCublasWorkspace));
   cublas_ws_ = s.cublas_ws;
   tune_scratch_ = s.logits[0];
-  tune_floats_ = 2 * R * ldz;
+  tune_floats_ = layout.epi ? 0 : 2 * R * ldz;
   const int64_t bad_off = RoundUp(R * H * esz, 64);  // 2 × u64 after the staging
   if (host) LCE_CUDA_CHECK(pinned_.Ensure(bad_off + 64));
   unsigned long long* bad_host = nullptr;
@@ -563,9 +601,12 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     LCE_CUDA_CHECK(cudaMemsetAsync(s.packed, 0, nr * kPacked * sizeof(float), stream_));
     LCE_CUDA_CHECK(cudaMemsetAsync(s.bad + 1, 0, sizeof(unsigned long long), stream_));
     unsigned* overflow = reinterpret_cast<unsigned*>(s.bad + 1);
+    if (layout.epi) {
+      if (absl::Status st = EpilogueStatsForward(s, h, nr, y, o.ignore_index, tf); !st.ok()) return st;
+    }
     // GEMM of tile t on stream_ overlaps TileStats of tile t−1 on aux_; two logit buffers.
     int64_t t = 0;
-    for (int64_t v0 = 0; v0 < Vs; v0 += tile, ++t) {
+    for (int64_t v0 = layout.epi ? Vs : 0; v0 < Vs; v0 += tile, ++t) {
       const int64_t nv = std::min(tile, Vs - v0);
       const int b = static_cast<int>(t % 2);
       if (t >= 2) LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvStats0 + b], 0));
@@ -780,6 +821,33 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   return absl::OkStatus();
 }
 
+absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t nr, const int32_t* y,
+                                              int32_t ignore_index, const LogitTransform& tf) {
+#if defined(LCE_WITH_CUTLASS)
+  EpilogueStatsArgs a;
+  a.hidden = h;
+  a.weight = weight_.get();
+  a.rows = nr;
+  a.cols = shape_.shard_rows;
+  a.hidden_size = shape_.hidden_size;
+  a.tf = tf;
+  a.targets = y;
+  a.ignore_index = ignore_index;
+  a.vocab_begin = shape_.vocab_begin;
+  a.tile_part = s.tile_part;
+  a.ntile = EpiTiles();
+  a.packed = s.packed;
+  a.config = epi_config_;
+  a.swizzle = static_cast<int>(EnvInt("LCE_CUDA_EPI_SWIZZLE", 1));
+  a.raster = static_cast<int>(EnvInt("LCE_CUDA_EPI_RASTER", 0));
+  LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(a, stream_));
+  return LaunchFoldTilePartials(s.tile_part, a.ntile, EpilogueStatsTileCols(epi_config_), nr, s.part, nseg_, stream_);
+#else
+  (void)s, (void)h, (void)nr, (void)y, (void)ignore_index, (void)tf;
+  return absl::InternalError("built without CUTLASS: no epilogue-statistics GEMM");
+#endif
+}
+
 int64_t CudaEngine::GatheredNodes() const {
   const int world = config_.collectives->world_size();
   int64_t nodes = 0;
@@ -881,6 +949,17 @@ bool DeviceAvailable() {
     return false;
   }
   return count > 0;
+}
+
+bool EpilogueStatsAvailable(int device) {
+#if defined(LCE_WITH_CUTLASS)
+  cudaDeviceProp prop{};
+  return DeviceAvailable() && cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 &&
+         prop.minor == 0;
+#else
+  (void)device;
+  return false;
+#endif
 }
 
 absl::StatusOr<EngineWeightOnDevice> WeightOnDevice(LceEngine& engine) {

@@ -11,6 +11,10 @@ namespace lce::cuda {
 // True when a CUDA device can be opened.
 bool DeviceAvailable();
 
+// True when this build has the epilogue-statistics GEMM (CUTLASS's headers were found) and `device`
+// is an sm_90 that runs it: LCE_CUDA_EPILOGUE_STATS=1 then moves bf16 score calls onto it.
+bool EpilogueStatsAvailable(int device);
+
 absl::StatusOr<std::unique_ptr<LceEngine>> CreateCudaEngine(std::shared_ptr<const HeadWeights> weights,
                                                             const EngineConfig& config);
 

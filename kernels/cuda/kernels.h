@@ -60,6 +60,37 @@ absl::Status LaunchTileStats(const float* logits, int64_t ldz, int64_t rows, int
                              int64_t vocab_begin, float* part, int64_t nseg, float* packed, void* store,
                              int64_t lds, StoreMode mode, float* row_c, unsigned* overflow, cudaStream_t stream);
 
+// epilogue_stats_gemm.cu (sm_90a, CUTLASS; compiled where its headers are found: LCE_WITH_CUTLASS).
+// One GEMM of rows of h [rows, hidden] against the shard W [cols, hidden] (bf16, K-major, 16-byte
+// aligned, hidden a multiple of 8) whose epilogue reduces each fp32 logit tile in registers: per
+// (row, column tile of EpilogueStatsTileCols(config) columns) tile_part[(r·ntile + t)·4 + {0,1,2,3}] =
+// (m, S, Q, Σz) of z = transform(logit) (LogitTransform), and z_y into packed[r·kPacked + 3] for rows
+// whose target lies in the shard (packed zeroed by the caller). No logits are written. One tile shape
+// for every row count (config), no split-K: a row's partials are the same bits whatever the batch.
+struct EpilogueStatsArgs {
+  const void* hidden = nullptr;
+  const void* weight = nullptr;
+  int64_t rows = 0, cols = 0, hidden_size = 0;
+  LogitTransform tf;
+  const int32_t* targets = nullptr;
+  int32_t ignore_index = -100;
+  int64_t vocab_begin = 0;
+  float* tile_part = nullptr;
+  int64_t ntile = 0;  // ceil(cols / EpilogueStatsTileCols(config))
+  float* packed = nullptr;
+  int config = 0;   // 0: ping-pong 128×128 tiles, 1: cooperative 128×256, 2: ping-pong 64×256
+  int swizzle = 1;  // tile scheduler: swizzle width (1, 2, 4, 8) and raster (0 heuristic, 1 along M, 2 along N)
+  int raster = 0;
+};
+int EpilogueStatsTileCols(int config);
+absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& args, cudaStream_t stream);
+
+// row_finalize.cu. Folds per-(row, column tile) partials tile_part [rows, ntile, 4] (tiles of
+// tile_cols columns, tile_cols dividing kSegment) into the per-(row, segment) partials part
+// [rows, nseg, 4] that LaunchTileStats writes, tile by tile in order.
+absl::Status LaunchFoldTilePartials(const float* tile_part, int64_t ntile, int tile_cols, int64_t rows, float* part,
+                                    int64_t nseg, cudaStream_t stream);
+
 // row_finalize.cu. Merges the nseg partials of each row: m_local[r] = m[r] = max, packed S, Q, Σz.
 absl::Status LaunchMergeSegments(const float* part, int64_t nseg, int64_t rows, float* m_local, float* m,
                                  float* packed, cudaStream_t stream);

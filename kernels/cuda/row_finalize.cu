@@ -38,6 +38,30 @@ __global__ void MergeSegmentsKernel(const float* __restrict__ part, int64_t nseg
   packed[r * kPacked + 2] = sum_z;
 }
 
+// One thread per (row, segment): the segment's tiles folded as MergeSegmentsKernel folds segments.
+__global__ void FoldTilePartialsKernel(const float4* __restrict__ tile_part, int64_t ntile, int per, int64_t rows,
+                                       float4* __restrict__ part, int64_t nseg) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * nseg) return;
+  const int64_t r = i / nseg, s = i % nseg;
+  const float4* p = tile_part + r * ntile + s * per;
+  const int n = static_cast<int>(ntile - s * per < per ? ntile - s * per : per);
+  float m = -INFINITY, sum_z = 0.0f;
+  for (int t = 0; t < n; ++t) {
+    m = fmaxf(m, p[t].x);
+    sum_z += p[t].w;
+  }
+  float S = 0.0f, Q = 0.0f;
+  for (int t = 0; t < n; ++t) {
+    const float4 v = p[t];
+    const float d = v.x - m;
+    const float scale = expf(d);
+    S += v.y * scale;
+    Q += (v.z + d * v.y) * scale;
+  }
+  part[i] = make_float4(m, S, Q, sum_z);
+}
+
 __global__ void RescaleKernel(const float* __restrict__ m_local, const float* __restrict__ m, int64_t rows,
                               float* __restrict__ packed) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -147,6 +171,21 @@ absl::Status LaunchMergeSegments(const float* part, int64_t nseg, int64_t rows, 
   if (rows <= 0) return absl::OkStatus();
   if (nseg <= 0) return absl::InternalError(absl::StrCat("LaunchMergeSegments: nseg=", nseg));
   MergeSegmentsKernel<<<Blocks(rows), kThreads, 0, stream>>>(part, nseg, rows, m_local, m, packed);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LaunchFoldTilePartials(const float* tile_part, int64_t ntile, int tile_cols, int64_t rows, float* part,
+                                    int64_t nseg, cudaStream_t stream) {
+  if (rows <= 0) return absl::OkStatus();
+  if (tile_cols <= 0 || kSegment % tile_cols != 0 || nseg <= 0 || ntile <= (nseg - 1) * (kSegment / tile_cols) ||
+      ntile > nseg * (kSegment / tile_cols)) {
+    return absl::InternalError(absl::StrCat("LaunchFoldTilePartials: ntile=", ntile, " tile_cols=", tile_cols,
+                                            " nseg=", nseg));
+  }
+  FoldTilePartialsKernel<<<Blocks(rows * nseg), kThreads, 0, stream>>>(reinterpret_cast<const float4*>(tile_part),
+                                                                      ntile, kSegment / tile_cols, rows,
+                                                                      reinterpret_cast<float4*>(part), nseg);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }

@@ -17,3 +17,30 @@ set(LCE_CUDA_SOURCES
 if(TARGET lce_kernels)
   set_target_properties(lce_kernels PROPERTIES CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON CUDA_EXTENSIONS OFF)
 endif()
+
+# The sm_90a GEMM with the softmax statistics in its epilogue (epilogue_stats_gemm.cu) needs CUTLASS's
+# headers: PyPI's nvidia-cutlass ships them under cutlass_library/source/include. Give the folder in
+# LCE_CUTLASS_INCLUDE_DIR, or let CMake ask the Python interpreter (Python3_EXECUTABLE) where the
+# package is. Without them the engine keeps its cuBLASLt path alone (LCE_WITH_CUTLASS undefined).
+set(LCE_CUTLASS_INCLUDE_DIR "" CACHE PATH "CUTLASS include folder (holds cutlass/ and cute/); empty: ask Python's cutlass_library")
+set(_lce_cutlass_dir "${LCE_CUTLASS_INCLUDE_DIR}")
+if(NOT _lce_cutlass_dir)
+  find_package(Python3 COMPONENTS Interpreter QUIET)
+  if(Python3_Interpreter_FOUND)
+    execute_process(
+      COMMAND ${Python3_EXECUTABLE} -c
+        "import importlib.util as u, os; s = u.find_spec('cutlass_library'); print(os.path.join(list(s.submodule_search_locations)[0], 'source', 'include') if s else '')"
+      OUTPUT_VARIABLE _lce_cutlass_dir OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  endif()
+endif()
+if(TARGET lce_kernels AND _lce_cutlass_dir AND EXISTS "${_lce_cutlass_dir}/cutlass/cutlass.h"
+   AND EXISTS "${_lce_cutlass_dir}/cute/tensor.hpp")
+  message(STATUS "lce-serve: CUTLASS headers at ${_lce_cutlass_dir}: epilogue-statistics GEMM on")
+  set(_lce_epi ${CMAKE_CURRENT_LIST_DIR}/epilogue_stats_gemm.cu)
+  target_sources(lce_kernels PRIVATE ${_lce_epi})
+  target_compile_definitions(lce_kernels PRIVATE LCE_WITH_CUTLASS=1)
+  # -isystem: CUTLASS's own warnings are not ours.
+  set_source_files_properties(${_lce_epi} PROPERTIES COMPILE_OPTIONS "-isystem;${_lce_cutlass_dir}")
+else()
+  message(STATUS "lce-serve: no CUTLASS headers: epilogue-statistics GEMM off")
+endif()

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <barrier>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/cuda_engine.h"
 #include "gtest/gtest.h"
 #include "lce/engine.h"
 #include "lce/numeric.h"
@@ -666,7 +668,8 @@ Problem Slice(const Problem& p, int64_t r0, int64_t n) {
   return s;
 }
 
-// Row `row` of `whole` and row `row - r0` of `part`: the same bits in every per-row output.
+// Row `row` of `whole` and row `row - r0` of `part`: the same bits in every per-row output (H = 0: no
+// d_hidden to compare).
 void ExpectRowSameBits(const Answers& whole, const Answers& part, int64_t row, int64_t r0, int64_t H,
                        const std::string& what) {
   const int64_t i = row - r0;
@@ -674,7 +677,7 @@ void ExpectRowSameBits(const Answers& whole, const Answers& part, int64_t row, i
   EXPECT_EQ(std::memcmp(&whole.entropy[row], &part.entropy[i], 4), 0) << what << " entropy";
   EXPECT_EQ(std::memcmp(&whole.lse[row], &part.lse[i], 4), 0) << what << " lse";
   EXPECT_EQ(std::memcmp(&whole.loss[row], &part.loss[i], 4), 0) << what << " loss";
-  EXPECT_EQ(std::memcmp(&whole.d_hidden[row * H], &part.d_hidden[i * H], H * 4), 0) << what << " d_hidden";
+  if (H > 0) EXPECT_EQ(std::memcmp(&whole.d_hidden[row * H], &part.d_hidden[i * H], H * 4), 0) << what << " d_hidden";
 }
 
 TEST_F(CudaTest, BatchInvarianceBitForBit) {
@@ -704,6 +707,205 @@ TEST_F(CudaTest, BatchInvarianceBitForBit) {
         ExpectRowSameBits(whole, part, row, r0, sp.hidden,
                           "variant " + std::to_string(variant) + " row " + std::to_string(row) + " in " +
                               std::to_string(n));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace lce
+
+namespace lce {
+namespace {
+
+// The score path through the epilogue-statistics GEMM (LCE_CUDA_EPILOGUE_STATS=1: CUTLASS sm_90a, the
+// softmax partials in the GEMM's epilogue, kernels/cuda/epilogue_stats_gemm.cu). The engine reads the
+// switch per call; these tests set it for their own scope and skip, saying why, where the build has
+// no CUTLASS or the device is not an sm_90.
+class EpilogueStatsTest : public CudaTest {
+ protected:
+  void SetUp() override {
+    CudaTest::SetUp();
+    if (IsSkipped()) return;
+    if (!cuda::EpilogueStatsAvailable(0)) {
+      GTEST_SKIP() << "epilogue-statistics GEMM not built (no CUTLASS headers) or device 0 is not an sm_90: skipped";
+    }
+    const char* old = std::getenv("LCE_CUDA_EPILOGUE_STATS");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv("LCE_CUDA_EPILOGUE_STATS", "1", 1);
+    set_ = true;
+  }
+  void TearDown() override {
+    if (!set_) return;
+    if (had_) {
+      setenv("LCE_CUDA_EPILOGUE_STATS", old_.c_str(), 1);
+    } else {
+      unsetenv("LCE_CUDA_EPILOGUE_STATS");
+    }
+  }
+  static Answers Without(LceEngine& e, const Problem& p) {
+    setenv("LCE_CUDA_EPILOGUE_STATS", "0", 1);
+    Answers a = RunEngine(e, p, MemorySpace::kDevice, {});
+    setenv("LCE_CUDA_EPILOGUE_STATS", "1", 1);
+    return a;
+  }
+
+ private:
+  bool set_ = false, had_ = false;
+  std::string old_;
+};
+
+ProblemSpec ScoreSpec(int64_t rows, int64_t hidden, int64_t vocab) {
+  ProblemSpec sp;
+  sp.rows = rows;
+  sp.hidden = hidden;
+  sp.vocab = vocab;
+  sp.mode = GradMode::kNone;
+  sp.h_scale = 2.0;
+  return sp;
+}
+
+// Ragged tiles in rows (1, 37, 257: past 128-row tiles) and columns (V not a multiple of 128 or 256;
+// V < one tile), K tails (hidden 24, 72, 136: not multiples of 64), every option of the score path,
+// host and device rows; hidden 20 (not a multiple of 8) takes the cuBLASLt path and still answers.
+TEST_F(EpilogueStatsTest, MatchesReferenceRaggedShapesAndOptions) {
+  struct S { int64_t rows, hidden, vocab; };
+  uint64_t seed = 5000;
+  for (S s : {S{1, 64, 9001}, S{37, 24, 7}, S{257, 72, 20001}, S{130, 136, 4096}, S{3, 2880, 1000}, S{19, 20, 3001},
+              S{1, 64, 151936}}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      ProblemSpec sp = ScoreSpec(s.rows, s.hidden, s.vocab);
+      sp.bias = variant != 0;
+      if (variant == 1) {
+        sp.options.temperature = 0.7f;
+        sp.options.softcap = 15.0f;
+        sp.options.label_smoothing = 0.1f;
+        sp.options.z_loss = 1e-3f;
+        sp.options.ignore_index = -1;
+      } else if (variant == 2) {
+        sp.options.temperature = 1.3f;
+        sp.ignore_frac = 0.5;
+      }
+      const Problem p = MakeProblem(sp, ++seed);
+      auto e = MakeCuda(p);
+      ASSERT_NE(e, nullptr);
+      for (MemorySpace space : {MemorySpace::kDevice, MemorySpace::kHost}) {
+        ExpectMatches(RunEngine(*e, p, space, {}), p, {},
+                      absl::StrCat(s.rows, "x", s.hidden, "x", s.vocab, " variant ", variant,
+                                   space == MemorySpace::kHost ? " host" : " device"));
+      }
+    }
+  }
+}
+
+// Against the cuBLASLt path on the same engine and inputs: different summation orders, the same answers.
+TEST_F(EpilogueStatsTest, AgreesWithTheLogitTilePath) {
+  ProblemSpec sp = ScoreSpec(600, 256, 50001);
+  sp.bias = true;
+  sp.options.softcap = 20.0f;
+  const Problem p = MakeProblem(sp, 5100);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  const Answers epi = RunEngine(*e, p, MemorySpace::kDevice, {});
+  const Answers tiles = Without(*e, p);
+  ASSERT_TRUE(epi.status.ok() && tiles.status.ok()) << epi.status << " / " << tiles.status;
+  auto to_d = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+  EXPECT_LE(RelErr(epi.logprob, to_d(tiles.logprob)), 1e-5);
+  EXPECT_LE(RelErr(epi.entropy, to_d(tiles.entropy)), 1e-5);
+  EXPECT_LE(RelErr(epi.lse, to_d(tiles.lse)), 1e-5);
+  ExpectMatches(epi, p, {}, "epilogue statistics");
+}
+
+// Many row blocks (the workspace holds 32768 rows at most) and 100003 rows in all.
+TEST_F(EpilogueStatsTest, HundredThousandRows) {
+  ProblemSpec sp = ScoreSpec(100003, 16, 1203);
+  sp.h_scale = 3.0;
+  const Problem p = MakeProblem(sp, 5200);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  ExpectMatches(RunEngine(*e, p, MemorySpace::kDevice, {}), p, {}, "100003 rows device");
+  setenv("LCE_CUDA_MAX_ROWS", "1000", 1);
+  ExpectMatches(RunEngine(*e, p, MemorySpace::kHost, {}), p, {}, "100003 rows host, 1000-row blocks");
+  unsetenv("LCE_CUDA_MAX_ROWS");
+}
+
+TEST_F(EpilogueStatsTest, ExtremeLogits) {
+  ProblemSpec sp = ScoreSpec(19, 64, 5000);
+  sp.h_scale = 30.0;
+  sp.w_scale = 30.0;  // logits ~ 1e3
+  const Problem p = MakeProblem(sp, 5300);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  const Answers a = RunEngine(*e, p, MemorySpace::kDevice, {});
+  ASSERT_TRUE(a.status.ok()) << a.status;
+  const RefResult ref = testing::ReferenceLce(p.ref);
+  EXPECT_LE(RelErr(a.lse, ref.lse), 1e-4);
+  EXPECT_LE(RelErr(a.logprob, ref.logprob), 1e-4);
+  for (int64_t i = 0; i < sp.rows; ++i) EXPECT_NEAR(a.entropy[i], ref.entropy[i], 1e-3) << i;
+}
+
+TEST_F(EpilogueStatsTest, NonFiniteHiddenNamesTheRow) {
+  const Problem p = MakeProblem(ScoreSpec(50, 64, 3000), 5400);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    std::vector<uint8_t> hidden = p.hidden;
+    const uint16_t bits = static_cast<uint16_t>(std::bit_cast<uint32_t>(bad) >> 16);  // bf16
+    std::memcpy(hidden.data() + (23 * 64 + 5) * 2, &bits, 2);
+    const Answers a = RunEngine(*e, p, MemorySpace::kDevice, {}, &hidden);
+    EXPECT_EQ(a.status.code(), absl::StatusCode::kInvalidArgument) << a.status;
+    EXPECT_NE(std::string(a.status.message()).find("row 23"), std::string::npos) << a.status;
+  }
+}
+
+// A row's score is the same bits alone and in batches of 7, 300 and 4096 (one tile shape for every
+// row count, no split-K), with and without batch-invariant GEMMs configured for the other paths.
+TEST_F(EpilogueStatsTest, BatchInvarianceBitForBit) {
+  for (bool invariant_cfg : {true, false}) {
+    EngineConfig cfg;
+    cfg.batch_invariant = invariant_cfg;
+    ProblemSpec sp = ScoreSpec(4096, 512, 32003);
+    sp.bias = true;
+    sp.options.softcap = 30.0f;
+    sp.options.label_smoothing = 0.1f;
+    const Problem p = MakeProblem(sp, 5500 + invariant_cfg);
+    auto e = MakeCuda(p, cfg);
+    ASSERT_NE(e, nullptr);
+    const Answers whole = RunEngine(*e, p, MemorySpace::kDevice, {});
+    ASSERT_TRUE(whole.status.ok()) << whole.status;
+    for (const int64_t row : {int64_t{0}, int64_t{777}, int64_t{4095}}) {
+      for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{300}}) {
+        const int64_t r0 = std::min(row, sp.rows - n);
+        const Answers part = RunEngine(*e, Slice(p, r0, n), MemorySpace::kDevice, {});
+        ASSERT_TRUE(part.status.ok()) << part.status;
+        ExpectRowSameBits(whole, part, row, r0, 0,
+                          absl::StrCat(invariant_cfg ? "invariant cfg" : "default cfg", " row ", row, " in ", n));
+      }
+    }
+  }
+}
+
+// Vocab-parallel groups of 2 and 3 (segments at global offsets, V >= 131072, tp_invariant) give one
+// GPU's score bits, each rank's shard through its own epilogue-statistics GEMM.
+TEST_F(EpilogueStatsTest, VocabParallelStatisticsBitForBit) {
+  EngineConfig cfg;
+  cfg.batch_invariant = cfg.tp_invariant = true;
+  ProblemSpec sp = ScoreSpec(300, 64, 140001);
+  sp.bias = true;
+  sp.options.temperature = 0.8f;
+  const Problem full = MakeProblem(sp, 5600);
+  auto one = MakeCuda(full, cfg);
+  ASSERT_NE(one, nullptr);
+  const Answers want = RunEngine(*one, full, MemorySpace::kDevice, {});
+  ASSERT_TRUE(want.status.ok()) << want.status;
+  ExpectMatches(want, full, {}, "one GPU");
+  for (int k : {2, 3}) {
+    const std::vector<Answers> got = RunSharded(full, k, {}, cfg);
+    for (int r = 0; r < k; ++r) {
+      ASSERT_TRUE(got[r].status.ok()) << "k=" << k << " rank " << r << ": " << got[r].status;
+      for (int64_t i = 0; i < sp.rows; ++i) {
+        ExpectRowSameBits(want, got[r], i, 0, 0, absl::StrCat("k=", k, " rank ", r, " row ", i));
       }
     }
   }

@@ -1,0 +1,302 @@
+// The score path's GEMM with the softmax statistics in its epilogue (sm_90a, CUTLASS 4.2 templates).
+//
+// logits[r, c] = h[r, :] · W[c, :] through CUTLASS's TMA warp-specialized mainloop (the sm90 collective
+// builder; A = h [rows, H], B = W [cols, H], both K-major, bf16, fp32 accumulate, persistent grid, no
+// split-K or stream-K), then an epilogue of our own (RowStatsEpilogue, run by CUTLASS's adapter for
+// epilogues without shared memory) that reads the fp32 accumulator tile in registers and writes, per
+// row and per column tile of the CTA, the partials (m, S, Q, Σz) of z = transform(logit) and the
+// target logit. No logit reaches memory. A logit's bits depend only on its row and column (fixed tile
+// shape, fixed K order), and each tile's partials only on its rows' logits: batch invariant.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/cuda_check.h"
+#include "cuda/kernels.h"
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+namespace lce::cuda {
+namespace {
+
+using namespace cute;
+
+// What the epilogue needs besides the accumulators (host and device alike).
+struct StatsParams {
+  const int32_t* targets = nullptr;
+  const float* bias = nullptr;  // indexed by shard column, or null
+  float softcap = 0.0f;
+  float inv_softcap = 0.0f;
+  float inv_temp = 1.0f;
+  int32_t ignore_index = -100;
+  int64_t vocab_begin = 0;
+  float* tile_part = nullptr;  // [rows, ntile, 4]
+  float* packed = nullptr;     // [rows, kPacked]; slot 3 gets z_y
+  int64_t ntile = 0;
+};
+
+// The wgmma accumulator fragment ((2, 2, V), MMA_M, MMA_N) viewed as (rows, columns) of this thread:
+// ((2, MMA_M), (2, V, MMA_N)). Within a warp, the four lanes of a quad hold one row's columns.
+template <class L>
+CUTE_HOST_DEVICE constexpr auto RowColView(L l) {
+  static_assert(decltype(rank<0>(l))::value == 3 && decltype(rank(l))::value == 3, "not an sm90 accumulator");
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+__device__ __forceinline__ float QuadMax(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float QuadSum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+// 2^x, flushing results below 2^-126 to 0 (terms that small do not move a sum of terms >= 1).
+__device__ __forceinline__ float Exp2Ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// An epilogue with the interface of cutlass::epilogue::collective::DefaultEpilogue (wrapped by
+// detail::Sm90TmaWarpSpecializedAdapter), which reduces the tile instead of storing it.
+class RowStatsEpilogue {
+ public:
+  using EpilogueSchedule = cutlass::gemm::EpilogueDefault;
+  using DispatchPolicy = EpilogueSchedule;
+  // The kernel asks for C and D types and strides; nothing is read from or written to C or D.
+  using ElementC = float;
+  using ElementD = float;
+  using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using StrideD = StrideC;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  using ThreadEpilogueOp = void;  // named by GemmUniversalAdapter, used by nothing here
+  struct SharedStorage {};
+  using TensorStorage = SharedStorage;
+  using Arguments = StatsParams;
+  using Params = StatsParams;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.tile_part != nullptr && args.packed != nullptr && args.targets != nullptr;
+  }
+
+  CUTLASS_HOST_DEVICE explicit RowStatsEpilogue(Params const& p, SharedStorage const& = SharedStorage()) : p_(p) {}
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem, BlockShapeMNK, BlockCoordMNKL blk_coord,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma, ResidueMNK,
+                                 int thread_idx, char*) {
+    static_assert(is_static<BlockShapeMNK>::value && is_static<FrgLayout>::value);
+    constexpr int kBM = decltype(size<0>(BlockShapeMNK{}))::value;
+    constexpr int kBN = decltype(size<1>(BlockShapeMNK{}))::value;
+    const int M = static_cast<int>(get<0>(problem));
+    const int N = static_cast<int>(get<1>(problem));
+    const int n_tile = static_cast<int>(get<1>(blk_coord));
+    const int m0 = static_cast<int>(get<0>(blk_coord)) * kBM;
+    const int n0 = n_tile * kBN;
+    if (m0 >= M || n0 >= N) return;  // a cluster's padding tile: nothing of the problem in it
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor coords = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{})));
+    Tensor a = make_tensor(acc.data(), RowColView(acc.layout()));
+    Tensor c = make_tensor(coords.data(), RowColView(coords.layout()));
+    const bool plain = p_.bias == nullptr && p_.softcap <= 0.0f;
+    if (n0 + kBN <= N) {
+      if (plain) Reduce<false, true, kBN>(a, c, M, N, m0, n0, n_tile);
+      else Reduce<false, false, kBN>(a, c, M, N, m0, n0, n_tile);
+    } else {
+      if (plain) Reduce<true, true, kBN>(a, c, M, N, m0, n0, n_tile);
+      else Reduce<true, false, kBN>(a, c, M, N, m0, n0, n_tile);
+    }
+  }
+
+ private:
+  // kRagged: the tile runs past the last column (masked to −inf, left out of Σz). kPlain: no bias
+  // and no softcap. The reduction runs on v = softcap(logit + bias), z = v / T: with c = log2(e) / T,
+  // m = max(v) / T, S = Σ 2^((v − max v)·c), Q = Σ e·(z − m) = (Σ e·(v − max v)) / T, Σz = (Σ v) / T.
+  template <bool kRagged, bool kPlain, int kBN, class TA, class TC>
+  CUTLASS_DEVICE void Reduce(TA const& a, TC const& c, int M, int N, int m0, int n0, int n_tile) const {
+    constexpr int kRows = decltype(size<0>(a))::value;
+    constexpr int kCols = decltype(size<1>(a))::value;
+    const float scale = 1.4426950408889634f * p_.inv_temp;
+    const bool lead = (threadIdx.x & 3) == 0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const int row = m0 + static_cast<int>(get<0>(c(i, 0)));
+      float v[kCols];
+      float mx = -INFINITY, sum_v = 0.0f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        const int col = n0 + static_cast<int>(get<1>(c(i, j)));
+        const bool valid = !kRagged || col < N;
+        float x = a(i, j);
+        if constexpr (!kPlain) {
+          if (p_.bias != nullptr && valid) x += __ldg(p_.bias + col);
+          if (p_.softcap > 0.0f) x = p_.softcap * tanhf(x * p_.inv_softcap);
+        }
+        if (valid) {
+          sum_v += x;
+        } else {
+          x = -INFINITY;
+        }
+        v[j] = x;
+        mx = fmaxf(mx, x);
+      }
+      mx = QuadMax(mx);
+      float s = 0.0f, q = 0.0f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        const float u = v[j] - mx;
+        const float e = Exp2Ftz(u * scale);
+        s += e;
+        q += (kRagged && e == 0.0f) ? 0.0f : e * u;  // a masked column: 0 · (−inf) must not be NaN
+      }
+      s = QuadSum(s);
+      q = QuadSum(q);
+      sum_v = QuadSum(sum_v);
+      if (row >= M) continue;
+      if (lead) {
+        *reinterpret_cast<float4*>(p_.tile_part + (static_cast<int64_t>(row) * p_.ntile + n_tile) * 4) =
+            make_float4(mx * p_.inv_temp, s, q * p_.inv_temp, sum_v * p_.inv_temp);
+      }
+      // The target logit, from the lane that holds its column.
+      const int32_t y = p_.targets[row];
+      const int64_t local = static_cast<int64_t>(y) - p_.vocab_begin - n0;
+      if (y != p_.ignore_index && local >= 0 && local < kBN && n0 + local < N) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kCols; ++j) {
+          if (static_cast<int64_t>(get<1>(c(i, j))) == local) {
+            p_.packed[static_cast<int64_t>(row) * kPacked + 3] = v[j] * p_.inv_temp;
+          }
+        }
+      }
+    }
+  }
+  Params p_;
+};
+
+// One kernel configuration: tile, cluster and schedule, everything else fixed.
+template <class TileShape, class ClusterShape, class Schedule>
+struct StatsGemm {
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t, cutlass::layout::RowMajor, 8,
+      cutlass::bfloat16_t, cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(RowStatsEpilogue::SharedStorage))>,
+      Schedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static constexpr int kTileCols = decltype(size<1>(TileShape{}))::value;
+};
+
+// 0: ping-pong, 128×128 tiles (one consumer warp group's epilogue overlaps the other's products);
+// 1: cooperative, 128×256 tiles; 2: ping-pong, 64×256 tiles. All in clusters of two along the
+// vocabulary (h's tile multicast to both).
+using PingPong128 = StatsGemm<Shape<_128, _128, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+using Cooperative256 =
+    StatsGemm<Shape<_128, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+using PingPong64x256 = StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+
+template <class Config>
+absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
+  using Gemm = typename Config::Gemm;
+  using Kernel = typename Config::Kernel;
+  const int M = static_cast<int>(a.rows), N = static_cast<int>(a.cols), K = static_cast<int>(a.hidden_size);
+  // Both operands K-major, packed: (row stride K, 1, batch stride).
+  typename Kernel::StrideA stride_a{};
+  typename Kernel::StrideB stride_b{};
+  get<0>(stride_a) = K;
+  get<2>(stride_a) = static_cast<int64_t>(M) * K;
+  get<0>(stride_b) = K;
+  get<2>(stride_b) = static_cast<int64_t>(N) * K;
+  int device = 0;
+  LCE_CUDA_CHECK(cudaGetDevice(&device));
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  LCE_CUDA_CHECK(cudaDeviceGetAttribute(&hw.sm_count, cudaDevAttrMultiProcessorCount, device));
+  typename Kernel::TileSchedulerArguments sched;
+  sched.max_swizzle_size = a.swizzle;
+  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  sched.raster_order = a.raster == 1 ? Raster::AlongM : a.raster == 2 ? Raster::AlongN : Raster::Heuristic;
+  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                {M, N, K, 1},
+                                {static_cast<const cutlass::bfloat16_t*>(a.hidden), stride_a,
+                                 static_cast<const cutlass::bfloat16_t*>(a.weight), stride_b},
+                                sp,
+                                hw,
+                                sched};
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    return absl::InternalError(absl::StrCat("epilogue-statistics GEMM cannot run rows=", M, " cols=", N, " hidden=", K));
+  }
+  if (Gemm::get_workspace_size(args) != 0) return absl::InternalError("epilogue-statistics GEMM wants a workspace");
+  if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess) {
+    LCE_CUDA_CHECK(cudaGetLastError());
+    return absl::InternalError("epilogue-statistics GEMM: initialize failed");
+  }
+  const cutlass::Status st = gemm.run(stream);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  if (st != cutlass::Status::kSuccess) return absl::InternalError("epilogue-statistics GEMM: launch failed");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int EpilogueStatsTileCols(int config) {
+  return config == 1 ? Cooperative256::kTileCols : config == 2 ? PingPong64x256::kTileCols : PingPong128::kTileCols;
+}
+
+absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t stream) {
+  if (a.rows <= 0 || a.cols <= 0) return absl::OkStatus();
+  const int64_t tile_cols = EpilogueStatsTileCols(a.config);
+  const auto misaligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0; };
+  if (a.rows > INT32_MAX || a.cols > INT32_MAX || a.hidden_size <= 0 || a.hidden_size % 8 != 0 ||
+      misaligned(a.hidden) || misaligned(a.weight) || misaligned(a.tile_part) || a.targets == nullptr ||
+      a.packed == nullptr || a.ntile != (a.cols + tile_cols - 1) / tile_cols || a.tf.temperature <= 0.0f) {
+    return absl::InternalError(absl::StrCat("LaunchEpilogueStatsGemm: bad shape rows=", a.rows, " cols=", a.cols,
+                                            " hidden=", a.hidden_size, " ntile=", a.ntile));
+  }
+  StatsParams sp;
+  sp.targets = a.targets;
+  sp.bias = a.tf.bias;
+  sp.softcap = a.tf.softcap;
+  sp.inv_softcap = a.tf.softcap > 0.0f ? 1.0f / a.tf.softcap : 0.0f;
+  sp.inv_temp = 1.0f / a.tf.temperature;
+  sp.ignore_index = a.ignore_index;
+  sp.vocab_begin = a.vocab_begin;
+  sp.tile_part = a.tile_part;
+  sp.packed = a.packed;
+  sp.ntile = a.ntile;
+  switch (a.config) {
+    case 1: return Run<Cooperative256>(a, sp, stream);
+    case 2: return Run<PingPong64x256>(a, sp, stream);
+    default: return Run<PingPong128>(a, sp, stream);
+  }
+}
+
+}  // namespace lce::cuda
