@@ -7,7 +7,8 @@
 #   gpu-tests[=FILTER]        gpu_engine_test (gtest filter)
 #   sanitizer                 compute-sanitizer memcheck over gpu_engine_test
 #   e2e-cuda[=FILTER]         e2e_test against lce_server --backend=cuda
-#   bench[=VAR=V:VAR=V]       lce_bench on $SHAPES (default: the five issue shapes), with env vars set
+#   bench[=VAR=V:VAR=V]       lce_bench on $SHAPES (default: the five issue shapes), with env vars set, and
+#                             $LCE_BENCH_ARGS (e.g. --score-ab: the score with LCE_CUDA_EPILOGUE_STATS=0 and =1)
 #   peers                     ../shared/bench/peers.py (as .peers/peers.py) on $SHAPES
 #   tp                        TP process tests on every GPU, lce_tp_bench at k = 1 and all GPUs, verl's
 #                             kernel at the same k ($TP_SHAPES)
@@ -185,7 +186,8 @@ for step in "$@"; do
       echo "e2e (cuda) rc=$?" ;;
     bench)
       echo "## bench ${arg:-default}" >> "$OUT/bench.log"
-      env ${arg//:/ } timeout 300 ./.devbin/lce_bench --shapes "$SHAPES" --reps ${REPS:-7} >> "$OUT/bench.log" 2>&1
+      env ${arg//:/ } timeout 300 ./.devbin/lce_bench --shapes "$SHAPES" --reps ${REPS:-7} ${LCE_BENCH_ARGS:-} \
+        >> "$OUT/bench.log" 2>&1
       echo "bench ${arg:-default} rc=$?" ;;
     peers)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl \

@@ -18,6 +18,9 @@
 //             fast loss path (bf16, kLoss, no softcap, no label smoothing): no dA pass at all;
 //             dW += qᵀ·(s ⊙ h) − scatter(t ⊙ h) and d_hidden = s ⊙ (q·W) − t ⊙ W[y] (fast_grad.cu).
 // So a train step costs three GEMMs of N·H·V_shard (the floor) plus elementwise passes.
+// Score path, LCE_CUDA_EPILOGUE_STATS=1 (bf16, sm_90, built with CUTLASS): the forward is one GEMM over
+// the whole shard whose epilogue writes per-(row, 256-column tile) partials and the target logits
+// (epilogue_stats_gemm.cu), folded into the same segment partials: no logit tiles, no TileStats.
 #include "cuda/cuda_engine.h"
 
 #include <cublas_v2.h>
@@ -234,7 +237,7 @@ class CudaEngine final : public LceEngine {
     nseg_global_ = (shape_.vocab_size + kSegment - 1) / kSegment;
     tp_invariant_ = config_.collectives != nullptr && tp_invariant_option_ && SegmentsAreGlobal();
     epi_capable_ = prop.major == 9 && prop.minor == 0;
-    epi_config_ = static_cast<int>(EnvInt("LCE_CUDA_EPI_KERNEL", 0));
+    epi_config_ = static_cast<int>(EnvInt("LCE_CUDA_EPI_KERNEL", -1));
     tree_dh_ = tp_invariant_option_ && SegmentsAreGlobal();
     // The smallest block must fit the budget.
     if (Bytes({true, true, true, true, tree_dh_}, 1) > config_.workspace_bytes) {
@@ -448,7 +451,7 @@ class CudaEngine final : public LceEngine {
   int64_t nseg_global_ = 0;
   int fwd_sm_target_ = 0;
   bool epi_capable_ = false;  // an sm_90 device: the epilogue-statistics GEMM can run
-  int epi_config_ = 0;        // its kernel configuration (EpilogueStatsArgs::config), fixed per engine
+  int epi_config_ = -1;       // its kernel configuration (EpilogueStatsArgs::config), fixed per engine
   std::mutex mu_;
 };
 
@@ -838,6 +841,8 @@ absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t
   a.ntile = EpiTiles();
   a.packed = s.packed;
   a.config = epi_config_;
+  a.small_rows = EnvInt("LCE_CUDA_EPI_SMALL_ROWS", a.small_rows);
+  a.large_config = static_cast<int>(EnvInt("LCE_CUDA_EPI_LARGE", a.large_config));
   a.swizzle = static_cast<int>(EnvInt("LCE_CUDA_EPI_SWIZZLE", 1));
   a.raster = static_cast<int>(EnvInt("LCE_CUDA_EPI_RASTER", 0));
   LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(a, stream_));

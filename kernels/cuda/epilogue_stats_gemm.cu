@@ -147,6 +147,7 @@ class RowStatsEpilogue {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       const int row = m0 + static_cast<int>(get<0>(c(i, 0)));
+      if (__all_sync(0xffffffffu, row >= M)) continue;  // the warp's rows past the batch (a few-row tile)
       float v[kCols];
       float mx = -INFINITY, sum_v = 0.0f;
       CUTLASS_PRAGMA_UNROLL
@@ -215,12 +216,16 @@ struct StatsGemm {
 };
 
 // 0: ping-pong, 128×128 tiles (one consumer warp group's epilogue overlaps the other's products);
-// 1: cooperative, 128×256 tiles; 2: ping-pong, 64×256 tiles. All in clusters of two along the
-// vocabulary (h's tile multicast to both).
+// 1: cooperative, 128×256 tiles, clusters of two along the vocabulary (h's tile multicast to both);
+// 2: ping-pong, 64×256 tiles, likewise; 3: as 1 in clusters of two along the rows (W's tile multicast).
+// 1, 2 and 3 run the same m64n256k16 instructions over the same 64-column k-blocks and reduce the same
+// 256-column tiles with the same lanes: one row's partials are the same bits through any of them.
 using PingPong128 = StatsGemm<Shape<_128, _128, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
 using Cooperative256 =
     StatsGemm<Shape<_128, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
 using PingPong64x256 = StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+using Cooperative256RowPairs =
+    StatsGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
 
 template <class Config>
 absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
@@ -268,7 +273,9 @@ absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t
 }  // namespace
 
 int EpilogueStatsTileCols(int config) {
-  return config == 1 ? Cooperative256::kTileCols : config == 2 ? PingPong64x256::kTileCols : PingPong128::kTileCols;
+  static_assert(Cooperative256::kTileCols == PingPong64x256::kTileCols &&
+                Cooperative256::kTileCols == Cooperative256RowPairs::kTileCols);
+  return config == 0 ? PingPong128::kTileCols : Cooperative256::kTileCols;
 }
 
 absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t stream) {
@@ -292,10 +299,13 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   sp.tile_part = a.tile_part;
   sp.packed = a.packed;
   sp.ntile = a.ntile;
-  switch (a.config) {
-    case 1: return Run<Cooperative256>(a, sp, stream);
+  // Automatic: a few rows (bound by reading W) through 64-row tiles, more through 128-row tiles.
+  const int config = a.config >= 0 ? a.config : a.rows <= a.small_rows ? 2 : a.large_config;
+  switch (config) {
+    case 0: return Run<PingPong128>(a, sp, stream);
     case 2: return Run<PingPong64x256>(a, sp, stream);
-    default: return Run<PingPong128>(a, sp, stream);
+    case 3: return Run<Cooperative256RowPairs>(a, sp, stream);
+    default: return Run<Cooperative256>(a, sp, stream);
   }
 }
 

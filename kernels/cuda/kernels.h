@@ -65,8 +65,9 @@ absl::Status LaunchTileStats(const float* logits, int64_t ldz, int64_t rows, int
 // aligned, hidden a multiple of 8) whose epilogue reduces each fp32 logit tile in registers: per
 // (row, column tile of EpilogueStatsTileCols(config) columns) tile_part[(r·ntile + t)·4 + {0,1,2,3}] =
 // (m, S, Q, Σz) of z = transform(logit) (LogitTransform), and z_y into packed[r·kPacked + 3] for rows
-// whose target lies in the shard (packed zeroed by the caller). No logits are written. One tile shape
-// for every row count (config), no split-K: a row's partials are the same bits whatever the batch.
+// whose target lies in the shard (packed zeroed by the caller). No logits are written. No split-K, and
+// the same arithmetic for a row in configurations 1 to 3: a row's partials are the same bits whatever
+// the batch.
 struct EpilogueStatsArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
@@ -78,7 +79,12 @@ struct EpilogueStatsArgs {
   float* tile_part = nullptr;
   int64_t ntile = 0;  // ceil(cols / EpilogueStatsTileCols(config))
   float* packed = nullptr;
-  int config = 0;   // 0: ping-pong 128×128 tiles, 1: cooperative 128×256, 2: ping-pong 64×256
+  // Kernel configuration (epilogue_stats_gemm.cu): 0 ping-pong 128×128 tiles, 1 cooperative 128×256,
+  // 2 ping-pong 64×256, 3 as 1 with W's tiles multicast; −1 (automatic): 2 for rows <= small_rows, else
+  // large_config. 1, 2 and 3 give a row the same bits.
+  int config = -1;
+  int64_t small_rows = 128;
+  int large_config = 1;
   int swizzle = 1;  // tile scheduler: swizzle width (1, 2, 4, 8) and raster (0 heuristic, 1 along M, 2 along N)
   int raster = 0;
 };

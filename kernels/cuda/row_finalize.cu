@@ -1,6 +1,7 @@
 // Per-row kernels between the forward tiles and the backward: merge the segment partials, rescale
 // them for the cross-rank sum (tensor parallel), and turn them into outputs and backward coefficients.
 #include <cmath>
+#include <cstdint>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
@@ -11,31 +12,35 @@ namespace {
 
 constexpr int kThreads = 128;
 
-__global__ void MergeSegmentsKernel(const float* __restrict__ part, int64_t nseg, int64_t rows,
+// Folds n partials (m, S, Q, Σz) in order into one: the max, then S and Q rescaled to it.
+__device__ float4 FoldPartials(const float4* __restrict__ p, int64_t n) {
+  float m = -INFINITY, sum_z = 0.0f;
+  for (int64_t t = 0; t < n; ++t) {
+    m = fmaxf(m, p[t].x);
+    sum_z += p[t].w;
+  }
+  float S = 0.0f, Q = 0.0f;
+  for (int64_t t = 0; t < n; ++t) {
+    const float4 v = p[t];
+    const float d = v.x - m;
+    const float scale = expf(d);
+    S += v.y * scale;
+    Q += (v.z + d * v.y) * scale;
+  }
+  return make_float4(m, S, Q, sum_z);
+}
+
+__global__ void MergeSegmentsKernel(const float4* __restrict__ part, int64_t nseg, int64_t rows,
                                     float* __restrict__ m_local, float* __restrict__ m_out,
                                     float* __restrict__ packed) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= rows) return;
-  const float* p = part + r * nseg * 4;
-  float m = -INFINITY;
-  float sum_z = 0.0f;
-  for (int64_t s = 0; s < nseg; ++s) {
-    m = fmaxf(m, p[4 * s]);
-    sum_z += p[4 * s + 3];
-  }
-  float S = 0.0f, Q = 0.0f;
-  for (int64_t s = 0; s < nseg; ++s) {
-    const float ms = p[4 * s], ss = p[4 * s + 1], qs = p[4 * s + 2];
-    const float d = ms - m;
-    const float scale = expf(d);
-    S += ss * scale;
-    Q += (qs + d * ss) * scale;
-  }
-  m_local[r] = m;
-  m_out[r] = m;
-  packed[r * kPacked + 0] = S;
-  packed[r * kPacked + 1] = Q;
-  packed[r * kPacked + 2] = sum_z;
+  const float4 f = FoldPartials(part + r * nseg, nseg);
+  m_local[r] = f.x;
+  m_out[r] = f.x;
+  packed[r * kPacked + 0] = f.y;
+  packed[r * kPacked + 1] = f.z;
+  packed[r * kPacked + 2] = f.w;
 }
 
 // One thread per (row, segment): the segment's tiles folded as MergeSegmentsKernel folds segments.
@@ -44,22 +49,7 @@ __global__ void FoldTilePartialsKernel(const float4* __restrict__ tile_part, int
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * nseg) return;
   const int64_t r = i / nseg, s = i % nseg;
-  const float4* p = tile_part + r * ntile + s * per;
-  const int n = static_cast<int>(ntile - s * per < per ? ntile - s * per : per);
-  float m = -INFINITY, sum_z = 0.0f;
-  for (int t = 0; t < n; ++t) {
-    m = fmaxf(m, p[t].x);
-    sum_z += p[t].w;
-  }
-  float S = 0.0f, Q = 0.0f;
-  for (int t = 0; t < n; ++t) {
-    const float4 v = p[t];
-    const float d = v.x - m;
-    const float scale = expf(d);
-    S += v.y * scale;
-    Q += (v.z + d * v.y) * scale;
-  }
-  part[i] = make_float4(m, S, Q, sum_z);
+  part[i] = FoldPartials(tile_part + r * ntile + s * per, ntile - s * per < per ? ntile - s * per : per);
 }
 
 __global__ void RescaleKernel(const float* __restrict__ m_local, const float* __restrict__ m, int64_t rows,
@@ -169,8 +159,11 @@ unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / k
 absl::Status LaunchMergeSegments(const float* part, int64_t nseg, int64_t rows, float* m_local, float* m,
                                  float* packed, cudaStream_t stream) {
   if (rows <= 0) return absl::OkStatus();
-  if (nseg <= 0) return absl::InternalError(absl::StrCat("LaunchMergeSegments: nseg=", nseg));
-  MergeSegmentsKernel<<<Blocks(rows), kThreads, 0, stream>>>(part, nseg, rows, m_local, m, packed);
+  if (nseg <= 0 || reinterpret_cast<uintptr_t>(part) % 16 != 0) {
+    return absl::InternalError(absl::StrCat("LaunchMergeSegments: nseg=", nseg, " or part not 16-byte aligned"));
+  }
+  MergeSegmentsKernel<<<Blocks(rows), kThreads, 0, stream>>>(reinterpret_cast<const float4*>(part), nseg, rows,
+                                                              m_local, m, packed);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
@@ -179,7 +172,8 @@ absl::Status LaunchFoldTilePartials(const float* tile_part, int64_t ntile, int t
                                     int64_t nseg, cudaStream_t stream) {
   if (rows <= 0) return absl::OkStatus();
   if (tile_cols <= 0 || kSegment % tile_cols != 0 || nseg <= 0 || ntile <= (nseg - 1) * (kSegment / tile_cols) ||
-      ntile > nseg * (kSegment / tile_cols)) {
+      ntile > nseg * (kSegment / tile_cols) || reinterpret_cast<uintptr_t>(tile_part) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(part) % 16 != 0) {
     return absl::InternalError(absl::StrCat("LaunchFoldTilePartials: ntile=", ntile, " tile_cols=", tile_cols,
                                             " nseg=", nseg));
   }

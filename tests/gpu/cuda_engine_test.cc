@@ -801,7 +801,7 @@ TEST_F(EpilogueStatsTest, MatchesReferenceRaggedShapesAndOptions) {
 
 // Against the cuBLASLt path on the same engine and inputs: different summation orders, the same answers.
 TEST_F(EpilogueStatsTest, AgreesWithTheLogitTilePath) {
-  ProblemSpec sp = ScoreSpec(600, 256, 50001);
+  ProblemSpec sp = ScoreSpec(300, 256, 30001);
   sp.bias = true;
   sp.options.softcap = 20.0f;
   const Problem p = MakeProblem(sp, 5100);
@@ -815,6 +815,28 @@ TEST_F(EpilogueStatsTest, AgreesWithTheLogitTilePath) {
   EXPECT_LE(RelErr(epi.entropy, to_d(tiles.entropy)), 1e-5);
   EXPECT_LE(RelErr(epi.lse, to_d(tiles.lse)), 1e-5);
   ExpectMatches(epi, p, {}, "epilogue statistics");
+}
+
+// Every kernel configuration (LCE_CUDA_EPI_KERNEL, read when the engine is made) against float64, on
+// ragged rows and columns; 1 (cooperative 128×256), 2 (ping-pong 64×256) and 3 (1 with W's tiles
+// multicast) the same bits, as the automatic choice between 2 and 1 by row count relies on.
+TEST_F(EpilogueStatsTest, EveryKernelConfiguration) {
+  ProblemSpec sp = ScoreSpec(301, 136, 20001);
+  sp.bias = true;
+  sp.options.temperature = 0.9f;
+  const Problem p = MakeProblem(sp, 5050);
+  std::vector<Answers> got;
+  for (const char* config : {"0", "1", "2", "3"}) {
+    setenv("LCE_CUDA_EPI_KERNEL", config, 1);
+    auto e = MakeCuda(p);
+    unsetenv("LCE_CUDA_EPI_KERNEL");
+    ASSERT_NE(e, nullptr);
+    got.push_back(RunEngine(*e, p, MemorySpace::kDevice, {}));
+    ExpectMatches(got.back(), p, {}, absl::StrCat("configuration ", config));
+  }
+  for (int k : {2, 3}) {
+    for (int64_t i = 0; i < sp.rows; ++i) ExpectRowSameBits(got[1], got[k], i, 0, 0, absl::StrCat("config ", k, " row ", i));
+  }
 }
 
 // Many row blocks (the workspace holds 32768 rows at most) and 100003 rows in all.
