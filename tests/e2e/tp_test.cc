@@ -121,7 +121,7 @@ TEST(TensorParallel, GroupsOfTwoAndThreeMatchOneEngine) {
     en[i] = std::sin(0.37f * i);
   }
   for (int k : GroupSizes()) {
-    TpGroup group(k, 10.0);
+    TpGroup group(k, 30.0);  // a collective waits long on a loaded 2-core machine
     auto c = Connect(group.target(), 4 * kHidden * 37);
     auto info = c->GetInfo();
     ASSERT_TRUE(info.ok()) << info.status();
@@ -329,7 +329,7 @@ TEST(TensorParallel, TrainingTheShardedHeadMatchesOneRank) {
 // server, and a source no rank can read changes nothing.
 TEST(TensorParallel, LoadHeadAndUpdateWeightsOnAGroup) {
   const int k = GroupSizes().back();
-  TpGroup group(k, 10.0);
+  TpGroup group(k, 30.0);
   const Batch b = TrainingBatch(71);
   const std::vector<float> w7 = SeededWeight(7), w9 = SeededWeight(9);
 
@@ -416,7 +416,7 @@ TEST(TensorParallel, LoadHeadAndUpdateWeightsOnAGroup) {
 // shard enters every logprob); the change waits for it, then takes effect, and the old version,
 // pinned, is gone.
 TEST(TensorParallel, AVersionChangeDuringARequestDoesNotChangeItsAnswers) {
-  TpGroup group(GroupSizes().front(), 10.0);
+  TpGroup group(GroupSizes().front(), 30.0);
   const Batch b = TrainingBatch(81);
   auto stub = RawStub(group.target());
   OpenScore request(*stub, "", b);
