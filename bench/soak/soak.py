@@ -52,9 +52,12 @@ MAX_ROWS = 4096
 DP_BYTES_PER_SESSION = 64 << 20
 HIDDEN = 128
 GRPC_CQS = 2
+CPU_THREADS = 2
 # gRPC's synchronous server keeps between 1 and 4 idle threads a completion queue
-# (server/api/grpc_server.cc: MIN_POLLERS, MAX_POLLERS), so that many may rest there with no client.
-IDLE_POOL_BOUND = {"grpcpp_sync_ser": GRPC_CQS * 4}
+# (server/api/grpc_server.cc: MIN_POLLERS, MAX_POLLERS), and each keeps the OpenMP team it made when
+# it ran the CPU engine (CPU_THREADS - 1 workers, which inherit its name): so many may rest there
+# with no client, whatever the warm level caught.
+IDLE_POOL_BOUND = {"grpcpp_sync_ser": GRPC_CQS * 4 * CPU_THREADS}
 
 
 def free_port() -> int:
@@ -71,7 +74,7 @@ class Server:
         port_file = workdir / "server.port"
         self.log_path = workdir / "server.log"
         args = [binary, "--host=127.0.0.1", "--port=0", f"--port-file={port_file}", "--backend=cpu",
-                "--cpu-threads=2", f"--seed-head=4096x{HIDDEN}", "--head-dtype=fp32", f"--seed={seed}",
+                f"--cpu-threads={CPU_THREADS}", f"--seed-head=4096x{HIDDEN}", "--head-dtype=fp32", f"--seed={seed}",
                 f"--grpc-cqs={GRPC_CQS}", "--data-port=0", f"--metrics-port={self.metrics_port}", "--metrics-host=127.0.0.1",
                 f"--max-message-bytes={MAX_MESSAGE_BYTES}", f"--max-rows-per-request={MAX_ROWS}",
                 f"--data-plane-bytes-per-session={DP_BYTES_PER_SESSION}", "--stream-header-timeout-seconds=1",
@@ -242,6 +245,8 @@ def main() -> int:
         if warm is not None:
             run_phase(ctx, a.duration - warmup, server, a.probe_open_bugs)
         final = settle(server, target=warm, timeout=60.0) if server.alive() else None
+        if final is not None and thread_growth(warm["thread_names"], final["thread_names"]):
+            dump_threads(server, workdir / "threads_at_end.txt")
     finally:
         monitor.stop.set()
         crashed = not server.alive()
@@ -292,6 +297,17 @@ def summarize(ledger: Ledger, warm, final, monitor: Monitor, soak_from: float, c
             "faults": sum(sum(v.values()) for v in snap["faults"].values()), "faults_by_kind": snap["faults"],
             "notes": snap["notes"], "figures": figures, "server_exit": exit_code, "failures": failures,
             "series_s_rss_mb_fds_threads": series, "driver_peak_rss_mb": _own_peak_rss_mb()}
+
+
+def dump_threads(server: Server, path: Path) -> None:
+    """Every thread's stack (gdb, where installed), to tell what an extra thread waits on."""
+    try:
+        out = subprocess.run(["gdb", "-p", str(server.proc.pid), "-batch", "-ex", "thread apply all bt 12"],
+                             capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        out = f"no stacks: {e}"
+    path.write_text(out)
+    print(f"soak: the server's threads at the end: {path}", flush=True)
 
 
 def _own_peak_rss_mb() -> float:
