@@ -103,6 +103,15 @@ class CpuHeadTrainer final : public HeadTrainer {
     std::fill(grad_.begin(), grad_.end(), 0.0f);
     return absl::OkStatus();
   }
+  absl::Status MarkGrad() override {
+    marked_.assign(grad_.begin(), grad_.end());
+    return absl::OkStatus();
+  }
+  absl::Status RollBackGrad() override {
+    if (marked_.size() != grad_.size()) return absl::FailedPreconditionError("no marked gradient to roll back to");
+    std::copy(marked_.begin(), marked_.end(), grad_.begin());
+    return absl::OkStatus();
+  }
   absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() override {
     const ShardTiles tiles = TilesOf(shape_);
     TileSquaredNorms out{tiles.first_tile, {}};
@@ -168,6 +177,7 @@ class CpuHeadTrainer final : public HeadTrainer {
   std::shared_ptr<const HeadWeights> weights_;  // the weight engine_ serves
   EngineMaker make_;
   std::vector<float> grad_, master_, m_, v_;
+  std::vector<float> marked_;  // MarkGrad's copy of grad_
 };
 
 }  // namespace

@@ -52,6 +52,25 @@ class CudaHeadTrainer final : public HeadTrainer {
     return Sync();
   }
 
+  absl::Status MarkGrad() override {
+    LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
+    if (marked_ == nullptr) {
+      absl::StatusOr<std::unique_ptr<DeviceBuffer>> m = AllocateDeviceBuffer(grad_elements() * 4, serving_.device);
+      if (!m.ok()) return m.status();
+      marked_ = std::move(*m);
+    }
+    LCE_CUDA_CHECK(cudaMemcpyAsync(marked_->data(), grad(), static_cast<size_t>(grad_elements()) * 4,
+                                   cudaMemcpyDeviceToDevice, stream_));
+    return Sync();
+  }
+  absl::Status RollBackGrad() override {
+    if (marked_ == nullptr) return absl::FailedPreconditionError("no marked gradient to roll back to");
+    LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
+    LCE_CUDA_CHECK(cudaMemcpyAsync(grad(), marked_->data(), static_cast<size_t>(grad_elements()) * 4,
+                                   cudaMemcpyDeviceToDevice, stream_));
+    return Sync();
+  }
+
   absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() override {
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     double* scratch = reinterpret_cast<double*>(norm_scratch_->data());
@@ -155,6 +174,7 @@ class CudaHeadTrainer final : public HeadTrainer {
   EngineWeightOnDevice serving_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<DeviceBuffer> grad_, norm_scratch_, master_;
+  std::unique_ptr<DeviceBuffer> marked_;  // MarkGrad's copy of grad_, made at its first call
   TileNormShape norm_shape_;
 };
 

@@ -56,6 +56,13 @@ auto StreamedRequest::Timed(double RequestWork::*acc, F&& f) {
 }
 
 grpc::Status StreamedRequest::Run() {
+  grpc::Status g = Stages();
+  if (!g.ok() && marked_ != nullptr) g = RollBackGrad(g);
+  if (training_lock_.owns_lock()) training_lock_.unlock();
+  return g;
+}
+
+grpc::Status StreamedRequest::Stages() {
   if (grpc::Status g = Admit(); !g.ok()) return g;
   for (;;) {
     bool more = false;
@@ -308,8 +315,7 @@ grpc::Status StreamedRequest::Compute(InFlightChunk& c) {
   if (s.ok()) {
     const RowOutputs second = is_pl_ ? RowOutputs{} : c.outs;
     if (plan_->accumulate_weight_grad) {
-      std::lock_guard<std::mutex> lock(plan_->head->training->mu);
-      absl::StatusOr<HeadTrainer*> trainer = service_.TrainerOf(*plan_->head);
+      absl::StatusOr<HeadTrainer*> trainer = AccumulatingTrainer();
       if (trainer.ok()) c.grads.d_weight = (*trainer)->grad();
       s = trainer.ok() ? CallEngine(c, op_, c.up, second, c.grads) : trainer.status();
     } else if (Batchable(c)) {
@@ -368,6 +374,27 @@ absl::Status StreamedRequest::ComputeBatched(InFlightChunk& c) {
     work_->engine_seconds += std::chrono::duration<double>(t.ended - t.launched).count();
   }
   return s;
+
+absl::StatusOr<HeadTrainer*> StreamedRequest::AccumulatingTrainer() {
+  if (marked_ != nullptr) return marked_;
+  if (!training_lock_.owns_lock()) training_lock_ = std::unique_lock<std::mutex>(plan_->head->training->mu);
+  absl::StatusOr<HeadTrainer*> trainer = service_.TrainerOf(*plan_->head);
+  if (!trainer.ok()) return trainer.status();
+  if (absl::Status s = (*trainer)->MarkGrad(); !s.ok()) return s;
+  marked_ = *trainer;
+  if (config_.tp_group != nullptr) {
+    if (absl::Status s = config_.tp_group->MarkGrad(plan_->head->name); !s.ok()) return s;
+  }
+  return marked_;
+}
+
+grpc::Status StreamedRequest::RollBackGrad(const grpc::Status& failed) {
+  absl::Status s = marked_->RollBackGrad();
+  if (s.ok() && config_.tp_group != nullptr) s = config_.tp_group->RollBackGrad(plan_->head->name);
+  if (s.ok()) return failed;
+  return grpc::Status(grpc::StatusCode::INTERNAL,
+                      absl::StrCat(failed.error_message(), "; and the head's accumulated gradient could not be restored "
+                                   "to what it was before this request (ZeroGrad before the next step): ", s.message()));
 }
 
 // PolicyLoss: the forward for logprob and entropy, the policy loss and its upstream gradients on

@@ -10,10 +10,12 @@
 #include "head_store.h"
 
 namespace lce::server {
+
+enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kSave, kLoad, kUpdate, kMarkGrad, kRollBackGrad };
+
 namespace {
 
 constexpr uint32_t kMagic = 0x4c434532;  // "LCE2": this layout of the control block
-enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kSave, kLoad, kUpdate };
 enum Flags : uint32_t { kGradLoss = 1, kGradLogprob = 2, kGradEntropy = 4, kAccumulateWeightGrad = 8 };
 enum Slot : int { kControl, kHidden, kTargets, kGradLossSlot, kGradLogprobSlot, kGradEntropySlot,
                   kOutLogprob, kOutEntropy, kOutLse, kOutLoss, kOutDHidden, kScalars, kPiece };
@@ -272,10 +274,14 @@ absl::Status TpGroup::StopPeers() {
   return ShareControl(*comm_, *staging_, c, true);
 }
 
-absl::Status TpGroup::ZeroGrad(const std::string& head) {
+absl::Status TpGroup::ZeroGrad(const std::string& head) { return GradOp(head, TpOp::kZeroGrad); }
+absl::Status TpGroup::MarkGrad(const std::string& head) { return GradOp(head, TpOp::kMarkGrad); }
+absl::Status TpGroup::RollBackGrad(const std::string& head) { return GradOp(head, TpOp::kRollBackGrad); }
+
+absl::Status TpGroup::GradOp(const std::string& head, TpOp op) {
   return Locked<absl::Status>([&]() -> absl::Status {
     TpControl c;
-    c.op = TpOp::kZeroGrad;
+    c.op = op;
     if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
     return ShareControl(*comm_, *staging_, c, true);
   });
@@ -426,6 +432,8 @@ class TpPeer {
     switch (c.op) {
       case TpOp::kCompute: return OnCompute(c);
       case TpOp::kZeroGrad: return OnZeroGrad(c);
+      case TpOp::kMarkGrad: return OnMarkGrad(c);
+      case TpOp::kRollBackGrad: return OnRollBackGrad(c);
       case TpOp::kStep: return OnStep(c);
       case TpOp::kGetGrad: return OnGetGrad(c);
       case TpOp::kSave: return OnSave(c);
@@ -452,6 +460,18 @@ class TpPeer {
     absl::StatusOr<Head*> h = Find(c);
     if (!h.ok()) return h.status();
     return (*h)->trainer != nullptr ? (*h)->trainer->ZeroGrad() : absl::OkStatus();
+  }
+  // A rank that cannot mark (or roll back) its dW would break the request's promise: it leaves.
+  absl::Status OnMarkGrad(const TpControl& c) {
+    absl::StatusOr<Head*> h = Find(c);
+    if (!h.ok()) return h.status();
+    absl::StatusOr<HeadTrainer*> t = Trainer(**h);
+    return t.ok() ? (*t)->MarkGrad() : t.status();
+  }
+  absl::Status OnRollBackGrad(const TpControl& c) {
+    absl::StatusOr<Head*> h = Find(c);
+    if (!h.ok()) return h.status();
+    return (*h)->trainer != nullptr ? (*h)->trainer->RollBackGrad() : absl::OkStatus();
   }
   absl::Status OnStep(const TpControl& c);
   absl::Status OnGetGrad(const TpControl& c);

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
@@ -24,6 +25,8 @@
 #include "tp_communicator.h"
 
 namespace lce::server {
+
+enum class TpOp : uint32_t;  // the operations the front sends its peers (tp_group.cc)
 
 // Where LoadHead takes a head from, on every rank: rows of a safetensors file (or a saved index), a
 // seeded head, or this rank's shard of another head it holds.
@@ -78,8 +81,11 @@ class TpGroup {
   // Tells the peers to exit their loops. Call once, when the front shuts down.
   absl::Status StopPeers();
 
-  // Zeroes the peers' dW of `head` (the front zeroes its own).
+  // Zeroes the peers' dW of `head` (the front zeroes its own); MarkGrad and RollBackGrad do the
+  // trainer's (lce/training.h) on the peers.
   absl::Status ZeroGrad(const std::string& head);
+  absl::Status MarkGrad(const std::string& head);
+  absl::Status RollBackGrad(const std::string& head);
   // StepShard on every rank; `version` is the head's new version; `dp`: the front's, when replicas.
   absl::StatusOr<ShardStep> Step(const std::string& head, int64_t version, int64_t vocab_size,
                                  absl::StatusOr<HeadTrainer*> front, const AdamWParams& params, float max_grad_norm,
@@ -109,6 +115,8 @@ class TpGroup {
   absl::Status ComputeLocked(const std::string& head, int64_t version, LceEngine& local, const RowsView& rows,
                              const LceOptions& o, const Upstream& up, const RowOutputs& outputs, const GradOutputs& grads);
   absl::Status Fail(absl::Status s);
+  // An operation on the peers' dW of `head` (ZeroGrad, MarkGrad, RollBackGrad).
+  absl::Status GradOp(const std::string& head, TpOp op);
 
   TpCommunicator* comm_;
   std::unique_ptr<ChunkStaging> staging_;

@@ -91,6 +91,12 @@ class HeadTrainer {
   int64_t steps() const { return steps_; }
 
   virtual absl::Status ZeroGrad() = 0;
+  // Undoing a request's contributions to dW (a failed or cancelled request leaves dW exactly as
+  // before it): MarkGrad copies dW aside (into a second dW-sized buffer, made at the first call),
+  // RollBackGrad copies it back. The server marks at a request's first dW and holds the training
+  // lock until the request ends, so no other change to dW comes between.
+  virtual absl::Status MarkGrad() = 0;
+  virtual absl::Status RollBackGrad() = 0;
   // Σ dW² of each tile of this shard, in float64, in a fixed order (the CPU's and the GPU's differ).
   virtual absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() = 0;
   // ‖dW‖² of this shard as a group combines the tiles (a head of one rank: its global squared norm).
