@@ -23,6 +23,11 @@
 #                             it is large: bench/device_pack.sh py) into /tmp/site, kept while the machine is warm
 #   py-gpu                    the Python client against a CUDA server: examples/grpo_hf.py, and test_hf, test_rl,
 #                             test_aio with LCE_TEST_BACKEND=cuda (carry client/python/lce_client/_proto)
+#   small-calls               bench/small_calls.sh on CUDA servers (VOCAB x HIDDEN bf16, default 151936 x 4096):
+#                             a Score of $CALL_ROWS (1,16,64) rows end to end vs the server's engine time, and
+#                             1-row Scores a second from 64 callers, batching off and on ($CALLS_CONFIGS); the
+#                             Python client too where .whl/ holds lce_client's wheel and its dependencies'
+#                             for the machine's python3 (`pip wheel -w .whl ./client/python`)
 #   bin=NAME[:ARGS]           any .devbin binary with ARGS (':' for spaces), output to $OUT/NAME.log
 set -u
 [ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
@@ -171,6 +176,21 @@ step_timeline() {
   echo "timeline done"
 }
 
+step_small_calls() {
+  local py=/tmp/lce_py
+  if ls .whl/lce_client-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --find-links .whl --target $py lce_client > "$OUT/pip_small_calls.log" 2>&1
+  fi
+  # Batching needs a batch-invariant engine: the off run with and without --batch-invariant prices it.
+  PYTHONPATH=$py${PYTHONPATH:+:$PYTHONPATH} PYTHON=python3 SERVER_BIN=.devbin/lce_server \
+    BENCH_BIN=.devbin/lce_small_calls_bench BACKEND=cuda VOCAB=${VOCAB:-151936} HIDDEN=$H DTYPE=bf16 \
+    ROWS=${CALL_ROWS:-1,16,64} OUT=$OUT/small_calls CONFIGS="${CALLS_CONFIGS:-off:--batch-max-rows=0 \
+off-invariant:--batch-max-rows=0:--batch-invariant=true on:--batch-max-rows=256:--batch-invariant=true \
+on-window100:--batch-max-rows=256:--batch-max-delay-us=100:--batch-invariant=true}" \
+    bash bench/small_calls.sh > "$OUT/small_calls.log" 2>&1
+  echo "small calls rc=$?"
+}
+
 for step in "$@"; do
   arg=${step#*=}; [ "$arg" = "$step" ] && arg=""
   case ${step%%=*} in
@@ -204,6 +224,7 @@ for step in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/py/*.whl > "$OUT/pip_py.log" 2>&1
       echo "py-wheels rc=$?" ;;
     py-gpu) step_py_gpu ;;
+    small-calls) step_small_calls ;;
     bin)
       name=${arg%%:*}; args=${arg#*:}; [ "$args" = "$arg" ] && args=""
       timeout 400 ./.devbin/$name ${args//:/ } > "$OUT/$name.log" 2>&1; echo "$name rc=$?" ;;
@@ -215,5 +236,5 @@ for f in gpu_test e2e_cuda tp_test; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|rror|tests ran|^\[  FAILED" "$OUT/$f.log" | head -40; }
 done
 [ -f "$OUT/sanitizer.log" ] && { echo "== sanitizer"; tail -4 "$OUT/sanitizer.log"; }
-for f in bench tp_bench peers transport dp py_gpu; do [ -f "$OUT/$f.log" ] && { echo "== $f"; cat "$OUT/$f.log"; }; done
+for f in bench tp_bench peers transport dp py_gpu small_calls; do [ -f "$OUT/$f.log" ] && { echo "== $f"; cat "$OUT/$f.log"; }; done
 exit 0

@@ -11,7 +11,7 @@ APT_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libopenblas-dev libgtest-dev libgmock-dev
-  libgloo-dev nlohmann-json3-dev
+  libgloo-dev nlohmann-json3-dev libcpp-httplib-dev
   prometheus openssl python3 python3-venv python3-pip
 )
 

@@ -1,28 +1,36 @@
-// The /metrics exposer. Not civetweb, although prometheus-cpp uses it: Debian's libcivetweb starts
-// its worker threads with a fixed 100 KB stack, and glibc carves every thread's static TLS out of
-// that stack; with the CUDA libraries in the process (cuBLASLt alone has ~94 KB of static TLS)
-// civetweb cannot create a single thread. Here every thread is a std::thread with a normal stack.
-// Not cpp-httplib either: its deadlines are per read, not per request, and a thread serves a
-// connection from its first byte to its last, so a few clients sending a byte every few seconds
-// would hold all of them. This server reads every connection from one thread without blocking, so
-// a slow client holds nothing but its own socket until its request deadline.
+// The /metrics exposer on cpp-httplib, with deadlines of our own around its connections.
+// Not civetweb, although prometheus-cpp uses it: Debian's libcivetweb starts its worker threads
+// with a fixed 100 KB stack, and glibc carves every thread's static TLS out of that stack; with the
+// CUDA libraries in the process (cuBLASLt alone has ~94 KB of static TLS) civetweb cannot create a
+// single thread. cpp-httplib's threads are std::threads with a normal stack.
+// cpp-httplib alone is not enough: its timeouts are per read, and a thread serves a connection from
+// its first byte to its last. Measured (Debian's 0.11.4, its pool of 8 threads): 8 clients each
+// sending a request a byte every 50 ms and /healthz got no answer in 20 s; 4 such clients, 0.4 ms.
+// So here each connection has a thread of its own (up to max_connections) and a socket stream whose
+// every wait ends at the connection's deadline (the request whole within request_timeout_seconds,
+// the answer read within as long again), and a connection that finds every thread taken sheds the
+// oldest still sending its request. cpp-httplib parses, routes and writes.
 #include "metrics_http.h"
 
-#include <arpa/inet.h>
-#include <fcntl.h>
 #include <netdb.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+
+#include <atomic>
 #include <chrono>
-#include <cstring>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "httplib.h"
 
 namespace lce::server::metrics {
 namespace {
@@ -30,7 +38,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr char kMetricsContentType[] = "text/plain; version=0.0.4; charset=utf-8";
-constexpr size_t kMaxRequestBytes = 16384;
+constexpr char kTextContentType[] = "text/plain; charset=utf-8";
 
 const char* Reason(int code) {
   switch (code) {
@@ -43,200 +51,248 @@ const char* Reason(int code) {
   return "Error";
 }
 
-std::string Reply(int code, const char* content_type, const std::string& body, bool head_only,
-                  const char* extra_headers = "") {
-  std::string out = absl::StrCat("HTTP/1.1 ", code, " ", Reason(code), "\r\nContent-Type: ", content_type,
-                                 "\r\nContent-Length: ", body.size(), "\r\n", extra_headers,
-                                 "Connection: close\r\n\r\n");
-  if (!head_only) out += body;
-  return out;
-}
-
 Clock::time_point After(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 }  // namespace
 
-struct MetricsHttpServer::Connection {
-  enum class State { kReading, kAnswering, kWriting };
-  int fd = -1;
-  State state = State::kReading;
-  std::string in, out;
-  size_t sent = 0;
-  Clock::time_point deadline;  // of the state it is in (none while a worker builds its answer)
-};
+MetricsHttpAnswer RouteMetricsRequest(const Registry& registry, const std::function<bool()>& healthy,
+                                      std::string_view method, std::string_view target) {
+  const std::string_view path = target.substr(0, target.find('?'));
+  if (path != "/metrics" && path != "/healthz") return {404, kTextContentType, "not found\n", ""};
+  if (method != "GET" && method != "HEAD") return {405, kTextContentType, "method not allowed\n", "GET, HEAD"};
+  if (path == "/metrics") return {200, kMetricsContentType, registry.Render(), ""};
+  const bool ok = !healthy || healthy();
+  return {ok ? 200 : 503, kTextContentType, ok ? "ok\n" : "not serving\n", ""};
+}
 
 std::string AnswerHttpRequest(const Registry& registry, const std::function<bool()>& healthy,
-                              const std::string& req) {
-  const size_t sp1 = req.find(' ');
-  const size_t sp2 = sp1 == std::string::npos ? sp1 : req.find(' ', sp1 + 1);
-  if (sp2 == std::string::npos) return Reply(400, "text/plain; charset=utf-8", "bad request\n", false);
-  const std::string method = req.substr(0, sp1);
-  std::string path = req.substr(sp1 + 1, sp2 - sp1 - 1);
-  if (const size_t q = path.find('?'); q != std::string::npos) path.resize(q);
-  const bool head_only = method == "HEAD";
-  if (path != "/metrics" && path != "/healthz") return Reply(404, "text/plain; charset=utf-8", "not found\n", head_only);
-  if (method != "GET" && !head_only) {
-    return Reply(405, "text/plain; charset=utf-8", "method not allowed\n", false, "Allow: GET, HEAD\r\n");
+                              const std::string& request) {
+  const std::string line = request.substr(0, request.find("\r\n"));
+  const size_t sp1 = line.find(' ');
+  const size_t sp2 = sp1 == std::string::npos ? sp1 : line.find(' ', sp1 + 1);
+  const std::string method = sp2 == std::string::npos ? "" : line.substr(0, sp1);
+  const MetricsHttpAnswer a = sp2 == std::string::npos
+                                  ? MetricsHttpAnswer{400, kTextContentType, "bad request\n", ""}
+                                  : RouteMetricsRequest(registry, healthy, method, line.substr(sp1 + 1, sp2 - sp1 - 1));
+  return absl::StrCat("HTTP/1.1 ", a.status, " ", Reason(a.status), "\r\nContent-Type: ", a.content_type,
+                      "\r\nContent-Length: ", a.body.size(), "\r\n", a.allow.empty() ? "" : "Allow: ", a.allow,
+                      a.allow.empty() ? "" : "\r\n", "Connection: close\r\n\r\n", method == "HEAD" ? "" : a.body);
+}
+
+// cpp-httplib hands each accepted connection over as a task; each runs on a thread of its own
+// (started as needed, up to max_connections; idle ones kept), between Open and Close.
+class MetricsHttpServer::Connections {
+ public:
+  explicit Connections(const MetricsHttpOptions& o) : max_threads_(o.max_connections) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int i = 0; i < o.num_threads && i < o.max_connections; ++i) StartThread();
   }
-  if (path == "/metrics") return Reply(200, kMetricsContentType, registry.Render(), head_only);
-  const bool ok = !healthy || healthy();
-  return Reply(ok ? 200 : 503, "text/plain; charset=utf-8", ok ? "ok\n" : "not serving\n", head_only);
-}
-
-std::string MetricsHttpServer::Answer(const std::string& req) const {
-  return AnswerHttpRequest(*registry_, options_.healthy, req);
-}
-
-bool MetricsHttpServer::ReadRequest(Connection& c) {
-  char buf[2048];
-  for (;;) {
-    const ssize_t n = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
-    if (n > 0) {
-      c.in.append(buf, static_cast<size_t>(n));
-      if (c.in.find("\r\n\r\n") != std::string::npos || c.in.size() >= kMaxRequestBytes) return true;
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
-    ::close(c.fd);  // the peer closed or failed before its request was whole
-    c.fd = -1;
-    return false;
-  }
-}
-
-bool MetricsHttpServer::WriteAnswer(Connection& c) {
-  while (c.sent < c.out.size()) {
-    const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n > 0) {
-      c.sent += static_cast<size_t>(n);
-    } else if (n < 0 && errno == EINTR) {
-      continue;
-    } else {
-      return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? false : true;  // else: the peer is gone
-    }
-  }
-  return true;
-}
-
-void MetricsHttpServer::Accept(std::map<uint64_t, Connection>& conns, uint64_t& next_id) {
-  for (;;) {
-    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EINTR) continue;
-      return;  // EAGAIN: none left (or a transient error: the next poll retries)
-    }
-    if (static_cast<int>(conns.size()) >= options_.max_connections) {
-      // Ids grow with time: the first connection still reading is the oldest.
-      auto oldest = std::find_if(conns.begin(), conns.end(),
-                                 [](const auto& kv) { return kv.second.state == Connection::State::kReading; });
-      if (oldest == conns.end()) {
-        ::close(fd);
-        continue;
-      }
-      ::close(oldest->second.fd);
-      conns.erase(oldest);
-    }
-    Connection c;
-    c.fd = fd;
-    c.deadline = After(options_.request_timeout_seconds);
-    conns.emplace(next_id++, std::move(c));
-  }
-}
-
-void MetricsHttpServer::Work() {
-  for (;;) {
-    Job job;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      work_ready_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-      if (stop_) return;
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
-    }
-    Done done{job.id, Answer(job.request)};
+  // Every open connection shut down, every thread joined (after the tasks left: each ends at once).
+  ~Connections() {
+    std::vector<std::thread> threads;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      done_.push_back(std::move(done));
+      stop_ = true;
+      for (auto& [id, c] : open_) Shut(c);
+      threads.swap(threads_);
     }
-    const char c = 0;
-    (void)!::write(wake_[1], &c, 1);  // full pipe: a wake-up is already pending
+    work_.notify_all();
+    for (std::thread& t : threads) t.join();
   }
-}
 
-void MetricsHttpServer::Serve() {
-  std::map<uint64_t, Connection> conns;
-  uint64_t next_id = 0;
-  std::vector<pollfd> fds;
-  std::vector<uint64_t> ids;  // of fds[2...]
-  for (;;) {
-    // Overdue connections go; the nearest deadline bounds the wait.
-    const Clock::time_point now = Clock::now();
-    Clock::time_point soonest = Clock::time_point::max();
-    fds.assign({{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}});
-    ids.clear();
-    for (auto it = conns.begin(); it != conns.end();) {
-      Connection& c = it->second;
-      if (c.state != Connection::State::kAnswering && c.deadline <= now) {
-        ::close(c.fd);
-        it = conns.erase(it);
-        continue;
-      }
-      if (c.state != Connection::State::kAnswering) {
-        soonest = std::min(soonest, c.deadline);
-        fds.push_back({c.fd, static_cast<short>(c.state == Connection::State::kReading ? POLLIN : POLLOUT), 0});
-        ids.push_back(it->first);
-      }
-      ++it;
+  void Enqueue(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+    if (idle_ > 0) work_.notify_one();
+    // Each idle thread takes one task: a task beyond them gets a new thread, while there may be more.
+    if (static_cast<int64_t>(tasks_.size()) > idle_ && static_cast<int>(threads_.size()) < max_threads_) {
+      StartThread();
     }
-    int timeout_ms = -1;
-    if (soonest != Clock::time_point::max()) {
-      timeout_ms = static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(soonest - now).count()) + 1;
-    }
-    if (::poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) break;
-    if (fds[1].revents != 0) {
-      char drain[64];
-      while (::read(wake_[0], drain, sizeof drain) > 0) {
-      }
-      std::deque<Done> ready;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (stop_) break;
-        ready.swap(done_);
-      }
-      for (Done& d : ready) {
-        auto it = conns.find(d.id);
-        if (it == conns.end()) continue;
-        it->second.out = std::move(d.response);
-        it->second.state = Connection::State::kWriting;
-        it->second.deadline = After(options_.request_timeout_seconds);
-      }
-    }
-    for (size_t i = 2; i < fds.size(); ++i) {
-      if (fds[i].revents == 0) continue;
-      auto it = conns.find(ids[i - 2]);
-      Connection& c = it->second;
-      if (c.state == Connection::State::kReading) {
-        if (ReadRequest(c)) {
-          c.state = Connection::State::kAnswering;
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            jobs_.push_back({it->first, std::move(c.in)});
-          }
-          work_ready_.notify_one();
-        } else if (c.fd < 0) {
-          conns.erase(it);
-        }
-      } else if (c.state == Connection::State::kWriting && WriteAnswer(c)) {
-        ::close(c.fd);
-        conns.erase(it);
-      }
-    }
-    if (fds[0].revents & POLLIN) Accept(conns, next_id);
+    Shed();
   }
-  for (auto& [id, c] : conns) ::close(c.fd);
-}
+  // Socket `fd` is being served (until Close): it may be shut down to make room. Returns its id.
+  uint64_t Open(int fd) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t id = next_id_++;
+    Conn& c = open_[id];
+    c.fd = fd;
+    if (stop_) Shut(c);
+    Shed();
+    return id;
+  }
+  // Its request is whole: it no longer counts as one still sending.
+  void Answering(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = open_.find(id); it != open_.end()) it->second.reading = false;
+  }
+  // Before its socket is closed (nothing shuts it down after this).
+  void Close(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = open_.find(id);
+    if (it == open_.end()) return;
+    if (it->second.shut) --shut_open_;
+    open_.erase(it);
+  }
+
+ private:
+  struct Conn {
+    int fd = -1;
+    bool reading = true, shut = false;
+  };
+
+  // Hold mu_. The new thread counts as idle from here: a task waiting for it needs no room.
+  void StartThread() {
+    ++idle_;
+    threads_.emplace_back([this] { Work(); });
+  }
+  // Counted in idle_ while it waits (from StartThread on).
+  void Work() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      work_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      --idle_;
+      if (tasks_.empty()) return;  // stopping, nothing left
+      std::function<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();  // cpp-httplib's: Open, the request, Close
+      lock.lock();
+      ++idle_;
+    }
+  }
+  // Hold mu_. Its reads and writes fail at once, and its thread moves on.
+  void Shut(Conn& c) {
+    if (c.shut) return;
+    ::shutdown(c.fd, SHUT_RDWR);
+    c.shut = true;
+    ++shut_open_;
+  }
+  // Hold mu_. Connections waiting for a thread make room: for each, the oldest connection still
+  // sending its request goes (ids grow with time).
+  void Shed() {
+    const int64_t waiting = static_cast<int64_t>(tasks_.size()) - idle_;
+    for (auto it = open_.begin(); it != open_.end() && waiting > shut_open_; ++it) {
+      if (it->second.reading) Shut(it->second);
+    }
+  }
+
+  const int max_threads_;
+  std::mutex mu_;
+  std::condition_variable work_;
+  std::deque<std::function<void()>> tasks_;
+  std::vector<std::thread> threads_;
+  std::map<uint64_t, Conn> open_;
+  uint64_t next_id_ = 0;
+  int idle_ = 0;
+  int64_t shut_open_ = 0;  // open connections already shut down (making room)
+  bool stop_ = false;
+};
+
+namespace {
+
+// A connection's socket for cpp-httplib, under its deadline: every wait for the socket ends there
+// (the request's, then, once it is being answered, the answer's).
+class DeadlineStream final : public httplib::Stream {
+ public:
+  DeadlineStream(int fd, double timeout_seconds) : fd_(fd), timeout_(timeout_seconds), deadline_(After(timeout_)) {}
+  void Answering() { deadline_ = After(timeout_); }
+
+  bool is_readable() const override { return Wait(POLLIN); }
+  bool is_writable() const override { return Wait(POLLOUT); }
+  ssize_t read(char* ptr, size_t size) override {
+    if (!is_readable()) return -1;
+    ssize_t n;
+    while ((n = ::recv(fd_, ptr, size, 0)) < 0 && errno == EINTR) {
+    }
+    return n;
+  }
+  ssize_t write(const char* ptr, size_t size) override {
+    if (!is_writable()) return -1;
+    ssize_t n;
+    while ((n = ::send(fd_, ptr, size, MSG_NOSIGNAL)) < 0 && errno == EINTR) {
+    }
+    return n;
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override { Address(::getpeername, ip, port); }
+  void get_local_ip_and_port(std::string& ip, int& port) const override { Address(::getsockname, ip, port); }
+  socket_t socket() const override { return fd_; }
+
+ private:
+  bool Wait(short events) const {
+    for (;;) {
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline_ - Clock::now()).count();
+      if (left <= 0) return false;
+      pollfd p{fd_, events, 0};
+      const int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, INT32_MAX)));
+      if (r > 0) return (p.revents & (events | POLLHUP | POLLERR)) != 0;
+      if (r < 0 && errno != EINTR) return false;
+    }
+  }
+  template <typename F>
+  void Address(F name_of, std::string& ip, int& port) const {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    char host[NI_MAXHOST] = "", serv[NI_MAXSERV] = "0";
+    if (name_of(fd_, reinterpret_cast<sockaddr*>(&ss), &len) == 0) {
+      ::getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, host, sizeof host, serv, sizeof serv,
+                    NI_NUMERICHOST | NI_NUMERICSERV);
+    }
+    ip = host;
+    port = std::atoi(serv);
+  }
+
+  const int fd_;
+  const double timeout_;
+  Clock::time_point deadline_;
+};
+
+// The stream of the connection this thread serves (the routing handler marks it answering).
+thread_local DeadlineStream* current_stream = nullptr;
+thread_local uint64_t current_connection = 0;
+
+}  // namespace
+
+// cpp-httplib's server: its connections on Connections' threads, each through a DeadlineStream.
+class MetricsHttpServer::Transport : public httplib::Server {
+ public:
+  Transport(Connections& connections, double timeout_seconds)
+      : connections_(connections), timeout_(timeout_seconds) {
+    // cpp-httplib owns (and deletes) what new_task_queue makes: a forwarder.
+    struct Forward : httplib::TaskQueue {
+      explicit Forward(Connections& c) : c(c) {}
+      void enqueue(std::function<void()> fn) override { c.Enqueue(std::move(fn)); }
+      void shutdown() override {}  // Connections ends its threads
+      Connections& c;
+    };
+    new_task_queue = [this] { return new Forward(connections_); };
+  }
+  // On the connection's thread, from the routing handler.
+  void Answering() {
+    if (current_stream != nullptr) current_stream->Answering();
+    connections_.Answering(current_connection);
+  }
+
+ private:
+  // cpp-httplib's own (private, virtual) serves a socket under per-read timeouts: this one under the
+  // connection's deadlines, one request, then the socket closed.
+  bool process_and_close_socket(socket_t sock) override {
+    DeadlineStream stream(sock, timeout_);
+    current_stream = &stream;
+    current_connection = connections_.Open(sock);
+    bool closed = false;
+    const bool ok = process_request(stream, /*close_connection=*/true, closed, nullptr);
+    connections_.Close(current_connection);
+    current_stream = nullptr;
+    ::shutdown(sock, SHUT_RDWR);
+    ::close(sock);
+    return ok;
+  }
+
+  Connections& connections_;
+  const double timeout_;
+};
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(const Registry* registry,
                                                                             MetricsHttpOptions options) {
@@ -251,56 +307,49 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(cons
   server->registry_ = registry;
   server->options_ = std::move(options);
   const MetricsHttpOptions& o = server->options_;
-
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICHOST | AI_NUMERICSERV;
-  addrinfo* addr = nullptr;
-  const std::string port = std::to_string(o.port);
-  if (int rc = ::getaddrinfo(o.host.empty() ? nullptr : o.host.c_str(), port.c_str(), &hints, &addr); rc != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics http: bad address ", o.host, ": ", gai_strerror(rc)));
-  }
-  const int fd = ::socket(addr->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  const bool bound = fd >= 0 && ::bind(fd, addr->ai_addr, addr->ai_addrlen) == 0 && ::listen(fd, 64) == 0;
-  const int err = errno;
-  ::freeaddrinfo(addr);
+  server->connections_ = std::make_unique<Connections>(o);
+  server->transport_ = std::make_unique<Transport>(*server->connections_, o.request_timeout_seconds);
+  Transport& http = *server->transport_;
+  http.set_payload_max_length(16384);
+  // Not cpp-httplib's default (SO_REUSEPORT too): a second server on the port must fail, not share it.
+  int listen_fd = -1;
+  http.set_socket_options([&listen_fd](socket_t sock) {
+    const int one = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    listen_fd = sock;  // the last one offered is the one that bound
+  });
+  http.set_pre_routing_handler([s = server.get()](const httplib::Request& req, httplib::Response& res) {
+    s->transport_->Answering();
+    MetricsHttpAnswer a = RouteMetricsRequest(*s->registry_, s->options_.healthy, req.method, req.path);
+    res.status = a.status;
+    if (!a.allow.empty()) res.set_header("Allow", a.allow);
+    res.set_content(std::move(a.body), a.content_type.c_str());
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  const bool bound = o.port == 0 ? (server->port_ = http.bind_to_any_port(o.host)) > 0
+                                 : http.bind_to_port(o.host, server->port_ = o.port);
   if (!bound) {
-    if (fd >= 0) ::close(fd);
-    return absl::UnavailableError(absl::StrCat("metrics http: cannot listen on ", o.host, ":", o.port, ": ",
-                                               std::strerror(err)));
+    return absl::UnavailableError(absl::StrCat("metrics http: cannot listen on ", o.host, ":", o.port,
+                                               " (in use, or not an address of this host)"));
   }
-  sockaddr_storage ss{};
-  socklen_t len = sizeof ss;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
-  server->port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
-                                                 : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
-  server->listen_fd_ = fd;
-  if (::pipe2(server->wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
-    return absl::InternalError("metrics http: pipe2 failed");
-  }
-  for (int i = 0; i < o.num_threads; ++i) server->workers_.emplace_back([s = server.get()] { s->Work(); });
-  server->io_thread_ = std::thread([s = server.get()] { s->Serve(); });
+  // cpp-httplib listens with a backlog of 5: a burst of connections (scrapers, probes, many idle
+  // ones) would see SYNs dropped and retried a second later.
+  ::listen(listen_fd, 128);
+  auto ended = std::make_shared<std::atomic<bool>>(false);
+  server->accept_thread_ = std::thread([&http, ended] {
+    http.listen_after_bind();
+    *ended = true;
+  });
+  // stop() does nothing before the accept loop runs: the destructor must find it running.
+  while (!http.is_running() && !*ended) std::this_thread::sleep_for(std::chrono::microseconds(100));
   return server;
 }
 
 MetricsHttpServer::~MetricsHttpServer() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  work_ready_.notify_all();
-  if (wake_[1] >= 0) {
-    const char c = 0;
-    (void)!::write(wake_[1], &c, 1);
-  }
-  if (io_thread_.joinable()) io_thread_.join();
-  for (std::thread& w : workers_) w.join();
-  for (int fd : {listen_fd_, wake_[0], wake_[1]}) {
-    if (fd >= 0) ::close(fd);
-  }
+  if (transport_ != nullptr) transport_->stop();
+  if (accept_thread_.joinable()) accept_thread_.join();
+  connections_.reset();  // shuts the open connections down and joins their threads
+  transport_.reset();
 }
 
 }  // namespace lce::server::metrics

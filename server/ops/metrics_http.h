@@ -1,24 +1,20 @@
-// Serves a metrics::Registry over HTTP/1.1 (a small server of our own on POSIX sockets; see
-// metrics_http.cc for why not civetweb):
+// Serves a metrics::Registry over HTTP/1.1, on cpp-httplib (Debian's libcpp-httplib-dev):
 //   GET /metrics  -> 200, text/plain; version=0.0.4; charset=utf-8, Registry::Render()
 //   GET /healthz  -> 200 "ok" (or 503 "not serving" while the optional health callback says false)
 // Anything else is 404; methods other than GET/HEAD are 405. One request per connection.
-// Slow clients cannot blind it: one thread reads every connection without blocking, each request
-// must arrive whole within a deadline (and its answer be read within another), the oldest
-// connection still sending is dropped when too many are open, and answers are built by a few
-// worker threads of their own.
+// The routing (RouteMetricsRequest) is apart from the transport, so that it can be fuzzed.
+// Slow clients cannot blind it (cpp-httplib alone can be: metrics_http.cc): each connection has a
+// thread of its own (a std::thread, whose stack holds the CUDA libraries' static TLS), its request
+// must arrive whole within a deadline and its answer be read within another, and past
+// max_connections the oldest connection still sending its request is dropped for a new one.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
-#include <vector>
 
 #include "absl/status/statusor.h"
 #include "metrics.h"
@@ -28,18 +24,32 @@ namespace lce::server::metrics {
 struct MetricsHttpOptions {
   std::string host = "0.0.0.0";  // listen address; "127.0.0.1" for loopback only
   int port = 9400;               // 0 picks a free port; port() reports it
-  int num_threads = 2;           // workers building answers (a slow scrape does not hold /healthz)
+  int num_threads = 2;           // connection threads started up front (more as connections need them)
   std::function<bool()> healthy; // optional: /healthz answers 503 while it returns false
   // A connection must send its whole request within this, and read the whole answer within as
   // long again; otherwise it is closed.
   double request_timeout_seconds = 5.0;
-  // Connections open at once; a new one beyond it drops the oldest still sending its request.
+  // Connections served at once (each on a thread); a new one beyond it drops the oldest still
+  // sending its request.
   int max_connections = 128;
 };
 
-// The whole answer (status line, headers, body) to one request's bytes as the server read them (up
-// to the blank line, or kMaxRequestBytes): the parse of the request line and the routing above.
-// No I/O; the server's workers call it, and tests/fuzz/fuzz_metrics_http.cc fuzzes it.
+// The answer to one request, without the transport.
+struct MetricsHttpAnswer {
+  int status = 200;
+  std::string content_type;
+  std::string body;
+  std::string allow;  // the Allow header's value (405), or empty
+};
+
+// The routing: a request's method and target (its path, with or without a query) to its answer.
+// HEAD answers as GET (the transport sends no body). No I/O.
+MetricsHttpAnswer RouteMetricsRequest(const Registry& registry, const std::function<bool()>& healthy,
+                                      std::string_view method, std::string_view target);
+
+// The whole HTTP/1.1 answer (status line, headers, body) to a request's bytes as a connection sent
+// them: its request line parsed, then RouteMetricsRequest. The server's transport is cpp-httplib;
+// this is the routing's entry for tests and the fuzz target (tests/fuzz).
 std::string AnswerHttpRequest(const Registry& registry, const std::function<bool()>& healthy,
                               const std::string& request);
 
@@ -48,47 +58,24 @@ class MetricsHttpServer {
   // The registry must outlive the server. Errors (port in use, bad address) as absl::Status.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const Registry* registry,
                                                                   MetricsHttpOptions options);
-  ~MetricsHttpServer();  // stops the threads, after the answers being built; closes every connection
+  ~MetricsHttpServer();  // stops accepting, closes every connection, joins the threads
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
 
   int port() const { return port_; }
 
  private:
-  struct Connection;
-  struct Job {
-    uint64_t id;
-    std::string request;
-  };
-  struct Done {
-    uint64_t id;
-    std::string response;
-  };
+  class Connections;  // the connections' threads and deadlines
+  class Transport;    // cpp-httplib's server, its connections under Connections' deadlines
 
   MetricsHttpServer() = default;
-  // The I/O thread: accepts, reads requests, writes answers, enforces deadlines.
-  void Serve();
-  void Accept(std::map<uint64_t, Connection>& conns, uint64_t& next_id);
-  // Reads what `c` has sent; true when its request is complete (or over the size limit).
-  bool ReadRequest(Connection& c);
-  // Writes what the socket takes of `c`'s answer; true when all of it is out (or the peer is gone).
-  bool WriteAnswer(Connection& c);
-  // A worker: builds answers for the requests the I/O thread hands over.
-  void Work();
-  std::string Answer(const std::string& request) const;
 
   const Registry* registry_ = nullptr;
   MetricsHttpOptions options_;
-  int listen_fd_ = -1;
-  int wake_[2] = {-1, -1};  // a byte here: an answer is ready, or the destructor wants Serve() to stop
   int port_ = 0;
-  std::mutex mu_;
-  std::condition_variable work_ready_;
-  std::deque<Job> jobs_;
-  std::deque<Done> done_;
-  bool stop_ = false;
-  std::thread io_thread_;
-  std::vector<std::thread> workers_;
+  std::unique_ptr<Connections> connections_;
+  std::unique_ptr<Transport> transport_;
+  std::thread accept_thread_;
 };
 
 }  // namespace lce::server::metrics

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "metrics_http.h"
 
@@ -396,16 +397,11 @@ TEST(MetricsHttp, PortInUseIsAnError) {
   EXPECT_FALSE(MetricsHttpServer::Start(nullptr, {.port = 0}).ok());
 }
 
-// Slow-loris clients, more than the server has workers, each sending its request a byte at a time
-// more often than any per-read timeout: /metrics and /healthz still answer meanwhile.
-TEST(MetricsHttp, SlowClientsDoNotBlindIt) {
-  Registry r;
-  Populate(r);
-  auto server = MetricsHttpServer::Start(&r, {.host = "127.0.0.1", .port = 0, .num_threads = 2});
-  ASSERT_TRUE(server.ok()) << server.status();
-  const int port = (*server)->port();
+// `slow` clients each send a request a byte at a time, more often than any per-read timeout, and
+// never finish it; meanwhile `rounds` of /metrics and /healthz must be answered.
+void ExpectAnswersDespiteSlowClients(const Registry& r, int port, int slow_clients, int rounds) {
   std::vector<int> slow;
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < slow_clients; ++i) {
     slow.push_back(Connect(port));
     ASSERT_GE(slow.back(), 0);
   }
@@ -417,13 +413,23 @@ TEST(MetricsHttp, SlowClientsDoNotBlindIt) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   });
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < rounds; ++i) {
     EXPECT_EQ(HttpRequest(port, "GET", "/metrics").body, r.Render());
     EXPECT_EQ(HttpRequest(port, "GET", "/healthz").status, 200);
   }
   done = true;
   dribble.join();
   for (int fd : slow) close(fd);
+}
+
+// Slow-loris clients, more than the server has workers, each sending its request a byte at a time
+// more often than any per-read timeout: /metrics and /healthz still answer meanwhile.
+TEST(MetricsHttp, SlowClientsDoNotBlindIt) {
+  Registry r;
+  Populate(r);
+  auto server = MetricsHttpServer::Start(&r, {.host = "127.0.0.1", .port = 0, .num_threads = 2});
+  ASSERT_TRUE(server.ok()) << server.status();
+  ExpectAnswersDespiteSlowClients(r, (*server)->port(), 8, 5);
 }
 
 // A request that does not arrive whole within the deadline is dropped, however steadily it trickles.
@@ -459,6 +465,49 @@ TEST(MetricsHttp, ManyIdleConnectionsDoNotLockItOut) {
   for (int i = 0; i < 16; ++i) idle.push_back(Connect((*server)->port()));
   EXPECT_EQ(HttpRequest((*server)->port(), "GET", "/healthz").status, 200);
   for (int fd : idle) close(fd);
+}
+
+// More slow clients than the server may serve at once, with a deadline far away: each new connection
+// sheds the oldest still sending, so /metrics and /healthz still answer.
+TEST(MetricsHttp, SlowClientsBeyondMaxConnectionsAreShed) {
+  Registry r;
+  Populate(r);
+  auto server = MetricsHttpServer::Start(
+      &r, {.host = "127.0.0.1", .port = 0, .num_threads = 1, .request_timeout_seconds = 600, .max_connections = 4});
+  ASSERT_TRUE(server.ok()) << server.status();
+  ExpectAnswersDespiteSlowClients(r, (*server)->port(), 12, 3);
+}
+
+// The routing alone (what the fuzz target drives): paths, methods, queries, HEAD, a bad request line.
+TEST(MetricsHttpRouting, AnswersWithoutATransport) {
+  Registry r;
+  Populate(r);
+  bool healthy = true;
+  const std::function<bool()> health = [&] { return healthy; };
+  const MetricsHttpAnswer m = RouteMetricsRequest(r, health, "GET", "/metrics?name[]=x");
+  EXPECT_EQ(m.status, 200);
+  EXPECT_EQ(m.content_type, "text/plain; version=0.0.4; charset=utf-8");
+  EXPECT_EQ(m.body, r.Render());
+  EXPECT_EQ(RouteMetricsRequest(r, health, "HEAD", "/healthz").body, "ok\n");
+  healthy = false;
+  EXPECT_EQ(RouteMetricsRequest(r, health, "GET", "/healthz").status, 503);
+  EXPECT_EQ(RouteMetricsRequest(r, nullptr, "GET", "/healthz").status, 200);
+  EXPECT_EQ(RouteMetricsRequest(r, health, "GET", "/metricsfoo").status, 404);
+  const MetricsHttpAnswer post = RouteMetricsRequest(r, health, "POST", "/metrics");
+  EXPECT_EQ(post.status, 405);
+  EXPECT_EQ(post.allow, "GET, HEAD");
+
+  const std::string get = AnswerHttpRequest(r, health, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  const std::string body = r.Render();
+  EXPECT_EQ(get.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << get;
+  EXPECT_NE(get.find(absl::StrCat("\r\nContent-Length: ", body.size(), "\r\n")), std::string::npos);
+  EXPECT_EQ(get.substr(get.size() - body.size()), body);
+  const std::string head = AnswerHttpRequest(r, health, "HEAD /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(head.substr(head.size() - 4), "\r\n\r\n") << "no body";
+  EXPECT_NE(AnswerHttpRequest(r, health, "DELETE /healthz HTTP/1.1\r\n\r\n").find("\r\nAllow: GET, HEAD\r\n"),
+            std::string::npos);
+  EXPECT_EQ(AnswerHttpRequest(r, health, "GET\r\n\r\n").rfind("HTTP/1.1 400 Bad Request\r\n", 0), 0u);
+  EXPECT_EQ(AnswerHttpRequest(r, health, "").rfind("HTTP/1.1 400 ", 0), 0u);
 }
 
 TEST(MetricsHttp, PromtoolAcceptsTheScrape) {

@@ -1,0 +1,196 @@
+// Small calls end to end (issue 21), C++ client (lce_client) against a running lce_server on
+// loopback: for each row count, sequential Scores (one LceService.Call each) timed end to end
+// against the server's own engine time of the same calls (lce_engine_seconds{op="score",
+// phase="compute"} from its /metrics, read before and after); then the rate of 1-row Scores from
+// C callers at once (threads sharing one client), with what the server's dynamic batcher did
+// meanwhile (lce_batch_*). bench/small_calls.sh runs it (and bench/small_calls.py, the Python
+// client's side) against a server with batching off and on.
+//
+// Usage: lce_small_calls_bench --target=127.0.0.1:PORT --metrics=127.0.0.1:MPORT [--rows=1,16,64]
+//          [--iterations=200] [--warmup=20] [--concurrency=64] [--seconds=5] [--rate-rows=1] [--label=NAME]
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "httplib.h"
+#include "lce/client/lce_client.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "lce_small_calls_bench: %s\n", what.c_str());
+  std::exit(1);
+}
+
+std::map<std::string, std::string> ParseFlags(int argc, char** argv) {
+  std::map<std::string, std::string> f;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const size_t eq = a.find('=');
+    if (a.rfind("--", 0) != 0 || eq == std::string::npos) Die("flags are --name=value, got '" + a + "'");
+    f[a.substr(2, eq - 2)] = a.substr(eq + 1);
+  }
+  return f;
+}
+
+int64_t Int(const std::map<std::string, std::string>& f, const std::string& name, int64_t dflt) {
+  auto it = f.find(name);
+  int64_t v = dflt;
+  if (it != f.end() && !absl::SimpleAtoi(it->second, &v)) Die("bad --" + name);
+  return v;
+}
+
+// The sum of every series of the server's /metrics whose name and labels start with `prefix`.
+class MetricsReader {
+ public:
+  explicit MetricsReader(const std::string& host_port) {
+    const size_t colon = host_port.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || !absl::SimpleAtoi(host_port.substr(colon + 1), &port)) {
+      Die("--metrics=HOST:PORT, got '" + host_port + "'");
+    }
+    client_ = std::make_unique<httplib::Client>(host_port.substr(0, colon), port);
+  }
+  std::string Scrape() {
+    httplib::Result r = client_->Get("/metrics");
+    if (!r || r->status != 200) Die("cannot read /metrics");
+    return r->body;
+  }
+  static double Sum(const std::string& text, const std::string& prefix) {
+    double total = 0;
+    for (absl::string_view line : absl::StrSplit(text, '\n')) {
+      if (line.substr(0, prefix.size()) != prefix) continue;
+      const size_t sp = line.rfind(' ');
+      double v = 0;
+      if (sp != absl::string_view::npos && absl::SimpleAtod(line.substr(sp + 1), &v)) total += v;
+    }
+    return total;
+  }
+
+ private:
+  std::unique_ptr<httplib::Client> client_;
+};
+
+const char kEngineSum[] = "lce_engine_seconds_sum{op=\"score\",phase=\"compute\"}";
+const char kEngineCount[] = "lce_engine_seconds_count{op=\"score\",phase=\"compute\"}";
+
+struct Rows {
+  std::vector<uint8_t> hidden;
+  std::vector<int32_t> targets;
+  lce::client::HiddenBatch batch;
+};
+
+Rows MakeRows(const lce::v1::HeadDescription& head, int64_t n, uint64_t seed) {
+  Rows r;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  const int64_t elems = n * head.hidden_size();
+  const bool fp32 = head.dtype() == lce::v1::DTYPE_FLOAT32;
+  r.hidden.resize(static_cast<size_t>(elems * (fp32 ? 4 : 2)));
+  for (int64_t i = 0; i < elems; ++i) {
+    const float x = normal(rng);
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    if (fp32) {
+      std::memcpy(&r.hidden[i * 4], &bits, 4);
+    } else {
+      const uint16_t half = static_cast<uint16_t>(bits >> 16);  // bf16 (fp16 heads: any bits do)
+      std::memcpy(&r.hidden[i * 2], &half, 2);
+    }
+  }
+  std::uniform_int_distribution<int32_t> tgt(0, static_cast<int32_t>(head.vocab_size() - 1));
+  for (int64_t i = 0; i < n; ++i) r.targets.push_back(tgt(rng));
+  r.batch = {head.dtype(), n, head.hidden_size(), absl::MakeConstSpan(r.hidden), absl::MakeConstSpan(r.targets)};
+  return r;
+}
+
+void Check(const absl::StatusOr<lce::client::ScoreResult>& r) {
+  if (!r.ok()) Die("Score: " + std::string(r.status().message()));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto f = ParseFlags(argc, argv);
+  if (!f.count("target") || !f.count("metrics")) Die("--target and --metrics are required");
+  lce::client::ClientOptions o;
+  o.target = f.at("target");
+  absl::StatusOr<std::unique_ptr<lce::client::LceClient>> client = lce::client::LceClient::Create(o);
+  if (!client.ok()) Die(std::string(client.status().message()));
+  absl::StatusOr<lce::v1::GetInfoResponse> info = (*client)->GetInfo();
+  if (!info.ok()) Die(std::string(info.status().message()));
+  const lce::v1::HeadDescription& head = info->head();
+  MetricsReader metrics(f.at("metrics"));
+  const std::string label = f.count("label") ? f.at("label") : "";
+  const int64_t iters = Int(f, "iterations", 200), warmup = Int(f, "warmup", 20);
+  std::printf("C++ client, %s head %lldx%lld (%s), %s: sequential Scores, one Call each, %lld after %lld warm-ups\n\n",
+              info->backend().c_str(), static_cast<long long>(head.vocab_size()),
+              static_cast<long long>(head.hidden_size()), lce::v1::DType_Name(head.dtype()).c_str(), label.c_str(),
+              static_cast<long long>(iters), static_cast<long long>(warmup));
+  std::printf("| client | rows | mean ms | p50 ms | p99 ms | engine ms | mean - engine ms |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+  for (absl::string_view rows_text : absl::StrSplit(f.count("rows") ? f.at("rows") : "1,16,64", ',')) {
+    int64_t rows = 0;
+    if (!absl::SimpleAtoi(rows_text, &rows) || rows < 1) Die("bad --rows");
+    Rows r = MakeRows(head, rows, 7 + rows);
+    lce::v1::RequestHeader header;
+    for (int64_t i = 0; i < warmup; ++i) Check((*client)->Score(r.batch, header));
+    const std::string before = metrics.Scrape();
+    std::vector<double> ms;
+    for (int64_t i = 0; i < iters; ++i) {
+      const auto t0 = Clock::now();
+      Check((*client)->Score(r.batch, header));
+      ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+    const std::string after = metrics.Scrape();
+    const double calls = MetricsReader::Sum(after, kEngineCount) - MetricsReader::Sum(before, kEngineCount);
+    const double engine = calls > 0 ? 1e3 * (MetricsReader::Sum(after, kEngineSum) - MetricsReader::Sum(before, kEngineSum)) / calls : 0;
+    double mean = 0;
+    for (double x : ms) mean += x / static_cast<double>(ms.size());
+    std::sort(ms.begin(), ms.end());
+    std::printf("| C++ | %lld | %.3f | %.3f | %.3f | %.3f | %+.3f |\n", static_cast<long long>(rows), mean,
+                ms[ms.size() / 2], ms[std::min(ms.size() - 1, ms.size() * 99 / 100)], engine, mean - engine);
+  }
+
+  // The rate of small Scores from `concurrency` callers at once.
+  const int64_t concurrency = Int(f, "concurrency", 64), seconds = Int(f, "seconds", 5);
+  Rows r = MakeRows(head, Int(f, "rate-rows", 1), 99);
+  std::atomic<int64_t> done{0};
+  std::atomic<bool> stop{false};
+  const std::string before = metrics.Scrape();
+  const auto t0 = Clock::now();
+  std::vector<std::thread> callers;
+  for (int64_t c = 0; c < concurrency; ++c) {
+    callers.emplace_back([&] {
+      while (!stop.load()) {
+        Check((*client)->Score(r.batch, lce::v1::RequestHeader()));
+        ++done;
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(seconds));
+  stop = true;
+  for (auto& t : callers) t.join();
+  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  const std::string after = metrics.Scrape();
+  auto delta = [&](const std::string& name) { return MetricsReader::Sum(after, name) - MetricsReader::Sum(before, name); };
+  const double engine_calls = delta(kEngineCount);
+  const double batched = delta("lce_batch_requests_count{op=\"score\"}");
+  std::printf("\n| client | callers | rows a call | calls/s | engine calls/s | requests an engine call | engine busy |\n"
+              "| --- | --- | --- | --- | --- | --- | --- |\n");
+  std::printf("| C++ threads | %lld | %lld | %.0f | %.0f | %.2f | %.0f%% |\n", static_cast<long long>(concurrency),
+              static_cast<long long>(r.batch.rows), static_cast<double>(done.load()) / wall, engine_calls / wall,
+              batched > 0 ? delta("lce_batch_requests_sum{op=\"score\"}") / batched : 1.0,
+              100 * delta(kEngineSum) / wall);
+  return 0;
+}
