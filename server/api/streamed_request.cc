@@ -374,7 +374,10 @@ absl::Status StreamedRequest::ComputeBatched(InFlightChunk& c) {
     work_->engine_seconds += std::chrono::duration<double>(t.ended - t.launched).count();
   }
   return s;
+}
 
+// The head's trainer for a request that accumulates dW, with its gradient marked (and the lock on the
+// head's training state held) so that a failure can restore it: RollBackGrad.
 absl::StatusOr<HeadTrainer*> StreamedRequest::AccumulatingTrainer() {
   if (marked_ != nullptr) return marked_;
   if (!training_lock_.owns_lock()) training_lock_ = std::unique_lock<std::mutex>(plan_->head->training->mu);
