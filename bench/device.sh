@@ -8,7 +8,7 @@
 #   sanitizer                 compute-sanitizer memcheck over gpu_engine_test
 #   e2e-cuda[=FILTER]         e2e_test against lce_server --backend=cuda
 #   bench[=VAR=V:VAR=V]       lce_bench on $SHAPES (default: the five issue shapes), with env vars set, and
-#                             $LCE_BENCH_ARGS (e.g. --score-ab: the score with LCE_CUDA_EPILOGUE_STATS=0 and =1)
+#                             $LCE_BENCH_ARGS (e.g. --epi-ab: score and train with LCE_CUDA_EPILOGUE_STATS=0 and =1)
 #   peers                     ../shared/bench/peers.py (as .peers/peers.py) on $SHAPES
 #   tp                        TP process tests on every GPU, lce_tp_bench at k = 1 and all GPUs, verl's
 #                             kernel at the same k ($TP_SHAPES)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs what bench/device.sh needs on the GPU machine: stripped binaries in .devbin/ and the runtime
-# libraries the machine lacks in .rtpack/rt.tar.xz (both git-ignored through .git/info/exclude).
+# libraries the machine lacks in .rtpack/rt.tar.xz (both git-ignored).
 # Usage: bench/device_pack.sh [BUILD_DIR]   (default build)
 #        bench/device_pack.sh py   the Python client's wheels for the GPU machine's python3.12 in .whl/py
 #                                  (~60 MB: carry them in a call of their own, `bench/device.sh py-wheels`)

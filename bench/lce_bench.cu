@@ -5,13 +5,13 @@
 //   floor  one bf16 [N,H]×[H,V] cublasGemmEx (fp32 accumulate, bf16 out, as torch's a @ b.t())
 //   train  Compute(kLoss, mean over valid rows): loss, d_hidden (bf16), d_weight (fp32, accumulated)
 //   score  Compute(kNone): logprob + entropy
-//   --score-ab: the score again with LCE_CUDA_EPILOGUE_STATS=0 and =1 in turns (two rounds of each, one
-//          engine; the epilogue-statistics GEMM where built), and the largest |difference| of the two
-//          paths' logprob and entropy
+//   --epi-ab: score and train again with LCE_CUDA_EPILOGUE_STATS=0 and =1 in turns (two rounds of each,
+//          one engine; the epilogue-statistics GEMM where built), and the largest |difference| of the two
+//          paths' logprob, entropy, loss and d_hidden
 // Median of --reps timed calls after --warmup, CUDA events. Extra memory = device memory the engine
 // takes beyond its weight copy (cudaMemGetInfo around the first calls; outputs are the caller's).
 //
-// Usage: lce_bench [--shapes 8192x4096x128256,...] [--reps 10] [--warmup 3] [--json FILE] [--score-ab]
+// Usage: lce_bench [--shapes 8192x4096x128256,...] [--reps 10] [--warmup 3] [--json FILE] [--epi-ab]
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -92,13 +92,61 @@ int64_t FreeBytes() {
 struct Row {
   int64_t N, H, V;
   double gemm_ms, train_ms, score_ms, extra_gib, loss;
-  double off_ms = NAN, on_ms = NAN, d_logprob = NAN, d_entropy = NAN;  // --score-ab
+  double off_ms = NAN, on_ms = NAN, d_logprob = NAN, d_entropy = NAN;  // --epi-ab: score
+  double train_off_ms = NAN, train_on_ms = NAN, d_loss = NAN, d_hidden = NAN;  // --epi-ab: train
 };
 
 double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
   double m = 0;
   for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
   return m;
+}
+
+// --epi-ab: score and train with LCE_CUDA_EPILOGUE_STATS=0 and =1 in turns on one engine (two rounds of
+// each, the faster round kept), then each path once more to compare their outputs.
+template <class Score, class Train>
+void EpilogueAb(int64_t N, int64_t H, Score score, Train train, const float* lp, const float* ent, const float* loss,
+                const __nv_bfloat16* dh, int warmup, int reps, cudaStream_t stream, Row* row) {
+  const char* was = std::getenv("LCE_CUDA_EPILOGUE_STATS");
+  const std::string saved = was != nullptr ? was : "";
+  std::vector<float> s_ms[2], t_ms[2];
+  for (int round = 0; round < 2; ++round) {
+    for (int on = 0; on < 2; ++on) {
+      setenv("LCE_CUDA_EPILOGUE_STATS", on ? "1" : "0", 1);
+      s_ms[on].push_back(static_cast<float>(MedianMs(score, warmup, reps, stream)));
+      t_ms[on].push_back(static_cast<float>(MedianMs(train, warmup, reps, stream)));
+    }
+  }
+  std::vector<float> lp_[2], ent_[2], loss_[2], dh_[2];
+  std::vector<__nv_bfloat16> dh_raw(N * H);
+  for (int on = 0; on < 2; ++on) {
+    setenv("LCE_CUDA_EPILOGUE_STATS", on ? "1" : "0", 1);
+    score();
+    train();
+    CHECK_CUDA(cudaDeviceSynchronize());
+    for (auto [dst, src] : {std::pair{&lp_[on], lp}, std::pair{&ent_[on], ent}, std::pair{&loss_[on], loss}}) {
+      dst->resize(N);
+      CHECK_CUDA(cudaMemcpy(dst->data(), src, N * 4, cudaMemcpyDeviceToHost));
+    }
+    CHECK_CUDA(cudaMemcpy(dh_raw.data(), dh, N * H * 2, cudaMemcpyDeviceToHost));
+    dh_[on].resize(N * H);
+    for (int64_t i = 0; i < N * H; ++i) dh_[on][i] = __bfloat162float(dh_raw[i]);
+  }
+  if (was != nullptr) setenv("LCE_CUDA_EPILOGUE_STATS", saved.c_str(), 1); else unsetenv("LCE_CUDA_EPILOGUE_STATS");
+  row->off_ms = std::min(s_ms[0][0], s_ms[0][1]);
+  row->on_ms = std::min(s_ms[1][0], s_ms[1][1]);
+  row->train_off_ms = std::min(t_ms[0][0], t_ms[0][1]);
+  row->train_on_ms = std::min(t_ms[1][0], t_ms[1][1]);
+  row->d_logprob = MaxAbsDiff(lp_[1], lp_[0]);
+  row->d_entropy = MaxAbsDiff(ent_[1], ent_[0]);
+  row->d_loss = MaxAbsDiff(loss_[1], loss_[0]);
+  row->d_hidden = MaxAbsDiff(dh_[1], dh_[0]);
+  std::printf("N=%ld H=%ld V=%ld: switch off/on: score %.3f / %.3f ms (rounds %.3f/%.3f, %.3f/%.3f), train %.3f / "
+              "%.3f ms (rounds %.3f/%.3f, %.3f/%.3f) | max |d logprob| %.2e |d entropy| %.2e |d loss| %.2e "
+              "|d d_hidden| %.2e\n",
+              row->N, row->H, row->V, row->off_ms, row->on_ms, s_ms[0][0], s_ms[0][1], s_ms[1][0], s_ms[1][1], row->train_off_ms,
+              row->train_on_ms, t_ms[0][0], t_ms[0][1], t_ms[1][0], t_ms[1][1], row->d_logprob, row->d_entropy,
+              row->d_loss, row->d_hidden);
 }
 
 // --probe R: times the GEMM shapes the engine runs per row block of R rows (dW chunk, forward tile)
@@ -189,7 +237,7 @@ int main(int argc, char** argv) {
     else if (a == "--json") json = next();
     else if (a == "--reps") reps = std::atoi(next().c_str());
     else if (a == "--warmup") warmup = std::atoi(next().c_str());
-    else if (a == "--score-ab") score_ab = true;
+    else if (a == "--epi-ab") score_ab = true;
     else if (a == "--probe") probe_rows = std::atoll(next().c_str());
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
@@ -312,34 +360,7 @@ int main(int argc, char** argv) {
     const double score_ms = MedianMs(score, warmup, reps, stream);
     const double extra = static_cast<double>(free1 - free2) / (1 << 30);
     Row row{N, H, V, 0, train_ms, score_ms, extra, mean_loss};
-    if (score_ab) {
-      const char* was = std::getenv("LCE_CUDA_EPILOGUE_STATS");
-      const std::string saved = was != nullptr ? was : "";
-      std::vector<float> t_off, t_on;
-      for (int round = 0; round < 2; ++round) {
-        for (int on = 0; on < 2; ++on) {
-          setenv("LCE_CUDA_EPILOGUE_STATS", on ? "1" : "0", 1);
-          const double ms = MedianMs(score, warmup, reps, stream);
-          (on ? t_on : t_off).push_back(static_cast<float>(ms));
-        }
-      }
-      std::vector<float> lp_on(N), ent_on(N), lp_off(N), ent_off(N);
-      for (int on = 0; on < 2; ++on) {
-        setenv("LCE_CUDA_EPILOGUE_STATS", on ? "1" : "0", 1);
-        score();
-        CHECK_CUDA(cudaMemcpy((on ? lp_on : lp_off).data(), lp, N * 4, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy((on ? ent_on : ent_off).data(), ent, N * 4, cudaMemcpyDeviceToHost));
-      }
-      if (was != nullptr) setenv("LCE_CUDA_EPILOGUE_STATS", saved.c_str(), 1); else unsetenv("LCE_CUDA_EPILOGUE_STATS");
-      row.off_ms = std::min(t_off[0], t_off[1]);
-      row.on_ms = std::min(t_on[0], t_on[1]);
-      row.d_logprob = MaxAbsDiff(lp_on, lp_off);
-      row.d_entropy = MaxAbsDiff(ent_on, ent_off);
-      std::printf("N=%ld H=%ld V=%ld: score switch off %.3f ms, on %.3f ms (rounds %.3f/%.3f, %.3f/%.3f) | max "
-                  "|dlogprob| %.2e |dentropy| %.2e\n",
-                  N, H, V, row.off_ms, row.on_ms, t_off[0], t_off[1], t_on[0], t_on[1], row.d_logprob,
-                  row.d_entropy);
-    }
+    if (score_ab) EpilogueAb(N, H, score, train, lp, ent, loss, dh, warmup, reps, stream, &row);
     engine.reset();
     CHECK_CUDA(cudaMalloc(&logits, N * V * 2));
     MedianMs(gemm, 3, 20, stream, &floor_ms);
@@ -367,11 +388,14 @@ int main(int argc, char** argv) {
                 r.train_ms / (3 * r.gemm_ms), r.score_ms, r.score_ms / r.gemm_ms, r.extra_gib);
   }
   if (score_ab) {
-    std::printf("\n| N x H x V | GEMM ms | score off ms | off/floor | score on ms | on/floor | max dlogprob | max dentropy |\n");
-    std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    std::printf("\n| N x H x V | GEMM ms | score off ms (/floor) | score on ms (/floor) | train off ms (/3 floors) | "
+                "train on ms (/3 floors) | max d logprob, entropy, loss, d_hidden |\n");
+    std::printf("| --- | --- | --- | --- | --- | --- | --- |\n");
     for (const Row& r : rows) {
-      std::printf("| %ldx%ldx%ld | %.3f | %.3f | %.3f | %.3f | %.3f | %.1e | %.1e |\n", r.N, r.H, r.V, r.gemm_ms,
-                  r.off_ms, r.off_ms / r.gemm_ms, r.on_ms, r.on_ms / r.gemm_ms, r.d_logprob, r.d_entropy);
+      std::printf("| %ldx%ldx%ld | %.3f | %.3f (%.3f) | %.3f (%.3f) | %.2f (%.3f) | %.2f (%.3f) | %.1e, %.1e, %.1e, %.1e |\n",
+                  r.N, r.H, r.V, r.gemm_ms, r.off_ms, r.off_ms / r.gemm_ms, r.on_ms, r.on_ms / r.gemm_ms,
+                  r.train_off_ms, r.train_off_ms / (3 * r.gemm_ms), r.train_on_ms, r.train_on_ms / (3 * r.gemm_ms),
+                  r.d_logprob, r.d_entropy, r.d_loss, r.d_hidden);
     }
   }
   if (!json.empty()) {

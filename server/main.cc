@@ -216,8 +216,8 @@ int main(int argc, char** argv) {
   options.service.pipeline_chunks = flags->pipeline_chunks;
   options.service.batching = {flags->batch_max_rows, flags->batch_max_delay_us};
   if (flags->batch_max_rows > 1 && (*engine)->invariance().across_batches.empty()) {
-    std::cerr << "lce_server: --batch-max-rows: this engine's rows are not the same bits in every batch "
-                 "(CUDA: start with --batch-invariant=true); calls run unbatched" << std::endl;
+    std::cerr << "lce_server: dynamic batching off: this engine's rows are not the same bits in every batch "
+                 "(CUDA: start with --batch-invariant=true to batch small calls)" << std::endl;
   }
   options.service.make_engine = make_engine;
   options.service.tp_group = group;

@@ -18,9 +18,13 @@
 //             fast loss path (bf16, kLoss, no softcap, no label smoothing): no dA pass at all;
 //             dW += qᵀ·(s ⊙ h) − scatter(t ⊙ h) and d_hidden = s ⊙ (q·W) − t ⊙ W[y] (fast_grad.cu).
 // So a train step costs three GEMMs of N·H·V_shard (the floor) plus elementwise passes.
-// Score path, LCE_CUDA_EPILOGUE_STATS=1 (bf16, sm_90, built with CUTLASS): the forward is one GEMM over
-// the whole shard whose epilogue writes per-(row, 256-column tile) partials and the target logits
-// (epilogue_stats_gemm.cu), folded into the same segment partials: no logit tiles, no TileStats.
+// Epilogue statistics (bf16, sm_90, built with CUTLASS; LCE_CUDA_EPILOGUE_STATS=0 turns them off): the
+// forward is one GEMM over the whole shard whose epilogue writes per-(row, 256-column tile) partials
+// and the target logits (epilogue_stats_gemm.cu), folded into the same segment partials: no logit
+// tiles, no TileStats. A training call's epilogue also writes the compact copy: exp(z − c_row) (bf16)
+// for the fast loss path, c_row from a first pass of the same GEMM over the first segment's columns,
+// or z − m_tile (fp16), which WriteGrad reads with the tiles' m. Score and training take the same
+// GEMM, so a row's logprob is the same bits in both, and in any batch.
 #include "cuda/cuda_engine.h"
 
 #include <cublas_v2.h>
@@ -172,7 +176,8 @@ struct Layout {
   bool fast = false;  // fast loss path with d_weight: needs the scaled copy of h
   bool tree = false;  // d_hidden over the canonical tile tree (tree_dh_)
   int64_t tile = 0;   // logit tile columns (0: the engine's default, tile_)
-  bool epi = false;   // score path through the epilogue-statistics GEMM: no logit tiles
+  bool epi = false;   // forward through the epilogue-statistics GEMM: no logit tiles
+  bool stage = false; // device rows not 16-byte aligned, copied to s.hidden for the epilogue GEMM's TMA
 };
 
 class CudaEngine final : public LceEngine {
@@ -253,7 +258,10 @@ class CudaEngine final : public LceEngine {
   // GEMMs (EngineConfig::batch_invariant) the logit and d_hidden products use one algorithm without
   // split-K for every row count (docs/MATH.md). Without, cuBLAS's tuned choice varies with N.
   EngineInvariance invariance() const override {
-    if (!batch_invariant_) return {};
+    // The epilogue GEMM's forward is batch invariant by construction; d_hidden's product is only with
+    // batch-invariant GEMMs.
+    if (!batch_invariant_) return UseEpilogueStats() ? EngineInvariance{{"logprob", "entropy", "lse", "loss"}, {}}
+                                                     : EngineInvariance{};
     EngineInvariance inv{{"logprob", "entropy", "lse", "loss", "d_hidden"}, {}};
     if (tree_dh_) inv.across_tp_sizes = {"logprob", "entropy", "lse", "loss", "d_hidden"};
     return inv;
@@ -296,14 +304,14 @@ class CudaEngine final : public LceEngine {
     if (l.backward) {
       s->store = c.Take<uint8_t>(R * lds_ * (shape_.dtype == DType::kFloat32 ? 4 : 2));
       // d_hidden's fp32 accumulator reuses the logit tiles (free by then) where it fits.
-      s->dh = H <= 2 * ldz ? s->logits[0] : c.Take<float>(R * H);
+      s->dh = !l.epi && H <= 2 * ldz ? s->logits[0] : c.Take<float>(R * H);
     }
     if (l.backward && l.tree) {
       s->tree = c.Take<float>(TreeSlots() * R * H);
       if (config_.collectives != nullptr) s->tree_gathered = c.Take<float>(GatheredNodes() * R * H);
     }
+    if (l.host || l.stage) s->hidden = c.Take<uint8_t>(R * H * esz);
     if (l.host) {
-      s->hidden = c.Take<uint8_t>(R * H * esz);
       s->targets = c.Take<int32_t>(R);
       for (float*& p : s->up) p = c.Take<float>(R);
       for (float*& p : s->out) p = c.Take<float>(R);
@@ -322,17 +330,20 @@ class CudaEngine final : public LceEngine {
     return 0;
 #endif
   }
-  // Whether this call's forward can run through the epilogue-statistics GEMM (LCE_CUDA_EPILOGUE_STATS=1):
-  // the score path (no backward) of a bf16 head on an sm_90 device, hidden a multiple of 8, the rows
-  // 16-byte aligned (host rows are staged, so they are).
-  bool UseEpilogueStats(bool backward, const RowsView& rows) const {
+  int EpiTileCols() const {
 #if defined(LCE_WITH_CUTLASS)
-    return !backward && epi_capable_ && EnvInt("LCE_CUDA_EPILOGUE_STATS", 0) != 0 &&
-           shape_.dtype == DType::kBFloat16 && shape_.hidden_size % 8 == 0 &&
-           (rows.space == MemorySpace::kHost || reinterpret_cast<uintptr_t>(rows.hidden) % 16 == 0);
+    return EpilogueStatsTileCols(epi_config_);
 #else
-    (void)backward;
-    (void)rows;
+    return 0;
+#endif
+  }
+  // Whether calls' forwards run through the epilogue-statistics GEMM (on unless LCE_CUDA_EPILOGUE_STATS=0):
+  // a bf16 head on an sm_90 device, hidden a multiple of 8 (rows not 16-byte aligned are staged).
+  bool UseEpilogueStats() const {
+#if defined(LCE_WITH_CUTLASS)
+    return epi_capable_ && EnvInt("LCE_CUDA_EPILOGUE_STATS", 1) != 0 && shape_.dtype == DType::kBFloat16 &&
+           shape_.hidden_size % 8 == 0;
+#else
     return false;
 #endif
   }
@@ -407,9 +418,11 @@ class CudaEngine final : public LceEngine {
 
   absl::Status CheckCall(const RowsView& rows, const LceOptions& o, const Upstream& up) const;
   // The forward of a row block through the epilogue-statistics GEMM: segment partials into s.part and
-  // target logits into s.packed, as the logit tiles and TileStats leave them.
+  // target logits into s.packed, as the logit tiles and TileStats leave them; for a backward, the compact
+  // copy into s.store (kExp: c_row into s.row_c, the overflow flag as TileStats raises it).
+  enum class EpiCopy { kNone, kShifted, kExp };
   absl::Status EpilogueStatsForward(Scratch& s, const void* h, int64_t nr, const int32_t* y, int32_t ignore_index,
-                                    const LogitTransform& tf);
+                                    const LogitTransform& tf, EpiCopy copy, unsigned* overflow);
   absl::Status CheckTargets(const RowsView& rows, const LceOptions& o, Scratch& s);
 
   // d_hidden's tile tree (tree_dh_): the node slots a block needs (a stack of subtrees over the
@@ -515,6 +528,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   const bool fp32 = shape_.dtype == DType::kFloat32;
   const bool tf32 = o.allow_tf32;
   const cudaDataType_t dt = CudaType(shape_.dtype);
+  const bool epi = UseEpilogueStats();
   // Fast loss path (fast_grad.cu): no dA pass; the per-row factors go around the GEMMs.
   const bool fast = backward && shape_.dtype == DType::kBFloat16 && up.mode == GradMode::kLoss &&
                     o.softcap == 0.0f && o.label_smoothing == 0.0f && !(host && grads.d_weight != nullptr) &&
@@ -522,7 +536,8 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
                     EnvInt("LCE_CUDA_NO_FAST", 0) == 0;
   Layout layout{backward, host, host && backward && grads.d_weight != nullptr,
                 fast && grads.d_weight != nullptr, tree_dh_};
-  layout.epi = UseEpilogueStats(backward, rows);
+  layout.epi = epi;
+  layout.stage = epi && !host && reinterpret_cast<uintptr_t>(rows.hidden) % 16 != 0;
 
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t r_max = RowsPerBlock(layout, N);
@@ -548,8 +563,10 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   Carve(layout, R, workspace_.get(), &s);
   LCE_CUDA_CHECK(cublasSetWorkspace(cublas_, s.cublas_ws, kCublasWorkspace));
   cublas_ws_ = s.cublas_ws;
-  tune_scratch_ = s.logits[0];
-  tune_floats_ = layout.epi ? 0 : 2 * R * ldz;
+  // GEMMs are tuned on scratch free while they run: the logit tiles, or d_hidden's accumulator (written
+  // only after the dW products) where the epilogue GEMM left no tiles.
+  tune_scratch_ = layout.epi ? s.dh : s.logits[0];
+  tune_floats_ = layout.epi ? (s.dh != nullptr ? R * H : 0) : 2 * R * ldz;
   const int64_t bad_off = RoundUp(R * H * esz, 64);  // 2 × u64 after the staging
   if (host) LCE_CUDA_CHECK(pinned_.Ensure(bad_off + 64));
   unsigned long long* bad_host = nullptr;
@@ -592,6 +609,9 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       o_entropy = o_entropy != nullptr ? s.out[1] : nullptr;
       o_lse = o_lse != nullptr ? s.out[2] : nullptr;
       o_loss = o_loss != nullptr ? s.out[3] : nullptr;
+    } else if (layout.stage) {
+      LCE_CUDA_CHECK(cudaMemcpyAsync(s.hidden, h, nr * H * esz, cudaMemcpyDeviceToDevice, stream_));
+      h = s.hidden;
     }
 
     // Forward: logit tiles -> segment partials (+ compact copy for the backward). The fast path
@@ -605,7 +625,8 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     LCE_CUDA_CHECK(cudaMemsetAsync(s.bad + 1, 0, sizeof(unsigned long long), stream_));
     unsigned* overflow = reinterpret_cast<unsigned*>(s.bad + 1);
     if (layout.epi) {
-      if (absl::Status st = EpilogueStatsForward(s, h, nr, y, o.ignore_index, tf); !st.ok()) return st;
+      const EpiCopy copy = !backward ? EpiCopy::kNone : block_fast ? EpiCopy::kExp : EpiCopy::kShifted;
+      if (absl::Status st = EpilogueStatsForward(s, h, nr, y, o.ignore_index, tf, copy, overflow); !st.ok()) return st;
     }
     // GEMM of tile t on stream_ overlaps TileStats of tile t−1 on aux_; two logit buffers.
     int64_t t = 0;
@@ -766,8 +787,11 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     const int64_t chunk = std::max<int64_t>(kSegment, RoundUp(EnvInt("LCE_CUDA_BWD_CHUNK", 16384), kSegment));
     for (int64_t v0 = 0; v0 < Vs; v0 += chunk) {
       const int64_t nc = std::min(chunk, Vs - v0);
-      if (!(debug_skip & 2)) LCE_CUDA_CHECK(LaunchWriteGrad(shape_.dtype, s.store, lds_, nr, v0, nc, s.part, nseg_, s.info, y,
-                                     o.ignore_index, shape_.vocab_begin, o.softcap, o.temperature, aux_));
+      if (!(debug_skip & 2)) {
+        LCE_CUDA_CHECK(LaunchWriteGrad(shape_.dtype, s.store, lds_, nr, v0, nc, layout.epi ? s.tile_part : s.part,
+                                       layout.epi ? EpiTiles() : nseg_, layout.epi ? EpiTileCols() : kSegment, s.info,
+                                       y, o.ignore_index, shape_.vocab_begin, o.softcap, o.temperature, aux_));
+      }
       LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], aux_));
       if (dw_device) {
         LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvHandoff], 0));
@@ -825,7 +849,8 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
 }
 
 absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t nr, const int32_t* y,
-                                              int32_t ignore_index, const LogitTransform& tf) {
+                                              int32_t ignore_index, const LogitTransform& tf, EpiCopy copy,
+                                              unsigned* overflow) {
 #if defined(LCE_WITH_CUTLASS)
   EpilogueStatsArgs a;
   a.hidden = h;
@@ -845,10 +870,24 @@ absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t
   a.large_config = static_cast<int>(EnvInt("LCE_CUDA_EPI_LARGE", a.large_config));
   a.swizzle = static_cast<int>(EnvInt("LCE_CUDA_EPI_SWIZZLE", 1));
   a.raster = static_cast<int>(EnvInt("LCE_CUDA_EPI_RASTER", 0));
+  if (copy == EpiCopy::kExp) {
+    // First pass over the first segment's columns: its max per row (into s.part, one segment a row,
+    // overwritten by the whole shard's fold below) sets c_row before any exp is stored.
+    EpilogueStatsArgs first = a;
+    first.cols = std::min<int64_t>(kSegment, a.cols);
+    first.ntile = (first.cols + EpiTileCols() - 1) / EpiTileCols();
+    LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(first, stream_));
+    LCE_CUDA_CHECK(LaunchFoldTilePartials(s.tile_part, first.ntile, EpiTileCols(), nr, s.part, 1, stream_));
+    a.first = s.part;
+    a.row_c = s.row_c;
+    a.overflow = overflow;
+  }
+  a.store = copy != EpiCopy::kNone ? s.store : nullptr;
+  a.lds = lds_;
   LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(a, stream_));
-  return LaunchFoldTilePartials(s.tile_part, a.ntile, EpilogueStatsTileCols(epi_config_), nr, s.part, nseg_, stream_);
+  return LaunchFoldTilePartials(s.tile_part, a.ntile, EpiTileCols(), nr, s.part, nseg_, stream_);
 #else
-  (void)s, (void)h, (void)nr, (void)y, (void)ignore_index, (void)tf;
+  (void)s, (void)h, (void)nr, (void)y, (void)ignore_index, (void)tf, (void)copy, (void)overflow;
   return absl::InternalError("built without CUTLASS: no epilogue-statistics GEMM");
 #endif
 }

@@ -12,7 +12,7 @@ namespace lce::cuda {
 bool DeviceAvailable();
 
 // True when this build has the epilogue-statistics GEMM (CUTLASS's headers were found) and `device`
-// is an sm_90 that runs it: LCE_CUDA_EPILOGUE_STATS=1 then moves bf16 score calls onto it.
+// is an sm_90 that runs it: bf16 heads' forwards then run through it (unless LCE_CUDA_EPILOGUE_STATS=0).
 bool EpilogueStatsAvailable(int device);
 
 absl::StatusOr<std::unique_ptr<LceEngine>> CreateCudaEngine(std::shared_ptr<const HeadWeights> weights,

@@ -5,8 +5,15 @@
 // split-K or stream-K), then an epilogue of our own (RowStatsEpilogue, run by CUTLASS's adapter for
 // epilogues without shared memory) that reads the fp32 accumulator tile in registers and writes, per
 // row and per column tile of the CTA, the partials (m, S, Q, Σz) of z = transform(logit) and the
-// target logit. No logit reaches memory. A logit's bits depend only on its row and column (fixed tile
-// shape, fixed K order), and each tile's partials only on its rows' logits: batch invariant.
+// target logit. For a training call it also writes the compact copy the backward reads, where the
+// logit-tile path wrote fp32 logits and read them back: z − m_tile in fp16 (m_tile: the row's max over
+// the CTA's column tile, the m of its partials) for the general backward, or exp(z − c_row) in bf16 for
+// the fast loss path (c_row: the max of the row's first segment, from a first pass over those columns,
+// + kExpLift; a tile whose max passes c_row by more than kExpHeadroom raises the overflow flag). A logit's bits depend only on its row and
+// column (fixed tile shape, fixed K order), and each tile's partials only on its rows' logits: batch
+// invariant.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -42,6 +49,11 @@ struct StatsParams {
   float* tile_part = nullptr;  // [rows, ntile, 4]
   float* packed = nullptr;     // [rows, kPacked]; slot 3 gets z_y
   int64_t ntile = 0;
+  void* store = nullptr;  // [rows, lds]: z − m_tile (fp16) or exp(z − c_row) (bf16) for the backward; null: score
+  int64_t lds = 0;
+  const float* first = nullptr;  // exp mode: m of the row's first segment at first[4·r]; null: z − m_tile
+  float* row_c = nullptr;        // exp mode: c_row written here
+  unsigned* overflow = nullptr;  // exp mode: set to 1.0f when a tile's max passes c_row by kExpHeadroom
 };
 
 // The wgmma accumulator fragment ((2, 2, V), MMA_M, MMA_N) viewed as (rows, columns) of this thread:
@@ -180,6 +192,11 @@ class RowStatsEpilogue {
       q = QuadSum(q);
       sum_v = QuadSum(sum_v);
       if (row >= M) continue;
+      if (p_.store != nullptr && p_.first != nullptr) {
+        StoreExp<kRagged>(v, c, i, row, n0, N, mx, n_tile == 0 && lead);
+      } else if (p_.store != nullptr) {
+        StoreShifted<kRagged>(v, c, i, row, n0, N, mx);
+      }
       if (lead) {
         *reinterpret_cast<float4*>(p_.tile_part + (static_cast<int64_t>(row) * p_.ntile + n_tile) * 4) =
             make_float4(mx * p_.inv_temp, s, q * p_.inv_temp, sum_v * p_.inv_temp);
@@ -194,6 +211,48 @@ class RowStatsEpilogue {
             p_.packed[static_cast<int64_t>(row) * kPacked + 3] = v[j] * p_.inv_temp;
           }
         }
+      }
+    }
+  }
+  // z − m_tile = (v − max v) / T of this thread's columns of the row, two adjacent columns at a time
+  // (the accumulator's column pairs: j even, j + 1 the next column).
+  template <bool kRagged, int kCols, class TC>
+  CUTLASS_DEVICE void StoreShifted(const float (&v)[kCols], TC const& c, int i, int row, int n0, int N,
+                                   float mx) const {
+    static_assert(kCols % 2 == 0);
+    __half* dst = static_cast<__half*>(p_.store) + static_cast<int64_t>(row) * p_.lds + n0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCols; j += 2) {
+      const int col = static_cast<int>(get<1>(c(i, j)));
+      const float a = (v[j] - mx) * p_.inv_temp, b = (v[j + 1] - mx) * p_.inv_temp;
+      if (!kRagged || n0 + col + 1 < N) {
+        *reinterpret_cast<__half2*>(dst + col) = __floats2half2_rn(a, b);
+      } else if (n0 + col < N) {
+        dst[col] = __float2half_rn(a);
+      }
+    }
+  }
+  // exp(z − c_row) of this thread's columns of the row, in bf16 (the fast loss path's copy).
+  template <bool kRagged, int kCols, class TC>
+  CUTLASS_DEVICE void StoreExp(const float (&v)[kCols], TC const& c, int i, int row, int n0, int N, float mx,
+                               bool write_c) const {
+    static_assert(kCols % 2 == 0);
+    const float c_row = p_.first[static_cast<int64_t>(row) * 4] + kExpLift;
+    if (write_c) p_.row_c[row] = c_row;
+    if (!(mx * p_.inv_temp - c_row <= kExpHeadroom) && (threadIdx.x & 3) == 0) {
+      atomicExch(p_.overflow, 0x3f800000u);  // 1.0f: all-reducible (max) across ranks
+    }
+    constexpr float kLog2e = 1.4426950408889634f;
+    const float scale = p_.inv_temp * kLog2e, shift = c_row * kLog2e;
+    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p_.store) + static_cast<int64_t>(row) * p_.lds + n0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCols; j += 2) {
+      const int col = static_cast<int>(get<1>(c(i, j)));
+      const float a = exp2f(fmaf(v[j], scale, -shift)), b = exp2f(fmaf(v[j + 1], scale, -shift));
+      if (!kRagged || n0 + col + 1 < N) {
+        *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(a, b);
+      } else if (n0 + col < N) {
+        dst[col] = __float2bfloat16_rn(a);
       }
     }
   }
@@ -284,6 +343,8 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   const auto misaligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0; };
   if (a.rows > INT32_MAX || a.cols > INT32_MAX || a.hidden_size <= 0 || a.hidden_size % 8 != 0 ||
       misaligned(a.hidden) || misaligned(a.weight) || misaligned(a.tile_part) || a.targets == nullptr ||
+      (a.store != nullptr && (misaligned(a.store) || a.lds % 8 != 0 || a.lds < a.cols)) ||
+      (a.first != nullptr && (a.store == nullptr || a.row_c == nullptr || a.overflow == nullptr)) ||
       a.packed == nullptr || a.ntile != (a.cols + tile_cols - 1) / tile_cols || a.tf.temperature <= 0.0f) {
     return absl::InternalError(absl::StrCat("LaunchEpilogueStatsGemm: bad shape rows=", a.rows, " cols=", a.cols,
                                             " hidden=", a.hidden_size, " ntile=", a.ntile));
@@ -299,6 +360,11 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   sp.tile_part = a.tile_part;
   sp.packed = a.packed;
   sp.ntile = a.ntile;
+  sp.store = a.store;
+  sp.lds = a.lds;
+  sp.first = a.first;
+  sp.row_c = a.row_c;
+  sp.overflow = a.overflow;
   // Automatic: a few rows (bound by reading W) through 64-row tiles, more through 128-row tiles.
   const int config = a.config >= 0 ? a.config : a.rows <= a.small_rows ? 2 : a.large_config;
   switch (config) {

@@ -65,7 +65,9 @@ absl::Status LaunchTileStats(const float* logits, int64_t ldz, int64_t rows, int
 // aligned, hidden a multiple of 8) whose epilogue reduces each fp32 logit tile in registers: per
 // (row, column tile of EpilogueStatsTileCols(config) columns) tile_part[(r·ntile + t)·4 + {0,1,2,3}] =
 // (m, S, Q, Σz) of z = transform(logit) (LogitTransform), and z_y into packed[r·kPacked + 3] for rows
-// whose target lies in the shard (packed zeroed by the caller). No logits are written. No split-K, and
+// whose target lies in the shard (packed zeroed by the caller). With store, it also writes the
+// backward's copy ([rows, lds], lds a multiple of 8): z − m_tile in fp16 (m_tile the tile's m above;
+// LaunchWriteGrad with tile_part and tile_cols) or exp(z − c_row) in bf16 (below: the fast loss path). No split-K, and
 // the same arithmetic for a row in configurations 1 to 3: a row's partials are the same bits whatever
 // the batch.
 struct EpilogueStatsArgs {
@@ -79,6 +81,14 @@ struct EpilogueStatsArgs {
   float* tile_part = nullptr;
   int64_t ntile = 0;  // ceil(cols / EpilogueStatsTileCols(config))
   float* packed = nullptr;
+  void* store = nullptr;  // [rows, lds]: fp16 z − m_tile, or (with first) bf16 exp(z − c_row); or null
+  int64_t lds = 0;
+  // The fast loss path's copy: c_row = first[4·r] (the m of the row's first kSegment columns, e.g. from
+  // this GEMM over those columns folded by LaunchFoldTilePartials) + kExpLift, written to row_c;
+  // *overflow = 1.0f where a tile's max passes c_row by more than kExpHeadroom.
+  const float* first = nullptr;
+  float* row_c = nullptr;
+  unsigned* overflow = nullptr;
   // Kernel configuration (epilogue_stats_gemm.cu): 0 ping-pong 128×128 tiles, 1 cooperative 128×256,
   // 2 ping-pong 64×256, 3 as 1 with W's tiles multicast; −1 (automatic): 2 for rows <= small_rows, else
   // large_config. 1, 2 and 3 give a row the same bits.
@@ -143,11 +153,12 @@ struct FinalizeArgs {
 absl::Status LaunchFinalizeRows(const FinalizeArgs& args, const float* m, const float* packed,
                                 float* row_info, unsigned long long* bad_row, cudaStream_t stream);
 
-// write_grad.cu. Turns columns [v0, v0 + nc) of store (z − m_segment, fp16 for 16-bit heads, fp32 for
+// write_grad.cu. Turns columns [v0, v0 + nc) of store (z − m_group, fp16 for 16-bit heads, fp32 for
 // fp32 heads) [rows, lds] (lds a multiple of 8, v0 a multiple of kSegment) into dL/da in the head's
-// dtype, in place.
+// dtype, in place. m_group is the m of part [rows, ngroup, 4], the partials of groups of group_cols
+// columns: kSegment (LaunchTileStats's segments) or the epilogue GEMM's column tiles.
 absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows, int64_t v0, int64_t nc,
-                             const float* part, int64_t nseg, const float* row_info,
+                             const float* part, int64_t ngroup, int group_cols, const float* row_info,
                              const int32_t* targets, int32_t ignore_index, int64_t vocab_begin,
                              float softcap, float temperature, cudaStream_t stream);
 

@@ -1,4 +1,4 @@
-// Backward elementwise kernel: the compact forward copy (z − m_segment) becomes dL/da in the head's
+// Backward elementwise kernel: the compact forward copy (z − m of its column group) becomes dL/da in the head's
 // dtype, in place, ready for the d_hidden and dW products.
 #include <climits>
 
@@ -15,19 +15,19 @@ constexpr int kThreads = 256;
 // S: storage type (half for 16-bit heads, float for fp32); T: output type; VEC elements = 16 bytes.
 template <typename T, typename S>
 __global__ void __launch_bounds__(kThreads)
-WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__ part, int64_t nseg,
-                const float* __restrict__ info, const int32_t* __restrict__ targets, int32_t ignore_index,
+WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__ part, int64_t ngroup,
+                int group_cols, const float* __restrict__ info, const int32_t* __restrict__ targets, int32_t ignore_index,
                 int64_t vocab_begin, float softcap, float temperature) {
   constexpr int kVec = 16 / sizeof(S);
   static_assert(sizeof(T) == sizeof(S));
-  static_assert(kSegment % kVec == 0);
+  static_assert(kSegment % kVec == 0);  // and group_cols % kVec == 0 (checked at launch): one group a vector
   const int64_t r = blockIdx.y;
   const int c0 = v0 + (blockIdx.x * kThreads + threadIdx.x) * kVec;
   if (c0 >= nv) return;
   const float* in = info + r * kRowInfo;
   const float m = in[kInfoMax], lse = in[kInfoLse], A = in[kInfoA], B = in[kInfoB], C = in[kInfoC],
               D = in[kInfoD];
-  const float m_seg = part[(r * nseg + c0 / kSegment) * 4];
+  const float m_group = part[(r * ngroup + c0 / group_cols) * 4];
   const float inv_temp = 1.0f / temperature;
   const float t_over_s = softcap > 0.0f ? temperature / softcap : 0.0f;
   const int32_t y = targets[r];
@@ -50,7 +50,7 @@ WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__
   }
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
-    const float z = m_seg + ToFloat(vin.s[j]);
+    const float z = m_group + ToFloat(vin.s[j]);
     const float p = expf(z - lse);
     float dz = A * p + B * p * (z - m) - D;
     if (c0 + j == ylocal) dz -= C;
@@ -71,13 +71,14 @@ WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__
 }  // namespace
 
 absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows, int64_t v0, int64_t nc,
-                             const float* part, int64_t nseg, const float* row_info, const int32_t* targets,
+                             const float* part, int64_t ngroup, int group_cols, const float* row_info,
+                             const int32_t* targets,
                              int32_t ignore_index, int64_t vocab_begin, float softcap, float temperature,
                              cudaStream_t stream) {
   if (rows <= 0 || nc <= 0) return absl::OkStatus();
   const int64_t nv = v0 + nc;  // columns [v0, nv) are processed
-  if (lds % 8 != 0 || lds < nv || rows > 65535 || v0 % kSegment != 0 || (nv + kSegment - 1) / kSegment > nseg ||
-      nv > INT32_MAX) {
+  if (lds % 8 != 0 || lds < nv || rows > 65535 || v0 % kSegment != 0 || group_cols <= 0 || group_cols % 8 != 0 ||
+      kSegment % group_cols != 0 || (nv + group_cols - 1) / group_cols > ngroup || nv > INT32_MAX) {
     return absl::InternalError(absl::StrCat("LaunchWriteGrad: bad shape rows=", rows, " v0=", v0, " nc=", nc,
                                             " lds=", lds));
   }
@@ -88,7 +89,8 @@ absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows
     const dim3 grid(static_cast<unsigned>((nc + kThreads * kVec - 1) / (kThreads * kVec)),
                     static_cast<unsigned>(rows));
     WriteGradKernel<T, S><<<grid, kThreads, 0, stream>>>(static_cast<S*>(store), lds, static_cast<int>(v0), static_cast<int>(nv), part,
-                                                         nseg, row_info, targets, ignore_index, vocab_begin,
+                                                         ngroup, group_cols, row_info, targets, ignore_index,
+                                                         vocab_begin,
                                                          softcap, temperature);
     LCE_CUDA_CHECK(cudaGetLastError());
     return absl::OkStatus();

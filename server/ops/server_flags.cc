@@ -68,8 +68,8 @@ ABSL_FLAG(bool, log_requests, true,
           "one JSON line per finished RPC on stderr, with its request id");
 ABSL_FLAG(bool, pipeline_chunks, true,
           "GPU engines, for clients that send ahead (RequestHeader.sends_ahead): compute a chunk while the next is read and staged, answer from another thread");
-ABSL_FLAG(int64_t, batch_max_rows, 0,
-          "dynamic batching: concurrent small Calls (Score; ForwardBackward and Backward without accumulate_weight_grad) of the same head version and options are merged into one engine call of at most N rows; a request of more rows runs alone (0: off). Only on engines whose rows are the same bits in any batch (the CPU engine; CUDA with --batch-invariant=true)");
+ABSL_FLAG(int64_t, batch_max_rows, 256,
+          "dynamic batching: concurrent small Calls (Score; ForwardBackward and Backward without accumulate_weight_grad) of the same head version and options are merged into one engine call of at most N rows; a request of more rows runs alone (0 or 1: off). Only on engines whose rows are the same bits in any batch (the CPU engine; CUDA with --batch-invariant=true); others run every call alone");
 ABSL_FLAG(int64_t, batch_max_delay_us, 0,
           "how long a batch waits for more requests before it launches, in microseconds, at most 1000000 (0: at once when the engine is free; requests queue only while it is busy)");
 ABSL_FLAG(int32_t, metrics_port, -1,

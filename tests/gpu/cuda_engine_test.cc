@@ -718,8 +718,8 @@ TEST_F(CudaTest, BatchInvarianceBitForBit) {
 namespace lce {
 namespace {
 
-// The score path through the epilogue-statistics GEMM (LCE_CUDA_EPILOGUE_STATS=1: CUTLASS sm_90a, the
-// softmax partials in the GEMM's epilogue, kernels/cuda/epilogue_stats_gemm.cu). The engine reads the
+// The forward through the epilogue-statistics GEMM (LCE_CUDA_EPILOGUE_STATS=1: CUTLASS sm_90a, the
+// softmax partials in the GEMM's epilogue, kernels/cuda/epilogue_stats_gemm.cu), score and training. The engine reads the
 // switch per call; these tests set it for their own scope and skip, saying why, where the build has
 // no CUTLASS or the device is not an sm_90.
 class EpilogueStatsTest : public CudaTest {
@@ -904,6 +904,88 @@ TEST_F(EpilogueStatsTest, BatchInvarianceBitForBit) {
         ExpectRowSameBits(whole, part, row, r0, 0,
                           absl::StrCat(invariant_cfg ? "invariant cfg" : "default cfg", " row ", row, " in ", n));
       }
+    }
+  }
+}
+
+// Training through the epilogue GEMM (its compact copy z − m_tile feeds the backward) against float64
+// on ragged rows, columns and K, every backward mode and option, host and device rows, d_weight
+// accumulated onto a random start; and d_hidden no further from float64 than the logit-tile path's on
+// the same engine and inputs.
+TEST_F(EpilogueStatsTest, TrainingMatchesReferenceEveryOption) {
+  struct S { int64_t rows, hidden, vocab; };
+  uint64_t seed = 5700;
+  for (S s : {S{37, 72, 20001}, S{257, 136, 4096}, S{3, 2880, 1000}, S{130, 64, 9001}}) {
+    for (const OptCase& oc : OptionCases()) {
+      if (oc.mode == GradMode::kNone) continue;
+      ProblemSpec sp;
+      sp.rows = s.rows;
+      sp.hidden = s.hidden;
+      sp.vocab = s.vocab;
+      sp.options = oc.options;
+      sp.mode = oc.mode;
+      sp.bias = oc.bias;
+      sp.grad_loss = oc.grad_loss;
+      sp.h_scale = 2.0;
+      const Problem p = MakeProblem(sp, ++seed);
+      auto e = MakeCuda(p);
+      ASSERT_NE(e, nullptr);
+      const std::vector<float> dw0 = RandomVec(s.vocab * s.hidden, seed);
+      const std::string what = absl::StrCat(s.rows, "x", s.hidden, "x", s.vocab, " ", oc.name);
+      for (MemorySpace space : {MemorySpace::kDevice, MemorySpace::kHost}) {
+        ExpectMatches(RunEngine(*e, p, space, dw0), p, dw0, what + (space == MemorySpace::kHost ? " host" : " device"));
+      }
+      const Answers epi = RunEngine(*e, p, MemorySpace::kDevice, {});
+      const Answers tiles = Without(*e, p);
+      ASSERT_TRUE(epi.status.ok() && tiles.status.ok()) << what << ": " << epi.status << " / " << tiles.status;
+      const RefResult ref = testing::ReferenceLce(p.ref);
+      EXPECT_LE(RelErr(epi.d_hidden, ref.d_hidden, s.hidden),
+                std::max(2e-3, 1.25 * RelErr(tiles.d_hidden, ref.d_hidden, s.hidden)))
+          << what << " d_hidden";
+    }
+  }
+}
+
+// Through the epilogue GEMM, a training row's logprob, entropy, lse and loss are the same bits alone
+// and in batches of 7, 300 and 4096 (d_hidden too with batch-invariant GEMMs, whose d_hidden product
+// is fixed), on the fast loss path, the general path (label smoothing) and the generic backward; and a
+// row's logprob, entropy and lse are the same bits in a score call and a training call (both take the
+// same GEMM): no train/inference mismatch from the loss head.
+TEST_F(EpilogueStatsTest, TrainingBatchInvarianceAndScoreAgreement) {
+  for (int variant = 0; variant < 6; ++variant) {
+    EngineConfig cfg;
+    cfg.batch_invariant = variant >= 3;
+    ProblemSpec sp;
+    sp.rows = 4096;
+    sp.hidden = 512;
+    sp.vocab = 32003;
+    sp.mode = variant % 3 == 2 ? GradMode::kGeneric : GradMode::kLoss;
+    if (variant % 3 == 1) sp.options.label_smoothing = 0.1f;
+    const Problem p = MakeProblem(sp, 5800 + variant);
+    auto e = MakeCuda(p, cfg);
+    ASSERT_NE(e, nullptr);
+    const Answers whole = RunEngine(*e, p, MemorySpace::kDevice, {});
+    ASSERT_TRUE(whole.status.ok()) << whole.status;
+    for (const int64_t row : {int64_t{0}, int64_t{777}, int64_t{4095}}) {
+      for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{300}}) {
+        const int64_t r0 = std::min(row, sp.rows - n);
+        const Answers part = RunEngine(*e, Slice(p, r0, n), MemorySpace::kDevice, {});
+        ASSERT_TRUE(part.status.ok()) << part.status;
+        ExpectRowSameBits(whole, part, row, r0, cfg.batch_invariant ? sp.hidden : 0,
+                          absl::StrCat("variant ", variant, " row ", row, " in ", n));
+      }
+    }
+    Problem score = p;
+    score.ref.mode = GradMode::kNone;
+    score.grad_loss.clear();
+    score.grad_logprob.clear();
+    score.grad_entropy.clear();
+    const Answers scored = RunEngine(*e, score, MemorySpace::kDevice, {});
+    ASSERT_TRUE(scored.status.ok()) << scored.status;
+    for (int64_t i = 0; i < sp.rows; ++i) {
+      ASSERT_EQ(std::memcmp(&scored.logprob[i], &whole.logprob[i], 4), 0) << "variant " << variant << " row " << i;
+      ASSERT_EQ(std::memcmp(&scored.entropy[i], &whole.entropy[i], 4), 0) << "variant " << variant << " row " << i;
+      ASSERT_EQ(std::memcmp(&scored.lse[i], &whole.lse[i], 4), 0) << "variant " << variant << " row " << i;
     }
   }
 }
