@@ -3,12 +3,9 @@
 // optimizer_step, update_weights, save_head).
 #pragma once
 
-#include <set>
 #include <string>
-#include <vector>
 
 #include "absl/status/status.h"
-#include "cli_args.h"
 #include "lce/client/lce_client.h"
 
 namespace lce::client::cli {
@@ -19,19 +16,12 @@ struct Outcome {
   absl::Status status;
 };
 
-struct TrainingCommand {
-  const char* name;
-  const char* help;              // printed by `lce_cli NAME --help`, before the connection flags
-  std::set<std::string> flags;   // besides the connection flags
-};
-const std::vector<TrainingCommand>& TrainingCommands();
-
-// Checks a training command's flags (values, required ones, exclusive ones) before anything is
-// sent: INVALID_ARGUMENT naming the flag.
-absl::Status CheckTrainingFlags(const Args& args);
+// Checks a training command's flags together (required ones, exclusive ones, formats) before
+// anything is sent: INVALID_ARGUMENT naming the flag. The flags are set (cli::SetFlags).
+absl::Status CheckTrainingFlags(const std::string& command);
 
 // Runs a training command against the client's front, printing what it did on stdout.
-Outcome RunTrainingCommand(const Args& args, LceClient& client);
+Outcome RunTrainingCommand(const std::string& command, LceClient& client);
 
 // "head 'NAME' version N: vocab V x hidden H DTYPE[ with bias]".
 std::string DescribeHead(const v1::HeadDescription& head);

@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <fstream>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -55,13 +56,56 @@ TEST(Cli, HelpForEachCommand) {
   }
 }
 
+// --help lists the flags with their defaults (every flag: CliArgs.HelpListsEveryFlagWithItsDefault).
+TEST(Cli, HelpListsTheFlagsWithTheirDefaults) {
+  CliRun r = Cli("--help");
+  EXPECT_EQ(r.code, 0);
+  for (const char* line : {"  --target (default: 127.0.0.1:50051)\n", "  --rows (default: 16)\n",
+                           "  --reduction (default: mean)\n", "  --beta2 (default: 0.999)\n", "  --tensor\n",
+                           "  --directory\n"}) {
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << r.output;
+  }
+  r = Cli("bench --help");
+  EXPECT_NE(r.output.find("  --iterations (default: 5)\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("  --chunk-bytes (default: 4194304)\n"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("--lr"), std::string::npos) << "bench takes no --lr";
+}
+
+// A bad value is a usage error naming the flag, before any call.
+TEST(Cli, BadValueIsAClearError) {
+  for (const auto& [args, message] :
+       {std::pair{"score --rows=many", "lce_cli: bad value 'many' for --rows (see lce_cli score --help)"},
+        std::pair{"bench --iterations=0", "--iterations must be >= 1, got 0"},
+        std::pair{"score --temperature=nan", "--temperature must be a finite number"},
+        std::pair{"health --data-plane=maybe", "bad value 'maybe' for --data-plane"}}) {
+    CliRun r = Cli(std::string(args) + " --target=127.0.0.1:1");
+    EXPECT_EQ(r.code, 2) << args << ": " << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << args << ": " << r.output;
+  }
+}
+
+TEST(Cli, Flagfile) {
+  const std::string path = testing::TempDir() + "/cli_test_flags";
+  std::ofstream(path) << "# lce_cli's flags\n--target=127.0.0.1:1\n--timeout-seconds=5\n";
+  CliRun r = Cli("health --flagfile=" + path);
+  EXPECT_EQ(r.code, 1) << r.output;  // it reached the --target of the file
+  EXPECT_NE(r.output.find("127.0.0.1:1"), std::string::npos) << r.output;
+  std::ofstream(path) << "--rows=0\n";
+  r = Cli("score --flagfile=" + path);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--rows must be in"), std::string::npos) << r.output;
+  r = Cli("score --flagfile=/nonexistent/flags");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("cannot read --flagfile /nonexistent/flags"), std::string::npos) << r.output;
+}
+
 // Bad flags of the training commands: exit 2 with a message naming the problem, before any call.
 TEST(Cli, TrainingCommandUsageErrorsExitTwo) {
   const std::pair<const char*, const char*> cases[] = {
       {"step", "step needs --lr"},
-      {"step --lr=abc", "--lr needs a number"},
+      {"step --lr=abc", "bad value 'abc' for --lr"},
       {"step --lr=0.1 --beta1=-1", "--beta1 must be >= 0"},
-      {"step --lr=0.1 --zero-grad=2", "--zero-grad must be in [0, 1]"},
+      {"step --lr=0.1 --zero-grad=2", "bad value '2' for --zero-grad"},
       {"load-head --seeded=8x4", "load-head needs --head=NAME"},
       {"load-head --head=h", "load-head needs one source"},
       {"load-head --head=h --seeded=8x4 --clone-of=g", "load-head needs one source"},
@@ -73,11 +117,11 @@ TEST(Cli, TrainingCommandUsageErrorsExitTwo) {
       {"get-grad --format=npy", "--format goes with --output"},
       {"get-grad --output=g --format=pickle", "--format must be npy, safetensors or raw"},
       {"update-weights", "update-weights needs --weight-file"},
-      {"update-weights --weight-file=w.npy --expected-version=-1", "--expected-version must be in"},
+      {"update-weights --weight-file=w.npy --expected-version=-1", "--expected-version must be >= 0"},
       {"save-head", "save-head needs --directory"},
       {"zero-grad --lr=1", "unknown flag --lr for 'zero-grad'"},
-      {"forward-backward --accumulate-weight-grad=yes", "--accumulate-weight-grad needs an integer"},
-      {"score --head-version=-2", "--head-version must be in"},
+      {"forward-backward --accumulate-weight-grad=maybe", "bad value 'maybe' for --accumulate-weight-grad"},
+      {"score --head-version=-2", "--head-version must be >= 0"},
       {"score --max-attempts=0", "--max-attempts must be in [1, 100]"},
       {"score --load-balancing=random", "load_balancing must be"},
       {"score --target=a:1,,b:2", "an empty target"},
