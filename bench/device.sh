@@ -25,7 +25,7 @@
 #                             test_aio with LCE_TEST_BACKEND=cuda (carry client/python/lce_client/_proto)
 #   small-calls               bench/small_calls.sh on CUDA servers (VOCAB x HIDDEN bf16, default 151936 x 4096):
 #                             a Score of $CALL_ROWS (1,16,64) rows end to end vs the server's engine time, and
-#                             1-row Scores a second from 64 callers, batching off and on ($CALLS_CONFIGS); the
+#                             1-row Scores a second from 64 callers, batching off and the defaults ($CALLS_CONFIGS); the
 #                             Python client too where .whl/ holds lce_client's wheel and its dependencies'
 #                             for the machine's python3 (`pip wheel -w .whl ./client/python`)
 #   bin=NAME[:ARGS]           any .devbin binary with ARGS (':' for spaces), output to $OUT/NAME.log
@@ -181,12 +181,12 @@ step_small_calls() {
   if ls .whl/lce_client-*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --find-links .whl --target $py lce_client > "$OUT/pip_small_calls.log" 2>&1
   fi
-  # Batching needs a batch-invariant engine: the off run with and without --batch-invariant prices it.
+  # The defaults (batching on, 256 rows, no window; Scores batch where the engine's forward is batch
+  # invariant, as the epilogue GEMM is), batching off, and --batch-invariant (d_hidden too).
   PYTHONPATH=$py${PYTHONPATH:+:$PYTHONPATH} PYTHON=python3 SERVER_BIN=.devbin/lce_server \
     BENCH_BIN=.devbin/lce_small_calls_bench BACKEND=cuda VOCAB=${VOCAB:-151936} HIDDEN=$H DTYPE=bf16 \
-    ROWS=${CALL_ROWS:-1,16,64} OUT=$OUT/small_calls CONFIGS="${CALLS_CONFIGS:-off:--batch-max-rows=0 \
-off-invariant:--batch-max-rows=0:--batch-invariant=true on:--batch-max-rows=256:--batch-invariant=true \
-on-window100:--batch-max-rows=256:--batch-max-delay-us=100:--batch-invariant=true}" \
+    ROWS=${CALL_ROWS:-1,16,64} OUT=$OUT/small_calls CONFIGS="${CALLS_CONFIGS:-off:--batch-max-rows=0 default \
+invariant:--batch-invariant=true window100:--batch-max-delay-us=100}" \
     bash bench/small_calls.sh > "$OUT/small_calls.log" 2>&1
   echo "small calls rc=$?"
 }
