@@ -17,7 +17,8 @@ Backend TestBackend() {
 }
 
 std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_requests, bool data_plane,
-                                            const std::function<void(server::GrpcServerOptions&)>& tune) {
+                                            const std::function<void(server::GrpcServerOptions&)>& tune,
+                                            EngineConfig engines) {
   auto ts = std::make_unique<TestServer>();
   ts->heads = std::make_shared<server::HeadStore>();
   for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
@@ -28,7 +29,7 @@ std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_
     src.dtype = dtype;
     auto w = server::LoadHead(src, 0, 1);
     EXPECT_TRUE(w.ok()) << w.status();
-    auto e = CreateEngine(TestBackend(), *w, EngineConfig{});
+    auto e = CreateEngine(TestBackend(), *w, engines);
     EXPECT_TRUE(e.ok()) << e.status();
     std::shared_ptr<LceEngine> engine = std::move(*e);
     (dtype == DType::kBFloat16 ? ts->bf16_engine : ts->fp32_engine) = engine;
@@ -45,8 +46,8 @@ std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes, bool log_
   options.service.pipeline_chunks_on_cpu = true;
   options.service.limits.max_rows_per_request = 100000;
   options.data_port = data_plane ? 0 : -1;
-  options.service.make_engine = [](std::shared_ptr<const HeadWeights> w) -> absl::StatusOr<std::shared_ptr<LceEngine>> {
-    absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(TestBackend(), std::move(w), EngineConfig{});
+  options.service.make_engine = [engines](std::shared_ptr<const HeadWeights> w) -> absl::StatusOr<std::shared_ptr<LceEngine>> {
+    absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(TestBackend(), std::move(w), engines);
     if (!e.ok()) return e.status();
     return std::shared_ptr<LceEngine>(std::move(*e));
   };

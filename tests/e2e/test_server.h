@@ -34,10 +34,11 @@ struct TestServer {
 Backend TestBackend();
 
 // With `data_plane`, the server runs one (RegionDataPlane) on a free port. `tune` changes the
-// options last (limits under test).
+// options last (limits under test); `engines` configures every engine the server makes.
 std::unique_ptr<TestServer> StartTestServer(int64_t max_message_bytes = 8 << 20, bool log_requests = false,
                                             bool data_plane = true,
-                                            const std::function<void(server::GrpcServerOptions&)>& tune = {});
+                                            const std::function<void(server::GrpcServerOptions&)>& tune = {},
+                                            EngineConfig engines = {});
 
 struct Batch {
   v1::DType dtype;
