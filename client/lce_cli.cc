@@ -14,10 +14,12 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "cli_args.h"
 #include "cli_training.h"
+#include "data_plane_connection.h"
 #include "grpcpp/security/credentials.h"
 #include "lce/client/lce_client.h"
 #include "tensor_file.h"
@@ -61,7 +63,8 @@ constexpr char kConnection[] = R"(connection:
   --timeout-seconds=S        deadline of each call (default 600)
   --token-file=PATH          bearer token, read from the file's first line (sent as authorization metadata)
   --admin-token-file=PATH    bearer token for the training commands (default: --token-file's)
-  --tls-ca=PATH              use TLS, trusting the PEM roots in PATH
+  --tls-ca=PATH              use TLS, trusting the PEM roots in PATH (on the data plane too, where the
+                             server serves it over TLS: lce_server --data-plane-tls)
   --tls-cert=PATH --tls-key=PATH   client certificate and key for mutual TLS (with --tls-ca)
   --streams=N                split a large request over up to N streams and connections (default 1)
   --data-plane=1             carry hidden states and d_hidden over the server's data plane (plain TCP
@@ -122,7 +125,10 @@ const std::map<std::string, Command>& Commands() {
         {"reduction", "label-smoothing", "z-loss", "accumulate-weight-grad", "show"}, true}},
       {"bench", {"lce_cli bench: throughput of repeated requests on one batch; prints ms per request, rows/s and\n"
                  "GB/s each way (hidden + targets up; logprob + entropy, or d_hidden + loss, down)\n"
-                 "  --op=score|train           Score, or ForwardBackward with REDUCTION_SUM (default score)\n"
+                 "  --op=score|train|wire      Score, or ForwardBackward with REDUCTION_SUM (default score); wire: the\n"
+                 "                             data plane's sockets alone, no engine: the batch's hidden bytes\n"
+                 "                             written to server memory and read back over --data-plane-sockets\n"
+                 "                             sockets (plain, or TLS against lce_server --data-plane-tls)\n"
                  "  --iterations=N             timed requests (default 5)\n"
                  "  --warmup=N                 untimed requests first (default 1)\n",
                  {"op", "iterations", "warmup"}, true}},
@@ -258,6 +264,7 @@ absl::Status SetCredentials(const Args& a, lce::client::ClientOptions& o) {
       ssl.pem_private_key = *key;
     }
     o.credentials = grpc::SslCredentials(ssl);
+    o.data_plane_tls_ca = a.Get("tls-ca");  // a data plane served over TLS (--data-plane-tls) carries the same certificate
   } else if (a.Has("tls-cert") || a.Has("tls-key")) {
     return absl::InvalidArgumentError("--tls-cert and --tls-key need --tls-ca");
   }
@@ -297,6 +304,63 @@ absl::StatusOr<lce::client::ClientOptions> Options(const Args& a) {
   o.max_attempts = static_cast<int>(*attempts);
   if (absl::Status s = SetCredentials(a, o); !s.ok()) return s;
   return o;
+}
+
+// lce_cli bench --op=wire: `bytes` written into a server-memory region and read back over k data-plane
+// sockets at once, each moving its share in chunk-sized transfers (as a request's stream does);
+// prints GB/s each way. The transfer term of a data-plane request, TLS or not, without the engine.
+int BenchWire(LceClient& c, const lce::client::ClientOptions& o, const v1::GetInfoResponse& info,
+              absl::Span<const uint8_t> bytes, int64_t iters, int64_t warmup) {
+  if (info.data_port() <= 0) return Failed(absl::FailedPreconditionError("--op=wire: the server has no --data-port"));
+  absl::StatusOr<std::unique_ptr<lce::client::SharedMemorySession>> s = c.OpenSession();
+  if (!s.ok()) return Failed(s.status());
+  const int64_t n = static_cast<int64_t>(bytes.size());
+  absl::StatusOr<uint64_t> region = (*s)->AllocateServerMemory(n, "wire");
+  if (!region.ok()) return Failed(region.status());
+  std::string host = o.target.substr(0, o.target.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  const int k = o.data_plane_sockets;
+  std::vector<std::unique_ptr<lce::client::DataPlaneConnection>> conns;
+  for (int i = 0; i < k; ++i) {
+    auto conn = lce::client::DataPlaneConnection::Connect(
+        host, info.data_port(), {(*s)->secret(), info.data_plane_tls(), o.data_plane_tls_ca});
+    if (!conn.ok()) return Failed(conn.status());
+    conns.push_back(*std::move(conn));
+  }
+  std::vector<uint8_t> back(bytes.size());
+  auto move = [&](bool up) {
+    std::vector<absl::Status> st(static_cast<size_t>(k));
+    std::vector<std::thread> t;
+    for (int i = 0; i < k; ++i) {
+      t.emplace_back([&, i] {
+        for (int64_t at = n * i / k, end = n * (i + 1) / k; at < end && st[i].ok(); at += o.chunk_bytes) {
+          const int64_t len = std::min(o.chunk_bytes, end - at);
+          st[i] = up ? conns[i]->Write((*s)->id(), *region, at, bytes.subspan(at, len))
+                     : conns[i]->Read((*s)->id(), *region, at, absl::MakeSpan(back).subspan(at, len));
+        }
+      });
+    }
+    for (auto& x : t) x.join();
+    for (const absl::Status& e : st) {
+      if (!e.ok()) return e;
+    }
+    return absl::OkStatus();
+  };
+  double secs[2] = {0, 0};
+  for (int64_t i = 0; i < warmup + iters; ++i) {
+    for (int dir = 0; dir < 2; ++dir) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (absl::Status e = move(dir == 0); !e.ok()) return Failed(e);
+      if (i >= warmup) secs[dir] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  }
+  if (!std::equal(back.begin(), back.end(), bytes.begin())) {
+    return Failed(absl::DataLossError("--op=wire: the bytes read back differ from those written"));
+  }
+  std::printf("wire: %lld bytes over %d socket(s) a direction%s, %lld iterations: %.3f GB/s up, %.3f GB/s down\n",
+              static_cast<long long>(n), k, info.data_plane_tls() ? " (TLS)" : "", static_cast<long long>(iters),
+              n * iters / secs[0] / 1e9, n * iters / secs[1] / 1e9);
+  return 0;
 }
 
 int Main(const Args& a) {
@@ -428,12 +492,13 @@ int Main(const Args& a) {
 
   // bench
   const std::string op = a.Get("op", "score");
-  if (op != "score" && op != "train") {
-    return Usage(absl::InvalidArgumentError(absl::StrCat("--op must be score or train, got '", op, "'")));
+  if (op != "score" && op != "train" && op != "wire") {
+    return Usage(absl::InvalidArgumentError(absl::StrCat("--op must be score, train or wire, got '", op, "'")));
   }
   absl::StatusOr<int64_t> iters = a.Int("iterations", 5, 1), warmup = a.Int("warmup", 1, 0);
   if (!iters.ok()) return Usage(iters.status());
   if (!warmup.ok()) return Usage(warmup.status());
+  if (op == "wire") return BenchWire(c, *o, *info, absl::MakeConstSpan(batch->hidden), *iters, *warmup);
   const bool train = op == "train";
   v1::RequestHeader h = *header;
   if (train) h.set_reduction(v1::REDUCTION_SUM);

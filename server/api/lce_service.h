@@ -121,6 +121,10 @@ class LceService final : public v1::LceService::Service {
   RegionRegistry& mutable_regions() { return regions_; }
   // The data plane's port, reported by GetInfo (0: none). Set before serving.
   void set_data_port(int port) { data_port_ = port; }
+  // GetInfoResponse.data_plane_tls: the data plane speaks TLS.
+  void set_data_plane_tls(bool tls) { data_plane_tls_ = tls; }
+  // SessionResponse.shm_socket: where co-located clients hand over their memory ("": nowhere).
+  void set_shm_socket(const std::string& path) { shm_socket_ = path; }
 
  private:
   friend class StreamedRequest;  // a streamed request's stages (streamed_request.h)
@@ -211,6 +215,8 @@ class LceService final : public v1::LceService::Service {
   RegionRegistry regions_;
   DynamicBatcher batcher_;
   int data_port_ = 0;
+  bool data_plane_tls_ = false;
+  std::string shm_socket_;
 };
 
 template <typename F>
