@@ -117,6 +117,7 @@ absl::Status DataPlaneConnection::StartTls(const std::string& host, const std::s
   SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
   if (ctx == nullptr) return absl::InternalError(TlsErrors());
   SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
+  SSL_CTX_set_read_ahead(ctx, 1);  // whole records in one recv, not a 5-byte header and then the body
   SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER, nullptr);
   const bool cas = ca_file.empty() ? SSL_CTX_set_default_verify_paths(ctx) == 1
                                    : SSL_CTX_load_verify_locations(ctx, ca_file.c_str(), nullptr) == 1;

@@ -38,6 +38,8 @@ absl::StatusOr<std::unique_ptr<TlsServerContext>> TlsServerContext::FromFiles(co
   if (ctx == nullptr) return absl::InternalError(absl::StrCat("data plane TLS: ", TlsErrors()));
   std::unique_ptr<TlsServerContext> self(new TlsServerContext(ctx));
   SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
+  // Whole records (and what follows) in one recv, not a 5-byte header and then the body.
+  SSL_CTX_set_read_ahead(ctx, 1);
   if (SSL_CTX_use_certificate_chain_file(ctx, cert_file.c_str()) != 1) {
     return absl::InvalidArgumentError(absl::StrCat("data plane TLS: certificate ", cert_file, ": ", TlsErrors()));
   }
