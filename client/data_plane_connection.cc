@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lce/v1/data_plane_wire.h"
+#include "socket_io.h"
 
 namespace lce::client {
 namespace {
@@ -23,22 +24,6 @@ namespace {
 using v1::data_plane::kHeaderBytes;
 using v1::data_plane::kOpRead;
 using v1::data_plane::kOpWrite;
-
-// Moves all of [p, p + n) through the socket; false on EOF or error (errno says which).
-template <typename Io>
-bool Exactly(Io io, uint8_t* p, size_t n) {
-  while (n > 0) {
-    const ssize_t r = io(p, n);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      if (r == 0) errno = ECONNRESET;
-      return false;
-    }
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
 
 // OpenSSL's socket BIO writes with write(2), which raises SIGPIPE (ending the process) when the
 // server has closed the connection; this one sends with MSG_NOSIGNAL, as the plain path does.
@@ -149,9 +134,7 @@ absl::Status DataPlaneConnection::StartTls(const std::string& host, const std::s
 }
 
 bool DataPlaneConnection::SendAll(const uint8_t* p, size_t n) {
-  if (ssl_ == nullptr) {
-    return Exactly([fd = fd_](uint8_t* b, size_t k) { return ::send(fd, b, k, MSG_NOSIGNAL); }, const_cast<uint8_t*>(p), n);
-  }
+  if (ssl_ == nullptr) return client::SendAll(fd_, p, n);
   return Exactly([this](uint8_t* b, size_t k) -> ssize_t {
     size_t put = 0;
     return SSL_write_ex(ssl_, b, k, &put) == 1 ? static_cast<ssize_t>(put) : -1;
@@ -159,7 +142,7 @@ bool DataPlaneConnection::SendAll(const uint8_t* p, size_t n) {
 }
 
 bool DataPlaneConnection::RecvAll(uint8_t* p, size_t n) {
-  if (ssl_ == nullptr) return Exactly([fd = fd_](uint8_t* b, size_t k) { return ::recv(fd, b, k, MSG_WAITALL); }, p, n);
+  if (ssl_ == nullptr) return client::RecvAll(fd_, p, n);
   return Exactly([this](uint8_t* b, size_t k) -> ssize_t {
     size_t got = 0;
     return SSL_read_ex(ssl_, b, k, &got) == 1 ? static_cast<ssize_t>(got) : -1;

@@ -8,23 +8,12 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "socket_io.h"
 
 namespace lce::client {
 namespace {
 
 namespace wire = v1::shm_socket;
-
-bool RecvAll(int fd, void* p, size_t n) {
-  auto* b = static_cast<uint8_t*>(p);
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, b, n, MSG_WAITALL);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    b += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
 
 // The request (fixed bytes, then the name) in one sendmsg with `fd` as its ancillary data.
 bool SendRequest(int sock, const std::string& bytes, int fd) {
@@ -44,13 +33,7 @@ bool SendRequest(int sock, const std::string& bytes, int fd) {
   while (sent < 0 && errno == EINTR) sent = ::sendmsg(sock, &m, MSG_NOSIGNAL);
   if (sent < 0) return false;
   // The descriptor went with the first byte; the rest (a stream socket may take part) follows.
-  for (size_t done = static_cast<size_t>(sent); done < bytes.size();) {
-    const ssize_t r = ::send(sock, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    done += static_cast<size_t>(r);
-  }
-  return true;
+  return SendAll(sock, bytes.data() + sent, bytes.size() - static_cast<size_t>(sent));
 }
 
 }  // namespace

@@ -10,24 +10,13 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "data_plane_link.h"
 #include "lce/v1/shm_socket_wire.h"
 
 namespace lce::server {
 namespace {
 
 namespace wire = v1::shm_socket;
-
-bool RecvAll(int fd, void* p, size_t n) {
-  auto* b = static_cast<uint8_t*>(p);
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, b, n, MSG_WAITALL);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    b += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
 
 // The request's first bytes and the descriptors that came with them (closed by the caller).
 // False when the connection ended or timed out first.
@@ -52,7 +41,7 @@ bool RecvWithFds(int fd, uint8_t* buf, size_t n, std::vector<int>* fds) {
     }
   }
   if ((m.msg_flags & MSG_CTRUNC) != 0) fds->push_back(-1);  // more than fit: refused below
-  return RecvAll(fd, buf + r, n - static_cast<size_t>(r));
+  return DataPlaneLink(fd).Recv(buf + r, n - static_cast<size_t>(r));
 }
 
 void Reply(int fd, const absl::StatusOr<uint64_t>& id) {
@@ -170,7 +159,7 @@ absl::StatusOr<uint64_t> ShmSocket::Register(int fd) {
                                                    wire::kMaxNameBytes, ")"));
   }
   r.name.resize(name_len);
-  if (name_len > 0 && !RecvAll(fd, r.name.data(), name_len)) return absl::InvalidArgumentError("shm socket: the name ended early");
+  if (name_len > 0 && !DataPlaneLink(fd).Recv(r.name.data(), name_len)) return absl::InvalidArgumentError("shm socket: the name ended early");
   if (fds.size() != 1 || fds[0] < 0) {
     return absl::InvalidArgumentError(absl::StrCat("shm socket: region '", r.name, "': send exactly one file descriptor "
                                                    "(SCM_RIGHTS) with the request, got ", fds.size()));
