@@ -250,6 +250,14 @@ grpc::Status LceService::Call(grpc::ServerContext* ctx, const v1::CallRequest* r
                                    "CALL_FORWARD_BACKWARD, CALL_BACKWARD or CALL_POLICY_LOSS)"));
 }
 
+void LceService::RecountRegions() {
+  if (config_.metrics == nullptr) return;
+  const RegionRegistry::Counts c = regions_.counts();
+  config_.metrics->regions.WithLabels({"host"}).Set(static_cast<double>(c.shm));
+  config_.metrics->regions.WithLabels({"device"}).Set(static_cast<double>(c.device));
+  config_.metrics->regions.WithLabels({"server"}).Set(static_cast<double>(c.server));
+}
+
 grpc::Status LceService::OpenSession(grpc::ServerContext* ctx,
                                      grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
   return Recorded("OpenSession", ctx, [&] { return OpenSessionBody(ctx, stream); });
@@ -277,13 +285,7 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
   const RegionRegistry::Peer peer_identity = RegionRegistry::IdentifyPeer(ctx->peer());
   const RegionRegistry::SessionKeys keys = regions_.OpenSession(peer_identity.uid);
   const std::string& session = keys.id;
-  auto count_regions = [this] {
-    if (config_.metrics == nullptr) return;
-    const RegionRegistry::Counts c = regions_.counts();
-    config_.metrics->regions.WithLabels({"host"}).Set(static_cast<double>(c.shm));
-    config_.metrics->regions.WithLabels({"device"}).Set(static_cast<double>(c.device));
-    config_.metrics->regions.WithLabels({"server"}).Set(static_cast<double>(c.server));
-  };
+  auto count_regions = [this] { RecountRegions(); };
   if (config_.metrics != nullptr) config_.metrics->sessions.Increment();
   // Whatever ends the stream (half-close, cancel, disconnect, shutdown), the regions go with it.
   struct Release {

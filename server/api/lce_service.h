@@ -118,6 +118,9 @@ class LceService final : public v1::LceService::Service {
   grpc::Status OpenSession(grpc::ServerContext* ctx,
                            grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) override;
   const RegionRegistry& regions() const { return regions_; }
+  // lce_regions{kind} from the registry now (after a registration made outside a session's stream:
+  // the shm socket's).
+  void RecountRegions();
   RegionRegistry& mutable_regions() { return regions_; }
   // The data plane's port, reported by GetInfo (0: none). Set before serving.
   void set_data_port(int port) { data_port_ = port; }

@@ -56,7 +56,8 @@ void Reply(int fd, const absl::StatusOr<uint64_t>& id) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regions, const std::string& path) {
+absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regions, const std::string& path,
+                                                            std::function<void()> on_register) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -70,7 +71,7 @@ absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regi
     }
     ::unlink(path.c_str());  // a stale one (a server that did not end cleanly)
   }
-  std::unique_ptr<ShmSocket> s(new ShmSocket(regions, path));
+  std::unique_ptr<ShmSocket> s(new ShmSocket(regions, path, std::move(on_register)));
   s->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (s->listen_fd_ < 0) return absl::InternalError(absl::StrCat("shm socket: socket: ", std::strerror(errno)));
   std::memcpy(addr.sun_path, path.data(), path.size());
@@ -133,7 +134,9 @@ void ShmSocket::Serve(uint64_t id, int fd) {
   const timeval tv{5, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  Reply(fd, Register(fd));
+  const absl::StatusOr<uint64_t> region = Register(fd);
+  if (region.ok() && on_register_) on_register_();
+  Reply(fd, region);
   std::lock_guard<std::mutex> lock(mu_);
   conns_[id].first = -1;  // its number may be reused once closed: the destructor must not shut it down
   ::close(fd);

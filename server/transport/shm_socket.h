@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -29,12 +30,15 @@ class ShmSocket {
   // Listens at `path` (a stale socket file there is replaced; any other file is left alone:
   // FAILED_PRECONDITION). The file is made connectable by every user (0666): what admits a
   // registration is the session's secret and uid, not the file's mode.
-  static absl::StatusOr<std::unique_ptr<ShmSocket>> Start(RegionRegistry& regions, const std::string& path);
+  // `on_register` (may be empty) runs after each registration that succeeded (the regions' metrics).
+  static absl::StatusOr<std::unique_ptr<ShmSocket>> Start(RegionRegistry& regions, const std::string& path,
+                                                         std::function<void()> on_register = {});
   ~ShmSocket();  // stops accepting, ends the connections, joins the threads, removes the file
   const std::string& path() const { return path_; }
 
  private:
-  ShmSocket(RegionRegistry& regions, std::string path) : regions_(regions), path_(std::move(path)) {}
+  ShmSocket(RegionRegistry& regions, std::string path, std::function<void()> on_register)
+      : regions_(regions), path_(std::move(path)), on_register_(std::move(on_register)) {}
   void AcceptLoop();
   void Serve(uint64_t id, int fd);
   // Reads one request and its descriptor from `fd` and registers it: the region id or why not.
@@ -42,6 +46,7 @@ class ShmSocket {
 
   RegionRegistry& regions_;
   const std::string path_;
+  const std::function<void()> on_register_;
   int listen_fd_ = -1;
   std::atomic<bool> stopping_{false};
   std::mutex mu_;
