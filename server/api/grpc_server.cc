@@ -1,6 +1,11 @@
 #include "grpc_server.h"
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <filesystem>
 
 #include <algorithm>
 #include <atomic>
@@ -45,6 +50,17 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const TlsFi
   return grpc::SslServerCredentials(opts);
 }
 
+// A server killed outright leaves its socket file; named by its pid, nothing else would replace it.
+void RemoveDeadServersSockets(const std::string& dir) {
+  std::error_code e;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, e)) {
+    const std::string name = entry.path().filename().string();
+    int pid = 0;
+    if (std::sscanf(name.c_str(), "lce-server-pid%d-", &pid) != 1 || pid <= 0) continue;
+    if (::kill(pid, 0) != 0 && errno == ESRCH && entry.is_socket(e)) std::filesystem::remove(entry.path(), e);
+  }
+}
+
 // The shm socket's path for --shm-socket: "auto" names it by the gRPC port (one server a port), or by
 // the process and a count where the port is picked later (port 0: tests, several servers a process).
 std::string ShmSocketPath(const std::string& option, const std::string& address) {
@@ -54,6 +70,7 @@ std::string ShmSocketPath(const std::string& option, const std::string& address)
   const std::string port = address.substr(address.rfind(':') + 1);
   if (port != "0") return absl::StrCat(dir, "/lce-server-", port, ".sock");
   static std::atomic<int> n{0};
+  if (n == 0) RemoveDeadServersSockets(dir);
   return absl::StrCat(dir, "/lce-server-pid", getpid(), "-", n++, ".sock");
 }
 
