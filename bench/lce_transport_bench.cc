@@ -20,6 +20,8 @@
 //       [--streams=1,2,4,8] [--single-message-calls=1 (0: always stream; 1,0: both)] [--tcp-streams=1,2,4] [--tcp-sockets=4] [--grow-chunks=0 (1: growing chunks; 0,1: both)] [--chunk-bytes=4194304] [--iterations=5] [--warmup=1]
 //       [--modes=engine,grpc,tcp,wire,shm,ipc]
 //       [--http2-window-bytes=0] [--grpc-channel-args=K=V,...] [--first-chunk-bytes=0] [--last-chunk-bytes=0]
+//       [--tls-ca=PATH (a server with --tls-cert and --data-plane-tls: gRPC and the data plane over TLS,
+//        trusting this CA; run once with and once without against the two servers for TLS's cost)]
 //       [--trace-file=PATH (one JSON line per timed request: its start and end and its streams' points,
 //        steady_clock microseconds, to line up with the server's request log: bench/transport_trace_summary.py)]
 #include <cuda_runtime.h>
@@ -30,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -42,6 +45,7 @@
 
 #include "bench_check.h"
 #include "data_plane_connection.h"
+#include "grpcpp/security/credentials.h"
 #include "head_source.h"
 #include "lce/client/lce_client.h"
 #include "lce/engine.h"
@@ -308,6 +312,16 @@ int main(int argc, char** argv) {
 
   lce::client::HiddenBatch wire{v1::DTYPE_BFLOAT16, N, H, absl::MakeConstSpan(hidden_bytes, bytes),
                                 absl::MakeConstSpan(targets)};
+  // TLS to a server with --tls-cert (and --data-plane-tls): gRPC and the data plane trust --tls-ca.
+  const std::string tls_ca = get("tls-ca", "");
+  auto secure = [&](lce::client::ClientOptions& o) {
+    if (tls_ca.empty()) return;
+    std::ifstream in(tls_ca);
+    std::stringstream pem;
+    pem << in.rdbuf();
+    o.credentials = grpc::SslCredentials(grpc::SslCredentialsOptions{pem.str(), "", ""});
+    o.data_plane_tls_ca = tls_ca;
+  };
   // A remote client's options: the request over `streams` streams, chunked as the flags say.
   auto streamed = [&](const std::string& streams) {
     lce::client::ClientOptions o;
@@ -318,6 +332,7 @@ int main(int argc, char** argv) {
     o.streams = std::stoi(streams);
     o.min_stream_bytes = std::min<int64_t>(8 << 20, bytes / o.streams);
     o.stream_trace = [](const lce::client::StreamTrace& t) { tracer.OnStream(t); };
+    secure(o);
     return o;
   };
   if (has("grpc")) {
@@ -352,6 +367,7 @@ int main(int argc, char** argv) {
   o1.target = target;
   o1.chunk_bytes = chunk_bytes;
   o1.stream_trace = [](const lce::client::StreamTrace& t) { tracer.OnStream(t); };
+  secure(o1);
   auto c1 = Check(lce::client::LceClient::Create(o1), "client");
   struct WireRow {
     int sockets;
@@ -359,7 +375,8 @@ int main(int argc, char** argv) {
   };
   std::vector<WireRow> wire_rows;
   if (has("wire")) {
-    const int port = Check(c1->GetInfo(), "GetInfo").data_port();
+    const v1::GetInfoResponse info = Check(c1->GetInfo(), "GetInfo");
+    const int port = info.data_port();
     if (port <= 0) Check(absl::FailedPreconditionError("the server has no data plane (--data-port)"), "wire");
     const std::string host = target.substr(0, target.rfind(':'));
     std::vector<uint8_t> back(static_cast<size_t>(bytes));
@@ -370,8 +387,9 @@ int main(int argc, char** argv) {
       const uint64_t out = Check(session->AllocateServerMemory(bytes, "wire-out"), "wire region");
       std::vector<std::unique_ptr<lce::client::DataPlaneConnection>> up, down;
       for (int i = 0; i < k; ++i) {
-        up.push_back(Check(lce::client::DataPlaneConnection::Connect(host, port), "data plane connect"));
-        down.push_back(Check(lce::client::DataPlaneConnection::Connect(host, port), "data plane connect"));
+        const lce::client::DataPlaneAuth auth{session->secret(), info.data_plane_tls(), tls_ca};
+        up.push_back(Check(lce::client::DataPlaneConnection::Connect(host, port, auth), "data plane connect"));
+        down.push_back(Check(lce::client::DataPlaneConnection::Connect(host, port, auth), "data plane connect"));
       }
       // Socket i moves the i-th share of the bytes, in chunk-sized transfers, as a request's stream does.
       auto move = [&](bool send, bool recv, uint64_t from) {

@@ -26,7 +26,8 @@ ABSL_FLAG(double, timeout_seconds, 600, "deadline of each call, > 0");
 ABSL_FLAG(std::string, token_file, "",
           "bearer token, read from the file's first line (sent as authorization metadata)");
 ABSL_FLAG(std::string, admin_token_file, "", "bearer token for the training commands (unset: --token-file's)");
-ABSL_FLAG(std::string, tls_ca, "", "use TLS, trusting the PEM roots in this file");
+ABSL_FLAG(std::string, tls_ca, "",
+          "use TLS, trusting the PEM roots in this file (on the data plane too, where the server serves it over TLS: lce_server --data-plane-tls)");
 ABSL_FLAG(std::string, tls_cert, "", "client certificate for mutual TLS (with --tls-key and --tls-ca)");
 ABSL_FLAG(std::string, tls_key, "", "its private key");
 ABSL_FLAG(int32_t, streams, 1, "split a large request over up to N streams and connections, 1 to 64");
@@ -62,7 +63,8 @@ ABSL_FLAG(std::string, reduction, "mean", "none, sum or mean");
 ABSL_FLAG(double, label_smoothing, 0, "in [0, 1)");
 ABSL_FLAG(double, z_loss, 0, "z-loss coefficient");
 ABSL_FLAG(bool, accumulate_weight_grad, false, "also add dW into the head's gradient buffer (on the front)");
-ABSL_FLAG(std::string, op, "score", "score, or train: ForwardBackward with REDUCTION_SUM");
+ABSL_FLAG(std::string, op, "score",
+          "score, or train: ForwardBackward with REDUCTION_SUM, or wire: the data plane's sockets alone, no engine (the batch's hidden bytes written to server memory and read back over --data-plane-sockets sockets, plain or TLS)");
 ABSL_FLAG(int64_t, iterations, 5, "timed requests, >= 1");
 ABSL_FLAG(int64_t, warmup, 1, "untimed requests first");
 ABSL_FLAG(std::string, safetensors_file, "", "a safetensors file on the server's file system");

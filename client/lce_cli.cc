@@ -12,11 +12,13 @@
 #include <iostream>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "cli_args.h"
 #include "cli_training.h"
+#include "data_plane_connection.h"
 #include "grpcpp/security/credentials.h"
 #include "lce/client/lce_client.h"
 #include "tensor_file.h"
@@ -163,6 +165,8 @@ absl::StatusOr<lce::client::ClientOptions> Options() {
   o.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_seconds));
   o.load_balancing = absl::GetFlag(FLAGS_load_balancing);
   o.max_attempts = absl::GetFlag(FLAGS_max_attempts).value_or(0);  // 0: the client's default
+  // A data plane served over TLS (lce_server --data-plane-tls) carries the same certificate.
+  o.data_plane_tls_ca = absl::GetFlag(FLAGS_tls_ca);
   if (absl::Status s = SetCredentials(o); !s.ok()) return s;
   return o;
 }
@@ -274,6 +278,63 @@ int Bench(LceClient& c, const BatchCall& b) {
   return 0;
 }
 
+// lce_cli bench --op=wire: `bytes` written into a server-memory region and read back over k data-plane
+// sockets at once, each moving its share in chunk-sized transfers (as a request's stream does);
+// prints GB/s each way. The transfer term of a data-plane request, TLS or not, without the engine.
+int BenchWire(LceClient& c, const lce::client::ClientOptions& o, const v1::GetInfoResponse& info,
+              absl::Span<const uint8_t> bytes, int64_t iters, int64_t warmup) {
+  if (info.data_port() <= 0) return Failed(absl::FailedPreconditionError("--op=wire: the server has no --data-port"));
+  absl::StatusOr<std::unique_ptr<lce::client::SharedMemorySession>> s = c.OpenSession();
+  if (!s.ok()) return Failed(s.status());
+  const int64_t n = static_cast<int64_t>(bytes.size());
+  absl::StatusOr<uint64_t> region = (*s)->AllocateServerMemory(n, "wire");
+  if (!region.ok()) return Failed(region.status());
+  std::string host = o.target.substr(0, o.target.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  const int k = o.data_plane_sockets;
+  std::vector<std::unique_ptr<lce::client::DataPlaneConnection>> conns;
+  for (int i = 0; i < k; ++i) {
+    auto conn = lce::client::DataPlaneConnection::Connect(
+        host, info.data_port(), {(*s)->secret(), info.data_plane_tls(), o.data_plane_tls_ca});
+    if (!conn.ok()) return Failed(conn.status());
+    conns.push_back(*std::move(conn));
+  }
+  std::vector<uint8_t> back(bytes.size());
+  auto move = [&](bool up) {
+    std::vector<absl::Status> st(static_cast<size_t>(k));
+    std::vector<std::thread> t;
+    for (int i = 0; i < k; ++i) {
+      t.emplace_back([&, i] {
+        for (int64_t at = n * i / k, end = n * (i + 1) / k; at < end && st[i].ok(); at += o.chunk_bytes) {
+          const int64_t len = std::min(o.chunk_bytes, end - at);
+          st[i] = up ? conns[i]->Write((*s)->id(), *region, at, bytes.subspan(at, len))
+                     : conns[i]->Read((*s)->id(), *region, at, absl::MakeSpan(back).subspan(at, len));
+        }
+      });
+    }
+    for (auto& x : t) x.join();
+    for (const absl::Status& e : st) {
+      if (!e.ok()) return e;
+    }
+    return absl::OkStatus();
+  };
+  double secs[2] = {0, 0};
+  for (int64_t i = 0; i < warmup + iters; ++i) {
+    for (int dir = 0; dir < 2; ++dir) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (absl::Status e = move(dir == 0); !e.ok()) return Failed(e);
+      if (i >= warmup) secs[dir] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  }
+  if (!std::equal(back.begin(), back.end(), bytes.begin())) {
+    return Failed(absl::DataLossError("--op=wire: the bytes read back differ from those written"));
+  }
+  std::printf("wire: %lld bytes over %d socket(s) a direction%s, %lld iterations: %.3f GB/s up, %.3f GB/s down\n",
+              static_cast<long long>(n), k, info.data_plane_tls() ? " (TLS)" : "", static_cast<long long>(iters),
+              n * iters / secs[0] / 1e9, n * iters / secs[1] / 1e9);
+  return 0;
+}
+
 // score, forward-backward or bench: the head described, the batch made, then the calls.
 int RunBatchCommand(const Command& cmd, LceClient& c) {
   absl::StatusOr<v1::GetInfoResponse> info = c.GetInfo(absl::GetFlag(FLAGS_head));
@@ -289,6 +350,12 @@ int RunBatchCommand(const Command& cmd, LceClient& c) {
   b.ignore_index = absl::GetFlag(FLAGS_ignore_index).value_or(-100);
   for (int32_t y : b.batch.targets) b.valid += y != b.ignore_index;
   const std::string name = cmd.name;
+  if (name == "bench" && absl::GetFlag(FLAGS_op) == "wire") {
+    absl::StatusOr<lce::client::ClientOptions> o = Options();
+    if (!o.ok()) return Usage(o.status());
+    return BenchWire(c, *o, *info, absl::MakeConstSpan(b.batch.hidden), absl::GetFlag(FLAGS_iterations),
+                     absl::GetFlag(FLAGS_warmup));
+  }
   return name == "score" ? Score(c, b) : name == "forward-backward" ? ForwardBackward(c, b) : Bench(c, b);
 }
 
@@ -299,8 +366,8 @@ absl::Status CheckCommandFlags(const Command& cmd) {
   if (red != "none" && red != "sum" && red != "mean") {
     return absl::InvalidArgumentError(absl::StrCat("--reduction must be none, sum or mean, got '", red, "'"));
   }
-  if (op != "score" && op != "train") {
-    return absl::InvalidArgumentError(absl::StrCat("--op must be score or train, got '", op, "'"));
+  if (op != "score" && op != "train" && op != "wire") {
+    return absl::InvalidArgumentError(absl::StrCat("--op must be score, train or wire, got '", op, "'"));
   }
   return absl::OkStatus();
 }

@@ -15,6 +15,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "data_plane_connection.h"
+#include "shm_socket_client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "replica.h"
 #include "worker_pool.h"
@@ -133,6 +134,7 @@ absl::Status LceClient::PrepareDataPlane(Replica& replica, size_t parts, int64_t
     if (!session.ok()) return session.status();
     dp.session = *std::move(session);
     dp.port = info->data_port();
+    dp.tls = info->data_plane_tls();
   }
   // Regions sized to the batch, in whole MiB so that nearby sizes reuse them.
   auto ensure = [&](uint64_t& id, int64_t& size, const char* name) -> absl::Status {
@@ -158,7 +160,8 @@ absl::Status LceClient::PrepareDataPlane(Replica& replica, size_t parts, int64_t
     if (conns->size() < needed) conns->resize(needed);
     for (size_t i = 0; i < needed; ++i) {
       if ((*conns)[i] != nullptr) continue;
-      absl::StatusOr<std::unique_ptr<DataPlaneConnection>> c = DataPlaneConnection::Connect(host, dp.port);
+      absl::StatusOr<std::unique_ptr<DataPlaneConnection>> c =
+          DataPlaneConnection::Connect(host, dp.port, {dp.session->secret(), dp.tls, options_.data_plane_tls_ca});
       if (!c.ok()) return c.status();
       (*conns)[i] = *std::move(c);
     }
@@ -852,6 +855,8 @@ absl::StatusOr<std::unique_ptr<SharedMemorySession>> LceClient::OpenSessionOn(v1
     return refused;
   }
   s->session_id_ = first.session_id();
+  s->secret_ = first.session_secret();
+  s->shm_socket_ = first.shm_socket();
   if (s->session_id_.empty()) return absl::InternalError("the server's first session message has no session_id");
   return s;
 }
@@ -910,32 +915,34 @@ absl::Status SharedMemorySession::Unregister(uint64_t region_id) {
   return Ask(req).status();
 }
 
+absl::StatusOr<uint64_t> SharedMemorySession::RegisterFd(int fd, int64_t offset, int64_t byte_size,
+                                                         const std::string& name) {
+  return RegisterFdOverSocket(shm_socket_, {session_id_, secret_, offset, byte_size, name.empty() ? "memfd" : name}, fd);
+}
+
 absl::StatusOr<SharedMemorySession::Region> SharedMemorySession::CreateRegion(int64_t bytes, const std::string& name) {
   if (bytes <= 0) return absl::InvalidArgumentError(absl::StrCat("region size must be > 0, got ", bytes));
-  static std::atomic<uint64_t> counter{0};
-  const std::string shm_name = absl::StrCat("/lce-", getpid(), "-", counter++, "-", std::random_device{}());
-  const int fd = shm_open(shm_name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd < 0) return absl::InternalError(absl::StrCat("shm_open(", shm_name, "): ", std::strerror(errno)));
+  // A memfd has no name in /dev/shm: only a process that holds its descriptor can map it.
+  const int fd = memfd_create(name.empty() ? "lce-region" : name.c_str(), MFD_CLOEXEC);
+  if (fd < 0) return absl::InternalError(absl::StrCat("memfd_create: ", std::strerror(errno)));
   void* addr = MAP_FAILED;
   if (ftruncate(fd, bytes) == 0) addr = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int e = errno;
-  close(fd);
   if (addr == MAP_FAILED) {
-    shm_unlink(shm_name.c_str());
-    return absl::InternalError(absl::StrCat("ftruncate/mmap of ", shm_name, ": ", std::strerror(e)));
+    const int e = errno;
+    close(fd);
+    return absl::InternalError(absl::StrCat("ftruncate/mmap of a memfd of ", bytes, " bytes: ", std::strerror(e)));
   }
-  absl::StatusOr<uint64_t> id = Register(shm_name, 0, bytes, name);
+  absl::StatusOr<uint64_t> id = RegisterFd(fd, 0, bytes, name);
   if (!id.ok()) {
     munmap(addr, static_cast<size_t>(bytes));
-    shm_unlink(shm_name.c_str());
+    close(fd);
     return id.status();
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    owned_.push_back({*id, shm_name, addr, static_cast<size_t>(bytes)});
+    owned_.push_back({*id, fd, addr, static_cast<size_t>(bytes)});
   }
-  return Region{*id, shm_name, absl::Span<uint8_t>(static_cast<uint8_t*>(addr), static_cast<size_t>(bytes)),
-                session_id_};
+  return Region{*id, "", absl::Span<uint8_t>(static_cast<uint8_t*>(addr), static_cast<size_t>(bytes)), fd, session_id_};
 }
 
 absl::Status SharedMemorySession::ReleaseRegion(uint64_t region_id) {
@@ -949,7 +956,7 @@ absl::Status SharedMemorySession::ReleaseRegion(uint64_t region_id) {
   }
   absl::Status s = Unregister(region_id);
   munmap(o.addr, o.len);
-  shm_unlink(o.shm_name.c_str());
+  close(o.fd);
   return s;
 }
 
@@ -963,7 +970,7 @@ SharedMemorySession::~SharedMemorySession() {
   }
   for (const Owned& o : owned_) {
     munmap(o.addr, o.len);
-    shm_unlink(o.shm_name.c_str());
+    close(o.fd);
   }
 }
 

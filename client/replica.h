@@ -18,6 +18,7 @@ struct LceClient::DataPlane {
   std::mutex mu;  // held by the call using the regions
   std::unique_ptr<SharedMemorySession> session;
   int port = 0;
+  bool tls = false;  // GetInfoResponse.data_plane_tls
   uint64_t hidden_region = 0, d_hidden_region = 0;
   int64_t hidden_bytes = 0, d_hidden_bytes = 0;  // their sizes (0: none yet)
   std::vector<std::unique_ptr<DataPlaneConnection>> up, down;  // by stream

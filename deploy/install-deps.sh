@@ -12,7 +12,7 @@ APT_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libopenblas-dev libgtest-dev libgmock-dev
   libgloo-dev nlohmann-json3-dev libcpp-httplib-dev
-  prometheus openssl python3 python3-venv python3-pip
+  libssl-dev prometheus openssl python3 python3-venv python3-pip
 )
 
 missing=()

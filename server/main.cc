@@ -200,6 +200,9 @@ int main(int argc, char** argv) {
   options.data_plane_auth_timeout_seconds = flags->data_plane_auth_timeout_seconds;
   options.data_plane_max_unauthenticated = flags->data_plane_max_unauthenticated;
   options.data_plane_max_connections = flags->data_plane_max_connections;
+  options.data_plane_tls = flags->data_plane_tls;
+  options.shm_socket = flags->shm_socket;
+  options.allow_shm_by_name = flags->allow_shm_by_name;
   // Co-located clients may hand over GPU memory (CUDA IPC) when the engine is one GPU's.
   if (!tp && (*engine)->backend() == "cuda") options.service.cuda_device = flags->device;
   options.service.max_concurrent_streams = flags->max_concurrent_streams;

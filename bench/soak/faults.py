@@ -262,20 +262,24 @@ def region_out_of_bounds(f: FaultLane):
                metadata=(("lce-session", s.session_id),))
 
 
-def register_missing_shm(f: FaultLane):
+def register_by_name(f: FaultLane):
+    """Registration by shm name is off by default (--allow-shm-by-name): any name is refused."""
     with f.client.shared_memory_session() as s:
-        s.register(f"/lce-soak-missing-{f.rng.integers(1 << 40)}", 4096)
+        s.register(str(f.rng.choice([f"/lce-soak-missing-{f.rng.integers(1 << 40)}", "no-slash", "/a/b",
+                                     "/../etc/passwd", ""])), 4096)
 
 
-def register_bad_name(f: FaultLane):
+def register_fd_wrong_secret(f: FaultLane):
     with f.client.shared_memory_session() as s:
-        s.register(str(f.rng.choice(["no-slash", "/a/b", "/../etc/passwd", ""])), 4096)
+        r = s.create(4096)
+        s.secret = bytes(f.rng.integers(48, 58, 32, dtype=np.uint8)).decode()
+        s.register_fd(r.fd, 4096)
 
 
 def register_beyond_object(f: FaultLane):
     with f.client.shared_memory_session() as s:
         r = s.create(4096)
-        s.register(r.shm_name, 4096 + int(f.rng.integers(1, 1 << 20)))
+        s.register_fd(r.fd, 4096 + int(f.rng.integers(1, 1 << 20)))
 
 
 def server_memory_over_cap(f: FaultLane):
@@ -304,14 +308,14 @@ def session_closed_midrequest(f: FaultLane):
 
 
 # ------------------------------------------------------------------------ the data plane and metrics
-def _dp_connection(f: FaultLane):
-    return D.DataPlaneConnection("127.0.0.1", f.ctx.data_port)
+def _dp_connection(f: FaultLane, secret: str = ""):
+    return D.DataPlaneConnection("127.0.0.1", f.ctx.data_port, secret)
 
 
 def data_plane_garbage(f: FaultLane):
     """Bytes that are no transfer header: an error reply (or the connection closed), nothing more."""
     with socket.create_connection(("127.0.0.1", f.ctx.data_port), timeout=30) as s:
-        s.sendall(bytes(f.rng.integers(0, 256, 64, dtype=np.uint8)))
+        s.sendall(bytes(f.rng.integers(0, 256, D.HEADER.size, dtype=np.uint8)))
         head = s.recv(8)
     if len(head) < 8:
         return "closed"
@@ -330,7 +334,7 @@ def data_plane_unknown_region(f: FaultLane):
 def data_plane_out_of_bounds(f: FaultLane):
     with f.client.shared_memory_session() as s:
         rid = s.allocate_server_memory(8192)
-        conn = _dp_connection(f)
+        conn = _dp_connection(f, s.secret)
         try:
             conn.write(s.session_id, rid, 8192 - 100, memoryview(b"x" * 200))
         finally:
@@ -342,7 +346,7 @@ def data_plane_truncated_write(f: FaultLane):
     with f.client.shared_memory_session() as s:
         rid = s.allocate_server_memory(1 << 20)
         with socket.create_connection(("127.0.0.1", f.ctx.data_port), timeout=30) as sock:
-            sock.sendall(D.HEADER.pack(D.MAGIC, D.OP_WRITE, s.session_id.encode(), rid, 0, 1 << 20))
+            sock.sendall(D.HEADER.pack(D.MAGIC, D.OP_WRITE, s.session_id.encode(), s.secret.encode(), rid, 0, 1 << 20))
             sock.sendall(b"x" * int(f.rng.integers(0, 1 << 19)))
     return "hung_up"
 
@@ -384,8 +388,8 @@ FAULTS: Dict[str, Tuple[set, Callable, float]] = {
     "region_without_session": ({"NOT_FOUND"}, region_without_session, 1),
     "region_of_another_session": ({"PERMISSION_DENIED"}, region_of_another_session, 1),
     "region_out_of_bounds": ({"INVALID_ARGUMENT"}, region_out_of_bounds, 1),
-    "register_missing_shm": ({"NOT_FOUND"}, register_missing_shm, 1),
-    "register_bad_name": ({"INVALID_ARGUMENT"}, register_bad_name, 1),
+    "register_by_name": ({"PERMISSION_DENIED"}, register_by_name, 1),
+    "register_fd_wrong_secret": ({"PERMISSION_DENIED"}, register_fd_wrong_secret, 1),
     "register_beyond_object": ({"INVALID_ARGUMENT"}, register_beyond_object, 1),
     "server_memory_over_cap": ({"RESOURCE_EXHAUSTED"}, server_memory_over_cap, 1),
     "unregister_unknown": ({"NOT_FOUND"}, unregister_unknown, 1),

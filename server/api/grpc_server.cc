@@ -1,6 +1,15 @@
 #include "grpc_server.h"
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <filesystem>
+
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <thread>
 
 #include <fstream>
@@ -41,6 +50,30 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const TlsFi
   return grpc::SslServerCredentials(opts);
 }
 
+// A server killed outright leaves its socket file; named by its pid, nothing else would replace it.
+void RemoveDeadServersSockets(const std::string& dir) {
+  std::error_code e;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, e)) {
+    const std::string name = entry.path().filename().string();
+    int pid = 0;
+    if (std::sscanf(name.c_str(), "lce-server-pid%d-", &pid) != 1 || pid <= 0) continue;
+    if (::kill(pid, 0) != 0 && errno == ESRCH && entry.is_socket(e)) std::filesystem::remove(entry.path(), e);
+  }
+}
+
+// The shm socket's path for --shm-socket: "auto" names it by the gRPC port (one server a port), or by
+// the process and a count where the port is picked later (port 0: tests, several servers a process).
+std::string ShmSocketPath(const std::string& option, const std::string& address) {
+  if (option != "auto") return option;
+  const char* tmp = std::getenv("TMPDIR");
+  const std::string dir = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+  const std::string port = address.substr(address.rfind(':') + 1);
+  if (port != "0") return absl::StrCat(dir, "/lce-server-", port, ".sock");
+  static std::atomic<int> n{0};
+  if (n == 0) RemoveDeadServersSockets(dir);
+  return absl::StrCat(dir, "/lce-server-pid", getpid(), "-", n++, ".sock");
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<HeadStore> heads,
@@ -59,6 +92,9 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
     dpo.auth_timeout = absl::Seconds(options.data_plane_auth_timeout_seconds);
     dpo.max_unauthenticated = options.data_plane_max_unauthenticated;
     dpo.metrics = options.service.metrics;
+    dpo.tls = options.data_plane_tls;
+    dpo.tls_cert_file = options.tls.cert;
+    dpo.tls_key_file = options.tls.key;
     absl::StatusOr<std::unique_ptr<RegionDataPlane>> dp =
         RegionDataPlane::Start(self->service_->mutable_regions(), host, options.data_port, dpo);
     if (!dp.ok()) return dp.status();
@@ -66,6 +102,16 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
     self->service_->mutable_regions().EnableServerMemory(options.server_memory_per_session,
                                                          options.server_memory_total);
     self->service_->set_data_port(self->data_plane_->port());
+    self->service_->set_data_plane_tls(options.data_plane_tls);
+  }
+  self->service_->mutable_regions().AllowShmByName(options.allow_shm_by_name);
+  if (!options.shm_socket.empty()) {
+    const std::string path = ShmSocketPath(options.shm_socket, options.address);
+    absl::StatusOr<std::unique_ptr<ShmSocket>> shm =
+        ShmSocket::Start(self->service_->mutable_regions(), path, [svc = self->service_.get()] { svc->RecountRegions(); });
+    if (!shm.ok()) return shm.status();
+    self->shm_socket_ = *std::move(shm);
+    self->service_->set_shm_socket(path);
   }
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.address, *creds, &self->port_);
@@ -105,6 +151,7 @@ void GrpcServer::Shutdown(absl::Duration grace) {
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   server_->Wait();
   data_plane_.reset();  // after the streams: none still reads the regions it fills
+  shm_socket_.reset();
 }
 
 GrpcServer::~GrpcServer() { Shutdown(absl::ZeroDuration()); }

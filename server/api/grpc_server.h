@@ -12,6 +12,7 @@
 #include "grpcpp/server.h"
 #include "lce_service.h"
 #include "region_data_plane.h"
+#include "shm_socket.h"
 
 namespace lce::server {
 
@@ -43,6 +44,13 @@ struct GrpcServerOptions {
   int data_plane_max_connections = 512;
   double data_plane_auth_timeout_seconds = 60;  // RegionDataPlaneOptions::auth_timeout
   int data_plane_max_unauthenticated = 256;
+  // TLS on the data plane, with `tls`'s certificate and key (region_data_plane.h).
+  bool data_plane_tls = false;
+  // The shm socket (shm_socket.h): its path; "auto": $TMPDIR (else /tmp)/lce-server-<port>.sock, or
+  // with port 0 lce-server-pid<pid>-<n>.sock; "": none.
+  std::string shm_socket = "auto";
+  // Registration of shared memory by name (RegisterRegion.shm_name; region_registry.h).
+  bool allow_shm_by_name = false;
 };
 
 class GrpcServer {
@@ -54,6 +62,8 @@ class GrpcServer {
   int port() const { return port_; }
   // The data plane's port (0: none).
   int data_port() const { return data_plane_ ? data_plane_->port() : 0; }
+  // The shm socket's path ("": none).
+  std::string shm_socket() const { return shm_socket_ ? shm_socket_->path() : ""; }
   // The sessions' regions (shared memory, CUDA IPC, server memory).
   const RegionRegistry& regions() const { return service_->regions(); }
   // Health answers SERVING / NOT_SERVING for "" and lce.v1.LceService.
@@ -66,6 +76,7 @@ class GrpcServer {
   GrpcServer() = default;
   std::unique_ptr<LceService> service_;
   std::unique_ptr<RegionDataPlane> data_plane_;
+  std::unique_ptr<ShmSocket> shm_socket_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   bool shut_down_ = false;

@@ -207,6 +207,7 @@ grpc::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfo
   resp->set_max_rows_per_request(config_.limits.max_rows_per_request);
   resp->set_server_version(LCE_SERVE_VERSION);
   resp->set_data_port(data_port_);
+  resp->set_data_plane_tls(data_plane_tls_);
   const EngineInvariance inv = (*head)->engine->invariance();
   for (const std::string& o : inv.across_batches) resp->mutable_invariance()->add_across_batches(o);
   for (const std::string& o : inv.across_tp_sizes) resp->mutable_invariance()->add_across_tp_sizes(o);
@@ -249,6 +250,14 @@ grpc::Status LceService::Call(grpc::ServerContext* ctx, const v1::CallRequest* r
                                    "CALL_FORWARD_BACKWARD, CALL_BACKWARD or CALL_POLICY_LOSS)"));
 }
 
+void LceService::RecountRegions() {
+  if (config_.metrics == nullptr) return;
+  const RegionRegistry::Counts c = regions_.counts();
+  config_.metrics->regions.WithLabels({"host"}).Set(static_cast<double>(c.shm));
+  config_.metrics->regions.WithLabels({"device"}).Set(static_cast<double>(c.device));
+  config_.metrics->regions.WithLabels({"server"}).Set(static_cast<double>(c.server));
+}
+
 grpc::Status LceService::OpenSession(grpc::ServerContext* ctx,
                                      grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
   return Recorded("OpenSession", ctx, [&] { return OpenSessionBody(ctx, stream); });
@@ -273,15 +282,10 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
     std::lock_guard<std::mutex> lock(sessions_mu_);
     if (--sessions_by_peer_[peer] == 0) sessions_by_peer_.erase(peer);
   };
-  const std::string session = RegionRegistry::NewSessionId();
   const RegionRegistry::Peer peer_identity = RegionRegistry::IdentifyPeer(ctx->peer());
-  auto count_regions = [this] {
-    if (config_.metrics == nullptr) return;
-    const RegionRegistry::Counts c = regions_.counts();
-    config_.metrics->regions.WithLabels({"host"}).Set(static_cast<double>(c.shm));
-    config_.metrics->regions.WithLabels({"device"}).Set(static_cast<double>(c.device));
-    config_.metrics->regions.WithLabels({"server"}).Set(static_cast<double>(c.server));
-  };
+  const RegionRegistry::SessionKeys keys = regions_.OpenSession(peer_identity.uid);
+  const std::string& session = keys.id;
+  auto count_regions = [this] { RecountRegions(); };
   if (config_.metrics != nullptr) config_.metrics->sessions.Increment();
   // Whatever ends the stream (half-close, cancel, disconnect, shutdown), the regions go with it.
   struct Release {
@@ -297,6 +301,8 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
   } release{regions_, session, config_.metrics, count_regions};
   v1::SessionResponse resp;
   resp.set_session_id(session);
+  resp.set_session_secret(keys.secret);
+  resp.set_shm_socket(shm_socket_);
   if (!stream->Write(resp)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
   v1::SessionRequest req;
   while (stream->Read(&req)) {

@@ -118,9 +118,16 @@ class LceService final : public v1::LceService::Service {
   grpc::Status OpenSession(grpc::ServerContext* ctx,
                            grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) override;
   const RegionRegistry& regions() const { return regions_; }
+  // lce_regions{kind} from the registry now (after a registration made outside a session's stream:
+  // the shm socket's).
+  void RecountRegions();
   RegionRegistry& mutable_regions() { return regions_; }
   // The data plane's port, reported by GetInfo (0: none). Set before serving.
   void set_data_port(int port) { data_port_ = port; }
+  // GetInfoResponse.data_plane_tls: the data plane speaks TLS.
+  void set_data_plane_tls(bool tls) { data_plane_tls_ = tls; }
+  // SessionResponse.shm_socket: where co-located clients hand over their memory ("": nowhere).
+  void set_shm_socket(const std::string& path) { shm_socket_ = path; }
 
  private:
   friend class StreamedRequest;  // a streamed request's stages (streamed_request.h)
@@ -211,6 +218,8 @@ class LceService final : public v1::LceService::Service {
   RegionRegistry regions_;
   DynamicBatcher batcher_;
   int data_port_ = 0;
+  bool data_plane_tls_ = false;
+  std::string shm_socket_;
 };
 
 template <typename F>

@@ -45,7 +45,13 @@ ABSL_FLAG(int64_t, http2_window_bytes, 0,
 ABSL_FLAG(int32_t, grpc_cqs, 0,
           "gRPC completion queues (each with its own pollers), over which connections are spread (0: one per core, at most 16)");
 ABSL_FLAG(int32_t, data_port, -1,
-          "data plane for remote clients' bulk bytes (plain TCP, no TLS: trusted networks only) on the --host address (-1: off; 0: any port)");
+          "data plane for remote clients' bulk bytes (TCP beside gRPC; each transfer shows its session's secret; plain unless --data-plane-tls) on the --host address (-1: off; 0: any port)");
+ABSL_FLAG(bool, data_plane_tls, false,
+          "serve the data plane over TLS with --tls-cert/--tls-key (clients verify it against their CA); costs throughput: measure with lce_transport_bench --data-plane-tls");
+ABSL_FLAG(std::string, shm_socket, "auto",
+          "Unix socket on which co-located clients hand over shared memory as a file descriptor (memfd, SCM_RIGHTS) with their session's secret, from the session's uid; auto: $TMPDIR (else /tmp)/lce-server-<port>.sock; empty: none");
+ABSL_FLAG(bool, allow_shm_by_name, false,
+          "also map POSIX shm objects that clients name (RegisterRegion.shm_name): any co-located client with the scoring token may then register any object its uid owns by a guessable name; only where every such client is trusted");
 ABSL_FLAG(int64_t, data_plane_bytes_per_session, int64_t{4} << 30,
           "server memory one session may allocate");
 ABSL_FLAG(int64_t, data_plane_total_bytes, -1,
@@ -155,6 +161,9 @@ const std::vector<std::string>& FlagNames() {
       "http2_window_bytes",
       "grpc_cqs",
       "data_port",
+      "data_plane_tls",
+      "shm_socket",
+      "allow_shm_by_name",
       "data_plane_bytes_per_session",
       "data_plane_total_bytes",
       "max_sessions_per_peer",
@@ -355,6 +364,9 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   f.http2_window_bytes = absl::GetFlag(FLAGS_http2_window_bytes);
   f.grpc_cqs = absl::GetFlag(FLAGS_grpc_cqs);
   f.data_port = absl::GetFlag(FLAGS_data_port);
+  f.data_plane_tls = absl::GetFlag(FLAGS_data_plane_tls);
+  f.shm_socket = absl::GetFlag(FLAGS_shm_socket);
+  f.allow_shm_by_name = absl::GetFlag(FLAGS_allow_shm_by_name);
   f.data_plane_bytes_per_session = absl::GetFlag(FLAGS_data_plane_bytes_per_session);
   f.data_plane_total_bytes = absl::GetFlag(FLAGS_data_plane_total_bytes);
   f.max_sessions_per_peer = absl::GetFlag(FLAGS_max_sessions_per_peer);
@@ -418,6 +430,9 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (f.grpc_cqs < 0 || f.grpc_cqs > 256) return absl::InvalidArgumentError("--grpc-cqs must be in [0, 256]");
   if (f.data_port < -1 || f.data_port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("--data-port must be -1 (off), 0 (any) or a port, got ", f.data_port));
+  }
+  if (f.data_plane_tls && (f.tls_cert.empty() || f.tls_key.empty())) {
+    return absl::InvalidArgumentError("--data-plane-tls needs --tls-cert and --tls-key (the data plane serves the same certificate)");
   }
   if (f.data_plane_bytes_per_session <= 0) return absl::InvalidArgumentError("--data-plane-bytes-per-session must be > 0");
   if (f.data_plane_total_bytes < -1) return absl::InvalidArgumentError("--data-plane-total-bytes must be >= -1");

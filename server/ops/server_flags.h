@@ -24,6 +24,9 @@ struct ServerFlags {
   int64_t http2_window_bytes{};
   int grpc_cqs{};
   int data_port{};
+  bool data_plane_tls{};        // the data plane over TLS (--tls-cert/--tls-key)
+  std::string shm_socket;       // the shm socket's path; "auto": by the port; "": none
+  bool allow_shm_by_name{};     // RegisterRegion.shm_name accepted
   int64_t data_plane_bytes_per_session{};
   int data_plane_max_connections{};
   int64_t data_plane_total_bytes{};  // server memory over all sessions; -1: half the host's, 0: no limit

@@ -23,41 +23,6 @@ using v1::data_plane::kOpWrite;
 // socket's work on the next, large enough that the copies run near the bus's speed.
 constexpr int64_t kDevicePiece = 1 << 20;
 
-// Runs `io(fd, bytes, n)` (recv or send) until all n bytes moved; false on EOF or error.
-template <typename Byte, typename Io>
-bool Exactly(int fd, Byte* b, size_t n, Io io) {
-  while (n > 0) {
-    const ssize_t r = io(fd, b, n);
-    if (r <= 0) {
-      if (r < 0 && errno == EINTR) continue;
-      return false;
-    }
-    b += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
-bool RecvAll(int fd, void* p, size_t n) {
-  return Exactly(fd, static_cast<uint8_t*>(p), n,
-                 [](int f, uint8_t* b, size_t k) { return ::recv(f, b, k, MSG_WAITALL); });
-}
-
-bool SendAll(int fd, const void* p, size_t n) {
-  return Exactly(fd, static_cast<const uint8_t*>(p), n,
-                 [](int f, const uint8_t* b, size_t k) { return ::send(f, b, k, MSG_NOSIGNAL); });
-}
-
-bool Discard(int fd, int64_t n) {
-  static thread_local std::vector<uint8_t> sink(1 << 20);
-  while (n > 0) {
-    const size_t k = static_cast<size_t>(std::min<int64_t>(n, static_cast<int64_t>(sink.size())));
-    if (!RecvAll(fd, sink.data(), k)) return false;
-    n -= static_cast<int64_t>(k);
-  }
-  return true;
-}
-
 // Send and receive timeouts of the socket (zero: none).
 void SetTimeouts(int fd, absl::Duration d) {
   const timeval tv = absl::ToTimeval(d);
@@ -65,11 +30,11 @@ void SetTimeouts(int fd, absl::Duration d) {
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
-bool Reply(int fd, const absl::Status& s) {
+bool Reply(DataPlaneLink& link, const absl::Status& s) {
   const std::string msg(s.message());
   uint8_t head[v1::data_plane::kReplyHeaderBytes];
   v1::data_plane::EncodeReplyHeader(static_cast<int32_t>(s.code()), static_cast<uint32_t>(msg.size()), head);
-  return SendAll(fd, head, sizeof(head)) && SendAll(fd, msg.data(), msg.size());
+  return link.Send(head, sizeof(head)) && link.Send(msg.data(), msg.size());
 }
 
 }  // namespace
@@ -82,6 +47,12 @@ absl::StatusOr<std::unique_ptr<RegionDataPlane>> RegionDataPlane::Start(RegionRe
     return absl::InvalidArgumentError("data plane: stall_timeout must be positive");
   }
   std::unique_ptr<RegionDataPlane> dp(new RegionDataPlane(regions, options));
+  if (options.tls) {
+    absl::StatusOr<std::unique_ptr<TlsServerContext>> tls =
+        TlsServerContext::FromFiles(options.tls_cert_file, options.tls_key_file);
+    if (!tls.ok()) return tls.status();
+    dp->tls_ = *std::move(tls);
+  }
   dp->listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (dp->listen_fd_ < 0) return absl::InternalError(absl::StrCat("data plane: socket: ", std::strerror(errno)));
   const int one = 1;
@@ -157,7 +128,9 @@ void RegionDataPlane::AcceptLoop() {
     }
     if (!refused.first.empty()) {  // at once, with the reason where the client reads its first reply
       if (metrics_ != nullptr) metrics_->rejections.WithLabels({refused.first}).Increment();
-      Reply(fd, absl::ResourceExhaustedError(refused.second));
+      // (A TLS client would read a plain reply as a broken handshake: it just sees the close.)
+      DataPlaneLink plain(fd);
+      if (tls_ == nullptr) Reply(plain, absl::ResourceExhaustedError(refused.second));
       ::shutdown(fd, SHUT_RDWR);
     }
     if (stop || !refused.first.empty()) ::close(fd);
@@ -192,99 +165,33 @@ bool RegionDataPlane::Authenticate(uint32_t peer) {
 }
 
 void RegionDataPlane::Serve(uint64_t id, int fd, uint32_t peer) {
-  uint8_t head[v1::data_plane::kHeaderBytes];
-  std::unique_ptr<DeviceTransfer> transfer;  // made on the first transfer to or from GPU memory
   bool authenticated = false;  // by a first transfer that resolved: until then, no second chance
-  while (!stopping_) {
+  // The TLS handshake, like the first transfer, must come within the auth timeout.
+  SetTimeouts(fd, auth_timeout_);
+  std::unique_ptr<DataPlaneLink> link;
+  if (tls_ != nullptr) {
+    absl::StatusOr<std::unique_ptr<DataPlaneLink>> l = DataPlaneLink::AcceptTls(fd, *tls_);
+    if (l.ok()) link = *std::move(l);
+  } else {
+    link = std::make_unique<DataPlaneLink>(fd);
+  }
+  std::unique_ptr<DeviceTransfer> transfer;  // made on the first transfer to or from GPU memory
+  while (link != nullptr && !stopping_) {
     // Idle between transfers for as long as the client likes, once authenticated (before, the first
     // transfer must come within the auth timeout); within one, every read and write must progress
     // within the stall timeout (a recv or send that times out fails, and the connection ends).
     SetTimeouts(fd, authenticated ? absl::ZeroDuration() : auth_timeout_);
-    if (!RecvAll(fd, head, 1)) {
+    uint8_t head[v1::data_plane::kHeaderBytes];
+    if (!link->Recv(head, 1)) {
       if (!authenticated && !stopping_ && metrics_ != nullptr) {
         metrics_->rejections.WithLabels({"data_plane_auth_timeout"}).Increment();
       }
       break;
     }
     SetTimeouts(fd, stall_timeout_);
-    if (!RecvAll(fd, head + 1, sizeof(head) - 1)) break;
-    v1::data_plane::TransferHeader h;
-    if (!v1::data_plane::DecodeTransferHeader(head, &h)) {
-      Reply(fd, absl::InvalidArgumentError("data plane: bad magic (expected \"LCE1\")"));
-      break;
-    }
-    // A negative length is refused before anything uses it (Resolve refuses it too), and as the
-    // payload's end is then unknown, the connection ends. Offsets are Resolve's to refuse.
-    if (h.length < 0) {
-      Reply(fd, absl::InvalidArgumentError(absl::StrCat("data plane: negative length ", h.length)));
-      break;
-    }
-    const uint32_t op = h.op;
-    const uint64_t region = h.region_id;
-    const int64_t offset = h.offset, length = h.length;
-    const std::string& session = h.session_id;
-    v1::RegionSlice slice;
-    slice.set_region_id(region);
-    slice.set_offset(offset);
-    slice.set_byte_size(length);
-    absl::StatusOr<RegionRegistry::Slice> s =
-        op == kOpWrite || op == kOpRead
-            ? regions_.Resolve(session, slice, length, op == kOpWrite ? "data plane write" : "data plane read")
-            : absl::InvalidArgumentError(absl::StrCat("data plane: unknown op ", op));
-    if (s.ok() && !s->server_memory) {
-      s = absl::InvalidArgumentError(absl::StrCat("data plane: region ", region, " is not server memory"));
-    }
-    if (s.ok() && !authenticated) {
-      if (!Authenticate(peer)) {
-        if (metrics_ != nullptr) metrics_->rejections.WithLabels({"data_plane_connections"}).Increment();
-        Reply(fd, absl::ResourceExhaustedError(absl::StrCat("data plane: the server is at its limit of ",
-                                                             max_connections_, " connections; retry later")));
-        break;
-      }
-      authenticated = true;
-    }
-    if (!s.ok() && !authenticated) {  // a connection that has not presented a session gets no second try
-      Reply(fd, s.status());
-      break;
-    }
-    if (!s.ok()) {
-      // A refused write's payload follows: read it into nothing, so that the client sees the
-      // reason and the connection goes on; one too large to be any region's is not waited for.
-      if (op == kOpWrite && (length < 0 || length > max_write_bytes_ || !Discard(fd, length))) {
-        Reply(fd, s.status());
-        break;
-      }
-      if (!Reply(fd, s.status())) break;
-      continue;
-    }
-    if (s->device) {  // GPU memory: through this connection's bounce buffers, overlapped with the socket
-      if (transfer == nullptr) {
-        absl::StatusOr<std::unique_ptr<DeviceTransfer>> t = CreateDeviceTransfer(regions_.cuda_device(), kDevicePiece);
-        if (!t.ok()) {
-          if (op != kOpWrite || Discard(fd, length)) Reply(fd, t.status());
-          break;
-        }
-        transfer = *std::move(t);
-      }
-      if (op == kOpWrite) {
-        const absl::Status w =
-            transfer->ToDevice(s->bytes.data(), length, [fd](uint8_t* p, size_t n) { return RecvAll(fd, p, n); });
-        if (!w.ok() || !Reply(fd, absl::OkStatus())) break;  // a CUDA failure mid-payload ends the connection
-      } else {
-        if (!Reply(fd, absl::OkStatus())) break;
-        const absl::Status r = transfer->FromDevice(s->bytes.data(), length,
-                                                    [fd](const uint8_t* p, size_t n) { return SendAll(fd, p, n); });
-        if (!r.ok()) break;  // the client sees the connection end short of the bytes
-      }
-    } else if (op == kOpWrite) {
-      if (!RecvAll(fd, s->bytes.data(), s->bytes.size()) || !Reply(fd, absl::OkStatus())) break;
-    } else {
-      if (!Reply(fd, absl::OkStatus()) || !SendAll(fd, s->bytes.data(), s->bytes.size())) break;
-    }
-    if (metrics_ != nullptr) {
-      (op == kOpWrite ? metrics_->bytes_received : metrics_->bytes_sent).Increment(static_cast<double>(length));
-    }
+    if (!link->Recv(head + 1, sizeof(head) - 1) || !Transfer(*link, head, peer, authenticated, transfer)) break;
   }
+  link.reset();
   std::lock_guard<std::mutex> lock(mu_);
   conns_.erase(std::remove(conns_.begin(), conns_.end(), fd), conns_.end());
   if (authenticated) {
@@ -294,6 +201,94 @@ void RegionDataPlane::Serve(uint64_t id, int fd, uint32_t peer) {
   }
   ::close(fd);
   finished_.push_back(id);
+}
+
+absl::StatusOr<RegionRegistry::Slice> RegionDataPlane::Check(const v1::data_plane::TransferHeader& h) const {
+  if (h.op != kOpWrite && h.op != kOpRead) return absl::InvalidArgumentError(absl::StrCat("data plane: unknown op ", h.op));
+  // The id travels in request metadata and in every header; the secret went only to the session's
+  // authenticated OpenSession (issue 22).
+  if (absl::Status s = regions_.CheckSecret(h.session_id, h.secret); !s.ok()) {
+    return absl::PermissionDeniedError(absl::StrCat("data plane: ", s.message()));
+  }
+  v1::RegionSlice slice;
+  slice.set_region_id(h.region_id);
+  slice.set_offset(h.offset);
+  slice.set_byte_size(h.length);
+  absl::StatusOr<RegionRegistry::Slice> s =
+      regions_.Resolve(h.session_id, slice, h.length, h.op == kOpWrite ? "data plane write" : "data plane read");
+  if (s.ok() && !s->server_memory) {
+    return absl::InvalidArgumentError(absl::StrCat("data plane: region ", h.region_id, " is not server memory"));
+  }
+  return s;
+}
+
+bool RegionDataPlane::Transfer(DataPlaneLink& link, const uint8_t* head, uint32_t peer, bool& authenticated,
+                               std::unique_ptr<DeviceTransfer>& transfer) {
+  v1::data_plane::TransferHeader h;
+  if (!v1::data_plane::DecodeTransferHeader(head, &h)) {
+    Reply(link, absl::InvalidArgumentError("data plane: bad magic (expected \"LCE2\")"));
+    return false;
+  }
+  // A negative length is refused before anything uses it (Resolve refuses it too), and as the
+  // payload's end is then unknown, the connection ends. Offsets are Resolve's to refuse.
+  if (h.length < 0) {
+    Reply(link, absl::InvalidArgumentError(absl::StrCat("data plane: negative length ", h.length)));
+    return false;
+  }
+  absl::StatusOr<RegionRegistry::Slice> s = Check(h);
+  if (s.ok() && !authenticated) {
+    if (!Authenticate(peer)) {
+      if (metrics_ != nullptr) metrics_->rejections.WithLabels({"data_plane_connections"}).Increment();
+      Reply(link, absl::ResourceExhaustedError(absl::StrCat("data plane: the server is at its limit of ",
+                                                            max_connections_, " connections; retry later")));
+      return false;
+    }
+    authenticated = true;
+  }
+  if (!s.ok()) {
+    if (!authenticated) {  // a connection that has not presented a session gets no second try
+      Reply(link, s.status());
+      return false;
+    }
+    // A refused write's payload follows: read it into nothing, so that the client sees the
+    // reason and the connection goes on; one too large to be any region's is not waited for.
+    if (h.op == kOpWrite && (h.length > max_write_bytes_ || !link.Discard(h.length))) {
+      Reply(link, s.status());
+      return false;
+    }
+    return Reply(link, s.status());
+  }
+  if (!Move(link, h.op == kOpWrite, *s, transfer)) return false;
+  if (metrics_ != nullptr) {
+    (h.op == kOpWrite ? metrics_->bytes_received : metrics_->bytes_sent).Increment(static_cast<double>(h.length));
+  }
+  return true;
+}
+
+bool RegionDataPlane::Move(DataPlaneLink& link, bool write, const RegionRegistry::Slice& s,
+                           std::unique_ptr<DeviceTransfer>& transfer) {
+  const int64_t length = static_cast<int64_t>(s.bytes.size());
+  if (!s.device) {
+    if (write) return link.Recv(s.bytes.data(), s.bytes.size()) && Reply(link, absl::OkStatus());
+    return Reply(link, absl::OkStatus()) && link.Send(s.bytes.data(), s.bytes.size());
+  }
+  // GPU memory: through this connection's bounce buffers, overlapped with the socket.
+  if (transfer == nullptr) {
+    absl::StatusOr<std::unique_ptr<DeviceTransfer>> t = CreateDeviceTransfer(regions_.cuda_device(), kDevicePiece);
+    if (!t.ok()) {
+      if (!write || link.Discard(length)) Reply(link, t.status());
+      return false;
+    }
+    transfer = *std::move(t);
+  }
+  if (write) {  // a CUDA failure mid-payload ends the connection
+    const absl::Status w =
+        transfer->ToDevice(s.bytes.data(), length, [&link](uint8_t* p, size_t n) { return link.Recv(p, n); });
+    return w.ok() && Reply(link, absl::OkStatus());
+  }
+  if (!Reply(link, absl::OkStatus())) return false;
+  // On a failure the client sees the connection end short of the bytes.
+  return transfer->FromDevice(s.bytes.data(), length, [&link](const uint8_t* p, size_t n) { return link.Send(p, n); }).ok();
 }
 
 }  // namespace lce::server

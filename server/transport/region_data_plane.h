@@ -11,8 +11,9 @@
 // server two pinned buffers) get a RESOURCE_EXHAUSTED reply at once and are closed. Between transfers
 // a connection may idle as long as its client likes; once a transfer has begun, a peer that sends or
 // takes nothing for `stall_timeout` loses the connection.
-// The session id is the capability: it goes only to an authenticated OpenSession. No TLS: for
-// trusted networks, as NCCL's sockets are.
+// Every transfer carries its session's id and secret (RegionRegistry::CheckSecret): the secret goes
+// only to the session's authenticated OpenSession. Optionally TLS (options.tls; data_plane_link.h);
+// without it the bytes and the secret cross the network in the clear.
 #pragma once
 
 #include <atomic>
@@ -26,6 +27,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "data_plane_link.h"
+#include "lce/device_memory.h"
 #include "lce/v1/data_plane_wire.h"
 #include "region_registry.h"
 #include "service_metrics.h"
@@ -45,6 +48,9 @@ struct RegionDataPlaneOptions {
   absl::Duration auth_timeout = absl::Seconds(60);
   int max_unauthenticated = 256;
   int max_unauthenticated_per_peer = 128;  // a client opens 2 x sockets x streams at once
+  // TLS on every connection (PEM files; the gRPC server's own certificate and key by default).
+  bool tls = false;
+  std::string tls_cert_file, tls_key_file;
   // May be null: the bytes moved count in lce_bytes_{received,sent}_total, as those of gRPC messages
   // do; refused connections in lce_admission_rejections_total{reason="data_plane_connections"}.
   ServiceMetrics* metrics = nullptr;
@@ -75,8 +81,16 @@ class RegionDataPlane {
   // Moves a connection from unauthenticated to authenticated: false when that pool is full.
   bool Authenticate(uint32_t peer);
   void Serve(uint64_t id, int fd, uint32_t peer);
+  // The slice a transfer names, checked: its session's secret, owner, bounds, server memory.
+  absl::StatusOr<RegionRegistry::Slice> Check(const v1::data_plane::TransferHeader& h) const;
+  // One transfer whose header is `head`: false when the connection must end.
+  bool Transfer(DataPlaneLink& link, const uint8_t* head, uint32_t peer, bool& authenticated,
+                std::unique_ptr<DeviceTransfer>& transfer);
+  // The bytes of an accepted transfer and its reply (before a read's bytes, after a write's).
+  bool Move(DataPlaneLink& link, bool write, const RegionRegistry::Slice& s, std::unique_ptr<DeviceTransfer>& transfer);
 
   RegionRegistry& regions_;
+  std::unique_ptr<TlsServerContext> tls_;  // null: plain TCP
   const int64_t max_write_bytes_;
   const int max_connections_;
   const absl::Duration stall_timeout_;

@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lce/device_memory.h"
+#include "request_authenticator.h"
 #include "shm_fault_guard.h"
 
 namespace lce::server {
@@ -47,6 +48,33 @@ struct RegionRegistry::Region {
     std::free(owned);
   }
 };
+
+RegionRegistry::SessionKeys RegionRegistry::OpenSession(int64_t uid) {
+  SessionKeys keys{NewSessionId(), NewSessionId()};
+  std::lock_guard<std::mutex> lock(mu_);
+  sessions_[keys.id] = Session{keys.secret, uid};
+  return keys;
+}
+
+absl::Status RegionRegistry::CheckSecret(const std::string& session, const std::string& secret) const {
+  std::string want;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(session);
+    if (it != sessions_.end()) want = it->second.secret;
+  }
+  // An unknown session is compared against a string of the same length, so that timing tells neither
+  // which sessions exist nor how much of a secret was right.
+  const bool known = !want.empty();
+  const bool match = ConstantTimeEquals(known ? want : std::string(secret.size(), '\0'), secret);
+  if (known && match) return absl::OkStatus();
+  return absl::PermissionDeniedError("the session id and secret do not name an open session");
+}
+
+absl::Status RegionRegistry::CheckOpenLocked(const std::string& session) const {
+  if (sessions_.count(session) != 0) return absl::OkStatus();
+  return absl::FailedPreconditionError("the session has ended (or was never opened)");
+}
 
 std::string RegionRegistry::NewSessionId() {
   uint8_t raw[16];
@@ -111,6 +139,13 @@ RegionRegistry::Peer RegionRegistry::IdentifyPeer(const std::string& grpc_peer) 
 absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, const Peer& peer, const std::string& name,
                                                   const std::string& shm_name, int64_t offset, int64_t byte_size) {
   const std::string what = absl::StrCat("region '", name, "' (", shm_name, ")");
+  // A name can be guessed: another client with the scoring token could map this one's object
+  // (issue 22). Off unless the operator says every co-located client is trusted.
+  if (!allow_shm_by_name_) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": registration by shm name is off on this server (--allow-shm-by-name); hand the object over as a "
+              "file descriptor on the shm socket (SessionResponse.shm_socket)"));
+  }
   // Shared memory by name is for clients on this host that own the object (issue 16 item 3: a second
   // session could otherwise map any object the server's user can open).
   if (!peer.local) {
@@ -125,10 +160,6 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
       shm_name.size() > 255) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": shm_name must be \"/\" followed by a name without \"/\""));
   }
-  if (offset < 0 || byte_size <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": offset must be >= 0 and byte_size > 0, got offset ", offset, ", byte_size ", byte_size));
-  }
   const int fd = shm_open(shm_name.c_str(), O_RDWR, 0);
   if (fd < 0) {
     const int e = errno;
@@ -138,18 +169,54 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
     return absl::InvalidArgumentError(msg);
   }
   struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    const int e = errno;
-    close(fd);
-    return absl::InternalError(absl::StrCat(what, ": fstat failed: ", std::strerror(e)));
+  absl::StatusOr<uint64_t> id = absl::InternalError(absl::StrCat(what, ": fstat failed: ", std::strerror(errno)));
+  if (fstat(fd, &st) == 0) {
+    id = static_cast<int64_t>(st.st_uid) == peer.uid
+             ? MapFile(session, name, what, fd, offset, byte_size)
+             : absl::PermissionDeniedError(absl::StrCat(what, ": the object belongs to uid ", st.st_uid,
+                                                        ", the client runs as uid ", peer.uid));
   }
-  if (static_cast<int64_t>(st.st_uid) != peer.uid) {
-    close(fd);
-    return absl::PermissionDeniedError(absl::StrCat(what, ": the object belongs to uid ", st.st_uid,
-                                                    ", the client runs as uid ", peer.uid));
+  close(fd);
+  return id;
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::RegisterFd(const std::string& session, const std::string& secret,
+                                                    int64_t peer_uid, const std::string& name, int fd,
+                                                    int64_t offset, int64_t byte_size) {
+  const std::string what = absl::StrCat("region '", name, "' (file descriptor)");
+  if (absl::Status s = CheckSecret(session, secret); !s.ok()) return absl::PermissionDeniedError(absl::StrCat(what, ": ", s.message()));
+  int64_t session_uid = -1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sessions_.find(session);
+    if (it != sessions_.end()) session_uid = it->second.uid;
   }
+  // Defence in depth behind the secret: the fd must come from the user who opened the session (or,
+  // where the kernel did not name that user, from the server's own).
+  const int64_t want = session_uid >= 0 ? session_uid : static_cast<int64_t>(geteuid());
+  if (peer_uid != want) {
+    return absl::PermissionDeniedError(absl::StrCat(what, ": the sending process runs as uid ", peer_uid, ", the session's ",
+                                                    session_uid >= 0 ? "client" : "server (the client's uid is unknown)",
+                                                    " as uid ", want));
+  }
+  struct stat st {};
+  const int mode = fcntl(fd, F_GETFL);
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || mode < 0 || (mode & O_ACCMODE) != O_RDWR) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": the descriptor must be a regular file opened read-write (memfd_create, or shm_open with O_RDWR)"));
+  }
+  return MapFile(session, name, what, fd, offset, byte_size);
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::MapFile(const std::string& session, const std::string& name,
+                                                 const std::string& what, int fd, int64_t offset, int64_t byte_size) {
+  if (offset < 0 || byte_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": offset must be >= 0 and byte_size > 0, got offset ", offset, ", byte_size ", byte_size));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat(what, ": fstat failed: ", std::strerror(errno)));
   if (offset > st.st_size || byte_size > st.st_size - offset) {
-    close(fd);
     return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", offset, " + byte_size ", byte_size,
                                                    " exceeds the object's size of ", st.st_size, " bytes"));
   }
@@ -158,14 +225,12 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
   auto region = std::make_shared<Region>();
   region->session = session;
   region->name = name;
-  region->shm_name = shm_name;
+  region->shm_name = what;
   region->shm_dev = st.st_dev;
   region->shm_ino = st.st_ino;
   region->map_len = static_cast<size_t>(byte_size + (offset - aligned));
   void* p = mmap(nullptr, region->map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, aligned);
-  const int e = errno;
-  close(fd);
-  if (p == MAP_FAILED) return absl::InternalError(absl::StrCat(what, ": mmap failed: ", std::strerror(e)));
+  if (p == MAP_FAILED) return absl::InternalError(absl::StrCat(what, ": mmap failed: ", std::strerror(errno)));
   region->map_base = p;
   WatchSharedMapping(p, region->map_len, &region->lost);
   region->data = static_cast<uint8_t*>(p) + (offset - aligned);
@@ -303,12 +368,19 @@ absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t
 
 absl::StatusOr<uint64_t> RegionRegistry::Add(const std::string& session, std::shared_ptr<Region> region) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (region->shm_ino != 0) {
-    for (const auto& [_, r] : regions_) {
-      if (r->session != session && r->shm_ino == region->shm_ino && r->shm_dev == region->shm_dev) {
-        return absl::PermissionDeniedError(absl::StrCat("region '", region->name, "' (", region->shm_name,
-                                                        "): the object is registered by another session"));
-      }
+  // A registration racing the session's end must not leave a region that nothing releases.
+  if (absl::Status s = CheckOpenLocked(session); !s.ok()) return s;
+  // One session's memory is not another's: the same object (by inode), or the same CUDA allocation
+  // (a handle another session registered, leaked or guessed), is refused to any other session.
+  for (const auto& [_, r] : regions_) {
+    if (r->session == session) continue;
+    if (region->shm_ino != 0 && r->shm_ino == region->shm_ino && r->shm_dev == region->shm_dev) {
+      return absl::PermissionDeniedError(absl::StrCat("region '", region->name, "' (", region->shm_name,
+                                                      "): the object is registered by another session"));
+    }
+    if (region->device_memory != nullptr && r->device_memory == region->device_memory) {
+      return absl::PermissionDeniedError(absl::StrCat("region '", region->name,
+                                                      "' (CUDA IPC): the allocation is registered by another session"));
     }
   }
   if (absl::Status s = CheckRoomLocked(session, region->server_memory() ? region->byte_size : 0); !s.ok()) return s;
@@ -333,6 +405,7 @@ absl::Status RegionRegistry::Unregister(const std::string& session, uint64_t reg
 int RegionRegistry::ReleaseSession(const std::string& session) {
   std::vector<std::shared_ptr<const Region>> gone;  // unmapped after the lock is released
   std::lock_guard<std::mutex> lock(mu_);
+  sessions_.erase(session);
   for (auto it = regions_.begin(); it != regions_.end();) {
     if (it->second->session == session) {
       gone.push_back(std::move(it->second));

@@ -44,6 +44,21 @@ class RegionRegistry {
   // A new session id: 128 random bits as 32 lowercase hex digits.
   static std::string NewSessionId();
 
+  // A session's id and its secret (128 random bits more, as 32 hex digits): the id names the
+  // session in requests; the secret, sent only in the authenticated OpenSession's first answer,
+  // proves that a data-plane or shm-socket connection belongs to it (the id alone does not: it
+  // travels in metadata and in every data-plane header).
+  struct SessionKeys {
+    std::string id, secret;
+  };
+  // Opens a session: regions may be registered for it until ReleaseSession. `uid`: the uid of the
+  // client that opened it where the kernel names it (Peer::uid), else -1; file descriptors handed
+  // over the shm socket must come from that uid (or the server's own where it is unknown).
+  SessionKeys OpenSession(int64_t uid = -1);
+  // OK when `session` is open and `secret` is its secret (compared in constant time);
+  // PERMISSION_DENIED otherwise, an unknown session included (the message does not say which).
+  absl::Status CheckSecret(const std::string& session, const std::string& secret) const;
+
   // Who opened a session, for name-based shared memory: a peer on this host, and its uid where the
   // kernel's socket table names it (loopback TCP: /proc/net/tcp); -1: unknown.
   struct Peer {
@@ -76,11 +91,22 @@ class RegionRegistry {
     max_total_server_bytes_ = max_total_bytes;
   }
   bool server_memory_enabled() const { return max_server_bytes_ > 0; }
+  // Maps [offset, offset + byte_size) of the file `fd` (a memfd or shm object the client handed over
+  // the shm socket, SCM_RIGHTS; not closed here) for `session`, whose secret the connection showed.
+  // `peer_uid`: the sending process's uid (SO_PEERCRED). PERMISSION_DENIED: a wrong secret, or a
+  // uid other than the session's (the server's own for sessions of unknown uid), or the object is
+  // another session's; INVALID_ARGUMENT: not a regular file opened read-write, or bad bounds.
+  absl::StatusOr<uint64_t> RegisterFd(const std::string& session, const std::string& secret, int64_t peer_uid,
+                                      const std::string& name, int fd, int64_t offset, int64_t byte_size);
+  // Registration by shm name (RegisterRegion.shm_name): off unless the server allows it
+  // (--allow-shm-by-name), since a name can be guessed by another client with the scoring token.
+  void AllowShmByName(bool allow) { allow_shm_by_name_ = allow; }
   // Any of the above, as the RegisterRegion message says.
   absl::StatusOr<uint64_t> Register(const std::string& session, const Peer& peer, const v1::RegisterRegion& r);
   // NOT_FOUND: no such region; PERMISSION_DENIED: it belongs to another session.
   absl::Status Unregister(const std::string& session, uint64_t region_id);
-  // Drops every region of the session; returns how many.
+  // Drops every region of the session and closes it (no registration for it succeeds after);
+  // returns how many regions.
   int ReleaseSession(const std::string& session);
 
   // The bytes of `slice` for a request of `session` that needs exactly `bytes_needed` bytes there.
@@ -105,6 +131,11 @@ class RegionRegistry {
 
  private:
   static absl::Status LostError(const Region& r, const char* what);
+  // Maps the file `fd` (checked by the caller) as a region of `session`; `what` names it in messages.
+  absl::StatusOr<uint64_t> MapFile(const std::string& session, const std::string& name, const std::string& what,
+                                   int fd, int64_t offset, int64_t byte_size);
+  // FAILED_PRECONDITION unless `session` is open (OpenSession, not yet released). Under mu_.
+  absl::Status CheckOpenLocked(const std::string& session) const;
   absl::StatusOr<uint64_t> Add(const std::string& session, std::shared_ptr<Region> region);
   // RESOURCE_EXHAUSTED when `session` may not hold one more region with `server_bytes` more bytes
   // of server memory. Under mu_.
@@ -113,6 +144,7 @@ class RegionRegistry {
   // and two tensors of a client often share one allocation (PyTorch's caching allocator).
   absl::StatusOr<std::shared_ptr<ImportedDeviceMemory>> OpenIpc(const std::string& ipc_handle);
   int cuda_device_;
+  bool allow_shm_by_name_ = false;
   int64_t max_server_bytes_ = 0;  // per session; 0: no server memory
   int64_t max_total_server_bytes_ = 0;  // over all sessions (0: no limit)
   std::mutex ipc_mu_;
@@ -120,6 +152,11 @@ class RegionRegistry {
   mutable std::mutex mu_;
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::shared_ptr<const Region>> regions_;
+  struct Session {
+    std::string secret;
+    int64_t uid = -1;
+  };
+  std::map<std::string, Session> sessions_;  // open sessions, by id
 };
 
 }  // namespace lce::server

@@ -8,12 +8,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <thread>
 
 #include "data_plane_connection.h"
+#include "lce/v1/data_plane_wire.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "lce/client/lce_client.h"
 #include "test_server.h"
@@ -145,7 +150,16 @@ TEST(DataPlane, TransfersAreCheckedAndARefusalLeavesTheConnectionWorking) {
   auto theirs = (*other)->AllocateServerMemory(4096, "theirs");
   auto shm = (*a)->CreateRegion(4096, "shm");
   ASSERT_TRUE(region.ok() && theirs.ok() && shm.ok()) << region.status() << theirs.status() << shm.status();
-  auto conn = DataPlaneConnection::Connect("127.0.0.1", ts->server->data_port());
+  // Issue 22: a connection that shows another session's secret for this session's id is refused at
+  // its first transfer (PERMISSION_DENIED) and closed.
+  auto wrong = DataPlaneConnection::Connect("127.0.0.1", ts->server->data_port(), {(*other)->secret()});
+  ASSERT_TRUE(wrong.ok()) << wrong.status();
+  std::vector<uint8_t> probe(16);
+  const absl::Status refused = (*wrong)->Write((*a)->id(), *region, 0, probe);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
+  EXPECT_NE(refused.message().find("secret"), std::string::npos) << refused;
+  EXPECT_FALSE((*wrong)->Write((*a)->id(), *region, 0, probe).ok()) << "no second try";
+  auto conn = DataPlaneConnection::Connect("127.0.0.1", ts->server->data_port(), {(*a)->secret()});
   ASSERT_TRUE(conn.ok()) << conn.status();
   DataPlaneConnection& dp = **conn;
   const std::string& id = (*a)->id();
@@ -184,9 +198,9 @@ TEST(DataPlane, TransfersAreCheckedAndARefusalLeavesTheConnectionWorking) {
     addr.sin_port = htons(static_cast<uint16_t>(ts->server->data_port()));
     inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
     ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    char junk[64];
+    char junk[v1::data_plane::kHeaderBytes];
     std::memset(junk, 'x', sizeof(junk));
-    ASSERT_EQ(::send(fd, junk, sizeof(junk), 0), 64);
+    ASSERT_EQ(::send(fd, junk, sizeof(junk), 0), static_cast<ssize_t>(sizeof(junk)));
     int32_t code = 0;
     ASSERT_EQ(::recv(fd, &code, 4, MSG_WAITALL), 4);
     EXPECT_EQ(code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
@@ -198,18 +212,103 @@ TEST(DataPlane, TransfersAreCheckedAndARefusalLeavesTheConnectionWorking) {
     ::close(fd);
   }
 
-  // The session's end frees its server memory: transfers into it are NOT_FOUND from then on.
+  // The session's end frees its server memory and forgets its secret: transfers naming it are
+  // PERMISSION_DENIED from then on.
   const std::string gone = id;
   const uint64_t gone_region = *region;
   a->reset();
   absl::Status s;
   for (int i = 0; i < 200; ++i) {
     s = dp.Write(gone, gone_region, 0, data);
-    if (s.code() == absl::StatusCode::kNotFound) break;
+    if (s.code() == absl::StatusCode::kPermissionDenied) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_EQ(ts->server->regions().counts().server, 1u);  // `other`'s
   EXPECT_TRUE(c->Score(View(MakeBatch(4, v1::DTYPE_BFLOAT16, 34)), {}).ok());
+}
+
+// A CA and a server certificate for 127.0.0.1 and localhost, made with the openssl command (Debian's
+// openssl package) in a fresh directory; "" when it is missing.
+std::string MakeCertificates() {
+  char dir_template[] = "/tmp/lce-tls-XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  if (dir == nullptr) return "";
+  const std::string d = dir;
+  const std::string ec = " -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  const std::string cmd = "cd " + d + " && printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > san.ext && " +
+                          "openssl req -x509" + ec + " -keyout ca.key -out ca.pem -days 2 -subj /CN=lce-test-ca && " +
+                          "openssl req" + ec + " -keyout server.key -out server.csr -subj /CN=localhost && " +
+                          "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem " +
+                          "-days 2 -extfile san.ext && " +
+                          "openssl req -x509" + ec + " -keyout other.key -out other.pem -days 2 -subj /CN=other-ca";
+  return std::system((cmd + " >/dev/null 2>&1").c_str()) == 0 ? d : "";
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Issue 22: the data plane over TLS (--data-plane-tls) carries the same bytes as plain TCP; a client
+// that does not trust the server's certificate cannot connect.
+TEST(DataPlane, TlsCarriesTheSameBytesAsPlain) {
+  const std::string d = MakeCertificates();
+  if (d.empty()) GTEST_SKIP() << "no openssl command to make certificates with";
+  auto plain = StartTestServer();
+  auto tls = StartTestServer(8 << 20, false, true, [&](server::GrpcServerOptions& o) {
+    o.tls = {d + "/server.pem", d + "/server.key", ""};
+    o.data_plane_tls = true;
+  });
+  auto tls_client = [&](const std::string& ca) {
+    return ConnectClient(tls->target, 16 * kHidden * 2, [&](ClientOptions& o) {
+      o.credentials = grpc::SslCredentials(grpc::SslCredentialsOptions{ReadFile(d + "/ca.pem"), "", ""});
+      o.data_plane = true;
+      o.data_plane_sockets = 2;
+      o.data_plane_tls_ca = ca;
+    });
+  };
+  auto over_tls = tls_client(d + "/ca.pem");
+  auto info = over_tls->GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_TRUE(info->data_plane_tls());
+  const Batch b = MakeBatch(300, v1::DTYPE_BFLOAT16, 35);
+  v1::RequestHeader fb;
+  fb.add_outputs(v1::OUTPUT_LOSS);
+  auto got = over_tls->ForwardBackward(View(b), fb);
+  auto want = Connect(*plain, 1, true, 16 * kHidden * 2)->ForwardBackward(View(b), fb);
+  ASSERT_TRUE(got.ok() && want.ok()) << got.status() << want.status();
+  ExpectSameBytes(got->d_hidden, want->d_hidden, "d_hidden over TLS");
+  ExpectElementsNear(got->loss, want->loss, TransportTolerance(), "loss over TLS");
+
+  // One connection's round trip: the bytes read back are the bytes written.
+  auto s = over_tls->OpenSession();
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto region = (*s)->AllocateServerMemory(1 << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  auto conn = DataPlaneConnection::Connect("127.0.0.1", tls->server->data_port(), {(*s)->secret(), true, d + "/ca.pem"});
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  std::vector<uint8_t> data(1 << 20), back(1 << 20);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + 7);
+  ASSERT_TRUE((*conn)->Write((*s)->id(), *region, 0, data).ok());
+  ASSERT_TRUE((*conn)->Read((*s)->id(), *region, 0, absl::MakeSpan(back)).ok());
+  EXPECT_TRUE(back == data);
+
+  // A certificate that does not chain to the client's CA: the handshake fails, clearly.
+  auto untrusted = DataPlaneConnection::Connect("127.0.0.1", tls->server->data_port(), {(*s)->secret(), true, d + "/other.pem"});
+  EXPECT_EQ(untrusted.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(untrusted.status().message().find("TLS handshake failed"), std::string::npos) << untrusted.status();
+  auto r = tls_client(d + "/other.pem")->ForwardBackward(View(b), fb);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  // A plain client on the TLS data plane gets no service (the server ends the connection), and the
+  // server goes on serving.
+  auto raw = DataPlaneConnection::Connect("127.0.0.1", tls->server->data_port(), {(*s)->secret()});
+  ASSERT_TRUE(raw.ok());
+  EXPECT_FALSE((*raw)->Write((*s)->id(), *region, 0, absl::MakeSpan(data).subspan(0, 64)).ok());
+  EXPECT_TRUE(over_tls->ForwardBackward(View(b), fb).ok());
+  std::system(("rm -rf " + d).c_str());
 }
 
 }  // namespace

@@ -32,15 +32,15 @@ std::unique_ptr<LceClient> Connect(const TestServer& ts, int64_t chunk_bytes) {
   return ConnectClient(ts.target, chunk_bytes);
 }
 
-// Lines of this process's memory map that map `shm_name` (client and in-process server alike).
+// Lines of this process's memory map that map the memfd named `name` (client and in-process server alike).
 // Shared memory against bytes: the same bits on the CPU engine; a GPU may chunk another way.
 const double kShmTolerance = TestBackend() == Backend::kCpu ? 1e-5 : 1e-4;
 
-int Mappings(const std::string& shm_name) {
+int Mappings(const std::string& name) {
   std::ifstream f("/proc/self/maps");
   std::string line;
   int n = 0;
-  while (std::getline(f, line)) n += line.find("/dev/shm" + shm_name) != std::string::npos ? 1 : 0;
+  while (std::getline(f, line)) n += line.find("/memfd:" + name + " ") != std::string::npos ? 1 : 0;
   return n;
 }
 
@@ -148,11 +148,13 @@ TEST(SharedMemory, MisuseGetsItsStatusAndTheServerKeepsServing) {
   shm.hidden_region = RegionRef{(*s1)->id(), uint64_t{1} << 40, 0};
   r = c->Score(shm, h);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
-  // registrations: beyond the object, no such object; the session goes on
-  auto bad = (*s1)->Register(region->shm_name, 0, static_cast<int64_t>(b.hidden.size()) + 1);
+  // registrations: beyond the object, by name (off by default); the session goes on
+  auto bad = (*s1)->RegisterFd(region->fd, 0, static_cast<int64_t>(b.hidden.size()) + 1);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_NE(bad.status().message().find("exceeds the object's size"), std::string::npos) << bad.status();
   bad = (*s1)->Register("/lce-no-such-object", 0, 16);
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kNotFound) << bad.status();
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kPermissionDenied) << bad.status();
+  EXPECT_NE(bad.status().message().find("--allow-shm-by-name"), std::string::npos) << bad.status();
   EXPECT_EQ((*s2)->Unregister(region->id).code(), absl::StatusCode::kPermissionDenied);
   // the owner's request works, as does the bytes path
   shm.hidden_region = region->Ref();
@@ -186,13 +188,9 @@ TEST(SharedMemory, AClientThatShrinksItsObjectGetsAnErrorAndTheServerKeepsServin
   shm.hidden_region = cut->Ref();
   auto before = c->Score(shm, h);
   ASSERT_TRUE(before.ok()) << before.status();
-  auto shrink = [](const std::string& name, off_t size) {
-    const int fd = shm_open(name.c_str(), O_RDWR, 0);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(ftruncate(fd, size), 0);
-    close(fd);
-  };
-  shrink(cut->shm_name, 0);
+  // The client holds the memfd it handed over, and may cut it as it could a named object.
+  auto shrink = [](int fd, off_t size) { ASSERT_EQ(ftruncate(fd, size), 0); };
+  shrink(cut->fd, 0);
   auto r = c->Score(shm, h);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
   EXPECT_NE(r.status().message().find("region 'cut'"), std::string::npos) << r.status();
@@ -201,7 +199,7 @@ TEST(SharedMemory, AClientThatShrinksItsObjectGetsAnErrorAndTheServerKeepsServin
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
 
   // d_hidden written into an object cut in its middle.
-  shrink(d_hidden->shm_name, 4096);
+  shrink(d_hidden->fd, 4096);
   shm.hidden_region = hidden->Ref();
   shm.d_hidden_region = d_hidden->Ref();
   auto fb = c->ForwardBackward(shm, v1::RequestHeader(h));
@@ -218,7 +216,8 @@ TEST(SharedMemory, AClientThatShrinksItsObjectGetsAnErrorAndTheServerKeepsServin
 }
 
 TEST(SharedMemory, DeviceRegionsNeedAGpuEngineAndOneSourceAndSessionsHaveACap) {
-  auto ts = StartTestServer();
+  // Registration by name, for the cap's many registrations of one object over a raw stream.
+  auto ts = StartTestServer(8 << 20, false, true, [](server::GrpcServerOptions& o) { o.allow_shm_by_name = true; });
   auto c = Connect(*ts, 4 << 20);
   auto s = c->OpenSession();
   ASSERT_TRUE(s.ok()) << s.status();
@@ -240,7 +239,7 @@ TEST(SharedMemory, DeviceRegionsNeedAGpuEngineAndOneSourceAndSessionsHaveACap) {
   v1::SessionResponse resp;
   ASSERT_TRUE(raw->Read(&resp));
   v1::SessionRequest req;
-  req.mutable_register_region()->set_shm_name(region->shm_name);
+  req.mutable_register_region()->set_shm_name("/lce-any");
   req.mutable_register_region()->set_cuda_ipc_handle(handle);
   req.mutable_register_region()->set_byte_size(16);
   ASSERT_TRUE(raw->Write(req) && raw->Read(&resp));
@@ -269,7 +268,7 @@ TEST(SharedMemory, DeviceRegionsNeedAGpuEngineAndOneSourceAndSessionsHaveACap) {
   EXPECT_EQ(registered, static_cast<int>(server::RegionRegistry::kMaxRegionsPerSession));
   ASSERT_TRUE(raw->Write(req) && raw->Read(&resp));
   EXPECT_EQ(resp.code(), static_cast<int>(absl::StatusCode::kResourceExhausted)) << resp.message();
-  auto other = (*s)->Register(region->shm_name, 0, 16);
+  auto other = (*s)->RegisterFd(region->fd, 0, 16);
   EXPECT_TRUE(other.ok()) << other.status();
   raw->WritesDone();
   EXPECT_TRUE(raw->Finish().ok());
@@ -285,9 +284,9 @@ TEST(SharedMemory, SessionEndReleasesTheServersMappings) {
   {
     auto s = c->OpenSession();
     ASSERT_TRUE(s.ok());
-    auto region = (*s)->CreateRegion(static_cast<int64_t>(b.hidden.size()));
+    name = "lce-end-" + std::to_string(getpid());
+    auto region = (*s)->CreateRegion(static_cast<int64_t>(b.hidden.size()), name);
     ASSERT_TRUE(region.ok());
-    name = region->shm_name;
     EXPECT_EQ(Mappings(name), 2);  // ours and the (in-process) server's
     std::memcpy(region->bytes.data(), b.hidden.data(), b.hidden.size());
     shm.hidden_region = region->Ref();
@@ -299,14 +298,13 @@ TEST(SharedMemory, SessionEndReleasesTheServersMappings) {
     // unregistering a region explicitly also unmaps it
     auto s2 = c->OpenSession();
     ASSERT_TRUE(s2.ok());
-    auto r2 = (*s2)->CreateRegion(64);
+    auto r2 = (*s2)->CreateRegion(64, name + "-2");
     ASSERT_TRUE(r2.ok());
-    EXPECT_EQ(Mappings(r2->shm_name), 2);
+    EXPECT_EQ(Mappings(name + "-2"), 2);
     ASSERT_TRUE((*s2)->ReleaseRegion(r2->id).ok());
-    EXPECT_EQ(Mappings(r2->shm_name), 0);
+    EXPECT_EQ(Mappings(name + "-2"), 0);
   }
-  EXPECT_EQ(Mappings(name), 0);  // the session's destructor unmapped and unlinked ours
-  EXPECT_NE(access(("/dev/shm" + name).c_str(), F_OK), 0);
+  EXPECT_EQ(Mappings(name), 0);  // the session's destructor unmapped and closed ours
   EXPECT_TRUE(c->Score(View(b), {}).ok());  // still serving
 }
 

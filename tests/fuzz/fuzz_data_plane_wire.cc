@@ -1,12 +1,14 @@
 // Fuzz target: the data plane's transfer sequence (proto/lce/v1/data_plane_wire.h) as
-// RegionDataPlane::Serve reads it, without the socket: each 64-byte request header decoded, its
-// length and op checked, its (session, region, offset, length) resolved by RegionRegistry::Resolve
+// RegionDataPlane::Serve reads it, without the socket: each 96-byte request header decoded, its
+// length and op checked, its session's secret checked (RegionRegistry::CheckSecret), its (session,
+// region, offset, length) resolved by RegionRegistry::Resolve
 // against the server-memory regions of two sessions, and the transfer's bytes moved in or out of
 // the resolved span. A span outside its region is caught by the checks below (region sizes are
 // known here) or by ASan; the header encoding must round-trip.
 //
 // Input: transfers one after another: a control byte (bit 0: put the magic in, bit 1: put session
-// A's id in, bit 2: session B's: so that mutations reach the resolve), 64 header bytes, then for a
+// A's id and secret in, bit 2: session B's, bit 3: then spoil the secret: so that mutations reach
+// the resolve; the sessions' keys are random), 96 header bytes, then for a
 // write as many payload bytes as the header's length (what the input has left of them).
 #include <cstring>
 
@@ -19,15 +21,14 @@ namespace {
 
 namespace wire = v1::data_plane;
 
-const std::string kSessionA = "0123456789abcdef0123456789abcdef";
-const std::string kSessionB = "fedcba9876543210fedcba9876543210";
 constexpr int64_t kMaxWriteBytes = int64_t{4} << 30;  // RegionDataPlaneOptions::max_write_bytes
 
 void Run(const uint8_t* data, size_t size) {
   RegionRegistry regions(-1);
   regions.EnableServerMemory(1 << 16, 1 << 18);
+  const RegionRegistry::SessionKeys a = regions.OpenSession(), b = regions.OpenSession();
   std::map<uint64_t, std::pair<std::string, int64_t>> sizes;  // region -> (session, bytes)
-  for (auto [session, bytes] : {std::pair<std::string, int64_t>{kSessionA, 4096}, {kSessionA, 100}, {kSessionB, 64}}) {
+  for (auto [session, bytes] : {std::pair<std::string, int64_t>{a.id, 4096}, {a.id, 100}, {b.id, 64}}) {
     absl::StatusOr<uint64_t> id = regions.RegisterServerMemory(session, "r", bytes);
     LCE_FUZZ_CHECK(id.ok(), "%s", std::string(id.status().message()).c_str());
     sizes[*id] = {session, bytes};
@@ -39,8 +40,12 @@ void Run(const uint8_t* data, size_t size) {
     std::memcpy(head, data + at + 1, sizeof(head));
     at += 1 + sizeof(head);
     if (control & 1) std::memcpy(head, wire::kMagic, 4);
-    if (control & 2) std::memcpy(head + 8, kSessionA.data(), 32);
-    if (control & 4) std::memcpy(head + 8, kSessionB.data(), 32);
+    for (const auto& [bit, keys] : {std::pair<int, const RegionRegistry::SessionKeys*>{2, &a}, {4, &b}}) {
+      if ((control & bit) == 0) continue;
+      std::memcpy(head + 8, keys->id.data(), 32);
+      std::memcpy(head + 40, keys->secret.data(), 32);
+    }
+    if (control & 8) head[40] ^= 1;
     wire::TransferHeader h;
     if (!wire::DecodeTransferHeader(head, &h)) return;  // Serve: bad magic, the connection ends
     uint8_t again[wire::kHeaderBytes];
@@ -55,7 +60,12 @@ void Run(const uint8_t* data, size_t size) {
     if (h.op != wire::kOpWrite && h.op != wire::kOpRead) {
       if (!write) continue;
     }
-    absl::StatusOr<RegionRegistry::Slice> s = regions.Resolve(h.session_id, slice, h.length, "data plane");
+    const absl::Status secret = regions.CheckSecret(h.session_id, h.secret);
+    LCE_FUZZ_CHECK(secret.ok() == ((h.session_id == a.id && h.secret == a.secret) ||
+                                   (h.session_id == b.id && h.secret == b.secret)),
+                   "the secret check let a wrong secret in, or kept the right one out");
+    absl::StatusOr<RegionRegistry::Slice> s =
+        secret.ok() ? regions.Resolve(h.session_id, slice, h.length, "data plane") : absl::StatusOr<RegionRegistry::Slice>(secret);
     const size_t payload = write ? static_cast<size_t>(std::min<int64_t>(h.length, static_cast<int64_t>(size - at))) : 0;
     if (s.ok()) {
       auto it = sizes.find(h.region_id);
@@ -90,9 +100,10 @@ void Run(const uint8_t* data, size_t size) {
 }
 
 void WriteSeeds(const std::string& dir) {
-  auto transfer = [](std::string& out, uint8_t control, uint32_t op, const std::string& session, uint64_t region,
-                     int64_t offset, int64_t length, bool payload) {
-    wire::TransferHeader h{op, session, region, offset, length};
+  // Sessions by control bit (2: A, 4: B; 8 spoils the secret); their keys are made per run.
+  auto transfer = [](std::string& out, uint8_t control, uint32_t op, uint64_t region, int64_t offset, int64_t length,
+                     bool payload) {
+    wire::TransferHeader h{op, "", "", region, offset, length};
     uint8_t head[wire::kHeaderBytes];
     wire::EncodeTransferHeader(h, head);
     out.push_back(static_cast<char>(control));
@@ -100,21 +111,22 @@ void WriteSeeds(const std::string& dir) {
     if (payload) out.append(static_cast<size_t>(length), '\x5a');
   };
   std::string s;
-  transfer(s, 0, wire::kOpWrite, kSessionA, 1, 0, 64, true);
-  transfer(s, 0, wire::kOpRead, kSessionA, 1, 32, 32, false);
-  transfer(s, 0, wire::kOpWrite, kSessionA, 2, 90, 10, true);
+  transfer(s, 2, wire::kOpWrite, 1, 0, 64, true);
+  transfer(s, 2, wire::kOpRead, 1, 32, 32, false);
+  transfer(s, 2, wire::kOpWrite, 2, 90, 10, true);
   fuzz::WriteSeed(dir, "write_then_read", s);
   s.clear();
-  transfer(s, 0, wire::kOpRead, kSessionB, 1, 0, 16, false);   // another session's region
-  transfer(s, 0, wire::kOpWrite, kSessionA, 2, 96, 8, true);   // past the end
-  transfer(s, 0, wire::kOpRead, kSessionA, 9, 0, 8, false);    // unknown region
-  transfer(s, 0, 7, kSessionA, 1, 0, 8, false);                // unknown op
-  transfer(s, 0, wire::kOpRead, kSessionA, 1, -8, 8, false);   // negative offset
-  transfer(s, 0, wire::kOpRead, kSessionA, 1, 0, -1, false);   // negative length
+  transfer(s, 4, wire::kOpRead, 1, 0, 16, false);   // another session's region
+  transfer(s, 2, wire::kOpWrite, 2, 96, 8, true);   // past the end
+  transfer(s, 2, wire::kOpRead, 9, 0, 8, false);    // unknown region
+  transfer(s, 2, 7, 1, 0, 8, false);                // unknown op
+  transfer(s, 2, wire::kOpRead, 1, -8, 8, false);   // negative offset
+  transfer(s, 2, wire::kOpRead, 1, 0, -1, false);   // negative length
+  transfer(s, 10, wire::kOpRead, 1, 0, 16, false);  // a wrong secret
   fuzz::WriteSeed(dir, "refusals", s);
   s.clear();
-  transfer(s, 3, wire::kOpRead, "", 3, 0, 64, false);
-  transfer(s, 5, wire::kOpWrite, "", 3, INT64_MAX, 2, true);
+  transfer(s, 3, wire::kOpRead, 3, 0, 64, false);
+  transfer(s, 5, wire::kOpWrite, 3, INT64_MAX, 2, true);
   fuzz::WriteSeed(dir, "controls", s);
 }
 

@@ -40,7 +40,9 @@ void MakeShm() {
 void Run(const uint8_t* data, size_t size) {
   RegionRegistry regions(-1);
   regions.EnableServerMemory(1 << 16, 1 << 17);
-  const std::string sessions[3] = {"s0", "s1", ""};
+  regions.AllowShmByName(true);  // the name path is parsed too (--allow-shm-by-name)
+  // Two open sessions (a released one stays closed: its registrations are refused) and none.
+  const std::string sessions[3] = {regions.OpenSession().id, regions.OpenSession().id, ""};
   std::map<uint64_t, std::pair<std::string, int64_t>> held;  // what Register returned: (session, bytes)
   fuzz::Records records(data, size);
   std::string_view rec;

@@ -173,24 +173,34 @@ TEST(CudaIpc, RegionsInTheClientsGpuMemoryGiveTheAnswersOfTheBytesPath) {
                                                   reinterpret_cast<const uint8_t*>(dh.data()) + bytes));
 
   // A second region over the same allocation (as two tensors of PyTorch's caching allocator share
-  // one), here from the hidden states' first byte, and the same from a second session: CUDA opens a
-  // handle once per process, so the server must share its mapping.
+  // one), here from the hidden states' first byte: CUDA opens a handle once per process, so the
+  // server shares its mapping.
   auto again_id = (*session)->RegisterCudaIpc(in.Handle(), off, bytes, "hidden again");
   ASSERT_TRUE(again_id.ok()) << again_id.status();
-  auto session2 = cl.OpenSession();
-  ASSERT_TRUE(session2.ok()) << session2.status();
-  auto other_id = (*session2)->RegisterCudaIpc(in.Handle(), 0, off + bytes, "hidden, session 2");
-  ASSERT_TRUE(other_id.ok()) << other_id.status();
-  for (const client::RegionRef& ref : {client::RegionRef{sid, *again_id, 0},
-                                       client::RegionRef{(*session2)->id(), *other_id, off}}) {
+  {
     client::HiddenBatch b2 = wire;
     b2.hidden = {};
-    b2.hidden_region = ref;
+    b2.hidden_region = client::RegionRef{sid, *again_id, 0};
     auto r2 = cl.Score(b2, h);
     ASSERT_TRUE(r2.ok()) << r2.status();
     EXPECT_EQ(r2->logprobs, got_s->logprobs);
   }
-  session2->reset();  // ends that session; the first one's regions over the allocation stay usable
+  // Issue 22: a foreign handle (one another session registered: leaked or copied) is refused to a
+  // second session, and a forged one (random bytes) is refused by the driver; both clearly, and the
+  // sessions go on.
+  auto session2 = cl.OpenSession();
+  ASSERT_TRUE(session2.ok()) << session2.status();
+  auto foreign = (*session2)->RegisterCudaIpc(in.Handle(), 0, off + bytes, "hidden, session 2");
+  EXPECT_EQ(foreign.status().code(), absl::StatusCode::kPermissionDenied) << foreign.status();
+  EXPECT_NE(foreign.status().message().find("registered by another session"), std::string::npos) << foreign.status();
+  std::mt19937_64 forge(22);
+  std::string forged(64, '\0');
+  for (char& c : forged) c = static_cast<char>(forge());
+  auto forged_id = (*session2)->RegisterCudaIpc(forged, 0, 16, "forged");
+  EXPECT_EQ(forged_id.status().code(), absl::StatusCode::kInvalidArgument) << forged_id.status();
+  EXPECT_NE(forged_id.status().message().find("cudaIpcOpenMemHandle refused the handle"), std::string::npos)
+      << forged_id.status();
+  session2->reset();
 
   // Misuse: out of bounds, beyond the allocation, a handle that is not one; the server keeps serving.
   client::HiddenBatch oob = ipc;

@@ -464,30 +464,6 @@ def test_policy_loss_matches_reference(heads, aggregation, kl, dual):
                  what="d_hidden")
 
 
-def _openssl(*args, cwd):
-    import subprocess
-
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    import shutil
-
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed (apt-get install openssl): no certificates for the TLS test")
-    d = tmp_path_factory.mktemp("tls")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=lce-test-ca",
-             cwd=d)
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, cn in (("server", "localhost"), ("client", "lce-test-client")):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", *(["-extfile", "san.ext"] if name == "server" else []), cwd=d)
-    return d
-
-
 def test_tls_and_mutual_tls(server_factory, tls_files):
     d = tls_files
     read = lambda n: (d / n).read_bytes()  # noqa: E731

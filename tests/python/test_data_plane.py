@@ -309,10 +309,11 @@ def recv_exactly(s: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def raw_transfer(s: socket.socket, op: int, session_id: str, region: int, offset: int, length: int,
+def raw_transfer(s: socket.socket, op: int, key, region: int, offset: int, length: int,
                  payload: bytes = b""):
-    """One transfer by hand; returns (code, message, bytes read)."""
-    s.sendall(struct.pack("<4sI32sQqq", b"LCE1", op, session_id.encode(), region, offset, length) + payload)
+    """One transfer by hand, `key` the session's (id, secret); returns (code, message, bytes read)."""
+    s.sendall(struct.pack("<4sI32s32sQqq", b"LCE2", op, key[0].encode(), key[1].encode(), region, offset, length)
+              + payload)
     code, n = struct.unpack("<iI", recv_exactly(s, 8))
     msg = recv_exactly(s, n).decode() if n else ""
     data = recv_exactly(s, length) if op == 2 and code == 0 else b""
@@ -339,33 +340,43 @@ def test_transfers_are_checked_and_a_refusal_leaves_the_connection_working(dp_he
             theirs = other.allocate_server_memory(4096, "theirs")
             shm = a.create(4096)
             sid = a.session_id
-            assert len(sid) == dpm.SESSION_ID_BYTES
+            assert len(sid) == dpm.SESSION_ID_BYTES and len(a.secret) == dpm.SECRET_BYTES
+            key = (sid, a.secret)
 
             data = bytes((i * 7 + 3) & 0xFF for i in range(1000))
             s = raw_connect(port)
-            assert raw_transfer(s, 1, sid, mine, 96, len(data), data)[:2] == (0, "")
-            code, msg, back = raw_transfer(s, 2, sid, mine, 96, len(data))
+            assert raw_transfer(s, 1, key, mine, 96, len(data), data)[:2] == (0, "")
+            code, msg, back = raw_transfer(s, 2, key, mine, 96, len(data))
             assert code == 0 and back == data
 
             refusals = [
-                ((1, sid, mine, 3500, len(data), data), 3, "does not fit"),        # out of bounds
-                ((2, sid, mine, -1, len(data)), 3, "does not fit"),
-                ((1, sid, theirs, 0, len(data), data), 7, "another session"),      # PERMISSION_DENIED
-                ((2, sid, theirs, 0, len(data)), 7, "another session"),
-                ((1, sid, shm.id, 0, len(data), data), 3, "not server memory"),
-                ((1, sid, 999999, 0, len(data), data), 5, "not registered"),       # NOT_FOUND
-                ((9, sid, mine, 0, 0), 3, "unknown op"),
+                ((1, key, mine, 3500, len(data), data), 3, "does not fit"),        # out of bounds
+                ((2, key, mine, -1, len(data)), 3, "does not fit"),
+                ((1, key, theirs, 0, len(data), data), 7, "another session"),      # PERMISSION_DENIED
+                ((2, key, theirs, 0, len(data)), 7, "another session"),
+                ((1, key, shm.id, 0, len(data), data), 3, "not server memory"),
+                ((1, key, 999999, 0, len(data), data), 5, "not registered"),       # NOT_FOUND
+                ((9, key, mine, 0, 0), 3, "unknown op"),
             ]
             for args, want, says in refusals:
                 code, msg, _ = raw_transfer(s, *args)
                 assert code == want and says in msg, (args[:5], code, msg)
             # after every refusal the connection still carries transfers
-            code, _, back = raw_transfer(s, 2, sid, mine, 96, len(data))
+            code, _, back = raw_transfer(s, 2, key, mine, 96, len(data))
             assert code == 0 and back == data
             s.close()
 
+            # issue 22: the id alone is no capability. A first transfer with another session's secret,
+            # or none, is refused PERMISSION_DENIED and the connection closed; the server goes on.
+            for bad in ((sid, other.secret), (sid, "0" * 32), (other.session_id, a.secret)):
+                s = raw_connect(port)
+                code, msg, _ = raw_transfer(s, 2, bad, mine, 0, 16)
+                assert code == 7 and "secret" in msg, (code, msg)
+                assert read_until_closed(s) == b""
+                s.close()
+
             # the client's connection class: the same refusals as LceError, the connection usable after
-            conn = dpm.DataPlaneConnection("127.0.0.1", port)
+            conn = dpm.DataPlaneConnection("127.0.0.1", port, a.secret)
             buf = bytearray(len(data))
             conn.write(sid, mine, 2000, memoryview(data))
             conn.read(sid, mine, 2000, memoryview(buf))
@@ -386,7 +397,7 @@ def test_transfers_are_checked_and_a_refusal_leaves_the_connection_working(dp_he
 
             # a header without the magic: answered INVALID_ARGUMENT, then the connection is closed
             s = raw_connect(port)
-            s.sendall(b"x" * 64)
+            s.sendall(b"x" * dpm.HEADER.size)
             code = struct.unpack("<i", recv_exactly(s, 4))[0]
             assert code == 3
             rest = read_until_closed(s)
@@ -395,13 +406,14 @@ def test_transfers_are_checked_and_a_refusal_leaves_the_connection_working(dp_he
 
             # a write longer than any region may be: answered at once, its payload not waited for
             s = raw_connect(port)
-            s.sendall(struct.pack("<4sI32sQqq", b"LCE1", 1, sid.encode(), mine, 0, 1 << 50))
+            s.sendall(dpm.HEADER.pack(dpm.MAGIC, 1, sid.encode(), a.secret.encode(), mine, 0, 1 << 50))
             code = struct.unpack("<i", recv_exactly(s, 4))[0]
             assert code == 3
             read_until_closed(s)
             s.close()
 
-            # the session's end frees its server memory: transfers into it are NOT_FOUND from then on
+            # the session's end frees its server memory and forgets its secret: transfers naming it are
+            # PERMISSION_DENIED from then on
             a.close()
             code = None
             deadline = time.time() + 5
@@ -409,10 +421,10 @@ def test_transfers_are_checked_and_a_refusal_leaves_the_connection_working(dp_he
                 with pytest.raises(lce_client.LceError) as ei:
                     conn.write(sid, mine, 0, memoryview(data))
                 code = ei.value.code
-                if code == grpc.StatusCode.NOT_FOUND:
+                if code == grpc.StatusCode.PERMISSION_DENIED:
                     break
                 time.sleep(0.02)
-            assert code == grpc.StatusCode.NOT_FOUND
+            assert code == grpc.StatusCode.PERMISSION_DENIED
             conn.close()
             assert not conn.usable
         finally:
@@ -749,3 +761,41 @@ def test_cancelled_and_closed_mid_upload_leave_no_threads(dp_heads, monkeypatch)
         assert not uploader_threads()
         assert not lce_threads(), lce_threads()
     assert wait_for(lambda: server_regions(head), 0) == 0
+
+
+# --------------------------------------------------------------------------------- TLS (issue 22)
+def test_tls_data_plane_carries_the_same_bytes_as_plain(server_factory, tls_files):
+    """lce_server --data-plane-tls: the client wraps its data-plane sockets in TLS (the server's
+    certificate checked against root_certificates) and gets the plain data plane's answers; a client
+    that does not trust the certificate gets UNAVAILABLE naming the handshake."""
+    d = tls_files
+    ca = (d / "ca.pem").read_bytes()
+    head = [f"--seed-head=40x{HIDDEN}", "--head-dtype=fp32", "--seed=9", "--data-port=0"]
+    plain = server_factory(head, name="dp_plain")
+    tls = server_factory(head + [f"--tls-cert={d / 'server.pem'}", f"--tls-key={d / 'server.key'}",
+                                 "--data-plane-tls=true"], name="dp_tls")
+    h = np.random.default_rng(5).standard_normal((300, HIDDEN)).astype(np.float32)
+    y = np.random.default_rng(6).integers(0, 40, 300)
+    kw = dict(timeout=60, chunk_bytes=64 * HIDDEN * 4, data_plane=True, data_plane_sockets=2)
+    with lce_client.Client(plain.target, **kw) as p, lce_client.Client(tls.target, root_certificates=ca, **kw) as t:
+        assert t.info().data_plane_tls and not p.info().data_plane_tls
+        want, got = p.forward_backward(h, y), t.forward_backward(h, y)
+        np.testing.assert_array_equal(got.d_hidden, want.d_hidden)
+        np.testing.assert_array_equal(got.loss, want.loss)
+        assert t._replicas[0].data_plane.tls is not None  # it did go over TLS
+
+        # one connection's round trip: the bytes read back are those written
+        with t.shared_memory_session() as s:
+            rid = s.allocate_server_memory(1 << 20)
+            conn = dpm.DataPlaneConnection("127.0.0.1", t.info().data_port, s.secret, dpm.tls_context(ca))
+            data = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8)
+            back = np.zeros_like(data)
+            conn.write(s.session_id, rid, 0, memoryview(data))
+            conn.read(s.session_id, rid, 0, memoryview(back))
+            np.testing.assert_array_equal(back, data)
+            conn.close()
+            # a client that trusts another CA: the handshake fails, clearly
+            with pytest.raises(lce_client.LceError) as ei:
+                dpm.DataPlaneConnection("127.0.0.1", t.info().data_port, s.secret, dpm.tls_context(None))
+            assert ei.value.code == grpc.StatusCode.UNAVAILABLE and "TLS handshake failed" in ei.value.details
+        assert t.score(h[:8], y[:8])[0].shape == (8,)  # still serving

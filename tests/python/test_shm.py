@@ -165,15 +165,15 @@ def test_shm_bounds_and_registration_errors(heads):
         # client side: an array outside the region
         with pytest.raises(ValueError):
             c.score(st, y, hidden_region=region)
-        # registrations: too large for the object, missing object, bad name; the session survives
-        expect_error(lambda: s.register(region.shm_name, size + 1), grpc.StatusCode.INVALID_ARGUMENT,
+        # registrations: too large for the object, by name (off by default); the session survives
+        expect_error(lambda: s.register_fd(region.fd, size + 1), grpc.StatusCode.INVALID_ARGUMENT,
                      f"exceeds the object's size of {size}")
-        expect_error(lambda: s.register(region.shm_name, 16, offset=size), grpc.StatusCode.INVALID_ARGUMENT)
-        expect_error(lambda: s.register("/lce-no-such-object-xyz", 16), grpc.StatusCode.NOT_FOUND, "shm_open")
-        expect_error(lambda: s.register("no-slash", 16), grpc.StatusCode.INVALID_ARGUMENT, "shm_name")
+        expect_error(lambda: s.register_fd(region.fd, 16, offset=size), grpc.StatusCode.INVALID_ARGUMENT)
+        expect_error(lambda: s.register("/lce-no-such-object-xyz", 16), grpc.StatusCode.PERMISSION_DENIED,
+                     "--allow-shm-by-name")
         expect_error(lambda: s.unregister(987654321), grpc.StatusCode.NOT_FOUND)
         # a second registration of part of the same object, at an unaligned offset, works
-        rid = s.register(region.shm_name, rb, offset=rb * (rows - 1), name="last-row")
+        rid = s.register_fd(region.fd, rb, offset=rb * (rows - 1), name="last-row")
         lp_last = raw_score(c, sid, "fp32", 1, pb.RegionSlice(region_id=rid, offset=0, byte_size=rb))
         lp_ref, _ = c.score(st[-1:], np.zeros(1, np.int64))
         assert lp_last[0].chunk.logprobs[0] == lp_ref[0]
@@ -228,28 +228,28 @@ def test_shm_release_on_unregister_close_and_cancel(own_server):
         # unregister
         with c.shared_memory_session() as s:
             region, h = in_region(s, st)
-            assert region.shm_name in maps_of(pid)
+            assert region.map_name in maps_of(pid)
             s.release(region)
-            assert wait_until(lambda: region.shm_name not in maps_of(pid))
+            assert wait_until(lambda: region.map_name not in maps_of(pid))
             expect_error(lambda: c.score(h, y, hidden_region=region), grpc.StatusCode.NOT_FOUND)
         # close (half-close of the session stream)
         s = c.shared_memory_session()
         region, h = in_region(s, st)
         np.testing.assert_array_equal(c.score(h, y, hidden_region=region)[0], lp0)
-        name = region.shm_name
+        name = region.map_name
         assert name in maps_of(pid)
         s.close()
         assert wait_until(lambda: name not in maps_of(pid)), "the server kept the region mapped after close"
-        assert not os.path.exists("/dev/shm" + name), "close() should unlink the client's objects"
+        assert region.fd == -1, "close() should close the client's memfds"
         # cancel (as a client going away): the region is released; using it is NOT_FOUND
         s = c.shared_memory_session()
         region, h = in_region(s, st)
         np.testing.assert_array_equal(c.score(h, y, hidden_region=region)[0], lp0)
-        assert region.shm_name in maps_of(pid)
+        assert region.map_name in maps_of(pid)
         s.cancel()
-        assert wait_until(lambda: region.shm_name not in maps_of(pid)), "not released after cancel"
+        assert wait_until(lambda: region.map_name not in maps_of(pid)), "not released after cancel"
         expect_error(lambda: c.score(h, y, hidden_region=region), grpc.StatusCode.NOT_FOUND, "not registered")
-        os.unlink("/dev/shm" + region.shm_name)
+        os.close(region.fd)
         # the server keeps serving
         np.testing.assert_array_equal(c.score(st, y)[0], lp0)
     assert srv.proc.poll() is None
@@ -265,7 +265,7 @@ r = s.create(5 * 48 * 4)
 h = r.ndarray((5, 48), np.float32)
 h[:] = 0.5
 lp, _ = c.score(h, np.arange(5), hidden_region=r)
-print(r.shm_name, s.session_id, r.id, flush=True)
+print(r.memfd_name, s.session_id, r.id, flush=True)
 time.sleep(600)
 """
 
@@ -277,7 +277,7 @@ def test_shm_release_when_client_process_dies(own_server):
     try:
         line = child.stdout.readline().split()
         assert line, "the child client did not start"
-        shm_name, session_id, region_id = line[0], line[1], int(line[2])
+        shm_name, session_id, region_id = f"/memfd:{line[0]} ", line[1], int(line[2])
         assert shm_name in maps_of(pid)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
@@ -293,10 +293,6 @@ def test_shm_release_when_client_process_dies(own_server):
         if child.poll() is None:
             child.kill()
             child.wait()
-        try:
-            os.unlink("/dev/shm" + shm_name)
-        except (FileNotFoundError, NameError, UnboundLocalError):
-            pass
     assert srv.proc.poll() is None
 
 
@@ -346,8 +342,68 @@ def test_shm_region_survives_until_a_request_using_it_ends(own_server):
             t.join()
         for r in results:
             assert not isinstance(r, lce_client.LceError) or r.code == grpc.StatusCode.NOT_FOUND, r
-        assert wait_until(lambda: region.shm_name not in maps_of(srv.proc.pid))
+        assert wait_until(lambda: region.map_name not in maps_of(srv.proc.pid))
         assert srv.proc.poll() is None
         np.testing.assert_array_equal(c.score(st[:4], y[:4])[0], c.score(st[:4], y[:4])[0])
         for r in (region, out):
-            os.unlink("/dev/shm" + r.shm_name)
+            os.close(r.fd)
+
+
+def test_shm_by_name_only_where_allowed_and_the_socket_checks_the_secret(server_factory):
+    """Issue 22: memory goes to the server as a file descriptor (the clients' create() makes a memfd);
+    the shm socket refuses a wrong secret and a descriptor that is not read-write shared memory; a
+    client that cuts its memfd gets FAILED_PRECONDITION and the server keeps serving. Registration by
+    name needs --allow-shm-by-name, and then checks the name."""
+    args = [f"--seed-head=389x{HIDDEN}", "--head-dtype=fp32", "--seed=4"]
+    srv = server_factory(args, name="shm_fd")
+    named = server_factory(args + ["--allow-shm-by-name=true"], name="shm_named")
+    rows = 40
+    st = np.random.default_rng(11).standard_normal((rows, HIDDEN)).astype(np.float32)
+    y = targets_for(rows)
+    with lce_client.Client(srv.target, timeout=30) as c, c.shared_memory_session() as s, \
+            c.shared_memory_session() as other:
+        assert s.shm_socket and os.path.exists(s.shm_socket) and len(s.secret) == 32
+        region, h = in_region(s, st)
+        assert region.memfd_name and not os.path.exists("/dev/shm/" + region.memfd_name)
+        lp0, _ = c.score(st, y)
+        np.testing.assert_array_equal(c.score(h, y, hidden_region=region)[0], lp0)
+        # another session's secret with this session's id: refused; the sessions go on
+        real = s.secret
+        s.secret = other.secret
+        expect_error(lambda: s.register_fd(region.fd, 64), grpc.StatusCode.PERMISSION_DENIED, "secret")
+        s.secret = real
+        # another session cannot register the same memory, even holding its descriptor
+        expect_error(lambda: other.register_fd(region.fd, 64), grpc.StatusCode.PERMISSION_DENIED, "another session")
+        # not a regular file; not opened read-write
+        r, w = os.pipe()
+        expect_error(lambda: s.register_fd(w, 16), grpc.StatusCode.INVALID_ARGUMENT, "regular file")
+        os.close(r)
+        os.close(w)
+        ro = os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY)
+        expect_error(lambda: s.register_fd(ro, 16), grpc.StatusCode.INVALID_ARGUMENT, "read-write")
+        os.close(ro)
+        # by name: off here
+        expect_error(lambda: s.register("/lce-anything", 16), grpc.StatusCode.PERMISSION_DENIED,
+                     "--allow-shm-by-name")
+        # the client cuts its memfd under the server's mapping: the SIGBUS guard turns it into an error
+        cut, hc = in_region(s, st)
+        os.ftruncate(cut.fd, 0)
+        expect_error(lambda: c.score(hc, y, hidden_region=cut), grpc.StatusCode.FAILED_PRECONDITION, "shrunk")
+        np.testing.assert_array_equal(c.score(h, y, hidden_region=region)[0], lp0)
+    assert srv.proc.poll() is None
+    with lce_client.Client(named.target, timeout=30) as c, c.shared_memory_session() as s:
+        expect_error(lambda: s.register("/lce-no-such-object-xyz", 16), grpc.StatusCode.NOT_FOUND, "shm_open")
+        expect_error(lambda: s.register("no-slash", 16), grpc.StatusCode.INVALID_ARGUMENT, "shm_name")
+        path = f"/dev/shm/lce-named-{os.getpid()}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, st.nbytes)
+            os.pwrite(fd, st.tobytes(), 0)
+            rid = s.register(path[len("/dev/shm"):], st.nbytes)
+            got = raw_score(c, s.session_id, "fp32", rows, pb.RegionSlice(region_id=rid, offset=0, byte_size=st.nbytes))
+            want, _ = c.score(st, np.zeros(rows, np.int64))
+            lp = np.array(got[0].chunk.logprobs, np.float32)
+            np.testing.assert_array_equal(lp, want[:len(lp)])
+        finally:
+            os.close(fd)
+            os.unlink(path)

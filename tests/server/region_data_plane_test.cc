@@ -61,10 +61,10 @@ Reply ReadReply(int fd) {
 }
 
 // Sends a transfer header (op 1 write, 2 read) and, for a write, `payload`.
-void SendTransfer(int fd, uint32_t op, const std::string& session, uint64_t region, int64_t offset,
+void SendTransfer(int fd, uint32_t op, const RegionRegistry::SessionKeys& session, uint64_t region, int64_t offset,
                   const std::string& payload, int64_t length) {
   uint8_t head[v1::data_plane::kHeaderBytes];
-  v1::data_plane::EncodeTransferHeader({op, session, region, offset, length}, head);
+  v1::data_plane::EncodeTransferHeader({op, session.id, session.secret, region, offset, length}, head);
   ASSERT_EQ(::send(fd, head, sizeof(head), MSG_NOSIGNAL), static_cast<ssize_t>(sizeof(head)));
   if (!payload.empty()) {
     ASSERT_EQ(::send(fd, payload.data(), payload.size(), MSG_NOSIGNAL), static_cast<ssize_t>(payload.size()));
@@ -73,7 +73,7 @@ void SendTransfer(int fd, uint32_t op, const std::string& session, uint64_t regi
 
 // A new connection's read of `n` bytes of the region, retried while the server still holds a closed
 // connection's slot (it notices the close on its own time): the last reply.
-Reply ReadOnANewConnection(int port, const std::string& session, uint64_t region, int64_t n) {
+Reply ReadOnANewConnection(int port, const RegionRegistry::SessionKeys& session, uint64_t region, int64_t n) {
   Reply r;
   for (int i = 0; i < 100 && r.code != 0; ++i) {
     const int fd = Connect(port);
@@ -98,8 +98,8 @@ TEST(RegionDataPlane, ConnectionsBeyondTheLimitAreRefusedAndTheOthersServed) {
   o.metrics = &metrics;
   auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
   ASSERT_TRUE(dp.ok()) << dp.status();
-  const std::string session = RegionRegistry::NewSessionId();
-  auto region = regions.RegisterServerMemory(session, "r", 4096);
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  auto region = regions.RegisterServerMemory(session.id, "r", 4096);
   ASSERT_TRUE(region.ok()) << region.status();
 
   const int a = Connect((*dp)->port()), b = Connect((*dp)->port());
@@ -143,8 +143,8 @@ TEST(RegionDataPlane, NegativeOrOverflowingPlacementIsRefusedBeforeAnyByteMoves)
   o.max_write_bytes = 1 << 20;
   auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
   ASSERT_TRUE(dp.ok()) << dp.status();
-  const std::string session = RegionRegistry::NewSessionId();
-  auto region = regions.RegisterServerMemory(session, "r", 4096);
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  auto region = regions.RegisterServerMemory(session.id, "r", 4096);
   ASSERT_TRUE(region.ok()) << region.status();
   const int w = Connect((*dp)->port());
   SendTransfer(w, v1::data_plane::kOpWrite, session, *region, 0, std::string(4096, 'a'), 4096);
@@ -174,7 +174,7 @@ TEST(RegionDataPlane, NegativeOrOverflowingPlacementIsRefusedBeforeAnyByteMoves)
   v1::RegionSlice slice;
   slice.set_region_id(*region);
   slice.set_byte_size(-1);
-  EXPECT_EQ(regions.Resolve(session, slice, -1, "chunk").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(regions.Resolve(session.id, slice, -1, "chunk").status().code(), absl::StatusCode::kInvalidArgument);
   const Reply back = ReadOnANewConnection((*dp)->port(), session, *region, 4096);
   EXPECT_EQ(back.code, 0) << back.message;
 }
@@ -197,8 +197,8 @@ TEST(RegionDataPlane, SilentConnectionsCannotLockOutASession) {
   o.metrics = &metrics;
   auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
   ASSERT_TRUE(dp.ok()) << dp.status();
-  const std::string session = RegionRegistry::NewSessionId();
-  auto region = regions.RegisterServerMemory(session, "r", 4096);
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  auto region = regions.RegisterServerMemory(session.id, "r", 4096);
   ASSERT_TRUE(region.ok()) << region.status();
   const int real = Connect((*dp)->port());  // authenticated by its first transfer
   SendTransfer(real, v1::data_plane::kOpWrite, session, *region, 0, std::string(16, 'r'), 16);
@@ -227,13 +227,27 @@ TEST(RegionDataPlane, SilentConnectionsCannotLockOutASession) {
   EXPECT_GE(metrics.rejections.WithLabels({"data_plane_auth_timeout"}).Value(), 3.0);
   const Reply again = ReadOnANewConnection((*dp)->port(), session, *region, 16);
   EXPECT_EQ(again.code, 0) << again.message;
-  // A first transfer naming a made-up session is answered and the connection closed.
-  const int forged = Connect((*dp)->port());
-  SendTransfer(forged, v1::data_plane::kOpRead, RegionRegistry::NewSessionId(), *region, 0, "", 16);
-  EXPECT_EQ(ReadReply(forged).code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied));
-  char one;
-  EXPECT_LE(::recv(forged, &one, 1, 0), 0);
-  ::close(forged);
+  // A first transfer naming a made-up session, or the real session with a wrong secret (issue 22:
+  // the id alone is no capability), is answered PERMISSION_DENIED and the connection closed.
+  for (const RegionRegistry::SessionKeys& bad :
+       {RegionRegistry::SessionKeys{RegionRegistry::NewSessionId(), session.secret},
+        RegionRegistry::SessionKeys{session.id, RegionRegistry::NewSessionId()},
+        RegionRegistry::SessionKeys{session.id, ""}}) {
+    const int forged = Connect((*dp)->port());
+    SendTransfer(forged, v1::data_plane::kOpRead, bad, *region, 0, "", 16);
+    const Reply r = ReadReply(forged);
+    EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied)) << r.message;
+    EXPECT_NE(r.message.find("secret do not name an open session"), std::string::npos) << r.message;
+    char one;
+    EXPECT_LE(::recv(forged, &one, 1, 0), 0);
+    ::close(forged);
+  }
+  // On an authenticated connection a wrong secret is refused too, and the connection goes on.
+  SendTransfer(real, v1::data_plane::kOpWrite, {session.id, RegionRegistry::NewSessionId()}, *region, 0,
+               std::string(16, 'x'), 16);
+  EXPECT_EQ(ReadReply(real).code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied));
+  const Reply unchanged = ReadOnANewConnection((*dp)->port(), session, *region, 16);
+  EXPECT_EQ(unchanged.code, 0) << unchanged.message;
   ::close(real);
 }
 
@@ -247,8 +261,8 @@ TEST(RegionDataPlane, AStalledTransferEndsItsConnection) {
   o.stall_timeout = absl::Milliseconds(200);
   auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
   ASSERT_TRUE(dp.ok()) << dp.status();
-  const std::string session = RegionRegistry::NewSessionId();
-  auto region = regions.RegisterServerMemory(session, "r", 4096);
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  auto region = regions.RegisterServerMemory(session.id, "r", 4096);
   ASSERT_TRUE(region.ok()) << region.status();
 
   // Idle longer than the timeout before a transfer: still served.

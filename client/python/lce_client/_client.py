@@ -87,6 +87,7 @@ class ServerInfo:
     max_rows_per_request: int
     server_version: str
     data_port: int = 0  # the server's data plane (0: none; start it with --data-port)
+    data_plane_tls: bool = False  # its sockets speak TLS (--data-plane-tls)
     # Per-row outputs that are the same bits whatever the batch around the row (and its chunking,
     # streams, transport), and whatever the TP group's size: GetInfo's `invariance`.
     invariant_across_batches: List[str] = field(default_factory=list)
@@ -231,7 +232,8 @@ class Client:
         its d_hidden read as its answer arrives, so transfer and compute overlap. Calls over the data
         plane take turns. A server without one: LceError FAILED_PRECONDITION. Calls given
         hidden_region / d_hidden_region, and those that accumulate the weight gradient, do not use it.
-        The data plane has no TLS: trusted networks only.
+        Every transfer shows the session's secret. A server started with --data-plane-tls gets TLS
+        sockets, its certificate checked against root_certificates (else the system's roots).
       data_plane_sockets: sockets per direction per stream on the data plane, in [1, 16]: each chunk's
         bytes are split over them in page-aligned shares (below 64 KiB all on the first): each
         stream uploads with a thread per socket that moves its share of every chunk in turn, without
@@ -305,6 +307,7 @@ class Client:
         ] + list(options)
         secure = tls if tls is not None else any(x is not None for x in (root_certificates, private_key, certificate_chain))
         self._creds = None
+        self._root_certificates = _as_bytes(root_certificates)  # also for a TLS data plane
         if secure:
             self._creds = grpc.ssl_channel_credentials(
                 root_certificates=_as_bytes(root_certificates),
@@ -922,9 +925,10 @@ class Client:
                 prog.close()
         return out
 
-    def _data_port(self, replica: "_Replica") -> int:
-        """The replica's data-plane port (0: none)."""
-        return int(self._unary("GetInfo", pb.GetInfoRequest(), replica.stub).data_port)
+    def _data_port(self, replica: "_Replica") -> Tuple[int, bool]:
+        """The replica's data-plane port (0: none), and whether it speaks TLS."""
+        info = self._unary("GetInfo", pb.GetInfoRequest(), replica.stub)
+        return int(info.data_port), bool(info.data_plane_tls)
 
     def _data_plane_session(self, replica: "_Replica") -> SharedMemorySession:
         """The session that holds a replica's data-plane regions: no deadline, it lives as long as the client."""
@@ -1140,7 +1144,7 @@ def _server_info(r: pb.GetInfoResponse) -> ServerInfo:
     return ServerInfo(head=HeadInfo._from(r.head), heads=[HeadInfo._from(h) for h in r.heads], backend=r.backend,
                       tp_size=r.tp_size, max_message_bytes=r.max_message_bytes,
                       max_rows_per_request=r.max_rows_per_request, server_version=r.server_version,
-                      data_port=r.data_port, invariant_across_batches=list(r.invariance.across_batches),
+                      data_port=r.data_port, data_plane_tls=r.data_plane_tls, invariant_across_batches=list(r.invariance.across_batches),
                       invariant_across_tp_sizes=list(r.invariance.across_tp_sizes))
 
 
@@ -1155,7 +1159,8 @@ class _Replica:
         self.stub = pb_grpc.LceServiceStub(self.channel)
         self.part_channels: list = []
         self.part_stubs: list = []
-        self.data_plane: Optional[DataPlane] = DataPlane(target, client.data_plane_sockets) if data_plane else None
+        self.data_plane: Optional[DataPlane] = (DataPlane(target, client.data_plane_sockets, client._root_certificates)
+                                                if data_plane else None)
         self.failed_at = -math.inf
 
     def close(self, lock: threading.Lock) -> None:

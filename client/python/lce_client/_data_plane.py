@@ -14,19 +14,24 @@ SplitTransfer in client/lce_client.cc).
 
 Wire format (proto/lce/v1/data_plane_wire.h is authoritative), little-endian, one transfer after another
 on a connection:
-  request  64 bytes: b"LCE1", u32 op (1 write, 2 read), 32 bytes session id (ASCII hex),
-           u64 region_id, i64 offset, i64 length; a write then sends `length` bytes;
+  request  96 bytes: b"LCE2", u32 op (1 write, 2 read), 32 bytes session id (ASCII hex), 32 bytes the
+           session's secret (SessionResponse.session_secret), u64 region_id, i64 offset, i64 length;
+           a write then sends `length` bytes;
   reply    i32 code (google.rpc.Code), u32 message length, the message; a read that succeeded then
            sends `length` bytes.
 A refusal (wrong owner, out of bounds, not server memory...) leaves the connection usable: the
 server reads a refused write's payload before it answers. A failure on the wire does not.
 
-The session id is the capability and the data plane has no TLS: for trusted networks only.
+Every transfer shows the session's secret (it went only to the session's authenticated OpenSession).
+A server started with --data-plane-tls (GetInfoResponse.data_plane_tls) speaks TLS on every data-plane
+socket: the client verifies its certificate against Client(root_certificates=...) (else the system's
+roots) and the target's host. Without TLS the bytes and the secret cross the network in the clear.
 """
 from __future__ import annotations
 
 import queue
 import socket
+import ssl
 import struct
 import threading
 from concurrent.futures import Future
@@ -36,11 +41,11 @@ import grpc
 
 from ._errors import LceError
 
-MAGIC = b"LCE1"
+MAGIC = b"LCE2"
 OP_WRITE, OP_READ = 1, 2
-HEADER = struct.Struct("<4sI32sQqq")  # 64 bytes
+HEADER = struct.Struct("<4sI32s32sQqq")  # 96 bytes
 REPLY = struct.Struct("<iI")
-SESSION_ID_BYTES = 32
+SESSION_ID_BYTES = SECRET_BYTES = 32
 # Below this, a transfer goes over one socket: splitting costs more than it saves (as in the C++ client).
 SPLIT_MIN_BYTES = 1 << 16
 PAGE = 4096
@@ -48,7 +53,7 @@ PAGE = 4096
 REGION_GRANULE = 1 << 20
 MAX_SOCKETS = 16
 
-assert HEADER.size == 64
+assert HEADER.size == 96
 
 
 def status_code(code: int) -> grpc.StatusCode:
@@ -84,16 +89,28 @@ class DataPlaneConnection:
     together). Transfers raise LceError: the server's code and message for a refusal (the connection
     stays usable), UNAVAILABLE when the connection broke (it is closed then: `usable` is False)."""
 
-    def __init__(self, host: str, port: int, connect_timeout: Optional[float] = 30.0):
+    def __init__(self, host: str, port: int, secret: str = "", tls: Optional[ssl.SSLContext] = None,
+                 connect_timeout: Optional[float] = 30.0):
+        """`secret`: the session's (SessionResponse.session_secret), sent with every transfer; `tls`: a
+        client context (tls_context()) when the server's data plane speaks TLS."""
         # The server's data plane listens on IPv4 only; "localhost" may resolve to ::1 first.
         name = "127.0.0.1" if host == "localhost" else host
         self.where = f"{host}:{port}"
+        self._secret = secret.encode("ascii") if isinstance(secret, str) else bytes(secret)
         try:
             sock = socket.create_connection((name, port), timeout=connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers and replies are small
+            if tls is not None:
+                try:
+                    sock = tls.wrap_socket(sock, server_hostname=host)  # the handshake, the name checked
+                except BaseException:
+                    sock.close()
+                    raise
         except OSError as e:
-            raise _error(grpc.StatusCode.UNAVAILABLE, f"data plane {self.where}: connect: {e}") from e
+            what = "TLS handshake failed" if isinstance(e, ssl.SSLError) else "connect"
+            raise _error(grpc.StatusCode.UNAVAILABLE, f"data plane {self.where}: {what}: {e}") from e
         sock.settimeout(None)  # transfers block as long as they take, as gRPC streams do
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers and replies are small
+        self._tls = tls is not None
         self._sock: Optional[socket.socket] = sock
 
     @property
@@ -106,8 +123,12 @@ class DataPlaneConnection:
         data = _bytes_view(data)
         sock, head = self._begin(OP_WRITE, session_id, region_id, offset, data.nbytes)
         try:
-            # Header and payload in one system call where the socket takes them.
-            sent = sock.sendmsg([head, data]) if data.nbytes else sock.send(head)
+            # Header and payload in one system call where the socket takes them (TLS: in two records).
+            if self._tls:
+                sock.sendall(head)
+                sent = len(head)
+            else:
+                sent = sock.sendmsg([head, data]) if data.nbytes else sock.send(head)
             if sent < len(head):
                 sock.sendall(head[sent:])
                 sock.sendall(data)
@@ -160,7 +181,7 @@ class DataPlaneConnection:
         if len(sid) != SESSION_ID_BYTES:  # the C++ client refuses these too: the server reads exactly 32
             raise _error(grpc.StatusCode.INVALID_ARGUMENT,
                          f"session id must have {SESSION_ID_BYTES} characters, got {len(sid)}")
-        return sock, HEADER.pack(MAGIC, op, sid, int(region_id), int(offset), int(length))
+        return sock, HEADER.pack(MAGIC, op, sid, self._secret, int(region_id), int(offset), int(length))
 
     def _reply(self, sock: socket.socket) -> None:
         head = bytearray(REPLY.size)
@@ -176,11 +197,11 @@ class DataPlaneConnection:
             # A refusal leaves the connection usable: the server read a refused write's payload.
             raise _error(status_code(code), msg.decode("utf-8", "replace"))
 
-    @staticmethod
-    def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    def _recv_exactly(self, sock: socket.socket, view: memoryview) -> None:
         got, n = 0, view.nbytes
+        flags = 0 if self._tls else socket.MSG_WAITALL  # an SSLSocket takes no flags
         while got < n:
-            r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+            r = sock.recv_into(view[got:], n - got, flags)
             if r == 0:
                 raise ConnectionResetError("the server closed the connection")
             got += r
@@ -188,6 +209,14 @@ class DataPlaneConnection:
     def _broken(self, what: str, e: OSError):
         self.close()
         return _error(grpc.StatusCode.UNAVAILABLE, f"data plane connection to {self.where} lost while {what}: {e}")
+
+
+def tls_context(root_certificates: Optional[bytes]) -> ssl.SSLContext:
+    """A client context for a TLS data plane: the server's certificate must chain to these PEM roots
+    (None: the system's) and name the host the client connects to."""
+    ctx = ssl.create_default_context(cadata=root_certificates.decode("ascii") if root_certificates else None)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
 
 
 def _bytes_view(buf) -> memoryview:
@@ -270,7 +299,8 @@ class Lane:
     socket lengthened each call's start and end). Uploads run on theirs (UploadState); downloads
     split each chunk over the download sockets, the first share on the caller's thread."""
 
-    def __init__(self, host: str, port: int, sockets: int, index: int):
+    def __init__(self, host: str, port: int, sockets: int, index: int, secret: str = "",
+                 tls: Optional[ssl.SSLContext] = None):
         self.index = index
         self.up: List[DataPlaneConnection] = []
         self.down: List[DataPlaneConnection] = []
@@ -278,8 +308,8 @@ class Lane:
         self._down_workers: List[_SocketWorker] = []
         try:
             for _ in range(sockets):
-                self.up.append(DataPlaneConnection(host, port))
-                self.down.append(DataPlaneConnection(host, port))
+                self.up.append(DataPlaneConnection(host, port, secret, tls))
+                self.down.append(DataPlaneConnection(host, port, secret, tls))
         except BaseException:
             self.close()
             raise
@@ -421,22 +451,26 @@ class DataPlane:
     failed request everything is dropped (`reset`): the server may have restarted, a socket may be
     mid-transfer; the next request starts afresh."""
 
-    def __init__(self, target: str, sockets: int):
+    def __init__(self, target: str, sockets: int, root_certificates: Optional[bytes] = None):
         self.lock = threading.Lock()
         self.host = target_host(target)
         self.sockets = int(sockets)
+        self.root_certificates = root_certificates  # for a TLS data plane (None: the system's roots)
         self.session = None  # SharedMemorySession
         self.port = 0
+        self.tls: Optional[ssl.SSLContext] = None
         self.hidden_region = self.d_hidden_region = 0
         self.hidden_bytes = self.d_hidden_bytes = 0  # the regions' sizes (0: none yet)
         self.lanes: List[Optional[Lane]] = []  # by stream
 
-    def prepare(self, data_port: Callable[[], int], open_session: Callable[[], object], parts: int,
+    def prepare(self, data_port: Callable[[], Tuple[int, bool]], open_session: Callable[[], object], parts: int,
                 hidden_bytes: int, d_hidden: bool) -> List[Route]:
         """Makes the session (on first use), regions of at least `hidden_bytes` (a d_hidden one too
-        with `d_hidden`) and `parts` lanes; returns a Route per part. Call with `lock` held."""
+        with `d_hidden`) and `parts` lanes; returns a Route per part. `data_port()`: the server's data
+        port and whether it speaks TLS. Call with `lock` held."""
         if self.session is None:
-            port = int(data_port())
+            port, tls = data_port()
+            self.tls = tls_context(self.root_certificates) if tls else None
             if port <= 0:
                 raise _error(grpc.StatusCode.FAILED_PRECONDITION,
                              "Client(data_plane=True): the server has no data plane (start lce_server with "
@@ -456,7 +490,7 @@ class DataPlane:
                 if lane is not None:
                     lane.close()
                 self.lanes[i] = None
-                self.lanes[i] = Lane(self.host, self.port, self.sockets, i)
+                self.lanes[i] = Lane(self.host, self.port, self.sockets, i, self.session.secret, self.tls)
         sid = self.session.session_id
         return [Route(self.lanes[i], sid, self.hidden_region, self.d_hidden_region if d_hidden else None)
                 for i in range(parts)]

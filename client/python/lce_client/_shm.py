@@ -1,7 +1,7 @@
 """Co-located clients: POSIX shared-memory regions registered with the server (OpenSession).
 
     with client.shared_memory_session() as s:
-        region = s.create(rows * hidden * 2)                 # a new shm object, mapped and registered
+        region = s.create(rows * hidden * 2)                 # a new memfd, mapped and handed to the server
         h = region.ndarray((rows, hidden), np.uint16)        # write hidden states here
         h[:] = ...
         lp, ent = client.score(h, targets, hidden_region=region)
@@ -9,9 +9,13 @@
         r = client.forward_backward(h, targets, hidden_region=region, d_hidden_region=out)
         # r.d_hidden is a view of `out`, written in place by the server
 
-Linux only (the objects live in /dev/shm). The session's regions are unmapped by the server when the
-session ends (close(), the with-block's end, or the client process going away); the client unmaps
-and unlinks its objects on close().
+Linux only. Memory goes to the server as a file descriptor: create() makes a memfd (no name in
+/dev/shm that another process could open) and hands it over the server's shm socket
+(SessionResponse.shm_socket; SCM_RIGHTS, with the session's id and secret; wire format:
+proto/lce/v1/shm_socket_wire.h). Registration by shm name (register()) only works on servers started
+with --allow-shm-by-name. The session's regions are unmapped by the server when the session ends
+(close(), the with-block's end, or the client process going away); the client closes its memfds
+on close().
 
 GPU memory (servers with the CUDA backend, on the same host):
 
@@ -33,6 +37,8 @@ import itertools
 import mmap
 import os
 import queue
+import socket
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional
@@ -46,6 +52,11 @@ from ._proto import lce_pb2 as pb
 _COUNTER = itertools.count()
 SESSION_METADATA_KEY = "lce-session"
 CUDA_IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
+# The shm socket's request (then the name) and reply (then the message): proto/lce/v1/shm_socket_wire.h.
+SHM_SOCKET_REQUEST = struct.Struct("<4sI32s32sqq")
+SHM_SOCKET_REPLY = struct.Struct("<iIQ")
+SHM_SOCKET_MAX_NAME = 256
+assert SHM_SOCKET_REQUEST.size == 88 and SHM_SOCKET_REPLY.size == 16
 
 # PyTorch's CUDA IPC bookkeeping (torch/multiprocessing/reductions.py): _share_cuda_() puts the storage
 # behind a reference counter in a shared-memory file, set to 1 for the consumer, and a freed storage's
@@ -74,6 +85,15 @@ class Region:
     device_ptr: int = 0
     _ipc_key: Any = None
     cuda: bool = False  # GPU memory; stays True after release (the tensor is dropped then)
+    # Regions made by create(): the memfd (open until release or close; the client may resize it
+    # like any file, and the server then refuses the region) and its name in /proc/<pid>/maps.
+    fd: int = -1
+    memfd_name: str = ""
+
+    @property
+    def map_name(self) -> str:
+        """How the region's memory shows in /proc/<pid>/maps (of this process and the server)."""
+        return f"/memfd:{self.memfd_name} " if self.memfd_name else "/dev/shm" + self.shm_name
 
     @property
     def is_cuda(self) -> bool:
@@ -143,6 +163,9 @@ class SharedMemorySession:
         self._call = stub.OpenSession(iter(self._requests.get, None), metadata=metadata, timeout=timeout)
         first = self._next("OpenSession")
         self.session_id: str = first.session_id
+        # Proves on the data plane and the shm socket that a connection belongs to this session.
+        self.secret: str = first.session_secret
+        self.shm_socket: str = first.shm_socket
         if not self.session_id:
             raise _lce_error(grpc.StatusCode.INTERNAL, "the server's first session message has no session_id")
 
@@ -164,8 +187,37 @@ class SharedMemorySession:
             raise _lce_error(grpc.StatusCode(_code_tuple(resp.code)), resp.message, what)
         return resp
 
+    def register_fd(self, fd: int, byte_size: int, offset: int = 0, name: str = "") -> int:
+        """Hands `byte_size` bytes from `offset` of the file `fd` (a memfd, or an shm object opened
+        read-write; this process keeps its descriptor) to the server over its shm socket; returns the
+        region id. FAILED_PRECONDITION: the server has no shm socket; UNAVAILABLE: it is not on this host."""
+        if not self.shm_socket:
+            raise _lce_error(grpc.StatusCode.FAILED_PRECONDITION, "the server has no shm socket (lce_server "
+                             "--shm-socket) to hand shared memory to", "RegisterRegion")
+        label = (name or "memfd").encode()[:SHM_SOCKET_MAX_NAME]
+        head = SHM_SOCKET_REQUEST.pack(b"LCF1", len(label), self.session_id.encode("ascii"),
+                                       self.secret.encode("ascii"), int(offset), int(byte_size)) + label
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(30)
+                sock.connect(self.shm_socket)
+                sent = socket.send_fds(sock, [head], [fd])  # the descriptor goes with the first byte
+                if sent < len(head):
+                    sock.sendall(head[sent:])
+                reply = _recv_exactly(sock, SHM_SOCKET_REPLY.size)
+                code, length, region_id = SHM_SOCKET_REPLY.unpack(reply)
+                message = _recv_exactly(sock, length).decode("utf-8", "replace")
+        except OSError as e:
+            raise _lce_error(grpc.StatusCode.UNAVAILABLE, f"shm socket {self.shm_socket}: {e} (the server must run "
+                             "on this host)", "RegisterRegion") from e
+        if code != 0:
+            raise _lce_error(grpc.StatusCode(_code_tuple(code)), message, "RegisterRegion")
+        return int(region_id)
+
     def register(self, shm_name: str, byte_size: int, offset: int = 0, name: str = "") -> int:
-        """Registers an existing shm object (e.g. made by another library); returns the region id."""
+        """Registers an existing shm object (e.g. made by another library) by its name; returns the region
+        id. Only servers started with --allow-shm-by-name accept it (PERMISSION_DENIED otherwise): hand
+        the object over with register_fd() instead."""
         r = self._ask(pb.SessionRequest(register_region=pb.RegisterRegion(
             name=name or shm_name, shm_name=shm_name, offset=offset, byte_size=byte_size)), "RegisterRegion")
         return int(r.region_id)
@@ -235,25 +287,26 @@ class SharedMemorySession:
         self._ask(pb.SessionRequest(unregister_region=pb.UnregisterRegion(region_id=region_id)), "UnregisterRegion")
 
     def create(self, nbytes: int, name: str = "") -> Region:
-        """Creates a shm object of `nbytes`, maps it here, registers it with the server."""
+        """Creates shared memory of `nbytes` (a memfd: no name another process could open), maps it here
+        and hands it to the server as a file descriptor."""
         if nbytes <= 0:
             raise ValueError("nbytes must be positive")
-        shm_name = f"/lce-{os.getpid()}-{next(_COUNTER)}-{os.urandom(4).hex()}"
-        path = "/dev/shm" + shm_name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        label = f"lce-{os.getpid()}-{next(_COUNTER)}-{os.urandom(4).hex()}"
+        fd = os.memfd_create(label, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         try:
-            rid = self.register(shm_name, nbytes, name=name or shm_name)
+            rid = self.register_fd(fd, nbytes, name=name or label)
         except BaseException:
             mm.close()
-            os.unlink(path)
+            os.close(fd)
             raise
-        region = Region(rid, self.session_id, name or shm_name, shm_name, nbytes,
-                        np.frombuffer(mm, dtype=np.uint8), mm)
+        region = Region(rid, self.session_id, name or label, "", nbytes, np.frombuffer(mm, dtype=np.uint8), mm,
+                        fd=fd, memfd_name=label)
         self._regions.append(region)
         return region
 
@@ -297,10 +350,12 @@ class SharedMemorySession:
 
 
 def _forget(region: Region) -> None:
-    """After the server has let go of a region: unlink its shm object, or give back torch's IPC
-    reference of its storage (once the last region over it is gone) and drop the tensor."""
+    """After the server has let go of a region: close its memfd (the mapping stays valid), or give back
+    torch's IPC reference of its storage (once the last region over it is gone) and drop the tensor."""
     if not region.is_cuda:
-        _unlink(region.shm_name)
+        fd, region.fd = region.fd, -1
+        if fd >= 0:
+            os.close(fd)
         return
     key, region._ipc_key = region._ipc_key, None
     region.tensor = None
@@ -335,11 +390,14 @@ def _cuda_ipc_handle(handle) -> bytes:
     raise ValueError(f"unrecognised CUDA IPC handle from torch ({len(b)} bytes)")
 
 
-def _unlink(shm_name: str) -> None:
-    try:
-        os.unlink("/dev/shm" + shm_name)
-    except FileNotFoundError:
-        pass
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        got = sock.recv(n - len(out))
+        if not got:
+            raise ConnectionError("the server closed the shm socket early")
+        out += got
+    return bytes(out)
 
 
 def _code_tuple(code: int):

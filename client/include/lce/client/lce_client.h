@@ -116,6 +116,10 @@ struct ClientOptions {
   // Measured best there for 8192×4096 bf16 (bench/RESULTS.md): one stream, 4 sockets; for train a
   // first and last chunk of 1 MiB and 16 MiB chunks, for score growing chunks (see grow_chunks).
   int data_plane_sockets = 4;
+  // A server whose data plane speaks TLS (lce_server --data-plane-tls, GetInfoResponse.data_plane_tls)
+  // gets TLS sockets, its certificate checked against this PEM CA file and the target's host ("": the
+  // system's CAs). TLS costs throughput: lce_transport_bench --data-plane-tls measures it.
+  std::string data_plane_tls_ca;
   // Called after each stream of a call ends, on the thread that ran it (benchmarks: where a call's
   // time goes). Empty: no timestamps are taken.
   std::function<void(const StreamTrace&)> stream_trace;
@@ -154,8 +158,9 @@ class SharedMemorySession {
  public:
   struct Region {
     uint64_t id = 0;
-    std::string shm_name;        // "/lce-<pid>-<n>-<random>"
+    std::string shm_name;        // "": a memfd (CreateRegion), handed over as a file descriptor
     absl::Span<uint8_t> bytes;   // this process's mapping, writable
+    int fd = -1;                 // the memfd, open while the region is (owned by the session)
     std::string session_id;
     RegionRef Ref(int64_t offset = 0) const { return RegionRef{session_id, id, offset}; }
   };
@@ -165,11 +170,22 @@ class SharedMemorySession {
   SharedMemorySession& operator=(const SharedMemorySession&) = delete;
 
   const std::string& id() const { return session_id_; }
-  // Creates a shm object of `bytes`, maps it here and registers it.
+  // The session's secret (SessionResponse.session_secret): proves on the data plane and the shm
+  // socket that a connection belongs to this session. Keep it private.
+  const std::string& secret() const { return secret_; }
+  // The server's shm socket ("": none).
+  const std::string& shm_socket() const { return shm_socket_; }
+  // Creates shared memory of `bytes` (a memfd: no name another process could open), maps it here and
+  // hands it to the server as a file descriptor over its shm socket.
   absl::StatusOr<Region> CreateRegion(int64_t bytes, const std::string& name = "");
-  // Unregisters a region created here, unmaps and unlinks it.
+  // Unregisters a region created here, unmaps and closes it.
   absl::Status ReleaseRegion(uint64_t region_id);
-  // Registers [offset, offset + byte_size) of an existing shm object; returns the region id.
+  // Registers [offset, offset + byte_size) of the file `fd` (a memfd or shm object of this process,
+  // opened read-write; this process keeps its descriptor) over the server's shm socket; returns the
+  // region id. FAILED_PRECONDITION: the server has no shm socket.
+  absl::StatusOr<uint64_t> RegisterFd(int fd, int64_t offset, int64_t byte_size, const std::string& name = "");
+  // Registers [offset, offset + byte_size) of an existing shm object by its name; returns the region
+  // id. Only servers started with --allow-shm-by-name accept it (PERMISSION_DENIED otherwise).
   absl::StatusOr<uint64_t> Register(const std::string& shm_name, int64_t offset, int64_t byte_size,
                                     const std::string& name = "");
   absl::Status Unregister(uint64_t region_id);
@@ -196,13 +212,13 @@ class SharedMemorySession {
   absl::StatusOr<uint64_t> AskRegionId(const v1::SessionRequest& req);
   struct Owned {
     uint64_t id;
-    std::string shm_name;
+    int fd;
     void* addr;
     size_t len;
   };
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionResponse>> stream_;
-  std::string session_id_;
+  std::string session_id_, secret_, shm_socket_;
   std::mutex mu_;
   bool broken_ = false;
   std::vector<Owned> owned_;

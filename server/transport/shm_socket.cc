@@ -1,0 +1,178 @@
+#include "shm_socket.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "data_plane_link.h"
+#include "lce/v1/shm_socket_wire.h"
+
+namespace lce::server {
+namespace {
+
+namespace wire = v1::shm_socket;
+
+// The request's first bytes and the descriptors that came with them (closed by the caller).
+// False when the connection ended or timed out first.
+bool RecvWithFds(int fd, uint8_t* buf, size_t n, std::vector<int>* fds) {
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
+  iovec iov{buf, n};
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  m.msg_control = control;
+  m.msg_controllen = sizeof(control);
+  ssize_t r = ::recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
+  while (r < 0 && errno == EINTR) r = ::recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
+  if (r <= 0) return false;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < k; ++i) {
+      int got;
+      std::memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds->push_back(got);
+    }
+  }
+  if ((m.msg_flags & MSG_CTRUNC) != 0) fds->push_back(-1);  // more than fit: refused below
+  return DataPlaneLink(fd).Recv(buf + r, n - static_cast<size_t>(r));
+}
+
+void Reply(int fd, const absl::StatusOr<uint64_t>& id) {
+  const std::string msg(id.status().message());
+  uint8_t head[wire::kReplyHeaderBytes];
+  wire::EncodeReplyHeader(static_cast<int32_t>(id.status().code()), static_cast<uint32_t>(msg.size()),
+                          id.ok() ? *id : 0, head);
+  std::string out(reinterpret_cast<const char*>(head), sizeof(head));
+  out += msg;
+  (void)!::send(fd, out.data(), out.size(), MSG_NOSIGNAL);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regions, const std::string& path,
+                                                            std::function<void()> on_register) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("shm socket: the path must have 1 to ", sizeof(addr.sun_path) - 1,
+                                                   " characters: '", path, "'"));
+  }
+  struct stat st {};
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(absl::StrCat("shm socket: ", path, " exists and is not a socket"));
+    }
+    ::unlink(path.c_str());  // a stale one (a server that did not end cleanly)
+  }
+  std::unique_ptr<ShmSocket> s(new ShmSocket(regions, path, std::move(on_register)));
+  s->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s->listen_fd_ < 0) return absl::InternalError(absl::StrCat("shm socket: socket: ", std::strerror(errno)));
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  if (::bind(s->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(s->listen_fd_, 64) != 0) {
+    return absl::UnavailableError(absl::StrCat("shm socket: cannot listen at ", path, ": ", std::strerror(errno)));
+  }
+  ::chmod(path.c_str(), 0666);
+  s->acceptor_ = std::thread([p = s.get()] { p->AcceptLoop(); });
+  return s;
+}
+
+ShmSocket::~ShmSocket() {
+  stopping_ = true;
+  if (listen_fd_ >= 0) ::shutdown(listen_fd_, SHUT_RDWR);
+  if (acceptor_.joinable()) acceptor_.join();
+  if (listen_fd_ >= 0) {
+    ::close(listen_fd_);
+    ::unlink(path_.c_str());
+  }
+  std::map<uint64_t, std::pair<int, std::thread>> conns;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [_, c] : conns_) {
+      if (c.first >= 0) ::shutdown(c.first, SHUT_RDWR);  // wakes their threads
+    }
+    conns.swap(conns_);
+  }
+  for (auto& [_, c] : conns) c.second.join();
+}
+
+void ShmSocket::AcceptLoop() {
+  while (!stopping_) {
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      return;  // shut down
+    }
+    std::vector<std::thread> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (uint64_t id : finished_) {
+        auto it = conns_.find(id);
+        if (it == conns_.end()) continue;
+        done.push_back(std::move(it->second.second));
+        conns_.erase(it);
+      }
+      finished_.clear();
+      if (stopping_ || conns_.size() >= kMaxConnections) {
+        ::close(fd);
+      } else {
+        const uint64_t id = next_id_++;
+        conns_[id] = {fd, std::thread([this, id, fd] { Serve(id, fd); })};
+      }
+    }
+    for (std::thread& t : done) t.join();
+  }
+}
+
+void ShmSocket::Serve(uint64_t id, int fd) {
+  const timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  const absl::StatusOr<uint64_t> region = Register(fd);
+  if (region.ok() && on_register_) on_register_();
+  Reply(fd, region);
+  std::lock_guard<std::mutex> lock(mu_);
+  conns_[id].first = -1;  // its number may be reused once closed: the destructor must not shut it down
+  ::close(fd);
+  finished_.push_back(id);
+}
+
+absl::StatusOr<uint64_t> ShmSocket::Register(int fd) {
+  uint8_t head[wire::kRequestBytes];
+  std::vector<int> fds;
+  absl::Cleanup close_fds = [&fds] {
+    for (int f : fds) {
+      if (f >= 0) ::close(f);
+    }
+  };
+  if (!RecvWithFds(fd, head, sizeof(head), &fds)) {
+    return absl::InvalidArgumentError("shm socket: the request ended early (or took over 5 s)");
+  }
+  wire::Request r;
+  uint32_t name_len = 0;
+  if (!wire::DecodeRequest(head, &r, &name_len)) return absl::InvalidArgumentError("shm socket: bad magic (expected \"LCF1\")");
+  if (name_len > wire::kMaxNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("shm socket: a name of ", name_len, " bytes (at most ",
+                                                   wire::kMaxNameBytes, ")"));
+  }
+  r.name.resize(name_len);
+  if (name_len > 0 && !DataPlaneLink(fd).Recv(r.name.data(), name_len)) return absl::InvalidArgumentError("shm socket: the name ended early");
+  if (fds.size() != 1 || fds[0] < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("shm socket: region '", r.name, "': send exactly one file descriptor "
+                                                   "(SCM_RIGHTS) with the request, got ", fds.size()));
+  }
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return absl::InternalError(absl::StrCat("shm socket: SO_PEERCRED: ", std::strerror(errno)));
+  }
+  return regions_.RegisterFd(r.session_id, r.secret, cred.uid, r.name, fds[0], r.offset, r.byte_size);
+}
+
+}  // namespace lce::server
