@@ -4,10 +4,11 @@
 #   asan  ASan + UBSan over the CPU suite: kernels_test, server_test, metrics_test, client_test and
 #         e2e_test, with the lce_server and lce_cli processes they start (the fuzzers' build directory,
 #         tests/fuzz/run_fuzzers.sh, so its libraries are compiled once for both)
-#   tsan  TSan over the concurrency tests: the pipeline, the answer writer, the watchdog, the worker
-#         pool, the data plane, sessions and shared memory, the dynamic batcher, several streams, the
-#         metrics endpoint (in a TSan build the test programs hold only those: the files after TSAN
-#         in tests/*/CMakeLists.txt, lce_test_sources)
+#   tsan  TSan over the tests of our own threads: the engine-call pipeline, the answer writer, the
+#         stream watchdog, the dynamic batcher, the data plane's server (sockets, sessions' regions),
+#         the metrics registry and HTTP server, the client's worker pool (in a TSan build the test
+#         programs hold only those: the files after TSAN in tests/*/CMakeLists.txt, which says why
+#         the tests through gRPC are not among them)
 #
 #   tests/sanitize.sh [asan] [tsan]        (default: both)
 #   LCE_ASAN_BUILD_DIR (build-asan), LCE_TSAN_BUILD_DIR (build-tsan), LCE_JOBS (nproc)
@@ -27,7 +28,7 @@ LANES=("$@")
 # here) are left out.
 ASAN_TARGETS=(kernels_test server_test metrics_test client_test e2e_test lce_server lce_cli)
 ASAN_EXCLUDE='^deploy_assets$'
-TSAN_TARGETS=(server_test metrics_test client_test e2e_test lce_server lce_cli)
+TSAN_TARGETS=(server_test metrics_test client_test)
 
 # Runs ctest in $1 (more ctest arguments after it); fails when a test fails or any process wrote a
 # sanitizer report.
@@ -76,7 +77,7 @@ tsan() {
   # not what this lane tests (kernels_test checks the engines' results).
   OMP_NUM_THREADS=1 \
   TSAN_OPTIONS=log_path=$PWD/$dir/sanitizer-logs/tsan:halt_on_error=0:second_deadlock_stack=1:suppressions=$SUPP/tsan.supp:${TSAN_OPTIONS:-} \
-    run_ctest "$dir"
+    run_ctest "$dir" --repeat until-fail:5  # five runs a test: more interleavings for TSan to see
 }
 
 for lane in "${LANES[@]}"; do
