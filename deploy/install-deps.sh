@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
+  clang-14 libfuzzer-14-dev llvm-14 libomp-14-dev  # the fuzzers and sanitizer builds (tests/sanitize.sh); llvm-14: the symbolizer
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libopenblas-dev libgtest-dev libgmock-dev
   libgloo-dev nlohmann-json3-dev libcpp-httplib-dev

@@ -5,6 +5,9 @@ It prints "ready" once its work is under way, then keeps at it until killed. Mod
   shm         a shared-memory session whose regions requests read and write
   data_plane  requests whose hidden states go over the data plane's sockets (killed mid-transfer)
   sessions    several sessions holding shared memory and server memory, idle
+  train       a ForwardBackward stream that accumulates dW on head TRAIN_KILL_HEAD: "ready" once its
+              first chunk's answer (and so that chunk's dW) is in; killed mid-upload, the server must
+              roll dW back to what it was before the request
 """
 from __future__ import annotations
 
@@ -41,6 +44,28 @@ def stream(target, hidden, vocab, rng):
 
     for _ in stub.ForwardBackward(gen()):
         pass
+
+
+TRAIN_KILL_HEAD = "killed"
+
+
+def train(target, hidden, vocab, rng):
+    """vocab: TRAIN_KILL_HEAD's (the kill lane loads it with the default head's shape)."""
+    import grpc
+
+    stub = pb_grpc.LceServiceStub(grpc.insecure_channel(target))
+
+    def gen():
+        yield pb.StreamRequest(header=pb.RequestHeader(head=TRAIN_KILL_HEAD, hidden_size=hidden, dtype=pb.DTYPE_FLOAT32,
+                                                       reduction=pb.REDUCTION_SUM, accumulate_weight_grad=True))
+        while True:
+            h, y = batch(rng, int(rng.integers(1, 200)), hidden, vocab)
+            yield pb.StreamRequest(chunk=pb.RowChunk(hidden=h.tobytes(), targets=y.tolist()))
+            time.sleep(float(rng.uniform(0, 0.05)))
+
+    for i, _ in enumerate(stub.ForwardBackward(gen())):
+        if i == 0:
+            ready()
 
 
 def call(target, hidden, vocab, rng):
@@ -83,7 +108,7 @@ def sessions(target, hidden, vocab, rng):
     time.sleep(3600)
 
 
-MODES = {"stream": stream, "call": call, "shm": shm, "data_plane": data_plane, "sessions": sessions}
+MODES = {"stream": stream, "call": call, "shm": shm, "data_plane": data_plane, "sessions": sessions, "train": train}
 
 if __name__ == "__main__":
     mode, target, hidden, vocab, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])

@@ -138,8 +138,8 @@ class TrainerLane(Lane):
 
     # ------------------------------------------------------------------------------ failures
     def fault(self) -> None:
-        """A training request that must fail before it touches anything; then dW and the version must be
-        as before (checked at once)."""
+        """A training request that must fail, before it touches anything or after some of its chunks'
+        dW went in; then dW and the version must be as before (checked at once)."""
         name = str(self.rng.choice(list(TRAINING_FAULTS)))
         expected, run = TRAINING_FAULTS[name]
         try:
@@ -201,6 +201,48 @@ def _cancel_before_rows(t: TrainerLane) -> None:
         gate.set()
 
 
+def _accumulating_stream(t: TrainerLane, second_chunk_bad: bool) -> list:
+    """A ForwardBackward stream accumulating dW whose first chunk is good (its dW goes in) and whose second,
+    when `second_chunk_bad`, has a target outside the vocabulary."""
+    hdr = pb.RequestHeader(head=TRAIN_HEAD, hidden_size=t.head.hidden, dtype=pb.DTYPE_FLOAT32,
+                           reduction=pb.REDUCTION_SUM, accumulate_weight_grad=True)
+    chunks = []
+    for bad in (False, second_chunk_bad):
+        y = t.rng.integers(0, t.head.vocab, 10)
+        if bad:
+            y[int(t.rng.integers(0, 10))] = t.head.vocab + 1
+        h = t.rng.standard_normal((10, t.head.hidden)).astype(np.float32)
+        chunks.append(pb.StreamRequest(chunk=pb.RowChunk(hidden=h.tobytes(), targets=y.tolist())))
+    return [pb.StreamRequest(header=hdr)] + chunks
+
+
+def _bad_target_second_chunk(t: TrainerLane) -> None:
+    """Refused after the first chunk's dW is in: the server must roll dW back (issue 22)."""
+    for _ in t.stub.ForwardBackward(iter(_accumulating_stream(t, True)), timeout=30):
+        pass
+
+
+def _cancel_after_first_answer(t: TrainerLane) -> None:
+    """Cancelled by its client once the first chunk's answer (and its dW) is in: rolled back too."""
+    import threading
+
+    gate = threading.Event()
+    msgs = _accumulating_stream(t, False)[:2]
+
+    def gen():
+        yield from msgs
+        gate.wait(30)
+
+    call = t.stub.ForwardBackward(gen(), timeout=30)
+    try:
+        next(call)
+        call.cancel()
+        for _ in call:
+            pass
+    finally:
+        gate.set()
+
+
 def _bad_step(t: TrainerLane) -> None:
     t.client.optimizer_step(TRAIN_HEAD, lr=float(t.rng.choice([-1e-3, float("nan")])))
 
@@ -223,6 +265,8 @@ TRAINING_FAULTS = {
     "stale_version": ({"FAILED_PRECONDITION"}, _stale_version),
     "accumulate_on_score": ({"INVALID_ARGUMENT"}, _accumulate_on_score),
     "cancel_before_rows": ({"CANCELLED"}, _cancel_before_rows),
+    "bad_target_second_chunk": ({"INVALID_ARGUMENT"}, _bad_target_second_chunk),
+    "cancel_after_first_answer": ({"CANCELLED"}, _cancel_after_first_answer),
     "bad_optimizer_step": ({"INVALID_ARGUMENT"}, _bad_step),
     "stale_update_weights": ({"FAILED_PRECONDITION"}, _stale_update),
     "short_update_weights": ({"INVALID_ARGUMENT"}, _short_update),
