@@ -28,6 +28,8 @@
 #                             1-row Scores a second from 64 callers, batching off and the defaults ($CALLS_CONFIGS); the
 #                             Python client too where .whl/ holds lce_client's wheel and its dependencies'
 #                             for the machine's python3 (`pip wheel -w .whl ./client/python`)
+#   tls-wire                  the data plane's sockets alone (lce_cli bench --op=wire, 64 MiB each way in 16 MiB
+#                             transfers), a plain server and a --data-plane-tls one on loopback, 1/2/4/8 sockets
 #   bin=NAME[:ARGS]           any .devbin binary with ARGS (':' for spaces), output to $OUT/NAME.log
 set -u
 [ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
@@ -191,6 +193,32 @@ invariant:--batch-invariant=true window100:--batch-max-delay-us=100}" \
   echo "small calls rc=$?"
 }
 
+# What --data-plane-tls costs the data plane's sockets on this host (no engine: a CPU server on a
+# small seeded head, 8192×4096 bf16 rows of its hidden size).
+step_tls_wire() {
+  local d=/tmp/lce_tls k mode log=$OUT/tls_wire.log
+  mkdir -p $d
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout $d/key.pem -out $d/cert.pem -days 1 -subj /CN=localhost \
+    -addext subjectAltName=IP:127.0.0.1,DNS:localhost > $d/openssl.log 2>&1
+  openssl speed -evp aes-256-gcm -seconds 1 2>/dev/null | tail -1 > "$log"
+  for mode in plain tls; do
+    local tls=() ca=()
+    [ $mode = tls ] && tls=(--tls-cert=$d/cert.pem --tls-key=$d/key.pem --data-plane-tls=true) && ca=(--tls-ca=$d/cert.pem)
+    rm -f $d/port
+    ./.devbin/lce_server --host=127.0.0.1 --port=0 --port-file=$d/port --data-port=0 --backend=cpu \
+      --seed-head=1024x4096 --head-dtype=bf16 --log-requests=false "${tls[@]}" > $d/server_$mode.log 2>&1 &
+    local server=$!
+    for _ in $(seq 300); do [ -s $d/port ] && break; sleep 0.1; done
+    for k in 1 2 4 8; do
+      echo "\$ lce_cli bench ($mode) --data-plane-sockets=$k" >> "$log"
+      ./.devbin/lce_cli bench --target=127.0.0.1:"$(cat $d/port)" "${ca[@]}" --op=wire --data-plane=1 \
+        --data-plane-sockets=$k --rows=8192 --chunk-bytes=16777216 --iterations=5 --warmup=1 >> "$log" 2>&1
+    done
+    kill $server; wait $server 2>/dev/null
+  done
+  echo "tls-wire done"
+}
+
 for step in "$@"; do
   arg=${step#*=}; [ "$arg" = "$step" ] && arg=""
   case ${step%%=*} in
@@ -225,6 +253,7 @@ for step in "$@"; do
       echo "py-wheels rc=$?" ;;
     py-gpu) step_py_gpu ;;
     small-calls) step_small_calls ;;
+    tls-wire) step_tls_wire ;;
     bin)
       name=${arg%%:*}; args=${arg#*:}; [ "$args" = "$arg" ] && args=""
       timeout 400 ./.devbin/$name ${args//:/ } > "$OUT/$name.log" 2>&1; echo "$name rc=$?" ;;

@@ -47,7 +47,7 @@ ABSL_FLAG(int32_t, grpc_cqs, 0,
 ABSL_FLAG(int32_t, data_port, -1,
           "data plane for remote clients' bulk bytes (TCP beside gRPC; each transfer shows its session's secret; plain unless --data-plane-tls) on the --host address (-1: off; 0: any port)");
 ABSL_FLAG(bool, data_plane_tls, false,
-          "serve the data plane over TLS with --tls-cert/--tls-key (clients verify it against their CA); costs throughput: measure with lce_transport_bench --data-plane-tls");
+          "serve the data plane over TLS with --tls-cert/--tls-key (clients verify it against their CA); costs throughput (bench/RESULTS.md; bench/device.sh tls-wire measures it)");
 ABSL_FLAG(std::string, shm_socket, "auto",
           "Unix socket on which co-located clients hand over shared memory as a file descriptor (memfd, SCM_RIGHTS) with their session's secret, from the session's uid; auto: $TMPDIR (else /tmp)/lce-server-<port>.sock; empty: none");
 ABSL_FLAG(bool, allow_shm_by_name, false,

@@ -60,7 +60,7 @@ double HoldAndEnd(client::LceClient& c, pid_t server, int data_port, const EndSe
   auto s = c.OpenSession();
   EXPECT_TRUE(s.ok()) << s.status();
   if (!s.ok()) return -1;
-  auto dp = client::DataPlaneConnection::Connect("127.0.0.1", data_port);
+  auto dp = client::DataPlaneConnection::Connect("127.0.0.1", data_port, {(*s)->secret()});
   EXPECT_TRUE(dp.ok()) << dp.status();
   if (!dp.ok()) return -1;
   std::vector<uint8_t> piece(4 * kMiB, 0x5a);  // not zeros: every page of the region is written
