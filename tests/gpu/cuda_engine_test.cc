@@ -680,6 +680,23 @@ void ExpectRowSameBits(const Answers& whole, const Answers& part, int64_t row, i
   if (H > 0) EXPECT_EQ(std::memcmp(&whole.d_hidden[row * H], &part.d_hidden[i * H], H * 4), 0) << what << " d_hidden";
 }
 
+// Rows 0, 777 and the last of p (4096 rows) alone and in batches of 7 and 300 against the whole batch:
+// the same bits in every per-row output (and d_hidden where H > 0). Returns the whole batch's answers.
+Answers ExpectBatchInvariant(LceEngine& e, const Problem& p, int64_t H, const std::string& what) {
+  const Answers whole = RunEngine(e, p, MemorySpace::kDevice, {});
+  EXPECT_TRUE(whole.status.ok()) << what << ": " << whole.status;
+  if (!whole.status.ok()) return whole;
+  for (const int64_t row : {int64_t{0}, int64_t{777}, p.ref.rows - 1}) {
+    for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{300}}) {
+      const int64_t r0 = std::min(row, p.ref.rows - n);
+      const Answers part = RunEngine(e, Slice(p, r0, n), MemorySpace::kDevice, {});
+      EXPECT_TRUE(part.status.ok()) << part.status;
+      if (part.status.ok()) ExpectRowSameBits(whole, part, row, r0, H, absl::StrCat(what, " row ", row, " in ", n));
+    }
+  }
+  return whole;
+}
+
 TEST_F(CudaTest, BatchInvarianceBitForBit) {
   // DESIGN.md, "Guarantees": a row's results are the same bits alone and in batches of 7, 300 and
   // 4096, on the fast loss path, the general path (label smoothing) and the generic backward; and
@@ -697,18 +714,7 @@ TEST_F(CudaTest, BatchInvarianceBitForBit) {
     const Problem p = MakeProblem(sp, 40 + variant);
     auto e = MakeCuda(p, cfg);
     ASSERT_NE(e, nullptr);
-    const Answers whole = RunEngine(*e, p, MemorySpace::kDevice, {});
-    ASSERT_TRUE(whole.status.ok()) << whole.status;
-    for (const int64_t row : {int64_t{0}, int64_t{777}, int64_t{4095}}) {
-      for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{300}}) {
-        const int64_t r0 = std::min(row, sp.rows - n);
-        const Answers part = RunEngine(*e, Slice(p, r0, n), MemorySpace::kDevice, {});
-        ASSERT_TRUE(part.status.ok()) << part.status;
-        ExpectRowSameBits(whole, part, row, r0, sp.hidden,
-                          "variant " + std::to_string(variant) + " row " + std::to_string(row) + " in " +
-                              std::to_string(n));
-      }
-    }
+    ExpectBatchInvariant(*e, p, sp.hidden, absl::StrCat("variant ", variant));
   }
 }
 
@@ -894,17 +900,7 @@ TEST_F(EpilogueStatsTest, BatchInvarianceBitForBit) {
     const Problem p = MakeProblem(sp, 5500 + invariant_cfg);
     auto e = MakeCuda(p, cfg);
     ASSERT_NE(e, nullptr);
-    const Answers whole = RunEngine(*e, p, MemorySpace::kDevice, {});
-    ASSERT_TRUE(whole.status.ok()) << whole.status;
-    for (const int64_t row : {int64_t{0}, int64_t{777}, int64_t{4095}}) {
-      for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{300}}) {
-        const int64_t r0 = std::min(row, sp.rows - n);
-        const Answers part = RunEngine(*e, Slice(p, r0, n), MemorySpace::kDevice, {});
-        ASSERT_TRUE(part.status.ok()) << part.status;
-        ExpectRowSameBits(whole, part, row, r0, 0,
-                          absl::StrCat(invariant_cfg ? "invariant cfg" : "default cfg", " row ", row, " in ", n));
-      }
-    }
+    ExpectBatchInvariant(*e, p, 0, invariant_cfg ? "invariant cfg" : "default cfg");
   }
 }
 
@@ -964,17 +960,9 @@ TEST_F(EpilogueStatsTest, TrainingBatchInvarianceAndScoreAgreement) {
     const Problem p = MakeProblem(sp, 5800 + variant);
     auto e = MakeCuda(p, cfg);
     ASSERT_NE(e, nullptr);
-    const Answers whole = RunEngine(*e, p, MemorySpace::kDevice, {});
+    const Answers whole =
+        ExpectBatchInvariant(*e, p, cfg.batch_invariant ? sp.hidden : 0, absl::StrCat("variant ", variant));
     ASSERT_TRUE(whole.status.ok()) << whole.status;
-    for (const int64_t row : {int64_t{0}, int64_t{777}, int64_t{4095}}) {
-      for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{300}}) {
-        const int64_t r0 = std::min(row, sp.rows - n);
-        const Answers part = RunEngine(*e, Slice(p, r0, n), MemorySpace::kDevice, {});
-        ASSERT_TRUE(part.status.ok()) << part.status;
-        ExpectRowSameBits(whole, part, row, r0, cfg.batch_invariant ? sp.hidden : 0,
-                          absl::StrCat("variant ", variant, " row ", row, " in ", n));
-      }
-    }
     Problem score = p;
     score.ref.mode = GradMode::kNone;
     score.grad_loss.clear();
