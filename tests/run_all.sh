@@ -7,6 +7,10 @@
 #   LCE_HARDENING=0 skips the hardening lanes (a quick local run); LCE_SOAK_SECONDS, LCE_FUZZ_SECONDS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# OpenMP threads that wait passively: ctest runs two tests at once on CI's two cores, each with CPU
+# engines of two threads, and spinning waiters then starve the thread they wait for (an e2e test took
+# 145 s instead of 5 under a little extra load).
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 BUILD=${LCE_BUILD_DIR:-build}
 JOBS=${LCE_JOBS:-$(nproc)}
 TIMES=()
