@@ -323,12 +323,8 @@ class CudaEngine final : public LceEngine {
   int64_t TileOf(const Layout& l) const { return l.tile > 0 ? l.tile : tile_; }
   // The epilogue-statistics GEMM's column tiles over the shard (epilogue_stats_gemm.cu).
   int64_t EpiTiles() const {
-#if defined(LCE_WITH_CUTLASS)
-    const int64_t cols = EpilogueStatsTileCols(epi_config_);
-    return (shape_.shard_rows + cols - 1) / cols;
-#else
-    return 0;
-#endif
+    const int64_t cols = EpiTileCols();
+    return cols > 0 ? (shape_.shard_rows + cols - 1) / cols : 0;
   }
   int EpiTileCols() const {
 #if defined(LCE_WITH_CUTLASS)

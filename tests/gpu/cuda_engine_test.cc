@@ -253,17 +253,23 @@ std::vector<OptCase> OptionCases() {
   return c;
 }
 
+// A problem of an option case's options, mode, bias and upstream, hidden states at twice the unit scale.
+ProblemSpec SpecOf(const OptCase& oc) {
+  ProblemSpec sp;
+  sp.options = oc.options;
+  sp.mode = oc.mode;
+  sp.bias = oc.bias;
+  sp.grad_loss = oc.grad_loss;
+  sp.h_scale = 2.0;
+  return sp;
+}
+
 TEST_F(CudaTest, MatchesReferenceEveryDtypeSpaceOption) {
   uint64_t seed = 1000;
   for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
     for (const OptCase& oc : OptionCases()) {
-      ProblemSpec sp;
+      ProblemSpec sp = SpecOf(oc);
       sp.dtype = dt;
-      sp.options = oc.options;
-      sp.mode = oc.mode;
-      sp.bias = oc.bias;
-      sp.grad_loss = oc.grad_loss;
-      sp.h_scale = 2.0;
       const Problem p = MakeProblem(sp, ++seed);
       auto e = MakeCuda(p);
       ASSERT_NE(e, nullptr);
@@ -914,15 +920,10 @@ TEST_F(EpilogueStatsTest, TrainingMatchesReferenceEveryOption) {
   for (S s : {S{37, 72, 20001}, S{257, 136, 4096}, S{3, 2880, 1000}, S{130, 64, 9001}}) {
     for (const OptCase& oc : OptionCases()) {
       if (oc.mode == GradMode::kNone) continue;
-      ProblemSpec sp;
+      ProblemSpec sp = SpecOf(oc);
       sp.rows = s.rows;
       sp.hidden = s.hidden;
       sp.vocab = s.vocab;
-      sp.options = oc.options;
-      sp.mode = oc.mode;
-      sp.bias = oc.bias;
-      sp.grad_loss = oc.grad_loss;
-      sp.h_scale = 2.0;
       const Problem p = MakeProblem(sp, ++seed);
       auto e = MakeCuda(p);
       ASSERT_NE(e, nullptr);
