@@ -21,6 +21,7 @@ stage() {
   echo "== $name"
   "$@"
   TIMES+=("$(printf '%-28s %5d s' "$name" $((SECONDS - t0)))")
+  echo "== $name: $((SECONDS - t0)) s"
 }
 
 build() {
