@@ -18,7 +18,8 @@
 # file fails the run and is printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x /usr/bin/llvm-symbolizer-14 ] && export LLVM_SYMBOLIZER_PATH=${LLVM_SYMBOLIZER_PATH:-/usr/bin/llvm-symbolizer-14}
+# llvm-symbolizer (llvm-14) for the reports' stacks; the sanitizers look for it on PATH.
+[ -x /usr/lib/llvm-14/bin/llvm-symbolizer ] && export PATH=$PATH:/usr/lib/llvm-14/bin
 JOBS=${LCE_JOBS:-$(nproc)}
 SUPP=$PWD/tests/sanitizer-suppressions
 LANES=("$@")
