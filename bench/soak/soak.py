@@ -58,6 +58,10 @@ CPU_THREADS = 2
 # it ran the CPU engine (CPU_THREADS - 1 workers, which inherit its name): so many may rest there
 # with no client, whatever the warm level caught.
 IDLE_POOL_BOUND = {"grpcpp_sync_ser": GRPC_CQS * 4 * CPU_THREADS}
+# The server's header and idle timeouts: short, so that the faults that wait for them end soon, but
+# not so short that a busy machine trips them on a good client (1 s did: at load 11 on 2 cores a
+# data-plane client's header came more than 1 s after its stream opened).
+HEADER_TIMEOUT_S, IDLE_TIMEOUT_S = 5, 10
 
 
 def free_port() -> int:
@@ -77,8 +81,9 @@ class Server:
                 f"--cpu-threads={CPU_THREADS}", f"--seed-head=4096x{HIDDEN}", "--head-dtype=fp32", f"--seed={seed}",
                 f"--grpc-cqs={GRPC_CQS}", "--data-port=0", f"--metrics-port={self.metrics_port}", "--metrics-host=127.0.0.1",
                 f"--max-message-bytes={MAX_MESSAGE_BYTES}", f"--max-rows-per-request={MAX_ROWS}",
-                f"--data-plane-bytes-per-session={DP_BYTES_PER_SESSION}", "--stream-header-timeout-seconds=1",
-                "--stream-idle-timeout-seconds=2", "--shutdown-grace-seconds=5", "--log-requests=false"]
+                f"--data-plane-bytes-per-session={DP_BYTES_PER_SESSION}",
+                f"--stream-header-timeout-seconds={HEADER_TIMEOUT_S}", f"--stream-idle-timeout-seconds={IDLE_TIMEOUT_S}",
+                "--shutdown-grace-seconds=5", "--log-requests=false"]
         port_file.unlink(missing_ok=True)
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
