@@ -169,6 +169,13 @@ def garbage_after_header(f: FaultLane):
     f.raw("Score", [pb.StreamRequest(header=f.header()).SerializeToString(), b"\x12\xff\xff\xff\xff\x0f"])
 
 
+def garbage_after_chunk(f: FaultLane):
+    """A message that does not parse after a valid chunk: once answered OK with the rows before it."""
+    f.raw("Score", [pb.StreamRequest(header=f.header()).SerializeToString(),
+                    pb.StreamRequest(chunk=f.chunk(5)).SerializeToString(), b"\x12\xff\xff\xff\xff\x0f",
+                    pb.StreamRequest(chunk=f.chunk(5)).SerializeToString()])
+
+
 def empty_message(f: FaultLane):
     f.raw("Score", [pb.StreamRequest(header=f.header()).SerializeToString(), b""])
 
@@ -372,6 +379,7 @@ FAULTS: Dict[str, Tuple[set, Callable, float]] = {
     "malformed_first": ({"INVALID_ARGUMENT"}, malformed_first, 2),
     "malformed_call": ({"INTERNAL"}, malformed_call, 2),  # gRPC's own answer to an unparsable unary message
     "garbage_after_header": ({"INVALID_ARGUMENT"}, garbage_after_header, 1),
+    "garbage_after_chunk": ({"INVALID_ARGUMENT"}, garbage_after_chunk, 1),
     "empty_message": ({"INVALID_ARGUMENT"}, empty_message, 1),
     "chunk_before_header": ({"INVALID_ARGUMENT"}, chunk_before_header, 1),
     "repeated_header": ({"INVALID_ARGUMENT"}, repeated_header, 1),

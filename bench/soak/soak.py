@@ -15,9 +15,6 @@ end, with every client gone, the server must hold no session, region or request,
 have grown by at most --max-rss-growth-mb over the warm level, its fds and threads not at all.
 Exit status 0 when all held, 1 otherwise; the report lists requests by kind, faults by kind and
 outcome, and the memory / fd / thread figures.
-
---probe-open-bugs adds faults for bugs known and not fixed yet (probes.py; docs/OPERATING.md,
-"Soak"): they fail the run until the bugs are fixed.
 """
 from __future__ import annotations
 
@@ -173,14 +170,11 @@ def load_heads(client: lce_client.Client, workdir: Path, seed: int) -> dict:
     return heads
 
 
-def run_phase(ctx, seconds: float, server: Server, probe: bool) -> None:
+def run_phase(ctx, seconds: float, server: Server) -> None:
     """All lanes at once for `seconds` (or until the server dies), then stopped and their clients closed."""
     seed = int(ctx.rng_seed.pop())
     lanes = [BytesLane(ctx, seed), BytesLane(ctx, seed + 1), ShmLane(ctx, seed + 2), DataPlaneLane(ctx, seed + 3),
              TrainerLane(ctx, seed + 4), TrainedHeadLane(ctx, seed + 5), FaultLane(ctx, seed + 6), KillLane(ctx, seed + 7)]
-    if probe:
-        from probes import ProbeLane
-        lanes.append(ProbeLane(ctx, seed + 8))
     for lane in lanes:
         lane.start()
     end = time.monotonic() + seconds
@@ -222,7 +216,6 @@ def main() -> int:
     ap.add_argument("--max-rss-growth-mb", type=float, default=50.0)
     ap.add_argument("--json", help="write the report here too")
     ap.add_argument("--workdir", help="server log, saved heads (default: a temporary directory)")
-    ap.add_argument("--probe-open-bugs", action="store_true", help="also inject the faults of known open bugs")
     a = ap.parse_args()
     warmup = a.warmup if a.warmup is not None else min(120.0, max(30.0, 0.15 * a.duration))
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="lce-soak-"))
@@ -243,12 +236,12 @@ def main() -> int:
                               train=TrainState(*heads[TRAIN_HEAD].latest()), rng_seed=[a.seed * 1000 + 100, a.seed * 1000])
         print(f"soak: server {server.target} (pid {server.proc.pid}), warm-up {warmup:.0f} s, then "
               f"{a.duration - warmup:.0f} s; workdir {workdir}", flush=True)
-        run_phase(ctx, warmup, server, a.probe_open_bugs)
+        run_phase(ctx, warmup, server)
         warm = settle(server) if server.alive() else None
         print(f"soak: warm level {warm}", flush=True)
         soak_from = time.time()
         if warm is not None:
-            run_phase(ctx, a.duration - warmup, server, a.probe_open_bugs)
+            run_phase(ctx, a.duration - warmup, server)
         final = settle(server, target=warm, timeout=60.0) if server.alive() else None
         if final is not None and thread_growth(warm["thread_names"], final["thread_names"]):
             dump_threads(server, workdir / "threads_at_end.txt")

@@ -214,23 +214,28 @@ grpc::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfo
   return grpc::Status::OK;
 }
 
-grpc::Status LceService::Score(grpc::ServerContext* ctx,
-                               grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return Recorded("Score", ctx, [&] { return RunStream(RpcKind::kScore, ctx, stream); });
-}
-grpc::Status LceService::ForwardBackward(grpc::ServerContext* ctx,
-                                         grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return Recorded("ForwardBackward", ctx, [&] { return RunStream(RpcKind::kForwardBackward, ctx, stream); });
-}
-grpc::Status LceService::Backward(grpc::ServerContext* ctx,
-                                  grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return Recorded("Backward", ctx, [&] { return RunStream(RpcKind::kBackward, ctx, stream); });
+LceService::LceService(std::shared_ptr<HeadStore> heads, ServiceConfig config)
+    : heads_(std::move(heads)), config_(config), regions_(config.cuda_device), batcher_(config.batching, config.metrics) {
+  const google::protobuf::ServiceDescriptor* service =
+      v1::StreamRequest::descriptor()->file()->FindServiceByName("LceService");
+  for (RpcKind rpc : {RpcKind::kScore, RpcKind::kForwardBackward, RpcKind::kBackward, RpcKind::kPolicyLoss}) {
+    // The generated service numbers its methods in the proto's order, as the descriptor does.
+    const int index = service->FindMethodByName(std::string(RpcName(rpc)))->index();
+    MarkMethodStreamed(index, new grpc::internal::BidiStreamingHandler<LceService, grpc::ByteBuffer, grpc::ByteBuffer>(
+                                  [rpc](LceService* self, grpc::ServerContext* ctx, ParsingStream::Raw* raw) {
+                                    return self->ServeStream(rpc, ctx, raw);
+                                  },
+                                  this));
+  }
 }
 
-grpc::Status LceService::PolicyLoss(grpc::ServerContext* ctx,
-                                    grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) {
-  return Recorded("PolicyLoss", ctx, [&] { return RunStream(RpcKind::kPolicyLoss, ctx, stream); });
+grpc::Status LceService::ServeStream(RpcKind rpc, grpc::ServerContext* ctx, ParsingStream::Raw* raw) {
+  return Recorded(RpcName(rpc), ctx, [&] {
+    ParsingStream stream(raw);
+    return RunStream(rpc, ctx, &stream);
+  });
 }
+
 grpc::Status LceService::Call(grpc::ServerContext* ctx, const v1::CallRequest* req, v1::CallResponse* resp) {
   static constexpr std::pair<v1::CallMethod, RpcKind> kMethods[] = {
       {v1::CALL_SCORE, RpcKind::kScore},
@@ -363,8 +368,7 @@ grpc::Status LceService::WithinLimit(grpc::ServerContext* ctx, const ClientWait&
   return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, limit.message);
 }
 
-grpc::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx,
-                                    grpc::ServerReaderWriterInterface<v1::StreamResponse, v1::StreamRequest>* stream,
+grpc::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream,
                                     std::optional<RequestPlan>* plan, std::optional<HeadStore::Use>* head_use) {
   v1::StreamRequest msg;
   bool got = false;
@@ -376,6 +380,7 @@ grpc::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx,
   if (!g.ok()) return g;
   if (!got) {
     if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+    if (absl::Status s = stream->ReadError(); !s.ok()) return ToGrpcStatus(s);
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty request: expected a header message first");
   }
   if (!msg.has_header()) {
@@ -388,8 +393,7 @@ grpc::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx,
-                                   grpc::ServerReaderWriterInterface<v1::StreamResponse, v1::StreamRequest>* stream,
+grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream,
                                    bool one_message) {
   if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
   StreamedRequest request(*this, rpc, ctx, stream, one_message);

@@ -18,6 +18,7 @@
 #include "lce/v1/lce.grpc.pb.h"
 #include "request_authenticator.h"
 #include "request_log.h"
+#include "request_stream.h"
 #include "service_metrics.h"
 #include "stream_watchdog.h"
 #include "tp_group.h"
@@ -84,22 +85,12 @@ std::string StatusCodeName(grpc::StatusCode code);
 
 class LceService final : public v1::LceService::Service {
  public:
-  LceService(std::shared_ptr<HeadStore> heads, ServiceConfig config)
-      : heads_(std::move(heads)),
-        config_(config),
-        regions_(config.cuda_device),
-        batcher_(config.batching, config.metrics) {}
+  // Score, ForwardBackward, Backward and PolicyLoss are served from their messages' bytes
+  // (request_stream.h), so a message that does not parse is an error, not the stream's end.
+  LceService(std::shared_ptr<HeadStore> heads, ServiceConfig config);
 
   grpc::Status GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequest* req,
                        v1::GetInfoResponse* resp) override;
-  grpc::Status Score(grpc::ServerContext* ctx,
-                     grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override;
-  grpc::Status ForwardBackward(grpc::ServerContext* ctx,
-                               grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override;
-  grpc::Status Backward(grpc::ServerContext* ctx,
-                        grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override;
-  grpc::Status PolicyLoss(grpc::ServerContext* ctx,
-                          grpc::ServerReaderWriter<v1::StreamResponse, v1::StreamRequest>* stream) override;
   // Any of the four as one message each way (small requests), through the same stages.
   grpc::Status Call(grpc::ServerContext* ctx, const v1::CallRequest* req, v1::CallResponse* resp) override;
 
@@ -135,13 +126,12 @@ class LceService final : public v1::LceService::Service {
   grpc::Status OpenSessionBody(grpc::ServerContext* ctx,
                                grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream);
   // `one_message`: a Call's stream (answers written inline, no writer thread).
-  grpc::Status RunStream(RpcKind rpc, grpc::ServerContext* ctx,
-                         grpc::ServerReaderWriterInterface<v1::StreamResponse, v1::StreamRequest>* stream,
-                         bool one_message = false);
+  // One of the four streamed computations, its messages as bytes.
+  grpc::Status ServeStream(RpcKind rpc, grpc::ServerContext* ctx, ParsingStream::Raw* raw);
+  grpc::Status RunStream(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream, bool one_message = false);
   // Reads the stream's header (within the header timeout) and checks it into *plan, holding the
   // version of its head the request will run on in *head_use.
-  grpc::Status ReadHeader(RpcKind rpc, grpc::ServerContext* ctx,
-                          grpc::ServerReaderWriterInterface<v1::StreamResponse, v1::StreamRequest>* stream,
+  grpc::Status ReadHeader(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream,
                           std::optional<RequestPlan>* plan, std::optional<HeadStore::Use>* head_use);
   // A blocking wait on the client (a read of its next message, or a write it must read) bounded by
   // the watchdog: past `seconds` (0: no limit) the call is cancelled with DEADLINE_EXCEEDED and

@@ -5,12 +5,12 @@
 
 #include <utility>
 
-#include "grpcpp/support/sync_stream.h"
 #include "lce/v1/lce.pb.h"
+#include "request_stream.h"
 
 namespace lce::server {
 
-class OneMessageStream final : public grpc::ServerReaderWriterInterface<v1::StreamResponse, v1::StreamRequest> {
+class OneMessageStream final : public RequestStream {
  public:
   // `request` is the Call's (gRPC's, read only: its chunk is copied once); `response` receives the answers.
   OneMessageStream(const v1::CallRequest& request, v1::CallResponse* response)

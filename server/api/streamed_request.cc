@@ -118,7 +118,8 @@ grpc::Status StreamedRequest::Receive(bool* more) {
   grpc::Status g = service_.WithinLimit(
       ctx_, service_.IdleWait(what),
       [&] { return Timed(&RequestWork::read_wait_seconds, [&] { return stream_->Read(&msg_); }); }, more);
-  if (!g.ok() || !*more) return g;
+  if (!g.ok()) return g;
+  if (!*more) return ToGrpcStatus(stream_->ReadError());  // the end, or a message that did not parse
   if (ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
   if (msg_.has_header()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,

@@ -27,7 +27,7 @@ namespace lce::server {
 
 class StreamedRequest {
  public:
-  using Stream = grpc::ServerReaderWriterInterface<v1::StreamResponse, v1::StreamRequest>;
+  using Stream = RequestStream;
   // `one_message`: a Call (one_message_stream.h), whose answers are written inline.
   StreamedRequest(LceService& service, RpcKind rpc, grpc::ServerContext* ctx, Stream* stream,
                   bool one_message = false);
