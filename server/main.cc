@@ -19,6 +19,7 @@
 #include "head_source.h"
 #include "lce/device_memory.h"
 #include "metrics.h"
+#include "memory_trimmer.h"
 #include "metrics_http.h"
 #include "service_metrics.h"
 #include "server_flags.h"
@@ -238,6 +239,7 @@ int main(int argc, char** argv) {
     if (absl::Status s = options.service.dp_job->Publish(port); !s.ok()) return Fail(s);
   }
   std::atomic<bool> serving{true};
+  MemoryTrimmer trimmer(flags->memory_trim_seconds, &registry);
   std::unique_ptr<metrics::MetricsHttpServer> metrics_http;
   if (flags->metrics_port >= 0) {
     registry.AddCollectHook([&] { service_metrics.Sample(*heads); });

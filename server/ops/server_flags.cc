@@ -136,6 +136,8 @@ ABSL_FLAG(double, stream_header_timeout_seconds, 10.0,
           "a stream must send its header within S seconds of opening, or end DEADLINE_EXCEEDED; it holds no admission slot meanwhile (0 = no limit)");
 ABSL_FLAG(double, stream_idle_timeout_seconds, 60.0,
           "then it must send each next message, and read each answer, within S seconds (0 = no limit)");
+ABSL_FLAG(double, memory_trim_seconds, 10.0,
+          "every S seconds give the allocator's free memory back to the system (malloc_trim; 0 = never)");
 ABSL_FLAG(int64_t, max_head_bytes, 0,
           "largest head shard (weight bytes) loaded at start or by LoadHead; larger is RESOURCE_EXHAUSTED (0: the GPU's memory on CUDA, the host's otherwise)");
 
@@ -206,6 +208,7 @@ const std::vector<std::string>& FlagNames() {
       "dp_tls_ca",
       "stream_header_timeout_seconds",
       "stream_idle_timeout_seconds",
+      "memory_trim_seconds",
       "max_head_bytes"};
   return names;
 }
@@ -319,7 +322,8 @@ absl::Status CheckTimeouts(const ServerFlags& f) {
   for (auto [name, v] : {std::pair{"dp-timeout-seconds", f.dp_timeout_seconds},
                          std::pair{"dp-join-timeout-seconds", f.dp_join_timeout_seconds},
                          std::pair{"stream-header-timeout-seconds", f.stream_header_timeout_seconds},
-                         std::pair{"stream-idle-timeout-seconds", f.stream_idle_timeout_seconds}}) {
+                         std::pair{"stream-idle-timeout-seconds", f.stream_idle_timeout_seconds},
+                         std::pair{"memory-trim-seconds", f.memory_trim_seconds}}) {
     if (absl::Status s = CheckSeconds(name, v); !s.ok()) return s;
   }
   if (f.max_head_bytes < 0) return absl::InvalidArgumentError("--max-head-bytes must be >= 0");
@@ -408,6 +412,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   f.dp_tls_ca = absl::GetFlag(FLAGS_dp_tls_ca);
   f.stream_header_timeout_seconds = absl::GetFlag(FLAGS_stream_header_timeout_seconds);
   f.stream_idle_timeout_seconds = absl::GetFlag(FLAGS_stream_idle_timeout_seconds);
+  f.memory_trim_seconds = absl::GetFlag(FLAGS_memory_trim_seconds);
   f.max_head_bytes = absl::GetFlag(FLAGS_max_head_bytes);
   if (absl::Status s = ReadCompositeFlags(f); !s.ok()) return s;
   if (absl::Status s = CheckTimeouts(f); !s.ok()) return s;

@@ -72,6 +72,7 @@ struct ServerFlags {
   // head shard built (0: the GPU's memory on CUDA, the host's otherwise).
   double stream_header_timeout_seconds{};
   double stream_idle_timeout_seconds{};
+  double memory_trim_seconds{};  // MemoryTrimmer's interval (0: never)
   int64_t max_head_bytes{};
   bool help = false;  // --help or -h
 };
