@@ -5,9 +5,12 @@ end to end, against the server's own engine time of the same calls (lce_engine_s
 phase="compute"} from its /metrics, read before and after); then the rate of small scores from
 C coroutines at once on one lce_client.aio.Client, with what the server's dynamic batcher did
 meanwhile (lce_batch_*). bench/small_calls.sh runs it against a server with batching off and on.
+The client merges concurrent scores into one Call (aio.Client(coalesce=True), the default; "calls an
+RPC" says how many went in each); --no-coalesce sends one RPC a call. --rows "" skips the table.
 
     python bench/small_calls.py --target 127.0.0.1:50051 --metrics 127.0.0.1:9400 [--rows 1,16,64]
         [--iterations 200] [--warmup 20] [--concurrency 64] [--seconds 5] [--rate-rows 1] [--label on]
+        [--no-coalesce]
 """
 from __future__ import annotations
 
@@ -76,17 +79,18 @@ async def rate(args, head) -> tuple:
             await c.score(h, y)
             done += 1
 
-    async with lce_client.aio.Client(args.target, timeout=60) as c:
+    async with lce_client.aio.Client(args.target, timeout=60, coalesce=not args.no_coalesce) as c:
         await c.score(h, y)  # the channel up
-        before = scrape(args.metrics)
+        before, rpcs = scrape(args.metrics), c.rpcs_sent
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(caller(c)) for _ in range(args.concurrency)]
         await asyncio.sleep(args.seconds)
         stop = True
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+        rpcs = c.rpcs_sent - rpcs
     after = scrape(args.metrics)
-    return done, wall, before, after
+    return done, rpcs, wall, before, after
 
 
 def main() -> None:
@@ -100,21 +104,25 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--rate-rows", type=int, default=1)
     p.add_argument("--label", default="")
+    p.add_argument("--no-coalesce", action="store_true", help="the asyncio client sends one RPC a call")
     args = p.parse_args()
     with lce_client.Client(args.target, timeout=60) as c:
         info = c.info()
     head = info.head
     print(f"Python client, {info.backend} head {head.vocab_size}x{head.hidden_size} ({head.dtype}), {args.label}: "
           f"sequential scores, one Call each, {args.iterations} after {args.warmup} warm-ups\n")
-    latency_table(args, head)
-    done, wall, before, after = asyncio.run(rate(args, head))
+    if args.rows:
+        latency_table(args, head)
+    done, rpcs, wall, before, after = asyncio.run(rate(args, head))
     d = lambda name: metric(after, name) - metric(before, name)  # noqa: E731
     batches = d('lce_batch_requests_count{op="score"}')
     per_call = d('lce_batch_requests_sum{op="score"}') / batches if batches else 1.0
-    print("\n| client | callers | rows a call | calls/s | engine calls/s | requests an engine call | engine busy |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    print(f"| Python asyncio | {args.concurrency} | {args.rate_rows} | {done / wall:.0f} | {d(ENGINE_COUNT) / wall:.0f} "
-          f"| {per_call:.2f} | {100 * d(ENGINE_SUM) / wall:.0f}% |")
+    client = "Python asyncio" + (", one RPC a call" if args.no_coalesce else ", coalesced")
+    print("\n| client | callers | rows a call | calls/s | calls an RPC | engine calls/s | requests an engine call "
+          "| engine busy |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| {client} | {args.concurrency} | {args.rate_rows} | {done / wall:.0f} | {done / max(rpcs, 1):.1f} "
+          f"| {d(ENGINE_COUNT) / wall:.0f} | {per_call:.2f} | {100 * d(ENGINE_SUM) / wall:.0f}% |")
 
 
 if __name__ == "__main__":

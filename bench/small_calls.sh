@@ -10,6 +10,8 @@
 #   ROWS, ITERS, WARMUP, CONCURRENCY, DURATION (seconds of the rate; default 1,16,64; 200; 20; 64; 5)
 #   SERVER_BIN, BENCH_BIN (default build/bin/...), PYTHON (default .venv/bin/python, else python3;
 #   the Python part is skipped where it cannot import lce_client)
+#   PY_FLAGS  more flags for bench/small_calls.py (e.g. --no-coalesce: the asyncio client sends one RPC
+#   a call instead of merging concurrent calls)
 # Prints markdown tables; the servers' logs go to $OUT (default /tmp/small_calls).
 set -u
 OUT=${OUT:-/tmp/small_calls}; mkdir -p "$OUT"
@@ -38,8 +40,9 @@ for cfg in $CONFIGS; do
   "$BENCH_BIN" --target=127.0.0.1:"$port" --metrics=127.0.0.1:"$mport" --label="$name" "${common[@]}"
   echo
   if [ $python_ok = 1 ]; then
+    # shellcheck disable=SC2086
     "$PYTHON" bench/small_calls.py --target 127.0.0.1:"$port" --metrics 127.0.0.1:"$mport" --label "$name" \
-      "${common[@]}"
+      "${common[@]}" ${PY_FLAGS:-}
   else
     echo "(Python client: $PYTHON cannot import lce_client; skipped)"
   fi

@@ -3,6 +3,7 @@ event loop, with the sync client's answers bit for bit (the CPU engine is batch-
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import numpy as np
@@ -96,3 +97,198 @@ def test_a_stream_refused_early_reports_the_servers_status(heads):
     lp, _ = asyncio.run(run())
     want, _ = lce_client.Client(head.target).score(h, y)
     assert np.array_equal(lp, want)
+
+
+# ------------------------------------------------------------------------------------- coalescing
+# Concurrent small calls on one aio.Client go as one merged Call (Client(coalesce=True), the default);
+# the CPU engine reports every output invariant across batches, so merging is on for these servers.
+
+def one_at_a_time(target, calls, method="score"):
+    """Each (args, kwargs) of `calls` awaited alone, one after the other (so never merged)."""
+    async def run():
+        async with lce_client.aio.Client(target, timeout=60) as c:
+            return [await getattr(c, method)(*a, **kw) for a, kw in calls]
+
+    return asyncio.run(run())
+
+
+def concurrently(target, calls, method="score", **client_kw):
+    """All of `calls` at once (asyncio.gather, exceptions returned); and the RPCs that the client sent."""
+    async def run():
+        async with lce_client.aio.Client(target, timeout=60, **client_kw) as c:
+            got = await asyncio.gather(*(getattr(c, method)(*a, **kw) for a, kw in calls), return_exceptions=True)
+            return got, c.rpcs_sent
+
+    return asyncio.run(run())
+
+
+def test_64_concurrent_scores_of_different_rows_merge_into_one_call_with_the_same_bits(heads):
+    head = heads["fp32"]
+    with head.client() as c:  # what lets the client merge
+        assert {"logprob", "entropy", "d_hidden"} <= set(c.info().invariant_across_batches)
+    calls = [(batch(head, 1 + (7 * i) % 13, 500 + i), {}) for i in range(64)]
+    calls[10] = (calls[10][0], {"entropy": False})  # other options: a lane of its own
+    want = one_at_a_time(head.target, calls)
+    got, rpcs = concurrently(head.target, calls)
+    assert rpcs == 2  # one merged Call for the 63 calls of one key, one for the other
+    for (lp, ent), (wlp, went) in zip(got, want):
+        assert lp.shape == wlp.shape and lp.view(np.uint32).tobytes() == wlp.view(np.uint32).tobytes()
+        assert (ent is None and went is None) or ent.view(np.uint32).tobytes() == went.view(np.uint32).tobytes()
+
+
+def test_concurrent_backwards_merge_and_forward_backward_never_does(heads):
+    head = heads["bf16"]
+    rng = np.random.default_rng(510)
+    calls = []
+    for i in range(12):
+        h, y = batch(head, 1 + i % 5, 510 + i)
+        calls.append(((h, y, rng.standard_normal(len(y)).astype(np.float32),
+                       rng.standard_normal(len(y)).astype(np.float32)), {}))
+    want = one_at_a_time(head.target, calls, "backward")
+    got, rpcs = concurrently(head.target, calls, "backward")
+    assert rpcs == 1
+    assert all(np.array_equal(g, w) and g.shape == w.shape for g, w in zip(got, want))
+    fb = [((h, y), {"reduction": "sum"}) for (h, y, _, _), _ in calls]
+    got, rpcs = concurrently(head.target, fb, "forward_backward")
+    assert rpcs == len(fb)  # its loss is over the whole request: never merged
+    assert all(g.loss == w.loss for g, w in zip(got, one_at_a_time(head.target, fb, "forward_backward")))
+
+
+def test_only_calls_whose_outputs_are_all_invariant_merge(heads):
+    head = heads["fp32"]
+    calls = [batch(head, 2, 515 + i) for i in range(8)]
+
+    async def run(**kw):
+        async with lce_client.aio.Client(head.target, timeout=60) as c:
+            await c.score(*calls[0])
+            # As a server whose entropy may differ in rounding with the batch (GetInfo's invariance).
+            c._limits[""] = dataclasses.replace(c._limits[""], invariant=frozenset({"logprob"}))
+            sent = c.rpcs_sent
+            await asyncio.gather(*(c.score(h, y, **kw) for h, y in calls))
+            return c.rpcs_sent - sent
+
+    assert asyncio.run(run()) == 8
+    assert asyncio.run(run(entropy=False)) == 1
+
+
+def test_the_servers_count_of_rpcs_with_and_without_coalescing(server_factory):
+    from helpers import free_port, sample, scrape
+
+    port = free_port()
+    srv = server_factory([f"--seed-head={VOCAB}x{HIDDEN}", "--head-dtype=fp32", f"--metrics-port={port}",
+                          "--metrics-host=127.0.0.1"], name="aio_metrics")
+    rng = np.random.default_rng(520)
+    calls = [((rng.standard_normal((2, HIDDEN)).astype(np.float32), rng.integers(0, VOCAB, 2)), {})
+             for _ in range(64)]
+    for coalesce, want_rpcs in ((False, 64), (True, 1)):
+        before = sample(scrape(port), "lce_requests_total", method="Score", code="OK")
+        got, rpcs = concurrently(srv.target, calls, coalesce=coalesce)
+        after = sample(scrape(port), "lce_requests_total", method="Score", code="OK")
+        assert rpcs == want_rpcs and after - before == want_rpcs
+        assert all(isinstance(g, tuple) for g in got)
+
+
+@pytest.mark.parametrize("found_by", ["client", "server"])
+def test_a_bad_request_among_good_ones_fails_alone(heads, found_by):
+    head = heads["fp32"]
+    calls = [(batch(head, 4, 530 + i), {}) for i in range(16)]
+    bad_y = calls[7][0][1].copy()
+    bad_y[2] = VOCAB + 3
+    calls[7] = ((calls[7][0][0], bad_y), {})
+    want = one_at_a_time(head.target, calls[:7] + calls[8:])
+
+    async def run():
+        async with lce_client.aio.Client(head.target, timeout=60) as c:
+            await c.score(*calls[0][0])  # the head's limits in
+            if found_by == "server":  # a stale vocabulary: the client lets the bad target into the merged call
+                c._limits[""] = dataclasses.replace(c._limits[""], vocab=VOCAB + 10)
+            sent = c.rpcs_sent
+            got = await asyncio.gather(*(c.score(*a) for a, _ in calls), return_exceptions=True)
+            return got, c.rpcs_sent - sent
+
+    got, rpcs = asyncio.run(run())
+    e = got[7]
+    assert isinstance(e, lce_client.LceError) and e.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "row 2" in e.details and "target" in e.details  # its own row, not the merged call's
+    # The client keeps it out of the merged call (1 + 1), or the server refuses that and each goes alone.
+    assert rpcs == (2 if found_by == "client" else 1 + 16)
+    for (lp, ent), (wlp, went) in zip(got[:7] + got[8:], want):
+        assert np.array_equal(lp, wlp) and np.array_equal(ent, went)
+
+
+class Gate:
+    """A stub whose Calls wait for `open` (so that a merged call stays in flight while the test acts)."""
+
+    def __init__(self, stub):
+        self.stub, self.open, self.calls = stub, asyncio.Event(), 0
+
+    def __getattr__(self, name):
+        return getattr(self.stub, name)
+
+    async def Call(self, request, **kw):  # noqa: N802 - the stub's name
+        self.calls += 1
+        await self.open.wait()
+        return await self.stub.Call(request, **kw)
+
+
+def test_a_cancelled_caller_leaves_the_merged_call_to_the_others(heads):
+    head = heads["fp32"]
+    calls = [(batch(head, 3, 540 + i), {}) for i in range(16)]
+    want = one_at_a_time(head.target, calls)
+
+    async def run():
+        async with lce_client.aio.Client(head.target, timeout=60) as c:
+            await c.score(*calls[0][0])
+            gate = c._aio_stubs[0] = Gate(c._aio_stubs[0])
+            tasks = [asyncio.create_task(c.score(*a)) for a, _ in calls]
+            while gate.calls == 0:  # the merged call in flight
+                await asyncio.sleep(0.001)
+            assert tasks[5].cancel()
+            late = asyncio.create_task(c.score(*calls[1][0]))  # queued behind it, then cancelled too
+            await asyncio.sleep(0.01)
+            assert late.cancel()
+            gate.open.set()
+            got = await asyncio.gather(*tasks, return_exceptions=True)
+            return got, gate.calls, late
+
+    got, rpcs, late = asyncio.run(run())
+    assert rpcs == 1 and late.cancelled()  # the merged call was neither cancelled nor sent again
+    assert isinstance(got[5], asyncio.CancelledError)
+    for (lp, ent), (wlp, went) in zip(got[:5] + got[6:], want[:5] + want[6:]):
+        assert np.array_equal(lp, wlp) and np.array_equal(ent, went)
+
+
+def test_each_caller_has_its_own_deadline_and_a_merged_call_the_latest(heads):
+    head = heads["fp32"]
+    h, y = batch(head, 2, 550)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        async with lce_client.aio.Client(head.target, timeout=1.0) as c:
+            await c.score(h, y)
+            gate = c._aio_stubs[0] = Gate(c._aio_stubs[0])
+            sent = []  # (when, timeout) of each Call
+            call = gate.Call
+
+            async def record(request, **kw):
+                sent.append((loop.time(), kw["timeout"]))
+                return await call(request, **kw)
+
+            gate.Call = record
+            starts, tasks = [], []
+            for _ in range(3):  # the first goes (and waits at the gate), the others queue behind it
+                starts.append(loop.time())
+                tasks.append(asyncio.create_task(c.score(h, y)))
+                await asyncio.sleep(0.2)
+            with pytest.raises(lce_client.LceError) as e:
+                await tasks[0]
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert loop.time() - starts[0] < 1.1 and not tasks[1].done()  # its own deadline
+            gate.open.set()
+            got = await asyncio.gather(*tasks[1:])
+            return got, sent, starts
+
+    got, sent, starts = asyncio.run(run())
+    assert len(sent) == 2 and all(lp.shape == (2,) for lp, _ in got)
+    when, timeout = sent[1]  # the second Call: both queued calls, with the later one's deadline
+    assert abs(when + timeout - (starts[2] + 1.0)) < 0.05  # (the earlier one's: 0.2 s sooner)

@@ -154,10 +154,10 @@ def host_hidden(hidden: Any, dtype: Optional[Any] = None) -> HostArray:
             raise TypeError(f"hidden of numpy dtype {arr.dtype} cannot carry {dtype_name(wire)} values")
         if arr.dtype.kind == "f" and arr.dtype != want:
             raise TypeError(f"hidden is {arr.dtype}, not {dtype_name(wire)}")
-    elif arr.dtype.name == "bfloat16" or arr.dtype == np.uint16:  # ml_dtypes.bfloat16, or raw bf16 bits
-        wire = pb.DTYPE_BFLOAT16
-    elif arr.dtype == np.float32:
+    elif arr.dtype == np.float32:  # (the cheap comparisons first: small calls are made at high rates)
         wire = pb.DTYPE_FLOAT32
+    elif arr.dtype == np.uint16 or arr.dtype.name == "bfloat16":  # raw bf16 bits, or ml_dtypes.bfloat16
+        wire = pb.DTYPE_BFLOAT16
     elif arr.dtype == np.float16:
         wire = pb.DTYPE_FLOAT16
     else:
@@ -171,6 +171,16 @@ def host_hidden(hidden: Any, dtype: Optional[Any] = None) -> HostArray:
     lead = tuple(arr.shape[:-1])
     flat = arr.reshape(-1, arr.shape[-1]).view(_STORAGE[wire])
     return HostArray(flat, wire, lead, "numpy")
+
+
+_INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)  # (np.iinfo is slow to make)
+
+
+def _fits_int32(arr: np.ndarray) -> bool:
+    if arr.size <= 64:  # (small calls come at high rates: Python beats two numpy reductions on a few values)
+        vals = arr.ravel().tolist()
+        return _INT32_MIN <= min(vals) and max(vals) <= _INT32_MAX
+    return bool(arr.max() <= _INT32_MAX and arr.min() >= _INT32_MIN)
 
 
 def host_rows(x: Any, rows: int, what: str, np_dtype, lead_shape: tuple) -> np.ndarray:
@@ -190,7 +200,7 @@ def host_rows(x: Any, rows: int, what: str, np_dtype, lead_shape: tuple) -> np.n
     if np_dtype == np.int32:
         if arr.dtype.kind not in ("i", "u"):
             raise TypeError(f"{what} must be integer token ids, got {arr.dtype}")
-        if arr.size and (arr.max() > np.iinfo(np.int32).max or arr.min() < np.iinfo(np.int32).min):
+        if arr.size and arr.dtype.itemsize >= 4 and arr.dtype != np.int32 and not _fits_int32(arr):
             raise ValueError(f"{what} does not fit int32")
     return np.ascontiguousarray(arr.reshape(-1), dtype=np_dtype)
 
