@@ -198,6 +198,7 @@ absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions
     r->target = target;
     r->channel = MakeChannel(options, target, 0, lb_policy);
     r->stub = v1::LceService::NewStub(r->channel);
+    r->hidden_call = std::make_unique<HiddenCall>(r->channel);
     for (int i = 1; i < options.streams; ++i) {
       r->extra_channels.push_back(MakeChannel(options, target, i, lb_policy));
       r->extra_stubs.push_back(v1::LceService::NewStub(r->extra_channels.back()));
@@ -442,7 +443,7 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
   std::atomic<bool> cancelled{false};
   auto run_part = [&](size_t i) {
     v1::LceService::Stub& stub = i == 0 ? *replica.stub : *replica.extra_stubs[i - 1];
-    results[i] = StreamPart(stub, contexts[i], rpc, routed, part_header, grad_loss, grad_logprob, grad_entropy,
+    results[i] = StreamPart(stub, i == 0 ? replica.hidden_call.get() : nullptr, contexts[i], rpc, routed, part_header, grad_loss, grad_logprob, grad_entropy,
                             parts[i].first, parts[i].second, assembly, &summaries[i],
                             via_data_plane ? &lanes[i] : nullptr);
     if (split && !results[i].ok()) {  // the server counts rows from the part's start: say where it is
@@ -507,7 +508,8 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
   return absl::OkStatus();
 }
 
-absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientContext& ctx, const char* rpc,
+absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, const HiddenCall* hidden_call, grpc::ClientContext& ctx,
+                                   const char* rpc,
                                    const HiddenBatch& batch, const v1::RequestHeader& header,
                                    absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
                                    absl::Span<const float> grad_entropy, int64_t part_first, int64_t part_rows,
@@ -556,7 +558,8 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
   TaskLatch tasks_done(uploaders + 1);  // the uploaders and the writer
   std::vector<int> shares_done(lane == nullptr ? 0 : plan.size(), 0);
   // The message of plan chunk k.
-  auto chunk_message = [&](size_t k, v1::StreamRequest& msg) {
+  // `with_hidden`: the hidden bytes too (a HiddenCall sends them from the batch itself).
+  auto chunk_message = [&](size_t k, v1::StreamRequest& msg, bool with_hidden = true) {
     const auto [first, n] = plan[k];
     msg.Clear();
     v1::RowChunk* c = msg.mutable_chunk();
@@ -565,7 +568,7 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
       r->set_region_id(batch.hidden_region->region_id);
       r->set_offset(batch.hidden_region->offset + first * row_bytes);
       r->set_byte_size(n * row_bytes);
-    } else {
+    } else if (with_hidden) {
       c->set_hidden(reinterpret_cast<const char*>(batch.hidden.data()) + first * row_bytes, n * row_bytes);
     }
     if (batch.d_hidden_region) {
@@ -661,8 +664,9 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     *req.mutable_header() = header;
     req.mutable_header()->set_hidden_size(batch.hidden_size);
     req.mutable_header()->set_dtype(batch.dtype);
+    const bool hidden_apart = hidden_call != nullptr && !hidden_in_region;
     v1::StreamRequest msg;
-    chunk_message(0, msg);
+    chunk_message(0, msg, /*with_hidden=*/!hidden_apart);
     *req.mutable_chunk() = std::move(*msg.mutable_chunk());
     grpc::ClientContext call_ctx;
     Prepare(&call_ctx);
@@ -672,7 +676,11 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, grpc::ClientConte
     }
     v1::CallResponse answer;
     if (tracing) trace.opened = trace.first_chunk_sent = trace.last_chunk_sent = now();
-    const grpc::Status s = stub.Call(&call_ctx, req, &answer);
+    const grpc::Status s =
+        hidden_apart ? hidden_call->Run(&call_ctx, req,
+                                          batch.hidden.subspan(plan[0].first * row_bytes, plan[0].second * row_bytes),
+                                          &answer)
+                     : stub.Call(&call_ctx, req, &answer);
     if (tracing) {
       trace.first_answer = trace.last_answer = trace.ended = now();
       options_.stream_trace(trace);

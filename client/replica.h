@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "data_plane_connection.h"
+#include "hidden_call.h"
 #include "lce/client/lce_client.h"
 
 namespace lce::client {
@@ -35,6 +36,7 @@ struct LceClient::Replica {
   std::string target;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::LceService::Stub> stub;
+  std::unique_ptr<HiddenCall> hidden_call;  // Calls on `channel`, their hidden states not copied
   // Connections 1..streams-1 for split requests (`stub` is the first).
   std::vector<std::shared_ptr<grpc::Channel>> extra_channels;
   std::vector<std::unique_ptr<v1::LceService::Stub>> extra_stubs;

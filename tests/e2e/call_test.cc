@@ -1,6 +1,10 @@
 // LceService.Call: a request in one message gets the same answers, bit for bit, and the same errors
 // as the streamed RPC it names, and the server serves on.
+#include <cstring>
+
 #include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "hidden_call.h"
 #include "gtest/gtest.h"
 #include "test_server.h"
 
@@ -111,6 +115,55 @@ TEST(Call, ErrorsAreTheStreamsAndTheServerServesOn) {
   c = Called(*stub, v1::CALL_SCORE, good, &ok);
   ASSERT_TRUE(c.ok()) << c.error_message();
   EXPECT_EQ(ok.chunk().logprobs_size(), 4);
+}
+
+
+// The client's Call sends the hidden states as a slice of the caller's memory after the message
+// (hidden_call.h): the server reads the same request, so the answers are the stub's bits.
+TEST(Call, HiddenStatesApartGiveTheSameAnswers) {
+  auto ts = StartTestServer();
+  auto stub = RawStub(ts->target);
+  const client::HiddenCall call(grpc::CreateChannel(ts->target, grpc::InsecureChannelCredentials()));
+  for (v1::CallMethod method : {v1::CALL_SCORE, v1::CALL_FORWARD_BACKWARD, v1::CALL_BACKWARD}) {
+    SCOPED_TRACE(v1::CallMethod_Name(method));
+    const Batch b = MakeBatch(37, v1::DTYPE_BFLOAT16, 17);
+    Request r = Make(b, method);
+    v1::CallResponse want, got;
+    ASSERT_TRUE(Called(*stub, method, r, &want).ok());
+    v1::CallRequest req;
+    req.set_method(method);
+    *req.mutable_header() = r.header;
+    *req.mutable_chunk() = r.chunk;
+    req.mutable_chunk()->clear_hidden();
+    grpc::ClientContext ctx;
+    const grpc::Status s = call.Run(&ctx, req, absl::MakeConstSpan(b.hidden), &got);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(got.SerializeAsString(), want.SerializeAsString());
+  }
+}
+
+// A call the server refuses before it has read all of it (a message over its limit): Run returns
+// the status only once gRPC let go of the caller's bytes, which may then go (ASan watches).
+TEST(Call, HiddenStatesApartOverTheLimitIsRefusedAndReleased) {
+  auto ts = StartTestServer(/*max_message_bytes=*/1 << 20);
+  const client::HiddenCall call(grpc::CreateChannel(ts->target, grpc::InsecureChannelCredentials()));
+  const int64_t rows = (8 << 20) / (kHidden * 2);
+  auto hidden = std::make_unique<std::vector<uint8_t>>(MakeBatch(rows, v1::DTYPE_BFLOAT16, 5).hidden);
+  v1::CallRequest req;
+  req.set_method(v1::CALL_SCORE);
+  req.mutable_header()->set_hidden_size(kHidden);
+  req.mutable_header()->set_dtype(v1::DTYPE_BFLOAT16);
+  for (int64_t i = 0; i < rows; ++i) req.mutable_chunk()->add_targets(1);
+  v1::CallResponse got;
+  grpc::ClientContext ctx;
+  const grpc::Status s = call.Run(&ctx, req, absl::MakeConstSpan(*hidden), &got);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  std::memset(hidden->data(), 0xff, hidden->size());  // ours again
+  hidden.reset();
+  const Batch b = MakeBatch(3, v1::DTYPE_BFLOAT16, 6);
+  Request ok = Make(b, v1::CALL_SCORE);
+  v1::CallResponse answer;
+  EXPECT_TRUE(Called(*RawStub(ts->target), v1::CALL_SCORE, ok, &answer).ok());
 }
 
 }  // namespace

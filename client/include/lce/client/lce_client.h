@@ -22,6 +22,8 @@
 
 namespace lce::client {
 
+class HiddenCall;  // hidden_call.h
+
 class WorkerPool;
 
 // When one stream of a call reached each point (steady_clock, which every process on a host
@@ -326,7 +328,9 @@ class LceClient {
   absl::StatusOr<v1::GetInfoResponse> GetInfoOn(Replica& replica, const std::string& head);
   absl::StatusOr<std::unique_ptr<SharedMemorySession>> OpenSessionOn(v1::LceService::Stub& stub);
   // Rows [first, first + count) of the batch as one stream on `stub`; answers go into `assembly`.
-  absl::Status StreamPart(v1::LceService::Stub& stub, grpc::ClientContext& ctx, const char* rpc,
+  // `hidden_call`: the stub's channel's, for a request that fits one Call (null: none).
+  absl::Status StreamPart(v1::LceService::Stub& stub, const HiddenCall* hidden_call, grpc::ClientContext& ctx,
+                          const char* rpc,
                           const HiddenBatch& batch, const v1::RequestHeader& header, absl::Span<const float> grad_loss,
                           absl::Span<const float> grad_logprob, absl::Span<const float> grad_entropy, int64_t first,
                           int64_t count, Assembly& assembly, PartSummary* summary, const DataPlaneLane* lane);
