@@ -17,13 +17,19 @@ namespace lce::cuda {
 inline constexpr int kSegment = 2048;
 
 // Per-row record kept between the forward and the backward (floats, kRowInfo per row):
-// global max m, lse, and the backward coefficients A, B, C, D of
-//   dL/dz_ij = A_i·p_ij + B_i·p_ij·(z_ij − m_i) − C_i·1[j = y_i] − D_i.
+// global max m, log S = lse − m, and the backward coefficients A, B, C, D of
+//   dL/dz_ij = A_i·p_ij + B_i·p_ij·(z_ij − m_i) − C_i·1[j = y_i] − D_i,   p_ij = exp((z_ij − m_i) − log S_i).
+// log S, not lse: exp(z − lse) of fp32 z and lse cancels their magnitude, and lse = m + log S rounded
+// at |lse| ~ 2.7e3 is off by up to 1.2e-4 (half an ulp): that much relative error in every p, more than
+// the logit GEMM's own rounding causes (CudaTest.ExtremeLogits, fp32: d_hidden 1.2e-4 from float64 on
+// the H200; a CPU replica of these kernels' fp32 arithmetic gives 1.2e-4 that way and 1.4e-5 this way,
+// as much as float64 from the fp32-rounded logits). z − m comes from the stored z − m_group plus
+// m_group − m (exact near the row max), and log S is small.
 inline constexpr int kRowInfo = 8;
 // Fast loss path (StoreMode::kExpBf16): dL/da_ij = s_i·exp(z_ij − c_i) − t_i·1[j = y_i], with
-// s_i = A_i·exp(c_i − lse_i)/T in kInfoScale and t_i = C_i/T in kInfoTarget.
+// s_i = A_i·exp((c_i − m_i) − log S_i)/T in kInfoScale and t_i = C_i/T in kInfoTarget.
 enum RowInfoSlot : int {
-  kInfoMax = 0, kInfoLse = 1, kInfoA = 2, kInfoB = 3, kInfoC = 4, kInfoD = 5, kInfoScale = 6, kInfoTarget = 7
+  kInfoMax = 0, kInfoLogS = 1, kInfoA = 2, kInfoB = 3, kInfoC = 4, kInfoD = 5, kInfoScale = 6, kInfoTarget = 7
 };
 
 // Per-row packed partials summed across ranks: S, Q, Σz, z_y.

@@ -109,14 +109,14 @@ __global__ void FinalizeKernel(FinalizeArgs a, const float* __restrict__ m, cons
   }
   float* in = info + r * kRowInfo;
   in[kInfoMax] = mm;
-  in[kInfoLse] = lse;
+  in[kInfoLogS] = log_s;
   in[kInfoA] = A;
   in[kInfoB] = B;
   in[kInfoC] = C;
   in[kInfoD] = D;
   if (a.row_c != nullptr) {
     const float inv_t = 1.0f / a.temperature;
-    in[kInfoScale] = A == 0.0f ? 0.0f : A * expf(a.row_c[r] - lse) * inv_t;
+    in[kInfoScale] = A == 0.0f ? 0.0f : A * expf((a.row_c[r] - mm) - log_s) * inv_t;
     in[kInfoTarget] = C * inv_t;
   }
 }

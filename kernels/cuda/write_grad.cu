@@ -25,9 +25,10 @@ WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__
   const int c0 = v0 + (blockIdx.x * kThreads + threadIdx.x) * kVec;
   if (c0 >= nv) return;
   const float* in = info + r * kRowInfo;
-  const float m = in[kInfoMax], lse = in[kInfoLse], A = in[kInfoA], B = in[kInfoB], C = in[kInfoC],
+  const float m = in[kInfoMax], log_s = in[kInfoLogS], A = in[kInfoA], B = in[kInfoB], C = in[kInfoC],
               D = in[kInfoD];
   const float m_group = part[(r * ngroup + c0 / group_cols) * 4];
+  const float group_shift = m_group - m;  // 0 in the group of the row max; exact near it (Sterbenz)
   const float inv_temp = 1.0f / temperature;
   const float t_over_s = softcap > 0.0f ? temperature / softcap : 0.0f;
   const int32_t y = targets[r];
@@ -50,13 +51,14 @@ WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__
   }
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
-    const float z = m_group + ToFloat(vin.s[j]);
-    const float p = expf(z - lse);
-    float dz = A * p + B * p * (z - m) - D;
+    // z − m and p from the stored z − m_group without forming z or lse (kernels.h, RowInfoSlot).
+    const float zm = group_shift + ToFloat(vin.s[j]);
+    const float p = expf(zm - log_s);
+    float dz = A * p + B * p * zm - D;
     if (c0 + j == ylocal) dz -= C;
     float da = dz * inv_temp;
     if (softcap > 0.0f) {
-      const float t = z * t_over_s;
+      const float t = (m_group + ToFloat(vin.s[j])) * t_over_s;
       da *= 1.0f - t * t;
     }
     vout.t[j] = FromFloat<T>(da);
