@@ -377,7 +377,7 @@ FAULTS: Dict[str, Tuple[set, Callable, float]] = {
     "oversized_message": ({"RESOURCE_EXHAUSTED"}, oversized_message, 2),
     "too_many_rows": ({"RESOURCE_EXHAUSTED"}, too_many_rows, 1),
     "malformed_first": ({"INVALID_ARGUMENT"}, malformed_first, 2),
-    "malformed_call": ({"INTERNAL"}, malformed_call, 2),  # gRPC's own answer to an unparsable unary message
+    "malformed_call": ({"INVALID_ARGUMENT"}, malformed_call, 2),
     "garbage_after_header": ({"INVALID_ARGUMENT"}, garbage_after_header, 1),
     "garbage_after_chunk": ({"INVALID_ARGUMENT"}, garbage_after_chunk, 1),
     "empty_message": ({"INVALID_ARGUMENT"}, empty_message, 1),

@@ -226,6 +226,9 @@ class CudaEngine final : public LceEngine {
       LCE_CUDA_CHECK(cudaMemcpy(bias_.get(), weights_->bias.data(), weights_->bias.size() * sizeof(float),
                                 cudaMemcpyHostToDevice));
     }
+    // A copy from pageable memory may return before its DMA lands, and the engine's streams are
+    // non-blocking (no implicit order with these copies): wait for the weights here.
+    LCE_CUDA_CHECK(cudaDeviceSynchronize());
     cudaDeviceProp prop{};
     LCE_CUDA_CHECK(cudaGetDeviceProperties(&prop, config_.device));
     // Forward logit GEMMs leave this many multiprocessors to the tile reductions on aux_.

@@ -227,6 +227,11 @@ LceService::LceService(std::shared_ptr<HeadStore> heads, ServiceConfig config)
                                   },
                                   this));
   }
+  MarkMethodStreamed(service->FindMethodByName("Call")->index(),
+                     new grpc::internal::StreamedUnaryHandler<v1::CallRequest, v1::CallResponse>(
+                         [this](grpc::ServerContext* ctx, grpc::ServerUnaryStreamer<v1::CallRequest, v1::CallResponse>* call) {
+                           return ServeCall(ctx, call);
+                         }));
 }
 
 grpc::Status LceService::ServeStream(RpcKind rpc, grpc::ServerContext* ctx, ParsingStream::Raw* raw) {
@@ -236,22 +241,31 @@ grpc::Status LceService::ServeStream(RpcKind rpc, grpc::ServerContext* ctx, Pars
   });
 }
 
-grpc::Status LceService::Call(grpc::ServerContext* ctx, const v1::CallRequest* req, v1::CallResponse* resp) {
+grpc::Status LceService::ServeCall(grpc::ServerContext* ctx,
+                                   grpc::ServerUnaryStreamer<v1::CallRequest, v1::CallResponse>* call) {
   static constexpr std::pair<v1::CallMethod, RpcKind> kMethods[] = {
       {v1::CALL_SCORE, RpcKind::kScore},
       {v1::CALL_FORWARD_BACKWARD, RpcKind::kForwardBackward},
       {v1::CALL_BACKWARD, RpcKind::kBackward},
       {v1::CALL_POLICY_LOSS, RpcKind::kPolicyLoss}};
+  v1::CallRequest req;
+  if (!call->Read(&req)) {
+    if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the message is not a CallRequest: it does not parse as protobuf");
+  }
   for (const auto& [method, rpc] : kMethods) {
-    if (req->method() != method) continue;
+    if (req.method() != method) continue;
     // Counted under the streamed RPC's name: the same work, whichever way it came.
     return Recorded(RpcName(rpc), ctx, [&, rpc = rpc] {
-      OneMessageStream stream(*req, resp);
-      return RunStream(rpc, ctx, &stream, /*one_message=*/true);
+      v1::CallResponse resp;
+      OneMessageStream stream(&req, &resp);
+      grpc::Status s = RunStream(rpc, ctx, &stream, /*one_message=*/true);
+      if (s.ok() && !call->Write(resp)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+      return s;
     });
   }
   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                      absl::StrCat("CallRequest.method ", req->method(), " is not a computation (set CALL_SCORE, ",
+                      absl::StrCat("CallRequest.method ", req.method(), " is not a computation (set CALL_SCORE, ",
                                    "CALL_FORWARD_BACKWARD, CALL_BACKWARD or CALL_POLICY_LOSS)"));
 }
 

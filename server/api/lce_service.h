@@ -91,8 +91,6 @@ class LceService final : public v1::LceService::Service {
 
   grpc::Status GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequest* req,
                        v1::GetInfoResponse* resp) override;
-  // Any of the four as one message each way (small requests), through the same stages.
-  grpc::Status Call(grpc::ServerContext* ctx, const v1::CallRequest* req, v1::CallResponse* resp) override;
 
   // Training RPCs (lce_service_training.cc); admin token.
   grpc::Status LoadHead(grpc::ServerContext* ctx, const v1::LoadHeadRequest* req, v1::HeadDescription* resp) override;
@@ -126,6 +124,10 @@ class LceService final : public v1::LceService::Service {
   grpc::Status OpenSessionBody(grpc::ServerContext* ctx,
                                grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream);
   // `one_message`: a Call's stream (answers written inline, no writer thread).
+  // Any of the four as one message each way (small requests), through the same stages. Served as a
+  // streamed unary call: the request is ours to take the chunk from (no copy), and one that does
+  // not parse is INVALID_ARGUMENT (gRPC's own answer would be INTERNAL).
+  grpc::Status ServeCall(grpc::ServerContext* ctx, grpc::ServerUnaryStreamer<v1::CallRequest, v1::CallResponse>* call);
   // One of the four streamed computations, its messages as bytes.
   grpc::Status ServeStream(RpcKind rpc, grpc::ServerContext* ctx, ParsingStream::Raw* raw);
   grpc::Status RunStream(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream, bool one_message = false);

@@ -12,9 +12,8 @@ namespace lce::server {
 
 class OneMessageStream final : public RequestStream {
  public:
-  // `request` is the Call's (gRPC's, read only: its chunk is copied once); `response` receives the answers.
-  OneMessageStream(const v1::CallRequest& request, v1::CallResponse* response)
-      : request_(request), response_(response) {}
+  // `request` is the Call's (its chunk is moved out, not copied); `response` receives the answers.
+  OneMessageStream(v1::CallRequest* request, v1::CallResponse* response) : request_(*request), response_(response) {}
 
   void SendInitialMetadata() override {}
   bool NextMessageSize(uint32_t* size) override {
@@ -27,7 +26,7 @@ class OneMessageStream final : public RequestStream {
       *msg->mutable_header() = request_.header();
       msg->mutable_header()->set_sends_ahead(false);  // nothing to read ahead: one chunk
     } else if (next_ == 1) {
-      *msg->mutable_chunk() = request_.chunk();
+      msg->mutable_chunk()->Swap(request_.mutable_chunk());
     } else {
       return false;
     }
@@ -45,7 +44,7 @@ class OneMessageStream final : public RequestStream {
   }
 
  private:
-  const v1::CallRequest& request_;
+  v1::CallRequest& request_;
   v1::CallResponse* response_;
   int next_ = 0;
 };

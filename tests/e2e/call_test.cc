@@ -4,6 +4,8 @@
 
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 #include "hidden_call.h"
 #include "gtest/gtest.h"
 #include "test_server.h"
@@ -164,6 +166,25 @@ TEST(Call, HiddenStatesApartOverTheLimitIsRefusedAndReleased) {
   Request ok = Make(b, v1::CALL_SCORE);
   v1::CallResponse answer;
   EXPECT_TRUE(Called(*RawStub(ts->target), v1::CALL_SCORE, ok, &answer).ok());
+}
+
+// A message that does not parse as a CallRequest is the client's error, named (gRPC's own answer
+// for an unparsable unary request would be INTERNAL), and the server serves on.
+TEST(Call, MessageThatIsNotACallRequest) {
+  auto ts = StartTestServer();
+  auto channel = grpc::CreateChannel(ts->target, grpc::InsecureChannelCredentials());
+  const grpc::internal::RpcMethod method("/lce.v1.LceService/Call", grpc::internal::RpcMethod::NORMAL_RPC, channel);
+  const std::string garbage("\x0a\xff\xff\xff\xff\x0f", 6);  // field 1, a length past the message
+  grpc::Slice slice(garbage);
+  const grpc::ByteBuffer wire(&slice, 1);
+  v1::CallResponse answer;
+  grpc::ClientContext ctx;
+  const grpc::Status s =
+      grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::CallResponse>(channel.get(), method, &ctx, wire, &answer);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("not a CallRequest"), std::string::npos) << s.error_message();
+  const Batch b = MakeBatch(3, v1::DTYPE_BFLOAT16, 6);
+  EXPECT_TRUE(Called(*RawStub(ts->target), v1::CALL_SCORE, Make(b, v1::CALL_SCORE), &answer).ok());
 }
 
 }  // namespace
