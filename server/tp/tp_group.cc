@@ -189,7 +189,8 @@ T TpGroup::Locked(F&& op) {
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_) return T(GroupDown());
   T out = op();
-  if (StatusOf(out).code() == absl::StatusCode::kUnavailable) Fail(StatusOf(out));
+  // The caller gets `out` itself; Fail's copy of the status only marks the group down.
+  if (StatusOf(out).code() == absl::StatusCode::kUnavailable) Fail(StatusOf(out)).IgnoreError();
   return out;
 }
 

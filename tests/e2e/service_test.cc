@@ -166,29 +166,48 @@ TEST_F(Service, BackwardMatchesEngine) {
   for (int64_t i = 0; i < b.rows * kHidden; ++i) ASSERT_NEAR(g[i], w[i], 1e-5 * std::max(1.0f, std::abs(w[i]))) << i;
 }
 
+// Eight clients at once, each its own sizes and chunking: every Score and ForwardBackward answer is
+// the engine's own for those rows (loss, reduced loss, d_hidden too), not just an OK.
 TEST_F(Service, EightConcurrentClients) {
   std::vector<std::thread> threads;
-  std::vector<int> ok(8, 0);
+  std::vector<std::string> why(8, "did not finish");
   for (int t = 0; t < 8; ++t) {
-    threads.emplace_back([t, &ok] {
+    threads.emplace_back([this, t, &why] {
       Batch b = MakeBatch(150 + 10 * t, v1::DTYPE_BFLOAT16, 100 + t);
-      Expected want = EngineAnswer(*ts_->bf16_engine, b, LceOptions{}, {});
+      const Expected scored = EngineAnswer(*ts_->bf16_engine, b, LceOptions{}, {});
+      const std::vector<float> ones(b.rows, 1.0f);
+      Upstream up;
+      up.mode = GradMode::kLoss;
+      up.grad_loss = ones.data();
+      const Expected trained = EngineAnswer(*ts_->bf16_engine, b, LceOptions{}, up);
+      double sum = 0;
+      for (float l : trained.loss) sum += l;
+      const std::vector<float> want_dh = Bf16(trained.d_hidden);
+      auto close = [](float a, float b, double tol) { return std::abs(a - b) <= tol * std::max(1.0f, std::abs(b)); };
       auto c = Connect(*ts_, 64 * (7 + t));
       for (int rep = 0; rep < 3; ++rep) {
         auto got = c->Score(View(b), v1::RequestHeader{});
-        if (!got.ok() || got->logprobs.size() != want.logprob.size()) return;
-        for (size_t i = 0; i < want.logprob.size(); ++i) {
-          if (std::abs(got->logprobs[i] - want.logprob[i]) > 1e-5f * std::max(1.0f, std::abs(want.logprob[i]))) return;
+        if (!got.ok()) return void(why[t] = std::string(got.status().message()));
+        if (got->logprobs.size() != scored.logprob.size()) return void(why[t] = "logprob count");
+        for (size_t i = 0; i < scored.logprob.size(); ++i) {
+          if (!close(got->logprobs[i], scored.logprob[i], 1e-5)) return void(why[t] = "logprob " + std::to_string(i));
         }
         v1::RequestHeader h;
         h.set_reduction(v1::REDUCTION_SUM);
-        if (!c->ForwardBackward(View(b), h).ok()) return;
+        auto fb = c->ForwardBackward(View(b), h);
+        if (!fb.ok()) return void(why[t] = std::string(fb.status().message()));
+        if (std::abs(fb->reduced_loss - sum) > 1e-5 * std::abs(sum)) return void(why[t] = "reduced loss");
+        const std::vector<float> got_dh = Bf16(fb->d_hidden);
+        if (got_dh.size() != want_dh.size()) return void(why[t] = "d_hidden size");
+        for (size_t i = 0; i < want_dh.size(); ++i) {
+          if (!close(got_dh[i], want_dh[i], 1e-2)) return void(why[t] = "d_hidden " + std::to_string(i));
+        }
       }
-      ok[t] = 1;
+      why[t].clear();
     });
   }
   for (auto& th : threads) th.join();
-  for (int t = 0; t < 8; ++t) EXPECT_EQ(ok[t], 1) << "client " << t;
+  for (int t = 0; t < 8; ++t) EXPECT_EQ(why[t], "") << "client " << t;
 }
 
 }  // namespace
