@@ -12,8 +12,18 @@
 namespace lce::server {
 namespace {
 
+// The sanitizers bring their own allocator (gcc names them with __SANITIZE_*__, clang 14 only
+// through __has_feature).
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
+#define LCE_SANITIZED_ALLOCATOR 1
+#endif
+#endif
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kGlibcMalloc = false;  // the sanitizers bring their own allocator
+#define LCE_SANITIZED_ALLOCATOR 1
+#endif
+#ifdef LCE_SANITIZED_ALLOCATOR
+constexpr bool kGlibcMalloc = false;
 #else
 constexpr bool kGlibcMalloc = true;
 #endif
