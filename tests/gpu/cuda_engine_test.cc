@@ -3,7 +3,10 @@
 // Every test skips (GTEST_SKIP, with a message) where no CUDA device is visible.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <barrier>
+#include <chrono>
+#include <iostream>
 #include <bit>
 #include <cmath>
 #include <cstdlib>
@@ -408,6 +411,55 @@ TEST_F(CudaTest, HostRowsFastPathDWeightSlabs) {
   const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 122);
   ExpectMatches(RunEngine(*e, p, MemorySpace::kHost, dw0), p, dw0, "host rows, d_weight in slabs");
   ExpectMatches(RunEngine(*e, p, MemorySpace::kDevice, dw0), p, dw0, "device rows");
+}
+
+// "The full logits never exist": a training call's device memory beyond the head's does not grow
+// with its rows past the workspace's cap. A thread samples the device's used memory through the call (allocations that would
+// scale with N·V live for milliseconds at least); host rows, so that no row lives on the device
+// but what the engine stages. 131,072 × 151,936 fp32 logits would be 80 GB.
+TEST_F(CudaTest, PeakDeviceMemoryDoesNotGrowWithRows) {
+  auto used_now = [] {
+    size_t free = 0, total = 0;
+    cudaMemGetInfo(&free, &total);
+    return static_cast<int64_t>(total - free);
+  };
+  ProblemSpec sp;
+  sp.hidden = 512;
+  sp.vocab = 151936;
+  sp.rows = 131072;
+  Problem big = MakeProblem(sp, 71);
+  auto e = MakeCuda(big);
+  ASSERT_NE(e, nullptr);
+  const int64_t before = used_now();  // the head's weights and the engine's fixed state
+  std::vector<int64_t> peaks;
+  for (int64_t rows : {int64_t{2048}, int64_t{65536}, sp.rows}) {
+    Problem& p = big;
+    p.ref.rows = rows;  // the first rows of the same problem
+    std::atomic<bool> done{false};
+    std::atomic<int64_t> peak{used_now()};
+    std::thread sampler([&] {
+      while (!done.load()) {
+        const int64_t u = used_now();
+        if (u > peak.load()) peak.store(u);
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    });
+    const Answers a = RunEngine(*e, p, MemorySpace::kHost, std::vector<float>(sp.vocab * sp.hidden, 0.0f));
+    done = true;
+    sampler.join();
+    ASSERT_TRUE(a.status.ok()) << a.status;
+    peaks.push_back(peak.load() - before);
+  }
+  const int64_t MiB = int64_t{1} << 20;
+  // The workspace grows with the rows up to its cap (EngineConfig::workspace_bytes, 1 GiB by
+  // default; cuBLAS's own beside it), then the rows go through it in blocks: past the cap, twice
+  // the rows take no more memory.
+  for (size_t i = 0; i < peaks.size(); ++i) {
+    EXPECT_LE(peaks[i], 1024 * MiB + 128 * MiB) << "call " << i << ": " << peaks[i] / MiB << " MiB over the head's";
+  }
+  EXPECT_LE(peaks[2], peaks[1] + 64 * MiB) << "65,536 rows: " << peaks[1] / MiB << " MiB, 131,072: " << peaks[2] / MiB;
+  std::cout << "extra device memory at 2,048 / 65,536 / 131,072 rows: " << peaks[0] / MiB << " / " << peaks[1] / MiB
+            << " / " << peaks[2] / MiB << " MiB" << std::endl;
 }
 
 TEST_F(CudaTest, ExtremeLogits) {
