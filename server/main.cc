@@ -127,7 +127,9 @@ int main(int argc, char** argv) {
       staging = CreateHostStaging();
     }
     if (!c.ok()) return Fail(c.status());
-    comm = TimeCollectives(std::move(*c), &service_metrics.collective_seconds.WithLabels({std::to_string(flags->tp_rank)}));
+    const std::string rank = std::to_string(flags->tp_rank);
+    comm = TimeCollectives(std::move(*c), &service_metrics.collective_seconds.WithLabels({rank}),
+                           &service_metrics.collective_bytes.WithLabels({rank}));
   }
   std::unique_ptr<DpRank> dp_rank;  // this rank's link to the other replicas' (after the group's own)
   if (dp) {

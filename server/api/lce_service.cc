@@ -260,7 +260,10 @@ grpc::Status LceService::ServeCall(grpc::ServerContext* ctx,
       v1::CallResponse resp;
       OneMessageStream stream(&req, &resp);
       grpc::Status s = RunStream(rpc, ctx, &stream, /*one_message=*/true);
-      if (s.ok() && !call->Write(resp)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+      // Sent with the status in one batch, as a plain unary answer is.
+      if (s.ok() && !call->Write(resp, grpc::WriteOptions().set_last_message())) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+      }
       return s;
     });
   }

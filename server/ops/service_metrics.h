@@ -27,6 +27,7 @@ class ServiceMetrics {
   metrics::Family<metrics::Gauge>& head_version;        // lce_head_version{head}
   metrics::Gauge& tp_size;                              // lce_tp_size
   metrics::Family<metrics::Counter>& collective_seconds;  // lce_collective_seconds_total{rank}
+  metrics::Family<metrics::Counter>& collective_bytes;  // lce_collective_bytes_total{rank}
   metrics::Family<metrics::Gauge>& peer_up;             // lce_peer_up{rank}
   metrics::Gauge& sessions;                             // lce_sessions
   metrics::Family<metrics::Gauge>& regions;             // lce_regions{kind}

@@ -46,8 +46,11 @@ absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateGlooCommunicator(const TpB
 absl::StatusOr<std::unique_ptr<TpCommunicator>> CreateNcclCommunicator(const TpBootstrap& bootstrap, int device);
 #endif
 
-// Wraps a communicator so that the wall time of every collective is added to `seconds`.
-std::unique_ptr<TpCommunicator> TimeCollectives(std::unique_ptr<TpCommunicator> inner, metrics::Counter* seconds);
+// Wraps a communicator so that the wall time of every collective is added to `seconds`, and to
+// `bytes` what this rank put into them (an all-reduce's count × 4, a broadcast's bytes); every rank
+// takes part in every collective with the same size, so one rank's count tells the group's traffic.
+std::unique_ptr<TpCommunicator> TimeCollectives(std::unique_ptr<TpCommunicator> inner, metrics::Counter* seconds,
+                                                metrics::Counter* bytes);
 
 // After a collective failed: names the members whose process is gone (pid files in the rendezvous
 // directory, same host), e.g. "rank 2 (pid 1234) exited"; or says none could be identified.

@@ -1,5 +1,6 @@
 #include "tp_processes.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -48,8 +49,13 @@ TpGroup::TpGroup(int k, double timeout_seconds, const std::string& head_file, co
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
+    posix_spawn_file_actions_t out;
+    posix_spawn_file_actions_init(&out);
+    const std::string log = (dir_ / ("rank_" + std::to_string(r) + ".out")).string();
+    posix_spawn_file_actions_addopen(&out, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     pid_t pid = 0;
-    EXPECT_EQ(posix_spawn(&pid, server.c_str(), nullptr, nullptr, argv.data(), environ), 0);
+    EXPECT_EQ(posix_spawn(&pid, server.c_str(), &out, nullptr, argv.data(), environ), 0);
+    posix_spawn_file_actions_destroy(&out);
     pids_.push_back(pid);
   }
   for (int i = 0; i < 300 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -68,6 +74,16 @@ TpGroup::~TpGroup() {
     if (p > 0) ::waitpid(p, nullptr, 0);
   }
   fs::remove_all(dir_);
+}
+
+int TpGroup::FrontMetricsPort() const {
+  std::ifstream in(dir_ / "rank_0.out");
+  const std::string marker = "metrics on http://127.0.0.1:";
+  for (std::string line; std::getline(in, line);) {
+    const size_t at = line.find(marker);
+    if (at != std::string::npos) return std::atoi(line.c_str() + at + marker.size());
+  }
+  return 0;
 }
 
 void TpGroup::Signal(int rank, int sig) const {

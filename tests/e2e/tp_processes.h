@@ -26,6 +26,9 @@ class TpGroup {
   TpGroup(int k, double timeout_seconds, const std::string& head_file = "", const std::vector<std::string>& extra = {});
   ~TpGroup();
   const std::string& target() const { return target_; }
+  // The port of the front's /metrics, read from its output (each rank's stdout goes to a file of the
+  // group's directory); 0 when the ranks were started without --metrics-port.
+  int FrontMetricsPort() const;
   pid_t pid(int rank) const { return pids_[rank]; }
   void Signal(int rank, int sig) const;
   // Exit code of `rank` once it exits within `seconds`, or -1.

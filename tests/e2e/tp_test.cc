@@ -11,12 +11,14 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <thread>
 
 #include "grpcpp/client_context.h"
 
 #include "gtest/gtest.h"
 #include "head_source.h"
+#include "httplib.h"
 #include "lce/client/lce_client.h"
 #include "test_server.h"
 #include "tp_processes.h"
@@ -322,6 +324,45 @@ TEST(TensorParallel, TrainingTheShardedHeadMatchesOneRank) {
     EXPECT_LE(RelErr(after.data(), before.data(), before.size()), 1e-5) << "saved by 3 ranks, loaded by 2";
     fs::remove_all(dir);
   }
+}
+
+// DESIGN: "dW never leaves its rank". A training call and an optimizer step move per-row
+// statistics and d_hidden between the ranks (and the gradient norm), never a weight-gradient shard:
+// the front's collective bytes (lce_collective_bytes_total, the same on every rank) over each stay
+// far below one rank's dW shard.
+TEST(TensorParallel, WeightGradientsNeverLeaveTheirRank) {
+  constexpr int k = 2;
+  constexpr int64_t vocab = 65536;  // a dW shard of 4 MiB, far above a call's fixed control traffic
+  TpGroup group(k, 10.0, "",
+                {"--metrics-port=0", "--metrics-host=127.0.0.1", "--seed-head=" + std::to_string(vocab) + "x32"});
+  const int port = group.FrontMetricsPort();
+  ASSERT_GT(port, 0) << "the front printed no metrics port";
+  auto collective_bytes = [port] {
+    httplib::Client http("127.0.0.1", port);
+    const httplib::Result r = http.Get("/metrics");
+    EXPECT_TRUE(r && r->status == 200);
+    if (!r) return -1.0;
+    const std::string name = "lce_collective_bytes_total{rank=\"0\"} ";
+    const size_t at = r->body.find(name);
+    EXPECT_NE(at, std::string::npos) << r->body;
+    return at == std::string::npos ? -1.0 : std::atof(r->body.c_str() + at + name.size());
+  };
+  static_assert(kHidden == 32);
+  const double shard = static_cast<double>(vocab / k) * kHidden * sizeof(float);
+  const double start = collective_bytes();
+  const Batch b = MakeBatch(8, v1::DTYPE_FLOAT32, 90);
+  ASSERT_TRUE(Accumulate(group.target(), b).ok());
+  const double after_call = collective_bytes();
+  const v1::OptimizerStepResponse step = Step(group.target());
+  EXPECT_GT(step.grad_norm(), 0.0);
+  const double after_step = collective_bytes();
+  EXPECT_GT(after_call, start) << "the call's statistics and d_hidden cross the ranks";
+  EXPECT_LT(after_call - start, shard / 8) << "a training call moved " << after_call - start
+                                           << " bytes; a dW shard is " << shard;
+  EXPECT_LT(after_step - after_call, shard / 8) << "an optimizer step moved " << after_step - after_call
+                                                << " bytes; a dW shard is " << shard;
+  std::cout << "collective bytes: training call " << after_call - start << ", optimizer step "
+            << after_step - after_call << ", one dW shard " << shard << std::endl;
 }
 
 // LoadHead on a group: each rank reads its rows of a seeded head, of a file, or clones its shard of
