@@ -87,9 +87,11 @@ int main(int argc, char** argv) {
   b.timeout = absl::Seconds(300);
   server::metrics::Registry registry;
   server::metrics::Counter& comm_seconds = registry.AddCounter("comm_seconds", "").WithLabels({});
+  server::metrics::Counter& comm_bytes = registry.AddCounter("comm_bytes", "").WithLabels({});
   auto raw = server::CreateNcclCommunicator(b, rank);
   Ok(raw.status(), "NCCL");
-  std::unique_ptr<server::TpCommunicator> comm = server::TimeCollectives(std::move(*raw), &comm_seconds);
+  std::unique_ptr<server::TpCommunicator> comm =
+      server::TimeCollectives(std::move(*raw), &comm_seconds, &comm_bytes);
   CHECK(cudaSetDevice(rank));
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
