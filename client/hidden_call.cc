@@ -3,6 +3,8 @@
 #include <string>
 
 #include "absl/synchronization/notification.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "grpcpp/impl/client_unary_call.h"
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -10,23 +12,22 @@
 namespace lce::client {
 namespace {
 
-void AppendVarint(uint64_t v, std::string* out) {
-  for (; v >= 0x80; v >>= 7) out->push_back(static_cast<char>((v & 0x7f) | 0x80));
-  out->push_back(static_cast<char>(v));
-}
-
-// The tag of a length-delimited field.
-void AppendTag(int field, std::string* out) { AppendVarint((static_cast<uint64_t>(field) << 3) | 2, out); }
-
-// `chunk { hidden: <n bytes> }` up to the bytes themselves.
+// `chunk { hidden: <n bytes> }` up to the bytes themselves, both fields length-delimited (wire type 2).
 std::string ChunkHiddenPrefix(size_t n) {
-  std::string inner;
-  AppendTag(v1::RowChunk::kHiddenFieldNumber, &inner);
-  AppendVarint(n, &inner);
+  using google::protobuf::io::CodedOutputStream;
+  const uint32_t hidden_tag = (static_cast<uint32_t>(v1::RowChunk::kHiddenFieldNumber) << 3) | 2;
+  const uint32_t chunk_tag = (static_cast<uint32_t>(v1::CallRequest::kChunkFieldNumber) << 3) | 2;
+  const size_t chunk_size = CodedOutputStream::VarintSize32(hidden_tag) + CodedOutputStream::VarintSize64(n) + n;
   std::string out;
-  AppendTag(v1::CallRequest::kChunkFieldNumber, &out);
-  AppendVarint(inner.size() + n, &out);
-  return out + inner;
+  {
+    google::protobuf::io::StringOutputStream sink(&out);
+    CodedOutputStream coded(&sink);
+    coded.WriteVarint32(chunk_tag);
+    coded.WriteVarint64(chunk_size);
+    coded.WriteVarint32(hidden_tag);
+    coded.WriteVarint64(n);
+  }  // flushed into `out`
+  return out;
 }
 
 }  // namespace

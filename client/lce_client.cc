@@ -443,8 +443,9 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
   std::atomic<bool> cancelled{false};
   auto run_part = [&](size_t i) {
     v1::LceService::Stub& stub = i == 0 ? *replica.stub : *replica.extra_stubs[i - 1];
-    results[i] = StreamPart(stub, i == 0 ? replica.hidden_call.get() : nullptr, contexts[i], rpc, routed, part_header, grad_loss, grad_logprob, grad_entropy,
-                            parts[i].first, parts[i].second, assembly, &summaries[i],
+    const HiddenCall* hidden_call = i == 0 ? replica.hidden_call.get() : nullptr;
+    results[i] = StreamPart(stub, hidden_call, contexts[i], rpc, routed, part_header, grad_loss, grad_logprob,
+                            grad_entropy, parts[i].first, parts[i].second, assembly, &summaries[i],
                             via_data_plane ? &lanes[i] : nullptr);
     if (split && !results[i].ok()) {  // the server counts rows from the part's start: say where it is
       results[i] = absl::Status(results[i].code(),
@@ -509,8 +510,7 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
 }
 
 absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, const HiddenCall* hidden_call, grpc::ClientContext& ctx,
-                                   const char* rpc,
-                                   const HiddenBatch& batch, const v1::RequestHeader& header,
+                                   const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
                                    absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
                                    absl::Span<const float> grad_entropy, int64_t part_first, int64_t part_rows,
                                    Assembly& assembly, PartSummary* summary, const DataPlaneLane* lane) {

@@ -215,7 +215,10 @@ grpc::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfo
 }
 
 LceService::LceService(std::shared_ptr<HeadStore> heads, ServiceConfig config)
-    : heads_(std::move(heads)), config_(config), regions_(config.cuda_device), batcher_(config.batching, config.metrics) {
+    : heads_(std::move(heads)),
+      config_(config),
+      regions_(config.cuda_device),
+      batcher_(config.batching, config.metrics) {
   const google::protobuf::ServiceDescriptor* service =
       v1::StreamRequest::descriptor()->file()->FindServiceByName("LceService");
   for (RpcKind rpc : {RpcKind::kScore, RpcKind::kForwardBackward, RpcKind::kBackward, RpcKind::kPolicyLoss}) {
@@ -227,11 +230,10 @@ LceService::LceService(std::shared_ptr<HeadStore> heads, ServiceConfig config)
                                   },
                                   this));
   }
+  using CallStreamer = grpc::ServerUnaryStreamer<v1::CallRequest, v1::CallResponse>;
   MarkMethodStreamed(service->FindMethodByName("Call")->index(),
                      new grpc::internal::StreamedUnaryHandler<v1::CallRequest, v1::CallResponse>(
-                         [this](grpc::ServerContext* ctx, grpc::ServerUnaryStreamer<v1::CallRequest, v1::CallResponse>* call) {
-                           return ServeCall(ctx, call);
-                         }));
+                         [this](grpc::ServerContext* ctx, CallStreamer* call) { return ServeCall(ctx, call); }));
 }
 
 grpc::Status LceService::ServeStream(RpcKind rpc, grpc::ServerContext* ctx, ParsingStream::Raw* raw) {
@@ -251,7 +253,8 @@ grpc::Status LceService::ServeCall(grpc::ServerContext* ctx,
   v1::CallRequest req;
   if (!call->Read(&req)) {
     if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the message is not a CallRequest: it does not parse as protobuf");
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "the message is not a CallRequest: it does not parse as protobuf");
   }
   for (const auto& [method, rpc] : kMethods) {
     if (req.method() != method) continue;

@@ -414,9 +414,9 @@ TEST_F(CudaTest, HostRowsFastPathDWeightSlabs) {
 }
 
 // "The full logits never exist": a training call's device memory beyond the head's does not grow
-// with its rows past the workspace's cap. A thread samples the device's used memory through the call (allocations that would
-// scale with N·V live for milliseconds at least); host rows, so that no row lives on the device
-// but what the engine stages. 131,072 × 151,936 fp32 logits would be 80 GB.
+// with its rows past the workspace's cap. A thread samples the device's used memory through the
+// call (allocations that would scale with N·V live for milliseconds at least); host rows, so that
+// no row lives on the device but what the engine stages. 131,072 × 151,936 fp32 logits: 80 GB.
 TEST_F(CudaTest, PeakDeviceMemoryDoesNotGrowWithRows) {
   auto used_now = [] {
     size_t free = 0, total = 0;
