@@ -3,15 +3,15 @@
 // logits[r, c] = h[r, :] · W[c, :] through CUTLASS's TMA warp-specialized mainloop (the sm90 collective
 // builder; A = h [rows, H], B = W [cols, H], both K-major, bf16, fp32 accumulate, persistent grid, no
 // split-K or stream-K), then an epilogue of our own (RowStatsEpilogue, run by CUTLASS's adapter for
-// epilogues without shared memory) that reads the fp32 accumulator tile in registers and writes, per
+// epilogues without a pipeline of their own) that reads the fp32 accumulator tile in registers and writes, per
 // row and per column tile of the CTA, the partials (m, S, Q, Σz) of z = transform(logit) and the
 // target logit. For a training call it also writes the compact copy the backward reads, where the
 // logit-tile path wrote fp32 logits and read them back: z − m_tile in fp16 (m_tile: the row's max over
 // the CTA's column tile, the m of its partials) for the general backward, or exp(z − c_row) in bf16 for
 // the fast loss path (c_row: the max of the row's first segment, from a first pass over those columns,
-// + kExpLift; a tile whose max passes c_row by more than kExpHeadroom raises the overflow flag). A logit's bits depend only on its row and
-// column (fixed tile shape, fixed K order), and each tile's partials only on its rows' logits: batch
-// invariant.
+// + kExpLift; a tile whose max passes c_row by more than kExpHeadroom raises the overflow flag), staged
+// through shared memory for whole-sector stores. A logit's bits depend only on its row and column
+// (fixed tile shape, fixed K order), and each tile's partials only on its rows' logits: batch invariant.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -93,7 +93,16 @@ class RowStatsEpilogue {
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
   using ThreadEpilogueOp = void;  // named by GemmUniversalAdapter, used by nothing here
-  struct SharedStorage {};
+  // The backward's copy goes out through shared memory, a slice per consumer warp: the accumulator gives
+  // a row's four lanes 4-byte pieces 16 bytes apart, which stored directly fill half of each 32-byte
+  // sector they touch; staged, a warp writes 8 rows × 64 columns as 16-byte pieces, 128 contiguous
+  // bytes a row. A slice row has 4 words of padding so that the 32 lanes' writes hit 32 banks.
+  static constexpr int kChunkCols = 64;
+  static constexpr int kSliceWords = kChunkCols / 2 + 4;
+  static constexpr int kConsumerWarps = 8;  // two consumer warp groups (the producer's is warp group 0)
+  struct SharedStorage {
+    alignas(16) uint32_t slice[kConsumerWarps][8 * kSliceWords];
+  };
   using TensorStorage = SharedStorage;
   using Arguments = StatsParams;
   using Params = StatsParams;
@@ -122,7 +131,7 @@ class RowStatsEpilogue {
             class TiledMma, class ResidueMNK>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem, BlockShapeMNK, BlockCoordMNKL blk_coord,
                                  cute::Tensor<FrgEngine, FrgLayout> const& acc, TiledMma tiled_mma, ResidueMNK,
-                                 int thread_idx, char*) {
+                                 int thread_idx, char* smem) {
     static_assert(is_static<BlockShapeMNK>::value && is_static<FrgLayout>::value);
     constexpr int kBM = decltype(size<0>(BlockShapeMNK{}))::value;
     constexpr int kBN = decltype(size<1>(BlockShapeMNK{}))::value;
@@ -137,12 +146,13 @@ class RowStatsEpilogue {
     Tensor a = make_tensor(acc.data(), RowColView(acc.layout()));
     Tensor c = make_tensor(coords.data(), RowColView(coords.layout()));
     const bool plain = p_.bias == nullptr && p_.softcap <= 0.0f;
+    uint32_t* slice = reinterpret_cast<SharedStorage*>(smem)->slice[threadIdx.x / 32 - 4];
     if (n0 + kBN <= N) {
-      if (plain) Reduce<false, true, kBN>(a, c, M, N, m0, n0, n_tile);
-      else Reduce<false, false, kBN>(a, c, M, N, m0, n0, n_tile);
+      if (plain) Reduce<false, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      else Reduce<false, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
     } else {
-      if (plain) Reduce<true, true, kBN>(a, c, M, N, m0, n0, n_tile);
-      else Reduce<true, false, kBN>(a, c, M, N, m0, n0, n_tile);
+      if (plain) Reduce<true, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      else Reduce<true, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
     }
   }
 
@@ -151,7 +161,8 @@ class RowStatsEpilogue {
   // and no softcap. The reduction runs on v = softcap(logit + bias), z = v / T: with c = log2(e) / T,
   // m = max(v) / T, S = Σ 2^((v − max v)·c), Q = Σ e·(z − m) = (Σ e·(v − max v)) / T, Σz = (Σ v) / T.
   template <bool kRagged, bool kPlain, int kBN, class TA, class TC>
-  CUTLASS_DEVICE void Reduce(TA const& a, TC const& c, int M, int N, int m0, int n0, int n_tile) const {
+  CUTLASS_DEVICE void Reduce(TA const& a, TC const& c, int M, int N, int m0, int n0, int n_tile,
+                             uint32_t* slice) const {
     constexpr int kRows = decltype(size<0>(a))::value;
     constexpr int kCols = decltype(size<1>(a))::value;
     const float scale = 1.4426950408889634f * p_.inv_temp;
@@ -179,7 +190,22 @@ class RowStatsEpilogue {
         v[j] = x;
         mx = fmaxf(mx, x);
       }
+      if (row < M) {  // the target logit, from the lane that holds its column
+        const int32_t y = p_.targets[row];
+        const int64_t local = static_cast<int64_t>(y) - p_.vocab_begin - n0;
+        if (y != p_.ignore_index && local >= 0 && local < kBN && n0 + local < N) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < kCols; ++j) {
+            if (static_cast<int64_t>(get<1>(c(i, j))) == local) {
+              p_.packed[static_cast<int64_t>(row) * kPacked + 3] = v[j] * p_.inv_temp;
+            }
+          }
+        }
+      }
       mx = QuadMax(mx);
+      // The fast loss path's copy exp(z − c_row) is each e below times exp(m − c_row), a factor of the
+      // row: v[j] keeps e, so the copy costs a multiply a logit instead of a second exponential.
+      const bool exp_copy = p_.store != nullptr && p_.first != nullptr;
       float s = 0.0f, q = 0.0f;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; ++j) {
@@ -187,73 +213,77 @@ class RowStatsEpilogue {
         const float e = Exp2Ftz(u * scale);
         s += e;
         q += (kRagged && e == 0.0f) ? 0.0f : e * u;  // a masked column: 0 · (−inf) must not be NaN
+        if (exp_copy) v[j] = e;
       }
       s = QuadSum(s);
       q = QuadSum(q);
       sum_v = QuadSum(sum_v);
-      if (row >= M) continue;
-      if (p_.store != nullptr && p_.first != nullptr) {
-        StoreExp<kRagged>(v, c, i, row, n0, N, mx, n_tile == 0 && lead);
+      if (exp_copy) {  // every lane of the warp: the copy is staged
+        StoreCopy<kRagged, true>(v, c, i, row, M, n0, N, mx, n_tile == 0 && lead, slice);
       } else if (p_.store != nullptr) {
-        StoreShifted<kRagged>(v, c, i, row, n0, N, mx);
+        StoreCopy<kRagged, false>(v, c, i, row, M, n0, N, mx, false, slice);
       }
+      if (row >= M) continue;
       if (lead) {
         *reinterpret_cast<float4*>(p_.tile_part + (static_cast<int64_t>(row) * p_.ntile + n_tile) * 4) =
             make_float4(mx * p_.inv_temp, s, q * p_.inv_temp, sum_v * p_.inv_temp);
       }
-      // The target logit, from the lane that holds its column.
-      const int32_t y = p_.targets[row];
-      const int64_t local = static_cast<int64_t>(y) - p_.vocab_begin - n0;
-      if (y != p_.ignore_index && local >= 0 && local < kBN && n0 + local < N) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kCols; ++j) {
-          if (static_cast<int64_t>(get<1>(c(i, j))) == local) {
-            p_.packed[static_cast<int64_t>(row) * kPacked + 3] = v[j] * p_.inv_temp;
-          }
+    }
+  }
+  // The backward's copy of this thread's columns of the row: z − m_tile = (v − max v) / T in fp16, or
+  // (kExp, v holding e = exp(z − m_tile)) exp(z − c_row) = e · exp(m_tile − c_row) in bf16 for the fast
+  // loss path. Called by every lane of the warp (rows past the batch included: they stage but do not
+  // store). The accumulator's column pairs (j even, j + 1 the next column) run 8 columns apart within a
+  // lane, so pairs [16k, 16k + 16) are columns [64k, 64k + 64).
+  template <bool kRagged, bool kExp, int kCols, class TC>
+  CUTLASS_DEVICE void StoreCopy(const float (&v)[kCols], TC const& c, int i, int row, int M, int n0, int N,
+                                float mx, bool write_c, uint32_t* slice) const {
+    static_assert(kCols % 16 == 0);
+    constexpr float kLog2e = 1.4426950408889634f;
+    const bool live = row < M;
+    float factor = 0.0f;
+    if constexpr (kExp) {
+      const float c_row = live ? p_.first[static_cast<int64_t>(row) * 4] + kExpLift : 0.0f;
+      if (live && write_c) p_.row_c[row] = c_row;
+      if (live && !(mx * p_.inv_temp - c_row <= kExpHeadroom) && (threadIdx.x & 3) == 0) {
+        atomicExch(p_.overflow, 0x3f800000u);  // 1.0f: all-reducible (max) across ranks
+      }
+      factor = exp2f(fmaf(mx, p_.inv_temp * kLog2e, -c_row * kLog2e));  // exp(m − c_row)
+    }
+    const int lane = threadIdx.x & 31;
+    // The rows of the two slice rows this lane stores: slice row s holds lanes 4s..4s+3's row.
+    const int out0 = __shfl_sync(0xffffffffu, row, (lane >> 3) * 4);
+    const int out1 = __shfl_sync(0xffffffffu, row, (lane >> 3) * 4 + 16);
+    uint32_t* mine = slice + (lane >> 2) * kSliceWords;
+    CUTLASS_PRAGMA_UNROLL
+    for (int chunk = 0; chunk < kCols / 16; ++chunk) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = chunk * 16; j < chunk * 16 + 16; j += 2) {
+        const int col = static_cast<int>(get<1>(c(i, j))) - chunk * kChunkCols;
+        uint32_t word;
+        if constexpr (kExp) {
+          const __nv_bfloat162 e = __floats2bfloat162_rn(v[j] * factor, v[j + 1] * factor);
+          word = *reinterpret_cast<const uint32_t*>(&e);
+        } else {
+          const __half2 d = __floats2half2_rn((v[j] - mx) * p_.inv_temp, (v[j + 1] - mx) * p_.inv_temp);
+          word = *reinterpret_cast<const uint32_t*>(&d);
+        }
+        mine[col / 2] = word;
+      }
+      __syncwarp();
+      const int col = n0 + chunk * kChunkCols + (lane & 7) * 8;
+      if (!kRagged || col < N) {  // lds is a multiple of 8 and >= N: a piece past N stays inside the row
+        const uint32_t* src = slice + (lane >> 3) * kSliceWords + (lane & 7) * 4;
+        if (out0 < M) {
+          *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p_.store) + static_cast<int64_t>(out0) * p_.lds + col) =
+              *reinterpret_cast<const uint4*>(src);
+        }
+        if (out1 < M) {
+          *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p_.store) + static_cast<int64_t>(out1) * p_.lds + col) =
+              *reinterpret_cast<const uint4*>(src + 4 * kSliceWords);
         }
       }
-    }
-  }
-  // z − m_tile = (v − max v) / T of this thread's columns of the row, two adjacent columns at a time
-  // (the accumulator's column pairs: j even, j + 1 the next column).
-  template <bool kRagged, int kCols, class TC>
-  CUTLASS_DEVICE void StoreShifted(const float (&v)[kCols], TC const& c, int i, int row, int n0, int N,
-                                   float mx) const {
-    static_assert(kCols % 2 == 0);
-    __half* dst = static_cast<__half*>(p_.store) + static_cast<int64_t>(row) * p_.lds + n0;
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kCols; j += 2) {
-      const int col = static_cast<int>(get<1>(c(i, j)));
-      const float a = (v[j] - mx) * p_.inv_temp, b = (v[j + 1] - mx) * p_.inv_temp;
-      if (!kRagged || n0 + col + 1 < N) {
-        *reinterpret_cast<__half2*>(dst + col) = __floats2half2_rn(a, b);
-      } else if (n0 + col < N) {
-        dst[col] = __float2half_rn(a);
-      }
-    }
-  }
-  // exp(z − c_row) of this thread's columns of the row, in bf16 (the fast loss path's copy).
-  template <bool kRagged, int kCols, class TC>
-  CUTLASS_DEVICE void StoreExp(const float (&v)[kCols], TC const& c, int i, int row, int n0, int N, float mx,
-                               bool write_c) const {
-    static_assert(kCols % 2 == 0);
-    const float c_row = p_.first[static_cast<int64_t>(row) * 4] + kExpLift;
-    if (write_c) p_.row_c[row] = c_row;
-    if (!(mx * p_.inv_temp - c_row <= kExpHeadroom) && (threadIdx.x & 3) == 0) {
-      atomicExch(p_.overflow, 0x3f800000u);  // 1.0f: all-reducible (max) across ranks
-    }
-    constexpr float kLog2e = 1.4426950408889634f;
-    const float scale = p_.inv_temp * kLog2e, shift = c_row * kLog2e;
-    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p_.store) + static_cast<int64_t>(row) * p_.lds + n0;
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kCols; j += 2) {
-      const int col = static_cast<int>(get<1>(c(i, j)));
-      const float a = exp2f(fmaf(v[j], scale, -shift)), b = exp2f(fmaf(v[j + 1], scale, -shift));
-      if (!kRagged || n0 + col + 1 < N) {
-        *reinterpret_cast<__nv_bfloat162*>(dst + col) = __floats2bfloat162_rn(a, b);
-      } else if (n0 + col < N) {
-        dst[col] = __float2bfloat16_rn(a);
-      }
+      __syncwarp();
     }
   }
   Params p_;
