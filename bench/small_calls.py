@@ -22,6 +22,7 @@ import urllib.request
 import numpy as np
 
 import lce_client
+import lce_client._coalesce
 
 ENGINE_SUM = 'lce_engine_seconds_sum{op="score",phase="compute"}'
 ENGINE_COUNT = 'lce_engine_seconds_count{op="score",phase="compute"}'
@@ -105,7 +106,11 @@ def main() -> None:
     p.add_argument("--rate-rows", type=int, default=1)
     p.add_argument("--label", default="")
     p.add_argument("--no-coalesce", action="store_true", help="the asyncio client sends one RPC a call")
+    p.add_argument("--one-in-flight", action="store_true",
+                   help="the coalescing client as before 2026-11-26: one merged call of a key in flight, no halves")
     args = p.parse_args()
+    if args.one_in_flight:
+        lce_client._coalesce.Lane.DEPTH, lce_client._coalesce.Lane.SPLIT_MIN = 1, 1 << 62
     with lce_client.Client(args.target, timeout=60) as c:
         info = c.info()
     head = info.head
@@ -117,7 +122,8 @@ def main() -> None:
     d = lambda name: metric(after, name) - metric(before, name)  # noqa: E731
     batches = d('lce_batch_requests_count{op="score"}')
     per_call = d('lce_batch_requests_sum{op="score"}') / batches if batches else 1.0
-    client = "Python asyncio" + (", one RPC a call" if args.no_coalesce else ", coalesced")
+    client = "Python asyncio" + (", one RPC a call" if args.no_coalesce else
+                                 ", coalesced, one in flight" if args.one_in_flight else ", coalesced")
     print("\n| client | callers | rows a call | calls/s | calls an RPC | engine calls/s | requests an engine call "
           "| engine busy |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

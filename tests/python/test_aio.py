@@ -122,7 +122,7 @@ def concurrently(target, calls, method="score", **client_kw):
     return asyncio.run(run())
 
 
-def test_64_concurrent_scores_of_different_rows_merge_into_one_call_with_the_same_bits(heads):
+def test_64_concurrent_scores_of_different_rows_merge_into_two_calls_with_the_same_bits(heads):
     head = heads["fp32"]
     with head.client() as c:  # what lets the client merge
         assert {"logprob", "entropy", "d_hidden"} <= set(c.info().invariant_across_batches)
@@ -130,7 +130,7 @@ def test_64_concurrent_scores_of_different_rows_merge_into_one_call_with_the_sam
     calls[10] = (calls[10][0], {"entropy": False})  # other options: a lane of its own
     want = one_at_a_time(head.target, calls)
     got, rpcs = concurrently(head.target, calls)
-    assert rpcs == 2  # one merged Call for the 63 calls of one key, one for the other
+    assert rpcs == 3  # two merged Calls for the 63 calls of one key (halves of 32 and 31), one for the other
     for (lp, ent), (wlp, went) in zip(got, want):
         assert lp.shape == wlp.shape and lp.view(np.uint32).tobytes() == wlp.view(np.uint32).tobytes()
         assert (ent is None and went is None) or ent.view(np.uint32).tobytes() == went.view(np.uint32).tobytes()
@@ -180,12 +180,35 @@ def test_the_servers_count_of_rpcs_with_and_without_coalescing(server_factory):
     rng = np.random.default_rng(520)
     calls = [((rng.standard_normal((2, HIDDEN)).astype(np.float32), rng.integers(0, VOCAB, 2)), {})
              for _ in range(64)]
-    for coalesce, want_rpcs in ((False, 64), (True, 1)):
+    for coalesce, want_rpcs in ((False, 64), (True, 2)):  # merged: two halves of 32
         before = sample(scrape(port), "lce_requests_total", method="Score", code="OK")
         got, rpcs = concurrently(srv.target, calls, coalesce=coalesce)
         after = sample(scrape(port), "lce_requests_total", method="Score", code="OK")
         assert rpcs == want_rpcs and after - before == want_rpcs
         assert all(isinstance(g, tuple) for g in got)
+
+
+def test_a_large_queue_goes_as_two_halves_in_flight_together(heads):
+    """With nothing in flight, 32 or more queued calls of a key go as two merged calls at once, so that
+    the client's Python can work on one half's answers while the server computes the other's."""
+    head = heads["fp32"]
+    calls = [batch(head, 1, 560 + i) for i in range(64)]
+    want = one_at_a_time(head.target, [(c, {}) for c in calls])
+
+    async def run():
+        async with lce_client.aio.Client(head.target, timeout=60) as c:
+            await c.score(*calls[0])  # the head's limits in
+            tasks = [asyncio.ensure_future(c.score(h, y)) for h, y in calls]
+            for _ in range(4):  # the calls submit, then the lane launches one half a loop turn
+                await asyncio.sleep(0)
+            flying = sorted(len(b) for lane in c._lanes.values() for b in lane.inflight.values())
+            return flying, await asyncio.gather(*tasks)
+
+    flying, got = asyncio.run(run())
+    assert flying == [32, 32]
+    for (lp, ent), (wlp, went) in zip(got, want):
+        assert lp.view(np.uint32).tobytes() == wlp.view(np.uint32).tobytes()
+        assert ent.view(np.uint32).tobytes() == went.view(np.uint32).tobytes()
 
 
 @pytest.mark.parametrize("found_by", ["client", "server"])
@@ -244,15 +267,17 @@ def test_a_cancelled_caller_leaves_the_merged_call_to_the_others(heads):
             while gate.calls == 0:  # the merged call in flight
                 await asyncio.sleep(0.001)
             assert tasks[5].cancel()
-            late = asyncio.create_task(c.score(*calls[1][0]))  # queued behind it, then cancelled too
+            second = asyncio.create_task(c.score(*calls[1][0]))  # a second call in flight beside it
+            late = asyncio.create_task(c.score(*calls[2][0]))  # queued behind both, then cancelled
             await asyncio.sleep(0.01)
-            assert late.cancel()
+            assert second.cancel() and late.cancel()
             gate.open.set()
             got = await asyncio.gather(*tasks, return_exceptions=True)
-            return got, gate.calls, late
+            return got, gate.calls, second, late
 
-    got, rpcs, late = asyncio.run(run())
-    assert rpcs == 1 and late.cancelled()  # the merged call was neither cancelled nor sent again
+    got, rpcs, second, late = asyncio.run(run())
+    # The calls in flight were neither cancelled nor sent again; the cancelled queued one never went.
+    assert rpcs == 2 and second.cancelled() and late.cancelled()
     assert isinstance(got[5], asyncio.CancelledError)
     for (lp, ent), (wlp, went) in zip(got[:5] + got[6:], want[:5] + want[6:]):
         assert np.array_equal(lp, wlp) and np.array_equal(ent, went)
@@ -276,7 +301,7 @@ def test_each_caller_has_its_own_deadline_and_a_merged_call_the_latest(heads):
 
             gate.Call = record
             starts, tasks = [], []
-            for _ in range(3):  # the first goes (and waits at the gate), the others queue behind it
+            for _ in range(4):  # the first two go (and wait at the gate), the others queue behind them
                 starts.append(loop.time())
                 tasks.append(asyncio.create_task(c.score(h, y)))
                 await asyncio.sleep(0.2)
@@ -289,6 +314,6 @@ def test_each_caller_has_its_own_deadline_and_a_merged_call_the_latest(heads):
             return got, sent, starts
 
     got, sent, starts = asyncio.run(run())
-    assert len(sent) == 2 and all(lp.shape == (2,) for lp, _ in got)
-    when, timeout = sent[1]  # the second Call: both queued calls, with the later one's deadline
-    assert abs(when + timeout - (starts[2] + 1.0)) < 0.05  # (the earlier one's: 0.2 s sooner)
+    assert len(sent) == 3 and all(lp.shape == (2,) for lp, _ in got)
+    when, timeout = sent[2]  # the third Call: both queued calls, with the later one's deadline
+    assert abs(when + timeout - (starts[3] + 1.0)) < 0.05  # (the earlier one's: 0.2 s sooner)

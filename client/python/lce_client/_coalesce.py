@@ -4,8 +4,9 @@ Concurrent score() and backward() calls on one client with the same key (computa
 head version, options, dtype; which per-row arrays they carry) are merged into one RPC, their rows
 concatenated in order, and each caller gets its own rows of the answer. As the server's dynamic batcher
 with a max delay of 0 merges engine calls: a lone call goes out at the end of the event-loop turn it
-was made in (no timer; calls made in the same turn go with it), and calls made while a merged call of
-their key is in flight queue, then go out together as soon as it answers.
+was made in (no timer; calls made in the same turn go with it), and calls made while two merged calls
+of their key are in flight queue, then go out together as soon as one answers (32 or more queued with
+nothing in flight go as two halves, so that the client's Python and the server work at once).
 
 Merging never changes an answer: it is done only where the server reports every output the call
 returns as the same bits whatever the batch (GetInfo's invariance.across_batches), and only for the
@@ -107,16 +108,22 @@ class Member:
 
 
 class Lane:
-    """The calls of one key: at most one merged call in flight (`task`, of the members `batch`); calls
-    made meanwhile queue. One timer fails the members whose own deadline passes, in flight or queued
-    (each caller's deadline is its own, whatever the merged call's: see aio.Client): one a lane rather
-    than one a call, which at tens of thousands of calls a second is a measurable share of the work."""
+    """The calls of one key: at most DEPTH merged calls in flight (`inflight`: task -> its members), and
+    the calls made meanwhile queued. Two in flight let the client's Python work on one batch's answers
+    and its callers' next calls while the server computes the other: with one, the server waits for
+    the Python and the Python for the server. So a launch with nothing else in flight takes half of a
+    queue of SPLIT_MIN or more calls, and the other half goes at once; the two then alternate. One
+    timer fails the members whose own deadline passes, in flight or queued (each caller's deadline is
+    its own, whatever the merged call's: see aio.Client): one a lane rather than one a call, which at
+    tens of thousands of calls a second is a measurable share of the work."""
+
+    DEPTH = 2
+    SPLIT_MIN = 32
 
     def __init__(self, key, lanes: dict, limits: Limits, send: Callable, loop):
         self.key, self.lanes, self.limits, self.send, self.loop = key, lanes, limits, send, loop
         self.queue: deque = deque()
-        self.batch: list = []
-        self.task: Optional[asyncio.Task] = None
+        self.inflight: dict = {}  # task -> its members
         self.scheduled = False
         self.timer: Optional[asyncio.TimerHandle] = None
 
@@ -127,8 +134,11 @@ class Lane:
         # but for the first calls of a lane, which waited for GetInfo).
         if m.deadline is not None and (self.timer is None or m.deadline < self.timer.when()):
             self._arm(m.deadline)
-        if self.task is None and not self.scheduled:
-            # At the end of this loop turn, not now: calls made in the same turn (asyncio.gather) go with it.
+        self._schedule()
+
+    def _schedule(self) -> None:
+        # At the end of this loop turn, not now: calls made in the same turn (asyncio.gather) go with it.
+        if self.queue and len(self.inflight) < self.DEPTH and not self.scheduled:
             self.scheduled = True
             self.loop.call_soon(self._launch)
 
@@ -141,7 +151,8 @@ class Lane:
         """Fails the waiting members whose deadline has passed; the timer then waits for the next one."""
         self.timer = None
         now = self.loop.time()
-        waiting = [m for m in (*self.batch, *self.queue) if not m.fut.done() and m.deadline is not None]
+        flying = (m for batch in self.inflight.values() for m in batch)
+        waiting = [m for m in (*flying, *self.queue) if not m.fut.done() and m.deadline is not None]
         for m in waiting:
             if m.deadline <= now:
                 m.fail(LceError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
@@ -151,20 +162,24 @@ class Lane:
 
     def _launch(self) -> None:
         self.scheduled = False
-        self.batch = self._take()
-        if not self.batch:
+        half = not self.inflight and len(self.queue) >= self.SPLIT_MIN
+        batch = self._take((len(self.queue) + 1) // 2 if half else len(self.queue))
+        if batch:
+            task = self.loop.create_task(self.send(batch))
+            self.inflight[task] = batch
+            task.add_done_callback(self._sent)
+        if self.queue:
+            self._schedule()  # the other half (or those left over by the limits)
+        elif not self.inflight:
             self._idle()
-            return
-        self.task = self.loop.create_task(self.send(self.batch))
-        self.task.add_done_callback(self._sent)
 
     def _sent(self, task: asyncio.Task) -> None:
-        self.task, self.batch = None, []
+        del self.inflight[task]
         if not task.cancelled():
             task.exception()  # (retrieved: send() hands every error to the members)
         if self.queue:
-            self._launch()  # those that queued meanwhile, at once
-        else:
+            self._schedule()
+        elif not self.inflight:
             self._idle()
 
     def _idle(self) -> None:
@@ -174,11 +189,11 @@ class Lane:
         if self.lanes.get(self.key) is self:  # a new call of the key makes a new lane
             del self.lanes[self.key]
 
-    def _take(self) -> list:
-        """The queued members, in order, up to one merged call's rows and bytes (at least one)."""
+    def _take(self, most: int) -> list:
+        """Up to `most` queued members, in order, within one merged call's rows and bytes (at least one)."""
         batch, rows, msg, hidden = [], 0, 0, 0
         lim = self.limits
-        while self.queue:
+        while self.queue and len(batch) < most:
             m = self.queue[0]
             if m.fut.done():  # its caller was cancelled or timed out while it queued
                 self.queue.popleft()

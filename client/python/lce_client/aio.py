@@ -43,9 +43,11 @@ class Client(_SyncClient):
 
     coalesce: merge concurrent small calls into one RPC (default True). score() and backward() calls
       on this client that fit one chunk and share their head, options and kind of per-row arrays, made
-      in the same event-loop turn or while an earlier merged call of theirs is in flight, go out as one
-      Call (their rows concatenated in order, up to the server's max_rows_per_request and
-      max_message_bytes and chunk_bytes of hidden states), and each caller gets its own rows' answers.
+      in the same event-loop turn or while two earlier merged calls of theirs are in flight, go out as
+      one Call (their rows concatenated in order, up to the server's max_rows_per_request and
+      max_message_bytes and chunk_bytes of hidden states; 32 calls or more with nothing in flight as two
+      Calls of half each, so that this process's Python works on one's answers while the server
+      computes the other's), and each caller gets its own rows' answers.
       A lone call is not held back: it goes at the end of the loop turn it was made in (no timer).
       Only where the server's GetInfo lists every output the call returns in
       invariance.across_batches (read once a head, on the first such call), so answers are the same
