@@ -66,6 +66,7 @@ struct RowFinal {
   float lse;
   float mean_pz_shifted;  // Q / S = Σ p (z − max)
   float max;
+  float log_sum_exp;      // log S: p = exp((z − max) − log S), not exp(z − lse) of two large numbers
 };
 
 // Backward coefficients of a row: dL/dz_j = a·p_j + b·p_j·(z_j − max) − c·1[j=y] − d.
@@ -283,7 +284,7 @@ absl::Status CpuEngine::FinishRows(int64_t r0, int64_t nr, const int32_t* y, con
       return absl::InvalidArgumentError(absl::StrCat(
           "row ", r0 + r, ": non-finite logits (NaN or Inf in the hidden states, or overflow)"));
     }
-    fin[r] = {lse, st.sum_exp_z / st.sum_exp, st.max};
+    fin[r] = {lse, st.sum_exp_z / st.sum_exp, st.max, std::log(st.sum_exp)};
     const bool ignored = y[r] == o.ignore_index;
     const float logprob = ignored ? 0.0f : st.target_z - lse;
     if (out.lse != nullptr) out.lse[r0 + r] = lse;
@@ -336,7 +337,7 @@ void CpuEngine::GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const i
     for (int64_t r = 0; r < nr; ++r) {
       const RowCoef& c = coef[r];
       const float zz = zv[r];
-      const float p = std::exp(zz - fin[r].lse);
+      const float p = std::exp((zz - fin[r].max) - fin[r].log_sum_exp);
       const float dz = c.a * p + c.b * p * (zz - fin[r].max) - c.d;
       float da = dz * inv_t;
       if (o.softcap > 0.0f) {
