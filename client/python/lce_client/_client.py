@@ -165,6 +165,14 @@ class _Progress:
             self.bar.close()
 
 
+
+def call_answers(resp: pb.CallResponse) -> list:
+    """A Call's answer as the stream's messages would have been: the chunk, then the summary if any."""
+    answers = [pb.StreamResponse(chunk=resp.chunk)]
+    if resp.HasField("summary"):
+        answers.append(pb.StreamResponse(summary=resp.summary))
+    return answers
+
 class Client:
     """A connection to an lce_server, or to several replicas of one.
 
@@ -1056,10 +1064,7 @@ class Client:
                 self._streams_only.add(id(stub))
                 return None
             raise _wrap(e, rpc) from e
-        answers = [pb.StreamResponse(chunk=resp.chunk)]
-        if resp.HasField("summary"):
-            answers.append(pb.StreamResponse(summary=resp.summary))
-        return answers
+        return call_answers(resp)
 
     def _run_parts(self, replica, parts, header, prog, expect_valid, rpc, *args, routes: Optional[List[Route]] = None):
         """A request split over len(parts) streams (header.partial), one thread and one channel each.

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _arrays as A
 from . import _coalesce as C
-from ._client import Client as _SyncClient
+from ._client import Client as _SyncClient, call_answers
 from ._errors import LceError, _wrap
 from ._proto import lce_pb2 as pb
 from ._proto import lce_pb2_grpc as pb_grpc
@@ -186,10 +186,7 @@ class Client(_SyncClient):
                 self._aio_streams_only.add(id(stub))
                 return None
             raise _wrap(e, rpc) from e
-        answers = [pb.StreamResponse(chunk=resp.chunk)]
-        if resp.HasField("summary"):
-            answers.append(pb.StreamResponse(summary=resp.summary))
-        return answers
+        return call_answers(resp)
 
     # Coalescing (see the class's `coalesce` and lce_client._coalesce).
     def _may_merge(self, rpc, h, header) -> bool:
