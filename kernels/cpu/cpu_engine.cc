@@ -279,17 +279,18 @@ absl::Status CpuEngine::FinishRows(int64_t r0, int64_t nr, const int32_t* y, con
   fin.resize(nr);
   for (int64_t r = 0; r < nr; ++r) {
     const RowStats& st = stats[r];
-    const float lse = st.max + std::log(st.sum_exp);
+    const float log_s = std::log(st.sum_exp);
+    const float lse = st.max + log_s;
     if (!std::isfinite(lse) || !std::isfinite(st.sum_z)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "row ", r0 + r, ": non-finite logits (NaN or Inf in the hidden states, or overflow)"));
     }
-    fin[r] = {lse, st.sum_exp_z / st.sum_exp, st.max, std::log(st.sum_exp)};
+    fin[r] = {lse, st.sum_exp_z / st.sum_exp, st.max, log_s};
     const bool ignored = y[r] == o.ignore_index;
     const float logprob = ignored ? 0.0f : st.target_z - lse;
     if (out.lse != nullptr) out.lse[r0 + r] = lse;
     if (out.logprob != nullptr) out.logprob[r0 + r] = logprob;
-    if (out.entropy != nullptr) out.entropy[r0 + r] = std::log(st.sum_exp) - fin[r].mean_pz_shifted;
+    if (out.entropy != nullptr) out.entropy[r0 + r] = log_s - fin[r].mean_pz_shifted;
     if (out.loss != nullptr) {
       out.loss[r0 + r] = ignored ? 0.0f
                                  : -(1.0f - eps) * logprob + eps * (lse - st.sum_z / V) +

@@ -405,4 +405,3 @@ TEST(Numeric, HalfConversionsRoundToNearestEven) {
 
 }  // namespace
 }  // namespace lce
-

@@ -165,13 +165,13 @@ class _Progress:
             self.bar.close()
 
 
-
 def call_answers(resp: pb.CallResponse) -> list:
     """A Call's answer as the stream's messages would have been: the chunk, then the summary if any."""
     answers = [pb.StreamResponse(chunk=resp.chunk)]
     if resp.HasField("summary"):
         answers.append(pb.StreamResponse(summary=resp.summary))
     return answers
+
 
 class Client:
     """A connection to an lce_server, or to several replicas of one.
