@@ -126,6 +126,15 @@ int main(int argc, char** argv) {
   if (!f.count("target") || !f.count("metrics")) Die("--target and --metrics are required");
   lce::client::ClientOptions o;
   o.target = f.at("target");
+  // --channel-args=NAME=INT,...: gRPC channel arguments of the client (the server's: --grpc-channel-args).
+  if (f.count("channel-args")) {
+    for (absl::string_view kv : absl::StrSplit(f.at("channel-args"), ',', absl::SkipEmpty())) {
+      const std::pair<absl::string_view, absl::string_view> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+      int value = 0;
+      if (!absl::SimpleAtoi(p.second, &value)) Die("--channel-args=NAME=INT,..., got '" + std::string(kv) + "'");
+      o.channel_args.emplace_back(std::string(p.first), value);
+    }
+  }
   absl::StatusOr<std::unique_ptr<lce::client::LceClient>> client = lce::client::LceClient::Create(o);
   if (!client.ok()) Die(std::string(client.status().message()));
   absl::StatusOr<lce::v1::GetInfoResponse> info = (*client)->GetInfo();
@@ -139,6 +148,21 @@ int main(int argc, char** argv) {
               static_cast<long long>(head.hidden_size()), lce::v1::DType_Name(head.dtype()).c_str(), label.c_str(),
               static_cast<long long>(iters), static_cast<long long>(warmup));
   std::printf("| client | rows | mean ms | p50 ms | p99 ms | engine ms | mean - engine ms |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+  {
+    // The floor under every row below: a unary GetInfo, no engine, through the same channel.
+    for (int64_t i = 0; i < warmup; ++i) (void)(*client)->GetInfo();
+    std::vector<double> ms;
+    for (int64_t i = 0; i < iters; ++i) {
+      const auto t0 = Clock::now();
+      if (!(*client)->GetInfo().ok()) Die("GetInfo failed");
+      ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+    double mean = 0;
+    for (double x : ms) mean += x / static_cast<double>(ms.size());
+    std::sort(ms.begin(), ms.end());
+    std::printf("| C++ GetInfo (no engine) | - | %.3f | %.3f | %.3f | - | - |\n", mean, ms[ms.size() / 2],
+                ms[std::min(ms.size() - 1, ms.size() * 99 / 100)]);
+  }
   for (absl::string_view rows_text : absl::StrSplit(f.count("rows") ? f.at("rows") : "1,16,64", ',')) {
     int64_t rows = 0;
     if (!absl::SimpleAtoi(rows_text, &rows) || rows < 1) Die("bad --rows");

@@ -49,6 +49,7 @@ struct DynamicBatcher::Item {
   Timing timing;
   absl::Status status;
   bool done = false, lead = false;
+  bool waited = false;  // it queued or held a window: its client may have left meanwhile
   std::condition_variable cv;
 };
 
@@ -83,8 +84,9 @@ absl::Status DynamicBatcher::Run(const BatchKey& key, const BatchRows& rows, con
     if (!q.running) {
       q.running = true;
       item.lead = true;
-    } else if (q.waiting_rows >= options_.max_rows) {
-      q.window.notify_one();  // a leader waiting for rows has enough
+    } else {
+      item.waited = true;
+      if (q.waiting_rows >= options_.max_rows) q.window.notify_one();  // a leader waiting for rows has enough
     }
     while (!item.done) {
       if (item.lead) {
@@ -106,29 +108,22 @@ void DynamicBatcher::Lead(std::unique_lock<std::mutex>& lock, const BatchKey& ke
   if (options_.max_delay_us > 0) {
     const Clock::time_point until = q.waiting.front()->timing.enqueued + std::chrono::microseconds(options_.max_delay_us);
     q.window.wait_until(lock, until, [&] { return q.waiting_rows >= options_.max_rows; });
+    self.waited = true;
   }
-  // Oldest first (the leader is the oldest), as many as fit; requests whose client has gone leave
-  // here. A cancelled leader still runs the others' batch.
+  // Oldest first (the leader is the oldest), as many as fit.
   std::vector<Item*> batch;
   int64_t n = 0;
   while (!q.waiting.empty() && n + q.waiting.front()->rows->rows <= options_.max_rows) {
     Item* it = q.waiting.front();
     q.waiting.pop_front();
     q.waiting_rows -= it->rows->rows;
-    if ((*it->cancelled)()) {
-      it->status = absl::CancelledError("client cancelled while its request waited for a batch");
-      it->done = true;
-      it->cv.notify_one();
-      continue;
-    }
     batch.push_back(it);
     n += it->rows->rows;
   }
-  if (!batch.empty()) {
-    lock.unlock();
-    Execute(key, q, batch, run, op);
-    lock.lock();
-  }
+  lock.unlock();
+  DropCancelled(lock, batch);
+  if (!batch.empty()) Execute(key, q, batch, run, op);
+  lock.lock();
   for (Item* it : batch) {
     it->done = true;
     if (it != &self) it->cv.notify_one();
@@ -141,6 +136,25 @@ void DynamicBatcher::Lead(std::unique_lock<std::mutex>& lock, const BatchKey& ke
     q.waiting.front()->lead = true;
     q.waiting.front()->cv.notify_one();
   }
+}
+
+void DynamicBatcher::DropCancelled(std::unique_lock<std::mutex>& lock, std::vector<Item*>& batch) {
+  // Asked without the lock: a sync server's IsCancelled polls the call's completion queue (~10 us).
+  // A request that led at once on arrival waited for nothing, so it is not asked.
+  std::vector<Item*> gone;
+  std::erase_if(batch, [&gone](Item* it) {
+    if (!it->waited || !(*it->cancelled)()) return false;
+    gone.push_back(it);
+    return true;
+  });
+  if (gone.empty()) return;
+  lock.lock();
+  for (Item* it : gone) {
+    it->status = absl::CancelledError("client cancelled while its request waited for a batch");
+    it->done = true;
+    it->cv.notify_one();
+  }
+  lock.unlock();
 }
 
 void DynamicBatcher::Execute(const BatchKey& key, Queue& q, const std::vector<Item*>& batch, const Runner& run,

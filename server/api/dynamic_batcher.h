@@ -86,7 +86,7 @@ class DynamicBatcher {
   // Computes `rows` in a batch of key `key`, blocking until its outputs are written or it is
   // dropped. `run` is this request's engine runner (used if it leads; alone when batching is off or
   // the request has more than max_rows). `cancelled` is asked when a batch forms (a request that
-  // waits is dropped then); `op` labels the metrics.
+  // waits is dropped then; one that led on arrival is not asked); `op` labels the metrics.
   absl::Status Run(const BatchKey& key, const BatchRows& rows, const Runner& run,
                    const std::function<bool()>& cancelled, const char* op, Timing* timing = nullptr);
 
@@ -97,6 +97,9 @@ class DynamicBatcher {
   // lead handed on. Called and returns with `lock` held.
   void Lead(std::unique_lock<std::mutex>& lock, const BatchKey& key, Queue& q, Item& self, const Runner& run,
             const char* op);
+  // Takes out of `batch` (answered CANCELLED) the requests whose client left while they waited.
+  // Called and returns with `lock` not held.
+  void DropCancelled(std::unique_lock<std::mutex>& lock, std::vector<Item*>& batch);
   // The batch's rows through `run`; a failed merged call again one request at a time.
   void Execute(const BatchKey& key, Queue& q, const std::vector<Item*>& batch, const Runner& run, const char* op);
   // The batch's `n` rows gathered into `q`'s arrays, one call, the outputs scattered back.

@@ -367,9 +367,10 @@ LceService::ClientWait LceService::IdleWait(std::string what) const {
                        " (the server's --stream-idle-timeout-seconds)")};
 }
 
-grpc::Status LceService::WithinLimit(grpc::ServerContext* ctx, const ClientWait& limit,
+grpc::Status LceService::WithinLimit(grpc::ServerContext* ctx, const RequestStream& stream, const ClientWait& limit,
                                      const std::function<bool()>& wait, bool* done) {
-  if (limit.seconds <= 0) {
+  // Arming wakes the watchdog's thread: worth it only for a wait on the client.
+  if (limit.seconds <= 0 || !stream.WaitsOnClient()) {
     *done = wait();
     return grpc::Status::OK;
   }
@@ -393,7 +394,7 @@ grpc::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx, Reque
   v1::StreamRequest msg;
   bool got = false;
   const auto t0 = std::chrono::steady_clock::now();
-  grpc::Status g = WithinLimit(ctx, HeaderWait(), [&] { return stream->Read(&msg); }, &got);
+  grpc::Status g = WithinLimit(ctx, *stream, HeaderWait(), [&] { return stream->Read(&msg); }, &got);
   if (RequestWork* work = RequestWork::Current(); work != nullptr) {
     work->read_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }

@@ -145,10 +145,11 @@ class LceService final : public v1::LceService::Service {
   };
   ClientWait HeaderWait() const;
   ClientWait IdleWait(std::string what) const;
-  // Runs `wait` (true/false as gRPC's Read and Write) into *done under `limit`: OK, or
-  // DEADLINE_EXCEEDED when it ran past the limit (the call is then cancelled).
-  grpc::Status WithinLimit(grpc::ServerContext* ctx, const ClientWait& limit, const std::function<bool()>& wait,
-                           bool* done);
+  // Runs `wait` (true/false as gRPC's Read and Write on `stream`) into *done under `limit`: OK, or
+  // DEADLINE_EXCEEDED when it ran past the limit (the call is then cancelled). Unbounded where
+  // the stream does not wait on its client (RequestStream::WaitsOnClient).
+  grpc::Status WithinLimit(grpc::ServerContext* ctx, const RequestStream& stream, const ClientWait& limit,
+                           const std::function<bool()>& wait, bool* done);
 
   absl::Status Authenticate(grpc::ServerContext* ctx, Access access) const;
   // Runs one RPC body, counting it in the metrics (requests by code, duration, in flight).

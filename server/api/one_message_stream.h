@@ -15,6 +15,7 @@ class OneMessageStream final : public RequestStream {
   // `request` is the Call's (its chunk is moved out, not copied); `response` receives the answers.
   OneMessageStream(v1::CallRequest* request, v1::CallResponse* response) : request_(*request), response_(response) {}
 
+  bool WaitsOnClient() const override { return false; }
   void SendInitialMetadata() override {}
   bool NextMessageSize(uint32_t* size) override {
     *size = next_ == 0 ? static_cast<uint32_t>(request_.header().ByteSizeLong())

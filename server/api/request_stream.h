@@ -22,6 +22,9 @@ class RequestStream : public grpc::ServerReaderWriterInterface<v1::StreamRespons
  public:
   // Why the last Read returned false if it was not the stream's end (OK otherwise).
   virtual absl::Status ReadError() const { return absl::OkStatus(); }
+  // False where the messages are already in memory and the answers go to memory (a Call): no Read
+  // or Write waits on the client, so none needs a watchdog or a cancellation check after it.
+  virtual bool WaitsOnClient() const { return true; }
 };
 
 class ParsingStream final : public RequestStream {

@@ -41,7 +41,7 @@ StreamedRequest::~StreamedRequest() {
   // A client that stops reading must not hold the handler (and its slot) in the last writes.
   if (writer_.has_value()) {
     bool drained = false;
-    (void)service_.WithinLimit(ctx_, service_.IdleWait("the client to read the last answers"),
+    (void)service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read the last answers"),
                                [&] { return writer_->Finish(); }, &drained);
   }
 }
@@ -116,11 +116,11 @@ grpc::Status StreamedRequest::Receive(bool* more) {
   const std::string what = chunk_index_ == 0 ? std::string("the first chunk")
                                              : absl::StrCat("the message after chunk ", chunk_index_ - 1);
   grpc::Status g = service_.WithinLimit(
-      ctx_, service_.IdleWait(what),
+      ctx_, *stream_, service_.IdleWait(what),
       [&] { return Timed(&RequestWork::read_wait_seconds, [&] { return stream_->Read(&msg_); }); }, more);
   if (!g.ok()) return g;
   if (!*more) return ToGrpcStatus(stream_->ReadError());  // the end, or a message that did not parse
-  if (ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+  if (stream_->WaitsOnClient() && ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
   if (msg_.has_header()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         absl::StrCat("repeated header (message ", chunk_index_ + 1, "): a request has exactly one"));
@@ -457,7 +457,7 @@ grpc::Status StreamedRequest::Answer(InFlightChunk& c) {
   c.dh_slice = {};
   const bool last = !(is_fb_ || is_pl_) && c.index == last_chunk_.load();
   bool written = false;
-  grpc::Status g = service_.WithinLimit(ctx_, service_.IdleWait("the client to read an answer"), [&] {
+  grpc::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read an answer"), [&] {
     return Timed(&RequestWork::write_wait_seconds,
                  [&] { return last ? writer_->PushLast(std::move(c.resp)) : writer_->Push(std::move(c.resp)); });
   }, &written);
@@ -474,12 +474,15 @@ grpc::Status StreamedRequest::Finish() {
   while (pipeline_.has_value() && pipeline_->outstanding() > 0) {
     if (grpc::Status g = WaitOldest(); !g.ok()) return g;
   }
-  if (ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+  // A Call's client that left is seen when its answer is sent.
+  if (stream_->WaitsOnClient() && ctx_->IsCancelled()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+  }
   if (rows_seen_ == 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request has a header but no rows");
   if (grpc::Status g = CheckDeclaredCounts(); !g.ok()) return g;
   if (grpc::Status g = SendSummary(); !g.ok()) return g;
   bool drained = false;
-  grpc::Status g = service_.WithinLimit(ctx_, service_.IdleWait("the client to read the last answers"), [&] {
+  grpc::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read the last answers"), [&] {
     return Timed(&RequestWork::drain_seconds, [&] { return writer_->Finish(); });
   }, &drained);
   if (!g.ok()) return g;
@@ -530,7 +533,7 @@ grpc::Status StreamedRequest::SendSummary() {
     sum->set_mean_kl(policy_sums_.kl / t);
   }
   bool written = false;
-  grpc::Status g = service_.WithinLimit(ctx_, service_.IdleWait("the client to read an answer"),
+  grpc::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read an answer"),
                                         [&] { return writer_->PushLast(std::move(resp)); }, &written);
   if (!g.ok()) return g;
   if (!written) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");

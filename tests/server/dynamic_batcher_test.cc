@@ -178,6 +178,21 @@ TEST(DynamicBatcher, ACancelledRequestLeavesWithoutBreakingItsBatchMates) {
   for (size_t i : {1, 2, 4, 5}) ExpectAnswered(reqs[i], absl::StrCat("request ", i));
 }
 
+// Asking costs a poll of the call's completion queue on the sync server: a request that leads at once
+// has waited for nothing and is not asked; one that waited for a window is.
+TEST(DynamicBatcher, OnlyARequestThatWaitedIsAskedWhetherItWasCancelled) {
+  for (int64_t window_us : {0, 1000}) {
+    DynamicBatcher b({.max_rows = 64, .max_delay_us = window_us}, nullptr);
+    FakeEngine engine;
+    Request r = MakeRequest(3, 7.0f);
+    int asked = 0;
+    r.status = b.Run(KeyOf(r), r.View(), [&](const BatchRows& x) { return engine.Run(x); },
+                     [&] { return ++asked, false; }, "score");
+    ExpectAnswered(r, absl::StrCat("window ", window_us));
+    EXPECT_EQ(asked, window_us > 0 ? 1 : 0) << "window " << window_us;
+  }
+}
+
 TEST(DynamicBatcher, OffOrTooManyRowsRunsTheRequestAlone) {
   for (int64_t max_rows : {0, 1, 4}) {
     std::vector<Request> reqs = {MakeRequest(5, 0), MakeRequest(5, 50)};
