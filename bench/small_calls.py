@@ -50,6 +50,17 @@ def latency_table(args, head) -> None:
     print("| client | rows | mean ms | p50 ms | p99 ms | engine ms | mean - engine ms |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     with lce_client.Client(args.target, timeout=60) as c:
+        # The floor under every row below: a unary GetInfo, no engine, through the same channel.
+        for _ in range(args.warmup):
+            c.info()
+        ms = []
+        for _ in range(args.iterations):
+            t0 = time.perf_counter()
+            c.info()
+            ms.append(1e3 * (time.perf_counter() - t0))
+        ms.sort()
+        print(f"| Python GetInfo (no engine) | - | {sum(ms) / len(ms):.3f} | {ms[len(ms) // 2]:.3f} "
+              f"| {ms[min(len(ms) - 1, len(ms) * 99 // 100)]:.3f} | - | - |")
         for rows in [int(r) for r in args.rows.split(",")]:
             h, y = make_rows(head, rows, 7 + rows)
             for _ in range(args.warmup):

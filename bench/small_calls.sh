@@ -10,6 +10,7 @@
 #   ROWS, ITERS, WARMUP, CONCURRENCY, DURATION (seconds of the rate; default 1,16,64; 200; 20; 64; 5)
 #   SERVER_BIN, BENCH_BIN (default build/bin/...), PYTHON (default .venv/bin/python, else python3;
 #   the Python part is skipped where it cannot import lce_client)
+#   BENCH_FLAGS  more flags for lce_small_calls_bench (e.g. --channel-args=grpc.http2.max_frame_size=1048576)
 #   PY_FLAGS  more flags for bench/small_calls.py (e.g. --no-coalesce: the asyncio client sends one RPC
 #   a call instead of merging concurrent calls)
 # Prints markdown tables; the servers' logs go to $OUT (default /tmp/small_calls).
@@ -37,7 +38,7 @@ for cfg in $CONFIGS; do
   mport=$(sed -n 's|.*metrics on http://[^:]*:\([0-9]*\)/metrics.*|\1|p' "$log" | head -1)
   echo "## $name (server flags: ${SERVER_FLAGS:-} ${flags//:/ })"
   echo
-  "$BENCH_BIN" --target=127.0.0.1:"$port" --metrics=127.0.0.1:"$mport" --label="$name" "${common[@]}"
+  "$BENCH_BIN" --target=127.0.0.1:"$port" --metrics=127.0.0.1:"$mport" --label="$name" "${common[@]}" ${BENCH_FLAGS:-}
   echo
   if [ $python_ok = 1 ]; then
     # shellcheck disable=SC2086
