@@ -952,11 +952,6 @@ int64_t CudaEngine::GatheredNodes() const {
   return nodes;
 }
 
-// d_hidden of a block into s.dh over the canonical tile tree (tile_tree.h): each tile's product
-// dA[:, tile] · W[tile, :] through one GEMM algorithm whatever the row count (rows in n), joined as
-// the tiles come; a group gathers every rank's subtrees (−inf elsewhere: a max all-reduce copies
-// them) and each rank sums the same tree. A GEMM per tile and an add per join, against one GEMM and
-// NCCL's sum (whose order varies with its algorithm): the cost is in bench/RESULTS.md.
 absl::Status CudaEngine::FastDHidden(Scratch& s, int64_t nr, const int32_t* y, int32_t ignore_index, bool tf32,
                                      const GemmPlace& place) {
   const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows;
@@ -1001,6 +996,11 @@ absl::Status CudaEngine::FastGradsBeside(Scratch& s, const void* h, int64_t nr, 
   return st;
 }
 
+// d_hidden of a block into s.dh over the canonical tile tree (tile_tree.h): each tile's product
+// dA[:, tile] · W[tile, :] through one GEMM algorithm whatever the row count (rows in n), joined as
+// the tiles come; a group gathers every rank's subtrees (−inf elsewhere: a max all-reduce copies
+// them) and each rank sums the same tree. A GEMM per tile and an add per join, against one GEMM and
+// NCCL's sum (whose order varies with its algorithm): the cost is in bench/RESULTS.md.
 absl::Status CudaEngine::DHiddenByTiles(Scratch& s, int64_t nr, const uint8_t* w, bool tf32) {
   const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows, n = nr * H;
   const int64_t esz = DTypeSize(shape_.dtype), sesz = StoreBytes();
