@@ -16,7 +16,8 @@
 //             (aux_, chunk by chunk, each chunk's dW product on stream_ behind it), then ONE GEMM
 //             d_hidden = dA[R, V_shard] · W (fp32, all-reduced across ranks, converted).
 //             fast loss path (bf16, kLoss, no softcap, no label smoothing): no dA pass at all;
-//             dW += qᵀ·(s ⊙ h) − scatter(t ⊙ h) and d_hidden = s ⊙ (q·W) − t ⊙ W[y] (fast_grad.cu).
+//             dW += qᵀ·(s ⊙ h) − scatter(t ⊙ h) and d_hidden = s ⊙ (q·W) − t ⊙ W[y] (fast_grad.cu); on
+//             device rows the two products run at once, d_hidden's on aux_ (FastGradsBeside).
 // So a train step costs three GEMMs of N·H·V_shard (the floor) plus elementwise passes.
 // Epilogue statistics (bf16, sm_90, built with CUTLASS; LCE_CUDA_EPILOGUE_STATS=0 turns them off): the
 // forward is one GEMM over the whole shard whose epilogue writes per-(row, 256-column tile) partials
@@ -53,6 +54,15 @@ constexpr int64_t kCublasWorkspace = 32 * kMiB;
 constexpr int64_t kHostDwSlabBytes = 64 * kMiB;
 constexpr int64_t kMaxRowsPerBlock = 32768;  // grid.y limit is 65535
 constexpr int64_t kWideLogitBytes = int64_t{256} << 20;  // small blocks' logit tiles (WideTile)
+
+// Where a product goes (CudaEngine::Gemm): stream_ and its cuBLAS workspace unless another stream is named,
+// with a workspace of its own (two products running at once must not share one); prepare_only chooses
+// the algorithm (timing the candidates on first sight) and runs nothing.
+struct GemmPlace {
+  cudaStream_t stream = nullptr;
+  void* workspace = nullptr;
+  bool prepare_only = false;
+};
 
 int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -160,6 +170,7 @@ struct Scratch {
   unsigned long long* bad = nullptr;  // [2]: first non-finite row; [1] holds the overflow flag (float bits)
   float* row_c = nullptr;         // [R] fast path: c_row
   void* h_scaled = nullptr;       // [R, H] bf16, fast path with d_weight
+  void* side_ws = nullptr;        // cuBLAS workspace of d_hidden's product on aux_ (Layout::side)
   // kHost staging on the device.
   void* hidden = nullptr;         // [R, H] head dtype
   int32_t* targets = nullptr;     // [R]
@@ -178,6 +189,7 @@ struct Layout {
   int64_t tile = 0;   // logit tile columns (0: the engine's default, tile_)
   bool epi = false;   // forward through the epilogue-statistics GEMM: no logit tiles
   bool stage = false; // device rows not 16-byte aligned, copied to s.hidden for the epilogue GEMM's TMA
+  bool side = false;  // fast path, device rows: d_hidden's product on aux_ beside dW's (FastGradsBeside)
 };
 
 class CudaEngine final : public LceEngine {
@@ -304,6 +316,7 @@ class CudaEngine final : public LceEngine {
     s->bad = c.Take<unsigned long long>(2);
     s->row_c = c.Take<float>(R);
     if (l.fast) s->h_scaled = c.Take<uint8_t>(R * H * 2);
+    if (l.side) s->side_ws = c.Take<uint8_t>(kCublasWorkspace);
     if (l.backward) {
       s->store = c.Take<uint8_t>(R * lds_ * (shape_.dtype == DType::kFloat32 ? 4 : 2));
       // d_hidden's fp32 accumulator reuses the logit tiles (free by then) where it fits.
@@ -379,7 +392,7 @@ class CudaEngine final : public LceEngine {
   absl::Status Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* A,
                     cudaDataType_t at, int64_t lda, const void* B, cudaDataType_t bt, int64_t ldb, float beta,
                     void* C, cudaDataType_t ct, int64_t ldc, bool tf32, bool c_is_scratch = false,
-                    int sm_target = 0, bool rows_in_n = false, bool cols_in_m = false) {
+                    int sm_target = 0, bool rows_in_n = false, bool cols_in_m = false, const GemmPlace& place = {}) {
     const float alpha = 1.0f;
     const cublasComputeType_t compute =
         shape_.dtype == DType::kFloat32 ? (tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F)
@@ -407,8 +420,15 @@ class CudaEngine final : public LceEngine {
       g.sm_target = sm_target;
       g.n_invariant = rows_in_n && batch_invariant_;
       g.m_invariant = cols_in_m && g.n_invariant && tp_invariant_option_;
-      return gemm_.Run(g, c_is_scratch, tune_scratch_, tune_floats_, cublas_ws_, kCublasWorkspace, stream_);
+      cudaStream_t stream = place.stream != nullptr ? place.stream : stream_;
+      void* ws = place.workspace != nullptr ? place.workspace : cublas_ws_;
+      if (place.prepare_only) {
+        return gemm_.Prepare(g, c_is_scratch, tune_scratch_, tune_floats_, ws, kCublasWorkspace, stream);
+      }
+      return gemm_.Run(g, c_is_scratch, tune_scratch_, tune_floats_, ws, kCublasWorkspace, stream);
     }
+    if (place.prepare_only) return absl::OkStatus();
+    if (place.stream != nullptr) return absl::InternalError("cublasGemmEx runs on stream_ only");
     LCE_CUDA_CHECK(cublasGemmEx(cublas_, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
                                 &alpha, A, at, static_cast<int>(lda), B, bt, static_cast<int>(ldb), &beta, C, ct,
                                 static_cast<int>(ldc), compute, CUBLAS_GEMM_DEFAULT));
@@ -433,14 +453,19 @@ class CudaEngine final : public LceEngine {
   }
   int64_t GatheredNodes() const;
   absl::Status DHiddenByTiles(Scratch& s, int64_t nr, const uint8_t* w, bool tf32);
+  // The fast loss path's d_hidden before its all-reduce: s.dh = s ⊙ (q · W) − t ⊙ W[y], on place's stream.
+  absl::Status FastDHidden(Scratch& s, int64_t nr, const int32_t* y, int32_t ignore_index, bool tf32,
+                           const GemmPlace& place);
+  absl::Status FastGradsBeside(Scratch& s, const void* h, int64_t nr, const int32_t* y, int32_t ignore_index,
+                               float* d_weight, bool tf32, bool trace);
 
   std::shared_ptr<const HeadWeights> weights_;
   HeadShape shape_;
   EngineConfig config_;
   // stream_ runs the GEMMs (cuBLAS is bound to it) and the per-row kernels; aux_ runs the elementwise
-  // tile kernels so that they overlap the next GEMM.
+  // tile kernels so that they overlap the next GEMM, and the fast path's d_hidden product beside dW's.
   cudaStream_t stream_ = nullptr, aux_ = nullptr;
-  enum { kEvGemm0, kEvGemm1, kEvStats0, kEvStats1, kEvHandoff, kNumEvents };
+  enum { kEvGemm0, kEvGemm1, kEvStats0, kEvStats1, kEvHandoff, kEvDHidden, kNumEvents };
   cudaEvent_t events_[kNumEvents] = {};
   cudaEvent_t trace_[8] = {};  // LCE_CUDA_TRACE=1: phase timings of the first row block, to stderr
   cublasHandle_t cublas_ = nullptr;
@@ -542,6 +567,8 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
                 fast && grads.d_weight != nullptr, tree_dh_};
   layout.epi = epi;
   layout.stage = epi && !host && reinterpret_cast<uintptr_t>(rows.hidden) % 16 != 0;
+  layout.side = fast && !host && grads.d_weight != nullptr && grads.d_hidden != nullptr &&
+                EnvInt("LCE_CUDA_DH_BESIDE", 1) != 0 && EnvInt("LCE_CUDA_GEMMEX", 0) == 0;
 
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t r_max = RowsPerBlock(layout, N);
@@ -768,22 +795,24 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     if (block_fast) {
       // dW += qᵀ · (s ⊙ h) − scatter(t ⊙ h);  d_hidden = s ⊙ (q · W) − t ⊙ W[y].
       if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[2], stream_));
-      if (grads.d_weight != nullptr) {
-        LCE_CUDA_CHECK(LaunchScaleRows(h, nr, H, s.info, s.h_scaled, stream_));
-        if (host) {
-          LCE_CUDA_CHECK(host_dw_slabs(s.h_scaled, h, y, nr, /*fast_targets=*/true));
-        } else {
-          LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, Vs, nr, s.h_scaled, dt, H, s.store, dt, lds_, 1.0f,
-                              grads.d_weight, CUDA_R_32F, H, tf32));
-          LCE_CUDA_CHECK(LaunchScatterTargetDW(grads.d_weight, nr, H, s.info, h, y, o.ignore_index,
-                                               shape_.vocab_begin, Vs, stream_));
+      if (layout.side) {
+        LCE_CUDA_CHECK(FastGradsBeside(s, h, nr, y, o.ignore_index, grads.d_weight, tf32, trace));
+      } else {
+        if (grads.d_weight != nullptr) {
+          LCE_CUDA_CHECK(LaunchScaleRows(h, nr, H, s.info, s.h_scaled, stream_));
+          if (host) {
+            LCE_CUDA_CHECK(host_dw_slabs(s.h_scaled, h, y, nr, /*fast_targets=*/true));
+          } else {
+            LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, Vs, nr, s.h_scaled, dt, H, s.store, dt, lds_, 1.0f,
+                                grads.d_weight, CUDA_R_32F, H, tf32));
+            LCE_CUDA_CHECK(LaunchScatterTargetDW(grads.d_weight, nr, H, s.info, h, y, o.ignore_index,
+                                                 shape_.vocab_begin, Vs, stream_));
+          }
         }
+        if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
+        if (grads.d_hidden != nullptr) LCE_CUDA_CHECK(FastDHidden(s, nr, y, o.ignore_index, tf32, GemmPlace{}));
       }
-      if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
       if (grads.d_hidden != nullptr) {
-        LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F,
-                            H, tf32, /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
-        LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, y, o.ignore_index, shape_.vocab_begin, Vs, stream_));
         if (tp) LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
         void* dst = host ? s.d_hidden : static_cast<uint8_t*>(grads.d_hidden) + r0 * H * esz;
         LCE_CUDA_CHECK(LaunchFloatToDType(s.dh, shape_.dtype, dst, nr * H, stream_));
@@ -797,12 +826,17 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       if (trace) {
         LCE_CUDA_CHECK(cudaEventRecord(trace_[4], stream_));
         LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-        float ms[3] = {0, 0, 0};
+        float ms[4] = {0, 0, 0, 0};
         LCE_CUDA_CHECK(cudaEventElapsedTime(&ms[0], trace_[0], trace_[1]));
         LCE_CUDA_CHECK(cudaEventElapsedTime(&ms[1], trace_[2], trace_[3]));
-        LCE_CUDA_CHECK(cudaEventElapsedTime(&ms[2], trace_[3], trace_[4]));
-        std::fprintf(stderr, "lce trace (fast): rows %ld/%ld (R=%ld) tiles fwd %.3f ms | dW %.3f ms | dh %.3f ms\n",
-                     static_cast<long>(nr), static_cast<long>(N), static_cast<long>(R), ms[0], ms[1], ms[2]);
+        // Beside dW, d_hidden is timed from the same start; "both" is the whole backward of the block.
+        LCE_CUDA_CHECK(cudaEventElapsedTime(&ms[2], trace_[layout.side ? 2 : 3], trace_[layout.side ? 5 : 4]));
+        LCE_CUDA_CHECK(cudaEventElapsedTime(&ms[3], trace_[2], trace_[4]));
+        std::fprintf(stderr,
+                     "lce trace (fast%s): rows %ld/%ld (R=%ld) tiles fwd %.3f ms | dW %.3f ms | dh %.3f ms"
+                     " | both %.3f ms\n",
+                     layout.side ? ", dh beside dW" : "", static_cast<long>(nr), static_cast<long>(N),
+                     static_cast<long>(R), ms[0], ms[1], ms[2], ms[3]);
       }
       continue;
     }
@@ -916,6 +950,50 @@ int64_t CudaEngine::GatheredNodes() const {
   int64_t nodes = 0;
   for (int r = 0; r < world; ++r) nodes += static_cast<int64_t>(RankSubtrees(shape_.vocab_size, r, world).size());
   return nodes;
+}
+
+absl::Status CudaEngine::FastDHidden(Scratch& s, int64_t nr, const int32_t* y, int32_t ignore_index, bool tf32,
+                                     const GemmPlace& place) {
+  const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows;
+  const uint8_t* w = weight_.get();
+  const cudaDataType_t dt = CudaType(shape_.dtype);
+  LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F, H, tf32,
+                      /*c_is_scratch=*/true, 0, /*rows_in_n=*/true, false, place));
+  cudaStream_t stream = place.stream != nullptr ? place.stream : stream_;
+  LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, y, ignore_index, shape_.vocab_begin, Vs, stream));
+  return absl::OkStatus();
+}
+
+// The fast loss path's two backward products at once: d_hidden's (and its finish) on aux_, dW's on stream_,
+// each on the multiprocessors the other leaves idle (d_hidden's last wave of tiles, dW's fp32 read-modify-write:
+// bench/NOTES.md, e10). Both only read s.store, s.info, h and W. dW's algorithm is chosen before d_hidden's
+// product is queued: its timing runs write s.dh (tune_scratch_) and must run alone.
+absl::Status CudaEngine::FastGradsBeside(Scratch& s, const void* h, int64_t nr, const int32_t* y,
+                                         int32_t ignore_index, float* d_weight, bool tf32, bool trace) {
+  const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows;
+  const cudaDataType_t dt = CudaType(shape_.dtype);
+  LCE_CUDA_CHECK(LaunchScaleRows(h, nr, H, s.info, s.h_scaled, stream_));
+  const auto dw = [&](const GemmPlace& place) {
+    return Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, Vs, nr, s.h_scaled, dt, H, s.store, dt, lds_, 1.0f, d_weight, CUDA_R_32F,
+                H, tf32, false, 0, false, false, place);
+  };
+  LCE_CUDA_CHECK(dw(GemmPlace{nullptr, nullptr, /*prepare_only=*/true}));
+  LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], stream_));
+  LCE_CUDA_CHECK(cudaStreamWaitEvent(aux_, events_[kEvHandoff], 0));
+  absl::Status st = FastDHidden(s, nr, y, ignore_index, tf32, GemmPlace{aux_, s.side_ws});
+  if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[5], aux_));
+  LCE_CUDA_CHECK(cudaEventRecord(events_[kEvDHidden], aux_));
+  const auto dw_and_targets = [&]() -> absl::Status {
+    LCE_CUDA_CHECK(dw(GemmPlace{}));
+    LCE_CUDA_CHECK(LaunchScatterTargetDW(d_weight, nr, H, s.info, h, y, ignore_index, shape_.vocab_begin, Vs, stream_));
+    return absl::OkStatus();
+  };
+  if (st.ok()) st = dw_and_targets();
+  if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
+  // Joined whatever failed: d_hidden's all-reduce and conversion follow on stream_, the next block's forward
+  // rewrites s.store, and a later call must not meet aux_ still writing s.dh.
+  LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvDHidden], 0));
+  return st;
 }
 
 // d_hidden of a block into s.dh over the canonical tile tree (tile_tree.h): each tile's product

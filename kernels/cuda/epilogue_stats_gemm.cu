@@ -37,6 +37,8 @@ namespace {
 
 using namespace cute;
 
+constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = 2^(x·log2 e): the epilogue's exponentials are exp2
+
 // What the epilogue needs besides the accumulators (host and device alike).
 struct StatsParams {
   const int32_t* targets = nullptr;
@@ -99,7 +101,8 @@ class RowStatsEpilogue {
   // bytes a row. A slice row has 4 words of padding so that the 32 lanes' writes hit 32 banks.
   static constexpr int kChunkCols = 64;
   static constexpr int kSliceWords = kChunkCols / 2 + 4;
-  static constexpr int kConsumerWarps = 8;  // two consumer warp groups (the producer's is warp group 0)
+  static constexpr int kProducerWarps = 4;  // warp group 0, the producer's: a consumer warp's slice is warp − 4
+  static constexpr int kConsumerWarps = 8;  // two consumer warp groups
   struct SharedStorage {
     alignas(16) uint32_t slice[kConsumerWarps][8 * kSliceWords];
   };
@@ -146,7 +149,7 @@ class RowStatsEpilogue {
     Tensor a = make_tensor(acc.data(), RowColView(acc.layout()));
     Tensor c = make_tensor(coords.data(), RowColView(coords.layout()));
     const bool plain = p_.bias == nullptr && p_.softcap <= 0.0f;
-    uint32_t* slice = reinterpret_cast<SharedStorage*>(smem)->slice[threadIdx.x / 32 - 4];
+    uint32_t* slice = reinterpret_cast<SharedStorage*>(smem)->slice[threadIdx.x / 32 - kProducerWarps];
     if (n0 + kBN <= N) {
       if (plain) Reduce<false, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
       else Reduce<false, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
@@ -165,8 +168,11 @@ class RowStatsEpilogue {
                              uint32_t* slice) const {
     constexpr int kRows = decltype(size<0>(a))::value;
     constexpr int kCols = decltype(size<1>(a))::value;
-    const float scale = 1.4426950408889634f * p_.inv_temp;
+    const float scale = kLog2e * p_.inv_temp;
     const bool lead = (threadIdx.x & 3) == 0;
+    // The fast loss path's copy exp(z − c_row) is each e below times exp(m − c_row), a factor of the
+    // row: v[j] keeps e, so the copy costs a multiply a logit instead of a second exponential.
+    const bool exp_copy = p_.store != nullptr && p_.first != nullptr;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       const int row = m0 + static_cast<int>(get<0>(c(i, 0)));
@@ -203,9 +209,6 @@ class RowStatsEpilogue {
         }
       }
       mx = QuadMax(mx);
-      // The fast loss path's copy exp(z − c_row) is each e below times exp(m − c_row), a factor of the
-      // row: v[j] keeps e, so the copy costs a multiply a logit instead of a second exponential.
-      const bool exp_copy = p_.store != nullptr && p_.first != nullptr;
       float s = 0.0f, q = 0.0f;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; ++j) {
@@ -239,7 +242,6 @@ class RowStatsEpilogue {
   CUTLASS_DEVICE void StoreCopy(const float (&v)[kCols], TC const& c, int i, int row, int M, int n0, int N,
                                 float mx, bool write_c, uint32_t* slice) const {
     static_assert(kCols % 16 == 0);
-    constexpr float kLog2e = 1.4426950408889634f;
     const bool live = row < M;
     float factor = 0.0f;
     if constexpr (kExp) {
@@ -251,9 +253,10 @@ class RowStatsEpilogue {
       factor = exp2f(fmaf(mx, p_.inv_temp * kLog2e, -c_row * kLog2e));  // exp(m − c_row)
     }
     const int lane = threadIdx.x & 31;
-    // The rows of the two slice rows this lane stores: slice row s holds lanes 4s..4s+3's row.
-    const int out0 = __shfl_sync(0xffffffffu, row, (lane >> 3) * 4);
-    const int out1 = __shfl_sync(0xffffffffu, row, (lane >> 3) * 4 + 16);
+    // This lane stores slice rows lane/8 and lane/8 + 4; slice row s holds the row of lanes 4s..4s+3.
+    int out[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 2; ++k) out[k] = __shfl_sync(0xffffffffu, row, (lane >> 3) * 4 + 16 * k);
     uint32_t* mine = slice + (lane >> 2) * kSliceWords;
     CUTLASS_PRAGMA_UNROLL
     for (int chunk = 0; chunk < kCols / 16; ++chunk) {
@@ -274,13 +277,12 @@ class RowStatsEpilogue {
       const int col = n0 + chunk * kChunkCols + (lane & 7) * 8;
       if (!kRagged || col < N) {  // lds is a multiple of 8 and >= N: a piece past N stays inside the row
         const uint32_t* src = slice + (lane >> 3) * kSliceWords + (lane & 7) * 4;
-        if (out0 < M) {
-          *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p_.store) + static_cast<int64_t>(out0) * p_.lds + col) =
-              *reinterpret_cast<const uint4*>(src);
-        }
-        if (out1 < M) {
-          *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p_.store) + static_cast<int64_t>(out1) * p_.lds + col) =
-              *reinterpret_cast<const uint4*>(src + 4 * kSliceWords);
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < 2; ++k) {
+          if (out[k] < M) {
+            *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p_.store) + static_cast<int64_t>(out[k]) * p_.lds + col) =
+                *reinterpret_cast<const uint4*>(src + k * 4 * kSliceWords);
+          }
         }
       }
       __syncwarp();

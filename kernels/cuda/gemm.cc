@@ -271,13 +271,10 @@ absl::Status GemmRunner::ChooseAlgo(const GemmSpec& g, bool c_is_scratch, float*
   return s;
 }
 
-absl::Status GemmRunner::Run(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
-                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (g.m <= 0 || g.n <= 0) return absl::OkStatus();
-  if (g.k <= 0) return absl::InternalError("GEMM with k = 0");
-  const uint32_t al_a = Alignment(g.a), al_b = Alignment(g.b), al_c = Alignment(g.c);
+absl::Status GemmRunner::FindPlan(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
+                                  void* workspace, size_t workspace_bytes, cudaStream_t stream, const Plan** out) {
   const Key key{g.ta, g.tb, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.ab_type, g.c_type, g.compute, g.beta != 0.0f,
-                static_cast<int>(al_a), static_cast<int>(al_b), static_cast<int>(al_c),
+                static_cast<int>(Alignment(g.a)), static_cast<int>(Alignment(g.b)), static_cast<int>(Alignment(g.c)),
                 g.sm_target * 4 + (g.n_invariant ? 1 : 0) + (g.m_invariant ? 2 : 0)};
   auto it = plans_.find(key);
   if (it == plans_.end()) {
@@ -294,10 +291,29 @@ absl::Status GemmRunner::Run(const GemmSpec& g, bool c_is_scratch, float* tune_s
     }
     it = plans_.emplace(key, plan).first;
   }
-  const Plan& p = it->second;
+  *out = &it->second;
+  return absl::OkStatus();
+}
+
+absl::Status GemmRunner::Prepare(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
+                                 void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (g.m <= 0 || g.n <= 0 || g.k <= 0) return absl::OkStatus();  // Run says what is wrong with it
+  const Plan* p = nullptr;
+  return FindPlan(g, c_is_scratch, tune_scratch, tune_floats, workspace, workspace_bytes, stream, &p);
+}
+
+absl::Status GemmRunner::Run(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (g.m <= 0 || g.n <= 0) return absl::OkStatus();
+  if (g.k <= 0) return absl::InternalError("GEMM with k = 0");
+  const Plan* p = nullptr;
+  if (absl::Status s = FindPlan(g, c_is_scratch, tune_scratch, tune_floats, workspace, workspace_bytes, stream, &p);
+      !s.ok()) {
+    return s;
+  }
   const float alpha = 1.0f;
-  LCE_CUDA_CHECK(cublasLtMatmul(lt_, p.desc, &alpha, g.a, p.la, g.b, p.lb, &g.beta, g.c, p.lc, g.c, p.lc, &p.algo,
-                                workspace, workspace_bytes, stream));
+  LCE_CUDA_CHECK(cublasLtMatmul(lt_, p->desc, &alpha, g.a, p->la, g.b, p->lb, &g.beta, g.c, p->lc, g.c, p->lc,
+                                &p->algo, workspace, workspace_bytes, stream));
   return absl::OkStatus();
 }
 

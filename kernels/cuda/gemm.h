@@ -50,6 +50,10 @@ class GemmRunner {
   // scratch (c_is_scratch), else on tune_scratch (tune_floats floats) with n cut to fit.
   absl::Status Run(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
                    size_t workspace_bytes, cudaStream_t stream);
+  // Chooses g's algorithm as Run does (on first sight: times the candidates, waiting for them) without
+  // running g: for a product whose timing must not overlap kernels already queued on another stream.
+  absl::Status Prepare(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
+                       void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
  private:
   struct Plan {
@@ -68,6 +72,9 @@ class GemmRunner {
   // The algorithm to run `plan` with: the size class's, tuned or canonical as g asks.
   absl::Status ChooseAlgo(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
                           void* workspace, size_t workspace_bytes, cudaStream_t stream, Plan* plan);
+  // The cached plan of g's exact problem, made (its algorithm chosen) on first sight.
+  absl::Status FindPlan(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
+                        void* workspace, size_t workspace_bytes, cudaStream_t stream, const Plan** plan);
   static void FreePlan(Plan* plan);
 
   cublasLtHandle_t lt_ = nullptr;

@@ -369,11 +369,20 @@ TEST_F(CudaTest, FastLossPathMatchesGeneralPath) {
   const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 112);
   setenv("LCE_CUDA_MAX_ROWS", "128", 1);
   const Answers fast = RunEngine(*e, p, MemorySpace::kDevice, dw0);
+  setenv("LCE_CUDA_DH_BESIDE", "0", 1);  // d_hidden's product after dW's instead of beside it (FastGradsBeside)
+  const Answers serial = RunEngine(*e, p, MemorySpace::kDevice, dw0);
+  unsetenv("LCE_CUDA_DH_BESIDE");
   setenv("LCE_CUDA_NO_FAST", "1", 1);
   const Answers general = RunEngine(*e, p, MemorySpace::kDevice, dw0);
   unsetenv("LCE_CUDA_NO_FAST");
   unsetenv("LCE_CUDA_MAX_ROWS");
   ExpectMatches(fast, p, dw0, "fast path");
+  ASSERT_TRUE(serial.status.ok()) << serial.status;
+  for (const auto& [a, b] : {std::pair{&fast.d_hidden, &serial.d_hidden}, std::pair{&fast.d_weight, &serial.d_weight},
+                             std::pair{&fast.loss, &serial.loss}}) {
+    ASSERT_EQ(a->size(), b->size());
+    EXPECT_EQ(std::memcmp(a->data(), b->data(), a->size() * sizeof(float)), 0) << "beside and one after the other";
+  }
   ExpectMatches(general, p, dw0, "general path");
   ExpectMatches(RunEngine(*e, p, MemorySpace::kHost, {}), p, {}, "fast path, host, d_hidden only");
 }
