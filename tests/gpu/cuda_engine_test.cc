@@ -124,6 +124,8 @@ T* ToDevice(const std::vector<T>& v) {
   void* d = nullptr;
   EXPECT_EQ(cudaMalloc(&d, v.size() * sizeof(T)), cudaSuccess);
   EXPECT_EQ(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  // A pageable copy may return before its DMA lands; the engine's streams do not wait for it.
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return static_cast<T*>(d);
 }
 template <typename T>

@@ -289,6 +289,7 @@ TEST(CudaIpc, WeightGradientsAccumulateFromEveryRoad) {
   const std::vector<float> by_data_plane = GradientOf(server.target(), run(**dp_client, wire));
   DeviceBuffer in(bytes);
   ASSERT_EQ(cudaMemcpy(in.p, hidden.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // a pageable copy may return before its DMA lands
   auto session = (*wire_client)->OpenSession();
   ASSERT_TRUE(session.ok()) << session.status();
   auto in_id = (*session)->RegisterCudaIpc(in.Handle(), 0, bytes, "hidden");

@@ -65,6 +65,9 @@ TEST(CudaTrainer, AdamWKernelGivesTheHostLoopsBits) {
     std::vector<float> grad(static_cast<size_t>(n));
     for (float& g : grad) g = 0.05f * normal(rng);
     ASSERT_EQ(cudaMemcpy(trainer.grad(), grad.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    // A pageable copy (or a memset) may return before it lands; the trainer's and the engine's streams
+    // do not wait for it.
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     absl::StatusOr<double> sq = trainer.GradSquaredNorm();
     ASSERT_TRUE(sq.ok()) << sq.status();
     double want = 0;
@@ -121,6 +124,7 @@ TEST(CudaTrainer, ShardsTileNormsCombineToOneRanksBits) {
       const HeadShape& s = w->shape;
       EXPECT_EQ(cudaMemcpy(t.trainer->grad(), grad.data() + s.vocab_begin * H, s.shard_rows * H * 4, cudaMemcpyHostToDevice),
                 cudaSuccess);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the copy landed (see above)
       absl::StatusOr<TileSquaredNorms> n = t.trainer->GradTileSquaredNorms();
       EXPECT_TRUE(n.ok()) << n.status();
       return *n;
@@ -166,6 +170,7 @@ TEST(CudaTrainer, EngineAccumulatesIntoTheDeviceGradient) {
   ASSERT_EQ(cudaMemcpy(d_hidden, hidden.data(), hidden.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(d_targets, targets.data(), N * 4, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemset(d_dw, 0, V * H * 4), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the copies and the memset landed (see above)
   const RowsView rows{d_hidden, static_cast<const int32_t*>(d_targets), N, MemorySpace::kDevice};
   const Upstream up{GradMode::kLoss, nullptr, nullptr, nullptr};
   for (int k = 0; k < 2; ++k) {
