@@ -38,7 +38,7 @@ for cfg in $CONFIGS; do
   mport=$(sed -n 's|.*metrics on http://[^:]*:\([0-9]*\)/metrics.*|\1|p' "$log" | head -1)
   echo "## $name (server flags: ${SERVER_FLAGS:-} ${flags//:/ })"
   echo
-  "$BENCH_BIN" --target=127.0.0.1:"$port" --metrics=127.0.0.1:"$mport" --label="$name" "${common[@]}" ${BENCH_FLAGS:-}
+  "$BENCH_BIN" --target=127.0.0.1:"$port" --metrics=127.0.0.1:"$mport" --label="$name" --server-pid="$server" "${common[@]}" ${BENCH_FLAGS:-}
   echo
   if [ $python_ok = 1 ]; then
     # shellcheck disable=SC2086

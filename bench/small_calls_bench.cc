@@ -2,17 +2,25 @@
 // loopback: for each row count, sequential Scores (one LceService.Call each) timed end to end
 // against the server's own engine time of the same calls (lce_engine_seconds{op="score",
 // phase="compute"} from its /metrics, read before and after); then the rate of 1-row Scores from
-// C callers at once (threads sharing one client), with what the server's dynamic batcher did
-// meanwhile (lce_batch_*). bench/small_calls.sh runs it (and bench/small_calls.py, the Python
-// client's side) against a server with batching off and on.
+// C callers at once (threads sharing one client, or K clients of their own connections), with what
+// the server's dynamic batcher did meanwhile (lce_batch_*) and the CPU time a call of this process
+// and of the server (--server-pid). A unary GetInfo's round trip comes first: the floor under every
+// Call. bench/small_calls.sh runs it (and bench/small_calls.py, the Python client's side) against a
+// server with batching off and on.
 //
 // Usage: lce_small_calls_bench --target=127.0.0.1:PORT --metrics=127.0.0.1:MPORT [--rows=1,16,64]
 //          [--iterations=200] [--warmup=20] [--concurrency=64] [--seconds=5] [--rate-rows=1] [--label=NAME]
+//          [--clients=1] [--server-pid=PID] [--channel-args=NAME=INT,...]
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 #include <string>
@@ -20,6 +28,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "httplib.h"
 #include "lce/client/lce_client.h"
@@ -115,6 +124,24 @@ Rows MakeRows(const lce::v1::HeadDescription& head, int64_t n, uint64_t seed) {
   return r;
 }
 
+// CPU seconds (user + system) a process has used: this one (pid 0) or another, from /proc.
+double CpuSeconds(int64_t pid) {
+  if (pid == 0) {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+           1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  }
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');  // the command name may hold spaces
+  if (close == std::string::npos) return 0;
+  std::vector<std::string> fields = absl::StrSplit(text.substr(close + 2), ' ');
+  double utime = 0, stime = 0;  // fields 14 and 15 of stat, 12 and 13 after the name
+  if (fields.size() < 13 || !absl::SimpleAtod(fields[11], &utime) || !absl::SimpleAtod(fields[12], &stime)) return 0;
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
 void Check(const absl::StatusOr<lce::client::ScoreResult>& r) {
   if (!r.ok()) Die("Score: " + std::string(r.status().message()));
 }
@@ -189,15 +216,30 @@ int main(int argc, char** argv) {
   // The rate of small Scores from `concurrency` callers at once.
   const int64_t concurrency = Int(f, "concurrency", 64), seconds = Int(f, "seconds", 5);
   Rows r = MakeRows(head, Int(f, "rate-rows", 1), 99);
+  // --clients=K: the callers spread over K clients, each its own connection (a distinct channel
+  // argument keeps gRPC from sharing one subchannel between them).
+  std::vector<std::unique_ptr<lce::client::LceClient>> clients;
+  for (int64_t k = 1; k < Int(f, "clients", 1); ++k) {
+    lce::client::ClientOptions ok = o;
+    ok.channel_args.emplace_back("lce.bench_client", static_cast<int>(k));
+    absl::StatusOr<std::unique_ptr<lce::client::LceClient>> c = lce::client::LceClient::Create(ok);
+    if (!c.ok()) Die(std::string(c.status().message()));
+    clients.push_back(*std::move(c));
+  }
   std::atomic<int64_t> done{0};
   std::atomic<bool> stop{false};
+  // --server-pid: the server's CPU time too (a profile where none can run: CPU per call).
+  const int64_t server_pid = Int(f, "server-pid", -1);
+  const double client_cpu0 = CpuSeconds(0), server_cpu0 = server_pid > 0 ? CpuSeconds(server_pid) : 0;
   const std::string before = metrics.Scrape();
   const auto t0 = Clock::now();
   std::vector<std::thread> callers;
   for (int64_t c = 0; c < concurrency; ++c) {
-    callers.emplace_back([&] {
+    const size_t k = static_cast<size_t>(c) % (clients.size() + 1);
+    lce::client::LceClient& mine = k == 0 ? **client : *clients[k - 1];
+    callers.emplace_back([&, &mine = mine] {
       while (!stop.load()) {
-        Check((*client)->Score(r.batch, lce::v1::RequestHeader()));
+        Check(mine.Score(r.batch, lce::v1::RequestHeader()));
         ++done;
       }
     });
@@ -207,14 +249,19 @@ int main(int argc, char** argv) {
   for (auto& t : callers) t.join();
   const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
   const std::string after = metrics.Scrape();
+  const double calls = static_cast<double>(std::max<int64_t>(done.load(), 1));
+  const double client_us = 1e6 * (CpuSeconds(0) - client_cpu0) / calls;
+  const std::string server_us =
+      server_pid > 0 ? absl::StrFormat("%.0f", 1e6 * (CpuSeconds(server_pid) - server_cpu0) / calls) : "-";
   auto delta = [&](const std::string& name) { return MetricsReader::Sum(after, name) - MetricsReader::Sum(before, name); };
   const double engine_calls = delta(kEngineCount);
   const double batched = delta("lce_batch_requests_count{op=\"score\"}");
-  std::printf("\n| client | callers | rows a call | calls/s | engine calls/s | requests an engine call | engine busy |\n"
-              "| --- | --- | --- | --- | --- | --- | --- |\n");
-  std::printf("| C++ threads | %lld | %lld | %.0f | %.0f | %.2f | %.0f%% |\n", static_cast<long long>(concurrency),
-              static_cast<long long>(r.batch.rows), static_cast<double>(done.load()) / wall, engine_calls / wall,
+  std::printf("\n| client | callers | rows a call | calls/s | engine calls/s | requests an engine call | engine busy "
+              "| client CPU us a call | server CPU us a call |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  std::printf("| C++ threads (%zu connections) | %lld | %lld | %.0f | %.0f | %.2f | %.0f%% | %.0f | %s |\n",
+              clients.size() + 1, static_cast<long long>(concurrency), static_cast<long long>(r.batch.rows),
+              static_cast<double>(done.load()) / wall, engine_calls / wall,
               batched > 0 ? delta("lce_batch_requests_sum{op=\"score\"}") / batched : 1.0,
-              100 * delta(kEngineSum) / wall);
+              100 * delta(kEngineSum) / wall, client_us, server_us.c_str());
   return 0;
 }

@@ -194,6 +194,7 @@ int main(int argc, char** argv) {
   options.service.tp_size = flags->tp_size;
   options.http2_window_bytes = flags->http2_window_bytes;
   options.completion_queues = flags->grpc_cqs;
+  options.idle_threads_per_queue = flags->grpc_idle_threads;
   options.channel_args = flags->grpc_channel_args;
   options.data_port = flags->data_port;
   options.server_memory_per_session = flags->data_plane_bytes_per_session;

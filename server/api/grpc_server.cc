@@ -124,7 +124,12 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
                       : static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 16));
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::NUM_CQS, cqs);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 1);
-  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 4);
+  // Enough idle threads in all for as many concurrent small calls (64 callers made ~one thread a
+  // request with 4 a queue on a 2-core host: bench/NOTES.md, "Small calls").
+  const int idle = options.idle_threads_per_queue > 0
+                       ? options.idle_threads_per_queue
+                       : std::max(4, (GrpcServerOptions::kIdleThreads + cqs - 1) / cqs);
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, idle);
   for (const auto& [name, value] : options.channel_args) builder.AddChannelArgument(name, value);
   if (options.http2_window_bytes > 0) {
     builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES,

@@ -34,6 +34,11 @@ struct GrpcServerOptions {
   // Completion queues of the sync server; connections are spread over their pollsets, so that
   // several connections' bytes are handled by several threads. 0: one per core, at most 16.
   int completion_queues = 0;
+  // Handler threads kept polling per completion queue (the sync server's MAX_POLLERS): one that
+  // finishes while as many poll exits, and a request that finds none polling starts a thread.
+  // 0: kIdleThreads over all queues, at least 4 a queue.
+  int idle_threads_per_queue = 0;
+  static constexpr int kIdleThreads = 64;
   // Extra integer channel arguments (transport tuning).
   std::vector<std::pair<std::string, int>> channel_args;
   // Data plane (region_data_plane.h): TCP port for server-memory regions (-1: none; 0: any free

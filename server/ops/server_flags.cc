@@ -44,6 +44,8 @@ ABSL_FLAG(int64_t, http2_window_bytes, 0,
           "HTTP/2 flow-control window per stream (0: gRPC's, adapted by its bandwidth probe); larger lets a client stream further ahead");
 ABSL_FLAG(int32_t, grpc_cqs, 0,
           "gRPC completion queues (each with its own pollers), over which connections are spread (0: one per core, at most 16)");
+ABSL_FLAG(int32_t, grpc_idle_threads, 0,
+          "handler threads kept polling per completion queue (0: 64 over all queues, at least 4 each); one that finishes while as many poll exits, and a request that finds none polling starts one: too few and a busy server makes a thread a request");
 ABSL_FLAG(int32_t, data_port, -1,
           "data plane for remote clients' bulk bytes (TCP beside gRPC; each transfer shows its session's secret; plain unless --data-plane-tls) on the --host address (-1: off; 0: any port)");
 ABSL_FLAG(bool, data_plane_tls, false,
@@ -162,6 +164,7 @@ const std::vector<std::string>& FlagNames() {
       "max_message_bytes",
       "http2_window_bytes",
       "grpc_cqs",
+      "grpc_idle_threads",
       "data_port",
       "data_plane_tls",
       "shm_socket",
@@ -367,6 +370,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   f.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   f.http2_window_bytes = absl::GetFlag(FLAGS_http2_window_bytes);
   f.grpc_cqs = absl::GetFlag(FLAGS_grpc_cqs);
+  f.grpc_idle_threads = absl::GetFlag(FLAGS_grpc_idle_threads);
   f.data_port = absl::GetFlag(FLAGS_data_port);
   f.data_plane_tls = absl::GetFlag(FLAGS_data_plane_tls);
   f.shm_socket = absl::GetFlag(FLAGS_shm_socket);
@@ -433,6 +437,9 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError("--http2-window-bytes must be in [0, 2147483647]");
   }
   if (f.grpc_cqs < 0 || f.grpc_cqs > 256) return absl::InvalidArgumentError("--grpc-cqs must be in [0, 256]");
+  if (f.grpc_idle_threads < 0 || f.grpc_idle_threads > 4096) {
+    return absl::InvalidArgumentError("--grpc-idle-threads must be in [0, 4096]");
+  }
   if (f.data_port < -1 || f.data_port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("--data-port must be -1 (off), 0 (any) or a port, got ", f.data_port));
   }

@@ -23,6 +23,7 @@ struct ServerFlags {
   int64_t max_message_bytes{};
   int64_t http2_window_bytes{};
   int grpc_cqs{};
+  int grpc_idle_threads{};
   int data_port{};
   bool data_plane_tls{};        // the data plane over TLS (--tls-cert/--tls-key)
   std::string shm_socket;       // the shm socket's path; "auto": by the port; "": none

@@ -85,8 +85,10 @@ TEST(ServerFlags, DefaultsTypedValuesAndClearErrors) {
   EXPECT_EQ(d->data_port, -1);
   EXPECT_TRUE(d->log_requests);
   EXPECT_EQ(d->head.tensor, "lm_head.weight");
+  EXPECT_EQ(d->grpc_idle_threads, 0) << "0: 64 over all completion queues";
   absl::StatusOr<ServerFlags> f = Parse({"--port", "7", "--port_file=/tmp/p", "--log-requests=false",
-                                         "--grpc-channel-args=a.b=1,c=2", "--seed-head=10x4", "--head-dtype=fp16"});
+                                         "--grpc-channel-args=a.b=1,c=2", "--seed-head=10x4", "--head-dtype=fp16",
+                                         "--grpc-idle-threads=16"});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->port, 7);
   EXPECT_EQ(f->port_file, "/tmp/p");
@@ -95,6 +97,7 @@ TEST(ServerFlags, DefaultsTypedValuesAndClearErrors) {
   EXPECT_EQ(f->grpc_channel_args[1], (std::pair<std::string, int>{"c", 2}));
   EXPECT_EQ(f->head.seed_vocab, 10);
   EXPECT_EQ(f->head.dtype, DType::kFloat16);
+  EXPECT_EQ(f->grpc_idle_threads, 16);
   // Each parse starts from the defaults.
   EXPECT_EQ(Parse({})->port, 50051);
   const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
@@ -102,6 +105,7 @@ TEST(ServerFlags, DefaultsTypedValuesAndClearErrors) {
       {{"--log-requests=maybe"}, "--log-requests"}, {{"--no-such-flag=1"}, "unknown flag --no-such-flag"},
       {{"--port"}, "needs a value"},         {{"--head-dtype=int8"}, "--head-dtype"},
       {{"--grpc-channel-args=x"}, "--grpc-channel-args"}, {{"stray"}, "unexpected argument 'stray'"},
+      {{"--grpc-idle-threads=-1"}, "--grpc-idle-threads"},
   };
   for (const auto& [args, what] : bad) {
     absl::Status s = Parse(args).status();
