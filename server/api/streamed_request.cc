@@ -120,7 +120,9 @@ grpc::Status StreamedRequest::Receive(bool* more) {
       [&] { return Timed(&RequestWork::read_wait_seconds, [&] { return stream_->Read(&msg_); }); }, more);
   if (!g.ok()) return g;
   if (!*more) return ToGrpcStatus(stream_->ReadError());  // the end, or a message that did not parse
-  if (stream_->WaitsOnClient() && ctx_->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+  if (stream_->WaitsOnClient() && ctx_->IsCancelled()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+  }
   if (msg_.has_header()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         absl::StrCat("repeated header (message ", chunk_index_ + 1, "): a request has exactly one"));
