@@ -50,14 +50,15 @@ DP_BYTES_PER_SESSION = 64 << 20
 HIDDEN = 128
 GRPC_CQS = 2
 CPU_THREADS = 2
-# gRPC's synchronous server keeps between 1 and 4 idle threads a completion queue
-# (server/api/grpc_server.cc: MIN_POLLERS, MAX_POLLERS), and each keeps the OpenMP team it made when
-# it ran the CPU engine (CPU_THREADS - 1 workers, which inherit its name): so many may rest there
-# with no client, whatever the warm level caught.
+# gRPC's synchronous server keeps between 1 and IDLE_THREADS idle threads a completion queue
+# (--grpc-idle-threads, set here: its default, 64 over all queues, would allow a leak of that many to
+# pass), and each keeps the OpenMP team it made when it ran the CPU engine (CPU_THREADS - 1 workers,
+# which inherit its name): so many may rest there with no client, whatever the warm level caught.
+IDLE_THREADS = 4
 # gRPC's timer manager starts a thread whenever none waits with a deadline, and an extra one retires
 # only when timers next run: with no client, 2 or 3 may rest (the warm level caught 2 where a 2-minute
 # CI run ended with 3; the 30-minute runs ended with 2 and 3). A leak would grow past the bound.
-IDLE_POOL_BOUND = {"grpcpp_sync_ser": GRPC_CQS * 4 * CPU_THREADS, "grpc_global_tim": 4}
+IDLE_POOL_BOUND = {"grpcpp_sync_ser": GRPC_CQS * IDLE_THREADS * CPU_THREADS, "grpc_global_tim": 4}
 # The server's header and idle timeouts: short, so that the faults that wait for them end soon, but
 # not so short that a busy machine trips them on a good client (1 s did: at load 11 on 2 cores a
 # data-plane client's header came more than 1 s after its stream opened).
@@ -79,7 +80,8 @@ class Server:
         self.log_path = workdir / "server.log"
         args = [binary, "--host=127.0.0.1", "--port=0", f"--port-file={port_file}", "--backend=cpu",
                 f"--cpu-threads={CPU_THREADS}", f"--seed-head=4096x{HIDDEN}", "--head-dtype=fp32", f"--seed={seed}",
-                f"--grpc-cqs={GRPC_CQS}", "--data-port=0", f"--metrics-port={self.metrics_port}", "--metrics-host=127.0.0.1",
+                f"--grpc-cqs={GRPC_CQS}", f"--grpc-idle-threads={IDLE_THREADS}", "--data-port=0",
+                f"--metrics-port={self.metrics_port}", "--metrics-host=127.0.0.1",
                 f"--max-message-bytes={MAX_MESSAGE_BYTES}", f"--max-rows-per-request={MAX_ROWS}",
                 f"--data-plane-bytes-per-session={DP_BYTES_PER_SESSION}",
                 f"--stream-header-timeout-seconds={HEADER_TIMEOUT_S}", f"--stream-idle-timeout-seconds={IDLE_TIMEOUT_S}",
