@@ -46,38 +46,36 @@ def make_rows(head, rows: int, seed: int):
     return h, rng.integers(0, head.vocab_size, rows).astype(np.int64)
 
 
+def time_calls(call, warmup: int, iterations: int) -> tuple:
+    """Mean, p50 and p99 in ms of `iterations` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        call()
+    ms = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        call()
+        ms.append(1e3 * (time.perf_counter() - t0))
+    ms.sort()
+    return sum(ms) / len(ms), ms[len(ms) // 2], ms[min(len(ms) - 1, len(ms) * 99 // 100)]
+
+
 def latency_table(args, head) -> None:
     print("| client | rows | mean ms | p50 ms | p99 ms | engine ms | mean - engine ms |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     with lce_client.Client(args.target, timeout=60) as c:
         # The floor under every row below: a unary GetInfo, no engine, through the same channel.
-        for _ in range(args.warmup):
-            c.info()
-        ms = []
-        for _ in range(args.iterations):
-            t0 = time.perf_counter()
-            c.info()
-            ms.append(1e3 * (time.perf_counter() - t0))
-        ms.sort()
-        print(f"| Python GetInfo (no engine) | - | {sum(ms) / len(ms):.3f} | {ms[len(ms) // 2]:.3f} "
-              f"| {ms[min(len(ms) - 1, len(ms) * 99 // 100)]:.3f} | - | - |")
+        mean, p50, p99 = time_calls(c.info, args.warmup, args.iterations)
+        print(f"| Python GetInfo (no engine) | - | {mean:.3f} | {p50:.3f} | {p99:.3f} | - | - |")
         for rows in [int(r) for r in args.rows.split(",")]:
             h, y = make_rows(head, rows, 7 + rows)
             for _ in range(args.warmup):
                 c.score(h, y)
             before = scrape(args.metrics)
-            ms = []
-            for _ in range(args.iterations):
-                t0 = time.perf_counter()
-                c.score(h, y)
-                ms.append(1e3 * (time.perf_counter() - t0))
+            mean, p50, p99 = time_calls(lambda: c.score(h, y), 0, args.iterations)
             after = scrape(args.metrics)
             calls = metric(after, ENGINE_COUNT) - metric(before, ENGINE_COUNT)
             engine = 1e3 * (metric(after, ENGINE_SUM) - metric(before, ENGINE_SUM)) / calls if calls else 0.0
-            ms.sort()
-            mean = sum(ms) / len(ms)
-            print(f"| Python | {rows} | {mean:.3f} | {ms[len(ms) // 2]:.3f} | {ms[min(len(ms) - 1, len(ms) * 99 // 100)]:.3f} "
-                  f"| {engine:.3f} | {mean - engine:+.3f} |")
+            print(f"| Python | {rows} | {mean:.3f} | {p50:.3f} | {p99:.3f} | {engine:.3f} | {mean - engine:+.3f} |")
 
 
 async def rate(args, head) -> tuple:

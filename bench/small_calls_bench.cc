@@ -142,6 +142,27 @@ double CpuSeconds(int64_t pid) {
   return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
+// Mean, p50 and p99 in ms of `iters` runs of `call` after `warmup` untimed ones.
+struct Latency {
+  double mean = 0, p50 = 0, p99 = 0;
+};
+template <typename F>
+Latency TimeCalls(int64_t warmup, int64_t iters, F&& call) {
+  for (int64_t i = 0; i < warmup; ++i) call();
+  std::vector<double> ms;
+  for (int64_t i = 0; i < iters; ++i) {
+    const auto t0 = Clock::now();
+    call();
+    ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  Latency l;
+  for (double x : ms) l.mean += x / static_cast<double>(ms.size());
+  std::sort(ms.begin(), ms.end());
+  l.p50 = ms[ms.size() / 2];
+  l.p99 = ms[std::min(ms.size() - 1, ms.size() * 99 / 100)];
+  return l;
+}
+
 void Check(const absl::StatusOr<lce::client::ScoreResult>& r) {
   if (!r.ok()) Die("Score: " + std::string(r.status().message()));
 }
@@ -177,40 +198,25 @@ int main(int argc, char** argv) {
   std::printf("| client | rows | mean ms | p50 ms | p99 ms | engine ms | mean - engine ms |\n| --- | --- | --- | --- | --- | --- | --- |\n");
   {
     // The floor under every row below: a unary GetInfo, no engine, through the same channel.
-    for (int64_t i = 0; i < warmup; ++i) (void)(*client)->GetInfo();
-    std::vector<double> ms;
-    for (int64_t i = 0; i < iters; ++i) {
-      const auto t0 = Clock::now();
+    const Latency l = TimeCalls(warmup, iters, [&] {
       if (!(*client)->GetInfo().ok()) Die("GetInfo failed");
-      ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-    }
-    double mean = 0;
-    for (double x : ms) mean += x / static_cast<double>(ms.size());
-    std::sort(ms.begin(), ms.end());
-    std::printf("| C++ GetInfo (no engine) | - | %.3f | %.3f | %.3f | - | - |\n", mean, ms[ms.size() / 2],
-                ms[std::min(ms.size() - 1, ms.size() * 99 / 100)]);
+    });
+    std::printf("| C++ GetInfo (no engine) | - | %.3f | %.3f | %.3f | - | - |\n", l.mean, l.p50, l.p99);
   }
   for (absl::string_view rows_text : absl::StrSplit(f.count("rows") ? f.at("rows") : "1,16,64", ',')) {
     int64_t rows = 0;
     if (!absl::SimpleAtoi(rows_text, &rows) || rows < 1) Die("bad --rows");
     Rows r = MakeRows(head, rows, 7 + rows);
     lce::v1::RequestHeader header;
-    for (int64_t i = 0; i < warmup; ++i) Check((*client)->Score(r.batch, header));
+    auto score = [&] { Check((*client)->Score(r.batch, header)); };
+    for (int64_t i = 0; i < warmup; ++i) score();
     const std::string before = metrics.Scrape();
-    std::vector<double> ms;
-    for (int64_t i = 0; i < iters; ++i) {
-      const auto t0 = Clock::now();
-      Check((*client)->Score(r.batch, header));
-      ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-    }
+    const Latency l = TimeCalls(0, iters, score);
     const std::string after = metrics.Scrape();
     const double calls = MetricsReader::Sum(after, kEngineCount) - MetricsReader::Sum(before, kEngineCount);
     const double engine = calls > 0 ? 1e3 * (MetricsReader::Sum(after, kEngineSum) - MetricsReader::Sum(before, kEngineSum)) / calls : 0;
-    double mean = 0;
-    for (double x : ms) mean += x / static_cast<double>(ms.size());
-    std::sort(ms.begin(), ms.end());
-    std::printf("| C++ | %lld | %.3f | %.3f | %.3f | %.3f | %+.3f |\n", static_cast<long long>(rows), mean,
-                ms[ms.size() / 2], ms[std::min(ms.size() - 1, ms.size() * 99 / 100)], engine, mean - engine);
+    std::printf("| C++ | %lld | %.3f | %.3f | %.3f | %.3f | %+.3f |\n", static_cast<long long>(rows), l.mean, l.p50,
+                l.p99, engine, l.mean - engine);
   }
 
   // The rate of small Scores from `concurrency` callers at once.
