@@ -170,6 +170,8 @@ struct Scratch {
   unsigned long long* bad = nullptr;  // [2]: first non-finite row; [1] holds the overflow flag (float bits)
   float* row_c = nullptr;         // [R] fast path: c_row
   void* h_scaled = nullptr;       // [R, H] bf16, fast path with d_weight
+  void* target_order = nullptr;   // the target scatter's sort (TargetOrderBytes(R)), fast path with d_weight
+  int64_t target_order_bytes = 0;
   void* side_ws = nullptr;        // cuBLAS workspace of d_hidden's product on aux_ (Layout::side)
   // kHost staging on the device.
   void* hidden = nullptr;         // [R, H] head dtype
@@ -315,7 +317,11 @@ class CudaEngine final : public LceEngine {
     s->info = c.Take<float>(R * kRowInfo);
     s->bad = c.Take<unsigned long long>(2);
     s->row_c = c.Take<float>(R);
-    if (l.fast) s->h_scaled = c.Take<uint8_t>(R * H * 2);
+    if (l.fast) {
+      s->h_scaled = c.Take<uint8_t>(R * H * 2);
+      s->target_order_bytes = TargetOrderBytes(R);
+      s->target_order = c.Take<uint8_t>(s->target_order_bytes);
+    }
     if (l.side) s->side_ws = c.Take<uint8_t>(kCublasWorkspace);
     if (l.backward) {
       s->store = c.Take<uint8_t>(R * lds_ * (shape_.dtype == DType::kFloat32 ? 4 : 2));
@@ -567,11 +573,10 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
                 fast && grads.d_weight != nullptr, tree_dh_};
   layout.epi = epi;
   layout.stage = epi && !host && reinterpret_cast<uintptr_t>(rows.hidden) % 16 != 0;
-  // Opt-in (LCE_CUDA_DH_BESIDE=1): the target scatter adds repeated targets' rows to dW by atomics,
-  // whose order the concurrent product reshuffles, so dW would not be the same bits run to run
-  // (bench/NOTES.md, e10). On by default once that scatter has a fixed order.
+  // LCE_CUDA_DH_BESIDE=0: one after the other (bench/NOTES.md, e10). dW is the same bits either way: the
+  // target scatter's order is fixed (LaunchScatterTargetDW), not the GPU's schedule.
   layout.side = fast && !host && grads.d_weight != nullptr && grads.d_hidden != nullptr &&
-                EnvInt("LCE_CUDA_DH_BESIDE", 0) != 0 && EnvInt("LCE_CUDA_GEMMEX", 0) == 0;
+                EnvInt("LCE_CUDA_DH_BESIDE", 1) != 0 && EnvInt("LCE_CUDA_GEMMEX", 0) == 0;
 
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t r_max = RowsPerBlock(layout, N);
@@ -626,7 +631,8 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
                           dt, lds_, 1.0f, s.dw_slab, CUDA_R_32F, H, tf32));
       if (fast_targets) {
         LCE_CUDA_CHECK(LaunchScatterTargetDW(s.dw_slab, nr, H, s.info, h_rows, y_rows, o.ignore_index,
-                                             shape_.vocab_begin + v0, nv, stream_));
+                                             shape_.vocab_begin + v0, nv, s.target_order, s.target_order_bytes,
+                                             stream_));
       }
       LCE_CUDA_CHECK(cudaMemcpyAsync(host_dw, s.dw_slab, nv * H * sizeof(float), cudaMemcpyDeviceToHost, stream_));
       LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -809,7 +815,8 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
             LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, Vs, nr, s.h_scaled, dt, H, s.store, dt, lds_, 1.0f,
                                 grads.d_weight, CUDA_R_32F, H, tf32));
             LCE_CUDA_CHECK(LaunchScatterTargetDW(grads.d_weight, nr, H, s.info, h, y, o.ignore_index,
-                                                 shape_.vocab_begin, Vs, stream_));
+                                                 shape_.vocab_begin, Vs, s.target_order, s.target_order_bytes,
+                                                 stream_));
           }
         }
         if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
@@ -988,7 +995,8 @@ absl::Status CudaEngine::FastGradsBeside(Scratch& s, const void* h, int64_t nr, 
   LCE_CUDA_CHECK(cudaEventRecord(events_[kEvDHidden], aux_));
   const auto dw_and_targets = [&]() -> absl::Status {
     LCE_CUDA_CHECK(dw(GemmPlace{}));
-    LCE_CUDA_CHECK(LaunchScatterTargetDW(d_weight, nr, H, s.info, h, y, ignore_index, shape_.vocab_begin, Vs, stream_));
+    LCE_CUDA_CHECK(LaunchScatterTargetDW(d_weight, nr, H, s.info, h, y, ignore_index, shape_.vocab_begin, Vs,
+                                         s.target_order, s.target_order_bytes, stream_));
     return absl::OkStatus();
   };
   if (st.ok()) st = dw_and_targets();

@@ -176,10 +176,14 @@ absl::Status LaunchScaleRows(const void* h, int64_t rows, int64_t hidden, const 
 absl::Status LaunchFinishDHidden(float* dh, int64_t rows, int64_t hidden, const float* row_info, const void* w,
                                  const int32_t* targets, int32_t ignore_index, int64_t vocab_begin,
                                  int64_t shard_rows, cudaStream_t stream);
-// fast_grad.cu. d_weight[y_r − vocab_begin, :] −= t_r · h[r, :] for rows whose target lies in the shard.
+// fast_grad.cu. d_weight[y_r − vocab_begin, :] −= t_r · h[r, :] for rows whose target lies in the shard,
+// in a fixed order: the rows sorted by target (stably), one writer a target row adding its rows in row
+// order, so dW is the same bits however the GPU schedules it. `scratch` holds TargetOrderBytes(rows).
+int64_t TargetOrderBytes(int64_t rows);
 absl::Status LaunchScatterTargetDW(float* d_weight, int64_t rows, int64_t hidden, const float* row_info,
                                    const void* h, const int32_t* targets, int32_t ignore_index,
-                                   int64_t vocab_begin, int64_t shard_rows, cudaStream_t stream);
+                                   int64_t vocab_begin, int64_t shard_rows, void* scratch, int64_t scratch_bytes,
+                                   cudaStream_t stream);
 
 // tree_sum.cu. dst[i] = a[i] + b[i] (rounded to nearest, never fused) for n floats; dst may be a.
 absl::Status LaunchAddFloats(float* dst, const float* a, const float* b, int64_t n, cudaStream_t stream);

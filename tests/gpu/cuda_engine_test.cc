@@ -357,6 +357,28 @@ TEST_F(CudaTest, ManyRowBlocksUnderSmallWorkspace) {
   EXPECT_FALSE(CreateEngine(Backend::kCuda, p.head, tiny).ok());
 }
 
+// Values of a and b whose bits differ, with the first such index in *first.
+size_t BitsDiffer(const std::vector<float>& a, const std::vector<float>& b, size_t* first) {
+  EXPECT_EQ(a.size(), b.size());
+  size_t differ = 0;
+  *first = a.size();
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0 && differ++ == 0) *first = i;
+  }
+  return differ;
+}
+
+void ExpectSameBits(const Answers& a, const Answers& b, const std::string& what) {
+  for (const auto& [name, x, y] : {std::tuple{"d_hidden", &a.d_hidden, &b.d_hidden},
+                                   std::tuple{"loss", &a.loss, &b.loss},
+                                   std::tuple{"d_weight", &a.d_weight, &b.d_weight}}) {
+    size_t first = 0;
+    const size_t differ = BitsDiffer(*x, *y, &first);
+    EXPECT_EQ(differ, 0u) << what << ", " << name << ": " << differ << " of " << x->size()
+                          << " values differ, the first at " << first;
+  }
+}
+
 TEST_F(CudaTest, FastLossPathMatchesGeneralPath) {
   ProblemSpec sp;
   sp.rows = 300;
@@ -371,34 +393,55 @@ TEST_F(CudaTest, FastLossPathMatchesGeneralPath) {
   ASSERT_NE(e, nullptr);
   const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 112);
   setenv("LCE_CUDA_MAX_ROWS", "128", 1);
-  const Answers fast = RunEngine(*e, p, MemorySpace::kDevice, dw0);
-  setenv("LCE_CUDA_DH_BESIDE", "1", 1);  // d_hidden's product beside dW's (FastGradsBeside), opt-in
-  const Answers beside = RunEngine(*e, p, MemorySpace::kDevice, dw0);
+  const Answers beside = RunEngine(*e, p, MemorySpace::kDevice, dw0);  // d_hidden's product beside dW's
+  setenv("LCE_CUDA_DH_BESIDE", "0", 1);
+  const Answers serial = RunEngine(*e, p, MemorySpace::kDevice, dw0);
   unsetenv("LCE_CUDA_DH_BESIDE");
   setenv("LCE_CUDA_NO_FAST", "1", 1);
   const Answers general = RunEngine(*e, p, MemorySpace::kDevice, dw0);
   unsetenv("LCE_CUDA_NO_FAST");
   unsetenv("LCE_CUDA_MAX_ROWS");
-  ExpectMatches(fast, p, dw0, "fast path");
   ExpectMatches(beside, p, dw0, "fast path, d_hidden beside dW");
-  // d_hidden and the loss are the same bits either way; dW only to rounding: the target scatter's
-  // atomics add rows with the same target in an order the concurrent product changes.
-  for (const auto& [name, a, b] : {std::tuple{"d_hidden", &fast.d_hidden, &beside.d_hidden},
-                                   std::tuple{"loss", &fast.loss, &beside.loss}}) {
-    ASSERT_EQ(a->size(), b->size());
-    size_t differ = 0, first = a->size();
-    for (size_t i = 0; i < a->size(); ++i) {
-      if (std::memcmp(&(*a)[i], &(*b)[i], sizeof(float)) != 0 && differ++ == 0) first = i;
-    }
-    EXPECT_EQ(differ, 0u) << name << ": beside and one after the other differ in " << differ << " of " << a->size()
-                          << " values, the first at " << first;
-  }
-  ASSERT_EQ(fast.d_weight.size(), beside.d_weight.size());
-  for (size_t i = 0; i < fast.d_weight.size(); ++i) {
-    ASSERT_NEAR(fast.d_weight[i], beside.d_weight[i], 1e-6 * (1.0 + std::fabs(fast.d_weight[i]))) << "d_weight " << i;
-  }
+  ExpectMatches(serial, p, dw0, "fast path, one product after the other");
+  ExpectSameBits(beside, serial, "beside and one after the other");
   ExpectMatches(general, p, dw0, "general path");
   ExpectMatches(RunEngine(*e, p, MemorySpace::kHost, {}), p, {}, "fast path, host, d_hidden only");
+}
+
+// The target term of dW (−t·h added to the target's row) has a fixed order: rows sorted by target, one
+// writer a target row. With targets repeated in every block (a few common tokens, one block where all
+// rows share a target) dW is the same bits in every run, with the products beside or one after the
+// other, on device and host rows; once, it was atomics whose order the GPU's schedule changed.
+TEST_F(CudaTest, RepeatedTargetsGiveTheSameDWeightBitsEveryRun) {
+  ProblemSpec sp;
+  sp.rows = 512;
+  sp.hidden = 256;
+  sp.vocab = 4099;
+  sp.grad_loss = true;
+  Problem p = MakeProblem(sp, 131);
+  for (int64_t i = 0; i < sp.rows; ++i) {
+    if (i < 128) {
+      p.ref.targets[i] = 4098;  // the first block: one target
+    } else if (i % 3 != 0 && p.ref.targets[i] != sp.options.ignore_index) {
+      p.ref.targets[i] = static_cast<int32_t>((i * 7) % 5);
+    }
+  }
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 132);
+  setenv("LCE_CUDA_MAX_ROWS", "128", 1);
+  const Answers first = RunEngine(*e, p, MemorySpace::kDevice, dw0);
+  ExpectMatches(first, p, dw0, "repeated targets, beside");
+  for (int run = 0; run < 5; ++run) {
+    ExpectSameBits(first, RunEngine(*e, p, MemorySpace::kDevice, dw0), absl::StrCat("beside, run ", run + 2));
+  }
+  setenv("LCE_CUDA_DH_BESIDE", "0", 1);
+  ExpectSameBits(first, RunEngine(*e, p, MemorySpace::kDevice, dw0), "one after the other");
+  unsetenv("LCE_CUDA_DH_BESIDE");
+  const Answers host = RunEngine(*e, p, MemorySpace::kHost, dw0);
+  ExpectMatches(host, p, dw0, "repeated targets, host rows");
+  ExpectSameBits(host, RunEngine(*e, p, MemorySpace::kHost, dw0), "host rows, second run");
+  unsetenv("LCE_CUDA_MAX_ROWS");
 }
 
 TEST_F(CudaTest, HundredThousandRows) {
