@@ -30,6 +30,8 @@ constexpr int64_t kRowBlock = 128;
 // Transposed tiles are computed over whole groups of this many rows (the padding columns hold
 // values of no row and are never read back): one GEMM tile width on every instruction set.
 constexpr int64_t kColumnGroup = 32;
+// The columns a block of nr rows computes: nr rounded up to whole groups.
+int64_t BlockColumns(int64_t nr) { return std::min(kRowBlock, (nr + kColumnGroup - 1) / kColumnGroup * kColumnGroup); }
 
 // Per-row statistics of the softmax over (this shard of) the vocabulary; see docs/MATH.md.
 struct RowStats {
@@ -53,7 +55,7 @@ constexpr int64_t kPartialFloats = sizeof(TilePartial) / sizeof(float);
 static_assert(sizeof(TilePartial) == 5 * sizeof(float));
 
 // A subtree of the canonical binary tree over the head's tiles: level ℓ, index j covers tiles
-// [j·2^ℓ, (j+1)·2^ℓ); its value is the transposed d_hidden [H, kRowBlock] summed over those tiles,
+// [j·2^ℓ, (j+1)·2^ℓ); its value is the transposed d_hidden [H, cols] summed over those tiles,
 // left + right (a right subtree past the last tile is absent, not zero).
 struct TreeNode {
   int level = 0;
@@ -74,15 +76,17 @@ struct RowCoef {
   float a = 0.0f, b = 0.0f, c = 0.0f, d = 0.0f;
 };
 
-// Scratch of one Compute call. Row-block buffers are [.., kRowBlock] so a row is a column.
+// Scratch of a Compute call, kept by the engine between calls (a call of a few rows would otherwise spend
+// most of its time zeroing and faulting in fresh pages). Row-block buffers are [.., kRowBlock] so a row is
+// a column.
 struct Workspace {
-  Workspace(int64_t hidden, int64_t tile, bool backward)
+  Workspace(int64_t hidden, int64_t tile)
       : h(kRowBlock * hidden), h_t(hidden * kRowBlock, 0.0f), z_t(tile * kRowBlock, 0.0f),
-        dh_t(backward ? hidden * kRowBlock : 0), dh(backward ? kRowBlock * hidden : 0) {}
+        dh_t(hidden * kRowBlock), dh(kRowBlock * hidden) {}
   std::vector<float> h;     // [rows, H]: the block's hidden states in fp32
   std::vector<float> h_t;   // [H, kRowBlock]: the same, transposed
   std::vector<float> z_t;   // [tile, kRowBlock]: a logit tile; in pass 2, dL/da
-  std::vector<float> dh_t;  // [H, kRowBlock]: d_hidden, transposed
+  std::vector<float> dh_t;  // [H, cols]: d_hidden, transposed (the tree's sum)
   std::vector<float> dh;    // [rows, H]
 };
 
@@ -113,7 +117,7 @@ class CpuEngine final : public LceEngine {
 
  private:
   absl::Status CheckCall(const RowsView& rows, const LceOptions& options) const;
-  void LoadRows(const RowsView& rows, int64_t r0, int64_t nr, Workspace& ws) const;
+  void LoadRows(const RowsView& rows, int64_t r0, int64_t nr, int64_t cols, Workspace& ws) const;
   void LogitTile(const Workspace& ws, int64_t cols, int64_t v0, int64_t nv, const LceOptions& o,
                  float* z_t) const;
   void TilePartials(const float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
@@ -130,7 +134,7 @@ class CpuEngine final : public LceEngine {
                              const LceOptions& o, const std::vector<RowCoef>& coef,
                              const std::vector<RowFinal>& fin, const std::vector<RowStats>& stats,
                              const GradOutputs& grads);
-  absl::Status CombineDHidden(std::vector<TreeNode> own, Workspace& ws) const;
+  absl::Status CombineDHidden(std::vector<TreeNode> own, int64_t cols, Workspace& ws) const;
 
   int64_t Tile() const { return VocabTile(shape_.vocab_size); }
   int64_t Tiles() const { return VocabTileCount(shape_.vocab_size); }
@@ -142,6 +146,7 @@ class CpuEngine final : public LceEngine {
   std::vector<float> w_;  // fp32 copy of the shard, [shard_rows, H]
   int threads_ = 1;
   std::mutex mu_;
+  std::unique_ptr<Workspace> ws_;  // guarded by mu_; made by the first call
 };
 
 absl::Status CpuEngine::CheckCall(const RowsView& rows, const LceOptions& options) const {
@@ -165,12 +170,17 @@ absl::Status CpuEngine::CheckCall(const RowsView& rows, const LceOptions& option
 }
 
 // Rows [r0, r0+nr) into ws.h (fp32) and ws.h_t (transposed).
-void CpuEngine::LoadRows(const RowsView& rows, int64_t r0, int64_t nr, Workspace& ws) const {
+// The block's rows into ws.h and, transposed, into the first nr of ws.h_t's `cols` columns; the columns
+// past nr (the GEMMs' padding) are zeroed, whatever an earlier call left there.
+void CpuEngine::LoadRows(const RowsView& rows, int64_t r0, int64_t nr, int64_t cols, Workspace& ws) const {
   const int64_t H = shape_.hidden_size;
   ConvertToFloat(static_cast<const uint8_t*>(rows.hidden) + r0 * H * DTypeSize(shape_.dtype),
                  shape_.dtype, nr * H, ws.h.data());
   for (int64_t r = 0; r < nr; ++r) {
     for (int64_t k = 0; k < H; ++k) ws.h_t[k * kRowBlock + r] = ws.h[r * H + k];
+  }
+  if (nr < cols) {
+    for (int64_t k = 0; k < H; ++k) std::fill_n(ws.h_t.data() + k * kRowBlock + nr, cols - nr, 0.0f);
   }
 }
 
@@ -390,10 +400,10 @@ bool SumSubtree(const std::vector<TreeNode>& held, int level, int64_t index, int
 // d_hidden_t of the whole head into ws.dh_t: the ranks' subtrees gathered (each rank fills its
 // slots, −inf elsewhere, and a max all-reduce copies them), then summed over the canonical tree:
 // the same additions in the same order for any group size.
-absl::Status CpuEngine::CombineDHidden(std::vector<TreeNode> own, Workspace& ws) const {
+absl::Status CpuEngine::CombineDHidden(std::vector<TreeNode> own, int64_t cols, Workspace& ws) const {
   std::vector<TreeNode> held = std::move(own);
   if (collectives_ != nullptr) {
-    const int64_t node_floats = shape_.hidden_size * kRowBlock;
+    const int64_t node_floats = shape_.hidden_size * cols;
     std::vector<TreeNode> all;
     int64_t mine = 0;  // where this rank's subtrees start in `all` (same order as `held`)
     for (int r = 0; r < collectives_->world_size(); ++r) {
@@ -426,16 +436,17 @@ absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, con
                                       const std::vector<RowFinal>& fin,
                                       const std::vector<RowStats>& stats, const GradOutputs& grads) {
   const int64_t H = shape_.hidden_size;
-  const int64_t cols = std::min(kRowBlock, (nr + kColumnGroup - 1) / kColumnGroup * kColumnGroup);
+  const int64_t cols = BlockColumns(nr);
   std::vector<TreeNode> subtrees;
   for (int64_t v0 = 0; v0 < shape_.shard_rows; v0 += Tile()) {
     const int64_t nv = std::min(Tile(), shape_.shard_rows - v0);
     LogitTile(ws, cols, v0, nv, o, ws.z_t.data());
     GradTile(ws.z_t.data(), nr, v0, nv, y, o, coef, fin, stats);
     // This tile's d_hidden_t[H, r] = W_tileᵀ[H, nv] · dA_t[nv, r], each element summed in order.
-    TreeNode node{0, TileIndex(v0), std::vector<float>(H * kRowBlock, 0.0f)};
+    // [H, cols], not [H, kRowBlock]: a call of a few rows zeroes and adds its tiles' nodes at its own width.
+    TreeNode node{0, TileIndex(v0), std::vector<float>(H * cols, 0.0f)};
     cpu::FixedOrderGemm(H, cols, nv, {w_.data() + v0 * H, 1, H}, ws.z_t.data(), kRowBlock,
-                        node.value.data(), kRowBlock, /*accumulate=*/false, threads_);
+                        node.value.data(), cols, /*accumulate=*/false, threads_);
     PushTile(subtrees, std::move(node));
     // dW_tile[nv, H] += dA_t[nv, rows] · h[rows, H]: each element sums the rows in order.
     if (grads.d_weight != nullptr) {
@@ -443,10 +454,10 @@ absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, con
                           grads.d_weight + v0 * H, H, /*accumulate=*/true, threads_);
     }
   }
-  if (absl::Status s = CombineDHidden(std::move(subtrees), ws); !s.ok()) return s;
+  if (absl::Status s = CombineDHidden(std::move(subtrees), cols, ws); !s.ok()) return s;
   if (grads.d_hidden == nullptr) return absl::OkStatus();
   for (int64_t r = 0; r < nr; ++r) {
-    for (int64_t k = 0; k < H; ++k) ws.dh[r * H + k] = ws.dh_t[k * kRowBlock + r];
+    for (int64_t k = 0; k < H; ++k) ws.dh[r * H + k] = ws.dh_t[k * cols + r];
   }
   ConvertFromFloat(ws.dh.data(), nr * H, shape_.dtype,
                    static_cast<uint8_t*>(grads.d_hidden) + r0 * H * DTypeSize(shape_.dtype));
@@ -458,15 +469,16 @@ absl::Status CpuEngine::Compute(const RowsView& rows, const LceOptions& o, const
   if (absl::Status s = CheckCall(rows, o); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(mu_);
   const bool backward = up.mode != GradMode::kNone;
-  Workspace ws(shape_.hidden_size, Tile(), backward);
+  if (ws_ == nullptr) ws_ = std::make_unique<Workspace>(shape_.hidden_size, Tile());
+  Workspace& ws = *ws_;
   std::vector<TilePartial> parts;
   std::vector<RowStats> stats;
   std::vector<RowFinal> fin;
   for (int64_t r0 = 0; r0 < rows.rows; r0 += kRowBlock) {
     const int64_t nr = std::min(kRowBlock, rows.rows - r0);
-    const int64_t cols = std::min(kRowBlock, (nr + kColumnGroup - 1) / kColumnGroup * kColumnGroup);
+    const int64_t cols = BlockColumns(nr);
     const int32_t* y = rows.targets + r0;
-    LoadRows(rows, r0, nr, ws);
+    LoadRows(rows, r0, nr, cols, ws);
     const float none = -std::numeric_limits<float>::infinity();
     parts.assign(nr * Tiles(), TilePartial{none, none, none, none, none});
     for (int64_t v0 = 0; v0 < shape_.shard_rows; v0 += Tile()) {
