@@ -10,7 +10,9 @@
 //
 // Usage: lce_small_calls_bench --target=127.0.0.1:PORT --metrics=127.0.0.1:MPORT [--rows=1,16,64]
 //          [--iterations=200] [--warmup=20] [--concurrency=64] [--seconds=5] [--rate-rows=1] [--label=NAME]
-//          [--clients=1] [--server-pid=PID] [--channel-args=NAME=INT,...]
+//          [--clients=1] [--server-pid=PID] [--channel-args=NAME=INT,...] [--shm=1]
+// --shm=1: each row count is timed a second time with its hidden states in a shared-memory region of a
+// co-located session (OpenSession; the Call then carries a slice of it, not the bytes).
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -163,8 +165,14 @@ Latency TimeCalls(int64_t warmup, int64_t iters, F&& call) {
   return l;
 }
 
-void Check(const absl::StatusOr<lce::client::ScoreResult>& r) {
-  if (!r.ok()) Die("Score: " + std::string(r.status().message()));
+void Check(const absl::Status& s) {
+  if (!s.ok()) Die(std::string(s.message()));
+}
+
+template <typename T>
+T Check(absl::StatusOr<T> r) {
+  Check(r.status());
+  return *std::move(r);
 }
 
 }  // namespace
@@ -203,20 +211,33 @@ int main(int argc, char** argv) {
     });
     std::printf("| C++ GetInfo (no engine) | - | %.3f | %.3f | %.3f | - | - |\n", l.mean, l.p50, l.p99);
   }
-  for (absl::string_view rows_text : absl::StrSplit(f.count("rows") ? f.at("rows") : "1,16,64", ',')) {
-    int64_t rows = 0;
-    if (!absl::SimpleAtoi(rows_text, &rows) || rows < 1) Die("bad --rows");
-    Rows r = MakeRows(head, rows, 7 + rows);
-    lce::v1::RequestHeader header;
-    auto score = [&] { Check((*client)->Score(r.batch, header)); };
+  // Sequential Scores of `r`, against the server's engine time of the same calls.
+  auto time_scores = [&](const char* name, const Rows& r) {
+    auto score = [&] { Check((*client)->Score(r.batch, lce::v1::RequestHeader())); };
     for (int64_t i = 0; i < warmup; ++i) score();
     const std::string before = metrics.Scrape();
     const Latency l = TimeCalls(0, iters, score);
     const std::string after = metrics.Scrape();
     const double calls = MetricsReader::Sum(after, kEngineCount) - MetricsReader::Sum(before, kEngineCount);
     const double engine = calls > 0 ? 1e3 * (MetricsReader::Sum(after, kEngineSum) - MetricsReader::Sum(before, kEngineSum)) / calls : 0;
-    std::printf("| C++ | %lld | %.3f | %.3f | %.3f | %.3f | %+.3f |\n", static_cast<long long>(rows), l.mean, l.p50,
-                l.p99, engine, l.mean - engine);
+    std::printf("| %s | %lld | %.3f | %.3f | %.3f | %.3f | %+.3f |\n", name, static_cast<long long>(r.batch.rows), l.mean,
+                l.p50, l.p99, engine, l.mean - engine);
+  };
+  std::unique_ptr<lce::client::SharedMemorySession> session;
+  if (Int(f, "shm", 0) != 0) session = Check((*client)->OpenSession());
+  for (absl::string_view rows_text : absl::StrSplit(f.count("rows") ? f.at("rows") : "1,16,64", ',')) {
+    int64_t rows = 0;
+    if (!absl::SimpleAtoi(rows_text, &rows) || rows < 1) Die("bad --rows");
+    Rows r = MakeRows(head, rows, 7 + rows);
+    time_scores("C++", r);
+    if (session == nullptr) continue;
+    const lce::client::SharedMemorySession::Region region =
+        Check(session->CreateRegion(static_cast<int64_t>(r.hidden.size()), "bench"));
+    std::memcpy(region.bytes.data(), r.hidden.data(), r.hidden.size());
+    r.batch.hidden = {};
+    r.batch.hidden_region = region.Ref();
+    time_scores("C++ shm", r);
+    Check(session->ReleaseRegion(region.id));
   }
 
   // The rate of small Scores from `concurrency` callers at once.
