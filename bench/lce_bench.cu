@@ -4,7 +4,8 @@
 // W ~ N(0,1)/sqrt(H), targets uniform with 5% ignore_index), all in device memory (MemorySpace::kDevice).
 //   floor  one bf16 [N,H]×[H,V] cublasGemmEx (fp32 accumulate, bf16 out, as torch's a @ b.t())
 //   train  Compute(kLoss, mean over valid rows): loss, d_hidden (bf16), d_weight (fp32, accumulated)
-//   score  Compute(kNone): logprob + entropy
+//   score  Compute(kNone): logprob + entropy (--score-logprob-only: logprob alone, as QuACK's and Liger's
+//          loss-only forwards; the epilogue then skips the entropy's statistic)
 //   --epi-ab: score and train again with LCE_CUDA_EPILOGUE_STATS=0 and =1 in turns (two rounds of each,
 //          one engine; the epilogue-statistics GEMM where built), and the largest |difference| of the two
 //          paths' logprob, entropy, loss and d_hidden
@@ -12,6 +13,7 @@
 // takes beyond its weight copy (cudaMemGetInfo around the first calls; outputs are the caller's).
 //
 // Usage: lce_bench [--shapes 8192x4096x128256,...] [--reps 10] [--warmup 3] [--json FILE] [--epi-ab]
+//                  [--score-logprob-only]
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -230,6 +232,7 @@ int main(int argc, char** argv) {
   int reps = 10, warmup = 3;
   int64_t probe_rows = 0;
   bool score_ab = false;
+  bool logprob_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -238,6 +241,7 @@ int main(int argc, char** argv) {
     else if (a == "--reps") reps = std::atoi(next().c_str());
     else if (a == "--warmup") warmup = std::atoi(next().c_str());
     else if (a == "--epi-ab") score_ab = true;
+    else if (a == "--score-logprob-only") logprob_only = true;
     else if (a == "--probe") probe_rows = std::atoll(next().c_str());
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
@@ -246,8 +250,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s (%d SMs)  LCE_CUDA_VOCAB_TILE=%s LCE_CUDA_MAX_ROWS=%s\n", prop.name,
-              prop.multiProcessorCount, std::getenv("LCE_CUDA_VOCAB_TILE") ? std::getenv("LCE_CUDA_VOCAB_TILE") : "-",
+  std::printf("device: %s (%d SMs)  score: %s  LCE_CUDA_VOCAB_TILE=%s LCE_CUDA_MAX_ROWS=%s\n", prop.name,
+              prop.multiProcessorCount, logprob_only ? "logprob only" : "logprob + entropy", std::getenv("LCE_CUDA_VOCAB_TILE") ? std::getenv("LCE_CUDA_VOCAB_TILE") : "-",
               std::getenv("LCE_CUDA_MAX_ROWS") ? std::getenv("LCE_CUDA_MAX_ROWS") : "-");
   cudaStream_t stream = nullptr;  // legacy default stream: orders with the engine's syncs
   cublasHandle_t cublas;
@@ -341,7 +345,7 @@ int main(int argc, char** argv) {
       }
     };
     auto score = [&] {
-      absl::Status st = engine->Compute(view, opt, {}, {lp, ent, nullptr, nullptr}, {});
+      absl::Status st = engine->Compute(view, opt, {}, {lp, logprob_only ? nullptr : ent, nullptr, nullptr}, {});
       if (!st.ok()) {
         std::fprintf(stderr, "score: %s\n", st.ToString().c_str());
         std::exit(1);

@@ -447,7 +447,7 @@ class CudaEngine final : public LceEngine {
   // copy into s.store (kExp: c_row into s.row_c, the overflow flag as TileStats raises it).
   enum class EpiCopy { kNone, kShifted, kExp };
   absl::Status EpilogueStatsForward(Scratch& s, const void* h, int64_t nr, const int32_t* y, int32_t ignore_index,
-                                    const LogitTransform& tf, EpiCopy copy, unsigned* overflow);
+                                    const LogitTransform& tf, EpiCopy copy, bool entropy, unsigned* overflow);
   absl::Status CheckTargets(const RowsView& rows, const LceOptions& o, Scratch& s);
 
   // d_hidden's tile tree (tree_dh_): the node slots a block needs (a stack of subtrees over the
@@ -557,6 +557,9 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   const bool tp = config_.collectives != nullptr;
   const bool fp32 = shape_.dtype == DType::kFloat32;
   const bool tf32 = o.allow_tf32;
+  // The epilogue GEMM's Q (the entropy's statistic), where the call uses it. A group's ranks always compute
+  // it: only rank 0 sees the call's outputs, and their partials are merged.
+  const bool entropy = tp || out.entropy != nullptr || (up.mode == GradMode::kGeneric && up.grad_entropy != nullptr);
   const cudaDataType_t dt = CudaType(shape_.dtype);
   const bool epi = UseEpilogueStats();
   // Fast loss path (fast_grad.cu): no dA pass; the per-row factors go around the GEMMs. Host rows take
@@ -686,7 +689,9 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     unsigned* overflow = reinterpret_cast<unsigned*>(s.bad + 1);
     if (layout.epi) {
       const EpiCopy copy = !backward ? EpiCopy::kNone : block_fast ? EpiCopy::kExp : EpiCopy::kShifted;
-      if (absl::Status st = EpilogueStatsForward(s, h, nr, y, o.ignore_index, tf, copy, overflow); !st.ok()) return st;
+      if (absl::Status st = EpilogueStatsForward(s, h, nr, y, o.ignore_index, tf, copy, entropy, overflow); !st.ok()) {
+        return st;
+      }
     }
     // GEMM of tile t on stream_ overlaps TileStats of tile t−1 on aux_; two logit buffers.
     int64_t t = 0;
@@ -913,7 +918,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
 
 absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t nr, const int32_t* y,
                                               int32_t ignore_index, const LogitTransform& tf, EpiCopy copy,
-                                              unsigned* overflow) {
+                                              bool entropy, unsigned* overflow) {
 #if defined(LCE_WITH_CUTLASS)
   EpilogueStatsArgs a;
   a.hidden = h;
@@ -933,12 +938,14 @@ absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t
   a.large_config = static_cast<int>(EnvInt("LCE_CUDA_EPI_LARGE", a.large_config));
   a.swizzle = static_cast<int>(EnvInt("LCE_CUDA_EPI_SWIZZLE", 1));
   a.raster = static_cast<int>(EnvInt("LCE_CUDA_EPI_RASTER", 0));
+  a.entropy = entropy;
   if (copy == EpiCopy::kExp) {
     // First pass over the first segment's columns: its max per row (into s.part, one segment a row,
     // overwritten by the whole shard's fold below) sets c_row before any exp is stored.
     EpilogueStatsArgs first = a;
     first.cols = std::min<int64_t>(kSegment, a.cols);
     first.ntile = (first.cols + EpiTileCols() - 1) / EpiTileCols();
+    first.entropy = false;  // only its max is used
     LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(first, stream_));
     LCE_CUDA_CHECK(LaunchFoldTilePartials(s.tile_part, first.ntile, EpiTileCols(), nr, s.part, 1, stream_));
     a.first = s.part;
@@ -950,7 +957,7 @@ absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t
   LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(a, stream_));
   return LaunchFoldTilePartials(s.tile_part, a.ntile, EpiTileCols(), nr, s.part, nseg_, stream_);
 #else
-  (void)s, (void)h, (void)nr, (void)y, (void)ignore_index, (void)tf, (void)copy, (void)overflow;
+  (void)s, (void)h, (void)nr, (void)y, (void)ignore_index, (void)tf, (void)copy, (void)entropy, (void)overflow;
   return absl::InternalError("built without CUTLASS: no epilogue-statistics GEMM");
 #endif
 }

@@ -56,6 +56,7 @@ struct StatsParams {
   const float* first = nullptr;  // exp mode: m of the row's first segment at first[4·r]; null: z − m_tile
   float* row_c = nullptr;        // exp mode: c_row written here
   unsigned* overflow = nullptr;  // exp mode: set to 1.0f when a tile's max passes c_row by kExpHeadroom
+  bool entropy = true;           // Q (the entropy's Σ e·(z − m)); false: Q = 0, a multiply-add a logit saved
 };
 
 // The wgmma accumulator fragment ((2, 2, V), MMA_M, MMA_N) viewed as (rows, columns) of this thread:
@@ -151,19 +152,24 @@ class RowStatsEpilogue {
     const bool plain = p_.bias == nullptr && p_.softcap <= 0.0f;
     uint32_t* slice = reinterpret_cast<SharedStorage*>(smem)->slice[threadIdx.x / 32 - kProducerWarps];
     if (n0 + kBN <= N) {
-      if (plain) Reduce<false, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-      else Reduce<false, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      if (!plain) Reduce<false, false, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      else if (p_.entropy) Reduce<false, true, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      else Reduce<false, true, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
     } else {
-      if (plain) Reduce<true, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-      else Reduce<true, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      if (!plain) Reduce<true, false, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      else if (p_.entropy) Reduce<true, true, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      else Reduce<true, true, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
     }
   }
 
  private:
   // kRagged: the tile runs past the last column (masked to −inf, left out of Σz). kPlain: no bias
-  // and no softcap. The reduction runs on v = softcap(logit + bias), z = v / T: with c = log2(e) / T,
-  // m = max(v) / T, S = Σ 2^((v − max v)·c), Q = Σ e·(z − m) = (Σ e·(v − max v)) / T, Σz = (Σ v) / T.
-  template <bool kRagged, bool kPlain, int kBN, class TA, class TC>
+  // and no softcap. kQ: Q computed (else 0: the call returns no entropy). The reduction runs on
+  // v = softcap(logit + bias), z = v / T: with c = log2(e) / T, m = max(v) / T,
+  // S = Σ 2^(v·c − max v·c) (one multiply-add a logit, the same with or without Q, so that S and the
+  // logprob are the same bits either way), Q = Σ e·(z − m) = (Σ e·(v − max v)) / T, Σz = (Σ v) / T (also
+  // what makes a row with an infinite logit non-finite).
+  template <bool kRagged, bool kPlain, bool kQ, int kBN, class TA, class TC>
   CUTLASS_DEVICE void Reduce(TA const& a, TC const& c, int M, int N, int m0, int n0, int n_tile,
                              uint32_t* slice) const {
     constexpr int kRows = decltype(size<0>(a))::value;
@@ -209,17 +215,20 @@ class RowStatsEpilogue {
         }
       }
       mx = QuadMax(mx);
+      const float mx_scaled = mx * scale;
       float s = 0.0f, q = 0.0f;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; ++j) {
-        const float u = v[j] - mx;
-        const float e = Exp2Ftz(u * scale);
+        const float e = Exp2Ftz(fmaf(v[j], scale, -mx_scaled));
         s += e;
-        q += (kRagged && e == 0.0f) ? 0.0f : e * u;  // a masked column: 0 · (−inf) must not be NaN
+        if constexpr (kQ) {
+          const float u = v[j] - mx;
+          q += (kRagged && e == 0.0f) ? 0.0f : e * u;  // a masked column: 0 · (−inf) must not be NaN
+        }
         if (exp_copy) v[j] = e;
       }
       s = QuadSum(s);
-      q = QuadSum(q);
+      if constexpr (kQ) q = QuadSum(q);
       sum_v = QuadSum(sum_v);
       if (exp_copy) {  // every lane of the warp: the copy is staged
         StoreCopy<kRagged, true>(v, c, i, row, M, n0, N, mx, n_tile == 0 && lead, slice);
@@ -397,6 +406,7 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   sp.first = a.first;
   sp.row_c = a.row_c;
   sp.overflow = a.overflow;
+  sp.entropy = a.entropy;
   // Automatic: a few rows (bound by reading W) through 64-row tiles, more through 128-row tiles.
   const int config = a.config >= 0 ? a.config : a.rows <= a.small_rows ? 2 : a.large_config;
   switch (config) {

@@ -135,8 +135,10 @@ void FromDevice(const T* d, std::vector<T>& v) {
 }
 
 // Runs one Compute. Row outputs and d_hidden are poisoned with NaN; d_weight starts at dw_init.
+// want_entropy false: the call asks no entropy (the answer's entropy stays NaN).
 Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::vector<float>& dw_init,
-            const std::vector<uint8_t>* hidden_override = nullptr, const std::vector<int32_t>* targets_override = nullptr) {
+            const std::vector<uint8_t>* hidden_override = nullptr, const std::vector<int32_t>* targets_override = nullptr,
+            bool want_entropy = true) {
   const int64_t N = p.ref.rows, H = p.ref.hidden;
   const std::vector<uint8_t>& hidden = hidden_override ? *hidden_override : p.hidden;
   const std::vector<int32_t>& targets = targets_override ? *targets_override : p.ref.targets;
@@ -156,7 +158,8 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
     up.grad_logprob = p.grad_logprob.empty() ? nullptr : p.grad_logprob.data();
     up.grad_entropy = p.grad_entropy.empty() ? nullptr : p.grad_entropy.data();
     RowsView rows{hidden.data(), targets.data(), N, MemorySpace::kHost};
-    a.status = e.Compute(rows, p.ref.options, up, {a.logprob.data(), a.entropy.data(), a.lse.data(), a.loss.data()},
+    a.status = e.Compute(rows, p.ref.options, up,
+                         {a.logprob.data(), want_entropy ? a.entropy.data() : nullptr, a.lse.data(), a.loss.data()},
                          {grad ? dh.data() : nullptr, grad && !dw_init.empty() ? a.d_weight.data() : nullptr});
   } else {
     uint8_t* d_hidden = ToDevice(hidden);
@@ -172,7 +175,8 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
     up.grad_logprob = d_glp;
     up.grad_entropy = d_ge;
     RowsView rows{d_hidden, d_targets, N, MemorySpace::kDevice};
-    a.status = e.Compute(rows, p.ref.options, up, {d_out[0], d_out[1], d_out[2], d_out[3]}, {d_dh, d_dw});
+    a.status = e.Compute(rows, p.ref.options, up, {d_out[0], want_entropy ? d_out[1] : nullptr, d_out[2], d_out[3]},
+                         {d_dh, d_dw});
     FromDevice(d_out[0], a.logprob);
     FromDevice(d_out[1], a.entropy);
     FromDevice(d_out[2], a.lse);
@@ -368,9 +372,11 @@ size_t BitsDiffer(const std::vector<float>& a, const std::vector<float>& b, size
   return differ;
 }
 
+// Every output but the entropy: the same bits in a and b.
 void ExpectSameBits(const Answers& a, const Answers& b, const std::string& what) {
-  for (const auto& [name, x, y] : {std::tuple{"d_hidden", &a.d_hidden, &b.d_hidden},
+  for (const auto& [name, x, y] : {std::tuple{"logprob", &a.logprob, &b.logprob}, std::tuple{"lse", &a.lse, &b.lse},
                                    std::tuple{"loss", &a.loss, &b.loss},
+                                   std::tuple{"d_hidden", &a.d_hidden, &b.d_hidden},
                                    std::tuple{"d_weight", &a.d_weight, &b.d_weight}}) {
     size_t first = 0;
     const size_t differ = BitsDiffer(*x, *y, &first);
@@ -1039,6 +1045,46 @@ TEST_F(EpilogueStatsTest, NonFiniteHiddenNamesTheRow) {
     const uint16_t bits = static_cast<uint16_t>(std::bit_cast<uint32_t>(bad) >> 16);  // bf16
     std::memcpy(hidden.data() + (23 * 64 + 5) * 2, &bits, 2);
     const Answers a = RunEngine(*e, p, MemorySpace::kDevice, {}, &hidden);
+    EXPECT_EQ(a.status.code(), absl::StatusCode::kInvalidArgument) << a.status;
+    EXPECT_NE(std::string(a.status.message()).find("row 23"), std::string::npos) << a.status;
+  }
+}
+
+// A call that asks no entropy skips the epilogue's Q (a multiply-add a logit): its logprob, lse, loss,
+// d_hidden and d_weight are the same bits as the same call's with entropy (S's exponentials are the same),
+// on the score path, the fast loss path, the general path (label smoothing) and the generic backward
+// without an entropy gradient (ragged columns: V = 3001); a non-finite hidden state still names its row.
+TEST_F(EpilogueStatsTest, NoEntropyGivesTheSameBits) {
+  for (int variant = 0; variant < 4; ++variant) {
+    ProblemSpec sp = ScoreSpec(300, 128, 3001);
+    sp.grad_loss = true;
+    sp.grad_generic = true;
+    if (variant >= 1) sp.mode = variant == 3 ? GradMode::kGeneric : GradMode::kLoss;
+    if (variant == 2) sp.options.label_smoothing = 0.1f;
+    Problem p = MakeProblem(sp, 5900 + variant);
+    p.grad_entropy.clear();  // the generic backward: a logprob gradient only
+    p.ref.grad_entropy.clear();
+    auto e = MakeCuda(p);
+    ASSERT_NE(e, nullptr);
+    const std::vector<float> dw0 = sp.mode == GradMode::kNone ? std::vector<float>{} : RandomVec(sp.vocab * sp.hidden, 5950);
+    const std::string what = absl::StrCat("variant ", variant);
+    for (MemorySpace space : {MemorySpace::kDevice, MemorySpace::kHost}) {
+      const Answers with = RunEngine(*e, p, space, dw0);
+      const Answers without = RunEngine(*e, p, space, dw0, nullptr, nullptr, /*want_entropy=*/false);
+      ASSERT_TRUE(with.status.ok() && without.status.ok()) << what << ": " << with.status << " / " << without.status;
+      ExpectMatches(with, p, dw0, what);
+      ExpectSameBits(with, without, what + ", with and without entropy");
+    }
+  }
+  const Problem p = MakeProblem(ScoreSpec(50, 64, 3000), 5400);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    std::vector<uint8_t> hidden = p.hidden;
+    const uint16_t bits = static_cast<uint16_t>(std::bit_cast<uint32_t>(bad) >> 16);  // bf16
+    std::memcpy(hidden.data() + (23 * 64 + 5) * 2, &bits, 2);
+    const Answers a = RunEngine(*e, p, MemorySpace::kDevice, {}, &hidden, nullptr, /*want_entropy=*/false);
     EXPECT_EQ(a.status.code(), absl::StatusCode::kInvalidArgument) << a.status;
     EXPECT_NE(std::string(a.status.message()).find("row 23"), std::string::npos) << a.status;
   }
