@@ -23,7 +23,7 @@
 // forward is one GEMM over the whole shard whose epilogue writes per-(row, 256-column tile) partials
 // and the target logits (epilogue_stats_gemm.cu), folded into the same segment partials: no logit
 // tiles, no TileStats. A training call's epilogue also writes the compact copy: exp(z − c_row) (bf16)
-// for the fast loss path, c_row from a first pass of the same GEMM over the first segment's columns,
+// for the fast loss path, c_row from a first pass of the same GEMM over the first kFirstPassCols columns,
 // or z − m_tile (fp16), which WriteGrad reads with the tiles' m. Score and training take the same
 // GEMM, so a row's logprob is the same bits in both, and in any batch.
 #include "cuda/cuda_engine.h"
@@ -54,6 +54,11 @@ constexpr int64_t kCublasWorkspace = 32 * kMiB;
 constexpr int64_t kHostDwSlabBytes = 64 * kMiB;
 constexpr int64_t kMaxRowsPerBlock = 32768;  // grid.y limit is 65535
 constexpr int64_t kWideLogitBytes = int64_t{256} << 20;  // small blocks' logit tiles (WideTile)
+// The epilogue GEMM's first pass, whose max sets the fast path's c_row: a row's first 1024 columns, four
+// 256-column tiles a 128-row tile, so that a block of up to 4224 rows is one wave on 132 SMs (2048
+// columns, two waves at 2816 rows, took 2.7% of the forward for 1.3% of its products). Fixed, not
+// chosen by the block: c_row must depend on the row alone.
+constexpr int64_t kFirstPassCols = 1024;
 
 // Where a product goes (CudaEngine::Gemm): stream_ and its cuBLAS workspace unless another stream is named,
 // with a workspace of its own (two products running at once must not share one); prepare_only chooses
@@ -940,10 +945,10 @@ absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t
   a.raster = static_cast<int>(EnvInt("LCE_CUDA_EPI_RASTER", 0));
   a.entropy = entropy;
   if (copy == EpiCopy::kExp) {
-    // First pass over the first segment's columns: its max per row (into s.part, one segment a row,
-    // overwritten by the whole shard's fold below) sets c_row before any exp is stored.
+    // First pass over the first kFirstPassCols columns: their max per row (into s.part, one segment a
+    // row, overwritten by the whole shard's fold below) sets c_row before any exp is stored.
     EpilogueStatsArgs first = a;
-    first.cols = std::min<int64_t>(kSegment, a.cols);
+    first.cols = std::min<int64_t>(kFirstPassCols, a.cols);
     first.ntile = (first.cols + EpiTileCols() - 1) / EpiTileCols();
     first.entropy = false;  // only its max is used
     LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(first, stream_));

@@ -89,8 +89,8 @@ struct EpilogueStatsArgs {
   float* packed = nullptr;
   void* store = nullptr;  // [rows, lds]: fp16 z − m_tile, or (with first) bf16 exp(z − c_row); or null
   int64_t lds = 0;
-  // The fast loss path's copy: c_row = first[4·r] (the m of the row's first kSegment columns, e.g. from
-  // this GEMM over those columns folded by LaunchFoldTilePartials) + kExpLift, written to row_c;
+  // The fast loss path's copy: c_row = first[4·r] (the m of the row's first columns, e.g. from this GEMM
+  // over them folded by LaunchFoldTilePartials) + kExpLift, written to row_c;
   // *overflow = 1.0f where a tile's max passes c_row by more than kExpHeadroom.
   const float* first = nullptr;
   float* row_c = nullptr;
