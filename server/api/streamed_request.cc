@@ -113,10 +113,14 @@ grpc::Status StreamedRequest::Admit() {
 
 // The client's next message, within the idle timeout; `*more` is false at the stream's end.
 grpc::Status StreamedRequest::Receive(bool* more) {
-  const std::string what = chunk_index_ == 0 ? std::string("the first chunk")
-                                             : absl::StrCat("the message after chunk ", chunk_index_ - 1);
+  // A Call's messages are in memory: no wait to bound, so no timeout message to build either.
+  LceService::ClientWait limit{0.0, "", ""};
+  if (stream_->WaitsOnClient()) {
+    limit = service_.IdleWait(chunk_index_ == 0 ? std::string("the first chunk")
+                                                : absl::StrCat("the message after chunk ", chunk_index_ - 1));
+  }
   grpc::Status g = service_.WithinLimit(
-      ctx_, *stream_, service_.IdleWait(what),
+      ctx_, *stream_, limit,
       [&] { return Timed(&RequestWork::read_wait_seconds, [&] { return stream_->Read(&msg_); }); }, more);
   if (!g.ok()) return g;
   if (!*more) return ToGrpcStatus(stream_->ReadError());  // the end, or a message that did not parse
