@@ -172,7 +172,7 @@ struct Scratch {
   float* dh = nullptr;            // [R, H] fp32 (backward only; may alias the logit tiles)
   float* tree = nullptr;          // [TreeSlots(), R, H] fp32: d_hidden's tile tree (tree_dh_)
   float* tree_gathered = nullptr; // [GatheredNodes(), R, H] fp32: every rank's subtrees (tree_dh_, TP)
-  unsigned long long* bad = nullptr;  // [2]: first non-finite row; [1] holds the overflow flag (float bits)
+  unsigned long long* bad = nullptr;  // [3]: first non-finite row; [1] the overflow flag (float bits); [2] first bad target
   float* row_c = nullptr;         // [R] fast path: c_row
   void* h_scaled = nullptr;       // [R, H] bf16, fast path with d_weight
   void* target_order = nullptr;   // the target scatter's sort (TargetOrderBytes(R)), fast path with d_weight
@@ -320,7 +320,7 @@ class CudaEngine final : public LceEngine {
     s->m_local = c.Take<float>(R);
     s->m = c.Take<float>(R);
     s->info = c.Take<float>(R * kRowInfo);
-    s->bad = c.Take<unsigned long long>(2);
+    s->bad = c.Take<unsigned long long>(3);
     s->row_c = c.Take<float>(R);
     if (l.fast) {
       s->h_scaled = c.Take<uint8_t>(R * H * 2);
@@ -453,7 +453,10 @@ class CudaEngine final : public LceEngine {
   enum class EpiCopy { kNone, kShifted, kExp };
   absl::Status EpilogueStatsForward(Scratch& s, const void* h, int64_t nr, const int32_t* y, int32_t ignore_index,
                                     const LogitTransform& tf, EpiCopy copy, bool entropy, unsigned* overflow);
+  // Host rows: checked here. Device rows: a kernel writes the first bad row into s.bad[2], read with the
+  // first block's flags (BadTarget), before anything touches d_weight: no synchronization of its own.
   absl::Status CheckTargets(const RowsView& rows, const LceOptions& o, Scratch& s);
+  absl::Status BadTarget(const RowsView& rows, const LceOptions& o, unsigned long long row) const;
 
   // d_hidden's tile tree (tree_dh_): the node slots a block needs (a stack of subtrees over the
   // shard's tiles, and temporaries of the final sum), and the subtrees of every rank together.
@@ -531,17 +534,17 @@ absl::Status CudaEngine::CheckTargets(const RowsView& rows, const LceOptions& o,
     }
     return absl::OkStatus();
   }
-  LCE_CUDA_CHECK(cudaMemsetAsync(s.bad, 0xff, sizeof(unsigned long long), stream_));
-  LCE_CUDA_CHECK(LaunchCheckTargets(rows.targets, rows.rows, V, o.ignore_index, s.bad, stream_));
-  unsigned long long bad = 0;
-  LCE_CUDA_CHECK(cudaMemcpyAsync(&bad, s.bad, sizeof(bad), cudaMemcpyDeviceToHost, stream_));
-  LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (bad != ULLONG_MAX) {
-    int32_t y = 0;
-    LCE_CUDA_CHECK(cudaMemcpy(&y, rows.targets + bad, sizeof(y), cudaMemcpyDeviceToHost));
-    return bad_target(static_cast<int64_t>(bad), y);
-  }
+  LCE_CUDA_CHECK(cudaMemsetAsync(s.bad + 2, 0xff, sizeof(unsigned long long), stream_));
+  LCE_CUDA_CHECK(LaunchCheckTargets(rows.targets, rows.rows, V, o.ignore_index, s.bad + 2, stream_));
   return absl::OkStatus();
+}
+
+// The error of device row `row`'s target (a forward with it is safe: every kernel bounds-checks targets).
+absl::Status CudaEngine::BadTarget(const RowsView& rows, const LceOptions& o, unsigned long long row) const {
+  int32_t y = 0;
+  LCE_CUDA_CHECK(cudaMemcpy(&y, rows.targets + row, sizeof(y), cudaMemcpyDeviceToHost));
+  return absl::InvalidArgumentError(absl::StrCat("row ", row, ": target ", y, " is outside [0, ", shape_.vocab_size,
+                                                 ") and is not ignore_index ", o.ignore_index));
 }
 
 absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, const Upstream& up,
@@ -614,11 +617,12 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   // only after the dW products) where the epilogue GEMM left no tiles.
   tune_scratch_ = layout.epi ? s.dh : s.logits[0];
   tune_floats_ = layout.epi ? (s.dh != nullptr ? R * H : 0) : 2 * R * ldz;
-  const int64_t bad_off = RoundUp(R * H * esz, 64);  // 2 × u64 after the staging
+  const int64_t bad_off = RoundUp(R * H * esz, 64);  // s.bad's 3 × u64 after the staging
   if (host) LCE_CUDA_CHECK(pinned_.Ensure(bad_off + 64));
   unsigned long long* bad_host = nullptr;
   if (host) bad_host = reinterpret_cast<unsigned long long*>(pinned_.get() + bad_off);
 
+  const bool targets_pending = !rows.targets_checked && !host;  // device rows: read with block 0's flags
   if (!rows.targets_checked) {
     if (absl::Status st = CheckTargets(rows, o, s); !st.ok()) return st;
   }
@@ -780,7 +784,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     fa.temperature = o.temperature;
     LCE_CUDA_CHECK(cudaMemsetAsync(s.bad, 0xff, sizeof(unsigned long long), stream_));
     LCE_CUDA_CHECK(LaunchFinalizeRows(fa, s.m, s.packed, s.info, s.bad, stream_));
-    unsigned long long flags[2] = {ULLONG_MAX, 0};
+    unsigned long long flags[3] = {ULLONG_MAX, 0, ULLONG_MAX};
     LCE_CUDA_CHECK(cudaMemcpyAsync(host ? bad_host : flags, s.bad, sizeof(flags), cudaMemcpyDeviceToHost, stream_));
     if (host) {
       float* dsts[4] = {out.logprob, out.entropy, out.lse, out.loss};
@@ -792,6 +796,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     // One sync per row block: a non-finite row must stop the call before it touches d_weight.
     LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (host) std::memcpy(flags, bad_host, sizeof(flags));
+    if (targets_pending && r0 == 0 && flags[2] != ULLONG_MAX) return BadTarget(rows, o, flags[2]);
     const unsigned long long bad = flags[0];
     if (bad != ULLONG_MAX && debug_skip == 0) {
       return absl::InvalidArgumentError(absl::StrCat(

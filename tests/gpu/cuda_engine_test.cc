@@ -609,6 +609,23 @@ TEST_F(CudaTest, BadTargetNamesTheRow) {
       EXPECT_NE(std::string(a.status.message()).find("row 3"), std::string::npos) << a.status;
     }
   }
+  // Device rows' targets are checked by a kernel read with the first row block's flags: a bad target in
+  // the last of three blocks still fails the call before any block touches d_weight.
+  ProblemSpec sp;
+  sp.rows = 300;
+  sp.grad_loss = true;
+  Problem q = MakeProblem(sp, 82);
+  q.ref.targets[290] = 9001;
+  const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 83);
+  setenv("LCE_CUDA_MAX_ROWS", "128", 1);
+  for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+    const Answers a = RunEngine(*e, q, space, dw0);
+    EXPECT_EQ(a.status.code(), absl::StatusCode::kInvalidArgument) << a.status;
+    EXPECT_NE(std::string(a.status.message()).find("row 290: target 9001"), std::string::npos) << a.status;
+    size_t first = 0;
+    EXPECT_EQ(BitsDiffer(a.d_weight, dw0, &first), 0u) << "d_weight changed by a failed call, first at " << first;
+  }
+  unsetenv("LCE_CUDA_MAX_ROWS");
 }
 
 TEST_F(CudaTest, AgreesWithCpuEngine) {
