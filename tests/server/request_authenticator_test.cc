@@ -8,15 +8,24 @@
 namespace lce::server {
 namespace {
 
-std::string WriteToken(const std::string& name, const std::string& token) {
-  const std::string path = (std::filesystem::temp_directory_path() / (name + std::to_string(::getpid()))).string();
-  std::ofstream(path) << token << "\n";
-  return path;
-}
+// A token file in the temp directory, removed when the test's scope ends.
+class TokenFile {
+ public:
+  TokenFile(const std::string& name, const std::string& token)
+      : path_((std::filesystem::temp_directory_path() / (name + std::to_string(::getpid()))).string()) {
+    std::ofstream(path_) << token << "\n";
+  }
+  ~TokenFile() { std::filesystem::remove(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 TEST(RequestAuthenticator, ScoringAndAdminTokens) {
   const std::string scoring = "scoring-token-0123456789", admin = "admin-token-9876543210";
-  auto auth = RequestAuthenticator::FromFiles(WriteToken("score_tok", scoring), WriteToken("admin_tok", admin));
+  const TokenFile scoring_file("score_tok", scoring), admin_file("admin_tok", admin);
+  auto auth = RequestAuthenticator::FromFiles(scoring_file.path(), admin_file.path());
   ASSERT_TRUE(auth.ok()) << auth.status();
   EXPECT_TRUE(auth->enabled());
   EXPECT_TRUE(auth->Check("Bearer " + scoring, Access::kScoring).ok());
@@ -33,8 +42,8 @@ TEST(RequestAuthenticator, NoTokensMeansOpenAndShortTokensAreRefused) {
   ASSERT_TRUE(open.ok());
   EXPECT_FALSE(open->enabled());
   EXPECT_TRUE(open->Check("", Access::kAdmin).ok());
-  EXPECT_EQ(RequestAuthenticator::FromFiles(WriteToken("short_tok", "abc"), "").status().code(),
-            absl::StatusCode::kInvalidArgument);
+  const TokenFile short_file("short_tok", "abc");
+  EXPECT_EQ(RequestAuthenticator::FromFiles(short_file.path(), "").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RequestAuthenticator::FromFiles("/nonexistent/token", "").status().code(), absl::StatusCode::kNotFound);
 }
 
