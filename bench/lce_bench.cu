@@ -251,7 +251,8 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s (%d SMs)  score: %s  LCE_CUDA_VOCAB_TILE=%s LCE_CUDA_MAX_ROWS=%s\n", prop.name,
-              prop.multiProcessorCount, logprob_only ? "logprob only" : "logprob + entropy", std::getenv("LCE_CUDA_VOCAB_TILE") ? std::getenv("LCE_CUDA_VOCAB_TILE") : "-",
+              prop.multiProcessorCount, logprob_only ? "logprob only" : "logprob + entropy",
+              std::getenv("LCE_CUDA_VOCAB_TILE") ? std::getenv("LCE_CUDA_VOCAB_TILE") : "-",
               std::getenv("LCE_CUDA_MAX_ROWS") ? std::getenv("LCE_CUDA_MAX_ROWS") : "-");
   cudaStream_t stream = nullptr;  // legacy default stream: orders with the engine's syncs
   cublasHandle_t cublas;

@@ -249,9 +249,7 @@ int main(int argc, char** argv) {
   for (int64_t k = 1; k < Int(f, "clients", 1); ++k) {
     lce::client::ClientOptions ok = o;
     ok.channel_args.emplace_back("lce.bench_client", static_cast<int>(k));
-    absl::StatusOr<std::unique_ptr<lce::client::LceClient>> c = lce::client::LceClient::Create(ok);
-    if (!c.ok()) Die(std::string(c.status().message()));
-    clients.push_back(*std::move(c));
+    clients.push_back(Check(lce::client::LceClient::Create(ok)));
   }
   std::atomic<int64_t> done{0};
   std::atomic<bool> stop{false};

@@ -169,9 +169,8 @@ absl::Status CpuEngine::CheckCall(const RowsView& rows, const LceOptions& option
   return absl::OkStatus();
 }
 
-// Rows [r0, r0+nr) into ws.h (fp32) and ws.h_t (transposed).
-// The block's rows into ws.h and, transposed, into the first nr of ws.h_t's `cols` columns; the columns
-// past nr (the GEMMs' padding) are zeroed, whatever an earlier call left there.
+// Rows [r0, r0+nr) into ws.h (fp32) and, transposed, into the first nr of ws.h_t's `cols` columns; the
+// columns past nr (the GEMMs' padding) are zeroed, whatever an earlier call left there.
 void CpuEngine::LoadRows(const RowsView& rows, int64_t r0, int64_t nr, int64_t cols, Workspace& ws) const {
   const int64_t H = shape_.hidden_size;
   ConvertToFloat(static_cast<const uint8_t*>(rows.hidden) + r0 * H * DTypeSize(shape_.dtype),

@@ -172,7 +172,8 @@ struct Scratch {
   float* dh = nullptr;            // [R, H] fp32 (backward only; may alias the logit tiles)
   float* tree = nullptr;          // [TreeSlots(), R, H] fp32: d_hidden's tile tree (tree_dh_)
   float* tree_gathered = nullptr; // [GatheredNodes(), R, H] fp32: every rank's subtrees (tree_dh_, TP)
-  unsigned long long* bad = nullptr;  // [3]: first non-finite row; [1] the overflow flag (float bits); [2] first bad target
+  // [3]: the first non-finite row; [1] the overflow flag (float bits); [2] the first bad target (device rows)
+  unsigned long long* bad = nullptr;
   float* row_c = nullptr;         // [R] fast path: c_row
   void* h_scaled = nullptr;       // [R, H] bf16, fast path with d_weight
   void* target_order = nullptr;   // the target scatter's sort (TargetOrderBytes(R)), fast path with d_weight
@@ -456,6 +457,8 @@ class CudaEngine final : public LceEngine {
   // Host rows: checked here. Device rows: a kernel writes the first bad row into s.bad[2], read with the
   // first block's flags (BadTarget), before anything touches d_weight: no synchronization of its own.
   absl::Status CheckTargets(const RowsView& rows, const LceOptions& o, Scratch& s);
+  // The error of row `row`, whose target is y (host rows) or is read from device rows.
+  absl::Status BadTarget(int64_t row, int32_t y, const LceOptions& o) const;
   absl::Status BadTarget(const RowsView& rows, const LceOptions& o, unsigned long long row) const;
 
   // d_hidden's tile tree (tree_dh_): the node slots a block needs (a stack of subtrees over the
@@ -523,14 +526,10 @@ absl::Status CudaEngine::CheckCall(const RowsView& rows, const LceOptions& o, co
 
 absl::Status CudaEngine::CheckTargets(const RowsView& rows, const LceOptions& o, Scratch& s) {
   const int64_t V = shape_.vocab_size;
-  auto bad_target = [&](int64_t i, int32_t y) {
-    return absl::InvalidArgumentError(absl::StrCat("row ", i, ": target ", y, " is outside [0, ", V,
-                                                   ") and is not ignore_index ", o.ignore_index));
-  };
   if (rows.space == MemorySpace::kHost) {
     for (int64_t i = 0; i < rows.rows; ++i) {
       const int32_t y = rows.targets[i];
-      if (y != o.ignore_index && (y < 0 || y >= V)) return bad_target(i, y);
+      if (y != o.ignore_index && (y < 0 || y >= V)) return BadTarget(i, y, o);
     }
     return absl::OkStatus();
   }
@@ -539,12 +538,17 @@ absl::Status CudaEngine::CheckTargets(const RowsView& rows, const LceOptions& o,
   return absl::OkStatus();
 }
 
-// The error of device row `row`'s target (a forward with it is safe: every kernel bounds-checks targets).
+absl::Status CudaEngine::BadTarget(int64_t row, int32_t y, const LceOptions& o) const {
+  return absl::InvalidArgumentError(absl::StrCat("row ", row, ": target ", y, " is outside [0, ", shape_.vocab_size,
+                                                 ") and is not ignore_index ", o.ignore_index));
+}
+
+// Device rows' bad target, found by CheckTargets' kernel (a forward with it was safe: every kernel
+// bounds-checks targets).
 absl::Status CudaEngine::BadTarget(const RowsView& rows, const LceOptions& o, unsigned long long row) const {
   int32_t y = 0;
   LCE_CUDA_CHECK(cudaMemcpy(&y, rows.targets + row, sizeof(y), cudaMemcpyDeviceToHost));
-  return absl::InvalidArgumentError(absl::StrCat("row ", row, ": target ", y, " is outside [0, ", shape_.vocab_size,
-                                                 ") and is not ignore_index ", o.ignore_index));
+  return BadTarget(static_cast<int64_t>(row), y, o);
 }
 
 absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, const Upstream& up,

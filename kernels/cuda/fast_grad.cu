@@ -140,9 +140,10 @@ absl::Status LaunchScatterTargetDW(float* d_weight, int64_t rows, int64_t hidden
   LCE_CUDA_CHECK(CheckRows(rows, hidden, "LaunchScatterTargetDW"));
   absl::StatusOr<size_t> sort_bytes = SortBytes(rows);
   if (!sort_bytes.ok()) return sort_bytes.status();
-  if (shard_rows >= (int64_t{1} << 30) || scratch_bytes < 4 * ArrayBytes(rows) + static_cast<int64_t>(*sort_bytes)) {
+  const int64_t need = 4 * ArrayBytes(rows) + static_cast<int64_t>(*sort_bytes);  // TargetOrderBytes(rows)
+  if (shard_rows >= (int64_t{1} << 30) || scratch_bytes < need) {
     return absl::InternalError(absl::StrCat("LaunchScatterTargetDW: scratch of ", scratch_bytes, " bytes for ", rows,
-                                            " rows (", TargetOrderBytes(rows), " needed), shard rows ", shard_rows));
+                                            " rows (", need, " needed), shard rows ", shard_rows));
   }
   // Scratch: keys and rows in, keys and rows sorted, the sort's own.
   uint8_t* base = static_cast<uint8_t*>(scratch);
