@@ -74,7 +74,12 @@ void Run(const uint8_t* data, size_t size) {
       case 1: {
         v1::RegionSlice slice;
         if (!slice.ParseFromString(arg)) break;
-        const int64_t needed = flags & 8 ? slice.byte_size() + static_cast<int8_t>(rec[2]) : slice.byte_size();
+        // A size off by a few bytes from the slice's, where that does not overflow (a byte_size near
+        // INT64_MAX plus a shift is the harness's own undefined behaviour, not the registry's).
+        int64_t needed = slice.byte_size();
+        if (int64_t shifted = 0; flags & 8 && !__builtin_add_overflow(needed, static_cast<int8_t>(rec[2]), &shifted)) {
+          needed = shifted;
+        }
         absl::StatusOr<RegionRegistry::Slice> s = regions.Resolve(session, slice, needed, "hidden_region");
         if (!s.ok()) break;
         auto it = held.find(slice.region_id());
