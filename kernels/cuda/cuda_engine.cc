@@ -606,7 +606,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     if (wide.tile > tile_ && Bytes(wide, R) <= config_.workspace_bytes) layout = wide;
   }
   const int64_t tile = TileOf(layout), ldz = Ldz(layout);
-  // Timing aid only (results are wrong): 1 skips TileStats, 2 skips WriteGrad.
+  // Timing aid only (results are wrong), bits: 1 skips TileStats, 2 WriteGrad, 4 the epilogue GEMM's epilogue.
   const int64_t debug_skip = EnvInt("LCE_CUDA_DEBUG_SKIP", 0);
   const int64_t need = Bytes(layout, R);
   if (workspace_.bytes() < need) {
@@ -953,6 +953,7 @@ absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t
   a.swizzle = static_cast<int>(EnvInt("LCE_CUDA_EPI_SWIZZLE", 1));
   a.raster = static_cast<int>(EnvInt("LCE_CUDA_EPI_RASTER", 0));
   a.entropy = entropy;
+  a.timing_skip = (EnvInt("LCE_CUDA_DEBUG_SKIP", 0) & 4) != 0;
   if (copy == EpiCopy::kExp) {
     // First pass over the first kFirstPassCols columns: their max per row (into s.part, one segment a
     // row, overwritten by the whole shard's fold below) sets c_row before any exp is stored.

@@ -16,8 +16,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <bitset>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
@@ -37,7 +39,8 @@ namespace {
 
 using namespace cute;
 
-constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = 2^(x·log2 e): the epilogue's exponentials are exp2
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kMaxDevices = 64;  // AllowSharedMemory remembers devices below this; others set it every call  // exp(x) = 2^(x·log2 e): the epilogue's exponentials are exp2
 
 // What the epilogue needs besides the accumulators (host and device alike).
 struct StatsParams {
@@ -57,6 +60,7 @@ struct StatsParams {
   float* row_c = nullptr;        // exp mode: c_row written here
   unsigned* overflow = nullptr;  // exp mode: set to 1.0f when a tile's max passes c_row by kExpHeadroom
   bool entropy = true;           // Q (the entropy's Σ e·(z − m)); false: Q = 0, a multiply-add a logit saved
+  bool timing_skip = false;      // timing aid only: the epilogue does nothing (the mainloop alone)
 };
 
 // The wgmma accumulator fragment ((2, 2, V), MMA_M, MMA_N) viewed as (rows, columns) of this thread:
@@ -144,7 +148,8 @@ class RowStatsEpilogue {
     const int n_tile = static_cast<int>(get<1>(blk_coord));
     const int m0 = static_cast<int>(get<0>(blk_coord)) * kBM;
     const int n0 = n_tile * kBN;
-    if (m0 >= M || n0 >= N) return;  // a cluster's padding tile: nothing of the problem in it
+    // A cluster's padding tile has nothing of the problem in it; timing_skip times the mainloop alone.
+    if (m0 >= M || n0 >= N || p_.timing_skip) return;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor coords = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{})));
     Tensor a = make_tensor(acc.data(), RowColView(acc.layout()));
@@ -327,6 +332,20 @@ using PingPong64x256 = StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>, cutla
 using Cooperative256RowPairs =
     StatsGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
 
+// Lets Kernel use its shared memory (over the 48 KB default) on `device`, once per device.
+template <class Kernel>
+cudaError_t AllowSharedMemory(int device) {
+  static std::mutex mu;
+  static std::bitset<kMaxDevices> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (device >= 0 && device < kMaxDevices && done[device]) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(Kernel::SharedStorageSize));
+  if (err == cudaSuccess && device >= 0 && device < kMaxDevices) done.set(device);
+  return err;
+}
+
 template <class Config>
 absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
   using Gemm = typename Config::Gemm;
@@ -355,16 +374,15 @@ absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t
                                 sp,
                                 hw,
                                 sched};
-  Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) {
     return absl::InternalError(absl::StrCat("epilogue-statistics GEMM cannot run rows=", M, " cols=", N, " hidden=", K));
   }
   if (Gemm::get_workspace_size(args) != 0) return absl::InternalError("epilogue-statistics GEMM wants a workspace");
-  if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess) {
-    LCE_CUDA_CHECK(cudaGetLastError());
-    return absl::InternalError("epilogue-statistics GEMM: initialize failed");
-  }
-  const cutlass::Status st = gemm.run(stream);
+  LCE_CUDA_CHECK(AllowSharedMemory<Kernel>(device));
+  // Params straight from the arguments: GemmUniversalAdapter::initialize would also set the kernel's
+  // shared-memory attribute again, a driver call on every launch (a few-row score's path is ~0.35 ms).
+  typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
+  const cutlass::Status st = Gemm::run(params, stream);
   LCE_CUDA_CHECK(cudaGetLastError());
   if (st != cutlass::Status::kSuccess) return absl::InternalError("epilogue-statistics GEMM: launch failed");
   return absl::OkStatus();
@@ -407,6 +425,7 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   sp.row_c = a.row_c;
   sp.overflow = a.overflow;
   sp.entropy = a.entropy;
+  sp.timing_skip = a.timing_skip;
   // Automatic: a few rows (bound by reading W) through 64-row tiles, more through 128-row tiles.
   const int config = a.config >= 0 ? a.config : a.rows <= a.small_rows ? 2 : a.large_config;
   switch (config) {

@@ -98,6 +98,7 @@ struct EpilogueStatsArgs {
   // Q, the entropy's statistic: false where the call needs no entropy (a multiply-add a logit saved;
   // Q is then 0, m and S the same bits).
   bool entropy = true;
+  bool timing_skip = false;  // timing aid only (results are wrong): the epilogue does nothing
   // Kernel configuration (epilogue_stats_gemm.cu): 0 ping-pong 128×128 tiles, 1 cooperative 128×256,
   // 2 ping-pong 64×256, 3 as 1 with W's tiles multicast; −1 (automatic): 2 for rows <= small_rows, else
   // large_config. 1, 2 and 3 give a row the same bits.
