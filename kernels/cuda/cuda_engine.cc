@@ -193,6 +193,7 @@ struct Layout {
   bool host = false;
   bool host_dw = false;
   bool fast = false;  // fast loss path with d_weight: needs the scaled copy of h
+  bool target_dw = false;  // the general path's target term scattered into d_weight (target_order scratch)
   bool tree = false;  // d_hidden over the canonical tile tree (tree_dh_)
   int64_t tile = 0;   // logit tile columns (0: the engine's default, tile_)
   bool epi = false;   // forward through the epilogue-statistics GEMM: no logit tiles
@@ -268,10 +269,10 @@ class CudaEngine final : public LceEngine {
     epi_config_ = static_cast<int>(EnvInt("LCE_CUDA_EPI_KERNEL", -1));
     tree_dh_ = tp_invariant_option_ && SegmentsAreGlobal();
     // The smallest block must fit the budget.
-    if (Bytes({true, true, true, true, tree_dh_}, 1) > config_.workspace_bytes) {
+    if (Bytes({true, true, true, true, true, tree_dh_}, 1) > config_.workspace_bytes) {
       return absl::InvalidArgumentError(absl::StrCat("workspace_bytes ", config_.workspace_bytes,
                                                      " is too small for one row of this head (needs ",
-                                                     Bytes({true, true, true, true, tree_dh_}, 1), ")"));
+                                                     Bytes({true, true, true, true, true, tree_dh_}, 1), ")"));
     }
     return absl::OkStatus();
   }
@@ -323,8 +324,8 @@ class CudaEngine final : public LceEngine {
     s->info = c.Take<float>(R * kRowInfo);
     s->bad = c.Take<unsigned long long>(3);
     s->row_c = c.Take<float>(R);
-    if (l.fast) {
-      s->h_scaled = c.Take<uint8_t>(R * H * 2);
+    if (l.fast) s->h_scaled = c.Take<uint8_t>(R * H * 2);
+    if (l.fast || l.target_dw) {
       s->target_order_bytes = TargetOrderBytes(R);
       s->target_order = c.Take<uint8_t>(s->target_order_bytes);
     }
@@ -577,15 +578,21 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   // Fast loss path (fast_grad.cu): no dA pass; the per-row factors go around the GEMMs. Host rows take
   // it as device rows do (host d_weight through the device in slabs, as on the general path), so that
   // a row's d_hidden is the same computation whatever memory its hidden state came from (README.md,
-  // Guarantees). The general path rounds dL/da, the target's −C included, to bf16 before its GEMM:
+  // Guarantees). The general path rounded dL/da, the target's −C included, to bf16 before its GEMM:
   // CudaTest.HundredThousandRows' host rows took it and were 0.0169 from float64 per value (H200); the
   // fast path gives 0.0081, bf16 rounding of the exact d_hidden alone 0.0039 (a CPU replica of these
   // kernels' arithmetic, which gives the H200's 0.0168526 to the digit).
   const bool fast = backward && shape_.dtype == DType::kBFloat16 && up.mode == GradMode::kLoss &&
                     o.softcap == 0.0f && o.label_smoothing == 0.0f && !tree_dh_ &&
                     EnvInt("LCE_CUDA_NO_FAST", 0) == 0;
+  // So the general path of a bf16 head keeps its target term apart too: out of the bf16 dL/da, added in
+  // fp32 to d_hidden (before a group's all-reduce) and scattered into d_weight in a fixed order, as the fast
+  // path's (RowInfoSlot). Not with d_hidden over the tile tree, whose canonical sum has no place for it.
+  // LCE_CUDA_TARGET_APART=0: in the copy (the way before; for comparison).
+  const bool target_apart = backward && shape_.dtype == DType::kBFloat16 && !tree_dh_ &&
+                            EnvInt("LCE_CUDA_TARGET_APART", 1) != 0;
   Layout layout{backward, host, host && backward && grads.d_weight != nullptr,
-                fast && grads.d_weight != nullptr, tree_dh_};
+                fast && grads.d_weight != nullptr, target_apart && grads.d_weight != nullptr, tree_dh_};
   layout.epi = epi;
   layout.stage = epi && !host && reinterpret_cast<uintptr_t>(rows.hidden) % 16 != 0;
   // LCE_CUDA_DH_BESIDE=0: one after the other (bench/NOTES.md, e10). dW is the same bits either way: the
@@ -786,6 +793,8 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     fa.loss = o_loss;
     fa.row_c = block_fast ? s.row_c : nullptr;
     fa.temperature = o.temperature;
+    fa.softcap = o.softcap;
+    fa.target_apart = target_apart && !block_fast;
     LCE_CUDA_CHECK(cudaMemsetAsync(s.bad, 0xff, sizeof(unsigned long long), stream_));
     LCE_CUDA_CHECK(LaunchFinalizeRows(fa, s.m, s.packed, s.info, s.bad, stream_));
     unsigned long long flags[3] = {ULLONG_MAX, 0, ULLONG_MAX};
@@ -881,7 +890,8 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       if (!(debug_skip & 2)) {
         LCE_CUDA_CHECK(LaunchWriteGrad(shape_.dtype, s.store, lds_, nr, v0, nc, layout.epi ? s.tile_part : s.part,
                                        layout.epi ? EpiTiles() : nseg_, layout.epi ? EpiTileCols() : kSegment, s.info,
-                                       y, o.ignore_index, shape_.vocab_begin, o.softcap, o.temperature, aux_));
+                                       y, o.ignore_index, shape_.vocab_begin, o.softcap, o.temperature,
+                                       target_apart, aux_));
       }
       LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], aux_));
       if (dw_device) {
@@ -892,6 +902,10 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       }
     }
     LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvHandoff], 0));
+    if (dw_device && target_apart) {
+      LCE_CUDA_CHECK(LaunchScatterTargetDW(grads.d_weight, nr, H, s.info, h, y, o.ignore_index, shape_.vocab_begin,
+                                           Vs, s.target_order, s.target_order_bytes, stream_));
+    }
     if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
     if (grads.d_hidden != nullptr) {
       if (tree_dh_) {
@@ -900,6 +914,10 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
         // dh[nr, H] = dA[nr, Vs] · W[Vs, H]   (column-major: [H, nr] = W · dA)
         LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F,
                             H, tf32, /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
+        if (target_apart) {
+          LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, y, o.ignore_index, shape_.vocab_begin, Vs,
+                                             stream_));
+        }
         if (tp) LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
       }
       void* dst = host ? s.d_hidden : static_cast<uint8_t*>(grads.d_hidden) + r0 * H * esz;
@@ -914,7 +932,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[4], stream_));
     if (grads.d_weight != nullptr && host) {
       // dW slabs through the device: host += dA[nr, slab]ᵀ · h.
-      LCE_CUDA_CHECK(host_dw_slabs(h, h, y, nr, /*fast_targets=*/false));
+      LCE_CUDA_CHECK(host_dw_slabs(h, h, y, nr, /*fast_targets=*/target_apart));
     }
     if (trace) {
       LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -27,7 +27,10 @@ inline constexpr int kSegment = 2048;
 // m_group − m (exact near the row max), and log S is small.
 inline constexpr int kRowInfo = 8;
 // Fast loss path (StoreMode::kExpBf16): dL/da_ij = s_i·exp(z_ij − c_i) − t_i·1[j = y_i], with
-// s_i = A_i·exp((c_i − m_i) − log S_i)/T in kInfoScale and t_i = C_i/T in kInfoTarget.
+// s_i = A_i·exp((c_i − m_i) − log S_i)/T in kInfoScale and t_i = C_i/T in kInfoTarget. The general path
+// of a bf16 head (FinalizeArgs::target_apart) keeps its target term apart the same way: s_i = 1 and
+// t_i = C_i·f_i/T (f_i = 1 − tanh² of the target's logit with a softcap, else 1), added in fp32 around
+// the products where the copy in bf16 would round it with the rest.
 enum RowInfoSlot : int {
   kInfoMax = 0, kInfoLogS = 1, kInfoA = 2, kInfoB = 3, kInfoC = 4, kInfoD = 5, kInfoScale = 6, kInfoTarget = 7
 };
@@ -156,6 +159,8 @@ struct FinalizeArgs {
   float* loss = nullptr;
   const float* row_c = nullptr;          // fast loss path: c_i (else null)
   float temperature = 1.0f;
+  float softcap = 0.0f;
+  bool target_apart = false;             // general path: t_i into kInfoTarget, s_i = 1 (RowInfoSlot)
 };
 
 // row_finalize.cu. Per-row outputs and backward coefficients from m and packed; rows whose lse or
@@ -166,11 +171,12 @@ absl::Status LaunchFinalizeRows(const FinalizeArgs& args, const float* m, const 
 // write_grad.cu. Turns columns [v0, v0 + nc) of store (z − m_group, fp16 for 16-bit heads, fp32 for
 // fp32 heads) [rows, lds] (lds a multiple of 8, v0 a multiple of kSegment) into dL/da in the head's
 // dtype, in place. m_group is the m of part [rows, ngroup, 4], the partials of groups of group_cols
-// columns: kSegment (LaunchTileStats's segments) or the epilogue GEMM's column tiles.
+// columns: kSegment (LaunchTileStats's segments) or the epilogue GEMM's column tiles. target_apart: the
+// target's −C term is left out (added in fp32 by LaunchFinishDHidden and LaunchScatterTargetDW).
 absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows, int64_t v0, int64_t nc,
                              const float* part, int64_t ngroup, int group_cols, const float* row_info,
                              const int32_t* targets, int32_t ignore_index, int64_t vocab_begin,
-                             float softcap, float temperature, cudaStream_t stream);
+                             float softcap, float temperature, bool target_apart, cudaStream_t stream);
 
 // fast_grad.cu (fast loss path, bf16 heads). h_scaled[r, :] = bf16(s_r · h[r, :]).
 absl::Status LaunchScaleRows(const void* h, int64_t rows, int64_t hidden, const float* row_info, void* h_scaled,

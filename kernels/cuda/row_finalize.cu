@@ -118,6 +118,11 @@ __global__ void FinalizeKernel(FinalizeArgs a, const float* __restrict__ m, cons
     const float inv_t = 1.0f / a.temperature;
     in[kInfoScale] = A == 0.0f ? 0.0f : A * expf((a.row_c[r] - mm) - log_s) * inv_t;
     in[kInfoTarget] = C * inv_t;
+  } else if (a.target_apart) {
+    // z_y · T / softcap = tanh of the target's capped logit (WriteGrad's t at the target's column).
+    const float t = a.softcap > 0.0f ? zy * a.temperature / a.softcap : 0.0f;
+    in[kInfoScale] = 1.0f;
+    in[kInfoTarget] = C / a.temperature * (1.0f - t * t);
   }
 }
 

@@ -17,7 +17,7 @@ template <typename T, typename S>
 __global__ void __launch_bounds__(kThreads)
 WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__ part, int64_t ngroup,
                 int group_cols, const float* __restrict__ info, const int32_t* __restrict__ targets, int32_t ignore_index,
-                int64_t vocab_begin, float softcap, float temperature) {
+                int64_t vocab_begin, float softcap, float temperature, bool target_apart) {
   constexpr int kVec = 16 / sizeof(S);
   static_assert(sizeof(T) == sizeof(S));
   static_assert(kSegment % kVec == 0);  // and group_cols % kVec == 0 (checked at launch): one group a vector
@@ -32,7 +32,7 @@ WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__
   const float inv_temp = 1.0f / temperature;
   const float t_over_s = softcap > 0.0f ? temperature / softcap : 0.0f;
   const int32_t y = targets[r];
-  const int64_t ylocal = y == ignore_index ? -1 : static_cast<int64_t>(y) - vocab_begin;
+  const int64_t ylocal = y == ignore_index || target_apart ? -1 : static_cast<int64_t>(y) - vocab_begin;
   S* src = store + r * lds + c0;
   T* dst = reinterpret_cast<T*>(src);
   union {
@@ -76,7 +76,7 @@ absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows
                              const float* part, int64_t ngroup, int group_cols, const float* row_info,
                              const int32_t* targets,
                              int32_t ignore_index, int64_t vocab_begin, float softcap, float temperature,
-                             cudaStream_t stream) {
+                             bool target_apart, cudaStream_t stream) {
   if (rows <= 0 || nc <= 0) return absl::OkStatus();
   const int64_t nv = v0 + nc;  // columns [v0, nv) are processed
   if (lds % 8 != 0 || lds < nv || rows > 65535 || v0 % kSegment != 0 || group_cols <= 0 || group_cols % 8 != 0 ||
@@ -92,8 +92,7 @@ absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows
                     static_cast<unsigned>(rows));
     WriteGradKernel<T, S><<<grid, kThreads, 0, stream>>>(static_cast<S*>(store), lds, static_cast<int>(v0), static_cast<int>(nv), part,
                                                          ngroup, group_cols, row_info, targets, ignore_index,
-                                                         vocab_begin,
-                                                         softcap, temperature);
+                                                         vocab_begin, softcap, temperature, target_apart);
     LCE_CUDA_CHECK(cudaGetLastError());
     return absl::OkStatus();
   });
