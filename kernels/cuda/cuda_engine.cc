@@ -794,7 +794,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     fa.row_c = block_fast ? s.row_c : nullptr;
     fa.temperature = o.temperature;
     fa.softcap = o.softcap;
-    fa.target_apart = target_apart && !block_fast;
+    fa.target_apart = target_apart;  // read where row_c is null: a general-path block
     LCE_CUDA_CHECK(cudaMemsetAsync(s.bad, 0xff, sizeof(unsigned long long), stream_));
     LCE_CUDA_CHECK(LaunchFinalizeRows(fa, s.m, s.packed, s.info, s.bad, stream_));
     unsigned long long flags[3] = {ULLONG_MAX, 0, ULLONG_MAX};

@@ -39,8 +39,8 @@ namespace {
 
 using namespace cute;
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kMaxDevices = 64;  // AllowSharedMemory remembers devices below this; others set it every call  // exp(x) = 2^(x·log2 e): the epilogue's exponentials are exp2
+constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = 2^(x·log2 e): the epilogue's exponentials are exp2
+constexpr int kMaxDevices = 64;  // AllowSharedMemory remembers devices below this; others set it every call
 
 // What the epilogue needs besides the accumulators (host and device alike).
 struct StatsParams {
