@@ -152,7 +152,10 @@ class RowStatsEpilogue {
     if (m0 >= M || n0 >= N || p_.timing_skip) return;
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor coords = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{})));
-    Tensor a = make_tensor(acc.data(), RowColView(acc.layout()));
+    // Reduced in place: the kernel gives each tile a fragment of its own, dead after the epilogue, so the
+    // transformed logits and the exponentials live in its registers.
+    auto& frg = const_cast<cute::Tensor<FrgEngine, FrgLayout>&>(acc);
+    Tensor a = make_tensor(frg.data(), RowColView(frg.layout()));
     Tensor c = make_tensor(coords.data(), RowColView(coords.layout()));
     const bool plain = p_.bias == nullptr && p_.softcap <= 0.0f;
     uint32_t* slice = reinterpret_cast<SharedStorage*>(smem)->slice[threadIdx.x / 32 - kProducerWarps];
@@ -174,24 +177,38 @@ class RowStatsEpilogue {
   // S = Σ 2^(v·c − max v·c) (one multiply-add a logit, the same with or without Q, so that S and the
   // logprob are the same bits either way), Q = Σ e·(z − m) = (Σ e·(v − max v)) / T, Σz = (Σ v) / T (also
   // what makes a row with an infinite logit non-finite).
+  // The epilogue does not overlap the products in the cooperative schedule, and with two warps a
+  // scheduler its time is latency: the thread's rows therefore go through each phase together, without
+  // a branch between them (their dependent chains interleave; a warp none of whose rows is in the
+  // batch skips the tile), and the target's load is used only after the exponentials where the call
+  // keeps v (score), before them where they overwrite it (the training copy). v lives in the
+  // accumulator fragment. Each row's sums keep their column order: the same bits as row by row.
   template <bool kRagged, bool kPlain, bool kQ, int kBN, class TA, class TC>
-  CUTLASS_DEVICE void Reduce(TA const& a, TC const& c, int M, int N, int m0, int n0, int n_tile,
-                             uint32_t* slice) const {
+  CUTLASS_DEVICE void Reduce(TA& a, TC const& c, int M, int N, int m0, int n0, int n_tile, uint32_t* slice) const {
     constexpr int kRows = decltype(size<0>(a))::value;
     constexpr int kCols = decltype(size<1>(a))::value;
     const float scale = kLog2e * p_.inv_temp;
     const bool lead = (threadIdx.x & 3) == 0;
     // The fast loss path's copy exp(z − c_row) is each e below times exp(m − c_row), a factor of the
-    // row: v[j] keeps e, so the copy costs a multiply a logit instead of a second exponential.
+    // row: v keeps e, so the copy costs a multiply a logit instead of a second exponential.
     const bool exp_copy = p_.store != nullptr && p_.first != nullptr;
+    int row[kRows];
+    int32_t y[kRows];
+    bool any_live = false;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      const int row = m0 + static_cast<int>(get<0>(c(i, 0)));
-      if (__all_sync(0xffffffffu, row >= M)) continue;  // the warp's rows past the batch (a few-row tile)
-      float v[kCols];
-      float mx = -INFINITY, sum_v = 0.0f;
+      row[i] = m0 + static_cast<int>(get<0>(c(i, 0)));
+      any_live |= row[i] < M;
+      y[i] = row[i] < M ? __ldg(p_.targets + row[i]) : p_.ignore_index;
+    }
+    if (!__any_sync(0xffffffffu, any_live)) return;  // the warp's rows all past the batch (a few-row tile)
+    float mx[kRows], mx_odd[kRows], sum_v[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) mx[i] = mx_odd[i] = -INFINITY, sum_v[i] = 0.0f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCols; ++j) {
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kCols; ++j) {
+      for (int i = 0; i < kRows; ++i) {
         const int col = n0 + static_cast<int>(get<1>(c(i, j)));
         const bool valid = !kRagged || col < N;
         float x = a(i, j);
@@ -200,50 +217,67 @@ class RowStatsEpilogue {
           if (p_.softcap > 0.0f) x = p_.softcap * tanhf(x * p_.inv_softcap);
         }
         if (valid) {
-          sum_v += x;
+          sum_v[i] += x;
         } else {
           x = -INFINITY;
         }
-        v[j] = x;
-        mx = fmaxf(mx, x);
+        a(i, j) = x;
+        if (j % 2 == 0) mx[i] = fmaxf(mx[i], x); else mx_odd[i] = fmaxf(mx_odd[i], x);  // exact in any order
       }
-      if (row < M) {  // the target logit, from the lane that holds its column
-        const int32_t y = p_.targets[row];
-        const int64_t local = static_cast<int64_t>(y) - p_.vocab_begin - n0;
-        if (y != p_.ignore_index && local >= 0 && local < kBN && n0 + local < N) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < kCols; ++j) {
-            if (static_cast<int64_t>(get<1>(c(i, j))) == local) {
-              p_.packed[static_cast<int64_t>(row) * kPacked + 3] = v[j] * p_.inv_temp;
-            }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) mx[i] = QuadMax(fmaxf(mx[i], mx_odd[i]));
+    if (exp_copy) TargetLogit<kBN>(a, c, row, y, M, n0, N);
+    float s[kRows], q[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) s[i] = q[i] = 0.0f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCols; ++j) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        const float e = Exp2Ftz(fmaf(a(i, j), scale, -mx[i] * scale));
+        s[i] += e;
+        if constexpr (kQ) {
+          const float u = a(i, j) - mx[i];
+          q[i] += (kRagged && e == 0.0f) ? 0.0f : e * u;  // a masked column: 0 · (−inf) must not be NaN
+        }
+        if (exp_copy) a(i, j) = e;
+      }
+    }
+    if (!exp_copy) TargetLogit<kBN>(a, c, row, y, M, n0, N);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      s[i] = QuadSum(s[i]);
+      if constexpr (kQ) q[i] = QuadSum(q[i]);
+      sum_v[i] = QuadSum(sum_v[i]);
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      if (exp_copy) {  // every lane of the warp: the copy is staged
+        StoreCopy<kRagged, true, kCols>(a, c, i, row[i], M, n0, N, mx[i], n_tile == 0 && lead, slice);
+      } else if (p_.store != nullptr) {
+        StoreCopy<kRagged, false, kCols>(a, c, i, row[i], M, n0, N, mx[i], false, slice);
+      }
+      if (row[i] < M && lead) {
+        *reinterpret_cast<float4*>(p_.tile_part + (static_cast<int64_t>(row[i]) * p_.ntile + n_tile) * 4) =
+            make_float4(mx[i] * p_.inv_temp, s[i], q[i] * p_.inv_temp, sum_v[i] * p_.inv_temp);
+      }
+    }
+  }
+  // z_y = v_y / T into packed[row·kPacked + 3], from the lane that holds the target's column (v in a).
+  template <int kBN, int kRows, class TA, class TC>
+  CUTLASS_DEVICE void TargetLogit(TA const& a, TC const& c, const int (&row)[kRows], const int32_t (&y)[kRows],
+                                  int M, int n0, int N) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const int64_t local = static_cast<int64_t>(y[i]) - p_.vocab_begin - n0;
+      if (row[i] < M && y[i] != p_.ignore_index && local >= 0 && local < kBN && n0 + local < N) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < decltype(size<1>(a))::value; ++j) {
+          if (static_cast<int64_t>(get<1>(c(i, j))) == local) {
+            p_.packed[static_cast<int64_t>(row[i]) * kPacked + 3] = a(i, j) * p_.inv_temp;
           }
         }
-      }
-      mx = QuadMax(mx);
-      const float mx_scaled = mx * scale;
-      float s = 0.0f, q = 0.0f;
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kCols; ++j) {
-        const float e = Exp2Ftz(fmaf(v[j], scale, -mx_scaled));
-        s += e;
-        if constexpr (kQ) {
-          const float u = v[j] - mx;
-          q += (kRagged && e == 0.0f) ? 0.0f : e * u;  // a masked column: 0 · (−inf) must not be NaN
-        }
-        if (exp_copy) v[j] = e;
-      }
-      s = QuadSum(s);
-      if constexpr (kQ) q = QuadSum(q);
-      sum_v = QuadSum(sum_v);
-      if (exp_copy) {  // every lane of the warp: the copy is staged
-        StoreCopy<kRagged, true>(v, c, i, row, M, n0, N, mx, n_tile == 0 && lead, slice);
-      } else if (p_.store != nullptr) {
-        StoreCopy<kRagged, false>(v, c, i, row, M, n0, N, mx, false, slice);
-      }
-      if (row >= M) continue;
-      if (lead) {
-        *reinterpret_cast<float4*>(p_.tile_part + (static_cast<int64_t>(row) * p_.ntile + n_tile) * 4) =
-            make_float4(mx * p_.inv_temp, s, q * p_.inv_temp, sum_v * p_.inv_temp);
       }
     }
   }
@@ -252,9 +286,9 @@ class RowStatsEpilogue {
   // loss path. Called by every lane of the warp (rows past the batch included: they stage but do not
   // store). The accumulator's column pairs (j even, j + 1 the next column) run 8 columns apart within a
   // lane, so pairs [16k, 16k + 16) are columns [64k, 64k + 64).
-  template <bool kRagged, bool kExp, int kCols, class TC>
-  CUTLASS_DEVICE void StoreCopy(const float (&v)[kCols], TC const& c, int i, int row, int M, int n0, int N,
-                                float mx, bool write_c, uint32_t* slice) const {
+  template <bool kRagged, bool kExp, int kCols, class TA, class TC>
+  CUTLASS_DEVICE void StoreCopy(TA const& v, TC const& c, int i, int row, int M, int n0, int N, float mx,
+                                bool write_c, uint32_t* slice) const {
     static_assert(kCols % 16 == 0);
     const bool live = row < M;
     float factor = 0.0f;
@@ -279,10 +313,10 @@ class RowStatsEpilogue {
         const int col = static_cast<int>(get<1>(c(i, j))) - chunk * kChunkCols;
         uint32_t word;
         if constexpr (kExp) {
-          const __nv_bfloat162 e = __floats2bfloat162_rn(v[j] * factor, v[j + 1] * factor);
+          const __nv_bfloat162 e = __floats2bfloat162_rn(v(i, j) * factor, v(i, j + 1) * factor);
           word = *reinterpret_cast<const uint32_t*>(&e);
         } else {
-          const __half2 d = __floats2half2_rn((v[j] - mx) * p_.inv_temp, (v[j + 1] - mx) * p_.inv_temp);
+          const __half2 d = __floats2half2_rn((v(i, j) - mx) * p_.inv_temp, (v(i, j + 1) - mx) * p_.inv_temp);
           word = *reinterpret_cast<const uint32_t*>(&d);
         }
         mine[col / 2] = word;
