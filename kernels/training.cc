@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -86,38 +87,86 @@ absl::StatusOr<double> HeadTrainer::GradSquaredNorm() {
   return CombineTileSquaredNorms(exchange.data(), all);
 }
 
+absl::Status HeadTrainer::ZeroGrad() {
+  if (absl::Status s = Zero(grad_data()); !s.ok()) return s;
+  grad_zero_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<float*> HeadTrainer::AcquirePending(uint64_t id) {
+  if (id == 0) return absl::InvalidArgumentError("pending gradient id 0 is reserved");
+  if (auto it = pending_.find(id); it != pending_.end()) return it->second->data();
+  std::unique_ptr<GradBuffer> buf = std::move(spare_);
+  bool zero = spare_zero_;
+  if (buf == nullptr) {
+    absl::StatusOr<std::unique_ptr<GradBuffer>> made = NewGradBuffer();
+    if (!made.ok()) return made.status();
+    buf = std::move(*made);
+    zero = false;
+  }
+  if (!zero) {
+    if (absl::Status s = Zero(buf->data()); !s.ok()) {
+      spare_ = std::move(buf);
+      spare_zero_ = false;
+      return s;
+    }
+  }
+  float* data = buf->data();
+  pending_.emplace(id, std::move(buf));
+  return data;
+}
+
+absl::Status HeadTrainer::CommitPending(uint64_t id, float scale) {
+  auto it = pending_.find(id);
+  if (it == pending_.end()) return absl::NotFoundError(absl::StrCat("no pending gradient ", id));
+  std::unique_ptr<GradBuffer> buf = std::move(it->second);
+  pending_.erase(it);
+  absl::Status s;
+  bool spare_zero = false;
+  if (scale == 0.0f) {
+    // Nothing to add; the buffer keeps its contents.
+  } else if (grad_zero_) {
+    // 0 + s·P: P becomes dW (scaled in place unless s = 1), the zero dW the spare.
+    std::swap(grad_, buf);
+    spare_zero = true;
+    if (scale != 1.0f) s = Scale(grad_data(), scale);
+    grad_zero_ = false;
+  } else {
+    s = AddScaled(grad_data(), buf->data(), scale);
+  }
+  spare_ = std::move(buf);
+  spare_zero_ = spare_zero;
+  return s;
+}
+
+void HeadTrainer::ReleasePending(uint64_t id) {
+  auto it = pending_.find(id);
+  if (it == pending_.end()) return;
+  spare_ = std::move(it->second);
+  spare_zero_ = false;
+  pending_.erase(it);
+}
+
 namespace {
 
 // The CPU engine's trainer: host vectors, AdamWStep, and a new engine for each new weight.
 class CpuHeadTrainer final : public HeadTrainer {
  public:
   CpuHeadTrainer(std::shared_ptr<LceEngine> engine, std::shared_ptr<const HeadWeights> weights, EngineMaker make)
-      : HeadTrainer(weights->shape), engine_(std::move(engine)), weights_(std::move(weights)), make_(std::move(make)),
-        grad_(static_cast<size_t>(grad_elements()), 0.0f) {}
+      : HeadTrainer(weights->shape), engine_(std::move(engine)), weights_(std::move(weights)), make_(std::move(make)) {
+    grad_ = std::make_unique<HostGradBuffer>(grad_elements());
+    ZeroGrad().IgnoreError();  // host memory: cannot fail
+  }
 
   std::string_view backend() const override { return "cpu"; }
-  float* grad() override { return grad_.data(); }
   MemorySpace grad_space() const override { return MemorySpace::kHost; }
   void* stream() override { return nullptr; }
-  absl::Status ZeroGrad() override {
-    std::fill(grad_.begin(), grad_.end(), 0.0f);
-    return absl::OkStatus();
-  }
-  absl::Status MarkGrad() override {
-    marked_.assign(grad_.begin(), grad_.end());
-    return absl::OkStatus();
-  }
-  absl::Status RollBackGrad() override {
-    if (marked_.size() != grad_.size()) return absl::FailedPreconditionError("no marked gradient to roll back to");
-    std::copy(marked_.begin(), marked_.end(), grad_.begin());
-    return absl::OkStatus();
-  }
   absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() override {
     const ShardTiles tiles = TilesOf(shape_);
     TileSquaredNorms out{tiles.first_tile, {}};
     for (int64_t i = 0; i < tiles.count; ++i) {
       const int64_t r0 = tiles.RowBegin(i);
-      out.sums.push_back(SquaredNorm(grad_.data() + r0 * shape_.hidden_size, (tiles.RowEnd(i) - r0) * shape_.hidden_size));
+      out.sums.push_back(SquaredNorm(grad_data() + r0 * shape_.hidden_size, (tiles.RowEnd(i) - r0) * shape_.hidden_size));
     }
     return out;
   }
@@ -126,7 +175,7 @@ class CpuHeadTrainer final : public HeadTrainer {
       return absl::OutOfRangeError(absl::StrCat("gradient rows [", first_row, ", ", first_row + rows,
                                                 ") are outside the shard's ", shape_.shard_rows));
     }
-    std::memcpy(host, grad_.data() + first_row * shape_.hidden_size,
+    std::memcpy(host, grad_data() + first_row * shape_.hidden_size,
                 static_cast<size_t>(rows * shape_.hidden_size) * sizeof(float));
     return absl::OkStatus();
   }
@@ -146,7 +195,7 @@ class CpuHeadTrainer final : public HeadTrainer {
     if (absl::Status s = PrepareStep(); !s.ok()) return s;
     const int64_t n = grad_elements();
     ++steps_;
-    AdamWStep(master_.data(), m_.data(), v_.data(), grad_.data(), n, p, steps_, grad_scale);
+    AdamWStep(master_.data(), m_.data(), v_.data(), grad_data(), n, p, steps_, grad_scale);
     auto next = std::make_shared<HeadWeights>();
     next->shape = shape_;
     next->bias = weights_->bias;
@@ -164,7 +213,42 @@ class CpuHeadTrainer final : public HeadTrainer {
 
   absl::StatusOr<std::shared_ptr<const HeadWeights>> Weights() override { return weights_; }
 
+ protected:
+  absl::StatusOr<std::unique_ptr<GradBuffer>> NewGradBuffer() override {
+    auto buf = std::make_unique<HostGradBuffer>(grad_elements(), std::nothrow);
+    if (buf->data() == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("no host memory for a pending gradient of ",
+                                                       grad_elements() * 4, " bytes"));
+    }
+    return std::unique_ptr<GradBuffer>(std::move(buf));
+  }
+  absl::Status Zero(float* x) override {
+    std::fill(x, x + grad_elements(), 0.0f);
+    return absl::OkStatus();
+  }
+  absl::Status Scale(float* x, float s) override {
+    const int64_t n = grad_elements();
+    for (int64_t i = 0; i < n; ++i) x[i] *= s;
+    return absl::OkStatus();
+  }
+  absl::Status AddScaled(float* y, const float* x, float s) override {
+    const int64_t n = grad_elements();
+    for (int64_t i = 0; i < n; ++i) y[i] += s * x[i];
+    return absl::OkStatus();
+  }
+
  private:
+  // The host's dW-sized buffers. Not zeroed here: AcquirePending and ZeroGrad do that.
+  class HostGradBuffer final : public GradBuffer {
+   public:
+    explicit HostGradBuffer(int64_t n) : data_(new float[static_cast<size_t>(n)]) {}
+    HostGradBuffer(int64_t n, std::nothrow_t) : data_(new (std::nothrow) float[static_cast<size_t>(n)]) {}
+    float* data() override { return data_.get(); }
+
+   private:
+    std::unique_ptr<float[]> data_;
+  };
+
   absl::StatusOr<std::shared_ptr<LceEngine>> Serve(std::shared_ptr<const HeadWeights> w) {
     absl::StatusOr<std::shared_ptr<LceEngine>> e = make_(w);
     if (!e.ok()) return e.status();
@@ -176,8 +260,7 @@ class CpuHeadTrainer final : public HeadTrainer {
   std::shared_ptr<LceEngine> engine_;
   std::shared_ptr<const HeadWeights> weights_;  // the weight engine_ serves
   EngineMaker make_;
-  std::vector<float> grad_, master_, m_, v_;
-  std::vector<float> marked_;  // MarkGrad's copy of grad_
+  std::vector<float> master_, m_, v_;
 };
 
 }  // namespace

@@ -29,7 +29,7 @@ class CudaHeadTrainer final : public HeadTrainer {
   absl::Status Init() {
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     LCE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    absl::StatusOr<std::unique_ptr<DeviceBuffer>> g = AllocateDeviceBuffer(grad_elements() * 4, serving_.device);
+    absl::StatusOr<std::unique_ptr<GradBuffer>> g = NewGradBuffer();
     if (!g.ok()) return g.status();
     grad_ = std::move(*g);
     const ShardTiles tiles = TilesOf(shape_);
@@ -42,40 +42,14 @@ class CudaHeadTrainer final : public HeadTrainer {
   }
 
   std::string_view backend() const override { return "cuda"; }
-  float* grad() override { return reinterpret_cast<float*>(grad_->data()); }
   MemorySpace grad_space() const override { return MemorySpace::kDevice; }
   void* stream() override { return stream_; }
-
-  absl::Status ZeroGrad() override {
-    LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
-    LCE_CUDA_CHECK(cudaMemsetAsync(grad(), 0, static_cast<size_t>(grad_elements()) * 4, stream_));
-    return Sync();
-  }
-
-  absl::Status MarkGrad() override {
-    LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
-    if (marked_ == nullptr) {
-      absl::StatusOr<std::unique_ptr<DeviceBuffer>> m = AllocateDeviceBuffer(grad_elements() * 4, serving_.device);
-      if (!m.ok()) return m.status();
-      marked_ = std::move(*m);
-    }
-    LCE_CUDA_CHECK(cudaMemcpyAsync(marked_->data(), grad(), static_cast<size_t>(grad_elements()) * 4,
-                                   cudaMemcpyDeviceToDevice, stream_));
-    return Sync();
-  }
-  absl::Status RollBackGrad() override {
-    if (marked_ == nullptr) return absl::FailedPreconditionError("no marked gradient to roll back to");
-    LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
-    LCE_CUDA_CHECK(cudaMemcpyAsync(grad(), marked_->data(), static_cast<size_t>(grad_elements()) * 4,
-                                   cudaMemcpyDeviceToDevice, stream_));
-    return Sync();
-  }
 
   absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() override {
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     double* scratch = reinterpret_cast<double*>(norm_scratch_->data());
     double* sums = scratch + norm_shape_.tiles * kTileChunks;
-    LCE_CUDA_CHECK(LaunchTileSquaredNorms(grad(), norm_shape_, scratch, sums, stream_));
+    LCE_CUDA_CHECK(LaunchTileSquaredNorms(grad_data(), norm_shape_, scratch, sums, stream_));
     TileSquaredNorms out{norm_shape_.first_tile, std::vector<double>(static_cast<size_t>(norm_shape_.tiles))};
     LCE_CUDA_CHECK(cudaMemcpyAsync(out.sums.data(), sums, out.sums.size() * 8, cudaMemcpyDeviceToHost, stream_));
     LCE_CUDA_CHECK(Sync());
@@ -88,7 +62,7 @@ class CudaHeadTrainer final : public HeadTrainer {
                                                 ") are outside the shard's ", shape_.shard_rows));
     }
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
-    LCE_CUDA_CHECK(cudaMemcpyAsync(host, grad() + first_row * shape_.hidden_size,
+    LCE_CUDA_CHECK(cudaMemcpyAsync(host, grad_data() + first_row * shape_.hidden_size,
                                    static_cast<size_t>(rows * shape_.hidden_size) * 4, cudaMemcpyDeviceToHost, stream_));
     return Sync();
   }
@@ -112,7 +86,7 @@ class CudaHeadTrainer final : public HeadTrainer {
     a.bc2_sqrt = c.bc2_sqrt;
     a.eps = p.eps;
     a.step_size = c.step_size;
-    LCE_CUDA_CHECK(LaunchAdamW(Master(), Master() + Stride(), Master() + 2 * Stride(), grad(),
+    LCE_CUDA_CHECK(LaunchAdamW(Master(), Master() + Stride(), Master() + 2 * Stride(), grad_data(),
                                shape_.dtype, serving_.weight, grad_elements(), a, stream_));
     LCE_CUDA_CHECK(Sync());
     ++steps_;
@@ -147,7 +121,38 @@ class CudaHeadTrainer final : public HeadTrainer {
     return weights_;
   }
 
+ protected:
+  absl::StatusOr<std::unique_ptr<GradBuffer>> NewGradBuffer() override {
+    absl::StatusOr<std::unique_ptr<DeviceBuffer>> b = AllocateDeviceBuffer(grad_elements() * 4, serving_.device);
+    if (!b.ok()) return b.status();
+    return std::unique_ptr<GradBuffer>(new DeviceGradBuffer(std::move(*b)));
+  }
+  absl::Status Zero(float* x) override {
+    LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
+    LCE_CUDA_CHECK(cudaMemsetAsync(x, 0, static_cast<size_t>(grad_elements()) * 4, stream_));
+    return Sync();
+  }
+  absl::Status Scale(float* x, float s) override {
+    LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
+    LCE_CUDA_CHECK(LaunchScaleAdd(x, nullptr, s, grad_elements(), stream_));
+    return Sync();
+  }
+  absl::Status AddScaled(float* y, const float* x, float s) override {
+    LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
+    LCE_CUDA_CHECK(LaunchScaleAdd(y, x, s, grad_elements(), stream_));
+    return Sync();
+  }
+
  private:
+  class DeviceGradBuffer final : public GradBuffer {
+   public:
+    explicit DeviceGradBuffer(std::unique_ptr<DeviceBuffer> b) : b_(std::move(b)) {}
+    float* data() override { return reinterpret_cast<float*>(b_->data()); }
+
+   private:
+    std::unique_ptr<DeviceBuffer> b_;
+  };
+
   absl::Status Sync() {
     LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return absl::OkStatus();
@@ -173,8 +178,7 @@ class CudaHeadTrainer final : public HeadTrainer {
   bool host_current_ = true;
   EngineWeightOnDevice serving_;
   cudaStream_t stream_ = nullptr;
-  std::unique_ptr<DeviceBuffer> grad_, norm_scratch_, master_;
-  std::unique_ptr<DeviceBuffer> marked_;  // MarkGrad's copy of grad_, made at its first call
+  std::unique_ptr<DeviceBuffer> norm_scratch_, master_;
   TileNormShape norm_shape_;
 };
 

@@ -200,6 +200,10 @@ absl::Status LaunchAddFloats(float* dst, const float* a, const float* b, int64_t
 // tree_sum.cu. dst[i] = value for n floats.
 absl::Status LaunchFillFloats(float* dst, float value, int64_t n, cudaStream_t stream);
 
+// grad_commit.cu. y[i] += s·x[i] for n floats (each product and sum rounded on its own); y[i] *= s
+// when x is null.
+absl::Status LaunchScaleAdd(float* y, const float* x, float s, int64_t n, cudaStream_t stream);
+
 // convert.cu. dst[i] = (dtype) src[i] (round to nearest even) for n elements.
 absl::Status LaunchFloatToDType(const float* src, DType dtype, void* dst, int64_t n, cudaStream_t stream);
 

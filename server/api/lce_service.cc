@@ -142,7 +142,8 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
     if (!d.ok()) return d.status();
     dev_out[k] = static_cast<float*>(*d);
   }
-  call.grads.d_weight = grads.d_weight;  // the head's trainer's dW: device memory already
+  call.grads.d_weight = grads.d_weight;  // the request's pending dW (the trainer's): device memory already
+  call.grads.d_weight_pending = grads.d_weight_pending;
   if (grads.d_hidden != nullptr) {
     if (d_hidden_on_device) {
       call.grads.d_hidden = grads.d_hidden;

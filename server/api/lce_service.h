@@ -75,6 +75,9 @@ struct ServiceConfig {
   std::shared_ptr<DpJob> dp_job;
   // Builds the engine of a new head version (LoadHead; UpdateWeights and OptimizerStep on CPU engines).
   EngineMaker make_engine;
+  // Pending weight-gradient contributions (docs/MATH.md, "When dW is committed"): how many a head
+  // holds and how long a deferred one waits for CommitGrad.
+  PendingGradLimits pending_grads;
   // How long a weight change (OptimizerStep, UpdateWeights, LoadHead over a head) waits for the
   // requests running on the head to end (head_store.h) when the client set no earlier deadline.
   absl::Duration weight_change_wait = absl::Seconds(60);
@@ -102,6 +105,9 @@ class LceService final : public v1::LceService::Service {
   grpc::Status UpdateWeights(grpc::ServerContext* ctx, grpc::ServerReader<v1::UpdateWeightsRequest>* reader,
                              v1::HeadDescription* resp) override;
   grpc::Status SaveHead(grpc::ServerContext* ctx, const v1::SaveHeadRequest* req, v1::SaveHeadResponse* resp) override;
+  // A deferred request's pending dW added, scaled, or discarded (lce_service_pending.cc); scoring token.
+  grpc::Status CommitGrad(grpc::ServerContext* ctx, const v1::CommitGradRequest* req,
+                          v1::CommitGradResponse* resp) override;
 
   // Co-located clients: a session owning shared-memory regions (region_registry.h).
   grpc::Status OpenSession(grpc::ServerContext* ctx,
@@ -191,6 +197,20 @@ class LceService final : public v1::LceService::Service {
   // version in `use`: validated again when the head changed while the request waited for a change.
   absl::StatusOr<RequestPlan> ValidateAndUse(const StreamRequestValidator& validator, const v1::RequestHeader& header,
                                              std::optional<HeadStore::Use>& use);
+  // A request's contribution to its head's dW (lce_service_pending.cc): the pending buffer its engine
+  // calls accumulate into (on every rank of a group, under the same id), from its first chunk to its
+  // end, where it is committed with scale 1, left waiting for CommitGrad (deferred), or released.
+  struct Contribution {
+    uint64_t id = 0;
+    float* d_weight = nullptr;
+  };
+  enum class ContributionEnd { kCommit, kDefer, kRelease };
+  absl::StatusOr<Contribution> BeginContribution(const ServedHead& head);
+  absl::Status EndContribution(const ServedHead& head, uint64_t id, ContributionEnd end);
+  // dW += scale × contribution `id` on every rank. Hold head.training->mu; `id` out of the book.
+  absl::Status CommitContribution(const ServedHead& head, uint64_t id, float scale);
+  // Frees contributions that left the book (on every rank) and counts them. Hold head.training->mu.
+  void ReleaseContributions(const ServedHead& head, const std::vector<PendingGrads::Dropped>& dropped);
   // This rank's trainer of `head`, made at first use. Hold head.training->mu.
   absl::StatusOr<HeadTrainer*> TrainerOf(const ServedHead& head) const;
   // The exclusive right to change head `name`, once the requests on it have ended.

@@ -276,6 +276,9 @@ grpc::Status LceService::OptimizerStep(grpc::ServerContext* ctx, const v1::Optim
     absl::StatusOr<std::shared_ptr<const ServedHead>> put =
         heads_->Put(h.name, Serve(h.name, h.version + 1, step->engine, h.weights, h.training), h.version);
     if (!put.ok()) return ToGrpcStatus(put.status());
+    // Contributions made on the old weight can no longer be committed (autograd: a backward after
+    // the step that changed its weight).
+    ReleaseContributions(h, h.training->pending.TakeAll(PendingGrads::Drop::kStale));
     resp->set_step((*trainer)->steps());
     resp->set_grad_norm(step->grad_norm);
     DescribeHead(**put, resp->mutable_head());
@@ -326,6 +329,7 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
     absl::StatusOr<std::shared_ptr<const ServedHead>> put =
         heads_->Put(h.name, Serve(h.name, h.version + 1, engine, shard, h.training), h.version);
     if (!put.ok()) return ToGrpcStatus(put.status());
+    ReleaseContributions(h, h.training->pending.TakeAll(PendingGrads::Drop::kStale));
     DescribeHead(**put, resp);
     return grpc::Status::OK;
   });

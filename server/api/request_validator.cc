@@ -50,6 +50,10 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
     return absl::InvalidArgumentError("accumulate_weight_grad applies to ForwardBackward and PolicyLoss only");
   }
   plan.accumulate_weight_grad = h.accumulate_weight_grad();
+  if (h.defer_weight_grad() && !h.accumulate_weight_grad()) {
+    return absl::InvalidArgumentError("defer_weight_grad needs accumulate_weight_grad");
+  }
+  plan.defer_weight_grad = h.defer_weight_grad();
   if (is_pl) {
     const v1::PolicyLossOptions& p = h.policy();
     if (!(p.clip_low() > 0.0f && p.clip_low() < 1.0f) || !(p.clip_high() > 0.0f)) {

@@ -32,6 +32,7 @@ struct RequestPlan {
   v1::Reduction reduction = v1::REDUCTION_MEAN;  // ForwardBackward
   int64_t declared_valid_tokens = -1;            // REDUCTION_MEAN
   bool accumulate_weight_grad = false;           // ForwardBackward, PolicyLoss
+  bool defer_weight_grad = false;                // ...kept pending for CommitGrad
   bool partial = false;                          // one part of a request split over streams
   bool sends_ahead = false;                      // the client sends without waiting for answers
   // PolicyLoss

@@ -57,8 +57,12 @@ auto StreamedRequest::Timed(double RequestWork::*acc, F&& f) {
 
 grpc::Status StreamedRequest::Run() {
   grpc::Status g = Stages();
-  if (!g.ok() && marked_ != nullptr) g = RollBackGrad(g);
-  if (training_lock_.owns_lock()) training_lock_.unlock();
+  // A request that failed adds nothing to dW: its pending contribution goes (after the pipeline's
+  // last call into it has ended).
+  if (contribution_.id != 0) {
+    pipeline_.reset();
+    service_.EndContribution(*plan_->head, contribution_.id, LceService::ContributionEnd::kRelease).IgnoreError();
+  }
   return g;
 }
 
@@ -99,10 +103,9 @@ grpc::Status StreamedRequest::Admit() {
   seq_seen_.assign(static_cast<size_t>(num_seq_), 0);
   // Pipelined streams: calls and answers on threads of their own, on GPU engines where the client
   // sends ahead (a client waiting for an answer before it sends more would wait for ever on a server
-  // reading ahead), except PolicyLoss's (host work between its two calls) and those that accumulate
-  // the weight gradient (the training lock).
+  // reading ahead), except PolicyLoss's (host work between its two calls).
   pipelined_ = (config_.cuda_device >= 0 ? config_.pipeline_chunks : config_.pipeline_chunks_on_cpu) &&
-               plan_->sends_ahead && !is_pl_ && !plan_->accumulate_weight_grad;
+               plan_->sends_ahead && !is_pl_;
   // Answers leave from their own thread while the next chunk computes (two in flight at most); a
   // pipelined stream's finish thread writes them itself, a Call's handler into its response.
   writer_.emplace(stream_, 2, /*own_thread=*/!pipelined_ && !one_message_);
@@ -232,6 +235,16 @@ grpc::Status StreamedRequest::Prepare(InFlightChunk& c) {
     dh->resize(static_cast<size_t>(n * row_bytes_));
     c.grads.d_hidden = dh->data();
   }
+  if (plan_->accumulate_weight_grad) {
+    // dW goes into the request's own pending buffer, made at its first chunk.
+    if (contribution_.id == 0) {
+      absl::StatusOr<LceService::Contribution> made = service_.BeginContribution(*plan_->head);
+      if (!made.ok()) return ChunkError(c, made.status());
+      contribution_ = *made;
+    }
+    c.grads.d_weight = contribution_.d_weight;
+    c.grads.d_weight_pending = contribution_.id;
+  }
   // ValidateChunk checked every target: the engine need not check them again.
   c.view = RowsView{c.hidden, chunk.targets().data(), n, MemorySpace::kHost, /*targets_checked=*/true};
   // A GPU engine of one rank gets every chunk in device memory, copied on this stream's thread
@@ -321,11 +334,7 @@ grpc::Status StreamedRequest::Compute(InFlightChunk& c) {
   if (is_pl_) s = PolicyForward(c);
   if (s.ok()) {
     const RowOutputs second = is_pl_ ? RowOutputs{} : c.outs;
-    if (plan_->accumulate_weight_grad) {
-      absl::StatusOr<HeadTrainer*> trainer = AccumulatingTrainer();
-      if (trainer.ok()) c.grads.d_weight = (*trainer)->grad();
-      s = trainer.ok() ? CallEngine(c, op_, c.up, second, c.grads) : trainer.status();
-    } else if (Batchable(c)) {
+    if (Batchable(c)) {
       s = ComputeBatched(c);
     } else {
       s = CallEngine(c, op_, c.up, second, c.grads);
@@ -381,30 +390,6 @@ absl::Status StreamedRequest::ComputeBatched(InFlightChunk& c) {
     work_->engine_seconds += std::chrono::duration<double>(t.ended - t.launched).count();
   }
   return s;
-}
-
-// The head's trainer for a request that accumulates dW, with its gradient marked (and the lock on the
-// head's training state held) so that a failure can restore it: RollBackGrad.
-absl::StatusOr<HeadTrainer*> StreamedRequest::AccumulatingTrainer() {
-  if (marked_ != nullptr) return marked_;
-  if (!training_lock_.owns_lock()) training_lock_ = std::unique_lock<std::mutex>(plan_->head->training->mu);
-  absl::StatusOr<HeadTrainer*> trainer = service_.TrainerOf(*plan_->head);
-  if (!trainer.ok()) return trainer.status();
-  if (absl::Status s = (*trainer)->MarkGrad(); !s.ok()) return s;
-  marked_ = *trainer;
-  if (config_.tp_group != nullptr) {
-    if (absl::Status s = config_.tp_group->MarkGrad(plan_->head->name); !s.ok()) return s;
-  }
-  return marked_;
-}
-
-grpc::Status StreamedRequest::RollBackGrad(const grpc::Status& failed) {
-  absl::Status s = marked_->RollBackGrad();
-  if (s.ok() && config_.tp_group != nullptr) s = config_.tp_group->RollBackGrad(plan_->head->name);
-  if (s.ok()) return failed;
-  return grpc::Status(grpc::StatusCode::INTERNAL,
-                      absl::StrCat(failed.error_message(), "; and the head's accumulated gradient could not be restored "
-                                   "to what it was before this request (ZeroGrad before the next step): ", s.message()));
 }
 
 // PolicyLoss: the forward for logprob and entropy, the policy loss and its upstream gradients on
@@ -486,6 +471,7 @@ grpc::Status StreamedRequest::Finish() {
   }
   if (rows_seen_ == 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request has a header but no rows");
   if (grpc::Status g = CheckDeclaredCounts(); !g.ok()) return g;
+  if (grpc::Status g = EndContribution(); !g.ok()) return g;
   if (grpc::Status g = SendSummary(); !g.ok()) return g;
   bool drained = false;
   grpc::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read the last answers"), [&] {
@@ -518,6 +504,19 @@ grpc::Status StreamedRequest::CheckDeclaredCounts() const {
   return grpc::Status::OK;
 }
 
+// Every row computed and checked: the request's dW is added now, before its summary leaves (so a
+// client that reads the summary finds it in dW), or, deferred, waits for CommitGrad under the id
+// the summary carries. A failure after this adds nothing more and takes nothing back.
+grpc::Status StreamedRequest::EndContribution() {
+  if (contribution_.id == 0) return grpc::Status::OK;
+  const uint64_t id = contribution_.id;
+  contribution_ = {};
+  const auto end = plan_->defer_weight_grad ? LceService::ContributionEnd::kDefer : LceService::ContributionEnd::kCommit;
+  if (absl::Status s = service_.EndContribution(*plan_->head, id, end); !s.ok()) return ToGrpcStatus(s);
+  if (plan_->defer_weight_grad) deferred_id_ = id;
+  return grpc::Status::OK;
+}
+
 grpc::Status StreamedRequest::SendSummary() {
   if (!(is_fb_ || is_pl_)) return grpc::Status::OK;
   v1::StreamResponse resp;
@@ -525,6 +524,7 @@ grpc::Status StreamedRequest::SendSummary() {
   sum->set_rows(rows_seen_);
   sum->set_valid_tokens(valid_seen_);
   sum->set_head_version(plan_->head->version);
+  if (deferred_id_ != 0) sum->add_pending_grad_ids(deferred_id_);
   if (is_fb_) {
     // The mean's denominator is the declared count; for a whole request it equals valid_seen.
     const int64_t denom = plan_->partial ? plan_->declared_valid_tokens : valid_seen_;

@@ -37,8 +37,8 @@ class StreamedRequest {
   StreamedRequest(const StreamedRequest&) = delete;
   StreamedRequest& operator=(const StreamedRequest&) = delete;
 
-  // The whole request; its status is the RPC's. One that fails after it accumulated dW leaves dW
-  // as it found it (RollBackGrad).
+  // The whole request; its status is the RPC's. One that fails before its rows are done adds nothing
+  // to dW (its pending contribution is released).
   grpc::Status Run();
 
  private:
@@ -102,11 +102,8 @@ class StreamedRequest {
   grpc::Status CheckDeclaredCounts() const;
   grpc::Status SendSummary();
   grpc::Status ChunkError(const InFlightChunk& c, const absl::Status& s) const;
-  // The head's trainer, for a chunk that accumulates dW: at the first, the training lock is taken
-  // for the rest of the request and dW marked (on every rank) to roll back to if the request fails.
-  absl::StatusOr<HeadTrainer*> AccumulatingTrainer();
-  // Back to the mark; the request's status, with the rollback's failure added when there is one.
-  grpc::Status RollBackGrad(const grpc::Status& failed);
+  // The request's pending dW committed (or, deferred, handed to CommitGrad) once its rows are done.
+  grpc::Status EndContribution();
   // `f()`, its time added to the request log's `acc` when the request is accounted.
   template <typename F>
   auto Timed(double RequestWork::*acc, F&& f);
@@ -140,9 +137,10 @@ class StreamedRequest {
   std::vector<float> lp_buf_, ent_buf_, u_buf_, e_buf_, w_buf_;
   std::unique_ptr<bool[]> valid_buf_;
   InFlightChunk chunks_[2];
-  // AccumulatingTrainer's: the training lock, held to the request's end, and the marked trainer.
-  std::unique_lock<std::mutex> training_lock_;
-  HeadTrainer* marked_ = nullptr;
+  // A request that accumulates dW: its pending contribution while it runs (id 0: none), and the id
+  // it leaves for CommitGrad when deferred.
+  LceService::Contribution contribution_;
+  uint64_t deferred_id_ = 0;
   // The stream's last chunk once the client has sent it (-1 before): where no summary follows, its
   // answer goes with the status (a pipelined chunk is usually answered after the client is done).
   std::atomic<int64_t> last_chunk_{-1};

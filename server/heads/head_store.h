@@ -20,14 +20,16 @@
 #include "absl/time/time.h"
 #include "lce/engine.h"
 #include "lce/training.h"
+#include "pending_grads.h"
 
 namespace lce::server {
 
 // Training state of one head, shared by all its versions: this rank's HeadTrainer (dW and the AdamW
 // state of its shard, in the engine's memory), made at first use.
 struct HeadTraining {
-  std::mutex mu;  // held around every use of `trainer` and every engine call that accumulates dW
+  std::mutex mu;  // held around every use of `trainer` and `pending`
   std::unique_ptr<HeadTrainer> trainer;
+  PendingGrads pending;  // the contributions waiting in the trainer's pending buffers
 };
 
 struct ServedHead {

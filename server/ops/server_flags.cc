@@ -86,6 +86,10 @@ ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
           "listen address of the metrics endpoint");
 ABSL_FLAG(int64_t, max_concurrent_streams, 64,
           "streams served at once; more get RESOURCE_EXHAUSTED (0 = no limit)");
+ABSL_FLAG(int64_t, max_pending_grads, 4,
+          "weight-gradient contributions a head holds pending at once (being computed, or deferred and waiting for CommitGrad); each takes a dW-sized fp32 buffer; a new one past this drops the oldest deferred one");
+ABSL_FLAG(double, pending_grad_ttl_seconds, 600,
+          "how long a deferred weight-gradient contribution waits for CommitGrad before it is dropped");
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{16} << 30,
           "largest request, in bytes of hidden states (0 = no limit)");
 ABSL_FLAG(std::string, tls_cert, "",
@@ -185,6 +189,8 @@ const std::vector<std::string>& FlagNames() {
       "metrics_port",
       "metrics_host",
       "max_concurrent_streams",
+      "max_pending_grads",
+      "pending_grad_ttl_seconds",
       "max_request_bytes",
       "tls_cert",
       "tls_key",
@@ -390,6 +396,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   f.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   f.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   f.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  f.max_pending_grads = absl::GetFlag(FLAGS_max_pending_grads);
+  f.pending_grad_ttl_seconds = absl::GetFlag(FLAGS_pending_grad_ttl_seconds);
   f.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   f.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   f.tls_key = absl::GetFlag(FLAGS_tls_key);
@@ -428,6 +436,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError("--tp-size > 1 needs --tp-rendezvous=DIR");
   }
   if (absl::Status s = CheckDpFlags(f); !s.ok()) return s;
+  if (f.max_pending_grads < 1) return absl::InvalidArgumentError("--max-pending-grads must be >= 1");
+  if (!(f.pending_grad_ttl_seconds > 0)) return absl::InvalidArgumentError("--pending-grad-ttl-seconds must be > 0");
   if (f.batch_max_rows < 0) return absl::InvalidArgumentError("--batch-max-rows must be >= 0");
   if (f.batch_max_delay_us < 0 || f.batch_max_delay_us > 1000000) {
     return absl::InvalidArgumentError("--batch-max-delay-us must be in [0, 1000000]");

@@ -46,6 +46,8 @@ struct ServerFlags {
   int metrics_port{};  // -1: no metrics endpoint; 0: pick a free port
   std::string metrics_host;
   int64_t max_concurrent_streams{};
+  int64_t max_pending_grads{};
+  double pending_grad_ttl_seconds{};
   int64_t max_request_bytes{};
   std::string tls_cert, tls_key, tls_client_ca;
   std::string auth_token_file, admin_token_file;

@@ -43,7 +43,19 @@ ServiceMetrics::ServiceMetrics(metrics::Registry& r)
                                          "Time a batched request waited from its arrival to its batch's launch.",
                                          {"op"}, metrics::ExponentialBuckets(0.00001, 2, 18))),
       batch_fallbacks(r.AddCounter("lce_batch_fallbacks",
-                                   "Merged engine calls that failed and ran again one request at a time.", {"op"})) {}
+                                   "Merged engine calls that failed and ran again one request at a time.", {"op"})),
+      pending_grads(r.AddGauge("lce_pending_grads",
+                               "Weight-gradient contributions held pending (being computed or waiting for CommitGrad), "
+                               "all heads.")
+                        .WithLabels({})),
+      pending_grad_bytes(r.AddGauge("lce_pending_grad_bytes",
+                                    "Memory of this rank's pending weight-gradient buffers (and spares), all heads.")
+                             .WithLabels({})),
+      pending_grads_dropped(r.AddCounter("lce_pending_grads_dropped",
+                                         "Pending weight-gradient contributions freed without a commit, by reason "
+                                         "(released: failed request or discarded; expired; evicted; stale: the "
+                                         "weight changed).",
+                                         {"reason"})) {}
 
 void ServiceMetrics::Sample(const HeadStore& heads) {
   double weights = 0, workspace = 0;
@@ -53,6 +65,14 @@ void ServiceMetrics::Sample(const HeadStore& heads) {
     weights += static_cast<double>(m.weights_bytes);
     workspace += static_cast<double>(m.workspace_bytes);
   }
+  double pending = 0, pending_bytes = 0;
+  for (const auto& h : heads.List()) {
+    std::lock_guard<std::mutex> lock(h->training->mu);
+    pending += static_cast<double>(h->training->pending.size());
+    if (h->training->trainer != nullptr) pending_bytes += static_cast<double>(h->training->trainer->pending_bytes());
+  }
+  pending_grads.Set(pending);
+  pending_grad_bytes.Set(pending_bytes);
   memory.WithLabels({"weights"}).Set(weights);
   memory.WithLabels({"workspace"}).Set(workspace);
 }

@@ -38,6 +38,11 @@ class ServiceMetrics {
   metrics::Family<metrics::Histogram>& batch_requests;  // lce_batch_requests{op}
   metrics::Family<metrics::Histogram>& batch_queue_seconds;  // lce_batch_queue_seconds{op}
   metrics::Family<metrics::Counter>& batch_fallbacks;   // lce_batch_fallbacks_total{op}
+  // Pending weight-gradient contributions (docs/MATH.md, "When dW is committed"): held now, the
+  // memory their buffers take, and those freed without a commit, by why.
+  metrics::Gauge& pending_grads;                        // lce_pending_grads
+  metrics::Gauge& pending_grad_bytes;                   // lce_pending_grad_bytes
+  metrics::Family<metrics::Counter>& pending_grads_dropped;  // lce_pending_grads_dropped_total{reason}
 
   // Refreshes the sampled gauges (head versions, engine memory) from the head store.
   void Sample(const HeadStore& heads);

@@ -11,11 +11,11 @@
 
 namespace lce::server {
 
-enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kSave, kLoad, kUpdate, kMarkGrad, kRollBackGrad };
+enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kSave, kLoad, kUpdate, kCommitPending, kReleasePending };
 
 namespace {
 
-constexpr uint32_t kMagic = 0x4c434532;  // "LCE2": this layout of the control block
+constexpr uint32_t kMagic = 0x4c434533;  // "LCE3": this layout of the control block
 enum Flags : uint32_t { kGradLoss = 1, kGradLogprob = 2, kGradEntropy = 4, kAccumulateWeightGrad = 8 };
 enum Slot : int { kControl, kHidden, kTargets, kGradLossSlot, kGradLogprobSlot, kGradEntropySlot,
                   kOutLogprob, kOutEntropy, kOutLse, kOutLoss, kOutDHidden, kScalars, kPiece };
@@ -36,6 +36,10 @@ struct TpControl {
   float temperature = 1, softcap = 0, label_smoothing = 0, z_loss = 0;
   int32_t ignore_index = -100;
   uint32_t allow_tf32 = 0;
+  // kCompute with kAccumulateWeightGrad, kCommitPending, kReleasePending: the pending contribution
+  // (HeadTrainer::AcquirePending; 0: dW itself), and kCommitPending's scale
+  uint64_t pending = 0;
+  float scale = 1;
   // kStep
   float lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, max_grad_norm = 0;
   // kLoad: the source
@@ -210,6 +214,7 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   c.mode = static_cast<uint32_t>(up.mode);
   c.flags = (up.grad_loss ? kGradLoss : 0) | (up.grad_logprob ? kGradLogprob : 0) | (up.grad_entropy ? kGradEntropy : 0) |
             (grads.d_weight ? kAccumulateWeightGrad : 0);
+  c.pending = grads.d_weight_pending;
   c.temperature = o.temperature;
   c.softcap = o.softcap;
   c.label_smoothing = o.label_smoothing;
@@ -276,13 +281,19 @@ absl::Status TpGroup::StopPeers() {
 }
 
 absl::Status TpGroup::ZeroGrad(const std::string& head) { return GradOp(head, TpOp::kZeroGrad); }
-absl::Status TpGroup::MarkGrad(const std::string& head) { return GradOp(head, TpOp::kMarkGrad); }
-absl::Status TpGroup::RollBackGrad(const std::string& head) { return GradOp(head, TpOp::kRollBackGrad); }
+absl::Status TpGroup::CommitPending(const std::string& head, uint64_t id, float scale) {
+  return GradOp(head, TpOp::kCommitPending, id, scale);
+}
+absl::Status TpGroup::ReleasePending(const std::string& head, uint64_t id) {
+  return GradOp(head, TpOp::kReleasePending, id);
+}
 
-absl::Status TpGroup::GradOp(const std::string& head, TpOp op) {
+absl::Status TpGroup::GradOp(const std::string& head, TpOp op, uint64_t pending, float scale) {
   return Locked<absl::Status>([&]() -> absl::Status {
     TpControl c;
     c.op = op;
+    c.pending = pending;
+    c.scale = scale;
     if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
     return ShareControl(*comm_, *staging_, c, true);
   });
@@ -433,8 +444,8 @@ class TpPeer {
     switch (c.op) {
       case TpOp::kCompute: return OnCompute(c);
       case TpOp::kZeroGrad: return OnZeroGrad(c);
-      case TpOp::kMarkGrad: return OnMarkGrad(c);
-      case TpOp::kRollBackGrad: return OnRollBackGrad(c);
+      case TpOp::kCommitPending: return OnCommitPending(c);
+      case TpOp::kReleasePending: return OnReleasePending(c);
       case TpOp::kStep: return OnStep(c);
       case TpOp::kGetGrad: return OnGetGrad(c);
       case TpOp::kSave: return OnSave(c);
@@ -462,17 +473,20 @@ class TpPeer {
     if (!h.ok()) return h.status();
     return (*h)->trainer != nullptr ? (*h)->trainer->ZeroGrad() : absl::OkStatus();
   }
-  // A rank that cannot mark (or roll back) its dW would break the request's promise: it leaves.
-  absl::Status OnMarkGrad(const TpControl& c) {
+  // A rank that cannot commit its share of a contribution would leave dW's shards disagreeing: it
+  // leaves the group. A rank without a trainer never held the contribution (it failed its compute).
+  absl::Status OnCommitPending(const TpControl& c) {
     absl::StatusOr<Head*> h = Find(c);
     if (!h.ok()) return h.status();
-    absl::StatusOr<HeadTrainer*> t = Trainer(**h);
-    return t.ok() ? (*t)->MarkGrad() : t.status();
+    if ((*h)->trainer == nullptr) return absl::OkStatus();
+    absl::Status s = (*h)->trainer->CommitPending(c.pending, c.scale);
+    return s.code() == absl::StatusCode::kNotFound ? absl::OkStatus() : s;
   }
-  absl::Status OnRollBackGrad(const TpControl& c) {
+  absl::Status OnReleasePending(const TpControl& c) {
     absl::StatusOr<Head*> h = Find(c);
     if (!h.ok()) return h.status();
-    return (*h)->trainer != nullptr ? (*h)->trainer->RollBackGrad() : absl::OkStatus();
+    if ((*h)->trainer != nullptr) (*h)->trainer->ReleasePending(c.pending);
+    return absl::OkStatus();
   }
   absl::Status OnStep(const TpControl& c);
   absl::Status OnGetGrad(const TpControl& c);
@@ -523,7 +537,10 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
   if (c.flags & kAccumulateWeightGrad) {
     absl::StatusOr<HeadTrainer*> t = Trainer(head);
     if (!t.ok()) return t.status();  // this rank's dW would be missing: leave the group
-    grads.d_weight = (*t)->grad();
+    absl::StatusOr<float*> d_weight = c.pending != 0 ? (*t)->AcquirePending(c.pending) : (*t)->grad();
+    if (!d_weight.ok()) return d_weight.status();
+    grads.d_weight = *d_weight;
+    grads.d_weight_pending = c.pending;
   }
   if (up.mode != GradMode::kNone) {
     // The d_hidden all-reduce inside the engine needs every rank; the front keeps the result.

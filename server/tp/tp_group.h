@@ -81,11 +81,12 @@ class TpGroup {
   // Tells the peers to exit their loops. Call once, when the front shuts down.
   absl::Status StopPeers();
 
-  // Zeroes the peers' dW of `head` (the front zeroes its own); MarkGrad and RollBackGrad do the
-  // trainer's (lce/training.h) on the peers.
+  // Zeroes the peers' dW of `head` (the front zeroes its own); CommitPending and ReleasePending do
+  // the trainer's (lce/training.h) on the peers, whose pending buffers Compute filled under the same
+  // id (GradOutputs::d_weight_pending).
   absl::Status ZeroGrad(const std::string& head);
-  absl::Status MarkGrad(const std::string& head);
-  absl::Status RollBackGrad(const std::string& head);
+  absl::Status CommitPending(const std::string& head, uint64_t id, float scale);
+  absl::Status ReleasePending(const std::string& head, uint64_t id);
   // StepShard on every rank; `version` is the head's new version; `dp`: the front's, when replicas.
   absl::StatusOr<ShardStep> Step(const std::string& head, int64_t version, int64_t vocab_size,
                                  absl::StatusOr<HeadTrainer*> front, const AdamWParams& params, float max_grad_norm,
@@ -115,8 +116,8 @@ class TpGroup {
   absl::Status ComputeLocked(const std::string& head, int64_t version, LceEngine& local, const RowsView& rows,
                              const LceOptions& o, const Upstream& up, const RowOutputs& outputs, const GradOutputs& grads);
   absl::Status Fail(absl::Status s);
-  // An operation on the peers' dW of `head` (ZeroGrad, MarkGrad, RollBackGrad).
-  absl::Status GradOp(const std::string& head, TpOp op);
+  // An operation on the peers' dW of `head` (ZeroGrad, CommitPending, ReleasePending).
+  absl::Status GradOp(const std::string& head, TpOp op, uint64_t pending = 0, float scale = 1);
 
   TpCommunicator* comm_;
   std::unique_ptr<ChunkStaging> staging_;

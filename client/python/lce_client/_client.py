@@ -115,6 +115,9 @@ class ForwardBackwardResult:
     head_version: int
     logprobs: Any = None
     entropy: Any = None
+    # defer_weight_grad: the ids of the request's pending dW contributions (one a stream), for
+    # Client.commit_grad.
+    pending_grads: Tuple[int, ...] = ()
 
 
 @dataclass
@@ -130,6 +133,7 @@ class PolicyLossResult:
     mean_ratio: float
     mean_kl: float
     head_version: int
+    pending_grads: Tuple[int, ...] = ()
 
 
 _REDUCTIONS = {"none": pb.REDUCTION_NONE, "sum": pb.REDUCTION_SUM, "mean": pb.REDUCTION_MEAN}
@@ -473,6 +477,18 @@ class Client:
     def zero_grad(self, head: Optional[str] = None) -> None:
         self._unary("ZeroGrad", pb.ZeroGradRequest(head=self._head(head)))
 
+    def commit_grad(self, pending_grads, scale: float = 1.0, head: Optional[str] = None,
+                    discard: bool = False) -> None:
+        """Adds the pending dW contributions `pending_grads` (ids from a deferred call's result) to the
+        head's gradient, times `scale` (the upstream gradient of the call's reduced loss); or drops
+        them (discard=True). Each id is committed once; an unknown, expired or stale one raises."""
+        ids = [pending_grads] if isinstance(pending_grads, int) else list(pending_grads)
+        for i in ids:
+            req = pb.CommitGradRequest(head=self._head(head), pending_grad_id=int(i), discard=discard)
+            if not discard:
+                req.scale = float(scale)
+            self._unary("CommitGrad", req, self._front.stub)
+
     def get_grad(self, head: Optional[str] = None) -> np.ndarray:
         """The head's accumulated fp32 gradient dW [vocab, hidden] as numpy."""
         out = None
@@ -554,7 +570,7 @@ class Client:
                          label_smoothing: float = 0.0, z_loss: float = 0.0, temperature: float = 1.0,
                          softcap: Optional[float] = None, grad_loss=None, *, head: Optional[str] = None,
                          head_version: int = 0, accumulate_weight_grad: bool = False,
-                         return_logprobs: bool = False, return_entropy: bool = False, allow_tf32: bool = False,
+                         defer_weight_grad: bool = False, return_logprobs: bool = False, return_entropy: bool = False, allow_tf32: bool = False,
                          dtype=None, progress: Optional[ProgressFn] = None,
                          tqdm: Union[bool, dict] = False, hidden_region: Optional[Region] = None,
                          d_hidden_region: Optional[Region] = None, d_hidden_offset: int = 0,
@@ -563,7 +579,12 @@ class Client:
         call; the client declares their count to the server), "sum", or "none" (with optional per-row
         upstream gradients `grad_loss`: d_hidden is then the gradient of sum_i grad_loss_i * loss_i).
         hidden_region / d_hidden_region (+ d_hidden_offset): co-located, as in score(); d_hidden is
-        written in place into d_hidden_region at d_hidden_offset and returned as a view of it."""
+        written in place into d_hidden_region at d_hidden_offset and returned as a view of it.
+        accumulate_weight_grad: also add the loss's dW to the head's gradient when the call succeeds;
+        with defer_weight_grad, keep it pending instead (result.pending_grads) until commit_grad adds it
+        scaled by the upstream gradient the loss receives, or discards it (docs/MATH.md)."""
+        if defer_weight_grad and not accumulate_weight_grad:
+            raise ValueError("defer_weight_grad needs accumulate_weight_grad=True")
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
         if grad_loss is not None and reduction != "none":
@@ -580,6 +601,7 @@ class Client:
         hdr.label_smoothing = label_smoothing
         hdr.z_loss = z_loss
         hdr.accumulate_weight_grad = accumulate_weight_grad
+        hdr.defer_weight_grad = defer_weight_grad
         valid = int(np.count_nonzero(t != ignore_index)) if reduction == "mean" else None
         if reduction == "mean":
             hdr.num_valid_tokens = valid
@@ -598,6 +620,7 @@ class Client:
                 valid_tokens=int(s.valid_tokens), rows=int(s.rows), head_version=int(s.head_version),
                 logprobs=A.to_caller_rows(res["logprobs"], h) if return_logprobs else None,
                 entropy=A.to_caller_rows(res["entropy"], h) if return_entropy else None,
+                pending_grads=tuple(int(i) for i in s.pending_grad_ids),
             )
 
         return self._run("ForwardBackward", h, t, hdr, per_row, finish, want_dhidden=True, progress=progress,
@@ -629,14 +652,18 @@ class Client:
                     aggregation: str = "token-mean", entropy_coef: float = 0.0, kl_coef: float = 0.0,
                     kl_estimator: str = "k1", temperature: float = 1.0, softcap: Optional[float] = None,
                     ignore_index: int = -100, head: Optional[str] = None, head_version: int = 0,
-                    accumulate_weight_grad: bool = False, allow_tf32: bool = False, dtype=None,
+                    accumulate_weight_grad: bool = False, defer_weight_grad: bool = False,
+                    allow_tf32: bool = False, dtype=None,
                     progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
                     hidden_region: Optional[Region] = None, d_hidden_region: Optional[Region] = None,
                     d_hidden_offset: int = 0, streams: Optional[int] = None) -> PolicyLossResult:
         """Fused PPO/GRPO policy loss and its d_hidden (docs/MATH.md, "Policy loss").
 
         sequence_ids: per row, the row's sequence (default: for [B, T] hidden states, the batch index;
-        otherwise one sequence). The client fills in each sequence's valid-token count."""
+        otherwise one sequence). The client fills in each sequence's valid-token count.
+        accumulate_weight_grad / defer_weight_grad: as in forward_backward."""
+        if defer_weight_grad and not accumulate_weight_grad:
+            raise ValueError("defer_weight_grad needs accumulate_weight_grad=True")
         if aggregation not in _AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {sorted(_AGGREGATIONS)}")
         if kl_estimator not in _KL:
@@ -657,6 +684,7 @@ class Client:
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index,
                            [pb.OUTPUT_LOGPROBS, pb.OUTPUT_ENTROPY], allow_tf32)
         hdr.accumulate_weight_grad = accumulate_weight_grad
+        hdr.defer_weight_grad = defer_weight_grad
         hdr.policy.CopyFrom(pb.PolicyLossOptions(
             clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, aggregation=_AGGREGATIONS[aggregation],
             entropy_coef=entropy_coef, kl_coef=kl_coef, kl_estimator=_KL[kl_estimator],
@@ -677,7 +705,7 @@ class Client:
                 logprobs=A.to_caller_rows(res["logprobs"], h), entropy=A.to_caller_rows(res["entropy"], h),
                 valid_tokens=int(s.valid_tokens), clip_fraction=s.clip_fraction, approx_kl=s.approx_kl,
                 mean_entropy=s.mean_entropy, mean_ratio=s.mean_ratio, mean_kl=s.mean_kl,
-                head_version=int(s.head_version))
+                head_version=int(s.head_version), pending_grads=tuple(int(i) for i in s.pending_grad_ids))
 
         return self._run("PolicyLoss", h, t, hdr, per_row, finish, want_dhidden=True, progress=progress,
                          use_tqdm=tqdm, hidden_region=hidden_region, d_hidden_region=d_hidden_region,
@@ -1236,7 +1264,8 @@ def _combine_summaries(rpc: str, parts, summaries, expect_valid: Optional[int]) 
                        f"the parts of the split request ran on different head versions {versions} (the head was "
                        "updated meanwhile); pin head_version or retry", rpc)
     out = pb.RequestSummary(rows=sum(int(s.rows) for s in summaries), valid_tokens=total,
-                            loss=math.fsum(s.loss for s in summaries), head_version=versions[0])
+                            loss=math.fsum(s.loss for s in summaries), head_version=versions[0],
+                            pending_grad_ids=[i for s in summaries for i in s.pending_grad_ids])
     if rpc == "PolicyLoss":
         for name in _POLICY_STATS:
             val = math.fsum(getattr(s, name) * v for s, v in zip(summaries, valid)) / total if total else 0.0

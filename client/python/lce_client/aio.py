@@ -305,7 +305,7 @@ def _on_a_thread(name: str):
 
 # The calls other than the four computations: rare (administration, training steps), so the sync
 # client's, on a worker thread, keep one implementation of each.
-for _name in ("wait_ready", "info", "replica_info", "describe", "head_info", "zero_grad", "get_grad",
+for _name in ("wait_ready", "info", "replica_info", "describe", "head_info", "zero_grad", "commit_grad", "get_grad",
               "optimizer_step", "update_weights", "save_head"):
     setattr(Client, _name, _on_a_thread(_name))
 

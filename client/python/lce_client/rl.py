@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._client import Client
-from .torch import _wire_hidden, get_default_client, remote_logprobs
+from .torch import PendingWeightGrad, _anchor, _trains_head, _wire_hidden, get_default_client, remote_logprobs
 
 __all__ = ["linear_cross_entropy", "set_head", "per_token_logps", "remote_policy_loss", "PolicyLossStats"]
 
@@ -131,21 +131,37 @@ class PolicyLossStats(dict):
 
 class _RemotePolicyLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, targets, client, kw, stats):
+    def forward(ctx, hidden, targets, anchor, client, kw, stats):
         wire = _wire_hidden(client, hidden, kw.get("head"), True)
-        r = client.policy_loss(wire, targets, **kw)
+        trains = kw.pop("_trains")
+        r = client.policy_loss(wire, targets, **dict(kw, accumulate_weight_grad=trains, defer_weight_grad=trains))
         ctx.d_hidden, ctx.hidden_dtype = r.d_hidden, hidden.dtype
+        ctx.client, ctx.kw, ctx.pending = client, kw, (PendingWeightGrad(client, kw.get("head"), r.pending_grads)
+                                                       if trains else None)
+        if trains:
+            ctx.save_for_backward(hidden, targets)
         stats.update(clip_fraction=r.clip_fraction, approx_kl=r.approx_kl, mean_entropy=r.mean_entropy,
                      mean_ratio=r.mean_ratio, mean_kl=r.mean_kl, valid_tokens=r.valid_tokens,
                      head_version=r.head_version, logprobs=r.logprobs, entropy=r.entropy)
         return torch.tensor(r.loss, dtype=torch.float32, device=hidden.device)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        scale = float(grad_out)
+        if ctx.pending is not None:
+            if not ctx.pending.open:
+                # A second backward of a retained graph: the same contribution again, made anew.
+                hidden, targets = ctx.saved_tensors
+                wire = _wire_hidden(ctx.client, hidden, ctx.kw.get("head"), True)
+                r = ctx.client.policy_loss(wire, targets, **dict(ctx.kw, accumulate_weight_grad=True,
+                                                                  defer_weight_grad=True))
+                ctx.pending = PendingWeightGrad(ctx.client, ctx.kw.get("head"), r.pending_grads)
+            ctx.pending.commit(scale)
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None
         d = ctx.d_hidden
         g = grad_out.to(device=d.device, dtype=torch.float32)
-        return (d.to(torch.float32) * g).to(ctx.hidden_dtype), None, None, None, None
+        return (d.to(torch.float32) * g).to(ctx.hidden_dtype), None, None, None, None, None
 
 
 def remote_policy_loss(hidden: torch.Tensor, targets: torch.Tensor, old_logprobs, advantages,
@@ -153,9 +169,13 @@ def remote_policy_loss(hidden: torch.Tensor, targets: torch.Tensor, old_logprobs
     """The fused PPO / GRPO policy loss of Client.policy_loss (same keywords: ref_logprobs, sequence_ids,
     clip_low, clip_high, aggregation, entropy_coef, kl_coef, kl_estimator, temperature, softcap, head,
     accumulate_weight_grad, ...) as (loss, stats): the loss is a differentiable scalar whose backward
-    returns the server's d_hidden (one PolicyLoss round trip in all)."""
+    returns the server's d_hidden (one PolicyLoss round trip in all). accumulate_weight_grad: the head's
+    dW is held pending and added, times the loss's upstream gradient, by the backward; nothing under
+    no_grad (see lce_client.torch.remote_linear_cross_entropy)."""
     client = client or get_default_client()
     stats = PolicyLossStats()
-    loss = _RemotePolicyLoss.apply(hidden, targets, client, dict(kw, old_logprobs=old_logprobs,
-                                                                  advantages=advantages), stats)
+    trains = _trains_head(kw.pop("accumulate_weight_grad", False))
+    kw.pop("defer_weight_grad", None)
+    loss = _RemotePolicyLoss.apply(hidden, targets, _anchor(trains), client,
+                                   dict(kw, old_logprobs=old_logprobs, advantages=advantages, _trains=trains), stats)
     return loss, stats

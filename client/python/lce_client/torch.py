@@ -86,22 +86,76 @@ def _wire_hidden(client: Client, hidden: torch.Tensor, head: Optional[str], cast
     return hidden.detach().to(want)
 
 
+class PendingWeightGrad:
+    """A forward's weight-gradient contribution held pending on the server (ids of one call's streams),
+    committed once by the first backward that reaches it, with autograd's upstream gradient, and
+    discarded when its graph is freed without a backward (a dropped loss, an evaluation forward run
+    with grad enabled). Later backwards of a retained graph recompute (see _commit_or_recompute)."""
+
+    def __init__(self, client: Client, head: Optional[str], ids):
+        self.client, self.head, self.ids = client, head, tuple(ids)
+        self.open = bool(self.ids)
+
+    def commit(self, scale: float) -> None:
+        self.open = False
+        if scale == 0.0:
+            self.client.commit_grad(self.ids, head=self.head, discard=True)
+        else:
+            self.client.commit_grad(self.ids, scale=scale, head=self.head)
+
+    def discard(self) -> None:
+        if self.open:
+            self.open = False
+            try:
+                self.client.commit_grad(self.ids, head=self.head, discard=True)
+            except Exception:  # the server expires it anyway (--pending-grad-ttl-seconds)
+                pass
+
+    def __del__(self):
+        self.discard()
+
+
+def _trains_head(accumulate_weight_grad: bool) -> bool:
+    """A forward adds to the head's dW only where a backward can follow: grad mode on (not no_grad,
+    not inference_mode)."""
+    return accumulate_weight_grad and torch.is_grad_enabled()
+
+
+def _anchor(trains: bool):
+    """A tensor that requires grad, as an extra input of a head-training op: autograd then calls its
+    backward (which commits dW) even when the hidden states are detached (a frozen body)."""
+    return torch.empty(0, requires_grad=True) if trains else None
+
+
+def _uniform(g: torch.Tensor) -> Optional[float]:
+    """The one value of a per-token upstream gradient when all its elements are equal (a sum or mean
+    of a reduction="none" loss), else None."""
+    flat = g.detach().reshape(-1)
+    if flat.numel() == 0:
+        return 0.0
+    first = flat[0]
+    return float(first) if bool((flat == first).all()) else None
+
+
 class _RemoteLCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, targets, client, opts):
+    def forward(ctx, hidden, targets, anchor, client, opts):
         wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
         divisor = opts["divisor"]
+        trains = opts["trains"]
         # With a divisor: the sum's per-row upstream gradient 1 / divisor goes to the server (as grad_loss of
-        # reduction "none"), so that d_hidden and an accumulated dW are those of sum / divisor.
+        # reduction "none"), so that d_hidden and a pending dW are those of sum / divisor.
         res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.forward_backward(
             w, targets, reduction="none" if divisor is not None else opts["reduction"],
             ignore_index=opts["ignore_index"], label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"],
             temperature=opts["temperature"], softcap=opts["softcap"], head=opts["head"],
             grad_loss=torch.full(tuple(targets.shape), 1.0 / divisor) if divisor is not None else None,
-            accumulate_weight_grad=opts["accumulate_weight_grad"], **kw))
+            accumulate_weight_grad=trains, defer_weight_grad=trains, **kw))
         ctx.client, ctx.opts, ctx.hidden_dtype = client, opts, hidden.dtype
         ctx.d_hidden = res.d_hidden  # gradient for grad_output == 1 (per row for "none")
-        if opts["backward_mode"] == "rpc":
+        ctx.pending = PendingWeightGrad(client, opts["head"], res.pending_grads) if trains else None
+        ctx.valid_tokens = res.valid_tokens
+        if opts["backward_mode"] == "rpc" or trains:
             ctx.save_for_backward(hidden, targets)
         if opts["reduction"] == "none":
             return res.per_token_loss.to(hidden.device)
@@ -111,25 +165,47 @@ class _RemoteLCE(torch.autograd.Function):
         return torch.tensor(res.loss, dtype=torch.float32, device=hidden.device)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None
         opts = ctx.opts
-        if opts["backward_mode"] == "rpc":
-            hidden, targets = ctx.saved_tensors
-            wire = _wire_hidden(ctx.client, hidden, opts["head"], opts["cast"])
-            res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: ctx.client.forward_backward(
-                w, targets, reduction="none", ignore_index=opts["ignore_index"],
-                label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"], temperature=opts["temperature"],
-                softcap=opts["softcap"], head=opts["head"], grad_loss=grad_out, **kw))
-            return res.d_hidden.to(ctx.hidden_dtype), None, None, None
+        per_token = opts["reduction"] == "none"
+        scalar = _uniform(grad_out) if per_token else float(grad_out)
+        if opts["backward_mode"] == "rpc" or (ctx.pending is not None and (scalar is None or not ctx.pending.open)):
+            # Per-token upstream gradients, or a second backward of a retained graph: the server computes
+            # d_hidden and (training the head) dW again with them.
+            d = _recompute(ctx, grad_out)
+            return d, None, None, None, None
+        if ctx.pending is not None:
+            ctx.pending.commit(scalar)
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
         d = ctx.d_hidden
-        if opts["reduction"] == "none":
-            g = grad_out.to(device=d.device, dtype=torch.float32).unsqueeze(-1)
-        else:
-            g = grad_out.to(device=d.device, dtype=torch.float32)
-        return (d.to(torch.float32) * g).to(ctx.hidden_dtype), None, None, None
+        g = grad_out.to(device=d.device, dtype=torch.float32)
+        if per_token:
+            g = g.unsqueeze(-1)
+        return (d.to(torch.float32) * g).to(ctx.hidden_dtype), None, None, None, None
+
+
+def _recompute(ctx, grad_out):
+    """d_hidden (and, training the head, dW added at once) of sum_i g_i * loss_i with autograd's per-row
+    upstream gradients g_i, from a second ForwardBackward; the forward's pending dW is discarded."""
+    opts, client = ctx.opts, ctx.client
+    hidden, targets = ctx.saved_tensors
+    if ctx.pending is not None:
+        ctx.pending.discard()
+    g = grad_out.detach().to("cpu", torch.float32)
+    if opts["reduction"] != "none":
+        valid = (targets != opts["ignore_index"]).to("cpu")
+        per_row = 1.0 / opts["divisor"] if opts["divisor"] is not None else (
+            1.0 / max(ctx.valid_tokens, 1) if opts["reduction"] == "mean" else 1.0)
+        g = torch.where(valid, g * per_row, torch.zeros((), dtype=torch.float32)).to(torch.float32)
+    wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
+    res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.forward_backward(
+        w, targets, reduction="none", ignore_index=opts["ignore_index"], label_smoothing=opts["label_smoothing"],
+        z_loss=opts["z_loss"], temperature=opts["temperature"], softcap=opts["softcap"], head=opts["head"],
+        grad_loss=g.expand(tuple(targets.shape)).contiguous(), accumulate_weight_grad=ctx.pending is not None, **kw))
+    if not ctx.needs_input_grad[0]:
+        return None
+    return res.d_hidden.to(ctx.hidden_dtype)
 
 
 def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, client: Optional[Client] = None, *,
@@ -140,7 +216,13 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
                                 divisor: Optional[float] = None) -> torch.Tensor:
     """Functional form of RemoteLinearCrossEntropy. divisor (reduction "sum" only): the loss is the sum
     divided by it (Hugging Face's num_items_in_batch: the valid tokens of a whole accumulated batch), and
-    d_hidden and an accumulated dW are those of the quotient."""
+    d_hidden and an accumulated dW are those of the quotient.
+
+    accumulate_weight_grad: train the head on the server with autograd's gradient. The forward's dW is
+    held pending on the server and added when the backward runs, scaled by the upstream gradient the
+    loss receives (loss / k, weighted sums, a per-token grad_output of reduction "none": the latter
+    recomputes); a forward under no_grad / inference_mode adds nothing, and one whose loss is dropped
+    without a backward is discarded (docs/MATH.md, "When dW is committed")."""
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be none, sum or mean, got {reduction!r}")
     if divisor is not None and (reduction != "sum" or not divisor > 0):
@@ -150,11 +232,12 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
     if backward_mode == "rpc" and reduction != "none":
         raise ValueError("backward_mode='rpc' applies to reduction='none' (sum and mean scale by a scalar)")
     client = client or get_default_client()
+    trains = _trains_head(accumulate_weight_grad)
     opts = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                temperature=temperature, softcap=softcap, head=head, cast=cast,
-                accumulate_weight_grad=accumulate_weight_grad, backward_mode=backward_mode, cuda_session=cuda_session,
+                temperature=temperature, softcap=softcap, head=head, cast=cast, trains=trains,
+                backward_mode=backward_mode, cuda_session=cuda_session,
                 divisor=None if divisor is None else float(divisor))
-    return _RemoteLCE.apply(hidden, targets, client, opts)
+    return _RemoteLCE.apply(hidden, targets, _anchor(trains), client, opts)
 
 
 class RemoteLinearCrossEntropy(torch.nn.Module):
@@ -163,7 +246,8 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
 
     reduction: "mean" (over non-ignored rows), "sum" or "none" (per-row loss, shaped like targets).
     label_smoothing, z_loss, temperature, softcap: as in docs/MATH.md. head: head name on the server.
-    accumulate_weight_grad: also accumulate dW on the server (for OptimizerStep).
+    accumulate_weight_grad: train the head on the server: the backward adds autograd's dW to the head's
+    gradient (for OptimizerStep); see remote_linear_cross_entropy.
     cuda_session: a shared-memory session of the same server (CUDA backend, same host): CUDA hidden
     states and d_hidden then stay on the GPU (CUDA IPC regions), see the module docstring.
     See the module docstring for how the backward gets d_hidden (one RPC per forward by default).

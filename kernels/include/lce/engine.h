@@ -69,6 +69,9 @@ struct RowOutputs {
 struct GradOutputs {
   void* d_hidden = nullptr;   // [rows, hidden_size] in the head's dtype (overwritten)
   float* d_weight = nullptr;  // [shard_rows, hidden_size] fp32, ACCUMULATED into (+=)
+  // The trainer's pending contribution d_weight belongs to (HeadTrainer::AcquirePending), for
+  // engines that pass the call on to a group's other ranks, which accumulate into theirs.
+  uint64_t d_weight_pending = 0;
 };
 
 // The per-row outputs ("logprob", "entropy", "lse", "loss", "d_hidden", "d_weight") whose bits do

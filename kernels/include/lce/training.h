@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -69,19 +70,33 @@ double CombineTileSquaredNorms(const float* exchange, int64_t tiles);
 // Builds the engine of a new weight (the CPU trainer's next version).
 using EngineMaker = std::function<absl::StatusOr<std::shared_ptr<LceEngine>>(std::shared_ptr<const HeadWeights>)>;
 
+// A dW-sized fp32 buffer in a trainer's memory (host or device), freed when destroyed.
+class GradBuffer {
+ public:
+  virtual ~GradBuffer() = default;
+  virtual float* data() = 0;
+};
+
 // The gradient dW and the AdamW state of one head shard, kept where the shard's engine computes: host
 // memory for the CPU engine, device memory for the CUDA engine (dW accumulated in place on the GPU,
 // the step a kernel). Both do the same fp32 math (AdamWStep). Not thread-safe: the caller serialises
-// every call, and the engine calls that accumulate into grad(). The master weights and moments are
-// made at the first step, from the current weight.
+// every call here. The master weights and moments are made at the first step, from the current weight.
+//
+// Requests never accumulate into dW itself: each gets a pending buffer of its own (AcquirePending),
+// and its contribution reaches dW only when committed with the upstream gradient's scale
+// (docs/MATH.md, "When dW is committed"). A request that fails, a forward that is never
+// backpropagated, a contribution that expires: its buffer is released and dW is untouched.
 class HeadTrainer {
  public:
   virtual ~HeadTrainer() = default;
   // "cpu" or "cuda".
   virtual std::string_view backend() const = 0;
-  // dW [shard_rows, hidden] fp32, for GradOutputs.d_weight of engine calls whose rows live in
-  // grad_space() (device rows for the CUDA engine).
-  virtual float* grad() = 0;
+  // dW [shard_rows, hidden] fp32, in grad_space(). A caller may write through it (a data-parallel
+  // all-reduce), so dW is no longer known to be zero afterwards.
+  float* grad() {
+    grad_zero_ = false;
+    return grad_->data();
+  }
   virtual MemorySpace grad_space() const = 0;
   int64_t grad_elements() const { return shape_.shard_rows * shape_.hidden_size; }
   // The cudaStream_t grad() is ordered on (null on the host), for collectives over it (e.g. a
@@ -90,13 +105,24 @@ class HeadTrainer {
   const HeadShape& shape() const { return shape_; }
   int64_t steps() const { return steps_; }
 
-  virtual absl::Status ZeroGrad() = 0;
-  // Undoing a request's contributions to dW (a failed or cancelled request leaves dW exactly as
-  // before it): MarkGrad copies dW aside (into a second dW-sized buffer, made at the first call),
-  // RollBackGrad copies it back. The server marks at a request's first dW and holds the training
-  // lock until the request ends, so no other change to dW comes between.
-  virtual absl::Status MarkGrad() = 0;
-  virtual absl::Status RollBackGrad() = 0;
+  absl::Status ZeroGrad();
+
+  // The pending buffer of contribution `id` (> 0), for GradOutputs::d_weight of the engine calls of
+  // one request: all zeros when first handed out, the same buffer for the same id after that. A
+  // freed buffer is kept for the next contribution (one spare), so a loop of forwards and backwards
+  // allocates nothing. RESOURCE_EXHAUSTED when the memory is not there.
+  absl::StatusOr<float*> AcquirePending(uint64_t id);
+  // dW += scale × pending(id), in fp32, then the buffer is freed. Into a dW known to be zero with
+  // scale 1 the buffer becomes dW (no pass over memory); scale 0 adds nothing. NOT_FOUND: no such id.
+  absl::Status CommitPending(uint64_t id, float scale);
+  // Frees pending(id) without touching dW; an unknown id is a no-op.
+  void ReleasePending(uint64_t id);
+  int64_t pending_count() const { return static_cast<int64_t>(pending_.size()); }
+  // Memory held by pending buffers and the spare.
+  int64_t pending_bytes() const {
+    return (pending_count() + (spare_ != nullptr ? 1 : 0)) * grad_elements() * static_cast<int64_t>(sizeof(float));
+  }
+
   // Σ dW² of each tile of this shard, in float64, in a fixed order (the CPU's and the GPU's differ).
   virtual absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() = 0;
   // ‖dW‖² of this shard as a group combines the tiles (a head of one rank: its global squared norm).
@@ -118,8 +144,24 @@ class HeadTrainer {
 
  protected:
   explicit HeadTrainer(const HeadShape& shape) : shape_(shape) {}
+  // The backend's memory primitives over dW-sized buffers: a new one (contents undefined), all zeros,
+  // x *= s, and y += s·x (each element fp32(y + fp32(s·x))). Complete when they return.
+  virtual absl::StatusOr<std::unique_ptr<GradBuffer>> NewGradBuffer() = 0;
+  virtual absl::Status Zero(float* x) = 0;
+  virtual absl::Status Scale(float* x, float s) = 0;
+  virtual absl::Status AddScaled(float* y, const float* x, float s) = 0;
+  // dW's own buffer, for the backend's use (grad() marks it possibly non-zero). Made by the backend.
+  float* grad_data() { return grad_->data(); }
+
   HeadShape shape_;
   int64_t steps_ = 0;
+  std::unique_ptr<GradBuffer> grad_;
+
+ private:
+  std::map<uint64_t, std::unique_ptr<GradBuffer>> pending_;
+  std::unique_ptr<GradBuffer> spare_;  // a freed pending buffer, kept for the next
+  bool spare_zero_ = false;            // ...and known to be all zeros (a dW swapped out after ZeroGrad)
+  bool grad_zero_ = false;             // dW known to be all zeros: ZeroGrad's, until anything else
 };
 
 // A trainer for `engine` (a CPU or CUDA engine, by its backend()) serving `weights`. `make_engine`

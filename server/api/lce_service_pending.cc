@@ -1,0 +1,109 @@
+// Pending weight-gradient contributions (docs/MATH.md, "When dW is committed"): a request that
+// accumulates dW does so into a buffer of its own; it reaches the head's dW when the request
+// succeeds (scale 1), or, deferred, when its client's backward sends the upstream gradient
+// (CommitGrad); a failed request's, a discarded one's, an expired or evicted one's, and those left
+// when the head's weight changes are freed without touching dW. Under tensor parallelism every rank
+// holds its shard of each contribution under the same id.
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "grpc_status.h"
+#include "lce_service.h"
+
+namespace lce::server {
+
+absl::StatusOr<LceService::Contribution> LceService::BeginContribution(const ServedHead& head) {
+  HeadTraining& t = *head.training;
+  std::lock_guard<std::mutex> lock(t.mu);
+  absl::StatusOr<HeadTrainer*> trainer = TrainerOf(head);
+  if (!trainer.ok()) return trainer.status();
+  absl::StatusOr<std::vector<PendingGrads::Dropped>> dropped =
+      t.pending.MakeRoom(head.version, absl::Now(), config_.pending_grads);
+  if (!dropped.ok()) {
+    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"pending_grads"}).Increment();
+    return dropped.status();
+  }
+  ReleaseContributions(head, *dropped);
+  const uint64_t id = t.pending.Begin(head.version);
+  absl::StatusOr<float*> buffer = (*trainer)->AcquirePending(id);
+  if (!buffer.ok()) {
+    t.pending.Take(id).IgnoreError();
+    return buffer.status();
+  }
+  return Contribution{id, *buffer};
+}
+
+absl::Status LceService::EndContribution(const ServedHead& head, uint64_t id, ContributionEnd end) {
+  HeadTraining& t = *head.training;
+  std::lock_guard<std::mutex> lock(t.mu);
+  if (end == ContributionEnd::kDefer) {
+    t.pending.Ready(id, absl::Now() + config_.pending_grads.ttl);
+    return absl::OkStatus();
+  }
+  if (!t.pending.Take(id).ok()) return absl::OkStatus();  // released with the head's old weight already
+  if (end == ContributionEnd::kRelease) {
+    ReleaseContributions(head, {{id, PendingGrads::Drop::kReleased}});
+    return absl::OkStatus();
+  }
+  return CommitContribution(head, id, 1.0f);
+}
+
+absl::Status LceService::CommitContribution(const ServedHead& head, uint64_t id, float scale) {
+  HeadTrainer* trainer = head.training->trainer.get();
+  head.training->pending.Remember(id, PendingGrads::Drop::kReleased);
+  if (trainer == nullptr) return absl::InternalError("a pending weight gradient without a trainer");
+  absl::Status s = trainer->CommitPending(id, scale);
+  if (config_.tp_group != nullptr) {
+    absl::Status peers = config_.tp_group->CommitPending(head.name, id, scale);
+    if (s.ok()) s = peers;
+  }
+  return s;
+}
+
+void LceService::ReleaseContributions(const ServedHead& head, const std::vector<PendingGrads::Dropped>& dropped) {
+  HeadTrainer* trainer = head.training->trainer.get();
+  for (const PendingGrads::Dropped& d : dropped) {
+    if (trainer != nullptr) trainer->ReleasePending(d.id);
+    // A group that cannot hear it is down (TpGroup marks it failed); nothing else is to be done here.
+    if (config_.tp_group != nullptr) config_.tp_group->ReleasePending(head.name, d.id).IgnoreError();
+    if (config_.metrics != nullptr) {
+      config_.metrics->pending_grads_dropped.WithLabels({PendingGrads::DropName(d.why)}).Increment();
+    }
+  }
+}
+
+grpc::Status LceService::CommitGrad(grpc::ServerContext* ctx, const v1::CommitGradRequest* req,
+                                    v1::CommitGradResponse* resp) {
+  return Recorded("CommitGrad", ctx, [&]() -> grpc::Status {
+    if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
+    const float scale = req->has_scale() ? req->scale() : 1.0f;
+    if (!std::isfinite(scale)) {
+      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("CommitGrad scale must be finite, got ", scale)));
+    }
+    absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
+    if (!head.ok()) return ToGrpcStatus(head.status());
+    const ServedHead& h = **head;
+    std::lock_guard<std::mutex> lock(h.training->mu);
+    const PendingGrads::Entry* found = h.training->pending.Find(req->pending_grad_id());
+    if (found != nullptr && found->filling) {
+      return ToGrpcStatus(absl::FailedPreconditionError(
+          absl::StrCat("pending weight gradient ", req->pending_grad_id(), " belongs to a request still running")));
+    }
+    absl::StatusOr<PendingGrads::Entry> entry = h.training->pending.Take(req->pending_grad_id());
+    if (!entry.ok()) return ToGrpcStatus(entry.status());
+    resp->set_head_version(entry->version);
+    if (entry->version != h.version) {
+      ReleaseContributions(h, {{req->pending_grad_id(), PendingGrads::Drop::kStale}});
+      return ToGrpcStatus(absl::FailedPreconditionError(
+          absl::StrCat("pending weight gradient ", req->pending_grad_id(), " was made on version ", entry->version,
+                       " of head '", h.name, "', which is now at version ", h.version, "; it is dropped")));
+    }
+    if (req->discard()) {
+      ReleaseContributions(h, {{req->pending_grad_id(), PendingGrads::Drop::kReleased}});
+      return grpc::Status::OK;
+    }
+    return ToGrpcStatus(CommitContribution(h, req->pending_grad_id(), scale));
+  });
+}
+
+}  // namespace lce::server
