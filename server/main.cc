@@ -207,6 +207,8 @@ int main(int argc, char** argv) {
   options.data_plane_tls = flags->data_plane_tls;
   options.shm_socket = flags->shm_socket;
   options.allow_shm_by_name = flags->allow_shm_by_name;
+  options.shm_bytes_per_session = flags->shm_bytes_per_session;
+  options.shm_total_bytes = flags->shm_total_bytes;
   // Co-located clients may hand over GPU memory (CUDA IPC) when the engine is one GPU's.
   if (!tp && (*engine)->backend() == "cuda") options.service.cuda_device = flags->device;
   options.service.max_concurrent_streams = flags->max_concurrent_streams;

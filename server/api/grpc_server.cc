@@ -105,6 +105,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
     self->service_->set_data_plane_tls(options.data_plane_tls);
   }
   self->service_->mutable_regions().AllowShmByName(options.allow_shm_by_name);
+  self->service_->mutable_regions().LimitMappedBytes(options.shm_bytes_per_session, options.shm_total_bytes);
   if (!options.shm_socket.empty()) {
     const std::string path = ShmSocketPath(options.shm_socket, options.address);
     absl::StatusOr<std::unique_ptr<ShmSocket>> shm =

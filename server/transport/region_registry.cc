@@ -252,6 +252,12 @@ absl::StatusOr<uint64_t> RegionRegistry::MapFile(const std::string& session, con
   region->shm_dev = st.st_dev;
   region->shm_ino = st.st_ino;
   region->map_len = static_cast<size_t>(byte_size + (offset - aligned));
+  {  // before mmap: the address space is the server's, the file's size the client's choice
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status s = CheckRoomLocked(session, 0, static_cast<int64_t>(region->map_len)); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+    }
+  }
   void* p = mmap(nullptr, region->map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, aligned);
   if (p == MAP_FAILED) return absl::InternalError(absl::StrCat(what, ": mmap failed: ", std::strerror(errno)));
   region->map_base = p;
@@ -368,14 +374,18 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
   return Register(session, peer, r.name(), r.shm_name(), r.offset(), r.byte_size());
 }
 
-absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t server_bytes) const {
+absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t server_bytes,
+                                             int64_t mapped_bytes) const {
   size_t held = 0;
-  int64_t held_bytes = 0, all_bytes = 0;
+  int64_t held_bytes = 0, all_bytes = 0, held_mapped = 0, all_mapped = 0;
   for (const auto& [_, r] : regions_) {
-    all_bytes += r->server_memory() ? r->byte_size : 0;
+    const int64_t own = r->server_memory() ? r->byte_size : 0, mapped = static_cast<int64_t>(r->map_len);
+    all_bytes += own;
+    all_mapped += mapped;
     if (r->session != session) continue;
     held += 1;
-    held_bytes += r->server_memory() ? r->byte_size : 0;
+    held_bytes += own;
+    held_mapped += mapped;
   }
   if (max_total_server_bytes_ > 0 && server_bytes > max_total_server_bytes_ - all_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(server_bytes, " bytes more than the ", all_bytes,
@@ -389,6 +399,16 @@ absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t
   if (server_bytes > max_server_bytes_ - held_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(server_bytes, " bytes more than the session's ", held_bytes,
                                                      " would pass its limit of ", max_server_bytes_));
+  }
+  if (mapped_bytes > max_total_mapped_bytes_ - all_mapped) {
+    return absl::ResourceExhaustedError(absl::StrCat("mapping ", mapped_bytes, " bytes more than the ", all_mapped,
+                                                     " all sessions have mapped would pass the server's limit of ",
+                                                     max_total_mapped_bytes_, " (--shm-total-bytes)"));
+  }
+  if (mapped_bytes > max_mapped_bytes_ - held_mapped) {
+    return absl::ResourceExhaustedError(absl::StrCat("mapping ", mapped_bytes, " bytes more than the session's ",
+                                                     held_mapped, " would pass its limit of ", max_mapped_bytes_,
+                                                     " (--shm-bytes-per-session)"));
   }
   return absl::OkStatus();
 }
@@ -410,7 +430,11 @@ absl::StatusOr<uint64_t> RegionRegistry::Add(const std::string& session, std::sh
                                                       "' (CUDA IPC): the allocation is registered by another session"));
     }
   }
-  if (absl::Status s = CheckRoomLocked(session, region->server_memory() ? region->byte_size : 0); !s.ok()) return s;
+  if (absl::Status s = CheckRoomLocked(session, region->server_memory() ? region->byte_size : 0,
+                                       static_cast<int64_t>(region->map_len));
+      !s.ok()) {
+    return s;
+  }
   const uint64_t id = next_id_++;
   regions_.emplace(id, std::move(region));
   return id;
