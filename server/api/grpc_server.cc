@@ -109,7 +109,8 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
   if (!options.shm_socket.empty()) {
     const std::string path = ShmSocketPath(options.shm_socket, options.address);
     absl::StatusOr<std::unique_ptr<ShmSocket>> shm =
-        ShmSocket::Start(self->service_->mutable_regions(), path, [svc = self->service_.get()] { svc->RecountRegions(); });
+        ShmSocket::Start(self->service_->mutable_regions(), path, [svc = self->service_.get()] { svc->RecountRegions(); },
+                         options.service.metrics);
     if (!shm.ok()) return shm.status();
     self->shm_socket_ = *std::move(shm);
     self->service_->set_shm_socket(path);

@@ -99,9 +99,10 @@ void RegionDataPlane::AcceptLoop() {
     const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer_addr), &peer_len, SOCK_CLOEXEC);
     const uint32_t peer = peer_addr.sin_addr.s_addr;
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (backoff_.Retry(errno, stopping_)) continue;
       return;  // shut down
     }
+    backoff_.Accepted();
     const int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     std::vector<std::thread> done;  // finished connections' threads, joined below whatever happens

@@ -57,7 +57,8 @@ void Reply(int fd, const absl::StatusOr<uint64_t>& id) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regions, const std::string& path,
-                                                            std::function<void()> on_register) {
+                                                            std::function<void()> on_register,
+                                                            ServiceMetrics* metrics) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -71,7 +72,7 @@ absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regi
     }
     ::unlink(path.c_str());  // a stale one (a server that did not end cleanly)
   }
-  std::unique_ptr<ShmSocket> s(new ShmSocket(regions, path, std::move(on_register)));
+  std::unique_ptr<ShmSocket> s(new ShmSocket(regions, path, std::move(on_register), metrics));
   s->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (s->listen_fd_ < 0) return absl::InternalError(absl::StrCat("shm socket: socket: ", std::strerror(errno)));
   std::memcpy(addr.sun_path, path.data(), path.size());
@@ -106,9 +107,10 @@ void ShmSocket::AcceptLoop() {
   while (!stopping_) {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (backoff_.Retry(errno, stopping_)) continue;
       return;  // shut down
     }
+    backoff_.Accepted();
     std::vector<std::thread> done;
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "descriptor_exhaustion.h"
 #include "gtest/gtest.h"
 #include "metrics.h"
 #include "service_metrics.h"
@@ -331,6 +332,38 @@ TEST(RegionDataPlane, AFreshServerMemoryRegionHoldsOnlyZeros) {
     ASSERT_TRUE(regions.Unregister(session.id, *region).ok());
   }
   ::close(fd);
+}
+
+// Issue 35, item 3: an accept that failed with EMFILE once ended the accept loop for good; every
+// later connection waited in the backlog unanswered although the descriptors were free again.
+TEST(RegionDataPlane, AcceptsAgainAfterTheDescriptorsRanOut) {
+  RegionRegistry regions;
+  regions.EnableServerMemory(1 << 20);
+  metrics::Registry registry;
+  ServiceMetrics metrics(registry);
+  RegionDataPlaneOptions o;
+  o.metrics = &metrics;
+  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  auto region = regions.RegisterServerMemory(session.id, "r", 4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  {
+    DescriptorExhaustion exhausted;
+    ASSERT_TRUE(exhausted.exhausted());
+    exhausted.Free(1);  // the client's socket; the server's accept finds none left
+    const int fd = Connect((*dp)->port());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    ::close(fd);
+  }
+  const int fd = Connect((*dp)->port());
+  const timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  SendTransfer(fd, v1::data_plane::kOpRead, session, *region, 0, "", 16);
+  const Reply r = ReadReply(fd);
+  EXPECT_EQ(r.code, 0) << "no reply: the listener stopped accepting. " << r.message;
+  ::close(fd);
+  EXPECT_GE(metrics.accept_errors.WithLabels({"data_plane", "EMFILE"}).Value(), 1.0);
 }
 
 TEST(RegionDataPlane, NeedsRoomForOneConnectionAndAPositiveStallTimeout) {

@@ -1,5 +1,5 @@
 // The shm socket (server/transport/shm_socket.h) without a gRPC server: what a client may make the
-// server map (issue 35, item 2).
+// server map, and a listener that outlives a descriptor shortage (issue 35, items 2 and 3).
 #include "shm_socket.h"
 
 #include <sys/mman.h>
@@ -7,11 +7,16 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 
+#include "descriptor_exhaustion.h"
 #include "gtest/gtest.h"
 #include "lce/v1/shm_socket_wire.h"
+#include "metrics.h"
+#include "service_metrics.h"
 
 namespace lce::server {
 namespace {
@@ -124,6 +129,33 @@ TEST(ShmSocket, MappedBytesOverAllSessionsAreCapped) {
   EXPECT_EQ(Register((*socket)->path(), b, fb, int64_t{1} << 20).code, 0) << "room for 1 MiB more";
   ::close(fa);
   ::close(fb);
+}
+
+// Issue 35, item 3: an accept that failed with EMFILE once ended the accept loop for good.
+TEST(ShmSocket, AcceptsAgainAfterTheDescriptorsRanOut) {
+  RegionRegistry regions;
+  metrics::Registry registry;
+  ServiceMetrics metrics(registry);
+  auto socket = ShmSocket::Start(regions, SocketPath(), {}, &metrics);
+  ASSERT_TRUE(socket.ok()) << socket.status();
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  const int memfd = Memfd(4096);
+  {
+    DescriptorExhaustion exhausted;
+    ASSERT_TRUE(exhausted.exhausted());
+    exhausted.Free(1);  // the client's socket; the server's accept finds none left
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, (*socket)->path().data(), (*socket)->path().size());
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << std::strerror(errno);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    ::close(fd);
+  }
+  const Reply r = Register((*socket)->path(), session, memfd, 4096);
+  EXPECT_EQ(r.code, 0) << "no reply: the listener stopped accepting. " << r.message;
+  EXPECT_GE(metrics.accept_errors.WithLabels({"shm_socket", "EMFILE"}).Value(), 1.0);
+  ::close(memfd);
 }
 
 }  // namespace
