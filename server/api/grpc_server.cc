@@ -154,9 +154,12 @@ void GrpcServer::SetServing(bool serving) {
 void GrpcServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
-  server_->GetHealthCheckService()->Shutdown();  // health answers NOT_SERVING from now on
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
-  server_->Wait();
+  // A start that failed before gRPC listened (data plane, shm socket) leaves no server (issue 35, item 13).
+  if (server_ != nullptr) {
+    server_->GetHealthCheckService()->Shutdown();  // health answers NOT_SERVING from now on
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+    server_->Wait();
+  }
   data_plane_.reset();  // after the streams: none still reads the regions it fills
   shm_socket_.reset();
 }

@@ -66,11 +66,17 @@ absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regi
                                                    " characters: '", path, "'"));
   }
   struct stat st {};
+  // Another local user may have made the file first (in /tmp): say so, and how to start anyway.
+  const std::string instead = " (another user's file? pass --shm-socket=<path> in a directory only this server's "
+                              "user can write, or --shm-socket= for none)";
   if (lstat(path.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode)) {
-      return absl::FailedPreconditionError(absl::StrCat("shm socket: ", path, " exists and is not a socket"));
+      return absl::FailedPreconditionError(absl::StrCat("shm socket: ", path, " exists and is not a socket", instead));
     }
-    ::unlink(path.c_str());  // a stale one (a server that did not end cleanly)
+    if (::unlink(path.c_str()) != 0) {  // a stale one (a server that did not end cleanly)
+      return absl::FailedPreconditionError(
+          absl::StrCat("shm socket: cannot replace ", path, ": ", std::strerror(errno), instead));
+    }
   }
   std::unique_ptr<ShmSocket> s(new ShmSocket(regions, path, std::move(on_register), metrics));
   s->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
