@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <system_error>
 #include <cstring>
 
 #include "absl/cleanup/cleanup.h"
@@ -131,7 +132,12 @@ void ShmSocket::AcceptLoop() {
         ::close(fd);
       } else {
         const uint64_t id = next_id_++;
-        conns_[id] = {fd, std::thread([this, id, fd] { Serve(id, fd); })};
+        try {
+          conns_[id] = {fd, std::thread([this, id, fd] { Serve(id, fd); })};
+        } catch (const std::system_error&) {  // a task limit: drop this connection, never abort
+          conns_.erase(id);
+          ::close(fd);
+        }
       }
     }
     for (std::thread& t : done) t.join();
