@@ -4,13 +4,16 @@
 // peers to stop and exits 0. A tensor-parallel failure exits every rank with code 3, so that the
 // launcher restarts the group as a unit. A data-parallel replica (--dp-size) that finds its job
 // formed already (it restarted alone) exits with code 4: the job restarts as a whole.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <csignal>
 #include <cstdlib>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 
@@ -69,6 +72,19 @@ lce::server::DpOptions DpOptionsFrom(const lce::server::ServerFlags& f) {
   return o;
 }
 
+// gRPC 1.51's listener stops for good when accept4 fails with EMFILE (issue 35, item 3), and it has
+// no cap on incoming connections: the most descriptors the host lets us have is the reserve that
+// keeps a flood of idle connections from reaching that point. (Our own listeners back off and go on.)
+void RaiseDescriptorLimit() {
+  rlimit l{};
+  if (getrlimit(RLIMIT_NOFILE, &l) != 0 || l.rlim_cur >= l.rlim_max) return;
+  const rlim_t was = l.rlim_cur;
+  l.rlim_cur = l.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &l) != 0) {
+    std::cerr << "lce_server: cannot raise the descriptor limit above " << was << ": " << std::strerror(errno) << std::endl;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,6 +98,7 @@ int main(int argc, char** argv) {
   sigaction(SIGINT, &action, nullptr);
   // A peer that dies closes its sockets; writing to them must fail with EPIPE, not kill us.
   signal(SIGPIPE, SIG_IGN);
+  RaiseDescriptorLimit();
 
   absl::StatusOr<ServerFlags> flags = ParseServerFlags(argc, argv);
   if (!flags.ok()) return Fail(flags.status());
@@ -207,6 +224,8 @@ int main(int argc, char** argv) {
   options.data_plane_tls = flags->data_plane_tls;
   options.shm_socket = flags->shm_socket;
   options.allow_shm_by_name = flags->allow_shm_by_name;
+  options.shm_bytes_per_session = flags->shm_bytes_per_session;
+  options.shm_total_bytes = flags->shm_total_bytes;
   // Co-located clients may hand over GPU memory (CUDA IPC) when the engine is one GPU's.
   if (!tp && (*engine)->backend() == "cuda") options.service.cuda_device = flags->device;
   options.service.max_concurrent_streams = flags->max_concurrent_streams;

@@ -105,10 +105,12 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
     self->service_->set_data_plane_tls(options.data_plane_tls);
   }
   self->service_->mutable_regions().AllowShmByName(options.allow_shm_by_name);
+  self->service_->mutable_regions().LimitMappedBytes(options.shm_bytes_per_session, options.shm_total_bytes);
   if (!options.shm_socket.empty()) {
     const std::string path = ShmSocketPath(options.shm_socket, options.address);
     absl::StatusOr<std::unique_ptr<ShmSocket>> shm =
-        ShmSocket::Start(self->service_->mutable_regions(), path, [svc = self->service_.get()] { svc->RecountRegions(); });
+        ShmSocket::Start(self->service_->mutable_regions(), path, [svc = self->service_.get()] { svc->RecountRegions(); },
+                         options.service.metrics);
     if (!shm.ok()) return shm.status();
     self->shm_socket_ = *std::move(shm);
     self->service_->set_shm_socket(path);
@@ -152,9 +154,12 @@ void GrpcServer::SetServing(bool serving) {
 void GrpcServer::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
-  server_->GetHealthCheckService()->Shutdown();  // health answers NOT_SERVING from now on
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
-  server_->Wait();
+  // A start that failed before gRPC listened (data plane, shm socket) leaves no server (issue 35, item 13).
+  if (server_ != nullptr) {
+    server_->GetHealthCheckService()->Shutdown();  // health answers NOT_SERVING from now on
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+    server_->Wait();
+  }
   data_plane_.reset();  // after the streams: none still reads the regions it fills
   shm_socket_.reset();
 }

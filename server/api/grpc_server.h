@@ -54,6 +54,9 @@ struct GrpcServerOptions {
   // The shm socket (shm_socket.h): its path; "auto": $TMPDIR (else /tmp)/lce-server-<port>.sock, or
   // with port 0 lce-server-pid<pid>-<n>.sock; "": none.
   std::string shm_socket = "auto";
+  // Bytes of clients' shared memory mapped, per session and over all (RegionRegistry::LimitMappedBytes).
+  int64_t shm_bytes_per_session = RegionRegistry::kDefaultMappedBytesPerSession;
+  int64_t shm_total_bytes = RegionRegistry::kDefaultMappedBytesTotal;
   // Registration of shared memory by name (RegisterRegion.shm_name; region_registry.h).
   bool allow_shm_by_name = false;
 };

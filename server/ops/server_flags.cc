@@ -58,6 +58,10 @@ ABSL_FLAG(int64_t, data_plane_bytes_per_session, int64_t{4} << 30,
           "server memory one session may allocate");
 ABSL_FLAG(int64_t, data_plane_total_bytes, -1,
           "server memory all sessions together may allocate (-1: half the host's memory; 0: no limit); beyond, RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, shm_bytes_per_session, int64_t{64} << 30,
+          "bytes of clients' shared memory (shm socket, shm names) the server maps for one session; beyond, RESOURCE_EXHAUSTED before anything is mapped");
+ABSL_FLAG(int64_t, shm_total_bytes, int64_t{4} << 40,
+          "bytes of clients' shared memory the server maps for all sessions together (address space: a sparse memfd costs its client nothing); beyond, RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_sessions_per_peer, 64,
           "sessions (OpenSession) one client host may hold at once (0: no limit); more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(double, data_plane_auth_timeout_seconds, 60,
@@ -175,6 +179,8 @@ const std::vector<std::string>& FlagNames() {
       "allow_shm_by_name",
       "data_plane_bytes_per_session",
       "data_plane_total_bytes",
+      "shm_bytes_per_session",
+      "shm_total_bytes",
       "max_sessions_per_peer",
       "data_plane_auth_timeout_seconds",
       "data_plane_max_unauthenticated",
@@ -383,6 +389,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   f.allow_shm_by_name = absl::GetFlag(FLAGS_allow_shm_by_name);
   f.data_plane_bytes_per_session = absl::GetFlag(FLAGS_data_plane_bytes_per_session);
   f.data_plane_total_bytes = absl::GetFlag(FLAGS_data_plane_total_bytes);
+  f.shm_bytes_per_session = absl::GetFlag(FLAGS_shm_bytes_per_session);
+  f.shm_total_bytes = absl::GetFlag(FLAGS_shm_total_bytes);
   f.max_sessions_per_peer = absl::GetFlag(FLAGS_max_sessions_per_peer);
   f.data_plane_auth_timeout_seconds = absl::GetFlag(FLAGS_data_plane_auth_timeout_seconds);
   f.data_plane_max_unauthenticated = absl::GetFlag(FLAGS_data_plane_max_unauthenticated);
@@ -458,6 +466,9 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   }
   if (f.data_plane_bytes_per_session <= 0) return absl::InvalidArgumentError("--data-plane-bytes-per-session must be > 0");
   if (f.data_plane_total_bytes < -1) return absl::InvalidArgumentError("--data-plane-total-bytes must be >= -1");
+  if (f.shm_bytes_per_session <= 0 || f.shm_total_bytes <= 0) {
+    return absl::InvalidArgumentError("--shm-bytes-per-session and --shm-total-bytes must be > 0");
+  }
   if (f.max_sessions_per_peer < 0) return absl::InvalidArgumentError("--max-sessions-per-peer must be >= 0");
   if (!(f.data_plane_auth_timeout_seconds > 0 && f.data_plane_auth_timeout_seconds <= 3600)) {
     return absl::InvalidArgumentError("--data-plane-auth-timeout-seconds must be in (0, 3600]");

@@ -31,6 +31,8 @@ struct ServerFlags {
   int64_t data_plane_bytes_per_session{};
   int data_plane_max_connections{};
   int64_t data_plane_total_bytes{};  // server memory over all sessions; -1: half the host's, 0: no limit
+  int64_t shm_bytes_per_session{};   // clients' shared memory mapped for one session
+  int64_t shm_total_bytes{};         // ... and for all sessions
   int64_t max_sessions_per_peer{};
   double data_plane_auth_timeout_seconds{};
   int data_plane_max_unauthenticated{};

@@ -20,6 +20,10 @@ ServiceMetrics::ServiceMetrics(metrics::Registry& r)
       inflight(r.AddGauge("lce_inflight_requests", "Streams being served now.").WithLabels({})),
       rejections(r.AddCounter("lce_admission_rejections", "Requests refused by admission control, by reason.",
                               {"reason"})),
+      accept_errors(r.AddCounter("lce_accept_errors",
+                                 "Failed accepts that the listener survived (descriptor or memory shortages), by "
+                                 "listener and errno.",
+                                 {"listener", "errno"})),
       memory(r.AddGauge("lce_device_memory_bytes", "Engine memory by kind (weights, workspace), all heads.", {"kind"})),
       head_version(r.AddGauge("lce_head_version", "Current version of each head.", {"head"})),
       tp_size(r.AddGauge("lce_tp_size", "Tensor-parallel group size.").WithLabels({})),

@@ -23,6 +23,7 @@ class ServiceMetrics {
   metrics::Family<metrics::Histogram>& queue_wait;      // lce_queue_wait_seconds{method}
   metrics::Gauge& inflight;                             // lce_inflight_requests
   metrics::Family<metrics::Counter>& rejections;        // lce_admission_rejections_total{reason}
+  metrics::Family<metrics::Counter>& accept_errors;     // lce_accept_errors_total{listener,errno}
   metrics::Family<metrics::Gauge>& memory;              // lce_device_memory_bytes{kind}
   metrics::Family<metrics::Gauge>& head_version;        // lce_head_version{head}
   metrics::Gauge& tp_size;                              // lce_tp_size

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <system_error>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -99,9 +100,10 @@ void RegionDataPlane::AcceptLoop() {
     const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer_addr), &peer_len, SOCK_CLOEXEC);
     const uint32_t peer = peer_addr.sin_addr.s_addr;
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (backoff_.Retry(errno, stopping_)) continue;
       return;  // shut down
     }
+    backoff_.Accepted();
     const int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     std::vector<std::thread> done;  // finished connections' threads, joined below whatever happens
@@ -123,7 +125,13 @@ void RegionDataPlane::AcceptLoop() {
         conns_.push_back(fd);
         ++unauthenticated_[peer];
         const uint64_t id = next_id_++;
-        threads_.emplace(id, std::thread([this, id, fd, peer] { Serve(id, fd, peer); }));
+        try {
+          threads_.emplace(id, std::thread([this, id, fd, peer] { Serve(id, fd, peer); }));
+        } catch (const std::system_error& e) {  // a task limit: refuse this connection, never abort
+          conns_.pop_back();
+          --unauthenticated_[peer];
+          refused = {"threads", absl::StrCat("the server cannot start a thread for this connection: ", e.what())};
+        }
       }
     }
     if (!refused.first.empty()) {  // at once, with the reason where the client reads its first reply

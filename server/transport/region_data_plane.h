@@ -31,6 +31,7 @@
 #include "lce/device_memory.h"
 #include "lce/v1/data_plane_wire.h"
 #include "region_registry.h"
+#include "accept_backoff.h"
 #include "service_metrics.h"
 
 namespace lce::server {
@@ -73,7 +74,8 @@ class RegionDataPlane {
         auth_timeout_(options.auth_timeout),
         max_unauthenticated_(options.max_unauthenticated),
         max_unauthenticated_per_peer_(options.max_unauthenticated_per_peer),
-        metrics_(options.metrics) {}
+        metrics_(options.metrics),
+        backoff_("data_plane", options.metrics) {}
   void AcceptLoop();
   // Why a new connection from `peer` is refused at once: {metric reason, message}, or an empty
   // reason. Hold mu_.
@@ -98,6 +100,7 @@ class RegionDataPlane {
   const int max_unauthenticated_;
   const int max_unauthenticated_per_peer_;
   ServiceMetrics* const metrics_;
+  AcceptBackoff backoff_;  // what a failed accept does (a descriptor shortage passes)
   int listen_fd_ = -1;
   int port_ = 0;
   std::atomic<bool> stopping_{false};

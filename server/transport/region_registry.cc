@@ -21,6 +21,10 @@
 #include "request_authenticator.h"
 #include "shm_fault_guard.h"
 
+#ifdef LCE_WITH_CUDA
+#include "cuda/cuda_check.h"
+#endif
+
 namespace lce::server {
 
 // One mapping; unmapped when the last holder (registry or in-flight request) lets go.
@@ -35,6 +39,7 @@ struct RegionRegistry::Region {
   std::shared_ptr<ImportedDeviceMemory> device_memory;  // CUDA IPC regions (shared by handle)
   std::unique_ptr<PinnedHostRange> pinned;              // shm and server regions of a GPU server
   void* owned = nullptr;                                // server memory (RegisterServerMemory) on the host
+  size_t owned_len = 0;                                 // its anonymous mapping's length
   std::unique_ptr<DeviceBuffer> owned_device;           // ... or on the server's GPU
   // The client shrank the shm object under the mapping, which now holds zeros (shm_fault_guard.h).
   std::atomic<bool> lost{false};
@@ -45,7 +50,7 @@ struct RegionRegistry::Region {
       UnwatchSharedMapping(map_base);
       munmap(map_base, map_len);
     }
-    std::free(owned);
+    if (owned != nullptr) munmap(owned, owned_len);
   }
 };
 
@@ -117,6 +122,24 @@ int64_t LoopbackSocketUid(const std::string& ip, int port) {
     }
   }
   return -1;
+}
+
+// Server memory is handed to a client, which may read it before writing it: it must hold none of
+// the bytes its allocator last gave someone else (issue 35, item 1). cudaMalloc does not clear.
+absl::Status ZeroDeviceMemory(uint8_t* data, int64_t bytes, int device) {
+#ifdef LCE_WITH_CUDA
+  int prev = 0;
+  LCE_CUDA_CHECK(cudaGetDevice(&prev));
+  LCE_CUDA_CHECK(cudaSetDevice(device));
+  const cudaError_t e = cudaMemset(data, 0, static_cast<size_t>(bytes));
+  const cudaError_t back = cudaSetDevice(prev);
+  LCE_CUDA_CHECK(e);
+  LCE_CUDA_CHECK(back);
+  return absl::OkStatus();
+#else
+  (void)data, (void)bytes, (void)device;
+  return absl::UnimplementedError("this build has no CUDA backend");
+#endif
 }
 
 }  // namespace
@@ -229,6 +252,12 @@ absl::StatusOr<uint64_t> RegionRegistry::MapFile(const std::string& session, con
   region->shm_dev = st.st_dev;
   region->shm_ino = st.st_ino;
   region->map_len = static_cast<size_t>(byte_size + (offset - aligned));
+  {  // before mmap: the address space is the server's, the file's size the client's choice
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status s = CheckRoomLocked(session, 0, static_cast<int64_t>(region->map_len)); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+    }
+  }
   void* p = mmap(nullptr, region->map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, aligned);
   if (p == MAP_FAILED) return absl::InternalError(absl::StrCat(what, ": mmap failed: ", std::strerror(errno)));
   region->map_base = p;
@@ -308,7 +337,7 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterServerMemory(const std::string&
   // place, as it does a CUDA IPC region. Host memory where the GPU has no room.
   if (cuda_device_ >= 0) {
     absl::StatusOr<std::unique_ptr<DeviceBuffer>> d = AllocateDeviceBuffer(byte_size, cuda_device_);
-    if (d.ok()) {
+    if (d.ok() && ZeroDeviceMemory((*d)->data(), byte_size, cuda_device_).ok()) {
       region->owned_device = *std::move(d);
       region->data = region->owned_device->data();
       return Add(session, std::move(region));
@@ -316,8 +345,12 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterServerMemory(const std::string&
   }
   const int64_t page = sysconf(_SC_PAGESIZE);
   const size_t len = static_cast<size_t>((byte_size + page - 1) / page * page);
-  region->owned = std::aligned_alloc(static_cast<size_t>(page), len);
-  if (region->owned == nullptr) return absl::ResourceExhaustedError(absl::StrCat(what, ": out of host memory"));
+  // Fresh anonymous pages are the kernel's zeros: never another client's bytes from the heap (issue
+  // 35, item 1), and nothing is committed before the client writes it.
+  void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return absl::ResourceExhaustedError(absl::StrCat(what, ": out of host memory"));
+  region->owned = p;
+  region->owned_len = len;
   region->data = static_cast<uint8_t*>(region->owned);
   if (cuda_device_ >= 0) {
     absl::StatusOr<std::unique_ptr<PinnedHostRange>> pinned = PinHostMemory(region->owned, static_cast<int64_t>(len), cuda_device_);
@@ -341,14 +374,18 @@ absl::StatusOr<uint64_t> RegionRegistry::Register(const std::string& session, co
   return Register(session, peer, r.name(), r.shm_name(), r.offset(), r.byte_size());
 }
 
-absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t server_bytes) const {
+absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t server_bytes,
+                                             int64_t mapped_bytes) const {
   size_t held = 0;
-  int64_t held_bytes = 0, all_bytes = 0;
+  int64_t held_bytes = 0, all_bytes = 0, held_mapped = 0, all_mapped = 0;
   for (const auto& [_, r] : regions_) {
-    all_bytes += r->server_memory() ? r->byte_size : 0;
+    const int64_t own = r->server_memory() ? r->byte_size : 0, mapped = static_cast<int64_t>(r->map_len);
+    all_bytes += own;
+    all_mapped += mapped;
     if (r->session != session) continue;
     held += 1;
-    held_bytes += r->server_memory() ? r->byte_size : 0;
+    held_bytes += own;
+    held_mapped += mapped;
   }
   if (max_total_server_bytes_ > 0 && server_bytes > max_total_server_bytes_ - all_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(server_bytes, " bytes more than the ", all_bytes,
@@ -362,6 +399,16 @@ absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t
   if (server_bytes > max_server_bytes_ - held_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(server_bytes, " bytes more than the session's ", held_bytes,
                                                      " would pass its limit of ", max_server_bytes_));
+  }
+  if (mapped_bytes > max_total_mapped_bytes_ - all_mapped) {
+    return absl::ResourceExhaustedError(absl::StrCat("mapping ", mapped_bytes, " bytes more than the ", all_mapped,
+                                                     " all sessions have mapped would pass the server's limit of ",
+                                                     max_total_mapped_bytes_, " (--shm-total-bytes)"));
+  }
+  if (mapped_bytes > max_mapped_bytes_ - held_mapped) {
+    return absl::ResourceExhaustedError(absl::StrCat("mapping ", mapped_bytes, " bytes more than the session's ",
+                                                     held_mapped, " would pass its limit of ", max_mapped_bytes_,
+                                                     " (--shm-bytes-per-session)"));
   }
   return absl::OkStatus();
 }
@@ -383,7 +430,11 @@ absl::StatusOr<uint64_t> RegionRegistry::Add(const std::string& session, std::sh
                                                       "' (CUDA IPC): the allocation is registered by another session"));
     }
   }
-  if (absl::Status s = CheckRoomLocked(session, region->server_memory() ? region->byte_size : 0); !s.ok()) return s;
+  if (absl::Status s = CheckRoomLocked(session, region->server_memory() ? region->byte_size : 0,
+                                       static_cast<int64_t>(region->map_len));
+      !s.ok()) {
+    return s;
+  }
   const uint64_t id = next_id_++;
   regions_.emplace(id, std::move(region));
   return id;

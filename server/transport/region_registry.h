@@ -91,6 +91,15 @@ class RegionRegistry {
     max_total_server_bytes_ = max_total_bytes;
   }
   bool server_memory_enabled() const { return max_server_bytes_ > 0; }
+  // Caps the bytes of client files (shm objects, memfds) the server maps, per session and over all
+  // sessions. This is address space, not memory: a sparse memfd costs its client nothing, and 68 of
+  // them once took the server's 128 TiB (issue 35, item 2). Checked before every mmap.
+  static constexpr int64_t kDefaultMappedBytesPerSession = int64_t{64} << 30;
+  static constexpr int64_t kDefaultMappedBytesTotal = int64_t{4} << 40;
+  void LimitMappedBytes(int64_t per_session, int64_t total) {
+    max_mapped_bytes_ = per_session;
+    max_total_mapped_bytes_ = total;
+  }
   // Maps [offset, offset + byte_size) of the file `fd` (a memfd or shm object the client handed over
   // the shm socket, SCM_RIGHTS; not closed here) for `session`, whose secret the connection showed.
   // `peer_uid`: the sending process's uid (SO_PEERCRED). PERMISSION_DENIED: a wrong secret, or a
@@ -138,8 +147,8 @@ class RegionRegistry {
   absl::Status CheckOpenLocked(const std::string& session) const;
   absl::StatusOr<uint64_t> Add(const std::string& session, std::shared_ptr<Region> region);
   // RESOURCE_EXHAUSTED when `session` may not hold one more region with `server_bytes` more bytes
-  // of server memory. Under mu_.
-  absl::Status CheckRoomLocked(const std::string& session, int64_t server_bytes) const;
+  // of server memory and `mapped_bytes` more of mapped client files. Under mu_.
+  absl::Status CheckRoomLocked(const std::string& session, int64_t server_bytes, int64_t mapped_bytes = 0) const;
   // The mapping of an IPC handle, opened once: CUDA refuses to open one handle twice in a process,
   // and two tensors of a client often share one allocation (PyTorch's caching allocator).
   absl::StatusOr<std::shared_ptr<ImportedDeviceMemory>> OpenIpc(const std::string& ipc_handle);
@@ -147,6 +156,8 @@ class RegionRegistry {
   bool allow_shm_by_name_ = false;
   int64_t max_server_bytes_ = 0;  // per session; 0: no server memory
   int64_t max_total_server_bytes_ = 0;  // over all sessions (0: no limit)
+  int64_t max_mapped_bytes_ = kDefaultMappedBytesPerSession;  // client files mapped, per session
+  int64_t max_total_mapped_bytes_ = kDefaultMappedBytesTotal;  // ... and over all sessions
   std::mutex ipc_mu_;
   std::map<std::string, std::weak_ptr<ImportedDeviceMemory>> ipc_open_;  // by handle bytes
   mutable std::mutex mu_;

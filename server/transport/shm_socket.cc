@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <system_error>
 #include <cstring>
 
 #include "absl/cleanup/cleanup.h"
@@ -57,7 +58,8 @@ void Reply(int fd, const absl::StatusOr<uint64_t>& id) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regions, const std::string& path,
-                                                            std::function<void()> on_register) {
+                                                            std::function<void()> on_register,
+                                                            ServiceMetrics* metrics) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -65,13 +67,19 @@ absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regi
                                                    " characters: '", path, "'"));
   }
   struct stat st {};
+  // Another local user may have made the file first (in /tmp): say so, and how to start anyway.
+  const std::string instead = " (another user's file? pass --shm-socket=<path> in a directory only this server's "
+                              "user can write, or --shm-socket= for none)";
   if (lstat(path.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode)) {
-      return absl::FailedPreconditionError(absl::StrCat("shm socket: ", path, " exists and is not a socket"));
+      return absl::FailedPreconditionError(absl::StrCat("shm socket: ", path, " exists and is not a socket", instead));
     }
-    ::unlink(path.c_str());  // a stale one (a server that did not end cleanly)
+    if (::unlink(path.c_str()) != 0) {  // a stale one (a server that did not end cleanly)
+      return absl::FailedPreconditionError(
+          absl::StrCat("shm socket: cannot replace ", path, ": ", std::strerror(errno), instead));
+    }
   }
-  std::unique_ptr<ShmSocket> s(new ShmSocket(regions, path, std::move(on_register)));
+  std::unique_ptr<ShmSocket> s(new ShmSocket(regions, path, std::move(on_register), metrics));
   s->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (s->listen_fd_ < 0) return absl::InternalError(absl::StrCat("shm socket: socket: ", std::strerror(errno)));
   std::memcpy(addr.sun_path, path.data(), path.size());
@@ -106,9 +114,10 @@ void ShmSocket::AcceptLoop() {
   while (!stopping_) {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (backoff_.Retry(errno, stopping_)) continue;
       return;  // shut down
     }
+    backoff_.Accepted();
     std::vector<std::thread> done;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -123,7 +132,12 @@ void ShmSocket::AcceptLoop() {
         ::close(fd);
       } else {
         const uint64_t id = next_id_++;
-        conns_[id] = {fd, std::thread([this, id, fd] { Serve(id, fd); })};
+        try {
+          conns_[id] = {fd, std::thread([this, id, fd] { Serve(id, fd); })};
+        } catch (const std::system_error&) {  // a task limit: drop this connection, never abort
+          conns_.erase(id);
+          ::close(fd);
+        }
       }
     }
     for (std::thread& t : done) t.join();

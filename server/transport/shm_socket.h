@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "accept_backoff.h"
 #include "region_registry.h"
 
 namespace lce::server {
@@ -30,15 +31,17 @@ class ShmSocket {
   // Listens at `path` (a stale socket file there is replaced; any other file is left alone:
   // FAILED_PRECONDITION). The file is made connectable by every user (0666): what admits a
   // registration is the session's secret and uid, not the file's mode.
-  // `on_register` (may be empty) runs after each registration that succeeded (the regions' metrics).
+  // `on_register` (may be empty) runs after each registration that succeeded (the regions' metrics);
+  // `metrics` (may be null) counts the accept errors it survives.
   static absl::StatusOr<std::unique_ptr<ShmSocket>> Start(RegionRegistry& regions, const std::string& path,
-                                                         std::function<void()> on_register = {});
+                                                         std::function<void()> on_register = {},
+                                                         ServiceMetrics* metrics = nullptr);
   ~ShmSocket();  // stops accepting, ends the connections, joins the threads, removes the file
   const std::string& path() const { return path_; }
 
  private:
-  ShmSocket(RegionRegistry& regions, std::string path, std::function<void()> on_register)
-      : regions_(regions), path_(std::move(path)), on_register_(std::move(on_register)) {}
+  ShmSocket(RegionRegistry& regions, std::string path, std::function<void()> on_register, ServiceMetrics* metrics)
+      : regions_(regions), path_(std::move(path)), on_register_(std::move(on_register)), backoff_("shm_socket", metrics) {}
   void AcceptLoop();
   void Serve(uint64_t id, int fd);
   // Reads one request and its descriptor from `fd` and registers it: the region id or why not.
@@ -47,6 +50,7 @@ class ShmSocket {
   RegionRegistry& regions_;
   const std::string path_;
   const std::function<void()> on_register_;
+  AcceptBackoff backoff_;
   int listen_fd_ = -1;
   std::atomic<bool> stopping_{false};
   std::mutex mu_;

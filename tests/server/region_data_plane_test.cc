@@ -8,13 +8,16 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "descriptor_exhaustion.h"
 #include "gtest/gtest.h"
 #include "metrics.h"
 #include "service_metrics.h"
@@ -294,6 +297,73 @@ TEST(RegionDataPlane, AStalledTransferEndsItsConnection) {
   ::close(stalled);
   const Reply r = ReadOnANewConnection((*dp)->port(), session, *region, 16);
   EXPECT_EQ(r.code, 0) << r.message;
+}
+
+// Issue 35, item 1: a fresh server-memory region once held whatever the heap last held there
+// (another session's hidden states, gRPC buffers). Each round dirties a block of the region's size
+// with a marker and frees it, so that an allocator reusing it hands the marker on; the region read
+// back over the data plane, and through Resolve, must be all zeros.
+TEST(RegionDataPlane, AFreshServerMemoryRegionHoldsOnlyZeros) {
+  RegionRegistry regions;
+  regions.EnableServerMemory(int64_t{64} << 20);
+  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, RegionDataPlaneOptions{});
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  const int fd = Connect((*dp)->port());
+  for (const int64_t size : {int64_t{4096}, int64_t{4096}, int64_t{65536}, int64_t{1} << 20}) {
+    void* dirty = std::aligned_alloc(4096, static_cast<size_t>(size));
+    ASSERT_NE(dirty, nullptr);
+    std::memset(dirty, 0xA5, static_cast<size_t>(size));
+    asm volatile("" : : "r"(dirty) : "memory");  // the marker is really written before the free
+    std::free(dirty);
+    auto region = regions.RegisterServerMemory(session.id, "fresh", size);
+    ASSERT_TRUE(region.ok()) << region.status();
+    v1::RegionSlice slice;
+    slice.set_region_id(*region);
+    slice.set_byte_size(size);
+    auto resolved = regions.Resolve(session.id, slice, size, "fresh");
+    ASSERT_TRUE(resolved.ok()) << resolved.status();
+    EXPECT_EQ(std::count(resolved->bytes.begin(), resolved->bytes.end(), 0), size) << size << "-byte region";
+    SendTransfer(fd, v1::data_plane::kOpRead, session, *region, 0, "", size);
+    ASSERT_EQ(ReadReply(fd).code, 0);
+    std::string back(static_cast<size_t>(size), '\1');
+    ASSERT_TRUE(RecvAll(fd, back.data(), back.size()));
+    EXPECT_EQ(std::count(back.begin(), back.end(), '\0'), size) << size << "-byte region over the data plane";
+    ASSERT_TRUE(regions.Unregister(session.id, *region).ok());
+  }
+  ::close(fd);
+}
+
+// Issue 35, item 3: an accept that failed with EMFILE once ended the accept loop for good; every
+// later connection waited in the backlog unanswered although the descriptors were free again.
+TEST(RegionDataPlane, AcceptsAgainAfterTheDescriptorsRanOut) {
+  RegionRegistry regions;
+  regions.EnableServerMemory(1 << 20);
+  metrics::Registry registry;
+  ServiceMetrics metrics(registry);
+  RegionDataPlaneOptions o;
+  o.metrics = &metrics;
+  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  auto region = regions.RegisterServerMemory(session.id, "r", 4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  {
+    DescriptorExhaustion exhausted;
+    ASSERT_TRUE(exhausted.exhausted());
+    exhausted.Free(1);  // the client's socket; the server's accept finds none left
+    const int fd = Connect((*dp)->port());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    ::close(fd);
+  }
+  const int fd = Connect((*dp)->port());
+  const timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  SendTransfer(fd, v1::data_plane::kOpRead, session, *region, 0, "", 16);
+  const Reply r = ReadReply(fd);
+  EXPECT_EQ(r.code, 0) << "no reply: the listener stopped accepting. " << r.message;
+  ::close(fd);
+  EXPECT_GE(metrics.accept_errors.WithLabels({"data_plane", "EMFILE"}).Value(), 1.0);
 }
 
 TEST(RegionDataPlane, NeedsRoomForOneConnectionAndAPositiveStallTimeout) {
