@@ -6,6 +6,8 @@
 //   norm   GradSquaredNorm (the clip's squared norm: 4 B/param read)
 //   adamw  Step (the AdamW kernel, launched and waited for)
 //   step   norm then Step: what OptimizerStep runs on a rank of one (plus the RPC's few µs)
+//   pending  a training request's pending dW: AcquirePending (zeroed) then CommitPending into a
+//          non-zero dW (docs/MATH.md, "When dW is committed")
 // Median of --reps after --warmup (the first step also makes the masters). Wall clock around each
 // call (every trainer call is complete when it returns).
 //
@@ -124,6 +126,15 @@ int main(int argc, char** argv) {
     OrDie(trainer->Step(p, ClipScale(std::sqrt(sq), 1.0f)), "step");
   }, a.warmup, a.reps);
 
+  // A training request's pending dW (docs/MATH.md, "When dW is committed"): the buffer zeroed at
+  // acquisition (4 B/param) and committed into a non-zero dW (12 B/param); the old in-place path's
+  // rollback copy took 8 B/param, the same as a commit into a zero dW (the buffer becomes dW, scaled).
+  uint64_t id = 1;
+  const double pending_ms = MedianMs([&] {
+    OrDie(trainer->AcquirePending(id), "pending");
+    if (absl::Status s = trainer->CommitPending(id++, 0.5f); !s.ok()) OrDie(absl::StatusOr<int>(s), "commit");
+  }, a.warmup, a.reps);
+  const double copy4_ms = static_cast<double>(n) * 8.0 / copy_bw * 1e3;
   const double bytes_per_param = 28.0 + static_cast<double>(DTypeSize(dtype));
   const double floor_ms = bytes_per_param * static_cast<double>(n) / copy_bw * 1e3;
   std::printf("head %ldx%ld %s: %.3g params, %.0f B/param\n", static_cast<long>(a.vocab), static_cast<long>(a.hidden),
@@ -134,9 +145,11 @@ int main(int argc, char** argv) {
   std::printf("adamw kernel            %8.3f ms   %.2fx the floor   %.1f GB/s\n", adamw_ms, adamw_ms / floor_ms,
               bytes_per_param * static_cast<double>(n) / (adamw_ms * 1e-3) / 1e9);
   std::printf("OptimizerStep (norm + adamw) %8.3f ms   %.2fx the floor\n", step_ms, step_ms / floor_ms);
+  std::printf("pending dW (zero + commit) %8.3f ms   floor %.3f ms (16 B/param); the old rollback copy's floor %.3f ms\n",
+              pending_ms, 2.0 * copy4_ms, copy4_ms);
   std::printf("{\"vocab\": %ld, \"hidden\": %ld, \"dtype\": \"%s\", \"copy_gbps\": %.1f, \"floor_ms\": %.3f, "
-              "\"norm_ms\": %.3f, \"adamw_ms\": %.3f, \"step_ms\": %.3f}\n",
+              "\"norm_ms\": %.3f, \"adamw_ms\": %.3f, \"step_ms\": %.3f, \"pending_ms\": %.3f}\n",
               static_cast<long>(a.vocab), static_cast<long>(a.hidden), DTypeName(dtype), copy_bw / 1e9, floor_ms,
-              norm_ms, adamw_ms, step_ms);
+              norm_ms, adamw_ms, step_ms, pending_ms);
   return 0;
 }

@@ -496,6 +496,7 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
   for (const PartSummary& p : summaries) {
     out->reduced_loss += p.loss;
     out->valid_tokens += p.valid_tokens;
+    out->pending_grads.insert(out->pending_grads.end(), p.pending_grads.begin(), p.pending_grads.end());
     if (p.head_version != out->head_version) {
       return absl::AbortedError(absl::StrCat("the head changed version during the request (", out->head_version,
                                              " and ", p.head_version, "); retry it"));
@@ -611,6 +612,7 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, const HiddenCall*
       summary->loss = resp.summary().loss();
       summary->valid_tokens = resp.summary().valid_tokens();
       summary->head_version = resp.summary().head_version();
+      summary->pending_grads.assign(resp.summary().pending_grad_ids().begin(), resp.summary().pending_grad_ids().end());
       return true;
     }
     const v1::ChunkResult& c = resp.chunk();

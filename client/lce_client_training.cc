@@ -48,6 +48,17 @@ absl::Status LceClient::ZeroGrad(const std::string& head) {
   return Unary(&v1::LceService::Stub::ZeroGrad, *front_->stub, ctx, req).status();
 }
 
+absl::Status LceClient::CommitGrad(const std::string& head, uint64_t pending_grad, float scale, bool discard) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, /*admin=*/false);  // the scoring token, as the request that made it
+  v1::CommitGradRequest req;
+  req.set_head(head);
+  req.set_pending_grad_id(pending_grad);
+  req.set_discard(discard);
+  if (!discard) req.set_scale(scale);
+  return Unary(&v1::LceService::Stub::CommitGrad, *front_->stub, ctx, req).status();
+}
+
 absl::StatusOr<Gradient> LceClient::GetGrad(const std::string& head) {
   grpc::ClientContext ctx;
   Prepare(&ctx, /*admin=*/true);

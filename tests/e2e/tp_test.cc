@@ -326,6 +326,49 @@ TEST(TensorParallel, TrainingTheShardedHeadMatchesOneRank) {
   }
 }
 
+// The head-gradient contract on a group: a deferred request's dW reaches no shard until CommitGrad,
+// which adds it, scaled, on every rank (GetGrad gathers them); a discarded one adds nothing anywhere.
+TEST(TensorParallel, DeferredWeightGradientsCommitOnEveryRank) {
+  const bool bits = TpBackend() == "cpu";
+  const int k = GroupSizes().back();
+  TpGroup one(1, 10.0), group(k, 10.0);
+  const Batch b = TrainingBatch(71);
+  ASSERT_TRUE(Accumulate(one.target(), b).ok());
+  const std::vector<float> plain = GatheredGrad(one.target());
+  auto deferred = [&](const std::string& target) {
+    v1::RequestHeader h;
+    h.set_hidden_size(kHidden);
+    h.set_dtype(b.dtype);
+    h.set_reduction(v1::REDUCTION_SUM);
+    h.set_accumulate_weight_grad(true);
+    h.set_defer_weight_grad(true);
+    std::vector<v1::StreamResponse> answers;
+    grpc::Status st = RunOneChunk(*RawStub(target), "fb", h, b, &answers);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    EXPECT_EQ(answers.back().summary().pending_grad_ids_size(), 1);
+    return answers.back().summary().pending_grad_ids(0);
+  };
+  auto commit = [&](uint64_t id, float scale, bool discard) {
+    grpc::ClientContext ctx;
+    v1::CommitGradRequest req;
+    req.set_pending_grad_id(id);
+    req.set_scale(scale);
+    req.set_discard(discard);
+    v1::CommitGradResponse resp;
+    return RawStub(group.target())->CommitGrad(&ctx, req, &resp);
+  };
+  const uint64_t dropped = deferred(group.target());
+  for (float x : GatheredGrad(group.target())) ASSERT_EQ(x, 0.0f) << "k=" << k << ": nothing before the commit";
+  ASSERT_TRUE(commit(dropped, 1.0f, /*discard=*/true).ok());
+  const uint64_t id = deferred(group.target());
+  grpc::Status st = commit(id, -0.5f, false);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  std::vector<float> want(plain.size());
+  for (size_t i = 0; i < plain.size(); ++i) want[i] = -0.5f * plain[i];
+  ExpectSame(GatheredGrad(group.target()), want, bits, 1e-5, "k=" + std::to_string(k) + ": dW of the commit");
+  EXPECT_EQ(commit(id, 1.0f, false).error_code(), grpc::StatusCode::NOT_FOUND) << "an id commits once";
+}
+
 // DESIGN: "dW never leaves its rank". A training call and an optimizer step move per-row
 // statistics and d_hidden between the ranks (and the gradient norm), never a weight-gradient shard:
 // the front's collective bytes (lce_collective_bytes_total, the same on every rank) over each stay

@@ -199,5 +199,64 @@ TEST(CudaTrainer, EngineAccumulatesIntoTheDeviceGradient) {
   for (void* ptr : {d_hidden, d_targets, d_dw, static_cast<void*>(d_lp)}) cudaFree(ptr);
 }
 
+// Pending contributions on the device: the engine accumulates into a pending buffer, which reaches
+// dW only when committed, as dW += fp32(s·P) (the CPU trainer's rounding, elementwise), or as the
+// buffer itself scaled in place where dW is zero; a released one leaves dW alone.
+TEST(CudaTrainer, PendingContributionsCommitScaled) {
+  SKIP_WITHOUT_GPU();
+  const int64_t V = 3001, H = 128, N = 64;
+  std::shared_ptr<HeadWeights> w = RandomHead(V, H, DType::kBFloat16, 31);
+  Trained t = CudaTrainer(w);
+  ASSERT_NE(t.trainer, nullptr);
+  std::mt19937 rng(32);
+  std::normal_distribution<float> normal;
+  std::vector<uint16_t> hidden(static_cast<size_t>(N * H));
+  for (uint16_t& x : hidden) x = FloatToBf16(normal(rng));
+  std::vector<int32_t> targets(N);
+  for (int64_t i = 0; i < N; ++i) targets[i] = static_cast<int32_t>((i * 197) % V);
+  void *d_hidden = nullptr, *d_targets = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_hidden, hidden.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_targets, N * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_hidden, hidden.data(), hidden.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_targets, targets.data(), N * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  const RowsView rows{d_hidden, static_cast<const int32_t*>(d_targets), N, MemorySpace::kDevice};
+  const Upstream up{GradMode::kLoss, nullptr, nullptr, nullptr};
+  const int64_t n = V * H;
+  auto dw = [&] {
+    std::vector<float> out(static_cast<size_t>(n));
+    EXPECT_TRUE(t.trainer->CopyGrad(0, V, out.data()).ok());
+    return out;
+  };
+  auto contribute = [&](uint64_t id) {
+    absl::StatusOr<float*> p = t.trainer->AcquirePending(id);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(t.engine->Compute(rows, LceOptions{}, up, {}, {nullptr, *p}).ok());
+  };
+  ASSERT_TRUE(t.trainer->ZeroGrad().ok());
+  contribute(1);
+  const std::vector<float> zero = dw();
+  for (float x : zero) ASSERT_EQ(x, 0.0f) << "nothing reaches dW before the commit";
+  ASSERT_TRUE(t.trainer->CommitPending(1, 1.0f).ok());  // into a zero dW: the buffer itself
+  const std::vector<float> p1 = dw();
+  contribute(2);
+  contribute(3);
+  t.trainer->ReleasePending(3);
+  ASSERT_TRUE(t.trainer->CommitPending(2, 0.25f).ok());
+  const std::vector<float> got = dw();
+  double norm = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float want = p1[static_cast<size_t>(i)] + 0.25f * p1[static_cast<size_t>(i)];
+    ASSERT_EQ(got[static_cast<size_t>(i)], want) << "element " << i;
+    norm += static_cast<double>(want) * want;
+  }
+  EXPECT_GT(norm, 0.0);
+  ASSERT_TRUE(t.trainer->ZeroGrad().ok());
+  contribute(4);
+  ASSERT_TRUE(t.trainer->CommitPending(4, -3.0f).ok());  // a zero dW scaled in place
+  const std::vector<float> scaled = dw();
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(scaled[static_cast<size_t>(i)], -3.0f * p1[static_cast<size_t>(i)]);
+  for (void* ptr : {d_hidden, d_targets}) cudaFree(ptr);
+}
+
 }  // namespace
 }  // namespace lce

@@ -251,5 +251,51 @@ TEST(PolicyLoss, AggregationWeights) {
   EXPECT_FLOAT_EQ(AggregationWeight(AggregationKind::kTokenMean, 0, 0, 0), 0.0f);
 }
 
+// Pending contributions (HeadTrainer::AcquirePending): handed out zero, committed as dW += s·P
+// (or the buffer itself where dW is zero), released without touching dW, and reused.
+TEST(HeadTrainerPending, CommitsScaledAndReleasesWithoutTouchingDW) {
+  auto weights = std::make_shared<HeadWeights>();
+  weights->shape = HeadShape{5, 3, DType::kFloat32, 0, 5, false};
+  weights->weight.assign(5 * 3 * 4, 0);
+  absl::StatusOr<std::shared_ptr<LceEngine>> engine = CreateEngine(Backend::kCpu, weights, EngineConfig{});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  absl::StatusOr<std::unique_ptr<HeadTrainer>> made = CreateHeadTrainer(*engine, weights, nullptr);
+  ASSERT_TRUE(made.ok()) << made.status();
+  HeadTrainer& t = **made;
+  const int64_t n = t.grad_elements();
+  auto fill = [&](uint64_t id, float base) {
+    absl::StatusOr<float*> p = t.AcquirePending(id);
+    EXPECT_TRUE(p.ok());
+    for (int64_t i = 0; i < n; ++i) EXPECT_EQ((*p)[i], 0.0f) << "a pending buffer starts zero";
+    for (int64_t i = 0; i < n; ++i) (*p)[i] = base + static_cast<float>(i);
+  };
+  auto dw = [&] {
+    std::vector<float> out(static_cast<size_t>(n));
+    EXPECT_TRUE(t.CopyGrad(0, 5, out.data()).ok());
+    return out;
+  };
+  ASSERT_TRUE(t.ZeroGrad().ok());
+  fill(7, 1.0f);
+  fill(8, 100.0f);
+  EXPECT_EQ(t.pending_count(), 2);
+  ASSERT_TRUE(t.CommitPending(7, 0.5f).ok());  // into a zero dW: the buffer, scaled in place
+  std::vector<float> g = dw();
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(g[i], 0.5f * (1.0f + i));
+  ASSERT_TRUE(t.CommitPending(8, -2.0f).ok());  // dW += s·P
+  g = dw();
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(g[i], 0.5f * (1.0f + i) + -2.0f * (100.0f + i));
+  EXPECT_EQ(t.CommitPending(8, 1.0f).code(), absl::StatusCode::kNotFound) << "an id commits once";
+  fill(9, 5.0f);  // the spare comes back zero
+  t.ReleasePending(9);
+  EXPECT_EQ(dw(), g) << "a released contribution leaves dW alone";
+  fill(10, 3.0f);
+  ASSERT_TRUE(t.CommitPending(10, 0.0f).ok());
+  EXPECT_EQ(dw(), g) << "scale 0 adds nothing";
+  EXPECT_EQ(t.pending_count(), 0);
+  EXPECT_EQ(t.pending_bytes(), n * 4) << "one spare kept";
+  EXPECT_FALSE(t.AcquirePending(0).ok()) << "id 0 is reserved";
+}
+
+
 }  // namespace
 }  // namespace lce

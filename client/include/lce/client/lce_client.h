@@ -236,6 +236,9 @@ struct ForwardBackwardResult {
   double reduced_loss = 0;
   int64_t valid_tokens = 0;
   int64_t head_version = 0;
+  // RequestHeader.defer_weight_grad: the pending weight-gradient contributions (one a stream), for
+  // CommitGrad.
+  std::vector<uint64_t> pending_grads;
 };
 
 struct BackwardResult {
@@ -278,6 +281,9 @@ class LceClient {
   // Adds or replaces a head from a safetensors file on the server, a clone, or a seed.
   absl::StatusOr<v1::HeadDescription> LoadHead(const v1::LoadHeadRequest& request);
   absl::Status ZeroGrad(const std::string& head = "");
+  // Adds a deferred request's pending weight gradient (ForwardBackwardResult.pending_grads) times
+  // `scale` (its loss's upstream gradient) to the head's dW, or drops it (`discard`). Scoring token.
+  absl::Status CommitGrad(const std::string& head, uint64_t pending_grad, float scale = 1.0f, bool discard = false);
   // The gradient accumulated by requests with accumulate_weight_grad, all shards in row order.
   absl::StatusOr<Gradient> GetGrad(const std::string& head = "");
   // One AdamW step (zero hyper-parameters take the server's defaults: OptimizerStepRequest).
@@ -312,6 +318,7 @@ class LceClient {
     double loss = 0;
     int64_t valid_tokens = 0;
     int64_t head_version = 0;
+    std::vector<uint64_t> pending_grads;
   };
   // A streaming call: on the front (training, regions), or spread over the replicas with retries
   // on UNAVAILABLE (StreamOn on each).
