@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -217,6 +218,53 @@ def test_training_calls_act_on_the_whole_job(dp_job, single, tmp_path):
         a.optimizer_step("missing", **STEP)
     assert ei.value.code == grpc.StatusCode.NOT_FOUND
     assert a.optimizer_step("t", **STEP)[1].version == 5
+
+
+def hold_head(target: str, head: str):
+    """Opens a Score stream on `head` and sends only its header: the request holds the head's version
+    (a weight change waits for it) until the returned function ends the stream."""
+    from lce_client._proto import lce_pb2 as pb, lce_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(target)
+    release = threading.Event()
+
+    def messages():
+        yield pb.StreamRequest(header=pb.RequestHeader(head=head, hidden_size=HIDDEN, dtype=pb.DTYPE_FLOAT32,
+                                                       temperature=1.0, ignore_index=-100,
+                                                       outputs=[pb.OUTPUT_LOGPROBS]))
+        release.wait(60)
+
+    answers = pb_grpc.LceServiceStub(channel).Score(messages())
+
+    def end():
+        release.set()
+        answers.cancel()
+        channel.close()
+
+    return end
+
+
+# Guards against a LoadHead that loads without the replicas' meeting (DpCall::Ready): the replicas
+# that could change would then serve the new head alone.
+def test_a_load_one_replica_cannot_get_ready_for_changes_no_replica(dp_job):
+    job = dp_job(2, 1)
+    a, b = (r.client() for r in job.replicas)
+    a.load_head("t", seeded=(VOCAB, HIDDEN, 3, "fp32"))
+    h, y = batch(0, 0)
+    before = a.score(h, y, head="t")[0]
+    # Replica 1 has a request running on "t": its weight change cannot begin before the deadline.
+    end = hold_head(job.replicas[1].target, "t")
+    try:
+        time.sleep(0.5)  # the header is in: the request holds "t"
+        with pytest.raises(lce_client.LceError) as ei:
+            lce_client.Client(job.replicas[0].target, timeout=4).load_head("t", seeded=(VOCAB, HIDDEN, 4, "fp32"))
+        assert ei.value.code in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED), ei.value
+    finally:
+        end()
+    time.sleep(1)  # the replicas' handlers have answered
+    for d, c in enumerate((a, b)):
+        assert c.info("t").head.version == 1, f"replica {d} changed the head alone"
+        assert np.array_equal(c.score(h, y, head="t")[0], before), f"replica {d} serves another head"
 
 
 @pytest.mark.parametrize("victim,ranks", [(1, "all"), (0, "all"), (1, "peer")])
