@@ -56,7 +56,7 @@ class Replica:
 class DpJob:
     """R replicas of k ranks each, started together in fresh rendezvous directories under `workdir`."""
 
-    def __init__(self, workdir: Path, replicas: int, k: int, extra=()):
+    def __init__(self, workdir: Path, replicas: int, k: int, extra=(), head=(VOCAB, HIDDEN)):
         self.replicas = []
         for d in range(replicas):
             port_file = workdir / f"front-{d}.port"
@@ -65,7 +65,7 @@ class DpJob:
                 log = open(workdir / f"replica-{d}-rank-{t}.log", "w")
                 cmd = [str(server_binary()), "--host=127.0.0.1", "--port=0", f"--port-file={port_file}",
                        "--backend=cpu", "--cpu-threads=1", "--shutdown-grace-seconds=2", "--log-requests=false",
-                       f"--seed-head={VOCAB}x{HIDDEN}", "--head-dtype=fp32", f"--seed={SEED}",
+                       f"--seed-head={head[0]}x{head[1]}", "--head-dtype=fp32", f"--seed={SEED}",
                        f"--tp-size={k}", f"--tp-rank={t}", f"--tp-rendezvous={workdir / f'tp-{d}'}",
                        f"--dp-size={replicas}", f"--dp-rank={d}", f"--dp-rendezvous={workdir / 'dp'}",
                        "--dp-timeout-seconds=10", *extra]
@@ -100,10 +100,10 @@ class DpJob:
 def dp_job(tmp_path):
     jobs = []
 
-    def start(replicas, k, extra=()):
+    def start(replicas, k, extra=(), head=(VOCAB, HIDDEN)):
         workdir = tmp_path / f"job{len(jobs)}"
         workdir.mkdir()
-        jobs.append(DpJob(workdir, replicas, k, extra))
+        jobs.append(DpJob(workdir, replicas, k, extra, head))
         return jobs[-1]
 
     yield start
@@ -265,6 +265,34 @@ def test_a_load_one_replica_cannot_get_ready_for_changes_no_replica(dp_job):
     for d, c in enumerate((a, b)):
         assert c.info("t").head.version == 1, f"replica {d} changed the head alone"
         assert np.array_equal(c.score(h, y, head="t")[0], before), f"replica {d} serves another head"
+
+
+# dW crosses between replicas in pieces of 16 << 20 floats (kPieceFloats, server/tp/dp_rank.cc): a head of
+# 4097 x 4096 has one row past the first piece. Guards against a piece loop that sums only the first
+# piece (or the wrong part of dW) past it.
+def test_dw_past_the_first_piece_is_summed_over_the_replicas(dp_job, server_factory, tmp_path):
+    vocab, hidden = 4097, 4096
+    assert vocab * hidden > 16 << 20 and (vocab - 1) * hidden == 16 << 20, "the last row is the second piece"
+    job = dp_job(2, 1, head=(vocab, hidden))
+    a, b = (r.client() for r in job.replicas)
+    ref = lce_client.Client(server_factory([f"--seed-head={vocab}x{hidden}", "--head-dtype=fp32", f"--seed={SEED}"],
+                                           name="dp_big_ref").target, timeout=120)
+    for d, c in enumerate((a, b)):
+        rng = np.random.default_rng(d)
+        h = rng.standard_normal((6, hidden)).astype(np.float32)
+        y = rng.integers(0, vocab, 6).astype(np.int32)
+        y[d] = vocab - 1  # the last row's own target: its dW row is large and differs per replica
+        c.forward_backward(h, y, reduction="sum", accumulate_weight_grad=True)
+        ref.forward_backward(h, y, reduction="sum", accumulate_weight_grad=True)
+    want = ref.get_grad()
+    b.optimizer_step(zero_grad=False, **STEP)  # replica 0 keeps the job's sum
+    got = a.get_grad()
+    np.testing.assert_allclose(got[-1], want[-1], rtol=1e-5, atol=1e-6, err_msg="the row past the first piece")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    del got, want
+    # The step both took: the same weights on both replicas, the last row included.
+    wa, wb = (saved_weight(c, tmp_path / f"big-{d}") for d, c in enumerate((a, b)))
+    assert np.array_equal(wa[-1], wb[-1]) and np.array_equal(wa, wb), "the replicas stepped differently"
 
 
 @pytest.mark.parametrize("victim,ranks", [(1, "all"), (0, "all"), (1, "peer")])
