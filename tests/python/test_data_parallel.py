@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -55,7 +56,7 @@ class Replica:
 class DpJob:
     """R replicas of k ranks each, started together in fresh rendezvous directories under `workdir`."""
 
-    def __init__(self, workdir: Path, replicas: int, k: int, extra=()):
+    def __init__(self, workdir: Path, replicas: int, k: int, extra=(), head=(VOCAB, HIDDEN)):
         self.replicas = []
         for d in range(replicas):
             port_file = workdir / f"front-{d}.port"
@@ -64,7 +65,7 @@ class DpJob:
                 log = open(workdir / f"replica-{d}-rank-{t}.log", "w")
                 cmd = [str(server_binary()), "--host=127.0.0.1", "--port=0", f"--port-file={port_file}",
                        "--backend=cpu", "--cpu-threads=1", "--shutdown-grace-seconds=2", "--log-requests=false",
-                       f"--seed-head={VOCAB}x{HIDDEN}", "--head-dtype=fp32", f"--seed={SEED}",
+                       f"--seed-head={head[0]}x{head[1]}", "--head-dtype=fp32", f"--seed={SEED}",
                        f"--tp-size={k}", f"--tp-rank={t}", f"--tp-rendezvous={workdir / f'tp-{d}'}",
                        f"--dp-size={replicas}", f"--dp-rank={d}", f"--dp-rendezvous={workdir / 'dp'}",
                        "--dp-timeout-seconds=10", *extra]
@@ -99,10 +100,10 @@ class DpJob:
 def dp_job(tmp_path):
     jobs = []
 
-    def start(replicas, k, extra=()):
+    def start(replicas, k, extra=(), head=(VOCAB, HIDDEN)):
         workdir = tmp_path / f"job{len(jobs)}"
         workdir.mkdir()
-        jobs.append(DpJob(workdir, replicas, k, extra))
+        jobs.append(DpJob(workdir, replicas, k, extra, head))
         return jobs[-1]
 
     yield start
@@ -217,6 +218,81 @@ def test_training_calls_act_on_the_whole_job(dp_job, single, tmp_path):
         a.optimizer_step("missing", **STEP)
     assert ei.value.code == grpc.StatusCode.NOT_FOUND
     assert a.optimizer_step("t", **STEP)[1].version == 5
+
+
+def hold_head(target: str, head: str):
+    """Opens a Score stream on `head` and sends only its header: the request holds the head's version
+    (a weight change waits for it) until the returned function ends the stream."""
+    from lce_client._proto import lce_pb2 as pb, lce_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(target)
+    release = threading.Event()
+
+    def messages():
+        yield pb.StreamRequest(header=pb.RequestHeader(head=head, hidden_size=HIDDEN, dtype=pb.DTYPE_FLOAT32,
+                                                       temperature=1.0, ignore_index=-100,
+                                                       outputs=[pb.OUTPUT_LOGPROBS]))
+        release.wait(60)
+
+    answers = pb_grpc.LceServiceStub(channel).Score(messages())
+
+    def end():
+        release.set()
+        answers.cancel()
+        channel.close()
+
+    return end
+
+
+# Guards against a LoadHead that loads without the replicas' meeting (DpCall::Ready): the replicas
+# that could change would then serve the new head alone.
+def test_a_load_one_replica_cannot_get_ready_for_changes_no_replica(dp_job):
+    job = dp_job(2, 1)
+    a, b = (r.client() for r in job.replicas)
+    a.load_head("t", seeded=(VOCAB, HIDDEN, 3, "fp32"))
+    h, y = batch(0, 0)
+    before = a.score(h, y, head="t")[0]
+    # Replica 1 has a request running on "t": its weight change cannot begin before the deadline.
+    end = hold_head(job.replicas[1].target, "t")
+    try:
+        time.sleep(0.5)  # the header is in: the request holds "t"
+        with pytest.raises(lce_client.LceError) as ei:
+            lce_client.Client(job.replicas[0].target, timeout=4).load_head("t", seeded=(VOCAB, HIDDEN, 4, "fp32"))
+        assert ei.value.code in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED), ei.value
+    finally:
+        end()
+    time.sleep(1)  # the replicas' handlers have answered
+    for d, c in enumerate((a, b)):
+        assert c.info("t").head.version == 1, f"replica {d} changed the head alone"
+        assert np.array_equal(c.score(h, y, head="t")[0], before), f"replica {d} serves another head"
+
+
+# dW crosses between replicas in pieces of 16 << 20 floats (kPieceFloats, server/tp/dp_rank.cc): a head of
+# 4097 x 4096 has one row past the first piece. Guards against a piece loop that sums only the first
+# piece (or the wrong part of dW) past it.
+def test_dw_past_the_first_piece_is_summed_over_the_replicas(dp_job, server_factory, tmp_path):
+    vocab, hidden = 4097, 4096
+    assert vocab * hidden > 16 << 20 and (vocab - 1) * hidden == 16 << 20, "the last row is the second piece"
+    job = dp_job(2, 1, head=(vocab, hidden))
+    a, b = (r.client() for r in job.replicas)
+    ref = lce_client.Client(server_factory([f"--seed-head={vocab}x{hidden}", "--head-dtype=fp32", f"--seed={SEED}"],
+                                           name="dp_big_ref").target, timeout=120)
+    for d, c in enumerate((a, b)):
+        rng = np.random.default_rng(d)
+        h = rng.standard_normal((6, hidden)).astype(np.float32)
+        y = rng.integers(0, vocab, 6).astype(np.int32)
+        y[d] = vocab - 1  # the last row's own target: its dW row is large and differs per replica
+        c.forward_backward(h, y, reduction="sum", accumulate_weight_grad=True)
+        ref.forward_backward(h, y, reduction="sum", accumulate_weight_grad=True)
+    want = ref.get_grad()
+    b.optimizer_step(zero_grad=False, **STEP)  # replica 0 keeps the job's sum
+    got = a.get_grad()
+    np.testing.assert_allclose(got[-1], want[-1], rtol=1e-5, atol=1e-6, err_msg="the row past the first piece")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    del got, want
+    # The step both took: the same weights on both replicas, the last row included.
+    wa, wb = (saved_weight(c, tmp_path / f"big-{d}") for d, c in enumerate((a, b)))
+    assert np.array_equal(wa[-1], wb[-1]) and np.array_equal(wa, wb), "the replicas stepped differently"
 
 
 @pytest.mark.parametrize("victim,ranks", [(1, "all"), (0, "all"), (1, "peer")])

@@ -119,6 +119,34 @@ def test_scalar_upstream_gradients(srv, case):
 
 
 @requires_torch
+def test_divisor_divides_the_loss_d_hidden_and_dw_alike(srv):
+    """divisor (Hugging Face's num_items_in_batch): the loss is sum / divisor, and d_hidden and dW are
+    the quotient's, on the first backward (the pending dW, scaled) and on a retained graph's second one
+    (recomputed with per-row upstream gradients). Guards against a divisor dropped from the forward's
+    value, its grad_loss or _recompute's per-row gradient."""
+    import torch
+
+    server, w0 = srv
+    c = lce_client.Client(server.target, timeout=60)
+    c.zero_grad()
+    W = _local(w0)
+    h, y = _rows(6)
+    hid = torch.tensor(h, requires_grad=True)
+    loss = remote_linear_cross_entropy(hid, torch.tensor(y), c, reduction="sum", divisor=37.0,
+                                       accumulate_weight_grad=True)
+    ref_h = torch.tensor(h, dtype=torch.float64, requires_grad=True)
+    ref = torch.nn.functional.cross_entropy(ref_h @ W.T, torch.tensor(y), ignore_index=-100, reduction="sum") / 37.0
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()), (loss.item(), ref.item())
+    loss.backward(retain_graph=True)
+    ref.backward(retain_graph=True)
+    np.testing.assert_allclose(hid.grad.numpy(), ref_h.grad.numpy(), rtol=1e-5, atol=1e-6)
+    loss.backward()
+    ref.backward()
+    np.testing.assert_allclose(hid.grad.numpy(), ref_h.grad.numpy(), rtol=1e-5, atol=1e-6)
+    _check(c, W)
+
+
+@requires_torch
 def test_per_token_grad_output_of_reduction_none(srv):
     """Liger-Kernel's case: reduction="none" and a random per-token grad_output (it recomputes), then a
     uniform one (the pending contribution, scaled)."""

@@ -54,5 +54,25 @@ TEST(RequestAuthenticator, ConstantTimeEquals) {
   EXPECT_TRUE(ConstantTimeEquals("", ""));
 }
 
+// A token one bit off anywhere, the first and the last byte included, is refused on both tokens'
+// paths. Guards against a compare loop that stops short of the last byte (or starts past the first).
+TEST(RequestAuthenticator, ATokenOneBitOffAtAnyByteIsRefused) {
+  const std::string scoring = "scoring-token-0123456789", admin = "admin-token-9876543210";
+  const TokenFile scoring_file("score_tok_bits", scoring), admin_file("admin_tok_bits", admin);
+  auto auth = RequestAuthenticator::FromFiles(scoring_file.path(), admin_file.path());
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  for (const std::string& token : {scoring, admin}) {
+    for (size_t i = 0; i < token.size(); ++i) {
+      for (unsigned char bit : {0x01, 0x80}) {
+        std::string off = token;
+        off[i] = static_cast<char>(off[i] ^ bit);
+        EXPECT_FALSE(ConstantTimeEquals(off, token)) << token << " byte " << i;
+        EXPECT_EQ(auth->Check("Bearer " + off, Access::kScoring).code(), absl::StatusCode::kUnauthenticated)
+            << token << " byte " << i << " bit " << int{bit};
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace lce::server

@@ -123,6 +123,31 @@ TEST_F(ValidatorTest, RowLimitIsInclusive) {
   ExpectError(v.ValidateChunk(*plan, Chunk(11), 0, 0).status(), absl::StatusCode::kResourceExhausted, "10 rows");
 }
 
+// Targets lie in [0, vocab_size): the last token passes, vocab_size itself and -1 do not, on every kind
+// of request, and whatever the ignore_index. Guards against the bound `y > vocab_size`.
+TEST_F(ValidatorTest, TargetBoundIsVocabSizeExclusive) {
+  for (RpcKind kind : {RpcKind::kScore, RpcKind::kForwardBackward, RpcKind::kBackward}) {
+    StreamRequestValidator v(kind, heads_, {});
+    v1::RequestHeader h = Header();
+    if (kind == RpcKind::kForwardBackward) h.set_num_valid_tokens(4);
+    for (int32_t ignore : {-100, 7}) {
+      h.set_ignore_index(ignore);
+      auto plan = v.ValidateHeader(h);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      v1::RowChunk c = Chunk(4);
+      if (kind == RpcKind::kBackward) {
+        for (int i = 0; i < 4; ++i) c.add_grad_logprob(1.0f);
+      }
+      c.set_targets(3, 49);
+      EXPECT_TRUE(v.ValidateChunk(*plan, c, 0, 0).ok()) << "the last token";
+      c.set_targets(3, 50);
+      ExpectError(v.ValidateChunk(*plan, c, 0, 0).status(), absl::StatusCode::kInvalidArgument, "row 3: target 50");
+      c.set_targets(3, -1);
+      ExpectError(v.ValidateChunk(*plan, c, 0, 0).status(), absl::StatusCode::kInvalidArgument, "row 3: target -1");
+    }
+  }
+}
+
 v1::RequestHeader PolicyHeader(v1::RequestHeader h, std::vector<int64_t> sequence_valid_tokens) {
   v1::PolicyLossOptions* p = h.mutable_policy();
   p->set_clip_low(0.2f);

@@ -90,5 +90,28 @@ TEST(ShmFaultGuardDeathTest, AFaultOutsideEveryWatchedMappingStillKills) {
   EXPECT_FALSE(lost.load());
 }
 
+// The watched range is [base, base + len): the first byte past it belongs to whatever follows (here
+// the unwatched rest of the same mapping), whose fault must still kill. Guards against the range check
+// `addr > end` (the handler "rescues" the byte past the end, the access faults again forever: a hang,
+// which the alarm turns into SIGALRM).
+TEST(ShmFaultGuardDeathTest, AFaultOneBytePastAWatchedRangeStillKills) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        alarm(10);
+        int fd = memfd_create("lce-guard-edge", 0);
+        ASSERT_EQ(ftruncate(fd, 2 * kBytes), 0);
+        void* m = mmap(nullptr, 2 * kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        ASSERT_NE(m, MAP_FAILED);
+        volatile uint8_t* v = static_cast<uint8_t*>(m);
+        std::atomic<bool> lost{false};
+        WatchSharedMapping(m, kBytes, &lost);  // the first half only
+        ASSERT_EQ(ftruncate(fd, 0), 0);
+        if (v[kBytes - 1] != 0 || !lost.load()) _exit(1);  // the last watched byte is rescued
+        (void)v[kBytes];
+      },
+      testing::KilledBySignal(SIGBUS), "");
+}
+
 }  // namespace
 }  // namespace lce::server
