@@ -284,3 +284,16 @@ def assert_close(got, want, *, rtol, atol, what=""):
 
 # Tolerances for d_hidden by dtype: it is rounded to the dtype on the way back.
 GRAD_RTOL = {"fp32": 1e-5, "bf16": 1.2e-2, "fp16": 2e-3}
+
+
+def serve_weight(client, weight, name: str) -> None:
+    """The server's head `name` := a torch weight [vocab, hidden] of fp32 / bf16 / fp16 (LoadHead of that
+    shape and dtype, then UpdateWeights with the exact values), as a peer project's test initialises its
+    own head; its gradient starts at zero."""
+    import torch
+
+    V, H = weight.shape
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[weight.dtype]
+    client.load_head(name, seeded=(V, H, 0, dtype))
+    client.update_weights(weight.detach().cpu().contiguous(), head=name)
+    client.zero_grad(head=name)

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 import lce_client  # noqa: E402
 import lce_client.rl as rl  # noqa: E402
-from conftest import Server  # noqa: E402
+from conftest import Server, serve_weight  # noqa: E402
 
 TEMPERATURE = 1.5  # verl's TestLinearCrossEntropy default
 # (T, H, V): small stand-ins for verl's five cases (odd sizes on purpose: the CPU engine's tails)
@@ -76,10 +76,8 @@ def backward_inputs(T, dtype, seed):
 
 
 def serve(client, weight, name):
-    """The server's head := verl's weight (LoadHead of that shape and dtype, then UpdateWeights)."""
-    V, H = weight.shape
-    client.load_head(name, seeded=(V, H, 0, {torch.float32: "fp32", torch.bfloat16: "bf16"}[weight.dtype]))
-    client.update_weights(weight.detach().contiguous(), head=name)
+    """The server's head := verl's weight; linear_cross_entropy's default head is it."""
+    serve_weight(client, weight, name)
     rl.set_head(client, head=name)
 
 
