@@ -297,3 +297,14 @@ def serve_weight(client, weight, name: str) -> None:
     client.load_head(name, seeded=(V, H, 0, dtype))
     client.update_weights(weight.detach().cpu().contiguous(), head=name)
     client.zero_grad(head=name)
+
+
+def own_server_client(workdir, name: str, timeout: float = 120):
+    """Generator for module fixtures: a server of the module's own (a placeholder 8x8 head; the tests
+    load theirs with serve_weight) and a client of it; the server stops after."""
+    srv = Server(["--seed-head=8x8", "--head-dtype=fp32"], workdir, name)
+    try:
+        with lce_client.Client(srv.target, timeout=timeout) as c:
+            yield c
+    finally:
+        srv.stop()

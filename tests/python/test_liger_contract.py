@@ -30,8 +30,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-import lce_client  # noqa: E402
-from conftest import Server, serve_weight  # noqa: E402
+from conftest import own_server_client, serve_weight  # noqa: E402
 from lce_client.torch import remote_linear_cross_entropy  # noqa: E402
 
 HEAD = "liger"
@@ -44,12 +43,7 @@ NO_BIAS = "bias: the service's heads have no bias"
 
 @pytest.fixture(scope="module")
 def client(workdir):
-    srv = Server(["--seed-head=8x8", "--head-dtype=fp32"], workdir, "liger")
-    try:
-        with lce_client.Client(srv.target, timeout=300) as c:
-            yield c
-    finally:
-        srv.stop()
+    yield from own_server_client(workdir, "liger")
 
 
 def skip_unless(*missing):

@@ -23,9 +23,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import lce_client  # noqa: E402
 import lce_client.rl as rl  # noqa: E402
-from conftest import Server, serve_weight  # noqa: E402
+from conftest import own_server_client, serve_weight  # noqa: E402
 
 TEMPERATURE = 1.5  # verl's TestLinearCrossEntropy default
 # (T, H, V): small stand-ins for verl's five cases (odd sizes on purpose: the CPU engine's tails)
@@ -35,12 +34,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @pytest.fixture(scope="module")
 def client(workdir):
-    srv = Server(["--seed-head=8x8", "--head-dtype=fp32"], workdir, "verl")
-    try:
-        with lce_client.Client(srv.target, timeout=120) as c:
-            yield c
-    finally:
-        srv.stop()
+    yield from own_server_client(workdir, "verl")
 
 
 def run_torch_entropy(hidden, weight, labels, temperature, reduction="none"):
