@@ -284,3 +284,27 @@ def assert_close(got, want, *, rtol, atol, what=""):
 
 # Tolerances for d_hidden by dtype: it is rounded to the dtype on the way back.
 GRAD_RTOL = {"fp32": 1e-5, "bf16": 1.2e-2, "fp16": 2e-3}
+
+
+def serve_weight(client, weight, name: str) -> None:
+    """The server's head `name` := a torch weight [vocab, hidden] of fp32 / bf16 / fp16 (LoadHead of that
+    shape and dtype, then UpdateWeights with the exact values), as a peer project's test initialises its
+    own head; its gradient starts at zero."""
+    import torch
+
+    V, H = weight.shape
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[weight.dtype]
+    client.load_head(name, seeded=(V, H, 0, dtype))
+    client.update_weights(weight.detach().cpu().contiguous(), head=name)
+    client.zero_grad(head=name)
+
+
+def own_server_client(workdir, name: str, timeout: float = 120):
+    """Generator for module fixtures: a server of the module's own (a placeholder 8x8 head; the tests
+    load theirs with serve_weight) and a client of it; the server stops after."""
+    srv = Server(["--seed-head=8x8", "--head-dtype=fp32"], workdir, name)
+    try:
+        with lce_client.Client(srv.target, timeout=timeout) as c:
+            yield c
+    finally:
+        srv.stop()

@@ -34,18 +34,21 @@ def test_verl_linear_cross_entropy_matches_reference(fp32, reduction):
         ref = reference(fp32.w64, hidden.detach().double().reshape(-1, HIDDEN).numpy(), labels.reshape(-1),
                         temperature=0.8)
         valid = ref["valid"]
+        assert ent.shape == (labels.numel(),)  # verl's kernel: per flattened token, whatever the reduction
+        want_ent = ref["entropy"]
         if reduction == "none":
-            assert lp.shape == labels.shape and ent.shape == labels.shape
-            want_lp, want_ent = ref["logprobs"].reshape(labels.shape), ref["entropy"].reshape(labels.shape)
-            upstream = torch.linspace(-1, 1, labels.numel()).reshape(labels.shape)
+            assert lp.shape == (labels.numel(),)
+            want_lp = ref["logprobs"]
+            upstream = torch.linspace(-1, 1, labels.numel())
             (lp * upstream).sum().backward()
-            (ref["logprobs"] * upstream.reshape(-1).double()).sum().backward()
+            (ref["logprobs"] * upstream.double()).sum().backward()
         else:
+            assert lp.shape == ()
             n = valid.sum() if reduction == "mean" else 1
             want_lp = ref["logprobs"].sum() / n
-            want_ent = (ref["entropy"] * valid).sum() / n
-            (lp - 0.1 * ent).backward()
-            (want_lp - 0.1 * want_ent).backward()
+            g_ent = torch.linspace(-0.5, 0.5, labels.numel())
+            (lp - (0.1 * ent * g_ent).sum()).backward()
+            (want_lp - (0.1 * ref["entropy"] * g_ent.double()).sum()).backward()
         assert_close(lp.detach(), want_lp.detach(), rtol=2e-6, atol=2e-5, what="logprobs")
         assert_close(ent.detach(), want_ent.detach(), rtol=2e-6, atol=2e-5, what="entropy")
         assert_close(hidden.grad.reshape(-1, HIDDEN), ref["h"].grad, rtol=1e-5, atol=1e-6, what="d_hidden")

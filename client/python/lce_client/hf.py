@@ -46,6 +46,8 @@ Training the head (`train_head`):
   optimizer then steps `lm_head.weight` with the rest of the model, and `rh.push_weights()` sends the new
   weight to the server (UpdateWeights) before the next forward. This trains exactly as the unpatched
   model does, tied embeddings included, at the price of moving dW and W each step.
+* In a `transformers.Trainer`: `callbacks=[rh.trainer_callback()]` makes these calls at the Trainer's
+  optimizer steps (gradient accumulation and evaluation loops included; see `RemoteHead.trainer_callback`).
 
 Tied embeddings (`config.tie_word_embeddings`, `lm_head.weight is embed_tokens.weight`): the tie stays in
 the local model (one Parameter), and the server holds a copy of it. The head's share of the tied
@@ -162,12 +164,71 @@ class RemoteHead:
         with torch.no_grad():
             self.weight.copy_(torch.from_numpy(w).to(self.weight.device, self.weight.dtype))
 
+    def trainer_callback(self):
+        """A ``transformers.TrainerCallback`` that drives ``train_head`` inside a ``Trainer``::
+
+            rh = apply_remote_head(model, client, head="lm", train_head="server")   # or "local"
+            trainer = Trainer(model, args, ..., callbacks=[rh.trainer_callback()])
+
+        The Trainer's own steps then train the head as they train the local model: each micro-batch's
+        backward commits its dW (scaled as HF scales the loss: ``/ num_items_in_batch`` or
+        ``/ gradient_accumulation_steps``), evaluation batches (run under no_grad) add nothing, and at
+        each optimizer step
+          * ``"local"``: before ``optimizer.step()``, ``collect_grad()`` puts the server's dW into
+            ``lm_head.weight.grad`` (the Trainer's optimizer steps it with the rest), after it
+            ``push_weights()`` sends the new weight back;
+          * ``"server"``: after ``optimizer.step()``, ``optimizer_step`` on the server with the learning rate
+            and weight decay of the optimizer's parameter group that holds ``lm_head.weight`` (the
+            scheduler's current lr) and the Trainer's ``adam_beta1/2`` and ``adam_epsilon``: AdamW on the
+            server as the Trainer's AdamW (``optim="adamw_torch"``) would step the head.
+        ``max_grad_norm > 0`` is refused at ``on_train_begin``: the Trainer clips the global norm before
+        any callback runs, so the norm would leave the head's gradient out (set ``max_grad_norm=0``). The
+        Trainer's logged ``grad_norm`` leaves it out too."""
+        from transformers import TrainerCallback
+
+        rh = self
+        if rh.train_head is None:
+            raise ValueError("trainer_callback drives train_head='server' or 'local'; this head is frozen "
+                             "(train_head=None) and needs no callback")
+
+        class RemoteHeadCallback(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                if args.max_grad_norm and args.max_grad_norm > 0:
+                    raise ValueError(f"max_grad_norm={args.max_grad_norm}: the Trainer clips before a callback "
+                                     "can bring in the remote head's gradient, so the clipping norm would leave "
+                                     "the head out; pass max_grad_norm=0 with lce_client.hf's train_head")
+
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                if rh.train_head == "local":
+                    rh.collect_grad()
+
+            def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+                if rh.train_head == "local":
+                    rh.push_weights()
+                    return
+                group = _group_of(optimizer, rh.weight)
+                rh.optimizer_step(lr=float(group["lr"]), beta1=args.adam_beta1, beta2=args.adam_beta2,
+                                  eps=args.adam_epsilon, weight_decay=float(group.get("weight_decay", 0.0)))
+
+        return RemoteHeadCallback()
+
     def remove(self) -> None:
         """Restores the model's own forward."""
         if self._orig_forward is None:
             self.model.__dict__.pop("forward", None)
         else:
             self.model.forward = self._orig_forward
+
+
+def _group_of(optimizer, param) -> dict:
+    """The optimizer's parameter group that holds `param` (the Trainer puts lm_head.weight in its decay
+    group even when it never gets a local gradient); the first group if none does."""
+    if optimizer is None:
+        raise ValueError("the Trainer passed no optimizer to the callback")
+    for group in optimizer.param_groups:
+        if any(p is param for p in group["params"]):
+            return group
+    return optimizer.param_groups[0]
 
 
 class _nullctx:

@@ -9,16 +9,29 @@
       from lce_client.rl import linear_cross_entropy
       lce_client.rl.set_head(client, head="policy")          # once: which server and head to use
 
+  Shapes as verl's kernel: ``hidden`` [..., T, H] (verl: [1, T, H] or [T, H]) and ``labels`` [..., T] are
+  flattened to the token dimension, so ``entropy`` is [N] (N = all tokens) whatever the reduction, and
+  ``logprobs`` is [N] for ``reduction="none"`` and a scalar for "sum" / "mean"; the backward takes
+  upstream gradients of those shapes (verl's test: ``g_logprobs``, ``g_entropy`` of shape [N]) and
+  returns d_hidden shaped like ``hidden``. "mean" divides by the valid tokens (verl's kernel: by all
+  tokens; the same where no label is ``ignore_index``, which verl's kernel has no notion of).
+
   The **weight argument is checked, not used**: the logits are those of the head the server serves. Its
   shape must be the served head's ``[vocab, hidden]`` (with a ``dist_process_group`` of k ranks: a
   vocab shard ``[vocab / k, hidden]``, verl's tensor-parallel layout), or a ValueError names both; its
   values are not compared (keep the server's head equal to it: ``Client.update_weights``, or
-  ``lce_client.hf.apply_remote_head``). ``weight=None`` skips the check. The weight gets no gradient
-  (``d_weight`` is None): train the head on the server (``remote_policy_loss(...,
-  accumulate_weight_grad=True)`` + ``Client.optimizer_step``) or keep it frozen. ``dist_process_group``
-  is not used for communication: the server holds the whole head, so each rank gets the whole answer.
-  ``reduction``: "none" (per token, shaped like labels), "sum" or "mean" (over the tokens, as verl's
-  kernel); ``ignore_index`` (-100) rows get logprob 0 and are left out of "sum" / "mean".
+  ``lce_client.hf.apply_remote_head``). ``weight=None`` skips the check.
+  **The weight gets no gradient** (verl's kernel returns ``d_weight``; this one does not): the weight is
+  not an input of the op, so ``torch.autograd.grad(..., (hidden, weight))`` as verl's test writes it
+  raises "appears to not have been used in the graph" (``allow_unused=True`` gives None), and an
+  optimizer skips the weight. It cannot be given exactly: the Backward RPC that takes the logprob and
+  entropy upstream gradients accumulates no dW on the server, and the entropy's gradient is not a loss
+  that ForwardBackward (which does accumulate dW) can express. Train the head on the server with a loss
+  it can express (``remote_policy_loss(..., accumulate_weight_grad=True)`` + ``Client.optimizer_step``,
+  or ``lce_client.torch.remote_linear_cross_entropy``) or keep it frozen. ``dist_process_group`` is not
+  used for communication: the server holds the whole head, so each rank gets the whole answer.
+  ``ignore_index`` (-100) rows get logprob 0 and are left out of "sum" / "mean" (their entropy is
+  still computed).
 * ``per_token_logps(model, input_ids, attention_mask, logits_to_keep, ...)`` — TRL's
   ``GRPOTrainer._get_per_token_logps_and_entropies``: the logprobs (and entropies) of the last
   ``logits_to_keep`` tokens of each sequence under a Hugging Face causal LM whose head is on the server,
@@ -71,24 +84,32 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: Optional[torch.Tensor], l
                          dist_process_group=None, *, client: Optional[Client] = None, head: Optional[str] = None,
                          softcap: Optional[float] = None, ignore_index: int = -100,
                          **_ignored) -> Tuple[torch.Tensor, torch.Tensor]:
-    """verl's fused linear cross-entropy, served remotely: (logprobs, entropy). See the module docstring
-    for the weight (checked against the served head's shape, never used) and the process group.
-    Extra keywords of verl's function (e.g. impl_backend) are accepted and ignored."""
+    """verl's fused linear cross-entropy, served remotely: (logprobs, entropy) over the flattened tokens
+    (entropy [N] always; logprobs [N], or a scalar for "sum" / "mean"). See the module docstring for the
+    shapes, the weight (checked against the served head's shape, never used, and given no gradient:
+    d_weight is None) and the process group. Extra keywords of verl's function (e.g. impl_backend) are
+    accepted and ignored."""
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     client = client or _default["client"] or get_default_client()
     head = head if head is not None else _default["head"]
     _check_weight(client, head, weight, dist_process_group)
-    lp, ent = remote_logprobs(hidden, labels, client, temperature=1.0 if temperature is None else temperature,
-                              softcap=softcap, ignore_index=ignore_index, head=head)
+    # verl's kernel views hidden as [N, H] and labels as [N] and answers per flattened token.
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    if flat_labels.shape[0] != flat_hidden.shape[0]:
+        raise ValueError(f"labels of shape {tuple(labels.shape)} for hidden states {tuple(hidden.shape)}: "
+                         f"{flat_labels.shape[0]} labels for {flat_hidden.shape[0]} tokens")
+    lp, ent = remote_logprobs(flat_hidden, flat_labels, client,
+                              temperature=1.0 if temperature is None else temperature, softcap=softcap,
+                              ignore_index=ignore_index, head=head)
     if reduction == "none":
         return lp, ent
-    valid = (labels != ignore_index).to(lp.device)
-    lp_sum, ent_sum = lp.sum(), (ent * valid).sum()
+    # As verl's kernel: only the logprobs are reduced; the entropy stays per token.
     if reduction == "sum":
-        return lp_sum, ent_sum
-    n = valid.sum().clamp(min=1)
-    return lp_sum / n, ent_sum / n
+        return lp.sum(), ent
+    n = (flat_labels != ignore_index).sum().clamp(min=1).to(lp.device)
+    return lp.sum() / n, ent
 
 
 def per_token_logps(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], logits_to_keep: int,

@@ -1,0 +1,283 @@
+"""Liger-Kernel's fused linear cross-entropy test, case by case, against the remote head.
+
+Source read: linkedin/Liger-Kernel, test/transformers/test_fused_linear_cross_entropy.py at ead96b618e5c
+(last changed in 9ac26bb82226, "Fix wrong grad_weight/grad_bias ... reduction='none'"), its reference
+CrossEntropyWithZLoss in test/transformers/test_cross_entropy.py and liger_fused_linear_cross_entropy's
+signature in src/liger_kernel/transformers/functional.py (input, weight, target, bias, ce_weight,
+ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss, accum_dtype,
+use_token_scaling, return_token_accuracy, return_predicted_tokens; no temperature). Their file is not
+vendored: each of their test functions has a counterpart here of the same name that builds their inputs
+(torch.rand weights, randn inputs, random ignore_index rows), runs their ground truth (TorchLMHeadCE:
+F.linear in the dtype, to fp32, softcap, CrossEntropyWithZLoss; restated below) and, where they call
+Liger, calls lce_client.torch.remote_linear_cross_entropy with the server's head set to their weight
+(Client.update_weights) and accumulate_weight_grad=True; their weight.grad is the server's dW
+(Client.get_grad). Their tolerances, their element-wise check (assert_verbose_allclose: |ref - got| <=
+atol + rtol * |got|).
+
+Liger's mapping: lse_square_scale is our z_loss (added to the loss, as in CrossEntropyWithZLoss);
+label_smoothing, ignore_index (any value, 42 included), softcap and reduction are ours. Cases the
+service cannot express skip, naming the feature: a bias, ce_weight (class weights), return_z_loss (the
+z-loss as its own output), return_token_accuracy, return_predicted_tokens, use_token_scaling. Their
+large shape (B, T, H, V) = (8, 128, 1024, 4096) runs with LCE_LIGER_LARGE=1 (2-3 s a case on one
+CPU thread; CI runs their "random shape" (4, 47, 31, 123)).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+from conftest import own_server_client, serve_weight  # noqa: E402
+from lce_client.torch import remote_linear_cross_entropy  # noqa: E402
+
+HEAD = "liger"
+LARGE = pytest.param(8, 128, 1024, 4096, marks=pytest.mark.skipif(
+    not os.environ.get("LCE_LIGER_LARGE"), reason="Liger's large shape: 2-3 s a case on one CPU thread, about "
+    "30 cases, too slow for CI; set LCE_LIGER_LARGE=1 to run it"))
+SHAPES = [LARGE, (4, 47, 31, 123)]
+NO_BIAS = "bias: the service's heads have no bias"
+
+
+@pytest.fixture(scope="module")
+def client(workdir):
+    yield from own_server_client(workdir, "liger")
+
+
+def skip_unless(*missing):
+    """Skips naming every feature in `missing` that a case needs (pairs of (needed, name))."""
+    names = [name for needed, name in missing if needed]
+    if names:
+        pytest.skip("the service cannot express " + "; ".join(names))
+
+
+def cross_entropy_with_z_loss(logits, targets, *, lse_square_scale=0.0, reduction="mean", ignore_index=-100,
+                              label_smoothing=0.0):
+    """Liger's CrossEntropyWithZLoss (weight None, return_z_loss False), same operations."""
+    logits = logits.to(torch.float32)
+    target_mask = targets != ignore_index
+    ce_loss = F.cross_entropy(logits, targets, reduction=reduction, label_smoothing=label_smoothing,
+                              ignore_index=ignore_index)
+    lse = torch.logsumexp(logits, dim=-1)
+    z_loss = torch.where(targets != ignore_index, lse_square_scale * (lse ** 2), 0.0)
+    if reduction == "mean":
+        z_loss = z_loss.sum() / target_mask.sum()
+    elif reduction == "sum":
+        z_loss = z_loss.sum()
+    return ce_loss.to(torch.float32) + z_loss.to(torch.float32)
+
+
+def torch_lm_head_ce(x, weight, y, *, softcap=None, **ce):
+    """Liger's TorchLMHeadCE.forward (no bias): linear in the inputs' dtype, fp32, softcap, CE + z-loss."""
+    logits = F.linear(x, weight).to(torch.float32)
+    if softcap is not None and softcap != 0.0:
+        logits = softcap * torch.tanh(logits / softcap)
+    return cross_entropy_with_z_loss(logits, y, **ce)
+
+
+def remote_lm_head_ce(client, x, y, *, lse_square_scale=0.0, softcap=None, **kw):
+    """Where Liger's test calls LigerFusedLinearCrossEntropyLoss(weight, x, y): the server's head."""
+    return remote_linear_cross_entropy(x, y, client, z_loss=lse_square_scale, softcap=softcap, head=HEAD,
+                                       accumulate_weight_grad=True, **kw)
+
+
+def assert_verbose_allclose(ref, got, *, atol, rtol, what=""):
+    """Liger's test.utils check: element-wise |ref - got| <= atol + rtol * |got| (in float64 here)."""
+    ref, got = torch.as_tensor(ref).detach().double(), torch.as_tensor(got).detach().double()
+    assert ref.shape == got.shape, f"{what}: shape {tuple(ref.shape)} != {tuple(got.shape)}"
+    excess = (ref - got).abs() - (atol + rtol * got.abs())
+    assert bool((excess <= 0).all()), f"{what}: {int((excess > 0).sum())} elements past atol={atol} rtol={rtol}, " \
+                                      f"max |diff| {(ref - got).abs().max().item():.3g}"
+
+
+def with_ignored(target, ignore_index, g):
+    """Liger's 'some random number of elements as ignore_index'."""
+    n = target.numel()
+    k = int(torch.randint(1, n // 2, (1,), generator=g))
+    target[torch.randperm(n, generator=g)[:k]] = ignore_index
+    return target
+
+
+def check_case(client, *, B, T, H, V, dtype, reduction, atol, rtol, seed, grad_output=None, weight=None,
+               target=None, x=None, **opts):
+    """Their fixture of one test: the same weight in both heads, the same inputs, loss, input gradient and
+    weight gradient compared; grad_output: the loss's upstream gradient (default ones_like)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.rand(V, H, generator=g, dtype=torch.float32).to(dtype) if weight is None else weight
+    serve_weight(client, weight, HEAD)
+    x = (torch.randn(B * T, H, generator=g, dtype=torch.float32).to(dtype)) if x is None else x
+    if target is None:
+        target = with_ignored(torch.randint(0, V, (B * T,), generator=g), opts.get("ignore_index", -100), g)
+    x1, x2 = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    w1 = weight.detach().clone().requires_grad_(True)
+    output1 = torch_lm_head_ce(x1, w1, target, reduction=reduction, **opts)
+    output2 = remote_lm_head_ce(client, x2, target, reduction=reduction, **opts)
+    assert_verbose_allclose(output1, output2, atol=atol, rtol=rtol, what="loss")
+    grad_output = torch.ones_like(output1) if grad_output is None else grad_output
+    output1.backward(gradient=grad_output)
+    output2.backward(gradient=grad_output)
+    assert_verbose_allclose(x1.grad, x2.grad, atol=atol, rtol=rtol, what="input grad")
+    assert_verbose_allclose(w1.grad, torch.from_numpy(client.get_grad(head=HEAD)), atol=atol, rtol=rtol,
+                            what="weight grad (the server's dW)")
+
+
+REDUCTIONS = [("mean", 1.0, torch.bfloat16, 5e-3, 5e-2), ("mean", 1.0, torch.float32, 1e-5, 5e-4),
+              ("sum", 1.0, torch.bfloat16, 5e-0, 5e1), ("sum", 1.0, torch.float32, 1e-3, 5e-2)]
+# Liger's two option rows (has_ce_weight, label_smoothing, ignore_index, lse_square_scale, softcap,
+# return_z_loss, accum_dtype), and their second row without the two things the service lacks (class
+# weights, the z-loss as its own output): label smoothing, ignore_index 42, z-loss in the loss, softcap.
+OPTIONS = [(False, 0, -100, 0, None, False, None), (True, 0.1, 42, 1e-4, 30.0, True, torch.float32),
+           pytest.param(False, 0.1, 42, 1e-4, 30.0, False, torch.float32, id="row2-without-ce_weight-z_output")]
+
+
+def _options_case(fn):
+    fn = pytest.mark.parametrize("has_ce_weight, label_smoothing, ignore_index, lse_square_scale, softcap, "
+                                 "return_z_loss, accum_dtype", OPTIONS)(fn)
+    fn = pytest.mark.parametrize("bias", [True, False])(fn)
+    fn = pytest.mark.parametrize("reduction, scalar, dtype, atol, rtol", REDUCTIONS)(fn)
+    return pytest.mark.parametrize("B, T, H, V", SHAPES)(fn)
+
+
+@_options_case
+def test_correctness(client, B, T, H, V, scalar, dtype, bias, has_ce_weight, lse_square_scale, label_smoothing,
+                     ignore_index, reduction, softcap, return_z_loss, accum_dtype, atol, rtol):
+    """accum_dtype (Liger's gradient accumulation dtype) needs nothing: the server accumulates in fp32."""
+    skip_unless((bias, NO_BIAS), (has_ce_weight, "ce_weight (class weights)"),
+                (return_z_loss, "return_z_loss (the z-loss as its own output)"))
+    check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction=reduction, atol=atol, rtol=rtol, seed=B + V,
+               lse_square_scale=lse_square_scale, label_smoothing=label_smoothing, ignore_index=ignore_index,
+               softcap=softcap)
+
+
+@_options_case
+def test_correctness_with_forward_only(client, B, T, H, V, scalar, dtype, bias, has_ce_weight, lse_square_scale,
+                                       label_smoothing, ignore_index, reduction, softcap, return_z_loss,
+                                       accum_dtype, atol, rtol):
+    """Under no_grad: the same loss, an output that cannot be backpropagated ("does not require grad"),
+    and (our contract) nothing added to the head's gradient."""
+    skip_unless((bias, NO_BIAS), (has_ce_weight, "ce_weight (class weights)"),
+                (return_z_loss, "return_z_loss (the z-loss as its own output)"))
+    g = torch.Generator().manual_seed(B + V + 1)
+    weight = torch.rand(V, H, generator=g).to(dtype)
+    serve_weight(client, weight, HEAD)
+    x = torch.randn(B * T, H, generator=g).to(dtype)
+    target = with_ignored(torch.randint(0, V, (B * T,), generator=g), ignore_index, g)
+    opts = dict(reduction=reduction, lse_square_scale=lse_square_scale, label_smoothing=label_smoothing,
+                ignore_index=ignore_index, softcap=softcap)
+    x2 = x.clone().requires_grad_(True)
+    with torch.no_grad():
+        output1 = torch_lm_head_ce(x, weight, target, **opts)
+        output2 = remote_lm_head_ce(client, x2, target, **opts)
+        assert_verbose_allclose(output1, output2, atol=atol, rtol=rtol, what="loss")
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        output2.backward(gradient=torch.rand_like(output1))
+    assert not client.get_grad(head=HEAD).any(), "a no_grad forward added to the head's gradient"
+
+
+@pytest.mark.parametrize("B, T, H, V", [(2, 2, 8, 8), (9, 7, 41, 41)])
+@pytest.mark.parametrize("scalar, dtype, atol, rtol",
+                         [(1.0, torch.bfloat16, 5e-3, 5e-2), (1.0, torch.float32, 1e-5, 5e-4)])
+@pytest.mark.parametrize("ce_weight", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_correctness_functional(client, B, T, H, V, scalar, dtype, bias, ce_weight, atol, rtol):
+    """Theirs compares liger_fused_linear_cross_entropy with LigerFusedLinearCrossEntropyFunction (both
+    Liger, return_z_loss=True, a randn scalar grad_output). The z-loss output is not ours to give, so
+    the case is skipped; what it also covers (a randn scalar upstream gradient through every option,
+    randn weights) is run against their ground truth in test_functional_options_loss_and_gradients."""
+    skip_unless((bias, NO_BIAS), (ce_weight, "ce_weight (class weights)"),
+                (True, "return_z_loss (the z-loss as its own output), which this case compares"))
+
+
+@pytest.mark.parametrize("B, T, H, V", [(2, 2, 8, 8), (9, 7, 41, 41)])
+@pytest.mark.parametrize("dtype, atol, rtol", [(torch.bfloat16, 5e-3, 5e-2), (torch.float32, 1e-5, 5e-4)])
+def test_functional_options_loss_and_gradients(client, B, T, H, V, dtype, atol, rtol):
+    """test_correctness_functional's inputs and options (randn weight, lse_square_scale 1e-4,
+    label_smoothing 0.1, softcap 30, mean) and its randn scalar grad_output, the loss and both
+    gradients against their ground truth."""
+    g = torch.Generator().manual_seed(B * V)
+    x = torch.randn(B * T, H, generator=g).to(dtype)
+    weight = torch.randn(V, H, generator=g).to(dtype)
+    target = torch.randint(0, V, (B * T,), generator=g)
+    check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction="mean", atol=atol, rtol=rtol, seed=0, x=x,
+               weight=weight, target=target, grad_output=torch.randn((), generator=g), lse_square_scale=1e-4,
+               label_smoothing=0.1, softcap=30.0)
+
+
+@pytest.mark.parametrize("B, T, H, V", SHAPES)
+@pytest.mark.parametrize("reduction, scalar, dtype, atol, rtol", REDUCTIONS[:2])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("return_token_accuracy", [True, False])
+def test_correctness_with_token_accuracy(client, B, T, H, V, scalar, dtype, bias, return_token_accuracy, reduction,
+                                         atol, rtol):
+    """With return_token_accuracy=False their case is the plain loss: run. True: skipped."""
+    skip_unless((bias, NO_BIAS), (return_token_accuracy, "return_token_accuracy (token accuracy output)"))
+    check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction=reduction, atol=atol, rtol=rtol, seed=B * T)
+
+
+@pytest.mark.parametrize("B, T, H, V", SHAPES)
+@pytest.mark.parametrize("bias, cast_dtype, atol, rtol",
+                         [(True, torch.bfloat16, 5e-3, 5e-2), (True, torch.float16, 5e-3, 5e-2),
+                          (False, torch.bfloat16, 5e-3, 5e-2), (False, torch.float16, 5e-3, 5e-2)])
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32])
+def test_amp(client, B, T, H, V, bias, cast_dtype, accum_dtype, atol, rtol):
+    """fp32 head and inputs under torch.autocast (CPU here): their ground truth's linear runs in the cast
+    dtype, the server's head in fp32; accum_dtype needs nothing (fp32 accumulation)."""
+    skip_unless((bias, NO_BIAS))
+    g = torch.Generator().manual_seed(V + int(cast_dtype == torch.float16))
+    weight = torch.rand(V, H, generator=g)
+    serve_weight(client, weight, HEAD)
+    x = torch.randn(B * T, H, generator=g)
+    target = torch.randint(0, V, (B * T,), generator=g)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    w1 = weight.clone().requires_grad_(True)
+    with torch.autocast(device_type="cpu", dtype=cast_dtype):
+        output1 = torch_lm_head_ce(x1, w1, target)
+        output2 = remote_lm_head_ce(client, x2, target)
+    assert_verbose_allclose(output1, output2, atol=atol, rtol=rtol, what="loss")
+    with torch.autocast(device_type="cpu", dtype=cast_dtype):
+        output1.backward()
+        output2.backward()
+    assert_verbose_allclose(x1.grad, x2.grad, atol=atol, rtol=rtol, what="input grad")
+    assert_verbose_allclose(w1.grad, torch.from_numpy(client.get_grad(head=HEAD)), atol=atol, rtol=rtol,
+                            what="weight grad (the server's dW)")
+
+
+@pytest.mark.parametrize("name", ["test_correctness_token_scaling", "test_correctness_token_scaling_consistency",
+                                  "test_correctness_token_scaling_functional",
+                                  "test_correctness_token_scaling_module", "test_token_scaling_with_ignore_index"])
+def test_token_scaling(name):
+    """Their five use_token_scaling tests: each token's loss times its detached predicted probability."""
+    skip_unless((True, f"{name}: use_token_scaling (loss scaled by the predicted probability)"))
+
+
+@pytest.mark.parametrize("return_z_loss, return_token_accuracy",
+                         [(False, False), (True, False), (False, True), (True, True)])
+def test_liger_fused_linear_cross_entropy_structured_output(return_z_loss, return_token_accuracy):
+    """Their hand-written 3x2 head has a bias in every variant."""
+    skip_unless((True, NO_BIAS), (return_z_loss, "return_z_loss (the z-loss as its own output)"),
+                (return_token_accuracy, "return_token_accuracy (token accuracy output)"))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("ignore_index", [-100, 2])
+def test_correctness_with_predicted_tokens(bias, ignore_index):
+    skip_unless((bias, NO_BIAS), (True, "return_predicted_tokens (the argmax token of each row)"))
+
+
+@pytest.mark.parametrize("B, T, H, V", [(2, 16, 32, 64), (1, 32, 64, 128)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 1e-4, 1e-4)])
+def test_correctness_reduction_none_per_token_grad_output(client, B, T, H, V, bias, dtype, atol, rtol):
+    """reduction="none" with a non-uniform per-token grad_output: dW = sum_i grad_output[i] * (g_i outer
+    x_i). Their regression test for a kernel that scaled every row by grad_output[0]; here the server's
+    dW (a recompute with grad_loss = grad_output, docs/MATH.md) against their torch_ref."""
+    skip_unless((bias, NO_BIAS))
+    g = torch.Generator().manual_seed(42 + V)
+    x = torch.randn(B * T, H, generator=g, dtype=dtype) * 0.1
+    weight = torch.randn(V, H, generator=g, dtype=dtype) * 0.1
+    target = torch.randint(0, V, (B * T,), generator=g)
+    grad_output = torch.rand(B * T, generator=g, dtype=dtype) + 0.5
+    check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction="none", atol=atol, rtol=rtol, seed=0, x=x,
+               weight=weight, target=target, grad_output=grad_output)
