@@ -93,7 +93,7 @@ absl::Status HeadTrainer::ZeroGrad() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<float*> HeadTrainer::AcquirePending(uint64_t id) {
+absl::StatusOr<float*> HeadTrainer::AcquirePending(uint64_t id, bool zeroed) {
   if (id == 0) return absl::InvalidArgumentError("pending gradient id 0 is reserved");
   if (auto it = pending_.find(id); it != pending_.end()) return it->second->data();
   std::unique_ptr<GradBuffer> buf = std::move(spare_);
@@ -104,7 +104,7 @@ absl::StatusOr<float*> HeadTrainer::AcquirePending(uint64_t id) {
     buf = std::move(*made);
     zero = false;
   }
-  if (!zero) {
+  if (!zero && zeroed) {
     if (absl::Status s = Zero(buf->data()); !s.ok()) {
       spare_ = std::move(buf);
       spare_zero_ = false;

@@ -449,8 +449,9 @@ absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, con
     PushTile(subtrees, std::move(node));
     // dW_tile[nv, H] += dA_t[nv, rows] · h[rows, H]: each element sums the rows in order.
     if (grads.d_weight != nullptr) {
+      // A fresh d_weight is written by the first block (each element's sum starts from 0 either way).
       cpu::FixedOrderGemm(nv, H, nr, {ws.z_t.data(), kRowBlock, 1}, ws.h.data(), H,
-                          grads.d_weight + v0 * H, H, /*accumulate=*/true, threads_);
+                          grads.d_weight + v0 * H, H, /*accumulate=*/!(grads.d_weight_fresh && r0 == 0), threads_);
     }
   }
   if (absl::Status s = CombineDHidden(std::move(subtrees), cols, ws); !s.ok()) return s;
@@ -468,6 +469,9 @@ absl::Status CpuEngine::Compute(const RowsView& rows, const LceOptions& o, const
   if (absl::Status s = CheckCall(rows, o); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(mu_);
   const bool backward = up.mode != GradMode::kNone;
+  if (grads.d_weight != nullptr && grads.d_weight_fresh && (!backward || rows.rows == 0)) {
+    std::fill(grads.d_weight, grads.d_weight + shape_.shard_rows * shape_.hidden_size, 0.0f);  // no block writes it
+  }
   if (ws_ == nullptr) ws_ = std::make_unique<Workspace>(shape_.hidden_size, Tile());
   Workspace& ws = *ws_;
   std::vector<TilePartial> parts;

@@ -475,7 +475,7 @@ class CudaEngine final : public LceEngine {
   absl::Status FastDHidden(Scratch& s, int64_t nr, const int32_t* y, int32_t ignore_index, bool tf32,
                            const GemmPlace& place);
   absl::Status FastGradsBeside(Scratch& s, const void* h, int64_t nr, const int32_t* y, int32_t ignore_index,
-                               float* d_weight, bool tf32, bool trace);
+                               float* d_weight, float dw_beta, bool tf32, bool trace);
 
   std::shared_ptr<const HeadWeights> weights_;
   HeadShape shape_;
@@ -555,9 +555,24 @@ absl::Status CudaEngine::BadTarget(const RowsView& rows, const LceOptions& o, un
 absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, const Upstream& up,
                                  const RowOutputs& out, const GradOutputs& grads) {
   if (absl::Status s = CheckCall(rows, o, up); !s.ok()) return s;
-  if (rows.rows == 0) return absl::OkStatus();
   std::lock_guard<std::mutex> lock(mu_);
   LCE_CUDA_CHECK(cudaSetDevice(config_.device));
+  // A fresh d_weight (GradOutputs::d_weight_fresh) is written by the first row block's dW products
+  // (beta 0); where no device product covers it (no rows, no backward, host d_weight's slabs), it is
+  // zeroed first.
+  const bool dw_fresh_in = grads.d_weight != nullptr && grads.d_weight_fresh;
+  const bool dw_products = rows.rows > 0 && up.mode != GradMode::kNone && rows.space == MemorySpace::kDevice;
+  if (dw_fresh_in && !dw_products) {
+    const size_t dw_bytes = static_cast<size_t>(shape_.shard_rows * shape_.hidden_size) * sizeof(float);
+    if (rows.space == MemorySpace::kHost) {
+      std::memset(grads.d_weight, 0, dw_bytes);
+    } else {
+      LCE_CUDA_CHECK(cudaMemsetAsync(grads.d_weight, 0, dw_bytes, stream_));
+      LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+  }
+  const bool dw_fresh = dw_fresh_in && dw_products;
+  if (rows.rows == 0) return absl::OkStatus();
 
   const int64_t N = rows.rows;
   const int64_t H = shape_.hidden_size;
@@ -664,6 +679,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   };
   for (int64_t r0 = 0; r0 < N; r0 += R) {
     const int64_t nr = std::min(R, N - r0);
+    const float dw_beta = dw_fresh && r0 == 0 ? 0.0f : 1.0f;  // the first block writes a fresh d_weight
     // Inputs of this block, on the device.
     const void* h = static_cast<const uint8_t*>(rows.hidden) + r0 * H * esz;
     const int32_t* y = rows.targets + r0;
@@ -833,14 +849,14 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
       // dW += qᵀ · (s ⊙ h) − scatter(t ⊙ h);  d_hidden = s ⊙ (q · W) − t ⊙ W[y].
       if (trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[2], stream_));
       if (layout.side) {
-        LCE_CUDA_CHECK(FastGradsBeside(s, h, nr, y, o.ignore_index, grads.d_weight, tf32, trace));
+        LCE_CUDA_CHECK(FastGradsBeside(s, h, nr, y, o.ignore_index, grads.d_weight, dw_beta, tf32, trace));
       } else {
         if (grads.d_weight != nullptr) {
           LCE_CUDA_CHECK(LaunchScaleRows(h, nr, H, s.info, s.h_scaled, stream_));
           if (host) {
             LCE_CUDA_CHECK(host_dw_slabs(s.h_scaled, h, y, nr, /*fast_targets=*/true));
           } else {
-            LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, Vs, nr, s.h_scaled, dt, H, s.store, dt, lds_, 1.0f,
+            LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, Vs, nr, s.h_scaled, dt, H, s.store, dt, lds_, dw_beta,
                                 grads.d_weight, CUDA_R_32F, H, tf32));
             LCE_CUDA_CHECK(LaunchScatterTargetDW(grads.d_weight, nr, H, s.info, h, y, o.ignore_index,
                                                  shape_.vocab_begin, Vs, s.target_order, s.target_order_bytes,
@@ -898,7 +914,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
         LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvHandoff], 0));
         // dW[v0:v0+nc, H] += dA[nr, v0:v0+nc]ᵀ · h[nr, H]   (column-major: [H, nc] += h · dAᵀ)
         LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, nc, nr, h, dt, H, static_cast<uint8_t*>(s.store) + v0 * sesz,
-                            dt, lds_, 1.0f, grads.d_weight + v0 * H, CUDA_R_32F, H, tf32));
+                            dt, lds_, dw_beta, grads.d_weight + v0 * H, CUDA_R_32F, H, tf32));
       }
     }
     LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvHandoff], 0));
@@ -1019,13 +1035,14 @@ absl::Status CudaEngine::FastDHidden(Scratch& s, int64_t nr, const int32_t* y, i
 // bench/NOTES.md, e10). Both only read s.store, s.info, h and W. dW's algorithm is chosen before d_hidden's
 // product is queued: its timing runs write s.dh (tune_scratch_) and must run alone.
 absl::Status CudaEngine::FastGradsBeside(Scratch& s, const void* h, int64_t nr, const int32_t* y,
-                                         int32_t ignore_index, float* d_weight, bool tf32, bool trace) {
+                                         int32_t ignore_index, float* d_weight, float dw_beta, bool tf32,
+                                         bool trace) {
   const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows;
   const cudaDataType_t dt = CudaType(shape_.dtype);
   LCE_CUDA_CHECK(LaunchScaleRows(h, nr, H, s.info, s.h_scaled, stream_));
   const auto dw = [&](const GemmPlace& place) {
-    return Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, Vs, nr, s.h_scaled, dt, H, s.store, dt, lds_, 1.0f, d_weight, CUDA_R_32F,
-                H, tf32, false, 0, false, false, place);
+    return Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, Vs, nr, s.h_scaled, dt, H, s.store, dt, lds_, dw_beta, d_weight,
+                CUDA_R_32F, H, tf32, false, 0, false, false, place);
   };
   LCE_CUDA_CHECK(dw(GemmPlace{nullptr, nullptr, /*prepare_only=*/true}));
   LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], stream_));

@@ -25,7 +25,8 @@ absl::StatusOr<LceService::Contribution> LceService::BeginContribution(const Ser
   }
   ReleaseContributions(head, *dropped);
   const uint64_t id = t.pending.Begin(head.version);
-  absl::StatusOr<float*> buffer = (*trainer)->AcquirePending(id);
+  // Unzeroed: the request's first engine call writes it (GradOutputs::d_weight_fresh).
+  absl::StatusOr<float*> buffer = (*trainer)->AcquirePending(id, /*zeroed=*/false);
   if (!buffer.ok()) {
     t.pending.Take(id).IgnoreError();
     return buffer.status();

@@ -236,14 +236,17 @@ grpc::Status StreamedRequest::Prepare(InFlightChunk& c) {
     c.grads.d_hidden = dh->data();
   }
   if (plan_->accumulate_weight_grad) {
-    // dW goes into the request's own pending buffer, made at its first chunk.
-    if (contribution_.id == 0) {
+    // dW goes into the request's own pending buffer, made at its first chunk, whose engine call
+    // writes it (the buffer comes unzeroed; engine calls run in chunk order, pipelined or not).
+    const bool first = contribution_.id == 0;
+    if (first) {
       absl::StatusOr<LceService::Contribution> made = service_.BeginContribution(*plan_->head);
       if (!made.ok()) return ChunkError(c, made.status());
       contribution_ = *made;
     }
     c.grads.d_weight = contribution_.d_weight;
     c.grads.d_weight_pending = contribution_.id;
+    c.grads.d_weight_fresh = first;
   }
   // ValidateChunk checked every target: the engine need not check them again.
   c.view = RowsView{c.hidden, chunk.targets().data(), n, MemorySpace::kHost, /*targets_checked=*/true};

@@ -16,7 +16,7 @@ enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kS
 namespace {
 
 constexpr uint32_t kMagic = 0x4c434533;  // "LCE3": this layout of the control block
-enum Flags : uint32_t { kGradLoss = 1, kGradLogprob = 2, kGradEntropy = 4, kAccumulateWeightGrad = 8 };
+enum Flags : uint32_t { kGradLoss = 1, kGradLogprob = 2, kGradEntropy = 4, kAccumulateWeightGrad = 8, kFreshWeightGrad = 16 };
 enum Slot : int { kControl, kHidden, kTargets, kGradLossSlot, kGradLogprobSlot, kGradEntropySlot,
                   kOutLogprob, kOutEntropy, kOutLse, kOutLoss, kOutDHidden, kScalars, kPiece };
 enum class SourceKind : uint32_t { kFile = 1, kSeeded = 2, kClone = 3 };
@@ -213,7 +213,7 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   c.rows = rows.rows;
   c.mode = static_cast<uint32_t>(up.mode);
   c.flags = (up.grad_loss ? kGradLoss : 0) | (up.grad_logprob ? kGradLogprob : 0) | (up.grad_entropy ? kGradEntropy : 0) |
-            (grads.d_weight ? kAccumulateWeightGrad : 0);
+            (grads.d_weight ? kAccumulateWeightGrad : 0) | (grads.d_weight && grads.d_weight_fresh ? kFreshWeightGrad : 0);
   c.pending = grads.d_weight_pending;
   c.temperature = o.temperature;
   c.softcap = o.softcap;
@@ -256,6 +256,7 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   }
   GradOutputs dev_grads;
   dev_grads.d_weight = grads.d_weight;
+  dev_grads.d_weight_fresh = grads.d_weight_fresh;
   if (grads.d_hidden != nullptr) {
     absl::StatusOr<void*> p = staging_->Buffer(kOutDHidden, n * row_bytes);
     if (!p.ok()) return p.status();
@@ -537,10 +538,12 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
   if (c.flags & kAccumulateWeightGrad) {
     absl::StatusOr<HeadTrainer*> t = Trainer(head);
     if (!t.ok()) return t.status();  // this rank's dW would be missing: leave the group
-    absl::StatusOr<float*> d_weight = c.pending != 0 ? (*t)->AcquirePending(c.pending) : (*t)->grad();
+    const bool fresh = (c.flags & kFreshWeightGrad) != 0 && c.pending != 0;
+    absl::StatusOr<float*> d_weight = c.pending != 0 ? (*t)->AcquirePending(c.pending, /*zeroed=*/!fresh) : (*t)->grad();
     if (!d_weight.ok()) return d_weight.status();
     grads.d_weight = *d_weight;
     grads.d_weight_pending = c.pending;
+    grads.d_weight_fresh = fresh;
   }
   if (up.mode != GradMode::kNone) {
     // The d_hidden all-reduce inside the engine needs every rank; the front keeps the result.

@@ -4,9 +4,12 @@
 // the engine accumulates dW into the trainer's device buffer. Every test skips (GTEST_SKIP, with a message) where no CUDA device is visible.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -256,6 +259,65 @@ TEST(CudaTrainer, PendingContributionsCommitScaled) {
   const std::vector<float> scaled = dw();
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(scaled[static_cast<size_t>(i)], -3.0f * p1[static_cast<size_t>(i)]);
   for (void* ptr : {d_hidden, d_targets}) cudaFree(ptr);
+}
+
+// GradOutputs::d_weight_fresh on the GPU: over a NaN-filled buffer the call writes dW (beta 0 in the
+// first row block's products), as accumulating into zeros does, on the fast loss path with
+// and without d_hidden beside it and on the general path (label smoothing), over several row blocks
+// (a small workspace).
+TEST(CudaTrainer, FreshWeightGradientOverwritesWhatWasThere) {
+  SKIP_WITHOUT_GPU();
+  const int64_t V = 2053, H = 128, N = 3000;
+  std::shared_ptr<HeadWeights> w = RandomHead(V, H, DType::kBFloat16, 41);
+  EngineConfig config;
+  config.workspace_bytes = int64_t{40} << 20;  // ~34 MB fixed, then row blocks of a few hundred rows
+  absl::StatusOr<std::unique_ptr<LceEngine>> e = CreateEngine(Backend::kCuda, w, config);
+  ASSERT_TRUE(e.ok()) << e.status();
+  std::mt19937 rng(42);
+  std::normal_distribution<float> normal;
+  std::vector<uint16_t> hidden(static_cast<size_t>(N * H));
+  for (uint16_t& x : hidden) x = FloatToBf16(normal(rng));
+  std::vector<int32_t> targets(N);
+  for (int64_t i = 0; i < N; ++i) targets[i] = i % 11 == 0 ? -100 : static_cast<int32_t>((i * 389) % V);
+  void *d_hidden = nullptr, *d_targets = nullptr, *d_dh = nullptr;
+  float *zeroed = nullptr, *fresh = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_hidden, hidden.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_targets, N * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_dh, N * H * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&zeroed, V * H * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&fresh, V * H * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_hidden, hidden.data(), hidden.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_targets, targets.data(), N * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  const RowsView rows{d_hidden, static_cast<const int32_t*>(d_targets), N, MemorySpace::kDevice};
+  const Upstream up{GradMode::kLoss, nullptr, nullptr, nullptr};
+  LceOptions smoothing;
+  smoothing.label_smoothing = 0.1f;
+  for (auto [options, dh, what] : {std::tuple{LceOptions{}, false, "fast path"}, std::tuple{LceOptions{}, true, "fast path, d_hidden beside"},
+                                   std::tuple{smoothing, true, "general path"}}) {
+    ASSERT_EQ(cudaMemset(zeroed, 0, V * H * 4), cudaSuccess);
+    ASSERT_EQ(cudaMemset(fresh, 0xff, V * H * 4), cudaSuccess);  // NaN
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    GradOutputs g{dh ? d_dh : nullptr, zeroed};
+    ASSERT_TRUE((*e)->Compute(rows, options, up, {}, g).ok()) << what;
+    g.d_weight = fresh;
+    g.d_weight_fresh = true;
+    ASSERT_TRUE((*e)->Compute(rows, options, up, {}, g).ok()) << what;
+    std::vector<float> a(static_cast<size_t>(V * H)), b(a.size());
+    ASSERT_EQ(cudaMemcpy(a.data(), zeroed, a.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(b.data(), fresh, b.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    // The first block's products run with beta 0, which cuBLASLt tunes as a shape of its own: the same
+    // sums, maybe another algorithm, so rounding may differ (not NaN, not garbage).
+    double scale = 0, err = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(b[i])) << what << ", element " << i << " kept what was there";
+      scale = std::max(scale, std::abs(static_cast<double>(a[i])));
+      err = std::max(err, std::abs(static_cast<double>(b[i]) - a[i]));
+    }
+    EXPECT_GT(scale, 0.0);
+    EXPECT_LE(err, 1e-5 * scale) << what;
+    std::printf("%s: max |fresh - accumulated| %.3g of max |dW| %.3g\n", what, err, scale);
+  }
+  for (void* ptr : {d_hidden, d_targets, d_dh, static_cast<void*>(zeroed), static_cast<void*>(fresh)}) cudaFree(ptr);
 }
 
 }  // namespace

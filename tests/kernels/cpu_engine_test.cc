@@ -403,5 +403,25 @@ TEST(Numeric, HalfConversionsRoundToNearestEven) {
   }
 }
 
+// GradOutputs::d_weight_fresh: a call over a buffer of garbage (NaN) writes dW there, the same bits as
+// accumulating into zeros, over several row blocks (the first writes, the rest add); a call without
+// rows or a backward zeroes it.
+TEST(CpuEngine, FreshWeightGradientOverwritesWhatWasThere) {
+  Case c = MakeCase(300, 16, 257, DType::kBFloat16, 21);
+  c.ref.mode = GradMode::kLoss;
+  auto e = Engine(c);
+  const RowsView rows{c.hidden.data(), c.ref.targets.data(), c.ref.rows, MemorySpace::kHost};
+  const Upstream up{GradMode::kLoss, nullptr, nullptr, nullptr};
+  std::vector<float> zeroed(257 * 16, 0.0f), fresh(257 * 16, kPoison);
+  ASSERT_TRUE(e->Compute(rows, LceOptions{}, up, {}, {nullptr, zeroed.data()}).ok());
+  GradOutputs g{nullptr, fresh.data()};
+  g.d_weight_fresh = true;
+  ASSERT_TRUE(e->Compute(rows, LceOptions{}, up, {}, g).ok());
+  EXPECT_EQ(std::memcmp(fresh.data(), zeroed.data(), zeroed.size() * 4), 0);
+  std::fill(fresh.begin(), fresh.end(), kPoison);
+  ASSERT_TRUE(e->Compute(rows, LceOptions{}, Upstream{}, {}, g).ok());
+  for (float v : fresh) ASSERT_EQ(v, 0.0f) << "a forward-only call still writes a fresh dW";
+}
+
 }  // namespace
 }  // namespace lce

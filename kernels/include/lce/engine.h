@@ -72,6 +72,10 @@ struct GradOutputs {
   // The trainer's pending contribution d_weight belongs to (HeadTrainer::AcquirePending), for
   // engines that pass the call on to a group's other ranks, which accumulate into theirs.
   uint64_t d_weight_pending = 0;
+  // d_weight's contents are undefined (a pending buffer handed out unzeroed): the call writes its dW
+  // there (=) instead of adding to it, every element, which saves zeroing the buffer and reading it
+  // in the first product. Undefined again when the call fails.
+  bool d_weight_fresh = false;
 };
 
 // The per-row outputs ("logprob", "entropy", "lse", "loss", "d_hidden", "d_weight") whose bits do

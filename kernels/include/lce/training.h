@@ -108,10 +108,11 @@ class HeadTrainer {
   absl::Status ZeroGrad();
 
   // The pending buffer of contribution `id` (> 0), for GradOutputs::d_weight of the engine calls of
-  // one request: all zeros when first handed out, the same buffer for the same id after that. A
-  // freed buffer is kept for the next contribution (one spare), so a loop of forwards and backwards
-  // allocates nothing. RESOURCE_EXHAUSTED when the memory is not there.
-  absl::StatusOr<float*> AcquirePending(uint64_t id);
+  // one request: all zeros when first handed out, or, with `zeroed` false, undefined (the request's
+  // first engine call then writes it: GradOutputs::d_weight_fresh); the same buffer for the same id
+  // after that. A freed buffer is kept for the next contribution (one spare), so a loop of forwards
+  // and backwards allocates nothing. RESOURCE_EXHAUSTED when the memory is not there.
+  absl::StatusOr<float*> AcquirePending(uint64_t id, bool zeroed = true);
   // dW += scale × pending(id), in fp32, then the buffer is freed. Into a dW known to be zero with
   // scale 1 the buffer becomes dW (no pass over memory); scale 0 adds nothing. NOT_FOUND: no such id.
   absl::Status CommitPending(uint64_t id, float scale);
