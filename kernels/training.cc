@@ -139,6 +139,36 @@ absl::Status HeadTrainer::CommitPending(uint64_t id, float scale) {
   return s;
 }
 
+absl::StatusOr<float*> HeadTrainer::FindPending(uint64_t id) {
+  auto it = pending_.find(id);
+  if (it == pending_.end()) return absl::NotFoundError(absl::StrCat("no pending gradient ", id));
+  return it->second->data();
+}
+
+namespace {
+
+absl::Status CheckShardRows(const HeadShape& shape, int64_t first_row, int64_t rows) {
+  if (first_row < 0 || rows < 0 || first_row + rows > shape.shard_rows) {
+    return absl::OutOfRangeError(absl::StrCat("gradient rows [", first_row, ", ", first_row + rows,
+                                              ") are outside the shard's ", shape.shard_rows));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status HeadTrainer::CopyGrad(int64_t first_row, int64_t rows, float* host) {
+  if (absl::Status s = CheckShardRows(shape_, first_row, rows); !s.ok()) return s;
+  return CopyRows(grad_data(), first_row, rows, host);
+}
+
+absl::Status HeadTrainer::CopyPending(uint64_t id, int64_t first_row, int64_t rows, float* host) {
+  absl::StatusOr<float*> p = FindPending(id);
+  if (!p.ok()) return p.status();
+  if (absl::Status s = CheckShardRows(shape_, first_row, rows); !s.ok()) return s;
+  return CopyRows(*p, first_row, rows, host);
+}
+
 void HeadTrainer::ReleasePending(uint64_t id) {
   auto it = pending_.find(id);
   if (it == pending_.end()) return;
@@ -169,15 +199,6 @@ class CpuHeadTrainer final : public HeadTrainer {
       out.sums.push_back(SquaredNorm(grad_data() + r0 * shape_.hidden_size, (tiles.RowEnd(i) - r0) * shape_.hidden_size));
     }
     return out;
-  }
-  absl::Status CopyGrad(int64_t first_row, int64_t rows, float* host) override {
-    if (first_row < 0 || rows < 0 || first_row + rows > shape_.shard_rows) {
-      return absl::OutOfRangeError(absl::StrCat("gradient rows [", first_row, ", ", first_row + rows,
-                                                ") are outside the shard's ", shape_.shard_rows));
-    }
-    std::memcpy(host, grad_data() + first_row * shape_.hidden_size,
-                static_cast<size_t>(rows * shape_.hidden_size) * sizeof(float));
-    return absl::OkStatus();
   }
 
   absl::Status PrepareStep() override {
@@ -234,6 +255,10 @@ class CpuHeadTrainer final : public HeadTrainer {
   absl::Status AddScaled(float* y, const float* x, float s) override {
     const int64_t n = grad_elements();
     for (int64_t i = 0; i < n; ++i) y[i] += s * x[i];
+    return absl::OkStatus();
+  }
+  absl::Status CopyRows(const float* buffer, int64_t first_row, int64_t rows, float* host) override {
+    std::memcpy(host, buffer + first_row * shape_.hidden_size, static_cast<size_t>(rows * shape_.hidden_size) * sizeof(float));
     return absl::OkStatus();
   }
 

@@ -56,17 +56,6 @@ class CudaHeadTrainer final : public HeadTrainer {
     return out;
   }
 
-  absl::Status CopyGrad(int64_t first_row, int64_t rows, float* host) override {
-    if (first_row < 0 || rows < 0 || first_row + rows > shape_.shard_rows) {
-      return absl::OutOfRangeError(absl::StrCat("gradient rows [", first_row, ", ", first_row + rows,
-                                                ") are outside the shard's ", shape_.shard_rows));
-    }
-    LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
-    LCE_CUDA_CHECK(cudaMemcpyAsync(host, grad_data() + first_row * shape_.hidden_size,
-                                   static_cast<size_t>(rows * shape_.hidden_size) * 4, cudaMemcpyDeviceToHost, stream_));
-    return Sync();
-  }
-
   absl::Status PrepareStep() override {
     if (master_ != nullptr) return absl::OkStatus();
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
@@ -140,6 +129,12 @@ class CudaHeadTrainer final : public HeadTrainer {
   absl::Status AddScaled(float* y, const float* x, float s) override {
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     LCE_CUDA_CHECK(LaunchScaleAdd(y, x, s, grad_elements(), stream_));
+    return Sync();
+  }
+  absl::Status CopyRows(const float* buffer, int64_t first_row, int64_t rows, float* host) override {
+    LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
+    LCE_CUDA_CHECK(cudaMemcpyAsync(host, buffer + first_row * shape_.hidden_size,
+                                   static_cast<size_t>(rows * shape_.hidden_size) * 4, cudaMemcpyDeviceToHost, stream_));
     return Sync();
   }
 

@@ -203,7 +203,11 @@ grpc::Status LceService::ZeroGrad(grpc::ServerContext* ctx, const v1::ZeroGradRe
 grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequest* req,
                                  grpc::ServerWriter<v1::TensorChunk>* writer) {
   return Recorded("GetGrad", ctx, [&]() -> grpc::Status {
-    if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
+    // A pending contribution is its client's (who alone knows its id); dW is the head's.
+    const uint64_t pending = req->pending_grad_id();
+    if (absl::Status s = Authenticate(ctx, pending != 0 ? Access::kScoring : Access::kAdmin); !s.ok()) {
+      return ToGrpcStatus(s);
+    }
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
     if (!head.ok()) return ToGrpcStatus(head.status());
     const HeadShape& shape = (*head)->shard_engine->shape();
@@ -214,6 +218,13 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
     std::lock_guard<std::mutex> lock((*head)->training->mu);
     absl::StatusOr<HeadTrainer*> trainer = TrainerOf(**head);
     if (!trainer.ok()) return ToGrpcStatus(trainer.status());
+    if (pending != 0) {
+      const PendingGrads::Entry* e = (*head)->training->pending.Find(pending);
+      if (e == nullptr || e->filling) {
+        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("no finished pending weight gradient ", pending,
+                                                             " on head '", (*head)->name, "'")));
+      }
+    }
     v1::TensorChunk chunk;
     chunk.set_cols(H);
     chunk.set_rows_total(shape.vocab_size);
@@ -234,11 +245,13 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
     for (int64_t r0 = 0; r0 < shape.shard_rows; r0 += rows_per_chunk) {  // this rank's shard first
       const int64_t n = std::min(rows_per_chunk, shape.shard_rows - r0);
       piece.resize(static_cast<size_t>(n * H));
-      if (absl::Status s = (*trainer)->CopyGrad(r0, n, piece.data()); !s.ok()) return ToGrpcStatus(s);
+      absl::Status s = pending != 0 ? (*trainer)->CopyPending(pending, r0, n, piece.data())
+                                    : (*trainer)->CopyGrad(r0, n, piece.data());
+      if (!s.ok()) return ToGrpcStatus(s);
       if (absl::Status s = send(shape.vocab_begin + r0, n, piece.data()); !s.ok()) return ToGrpcStatus(s);
     }
     if (config_.tp_group != nullptr) {  // then the peers' shards, in rank order
-      return ToGrpcStatus(config_.tp_group->GatherPeerGrads((*head)->name, shape, send));
+      return ToGrpcStatus(config_.tp_group->GatherPeerGrads((*head)->name, shape, send, pending));
     }
     return grpc::Status::OK;
   });

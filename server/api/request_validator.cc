@@ -46,8 +46,8 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
   const bool is_fb = rpc_ == RpcKind::kForwardBackward;
   const bool is_pl = rpc_ == RpcKind::kPolicyLoss;
   if (h.has_policy() && !is_pl) return absl::InvalidArgumentError("header.policy applies to PolicyLoss only");
-  if (h.accumulate_weight_grad() && !is_fb && !is_pl) {
-    return absl::InvalidArgumentError("accumulate_weight_grad applies to ForwardBackward and PolicyLoss only");
+  if (h.accumulate_weight_grad() && !is_fb && !is_pl && rpc_ != RpcKind::kBackward) {
+    return absl::InvalidArgumentError("accumulate_weight_grad applies to ForwardBackward, PolicyLoss and Backward only");
   }
   plan.accumulate_weight_grad = h.accumulate_weight_grad();
   if (h.defer_weight_grad() && !h.accumulate_weight_grad()) {

@@ -449,7 +449,7 @@ grpc::Status StreamedRequest::Answer(InFlightChunk& c) {
   }
   c.hidden_slice = {};
   c.dh_slice = {};
-  const bool last = !(is_fb_ || is_pl_) && c.index == last_chunk_.load();
+  const bool last = !SummaryFollows() && c.index == last_chunk_.load();
   bool written = false;
   grpc::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read an answer"), [&] {
     return Timed(&RequestWork::write_wait_seconds,
@@ -521,7 +521,8 @@ grpc::Status StreamedRequest::EndContribution() {
 }
 
 grpc::Status StreamedRequest::SendSummary() {
-  if (!(is_fb_ || is_pl_)) return grpc::Status::OK;
+  // A Backward's summary carries its weight gradient's outcome (and its pending id, deferred).
+  if (!SummaryFollows()) return grpc::Status::OK;
   v1::StreamResponse resp;
   v1::RequestSummary* sum = resp.mutable_summary();
   sum->set_rows(rows_seen_);
@@ -532,7 +533,7 @@ grpc::Status StreamedRequest::SendSummary() {
     // The mean's denominator is the declared count; for a whole request it equals valid_seen.
     const int64_t denom = plan_->partial ? plan_->declared_valid_tokens : valid_seen_;
     sum->set_loss(plan_->reduction == v1::REDUCTION_MEAN ? (denom > 0 ? loss_sum_ / denom : 0.0) : loss_sum_);
-  } else {
+  } else if (is_pl_) {
     const double t = std::max<int64_t>(policy_sums_.tokens, 1);
     sum->set_loss(policy_sums_.loss);
     sum->set_clip_fraction(policy_sums_.clipped / t);

@@ -101,6 +101,9 @@ class StreamedRequest {
   grpc::Status Finish();
   grpc::Status CheckDeclaredCounts() const;
   grpc::Status SendSummary();
+  // ForwardBackward and PolicyLoss end with a summary, and so does a Backward that adds dW (its
+  // pending id, deferred).
+  bool SummaryFollows() const { return is_fb_ || is_pl_ || (is_bw_ && plan_->accumulate_weight_grad); }
   grpc::Status ChunkError(const InFlightChunk& c, const absl::Status& s) const;
   // The request's pending dW committed (or, deferred, handed to CommitGrad) once its rows are done.
   grpc::Status EndContribution();

@@ -325,10 +325,12 @@ absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version
 }
 
 absl::Status TpGroup::GatherPeerGrads(const std::string& head, const HeadShape& shape,
-                                      const std::function<absl::Status(int64_t, int64_t, const float*)>& sink) {
+                                      const std::function<absl::Status(int64_t, int64_t, const float*)>& sink,
+                                      uint64_t pending) {
   return Locked<absl::Status>([&]() -> absl::Status {
     TpControl c;
     c.op = TpOp::kGetGrad;
+    c.pending = pending;
     if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
     if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
     const int64_t H = shape.hidden_size;
@@ -583,12 +585,15 @@ absl::Status TpPeer::OnGetGrad(const TpControl& c) {
   if (!trainer.ok()) return trainer.status();
   const HeadShape& shape = (*trainer)->shape();
   const int64_t H = shape.hidden_size;
+  // dW, or a pending contribution the front found in its book (every rank holds its shard of it).
+  absl::StatusOr<float*> source = c.pending != 0 ? (*trainer)->FindPending(c.pending) : (*trainer)->grad();
+  if (!source.ok()) return source.status();  // this rank no longer follows the front
   for (int r = 1; r < comm_.world_size(); ++r) {  // every peer's turn; ours broadcasts our dW in place
     const VocabRange range = VocabShard(shape.vocab_size, r, comm_.world_size());
     absl::Status s = ForEachPiece(range.end - range.begin, H * 4, [&](int64_t r0, int64_t n) -> absl::Status {
       void* data = nullptr;
       if (r == comm_.rank()) {
-        data = (*trainer)->grad() + r0 * H;
+        data = *source + r0 * H;
       } else {
         absl::StatusOr<void*> buf = staging_.Buffer(kPiece, n * H * 4);
         if (!buf.ok()) return buf.status();

@@ -91,10 +91,12 @@ class TpGroup {
   absl::StatusOr<ShardStep> Step(const std::string& head, int64_t version, int64_t vocab_size,
                                  absl::StatusOr<HeadTrainer*> front, const AdamWParams& params, float max_grad_norm,
                                  GradReducer* dp = nullptr);
-  // The peers' dW shards, in rank order, to sink(first_row, rows, data) in pieces. A sink error stops
+  // The peers' dW shards (or of pending contribution `pending`), in rank order, to sink(first_row, rows,
+  // data) in pieces. A sink error stops
   // the sinking, not the transfer (the peers finish theirs), and is returned.
   absl::Status GatherPeerGrads(const std::string& head, const HeadShape& shape,
-                               const std::function<absl::Status(int64_t, int64_t, const float*)>& sink);
+                               const std::function<absl::Status(int64_t, int64_t, const float*)>& sink,
+                               uint64_t pending = 0);
   // Every rank writes its shard of `head`'s current weight, at `version`, into `dir` (head_source.h,
   // WriteHeadShard).
   absl::Status Save(const std::string& head, int64_t version, const std::string& dir,

@@ -302,3 +302,32 @@ def test_pending_contributions_are_bounded(server_factory_module):
         c.commit_grad(ids[-1])
     assert e.value.code == grpc.StatusCode.NOT_FOUND and "expired" in str(e.value)
     assert not np.any(c.get_grad())
+
+
+@requires_torch
+def test_losses_on_logprobs_and_entropy_train_the_head(srv):
+    """remote_logprobs(accumulate_weight_grad=True): any loss written in torch on the logprobs and
+    entropy (here a policy-gradient term and an entropy bonus, scaled) gives the head autograd's dW,
+    from the Backward RPC of its upstream gradients; nothing under no_grad."""
+    import torch
+    from lce_client.torch import remote_logprobs
+
+    server, w0 = srv
+    c = lce_client.Client(server.target, timeout=60)
+    c.zero_grad()
+    W = _local(w0)
+    h, y = _rows(12)
+    adv = torch.linspace(-1, 1, ROWS)
+    lp, ent = remote_logprobs(torch.tensor(h, requires_grad=True), torch.tensor(y), c, accumulate_weight_grad=True,
+                              temperature=0.8)
+    (-(adv * lp).sum() * 0.5 - 0.1 * ent.mean()).backward()
+    z = torch.tensor(h, dtype=torch.float64) @ W.T / 0.8
+    valid = torch.tensor(y) != -100
+    ref_lp = torch.where(valid, torch.log_softmax(z, -1).gather(1, torch.tensor(np.where(y < 0, 0, y))[:, None])[:, 0],
+                         torch.zeros((), dtype=torch.float64))
+    ref_ent = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+    (-(adv.double() * ref_lp).sum() * 0.5 - 0.1 * ref_ent.mean()).backward()
+    _check(c, W)
+    with torch.no_grad():
+        remote_logprobs(torch.tensor(h), torch.tensor(y), c, accumulate_weight_grad=True)
+    assert not np.any(c.get_grad())

@@ -11,10 +11,9 @@ sum(softmax * logits)), with their inputs (hidden [1, T, H] and weight uniform i
 d_hidden 2e-2 / 4e-2), at sizes a CPU server answers in CI (their cases are T 1388..8192, H 896..4096,
 V 32256..152064). The server's head is set to their weight with Client.update_weights.
 
-What differs from their test, on purpose: d_weight. Their test takes torch.autograd.grad w.r.t.
-(hidden, weight); ours gives the weight no gradient (lce_client.rl's docstring says why: the Backward
-RPC accumulates no dW and the entropy's gradient is not a loss ForwardBackward can express), so that
-call raises, and test_weight_gets_no_gradient pins down exactly that rather than faking a d_weight.
+d_weight as their test takes it: torch.autograd.grad w.r.t. (hidden, weight). The weight's gradient is
+the served head's dW of the call's upstream gradients, computed by the Backward RPC into a pending
+contribution that the client reads back and discards (the server's own dW is left alone).
 """
 from __future__ import annotations
 
@@ -97,14 +96,23 @@ def test_verify_correctness(client, T, H, V, dtype):
     torch.testing.assert_close(torch_entropy, kernel_entropy, atol=5e-3, rtol=5e-4)
 
     g_entropy, g_logprobs = backward_inputs(T, dt, seed=T)
-    (d_torch_hidden,) = torch.autograd.grad((torch_entropy, torch_logprobs), (hidden,), (g_entropy, g_logprobs))
-    (d_kernel_hidden,) = torch.autograd.grad((kernel_entropy, kernel_logprobs), (hidden,), (g_entropy, g_logprobs))
+    client.zero_grad(head=f"verl-{dtype}-{V}")
+    # verl's backward, as their test writes it: gradients w.r.t. hidden and weight
+    (d_torch_hidden, d_torch_weight) = torch.autograd.grad(
+        (torch_entropy, torch_logprobs), (hidden, weight), (g_entropy, g_logprobs), retain_graph=False)
+    (d_kernel_hidden, d_kernel_weight) = torch.autograd.grad(
+        (kernel_entropy, kernel_logprobs), (hidden, weight), (g_entropy, g_logprobs), retain_graph=False)
     assert d_kernel_hidden.shape == hidden.shape and d_kernel_hidden.dtype == hidden.dtype
+    assert d_kernel_weight.shape == weight.shape and d_kernel_weight.dtype == weight.dtype
     torch.testing.assert_close(d_torch_hidden, d_kernel_hidden, atol=2e-2, rtol=4e-2)
+    torch.testing.assert_close(d_torch_weight, d_kernel_weight, atol=2e-2, rtol=4e-2)
     # verl's tolerances are loose for its GPU kernel; ours is fp32 accumulation like the reference, so
-    # hold it to more than theirs as well (bf16: d_hidden's rounding to bf16 on the way back).
+    # hold it to more than theirs as well (bf16: d_hidden's rounding to bf16 on the way back; d_weight
+    # comes back in fp32 and is rounded to the weight's dtype like the reference's).
     tight = {"fp32": 1e-5, "bf16": 1e-2}[dtype]
     torch.testing.assert_close(d_kernel_hidden.float(), d_torch_hidden.float(), atol=tight, rtol=tight)
+    torch.testing.assert_close(d_kernel_weight.float(), d_torch_weight.float(), atol=tight, rtol=tight)
+    assert not np.any(client.get_grad(head=f"verl-{dtype}-{V}")), "the server's own dW is left alone"
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
@@ -146,18 +154,27 @@ def test_flat_inputs_and_entropy_only_backward(client):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_weight_gets_no_gradient(client):
-    """verl's test also takes d_weight; this op cannot give it exactly and gives none (not a fake):
-    autograd.grad w.r.t. the weight as verl writes it raises, allow_unused=True gives None, and the
-    server's head gradient is untouched by the Backward RPC."""
-    T, H, V = SHAPES[0]
+def test_weight_gradient_of_a_tensor_parallel_shard_and_frozen_weight(client):
+    """verl's tensor-parallel layout: a rank's weight shard [V / k, H] gets its rows of the head's
+    gradient (rank from the process group; here a stand-in group of 2 whose rank is 1); a weight that
+    needs no gradient gets none, and the server's own dW is untouched either way."""
+    T, H, V = SHAPES[0][0], SHAPES[0][1], 96  # V divisible by the group's 2 ranks
     hidden, weight, labels = forward_inputs(T, H, V, torch.float32, seed=11)
     serve(client, weight, "verl-dw")
     client.zero_grad(head="verl-dw")
     g_entropy, g_logprobs = backward_inputs(T, torch.float32, seed=12)
-    lp, ent = rl.linear_cross_entropy(hidden, weight, labels, TEMPERATURE)
-    with pytest.raises(RuntimeError, match="not have been used in the graph"):
-        torch.autograd.grad((ent, lp), (hidden, weight), (g_entropy, g_logprobs), retain_graph=True)
-    d_hidden, d_weight = torch.autograd.grad((ent, lp), (hidden, weight), (g_entropy, g_logprobs), allow_unused=True)
-    assert d_hidden is not None and d_weight is None
+    torch_logprobs, torch_entropy = run_torch_entropy(hidden, weight, labels, TEMPERATURE)
+    (want,) = torch.autograd.grad((torch_entropy, torch_logprobs), (weight,), (g_entropy, g_logprobs))
+    shard = weight.detach()[V // 2:].clone().requires_grad_()
+    import unittest.mock as mock
+
+    with mock.patch("torch.distributed.get_world_size", return_value=2), \
+            mock.patch("torch.distributed.get_rank", return_value=1):
+        lp, ent = rl.linear_cross_entropy(hidden, shard, labels, TEMPERATURE, "none", object())
+    (got,) = torch.autograd.grad((ent, lp), (shard,), (g_entropy, g_logprobs))
+    torch.testing.assert_close(got, want[V // 2:], atol=1e-5, rtol=1e-5)
+    frozen = weight.detach()
+    lp, ent = rl.linear_cross_entropy(hidden, frozen, labels, TEMPERATURE)
+    (d_hidden,) = torch.autograd.grad((ent, lp), (hidden,), (g_entropy, g_logprobs))
+    assert d_hidden is not None
     assert not np.any(client.get_grad(head="verl-dw"))

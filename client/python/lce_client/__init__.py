@@ -16,13 +16,13 @@ lce_client.hf: a Hugging Face causal LM's head served remotely (apply_remote_hea
 per_token_logps, the fused policy loss. docs/INTEGRATIONS.md describes them.
 """
 from ._arrays import bf16_bits_to_f32, f32_to_bf16_bits
-from ._client import (DEFAULT_CHUNK_BYTES, DEFAULT_MIN_STREAM_BYTES, Client, ForwardBackwardResult, HeadInfo, LceError, PolicyLossResult,
+from ._client import (DEFAULT_CHUNK_BYTES, DEFAULT_MIN_STREAM_BYTES, BackwardResult, Client, ForwardBackwardResult, HeadInfo, LceError, PolicyLossResult,
                       ServerInfo, plan_chunks)
 from ._shm import Region, SharedMemorySession
 from . import aio
 
 __version__ = "0.1.0"
-__all__ = ["Client", "LceError", "HeadInfo", "ServerInfo", "ForwardBackwardResult", "PolicyLossResult",
+__all__ = ["Client", "LceError", "HeadInfo", "ServerInfo", "ForwardBackwardResult", "BackwardResult", "PolicyLossResult",
            "DEFAULT_CHUNK_BYTES", "DEFAULT_MIN_STREAM_BYTES", "plan_chunks", "Region", "SharedMemorySession", "bf16_bits_to_f32", "f32_to_bf16_bits", "RemoteLinearCrossEntropy",
            "remote_logprobs", "remote_linear_cross_entropy"]
 

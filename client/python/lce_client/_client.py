@@ -121,6 +121,15 @@ class ForwardBackwardResult:
 
 
 @dataclass
+class BackwardResult:
+    """Client.backward's answer when it adds the head's dW: d_hidden, and with defer_weight_grad the
+    ids of its pending contributions (Client.commit_grad, Client.get_grad(pending_grad=...))."""
+
+    d_hidden: Any
+    pending_grads: Tuple[int, ...] = ()
+
+
+@dataclass
 class PolicyLossResult:
     loss: float
     d_hidden: Any
@@ -489,12 +498,14 @@ class Client:
                 req.scale = float(scale)
             self._unary("CommitGrad", req, self._front.stub)
 
-    def get_grad(self, head: Optional[str] = None) -> np.ndarray:
-        """The head's accumulated fp32 gradient dW [vocab, hidden] as numpy."""
+    def get_grad(self, head: Optional[str] = None, pending_grad: Optional[int] = None) -> np.ndarray:
+        """The head's accumulated fp32 gradient dW [vocab, hidden] as numpy; with `pending_grad`, that
+        pending contribution's instead (it stays pending: commit or discard it after)."""
         out = None
+        req = pb.GetGradRequest(head=self._head(head), pending_grad_id=int(pending_grad or 0))
         try:
-            for c in self._front.stub.GetGrad(pb.GetGradRequest(head=self._head(head)), timeout=self.timeout,
-                                              metadata=self._admin_metadata):
+            for c in self._front.stub.GetGrad(req, timeout=self.timeout,
+                                              metadata=self._metadata if pending_grad else self._admin_metadata):
                 if out is None:
                     out = np.zeros((c.rows_total, c.cols), dtype=np.float32)
                 out[c.first_row:c.first_row + c.rows] = np.frombuffer(c.data, dtype="<f4").reshape(c.rows, c.cols)
@@ -629,21 +640,35 @@ class Client:
 
     def backward(self, hidden, targets, grad_logprob=None, grad_entropy=None, temperature: float = 1.0,
                  softcap: Optional[float] = None, ignore_index: int = -100, *, head: Optional[str] = None,
-                 head_version: int = 0, allow_tf32: bool = False, dtype=None,
+                 head_version: int = 0, accumulate_weight_grad: bool = False, defer_weight_grad: bool = False,
+                 allow_tf32: bool = False, dtype=None,
                  progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
                  hidden_region: Optional[Region] = None, d_hidden_region: Optional[Region] = None,
                  d_hidden_offset: int = 0, streams: Optional[int] = None):
         """Generic backward: d_hidden from upstream grads of logprob and entropy (None: zeros).
-        hidden_region / d_hidden_region: co-located, as in forward_backward()."""
+        hidden_region / d_hidden_region: co-located, as in forward_backward(). accumulate_weight_grad
+        (and defer_weight_grad): the head's dW of the same upstream grads, as in forward_backward(); the
+        call then returns a BackwardResult (d_hidden and pending_grads) instead of d_hidden alone."""
+        if defer_weight_grad and not accumulate_weight_grad:
+            raise ValueError("defer_weight_grad needs accumulate_weight_grad=True")
         h = self._hidden(hidden, dtype, hidden_region)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, [], allow_tf32)
+        hdr.accumulate_weight_grad = accumulate_weight_grad
+        hdr.defer_weight_grad = defer_weight_grad
         per_row = {}
         if grad_logprob is not None:
             per_row["grad_logprob"] = A.host_rows(grad_logprob, h.rows, "grad_logprob", np.float32, h.lead_shape)
         if grad_entropy is not None:
             per_row["grad_entropy"] = A.host_rows(grad_entropy, h.rows, "grad_entropy", np.float32, h.lead_shape)
-        return self._run("Backward", h, t, hdr, per_row, lambda res: A.to_caller_hidden(res["d_hidden"], h),
+        def finish(res):
+            d = A.to_caller_hidden(res["d_hidden"], h)
+            if not accumulate_weight_grad:
+                return d
+            s = res["summary"]
+            return BackwardResult(d_hidden=d, pending_grads=tuple(int(i) for i in s.pending_grad_ids) if s else ())
+
+        return self._run("Backward", h, t, hdr, per_row, finish,
                          want_dhidden=True, progress=progress, use_tqdm=tqdm, hidden_region=hidden_region,
                          d_hidden_region=d_hidden_region, d_hidden_offset=d_hidden_offset, streams=streams)
 

@@ -26,7 +26,8 @@ What `apply_remote_head` does:
   computed locally: `out.logits` is None. Gradients reach the hidden states (and so the body) through
   autograd: the loss is one ForwardBackward RPC per forward (d_hidden comes back with the loss, and
   the backward needs no call); logprobs / entropy are one Score RPC in the forward and, only if a loss
-  uses them, one Backward RPC in the backward (RL losses built on them train the body).
+  uses them, one Backward RPC in the backward (RL losses built on them train the body, and with
+  `train_head` the head too: autograd's gradient of that loss).
   Without labels or those flags (inference, `model.generate`) the original forward runs and computes
   logits with the local `lm_head`: the server has no call that returns a whole vocabulary's logits.
 * `final_logit_softcapping` (Gemma 2) is the server's `softcap` (z = c * tanh(a / c), docs/MATH.md).
@@ -321,7 +322,7 @@ def _remote_forward(model, input_ids=None, attention_mask=None, position_ids=Non
                                            divisor=divisor, accumulate_weight_grad=rh.train_head is not None, **common)
     if want_lp or want_ent:
         # A Score now; a Backward in the backward only if a loss uses them.
-        logprobs, entropy = remote_logprobs(hidden, targets, rh.client, **common)
+        logprobs, entropy = remote_logprobs(hidden, targets, rh.client, accumulate_weight_grad=rh.train_head is not None, **common)
     out = RemoteCausalLMOutput(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                hidden_states=outputs.hidden_states, attentions=outputs.attentions,
                                logprobs=logprobs if want_lp else None, entropy=entropy if want_ent else None)

@@ -21,14 +21,14 @@
   vocab shard ``[vocab / k, hidden]``, verl's tensor-parallel layout), or a ValueError names both; its
   values are not compared (keep the server's head equal to it: ``Client.update_weights``, or
   ``lce_client.hf.apply_remote_head``). ``weight=None`` skips the check.
-  **The weight gets no gradient** (verl's kernel returns ``d_weight``; this one does not): the weight is
-  not an input of the op, so ``torch.autograd.grad(..., (hidden, weight))`` as verl's test writes it
-  raises "appears to not have been used in the graph" (``allow_unused=True`` gives None), and an
-  optimizer skips the weight. It cannot be given exactly: the Backward RPC that takes the logprob and
-  entropy upstream gradients accumulates no dW on the server, and the entropy's gradient is not a loss
-  that ForwardBackward (which does accumulate dW) can express. Train the head on the server with a loss
-  it can express (``remote_policy_loss(..., accumulate_weight_grad=True)`` + ``Client.optimizer_step``,
-  or ``lce_client.torch.remote_linear_cross_entropy``) or keep it frozen. ``dist_process_group`` is not
+  **The weight's gradient** (verl's kernel returns ``d_weight``): a weight that requires grad is an input
+  of the op, and the backward gives it the served head's dW of exactly this call's upstream gradients
+  (the Backward RPC adds it to a pending contribution, which the client reads back with ``GetGrad`` and
+  discards: V·H·4 bytes over the wire, so for tests and small heads; with a ``dist_process_group`` the
+  rank's rows of it), so ``torch.autograd.grad(..., (hidden, weight))`` works as verl's test writes it.
+  To train the head where it lives instead, pass ``accumulate_weight_grad`` to
+  ``lce_client.torch.remote_logprobs`` (or use ``remote_policy_loss``) and step with
+  ``Client.optimizer_step``. ``dist_process_group`` is not
   used for communication: the server holds the whole head, so each rank gets the whole answer.
   ``ignore_index`` (-100) rows get logprob 0 and are left out of "sum" / "mean" (their entropy is
   still computed).
@@ -86,9 +86,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: Optional[torch.Tensor], l
                          **_ignored) -> Tuple[torch.Tensor, torch.Tensor]:
     """verl's fused linear cross-entropy, served remotely: (logprobs, entropy) over the flattened tokens
     (entropy [N] always; logprobs [N], or a scalar for "sum" / "mean"). See the module docstring for the
-    shapes, the weight (checked against the served head's shape, never used, and given no gradient:
-    d_weight is None) and the process group. Extra keywords of verl's function (e.g. impl_backend) are
-    accepted and ignored."""
+    shapes, the weight (checked against the served head's shape, not used in the forward; a weight that
+    requires grad gets the served head's gradient of this call, or its rank's rows of it, read back
+    from the server in the backward) and the process group. Extra keywords of verl's function (e.g.
+    impl_backend) are accepted and ignored."""
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     client = client or _default["client"] or get_default_client()
@@ -100,9 +101,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: Optional[torch.Tensor], l
     if flat_labels.shape[0] != flat_hidden.shape[0]:
         raise ValueError(f"labels of shape {tuple(labels.shape)} for hidden states {tuple(hidden.shape)}: "
                          f"{flat_labels.shape[0]} labels for {flat_hidden.shape[0]} tokens")
+    rank = 0
+    if dist_process_group is not None and weight is not None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank(dist_process_group)
     lp, ent = remote_logprobs(flat_hidden, flat_labels, client,
                               temperature=1.0 if temperature is None else temperature, softcap=softcap,
-                              ignore_index=ignore_index, head=head)
+                              ignore_index=ignore_index, head=head, weight=weight, weight_rank=rank)
     if reduction == "none":
         return lp, ent
     # As verl's kernel: only the logprobs are reduced; the entropy stays per token.

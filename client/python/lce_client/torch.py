@@ -273,12 +273,13 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
 
 class _RemoteLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, targets, client, opts):
+    def forward(ctx, hidden, targets, weight, anchor, client, opts):
         wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
         lp, ent = _via_cuda_ipc(opts["cuda_session"], wire, False, lambda w, kw: client.score(
             w, targets, temperature=opts["temperature"], softcap=opts["softcap"], entropy=True,
             ignore_index=opts["ignore_index"], head=opts["head"], **kw))
         ctx.client, ctx.opts, ctx.hidden_dtype = client, opts, hidden.dtype
+        ctx.weight_meta = None if weight is None else (weight.shape, weight.dtype, weight.device)
         ctx.save_for_backward(hidden, targets)
         ctx.set_materialize_grads(False)
         return lp.to(hidden.device), ent.to(hidden.device)
@@ -286,24 +287,66 @@ class _RemoteLogprobs(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_lp, g_ent):
-        if not ctx.needs_input_grad[0] or (g_lp is None and g_ent is None):
-            return None, None, None, None
+        wants_weight = ctx.weight_meta is not None and ctx.needs_input_grad[2]
+        if g_lp is None and g_ent is None:
+            return None, None, (_zeros(ctx) if wants_weight else None), None, None, None
         hidden, targets = ctx.saved_tensors
-        opts = ctx.opts
-        wire = _wire_hidden(ctx.client, hidden, opts["head"], opts["cast"])
-        d = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: ctx.client.backward(
+        opts, client = ctx.opts, ctx.client
+        trains = opts["trains"]
+        # The head's dW of exactly these upstream gradients: added at once when the server trains the head;
+        # kept pending and read back when a local weight wants it (then committed or discarded).
+        accumulate = trains or wants_weight
+        wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
+        res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.backward(
             w, targets, grad_logprob=g_lp, grad_entropy=g_ent, temperature=opts["temperature"],
-            softcap=opts["softcap"], ignore_index=opts["ignore_index"], head=opts["head"], **kw))
-        return d.to(ctx.hidden_dtype), None, None, None
+            softcap=opts["softcap"], ignore_index=opts["ignore_index"], head=opts["head"],
+            accumulate_weight_grad=accumulate, defer_weight_grad=wants_weight, **kw))
+        d = res.d_hidden if accumulate else res
+        d_weight = None
+        if wants_weight:
+            pending = PendingWeightGrad(client, opts["head"], res.pending_grads)
+            try:  # a request split over streams left one contribution a part: their sum
+                parts = [torch.from_numpy(client.get_grad(head=opts["head"], pending_grad=i)) for i in pending.ids]
+            finally:
+                if trains:
+                    pending.commit(1.0)
+                else:
+                    pending.discard()
+            d_weight = _weight_rows(ctx, sum(parts[1:], parts[0])) if parts else _zeros(ctx)
+        d_hidden = d.to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
+        return d_hidden, None, d_weight, None, None, None
+
+
+def _zeros(ctx):
+    shape, dtype, device = ctx.weight_meta
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _weight_rows(ctx, full: torch.Tensor) -> torch.Tensor:
+    """The local weight's gradient: the whole head's dW, or the rows of its shard (verl's vocabulary
+    shard of a tensor-parallel rank: [V / k, H] at rank * V / k)."""
+    shape, dtype, device = ctx.weight_meta
+    rank = ctx.opts["weight_rank"]
+    rows = shape[0]
+    return full[rank * rows:(rank + 1) * rows].to(device=device, dtype=dtype)
 
 
 def remote_logprobs(hidden: torch.Tensor, targets: torch.Tensor, client: Optional[Client] = None, *,
                     temperature: float = 1.0, softcap: Optional[float] = None, ignore_index: int = -100,
-                    head: Optional[str] = None, cast: bool = True, cuda_session=None):
+                    head: Optional[str] = None, cast: bool = True, cuda_session=None,
+                    accumulate_weight_grad: bool = False, weight: Optional[torch.Tensor] = None,
+                    weight_rank: int = 0):
     """(logprobs, entropy) of targets under the remote head, fp32, shaped like targets, differentiable
     w.r.t. hidden: the backward makes one Backward RPC with the upstream grads of both outputs.
-    cuda_session: as in RemoteLinearCrossEntropy (CUDA IPC regions instead of bytes on the wire)."""
+    cuda_session: as in RemoteLinearCrossEntropy (CUDA IPC regions instead of bytes on the wire).
+    accumulate_weight_grad: that Backward also adds the head's dW of those upstream grads on the server
+    (autograd's gradient: nothing without a backward). weight: a local tensor equal to the served head (or
+    the rows of rank `weight_rank`'s equal shard of it) that gets the head's gradient of this call, read
+    back from the server (GetGrad of the call's pending contribution: V·H·4 bytes over the wire)."""
     client = client or get_default_client()
+    trains = _trains_head(accumulate_weight_grad)
     opts = dict(temperature=temperature, softcap=softcap, ignore_index=ignore_index, head=head, cast=cast,
-                cuda_session=cuda_session)
-    return _RemoteLogprobs.apply(hidden, targets, client, opts)
+                cuda_session=cuda_session, trains=trains, weight_rank=weight_rank)
+    if weight is not None and not (weight.requires_grad and torch.is_grad_enabled()):
+        weight = None
+    return _RemoteLogprobs.apply(hidden, targets, weight, _anchor(trains), client, opts)

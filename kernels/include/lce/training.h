@@ -129,7 +129,10 @@ class HeadTrainer {
   // ‖dW‖² of this shard as a group combines the tiles (a head of one rank: its global squared norm).
   absl::StatusOr<double> GradSquaredNorm();
   // Rows [first_row, first_row + rows) of this shard's dW into host memory.
-  virtual absl::Status CopyGrad(int64_t first_row, int64_t rows, float* host) = 0;
+  absl::Status CopyGrad(int64_t first_row, int64_t rows, float* host);
+  // The same of pending contribution `id` (NOT_FOUND: none), and its buffer (grad_space()).
+  absl::Status CopyPending(uint64_t id, int64_t first_row, int64_t rows, float* host);
+  absl::StatusOr<float*> FindPending(uint64_t id);
   // Makes the AdamW state (fp32 masters from the current weight, zero moments) unless it exists: a
   // step that cannot have it fails here, before anything changes. Step calls it too.
   virtual absl::Status PrepareStep() = 0;
@@ -151,6 +154,8 @@ class HeadTrainer {
   virtual absl::Status Zero(float* x) = 0;
   virtual absl::Status Scale(float* x, float s) = 0;
   virtual absl::Status AddScaled(float* y, const float* x, float s) = 0;
+  // Rows of a dW-sized buffer into host memory (checked to lie in the shard).
+  virtual absl::Status CopyRows(const float* buffer, int64_t first_row, int64_t rows, float* host) = 0;
   // dW's own buffer, for the backend's use (grad() marks it possibly non-zero). Made by the backend.
   float* grad_data() { return grad_->data(); }
 
