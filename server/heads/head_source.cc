@@ -95,7 +95,7 @@ absl::StatusOr<HeadIndex> ReadIndex(const std::string& path) {
   auto dtype = j.find("dtype");
   if (dtype == j.end() || !dtype->is_string()) return bad("dtype must be a string");
   absl::StatusOr<DType> d = ParseDType(dtype->get<std::string>());
-  if (!d.ok()) return d.status();
+  if (!d.ok()) return bad("dtype must be fp32, bf16 or fp16");  // not quoted: no text of the file in errors
   idx.dtype = *d;
   auto bias = j.find("has_bias");
   if (bias != j.end() && !bias->is_boolean()) return bad("has_bias must be true or false");
