@@ -337,17 +337,30 @@ absl::Status DpCall::Ready(const absl::Status& mine) {
   return job_->Meet(seq_, mine);
 }
 
-DpCall DpCall::RouteUpdate(DpJob* job, grpc::ServerContext* ctx, grpc::ServerReader<v1::UpdateWeightsRequest>* reader,
-                           v1::HeadDescription* resp) {
+bool DpJob::IsForward(grpc::ServerContext* ctx) const {
+  std::string mark;
+  return Marked(ctx, kSecret, &mark) && Marked(ctx, kSequence, &mark);
+}
+
+DpCall DpCall::RouteUpdate(DpJob* job, grpc::ServerContext* ctx, const UpdateReader& next, v1::HeadDescription* resp) {
   if (job == nullptr) return DpCall();
-  // A client's stream is read once, whole, before it goes on; a forward is read by the RPC itself.
-  std::once_flag read;
+  // A client's stream is read once, whole, before any front is called (a client that stalls or is
+  // refused costs the job nothing); a forward is read by the RPC itself.
   std::vector<v1::UpdateWeightsRequest> stream;
+  if (!job->IsForward(ctx)) {
+    for (v1::UpdateWeightsRequest msg;;) {
+      absl::StatusOr<bool> more = next(&msg);
+      if (!more.ok()) {
+        DpCall refused;
+        refused.answer_ = ToGrpcStatus(more.status());
+        return refused;
+      }
+      if (!*more) break;
+      stream.push_back(std::move(msg));
+    }
+  }
   std::vector<v1::HeadDescription> answers(static_cast<size_t>(job->size()));
   auto call = [&](int replica, v1::LceService::Stub& stub, grpc::ClientContext& c) -> grpc::Status {
-    std::call_once(read, [&] {
-      for (v1::UpdateWeightsRequest msg; reader->Read(&msg);) stream.push_back(std::move(msg));
-    });
     std::unique_ptr<grpc::ClientWriter<v1::UpdateWeightsRequest>> writer = stub.UpdateWeights(&c, &answers[replica]);
     for (const v1::UpdateWeightsRequest& msg : stream) {
       if (!writer->Write(msg)) break;
