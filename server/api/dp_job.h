@@ -44,6 +44,14 @@ struct DpJobOptions {
   std::string tls_cert, tls_key, tls_client_ca, tls_ca;
 };
 
+// DIR/fronts/front-<replica>.addr: a front's address, and the HMAC-SHA256 of it (and the replica)
+// under the job's secret. A front calls another only at an address whose signature checks, so
+// that a file planted in the directory cannot draw the job's calls, with the clients' tokens and
+// the secret, elsewhere (issue 35, item 7). Reading: NOT_FOUND while none is published,
+// PERMISSION_DENIED for one this job did not sign.
+absl::Status PublishFrontAddress(const DpOptions& dp, int replica, const std::string& address, const std::string& secret);
+absl::StatusOr<std::string> ReadFrontAddress(const DpOptions& dp, int replica, const std::string& secret);
+
 // What a training call does in the job: whether every replica applies it (else only the front the
 // client called), and whether the fronts meet before it changes weights.
 struct DpCallKind {
