@@ -10,17 +10,27 @@
 #   e.g. lce_dp_launch.sh 2 2 -- --port=50051 --metrics-port=9400 --backend=cpu --seed-head=151936x4096
 # Replica d's front gets --port, --metrics-port and --data-port plus d (where they are not 0) and
 # --port-file=FILE.d, so that R fronts on one host do not collide.
-# Environment: LCE_SERVER (binary), LCE_DP_RENDEZVOUS (directory, default a fresh temporary one;
-#   it is emptied first), LCE_TP_BIND_GPUS=1 gives rank r of replica d the GPU d*K + r.
-set -uo pipefail
+# Environment: LCE_SERVER (binary), LCE_DP_RENDEZVOUS (a directory that must not exist yet: the
+#   launcher makes it, mode 0700; default a fresh temporary one), LCE_TP_BIND_GPUS=1 gives rank r
+#   of replica d the GPU d*K + r.
+# The rendezvous directory is trusted with the fronts' addresses: whoever can write it could draw
+# the job's calls (with the clients' tokens) elsewhere. So it is always one this launcher made,
+# only its user can write it, and any failed step stops the launch.
+set -euo pipefail
 R=${1:?usage: lce_dp_launch.sh R K -- FLAGS...}
 K=${2:?usage: lce_dp_launch.sh R K -- FLAGS...}
 shift 2
 [ "${1:-}" = "--" ] && shift
 HERE=$(cd "$(dirname "$0")" && pwd)
 TP_LAUNCH=${LCE_TP_LAUNCH:-$HERE/lce_tp_launch.sh}
-RDV=${LCE_DP_RENDEZVOUS:-$(mktemp -d -t lce-dp-XXXXXX)}
-rm -rf "$RDV" && mkdir -p "$RDV"
+if [ -n "${LCE_DP_RENDEZVOUS:-}" ]; then
+  RDV=$LCE_DP_RENDEZVOUS
+  mkdir -p -- "$(dirname -- "$RDV")"
+  # Never someone else's (or an old job's) directory: it is not emptied, the launch stops.
+  mkdir -m 0700 -- "$RDV" || { echo "lce_dp_launch: cannot make $RDV (it must not exist yet)" >&2; exit 1; }
+else
+  RDV=$(mktemp -d -t lce-dp-XXXXXX)   # 0700, kept so
+fi
 
 # Replica d's server flags: the front's ports offset by d, its port file suffixed with .d.
 replica_flags() {
@@ -41,7 +51,7 @@ pids=()
 stopping=0
 stop_job() {
   stopping=1
-  [ ${#pids[@]} -gt 0 ] && kill -TERM "${pids[@]}" 2>/dev/null
+  if [ ${#pids[@]} -gt 0 ]; then kill -TERM "${pids[@]}" 2>/dev/null || true; fi
 }
 trap stop_job TERM INT
 
@@ -53,10 +63,10 @@ for ((d = 0; d < R; d++)); do
   pids+=($!)
 done
 while :; do
-  wait -n "${pids[@]}"
-  code=$?
+  code=0
+  wait -n "${pids[@]}" || code=$?
   if [ $stopping = 1 ]; then
-    wait "${pids[@]}" 2>/dev/null
+    wait "${pids[@]}" 2>/dev/null || true
     echo "lce_dp_launch: job stopped"
     exit 0
   fi
@@ -65,7 +75,7 @@ while :; do
          "started again, the other replicas keep scoring" >&2
   fi
   alive=0
-  for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=$((alive + 1)); done
-  [ "$alive" -eq 0 ] && break
+  for p in "${pids[@]}"; do if kill -0 "$p" 2>/dev/null; then alive=$((alive + 1)); fi; done
+  if [ "$alive" -eq 0 ]; then break; fi
 done
 echo "lce_dp_launch: every replica has exited"

@@ -1,5 +1,8 @@
 #include "dp_job.h"
 
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -8,6 +11,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -65,7 +69,40 @@ std::chrono::system_clock::time_point ForwardDeadline(grpc::ServerContext* ctx, 
   return std::min(ctx->deadline(), capped);
 }
 
+// Hex HMAC-SHA256 of replica `replica`'s address under the job's secret.
+std::string AddressMac(int replica, const std::string& address, const std::string& secret) {
+  const std::string text = absl::StrCat("lce-dp front ", replica, " ", address);
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), reinterpret_cast<const unsigned char*>(text.data()),
+       text.size(), mac, &n);
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(mac), n));
+}
+
 }  // namespace
+
+absl::Status PublishFrontAddress(const DpOptions& dp, int replica, const std::string& address, const std::string& secret) {
+  const fs::path file = AddressFile(dp, replica);
+  const fs::path tmp = file.string() + ".tmp";
+  std::ofstream(tmp) << address << "\n" << AddressMac(replica, address, secret) << "\n";
+  std::error_code ec;
+  fs::rename(tmp, file, ec);  // readers never see a half-written address
+  if (ec) return absl::InternalError(absl::StrCat("cannot publish this front's address in ", file.string(), ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFrontAddress(const DpOptions& dp, int replica, const std::string& secret) {
+  const fs::path file = AddressFile(dp, replica);
+  std::string address, mac;
+  if (!(std::ifstream(file) >> address >> mac)) {
+    return absl::NotFoundError(absl::StrCat("replica ", replica, "'s front published no address in ", file.string()));
+  }
+  if (!ConstantTimeEquals(mac, AddressMac(replica, address, secret))) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(file.string(), " is not signed by this data-parallel job: its address is not used"));
+  }
+  return address;
+}
 
 absl::StatusOr<std::shared_ptr<DpJob>> DpJob::Join(const DpJobOptions& o, DpRank* front_rank, const HeadShape& shape,
                                                    int tp_size) {
@@ -113,13 +150,7 @@ absl::Status DpJob::ShareSecret() {
 }
 
 absl::Status DpJob::Publish(int port) {
-  const fs::path file = AddressFile(options_.dp, replica());
-  const fs::path tmp = file.string() + ".tmp";
-  std::ofstream(tmp) << options_.dp.host << ":" << port << "\n";
-  std::error_code ec;
-  fs::rename(tmp, file, ec);  // readers never see a half-written address
-  if (ec) return absl::InternalError(absl::StrCat("cannot publish this front's address in ", file.string(), ": ", ec.message()));
-  return absl::OkStatus();
+  return PublishFrontAddress(options_.dp, replica(), absl::StrCat(options_.dp.host, ":", port), secret_);
 }
 
 bool DpJob::Marked(grpc::ServerContext* ctx, const char* key, std::string* value) const {
@@ -160,14 +191,12 @@ std::optional<grpc::Status> DpJob::Route(grpc::ServerContext* ctx, DpCallKind ki
 absl::StatusOr<v1::LceService::Stub*> DpJob::Front(int replica) {
   std::lock_guard<std::mutex> lock(fronts_mu_);
   if (auto it = fronts_.find(replica); it != fronts_.end()) return it->second.get();
-  std::string address;
-  for (int i = 0; i < 100 && !(std::ifstream(AddressFile(options_.dp, replica)) >> address); ++i) {
+  absl::StatusOr<std::string> address = ReadFrontAddress(options_.dp, replica, secret_);
+  for (int i = 0; i < 100 && !address.ok(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));  // it may still be starting to serve
+    address = ReadFrontAddress(options_.dp, replica, secret_);
   }
-  if (address.empty()) {
-    return absl::UnavailableError(absl::StrCat("replica ", replica, "'s front published no address in ",
-                                               AddressFile(options_.dp, replica).string()));
-  }
+  if (!address.ok()) return absl::UnavailableError(address.status().message());
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!options_.tls_cert.empty()) {
     grpc::SslCredentialsOptions ssl;
@@ -185,7 +214,7 @@ absl::StatusOr<v1::LceService::Stub*> DpJob::Front(int replica) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
-  auto stub = v1::LceService::NewStub(grpc::CreateCustomChannel(address, creds, args));
+  auto stub = v1::LceService::NewStub(grpc::CreateCustomChannel(*address, creds, args));
   return (fronts_[replica] = std::move(stub)).get();
 }
 
@@ -337,17 +366,30 @@ absl::Status DpCall::Ready(const absl::Status& mine) {
   return job_->Meet(seq_, mine);
 }
 
-DpCall DpCall::RouteUpdate(DpJob* job, grpc::ServerContext* ctx, grpc::ServerReader<v1::UpdateWeightsRequest>* reader,
-                           v1::HeadDescription* resp) {
+bool DpJob::IsForward(grpc::ServerContext* ctx) const {
+  std::string mark;
+  return Marked(ctx, kSecret, &mark) && Marked(ctx, kSequence, &mark);
+}
+
+DpCall DpCall::RouteUpdate(DpJob* job, grpc::ServerContext* ctx, const UpdateReader& next, v1::HeadDescription* resp) {
   if (job == nullptr) return DpCall();
-  // A client's stream is read once, whole, before it goes on; a forward is read by the RPC itself.
-  std::once_flag read;
+  // A client's stream is read once, whole, before any front is called (a client that stalls or is
+  // refused costs the job nothing); a forward is read by the RPC itself.
   std::vector<v1::UpdateWeightsRequest> stream;
+  if (!job->IsForward(ctx)) {
+    for (v1::UpdateWeightsRequest msg;;) {
+      absl::StatusOr<bool> more = next(&msg);
+      if (!more.ok()) {
+        DpCall refused;
+        refused.answer_ = ToGrpcStatus(more.status());
+        return refused;
+      }
+      if (!*more) break;
+      stream.push_back(std::move(msg));
+    }
+  }
   std::vector<v1::HeadDescription> answers(static_cast<size_t>(job->size()));
   auto call = [&](int replica, v1::LceService::Stub& stub, grpc::ClientContext& c) -> grpc::Status {
-    std::call_once(read, [&] {
-      for (v1::UpdateWeightsRequest msg; reader->Read(&msg);) stream.push_back(std::move(msg));
-    });
     std::unique_ptr<grpc::ClientWriter<v1::UpdateWeightsRequest>> writer = stub.UpdateWeights(&c, &answers[replica]);
     for (const v1::UpdateWeightsRequest& msg : stream) {
       if (!writer->Write(msg)) break;

@@ -44,6 +44,14 @@ struct DpJobOptions {
   std::string tls_cert, tls_key, tls_client_ca, tls_ca;
 };
 
+// DIR/fronts/front-<replica>.addr: a front's address, and the HMAC-SHA256 of it (and the replica)
+// under the job's secret. A front calls another only at an address whose signature checks, so
+// that a file planted in the directory cannot draw the job's calls, with the clients' tokens and
+// the secret, elsewhere (issue 35, item 7). Reading: NOT_FOUND while none is published,
+// PERMISSION_DENIED for one this job did not sign.
+absl::Status PublishFrontAddress(const DpOptions& dp, int replica, const std::string& address, const std::string& secret);
+absl::StatusOr<std::string> ReadFrontAddress(const DpOptions& dp, int replica, const std::string& secret);
+
 // What a training call does in the job: whether every replica applies it (else only the front the
 // client called), and whether the fronts meet before it changes weights.
 struct DpCallKind {
@@ -54,6 +62,10 @@ inline DpCallKind KindOf(const v1::ZeroGradRequest&) { return {true, false}; }
 inline DpCallKind KindOf(const v1::OptimizerStepRequest&) { return {true, true}; }
 inline DpCallKind KindOf(const v1::LoadHeadRequest&) { return {true, true}; }
 inline DpCallKind KindOf(const v1::SaveHeadRequest&) { return {false, false}; }
+
+// The next message of a client's UpdateWeights stream: false at its end; an error where the wait
+// ran out or the server refused the stream (LceService::UpdateWeights bounds each read).
+using UpdateReader = std::function<absl::StatusOr<bool>(v1::UpdateWeightsRequest*)>;
 
 // One front's call of an RPC on replica `replica`'s front; its answer stays with the caller.
 using FrontCall = std::function<grpc::Status(int replica, v1::LceService::Stub& stub, grpc::ClientContext& ctx)>;
@@ -70,6 +82,8 @@ class DpJob {
   int replica() const { return options_.dp.replica; }
   int size() const { return options_.dp.size; }
   DpRank* front_rank() const { return front_rank_; }
+  // Whether `ctx` claims to be the sequencer's forward (Route checks its mark).
+  bool IsForward(grpc::ServerContext* ctx) const;
 
   // The call's route: nullopt when `ctx` is the sequencer's forward (apply it here, as call `*seq`);
   // else the job's answer, from the sequencer (`take(replica)` keeps that replica's answer).
@@ -134,9 +148,9 @@ class DpCall {
       return (stub.*rpc)(&c, req, &answers[replica]);
     }, [&](int replica) { *resp = std::move(answers[replica]); });
   }
-  // UpdateWeights: a client's stream is read whole, then sent on.
-  static DpCall RouteUpdate(DpJob* job, grpc::ServerContext* ctx, grpc::ServerReader<v1::UpdateWeightsRequest>* reader,
-                            v1::HeadDescription* resp);
+  // UpdateWeights: a client's stream is read whole through `next`, before any front is called (a
+  // read that fails is the call's answer), then sent on.
+  static DpCall RouteUpdate(DpJob* job, grpc::ServerContext* ctx, const UpdateReader& next, v1::HeadDescription* resp);
 
   DpCall() = default;
   DpCall(DpCall&& other) noexcept { *this = std::move(other); }

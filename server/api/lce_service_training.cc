@@ -4,12 +4,15 @@
 // on GPUs); under tensor parallelism the group (tp_group.h) does the same on every rank. A new weight
 // is a new head version; it is made only while no request runs on the head (head_store.h).
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "dp_job.h"
 #include "grpc_status.h"
 #include "head_source.h"
+#include "lce/numeric.h"
 #include "lce/training.h"
 #include "lce_service.h"
 #include "wire_types.h"
@@ -68,9 +71,35 @@ std::shared_ptr<HeadWeights> ShardOf(const HeadWeights& full, const HeadWeights&
   return w;
 }
 
-// The rest of an UpdateWeights stream: the whole [vocab, hidden] weight of a head of `shape`, in row
-// blocks in order.
-absl::StatusOr<HeadWeights> ReadWholeWeight(grpc::ServerReader<v1::UpdateWeightsRequest>& reader, const HeadShape& shape) {
+// UpdateWeights' client stream as LceService::WithinLimit sees it: one whose reads wait on the
+// client (the messages themselves come from the gRPC reader, not from this).
+class ClientStreamMark final : public RequestStream {
+ public:
+  void SendInitialMetadata() override {}
+  bool NextMessageSize(uint32_t*) override { return false; }
+  bool Read(v1::StreamRequest*) override { return false; }
+  bool Write(const v1::StreamResponse&, grpc::WriteOptions) override { return false; }
+};
+const ClientStreamMark kClientStream;
+
+// The first row of a chunk (`cols` wide) holding a NaN or an infinity, or -1. One such weight makes
+// every later Score of the head fail, so none is taken.
+int64_t FirstNonFiniteRow(const std::string& data, DType dtype, int64_t cols) {
+  const int64_t es = DTypeSize(dtype), n = static_cast<int64_t>(data.size()) / es;
+  for (int64_t i = 0; i < n; ++i) {
+    float v;
+    uint16_t h;
+    std::memcpy(dtype == DType::kFloat32 ? static_cast<void*>(&v) : &h, data.data() + i * es, es);
+    if (dtype == DType::kBFloat16) v = Bf16ToFloat(h);
+    if (dtype == DType::kFloat16) v = Fp16ToFloat(h);
+    if (!std::isfinite(v)) return i / cols;
+  }
+  return -1;
+}
+
+// The rest of an UpdateWeights stream, each message from `next` (false at the end): the whole
+// [vocab, hidden] weight of a head of `shape`, in row blocks in order, every value finite.
+absl::StatusOr<HeadWeights> ReadWholeWeight(const UpdateReader& next, const HeadShape& shape) {
   HeadWeights full;
   full.shape = shape;
   full.shape.vocab_begin = 0;
@@ -79,7 +108,10 @@ absl::StatusOr<HeadWeights> ReadWholeWeight(grpc::ServerReader<v1::UpdateWeights
   full.weight.reserve(static_cast<size_t>(shape.vocab_size * row_bytes));
   int64_t rows = 0;
   v1::UpdateWeightsRequest msg;
-  while (reader.Read(&msg)) {
+  for (;;) {
+    absl::StatusOr<bool> more = next(&msg);
+    if (!more.ok()) return more.status();
+    if (!*more) break;
     if (!msg.has_chunk()) return absl::InvalidArgumentError("UpdateWeights: repeated header");
     const v1::TensorChunk& c = msg.chunk();
     absl::StatusOr<DType> dtype = FromWire(c.dtype());
@@ -89,6 +121,10 @@ absl::StatusOr<HeadWeights> ReadWholeWeight(grpc::ServerReader<v1::UpdateWeights
           "UpdateWeights chunk at row ", c.first_row(), ": expected rows from ", rows, " of a [", shape.vocab_size, ", ",
           shape.hidden_size, "] ", DTypeName(shape.dtype), " weight, got ", c.rows(), " rows x ", c.cols(), " cols, ",
           c.data().size(), " bytes"));
+    }
+    if (const int64_t bad = FirstNonFiniteRow(c.data(), shape.dtype, shape.hidden_size); bad >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("UpdateWeights: row ", c.first_row() + bad,
+                                                     " of the weight holds a NaN or an infinity; nothing changed"));
     }
     full.weight.insert(full.weight.end(), c.data().begin(), c.data().end());
     rows += c.rows();
@@ -303,17 +339,40 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
                                        v1::HeadDescription* resp) {
   return Recorded("UpdateWeights", ctx, [&]() -> grpc::Status {
     if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
-    DpCall dp = DpCall::RouteUpdate(config_.dp_job.get(), ctx, reader, resp);
+    // Read as a streamed request is: the header within the header timeout, each next message within
+    // the idle timeout, and an admission slot from the header on (issue 35, item 14).
+    bool slot = false;
+    absl::Cleanup release = [&] {
+      if (slot) streams_in_flight_.fetch_sub(1);
+    };
+    int64_t read = 0;
+    const UpdateReader next = [&](v1::UpdateWeightsRequest* m) -> absl::StatusOr<bool> {
+      bool got = false;
+      const ClientWait wait = read == 0 ? HeaderWait() : IdleWait(absl::StrCat("UpdateWeights' message ", read + 1));
+      if (grpc::Status g = WithinLimit(ctx, kClientStream, wait, [&] { return reader->Read(m); }, &got); !g.ok()) {
+        return absl::DeadlineExceededError(g.error_message());
+      }
+      if (!got || read++ > 0) return got;
+      slot = true;
+      const int64_t limit = config_.max_concurrent_streams;
+      if (streams_in_flight_.fetch_add(1) < limit || limit <= 0) return true;
+      if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"concurrent_streams"}).Increment();
+      return absl::ResourceExhaustedError(
+          absl::StrCat("server is at its limit of ", limit, " concurrent streams; retry later"));
+    };
+    DpCall dp = DpCall::RouteUpdate(config_.dp_job.get(), ctx, next, resp);
     if (dp.answered()) return dp.answer();  // data-parallel replicas: every replica serves it
     v1::UpdateWeightsRequest msg;
-    if (!reader->Read(&msg) || !msg.has_header()) {
+    absl::StatusOr<bool> first = next(&msg);
+    if (!first.ok()) return ToGrpcStatus(first.status());
+    if (!*first || !msg.has_header()) {
       return ToGrpcStatus(absl::InvalidArgumentError("UpdateWeights starts with a header message"));
     }
     const v1::UpdateWeightsHeader header = msg.header();
     absl::StatusOr<std::shared_ptr<const ServedHead>> named = heads_->Get(header.head());
     if (!named.ok()) return ToGrpcStatus(named.status());
     // The whole weight first (no request waits for the client's upload), then the change.
-    absl::StatusOr<HeadWeights> full = ReadWholeWeight(*reader, (*named)->shard_engine->shape());
+    absl::StatusOr<HeadWeights> full = ReadWholeWeight(next, (*named)->shard_engine->shape());
     if (!full.ok()) return ToGrpcStatus(full.status());
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, (*named)->name);
     if (absl::Status s = dp.Ready(change.status()); !s.ok()) return ToGrpcStatus(s);

@@ -95,7 +95,7 @@ absl::StatusOr<HeadIndex> ReadIndex(const std::string& path) {
   auto dtype = j.find("dtype");
   if (dtype == j.end() || !dtype->is_string()) return bad("dtype must be a string");
   absl::StatusOr<DType> d = ParseDType(dtype->get<std::string>());
-  if (!d.ok()) return d.status();
+  if (!d.ok()) return bad("dtype must be fp32, bf16 or fp16");  // not quoted: no text of the file in errors
   idx.dtype = *d;
   auto bias = j.find("has_bias");
   if (bias != j.end() && !bias->is_boolean()) return bad("has_bias must be true or false");
@@ -111,6 +111,9 @@ absl::StatusOr<HeadIndex> ReadIndex(const std::string& path) {
         !integer(sj, "vocab_end", &sh.end)) {
       return bad("each shard needs a file name and integer vocab_begin and vocab_end");
     }
+    // A plain name in the index's directory: an index (planted in a shared directory, say) cannot
+    // make the server read a file elsewhere.
+    if (!IsPlainFileName(file->get<std::string>())) return bad("shard files must be plain names in its directory");
     sh.file = (dir / file->get<std::string>()).string();
     if (sh.begin != next || sh.end <= sh.begin) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": shards must cover the vocabulary in order"));
@@ -145,8 +148,7 @@ absl::Status GatherRows(const HeadIndex& idx, const std::string& tensor, DType d
 
 // A head's name becomes part of file names: it may not leave the save's directory.
 absl::Status CheckSaveName(const std::string& name) {
-  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
-      name.find('\0') != std::string::npos) {
+  if (!IsPlainFileName(name)) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot save head '", name, "' under its name: a head saved to files needs a name without '/'"));
   }
@@ -211,9 +213,12 @@ absl::Status ProtectCommittedSave(const std::string& dir, const std::string& nam
   if (shards == index.end() || !shards->is_array()) return absl::OkStatus();  // nothing loadable to keep
   std::set<std::string> ours;
   for (int r = 0; r < world; ++r) ours.insert(ShardFileName(name, version, r, world));
+  // Only plain names (IsPlainFileName): an index planted in a shared directory names no file
+  // elsewhere for us to copy into it.
   auto file_of = [](const nlohmann::ordered_json& s) {
     auto f = s.is_object() ? s.find("file") : s.end();
-    return f != s.end() && f->is_string() ? f->get<std::string>() : std::string();
+    const std::string file = f != s.end() && f->is_string() ? f->get<std::string>() : std::string();
+    return IsPlainFileName(file) ? file : std::string();
   };
   if (std::none_of(shards->begin(), shards->end(), [&](const auto& s) { return ours.count(file_of(s)) != 0; })) {
     return absl::OkStatus();
@@ -223,9 +228,7 @@ absl::Status ProtectCommittedSave(const std::string& dir, const std::string& nam
     const std::string file = file_of((*shards)[k]);
     if (file.empty()) return absl::OkStatus();  // an index that does not load: nothing to keep
     const std::string moved = ShardFileName(name, 0, k, n);
-    if (absl::Status s = LinkDurably((fs::path(dir) / file).string(), (fs::path(dir) / moved).string()); !s.ok()) {
-      return s;
-    }
+    if (absl::Status s = LinkDurably(dir, file, moved); !s.ok()) return s;
     (*shards)[k]["file"] = moved;
   }
   const std::string text = index.dump(1) + "\n";

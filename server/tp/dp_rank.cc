@@ -1,10 +1,16 @@
 #include "dp_rank.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "tp_group.h"
 
@@ -28,6 +34,30 @@ std::string NameReplicas(const std::vector<float>& slots) {
 }
 
 }  // namespace
+
+absl::Status CheckRendezvousDirectory(const std::string& dir) {
+  if (dir.empty()) return absl::InvalidArgumentError("a data-parallel job needs --dp-rendezvous");
+  std::error_code ec;
+  const fs::path parent = fs::path(dir).parent_path();
+  if (!parent.empty()) fs::create_directories(parent, ec);
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot create --dp-rendezvous ", dir, ": ", std::strerror(errno)));
+  }
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot stat --dp-rendezvous ", dir, ": ", std::strerror(errno)));
+  }
+  // Whoever can write it can name any address as a front's: the job's calls, with the clients'
+  // tokens, would go there.
+  if (!S_ISDIR(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "--dp-rendezvous ", dir, " is not this job's to trust: it must be a directory (not a link) owned by uid ",
+        ::geteuid(), " and writable by no one else (it is ", S_ISDIR(st.st_mode) ? "a directory" : "not a directory",
+        " of uid ", st.st_uid, ", mode ", absl::StrFormat("%04o", st.st_mode & 07777),
+        "); use a fresh directory of your own"));
+  }
+  return absl::OkStatus();
+}
 
 TpBootstrap DpBootstrap(const DpOptions& o, const std::string& sub, const std::string& group) {
   TpBootstrap b;
@@ -57,6 +87,7 @@ absl::Status MarkDpJobFormed(const DpOptions& o) {
 }
 
 absl::StatusOr<std::unique_ptr<DpRank>> DpRank::Join(const DpOptions& o, int tp_rank, bool cuda, int device) {
+  if (absl::Status s = CheckRendezvousDirectory(o.rendezvous); !s.ok()) return s;  // before any link reads it
   const TpBootstrap b = DpBootstrap(o, absl::StrCat("tp-", tp_rank), absl::StrCat("data-parallel link of rank ", tp_rank));
   absl::StatusOr<std::unique_ptr<TpCommunicator>> comm;
   std::unique_ptr<ChunkStaging> staging;

@@ -35,6 +35,11 @@ struct DpOptions {
   absl::Duration join_timeout = absl::Seconds(600);  // how long start waits for every replica
 };
 
+// The rendezvous directory is trusted with the job's addresses (issue 35, item 7), so it must be
+// ours: made here with mode 0700 when missing; else a real directory (not a link) owned by this
+// process's uid and writable by no group or other user. PERMISSION_DENIED otherwise, naming it.
+absl::Status CheckRendezvousDirectory(const std::string& dir);
+
 // The bootstrap of this replica's link in DIR/`sub` (members are replicas).
 TpBootstrap DpBootstrap(const DpOptions& options, const std::string& sub, const std::string& group);
 // FAILED_PRECONDITION when the job in DIR has formed already (this process is a replica restarted
