@@ -34,7 +34,12 @@ class DescriptorExhaustion {
   }
   bool exhausted() const { return !fds_.empty(); }
 
- private:
+  // Waits (up to 5 s) until at most `n` descriptors are open: a served connection's server side
+  // closes on its own thread, and a descriptor it frees after the table was filled would let the
+  // next accept succeed.
+  static void AwaitOpenAtMost(int n) {
+    for (int i = 0; i < 500 && OpenDescriptors() > n; ++i) usleep(10000);
+  }
   static int OpenDescriptors() {
     int n = 0;
     if (DIR* d = opendir("/proc/self/fd")) {
@@ -43,6 +48,8 @@ class DescriptorExhaustion {
     }
     return n;
   }
+
+ private:
   rlimit saved_{};
   std::vector<int> fds_;
 };

@@ -359,7 +359,9 @@ TEST(RegionDataPlane, AcceptsAgainAfterTheDescriptorsRanOut) {
   };
   // One served connection first: the listener's and a connection's threads have started before the
   // descriptors run out (UBSan's checks at a thread's start need descriptors of their own).
+  const int open_before = DescriptorExhaustion::OpenDescriptors();
   ASSERT_EQ(round_trip().code, 0);
+  DescriptorExhaustion::AwaitOpenAtMost(open_before);
   {
     DescriptorExhaustion exhausted;
     ASSERT_TRUE(exhausted.exhausted());

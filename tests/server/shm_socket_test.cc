@@ -142,7 +142,9 @@ TEST(ShmSocket, AcceptsAgainAfterTheDescriptorsRanOut) {
   const int memfd = Memfd(4096);
   // One served registration first: the listener's and a connection's threads have started before the
   // descriptors run out (UBSan's checks at a thread's start need descriptors of their own).
+  const int open_before = DescriptorExhaustion::OpenDescriptors();
   ASSERT_EQ(Register((*socket)->path(), session, memfd, 4096).code, 0);
+  DescriptorExhaustion::AwaitOpenAtMost(open_before);
   {
     DescriptorExhaustion exhausted;
     ASSERT_TRUE(exhausted.exhausted());
