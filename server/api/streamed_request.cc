@@ -73,7 +73,7 @@ grpc::Status StreamedRequest::Stages() {
     if (grpc::Status g = Receive(&more); !g.ok()) return g;
     if (!more) break;
     // The slot's last chunk (two back) must be done before this one takes its place.
-    if (pipeline_.has_value() && pipeline_->outstanding() > 1) {
+    if (pipeline_ != nullptr && pipeline_->outstanding() > 1) {
       if (grpc::Status g = WaitOldest(); !g.ok()) return g;
     }
     InFlightChunk& c = chunks_[chunk_index_ % 2];
@@ -106,11 +106,17 @@ grpc::Status StreamedRequest::Admit() {
   // reading ahead), except PolicyLoss's (host work between its two calls).
   pipelined_ = (config_.cuda_device >= 0 ? config_.pipeline_chunks : config_.pipeline_chunks_on_cpu) &&
                plan_->sends_ahead && !is_pl_;
-  // Answers leave from their own thread while the next chunk computes (two in flight at most); a
-  // pipelined stream's finish thread writes them itself, a Call's handler into its response.
+  // Its threads start now, while the first chunk is on its way. Where they cannot (a task limit),
+  // the stream is served serially on this thread: slower, never an abort (issue 35, item 4).
+  if (pipelined_) {
+    absl::StatusOr<std::unique_ptr<EngineCallPipeline>> p = EngineCallPipeline::Start(work_);
+    if (p.ok()) pipeline_ = *std::move(p);
+    pipelined_ = p.ok();
+  }
+  // Answers leave from their own thread while the next chunk computes (two in flight at most; on
+  // this thread where it cannot start); a pipelined stream's finish thread writes them itself, a
+  // Call's handler into its response.
   writer_.emplace(stream_, 2, /*own_thread=*/!pipelined_ && !one_message_);
-  // Its threads start now, while the first chunk is on its way.
-  if (pipelined_) pipeline_.emplace(work_);
   return grpc::Status::OK;
 }
 
@@ -461,8 +467,8 @@ grpc::Status StreamedRequest::Answer(InFlightChunk& c) {
 // The stream's end: the pipeline drained, the declared counts, the summary, the last answers out.
 grpc::Status StreamedRequest::Finish() {
   last_chunk_.store(chunk_index_ - 1);
-  if (pipeline_.has_value()) pipeline_->Close();  // its threads end with the last chunk
-  while (pipeline_.has_value() && pipeline_->outstanding() > 0) {
+  if (pipeline_ != nullptr) pipeline_->Close();  // its threads end with the last chunk
+  while (pipeline_ != nullptr && pipeline_->outstanding() > 0) {
     if (grpc::Status g = WaitOldest(); !g.ok()) return g;
   }
   // A Call's client that left is seen when its answer is sent.

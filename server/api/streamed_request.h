@@ -145,7 +145,7 @@ class StreamedRequest {
   // answer goes with the status (a pipelined chunk is usually answered after the client is done).
   std::atomic<int64_t> last_chunk_{-1};
   // Last: destroyed (its steps finished) before everything its steps use.
-  std::optional<EngineCallPipeline> pipeline_;
+  std::unique_ptr<EngineCallPipeline> pipeline_;
 };
 
 }  // namespace lce::server

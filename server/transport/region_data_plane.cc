@@ -8,11 +8,11 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <system_error>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "lce/device_memory.h"
+#include "thread_start.h"
 
 namespace lce::server {
 namespace {
@@ -75,7 +75,9 @@ absl::StatusOr<std::unique_ptr<RegionDataPlane>> RegionDataPlane::Start(RegionRe
   socklen_t len = sizeof(addr);
   getsockname(dp->listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
   dp->port_ = ntohs(addr.sin_port);
-  dp->acceptor_ = std::thread([p = dp.get()] { p->AcceptLoop(); });
+  absl::StatusOr<std::thread> acceptor = StartThread("the data plane's acceptor", [p = dp.get()] { p->AcceptLoop(); });
+  if (!acceptor.ok()) return acceptor.status();
+  dp->acceptor_ = *std::move(acceptor);
   return dp;
 }
 
@@ -125,12 +127,13 @@ void RegionDataPlane::AcceptLoop() {
         conns_.push_back(fd);
         ++unauthenticated_[peer];
         const uint64_t id = next_id_++;
-        try {
-          threads_.emplace(id, std::thread([this, id, fd, peer] { Serve(id, fd, peer); }));
-        } catch (const std::system_error& e) {  // a task limit: refuse this connection, never abort
+        absl::StatusOr<std::thread> t = StartThread("a data-plane connection", [this, id, fd, peer] { Serve(id, fd, peer); });
+        if (t.ok()) {
+          threads_.emplace(id, *std::move(t));
+        } else {  // a task limit: refuse this connection, never abort
           conns_.pop_back();
-          --unauthenticated_[peer];
-          refused = {"threads", absl::StrCat("the server cannot start a thread for this connection: ", e.what())};
+          if (--unauthenticated_[peer] == 0) unauthenticated_.erase(peer);
+          refused = {"threads", absl::StrCat("data plane: ", t.status().message())};
         }
       }
     }

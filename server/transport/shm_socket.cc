@@ -6,13 +6,13 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <system_error>
 #include <cstring>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "data_plane_link.h"
 #include "lce/v1/shm_socket_wire.h"
+#include "thread_start.h"
 
 namespace lce::server {
 namespace {
@@ -87,7 +87,9 @@ absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regi
     return absl::UnavailableError(absl::StrCat("shm socket: cannot listen at ", path, ": ", std::strerror(errno)));
   }
   ::chmod(path.c_str(), 0666);
-  s->acceptor_ = std::thread([p = s.get()] { p->AcceptLoop(); });
+  absl::StatusOr<std::thread> acceptor = StartThread("the shm socket's acceptor", [p = s.get()] { p->AcceptLoop(); });
+  if (!acceptor.ok()) return acceptor.status();  // the destructor removes the file
+  s->acceptor_ = *std::move(acceptor);
   return s;
 }
 
@@ -132,10 +134,10 @@ void ShmSocket::AcceptLoop() {
         ::close(fd);
       } else {
         const uint64_t id = next_id_++;
-        try {
-          conns_[id] = {fd, std::thread([this, id, fd] { Serve(id, fd); })};
-        } catch (const std::system_error&) {  // a task limit: drop this connection, never abort
-          conns_.erase(id);
+        absl::StatusOr<std::thread> t = StartThread("a shm-socket connection", [this, id, fd] { Serve(id, fd); });
+        if (t.ok()) {
+          conns_[id] = {fd, *std::move(t)};
+        } else {  // a task limit: drop this connection, never abort
           ::close(fd);
         }
       }

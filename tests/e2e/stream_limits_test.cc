@@ -9,6 +9,7 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "test_server.h"
+#include "thread_start.h"
 
 namespace lce::e2e {
 namespace {
@@ -31,11 +32,11 @@ v1::StreamRequest Chunk(const Batch& b) {
 }
 
 // A whole Score of a few rows.
-grpc::Status ScoreFew(const std::string& target) {
+grpc::Status ScoreFew(const std::string& target, bool sends_ahead = false) {
   auto stub = RawStub(target);
   grpc::ClientContext ctx;
   auto stream = stub->Score(&ctx);
-  stream->Write(Header());
+  stream->Write(Header(sends_ahead));
   stream->Write(Chunk(MakeBatch(5, v1::DTYPE_BFLOAT16, 1)));
   stream->WritesDone();
   v1::StreamResponse r;
@@ -132,6 +133,20 @@ TEST(StreamLimits, AStreamSilentBetweenChunksEndsAtTheIdleTimeout) {
     ExpectDeadline(Drain(*stream), "--stream-idle-timeout-seconds");
   }
   grpc::Status s = ScoreFew(ts->target);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// Issue 35, item 4: where a stream's threads (its answer writer, a pipelined stream's engine calls)
+// cannot start, as under a task limit, the stream is served on its handler's thread; nothing aborts.
+TEST(StreamLimits, StreamsAreServedWhenTheirThreadsCannotStart) {
+  auto ts = StartTestServer(8 << 20, false, false);
+  for (bool sends_ahead : {false, true}) {  // serial, pipelined (the test server pipelines on CPU)
+    server::FailThreadStartsForTest(1000);
+    grpc::Status s = ScoreFew(ts->target, sends_ahead);
+    server::FailThreadStartsForTest(0);
+    EXPECT_TRUE(s.ok()) << "sends_ahead " << sends_ahead << ": " << s.error_message();
+  }
+  grpc::Status s = ScoreFew(ts->target, true);
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 

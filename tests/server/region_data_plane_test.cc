@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "metrics.h"
 #include "service_metrics.h"
+#include "thread_start.h"
 
 namespace lce::server {
 namespace {
@@ -374,6 +375,34 @@ TEST(RegionDataPlane, NeedsRoomForOneConnectionAndAPositiveStallTimeout) {
   o.max_connections = 1;
   o.stall_timeout = absl::ZeroDuration();
   EXPECT_EQ(RegionDataPlane::Start(regions, "127.0.0.1", 0, o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Issue 35, item 4: a thread that cannot start (a task limit) fails the start, or refuses that one
+// connection with RESOURCE_EXHAUSTED; the next connection is served.
+TEST(RegionDataPlane, AThreadThatCannotStartIsAnErrorNotAnAbort) {
+  RegionRegistry regions;
+  regions.EnableServerMemory(1 << 20);
+  metrics::Registry registry;
+  ServiceMetrics metrics(registry);
+  RegionDataPlaneOptions o;
+  o.metrics = &metrics;
+  FailThreadStartsForTest(1);
+  auto refused = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  auto region = regions.RegisterServerMemory(session.id, "r", 4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  FailThreadStartsForTest(1);  // this connection's thread
+  const int a = Connect((*dp)->port());
+  const Reply r = ReadReply(a);
+  EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) << r.message;
+  EXPECT_NE(r.message.find("cannot start a thread"), std::string::npos) << r.message;
+  ::close(a);
+  EXPECT_EQ(metrics.rejections.WithLabels({"threads"}).Value(), 1.0);
+  FailThreadStartsForTest(0);
+  EXPECT_EQ(ReadOnANewConnection((*dp)->port(), session, *region, 16).code, 0);
 }
 
 }  // namespace

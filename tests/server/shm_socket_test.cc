@@ -17,6 +17,7 @@
 #include "lce/v1/shm_socket_wire.h"
 #include "metrics.h"
 #include "service_metrics.h"
+#include "thread_start.h"
 
 namespace lce::server {
 namespace {
@@ -155,6 +156,27 @@ TEST(ShmSocket, AcceptsAgainAfterTheDescriptorsRanOut) {
   const Reply r = Register((*socket)->path(), session, memfd, 4096);
   EXPECT_EQ(r.code, 0) << "no reply: the listener stopped accepting. " << r.message;
   EXPECT_GE(metrics.accept_errors.WithLabels({"shm_socket", "EMFILE"}).Value(), 1.0);
+  ::close(memfd);
+}
+
+// Issue 35, item 4: a thread that cannot start (a task limit) fails the start, or drops that one
+// connection; the next connection is served.
+TEST(ShmSocket, AThreadThatCannotStartIsAnErrorNotAnAbort) {
+  RegionRegistry regions;
+  const std::string path = SocketPath();
+  FailThreadStartsForTest(1);
+  auto refused = ShmSocket::Start(regions, path);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("shm socket's acceptor"), std::string::npos) << refused.status();
+  auto socket = ShmSocket::Start(regions, path);
+  ASSERT_TRUE(socket.ok()) << socket.status();
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  const int memfd = Memfd(4096);
+  FailThreadStartsForTest(1);  // this connection's thread
+  EXPECT_EQ(Register(path, session, memfd, 4096).code, -1) << "the connection was not dropped";
+  const Reply r = Register(path, session, memfd, 4096);
+  EXPECT_EQ(r.code, 0) << r.message;
+  FailThreadStartsForTest(0);
   ::close(memfd);
 }
 
