@@ -221,6 +221,8 @@ int main(int argc, char** argv) {
   options.data_plane_auth_timeout_seconds = flags->data_plane_auth_timeout_seconds;
   options.data_plane_max_unauthenticated = flags->data_plane_max_unauthenticated;
   options.data_plane_max_connections = flags->data_plane_max_connections;
+  options.data_plane_max_connections_per_session = flags->data_plane_max_connections_per_session;
+  options.data_plane_idle_timeout_seconds = flags->data_plane_idle_timeout_seconds;
   options.data_plane_tls = flags->data_plane_tls;
   options.shm_socket = flags->shm_socket;
   options.allow_shm_by_name = flags->allow_shm_by_name;

@@ -70,6 +70,10 @@ ABSL_FLAG(int32_t, data_plane_max_unauthenticated, 256,
           "connections that have not done so yet, at most (128 from one address); they never take --data-plane-max-connections' slots");
 ABSL_FLAG(int32_t, data_plane_max_connections, 512,
           "data-plane connections served at once (a client opens 2 x data_plane_sockets a stream); more are answered RESOURCE_EXHAUSTED and closed (a client already sending sees the connection reset)");
+ABSL_FLAG(int32_t, data_plane_max_connections_per_session, 64,
+          "of those, the most one session may hold (a client opens 2 x data_plane_sockets a stream); more are answered RESOURCE_EXHAUSTED and closed");
+ABSL_FLAG(double, data_plane_idle_timeout_seconds, 600,
+          "an authenticated data-plane connection silent between transfers for S ends (the clients reconnect on their next request)");
 ABSL_FLAG(std::string, grpc_poll_strategy, "",
           "gRPC's I/O poller (GRPC_POLL_STRATEGY): epoll1 (gRPC's default) or poll (each completion queue polls its own connections); empty: gRPC's choice");
 ABSL_FLAG(std::string, grpc_channel_args, "",
@@ -185,6 +189,8 @@ const std::vector<std::string>& FlagNames() {
       "data_plane_auth_timeout_seconds",
       "data_plane_max_unauthenticated",
       "data_plane_max_connections",
+      "data_plane_max_connections_per_session",
+      "data_plane_idle_timeout_seconds",
       "grpc_poll_strategy",
       "grpc_channel_args",
       "max_rows_per_request",
@@ -395,6 +401,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   f.data_plane_auth_timeout_seconds = absl::GetFlag(FLAGS_data_plane_auth_timeout_seconds);
   f.data_plane_max_unauthenticated = absl::GetFlag(FLAGS_data_plane_max_unauthenticated);
   f.data_plane_max_connections = absl::GetFlag(FLAGS_data_plane_max_connections);
+  f.data_plane_max_connections_per_session = absl::GetFlag(FLAGS_data_plane_max_connections_per_session);
+  f.data_plane_idle_timeout_seconds = absl::GetFlag(FLAGS_data_plane_idle_timeout_seconds);
   f.grpc_poll_strategy = absl::GetFlag(FLAGS_grpc_poll_strategy);
   f.max_rows_per_request = absl::GetFlag(FLAGS_max_rows_per_request);
   f.log_requests = absl::GetFlag(FLAGS_log_requests);
@@ -476,6 +484,12 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   if (f.data_plane_max_unauthenticated < 1) return absl::InvalidArgumentError("--data-plane-max-unauthenticated must be >= 1");
   if (f.data_plane_max_connections < 1 || f.data_plane_max_connections > 65536) {
     return absl::InvalidArgumentError("--data-plane-max-connections must be in [1, 65536]");
+  }
+  if (f.data_plane_max_connections_per_session < 1) {
+    return absl::InvalidArgumentError("--data-plane-max-connections-per-session must be >= 1");
+  }
+  if (!(f.data_plane_idle_timeout_seconds > 0)) {
+    return absl::InvalidArgumentError("--data-plane-idle-timeout-seconds must be > 0");
   }
   return f;
 }

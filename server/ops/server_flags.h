@@ -30,6 +30,8 @@ struct ServerFlags {
   bool allow_shm_by_name{};     // RegisterRegion.shm_name accepted
   int64_t data_plane_bytes_per_session{};
   int data_plane_max_connections{};
+  int data_plane_max_connections_per_session{};
+  double data_plane_idle_timeout_seconds{};
   int64_t data_plane_total_bytes{};  // server memory over all sessions; -1: half the host's, 0: no limit
   int64_t shm_bytes_per_session{};   // clients' shared memory mapped for one session
   int64_t shm_total_bytes{};         // ... and for all sessions

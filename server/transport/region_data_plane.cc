@@ -44,8 +44,11 @@ absl::StatusOr<std::unique_ptr<RegionDataPlane>> RegionDataPlane::Start(RegionRe
                                                                         const std::string& host, int port,
                                                                         const RegionDataPlaneOptions& options) {
   if (options.max_connections < 1) return absl::InvalidArgumentError("data plane: max_connections must be >= 1");
-  if (options.stall_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("data plane: stall_timeout must be positive");
+  if (options.max_connections_per_session < 1) {
+    return absl::InvalidArgumentError("data plane: max_connections_per_session must be >= 1");
+  }
+  if (options.stall_timeout <= absl::ZeroDuration() || options.idle_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("data plane: stall_timeout and idle_timeout must be positive");
   }
   std::unique_ptr<RegionDataPlane> dp(new RegionDataPlane(regions, options));
   if (options.tls) {
@@ -150,11 +153,14 @@ void RegionDataPlane::AcceptLoop() {
   }
 }
 
+std::pair<std::string, std::string> RegionDataPlane::PoolFullLocked() const {
+  if (authenticated_ < max_connections_) return {};
+  return {"data_plane_connections",
+          absl::StrCat("data plane: the server is at its limit of ", max_connections_, " connections; retry later")};
+}
+
 std::pair<std::string, std::string> RegionDataPlane::RefusalLocked(uint32_t peer) const {
-  if (authenticated_ >= max_connections_) {
-    return {"data_plane_connections",
-            absl::StrCat("data plane: the server is at its limit of ", max_connections_, " connections; retry later")};
-  }
+  if (auto full = PoolFullLocked(); !full.first.empty()) return full;
   int total = 0;
   for (const auto& [_, n] : unauthenticated_) total += n;
   auto it = unauthenticated_.find(peer);
@@ -167,16 +173,23 @@ std::pair<std::string, std::string> RegionDataPlane::RefusalLocked(uint32_t peer
   return {};
 }
 
-bool RegionDataPlane::Authenticate(uint32_t peer) {
+std::pair<std::string, std::string> RegionDataPlane::Authenticate(uint32_t peer, const std::string& session) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (authenticated_ >= max_connections_) return false;
+  if (auto full = PoolFullLocked(); !full.first.empty()) return full;
+  int& mine = by_session_[session];
+  if (mine >= max_per_session_) {
+    return {"data_plane_session_connections",
+            absl::StrCat("data plane: this session already holds ", max_per_session_,
+                         " connections, the most one session may (--data-plane-max-connections-per-session)")};
+  }
+  ++mine;
   if (--unauthenticated_[peer] == 0) unauthenticated_.erase(peer);
   ++authenticated_;
-  return true;
+  return {};
 }
 
 void RegionDataPlane::Serve(uint64_t id, int fd, uint32_t peer) {
-  bool authenticated = false;  // by a first transfer that resolved: until then, no second chance
+  std::string session;  // authenticated as, by a first transfer that resolved: until then, no second chance
   // The TLS handshake, like the first transfer, must come within the auth timeout.
   SetTimeouts(fd, auth_timeout_);
   std::unique_ptr<DataPlaneLink> link;
@@ -188,25 +201,29 @@ void RegionDataPlane::Serve(uint64_t id, int fd, uint32_t peer) {
   }
   std::unique_ptr<DeviceTransfer> transfer;  // made on the first transfer to or from GPU memory
   while (link != nullptr && !stopping_) {
-    // Idle between transfers for as long as the client likes, once authenticated (before, the first
-    // transfer must come within the auth timeout); within one, every read and write must progress
-    // within the stall timeout (a recv or send that times out fails, and the connection ends).
-    SetTimeouts(fd, authenticated ? absl::ZeroDuration() : auth_timeout_);
+    // Idle between transfers up to the idle timeout once authenticated (before, the first transfer
+    // must come within the auth timeout); within one, every read and write must progress within the
+    // stall timeout (a recv or send that times out fails, and the connection ends).
+    const bool authenticated = !session.empty();
+    SetTimeouts(fd, authenticated ? idle_timeout_ : auth_timeout_);
     uint8_t head[v1::data_plane::kHeaderBytes];
     if (!link->Recv(head, 1)) {
-      if (!authenticated && !stopping_ && metrics_ != nullptr) {
-        metrics_->rejections.WithLabels({"data_plane_auth_timeout"}).Increment();
+      const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+      if ((!authenticated || timed_out) && !stopping_ && metrics_ != nullptr) {
+        metrics_->rejections.WithLabels({authenticated ? "data_plane_idle_timeout" : "data_plane_auth_timeout"})
+            .Increment();
       }
       break;
     }
     SetTimeouts(fd, stall_timeout_);
-    if (!link->Recv(head + 1, sizeof(head) - 1) || !Transfer(*link, head, peer, authenticated, transfer)) break;
+    if (!link->Recv(head + 1, sizeof(head) - 1) || !Transfer(*link, head, peer, session, transfer)) break;
   }
   link.reset();
   std::lock_guard<std::mutex> lock(mu_);
   conns_.erase(std::remove(conns_.begin(), conns_.end(), fd), conns_.end());
-  if (authenticated) {
+  if (!session.empty()) {
     --authenticated_;
+    if (--by_session_[session] == 0) by_session_.erase(session);
   } else if (--unauthenticated_[peer] == 0) {
     unauthenticated_.erase(peer);
   }
@@ -233,7 +250,7 @@ absl::StatusOr<RegionRegistry::Slice> RegionDataPlane::Check(const v1::data_plan
   return s;
 }
 
-bool RegionDataPlane::Transfer(DataPlaneLink& link, const uint8_t* head, uint32_t peer, bool& authenticated,
+bool RegionDataPlane::Transfer(DataPlaneLink& link, const uint8_t* head, uint32_t peer, std::string& session,
                                std::unique_ptr<DeviceTransfer>& transfer) {
   v1::data_plane::TransferHeader h;
   if (!v1::data_plane::DecodeTransferHeader(head, &h)) {
@@ -247,15 +264,16 @@ bool RegionDataPlane::Transfer(DataPlaneLink& link, const uint8_t* head, uint32_
     return false;
   }
   absl::StatusOr<RegionRegistry::Slice> s = Check(h);
-  if (s.ok() && !authenticated) {
-    if (!Authenticate(peer)) {
-      if (metrics_ != nullptr) metrics_->rejections.WithLabels({"data_plane_connections"}).Increment();
-      Reply(link, absl::ResourceExhaustedError(absl::StrCat("data plane: the server is at its limit of ",
-                                                            max_connections_, " connections; retry later")));
+  if (s.ok() && session.empty()) {
+    const auto [reason, message] = Authenticate(peer, h.session_id);
+    if (!reason.empty()) {
+      if (metrics_ != nullptr) metrics_->rejections.WithLabels({reason}).Increment();
+      Reply(link, absl::ResourceExhaustedError(message));
       return false;
     }
-    authenticated = true;
+    session = h.session_id;
   }
+  const bool authenticated = !session.empty();
   if (!s.ok()) {
     if (!authenticated) {  // a connection that has not presented a session gets no second try
       Reply(link, s.status());

@@ -377,6 +377,51 @@ TEST(RegionDataPlane, NeedsRoomForOneConnectionAndAPositiveStallTimeout) {
   EXPECT_EQ(RegionDataPlane::Start(regions, "127.0.0.1", 0, o).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Issue 35, item 5: one session holding idle connections once locked every other client out of the
+// pool. A session holds at most max_connections_per_session of it, and an authenticated connection
+// idle for idle_timeout ends.
+TEST(RegionDataPlane, OneSessionCannotTakeThePoolAndIdleConnectionsEnd) {
+  RegionRegistry regions;
+  regions.EnableServerMemory(1 << 20);
+  metrics::Registry registry;
+  ServiceMetrics metrics(registry);
+  RegionDataPlaneOptions o;
+  o.max_connections = 4;
+  o.max_connections_per_session = 2;
+  o.idle_timeout = absl::Milliseconds(600);
+  o.metrics = &metrics;
+  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  const RegionRegistry::SessionKeys hog = regions.OpenSession(), other = regions.OpenSession();
+  auto hog_region = regions.RegisterServerMemory(hog.id, "r", 4096);
+  auto other_region = regions.RegisterServerMemory(other.id, "r", 4096);
+  ASSERT_TRUE(hog_region.ok() && other_region.ok());
+  std::vector<int> held;
+  for (int i = 0; i < 3; ++i) {
+    held.push_back(Connect((*dp)->port()));
+    SendTransfer(held.back(), v1::data_plane::kOpWrite, hog, *hog_region, 0, std::string(16, 'h'), 16);
+    const Reply r = ReadReply(held.back());
+    if (i < 2) {
+      EXPECT_EQ(r.code, 0) << r.message;
+    } else {
+      EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) << r.message;
+      EXPECT_NE(r.message.find("--data-plane-max-connections-per-session"), std::string::npos) << r.message;
+    }
+  }
+  EXPECT_EQ(metrics.rejections.WithLabels({"data_plane_session_connections"}).Value(), 1.0);
+  const Reply served = ReadOnANewConnection((*dp)->port(), other, *other_region, 16);
+  EXPECT_EQ(served.code, 0) << "another session is locked out: " << served.message;
+  // The hog's connections, idle past the timeout, are closed by the server.
+  for (int i = 0; i < 2; ++i) {
+    timeval wait{3, 0};
+    setsockopt(held[i], SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof(wait));
+    char b;
+    EXPECT_EQ(::recv(held[i], &b, 1, 0), 0) << "an idle authenticated connection was kept";
+  }
+  for (int fd : held) ::close(fd);
+  EXPECT_GE(metrics.rejections.WithLabels({"data_plane_idle_timeout"}).Value(), 2.0);
+}
+
 // Issue 35, item 4: a thread that cannot start (a task limit) fails the start, or refuses that one
 // connection with RESOURCE_EXHAUSTED; the next connection is served.
 TEST(RegionDataPlane, AThreadThatCannotStartIsAnErrorNotAnAbort) {
