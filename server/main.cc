@@ -231,6 +231,7 @@ int main(int argc, char** argv) {
   // Co-located clients may hand over GPU memory (CUDA IPC) when the engine is one GPU's.
   if (!tp && (*engine)->backend() == "cuda") options.service.cuda_device = flags->device;
   options.service.max_concurrent_streams = flags->max_concurrent_streams;
+  options.service.max_streams_per_client = flags->max_streams_per_client;
   options.service.pending_grads = {flags->max_pending_grads, absl::Seconds(flags->pending_grad_ttl_seconds)};
   options.service.max_request_bytes = flags->max_request_bytes;
   options.service.stream_header_timeout_seconds = flags->stream_header_timeout_seconds;

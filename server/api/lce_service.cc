@@ -184,12 +184,29 @@ absl::Status LceService::UnstageFromDevice(ChunkStaging& st, const StagedCall& c
   return s;
 }
 
-absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) const {
-  if (!config_.auth.enabled()) return absl::OkStatus();
+namespace {
+
+std::string Authorization(grpc::ServerContext* ctx) {
   const auto& md = ctx->client_metadata();
   auto it = md.find("authorization");
-  const std::string value = it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
-  return config_.auth.Check(value, access);
+  return it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+}
+
+}  // namespace
+
+absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) const {
+  if (!config_.auth.enabled()) return absl::OkStatus();
+  return config_.auth.Check(Authorization(ctx), access);
+}
+
+std::string LceService::ClientToken(grpc::ServerContext* ctx) const {
+  // Without tokens any header passes: one that named a new client each time would dodge every cap.
+  return config_.auth.enabled() ? Authorization(ctx) : std::string();
+}
+
+int64_t LceService::StreamsPerClient() const {
+  if (config_.max_streams_per_client != 0) return config_.max_streams_per_client;
+  return (config_.max_concurrent_streams + 1) / 2;  // 0 (no limit) stays 0
 }
 
 grpc::Status LceService::GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp) {

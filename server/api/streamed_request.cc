@@ -89,13 +89,7 @@ grpc::Status StreamedRequest::Stages() {
 // holds none (and is dropped at the header timeout).
 grpc::Status StreamedRequest::Admit() {
   if (grpc::Status g = service_.ReadHeader(rpc_, ctx_, stream_, &plan_, &head_use_); !g.ok()) return g;
-  slot_.emplace(service_.streams_in_flight_, config_.max_concurrent_streams);
-  if (!slot_->admitted()) {
-    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"concurrent_streams"}).Increment();
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        absl::StrCat("server is at its limit of ", config_.max_concurrent_streams,
-                                     " concurrent streams; retry later"));
-  }
+  if (grpc::Status g = TakeSlot(); !g.ok()) return g;
   validator_.emplace(rpc_, *service_.heads_, config_.limits);
   const HeadShape& shape = plan_->head->engine->shape();
   row_bytes_ = shape.hidden_size * DTypeSize(shape.dtype);
@@ -118,6 +112,29 @@ grpc::Status StreamedRequest::Admit() {
   // Call's handler into its response.
   writer_.emplace(stream_, 2, /*own_thread=*/!pipelined_ && !one_message_);
   return grpc::Status::OK;
+}
+
+grpc::Status StreamedRequest::TakeSlot() {
+  slot_.emplace(service_.streams_in_flight_, config_.max_concurrent_streams);
+  auto refuse = [&](const char* reason, std::string message) {
+    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({reason}).Increment();
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, std::move(message));
+  };
+  if (!slot_->admitted()) {
+    return refuse("concurrent_streams", absl::StrCat("server is at its limit of ", config_.max_concurrent_streams,
+                                                     " concurrent streams; retry later"));
+  }
+  // A Call holds its slot only while it computes: only streams, which may hold theirs for as long as
+  // their client trickles chunks, count against the client's share.
+  const int64_t cap = service_.StreamsPerClient();
+  if (one_message_ || cap <= 0 ||
+      slot_->TakeClientShare(service_.client_streams_, ctx_->peer(), service_.ClientToken(ctx_), cap)) {
+    return grpc::Status::OK;
+  }
+  return refuse("streams_per_client",
+                absl::StrCat("client ", slot_->client(), " already holds ", cap, " of the server's ",
+                             config_.max_concurrent_streams, " concurrent streams, the most one client may ",
+                             "(--max-streams-per-client); retry later"));
 }
 
 // The client's next message, within the idle timeout; `*more` is false at the stream's end.

@@ -94,6 +94,8 @@ ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
           "listen address of the metrics endpoint");
 ABSL_FLAG(int64_t, max_concurrent_streams, 64,
           "streams served at once; more get RESOURCE_EXHAUSTED (0 = no limit)");
+ABSL_FLAG(int64_t, max_streams_per_client, 0,
+          "streams one client (its host and bearer token, and on loopback its uid) may hold at once (0: half of --max-concurrent-streams; -1: no cap); more get RESOURCE_EXHAUSTED. Calls are not counted");
 ABSL_FLAG(int64_t, max_pending_grads, 4,
           "weight-gradient contributions a head holds pending at once (being computed, or deferred and waiting for CommitGrad); each takes a dW-sized fp32 buffer; a new one past this drops the oldest deferred one");
 ABSL_FLAG(double, pending_grad_ttl_seconds, 600,
@@ -201,6 +203,7 @@ const std::vector<std::string>& FlagNames() {
       "metrics_port",
       "metrics_host",
       "max_concurrent_streams",
+      "max_streams_per_client",
       "max_pending_grads",
       "pending_grad_ttl_seconds",
       "max_request_bytes",
@@ -412,6 +415,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   f.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   f.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   f.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  f.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   f.max_pending_grads = absl::GetFlag(FLAGS_max_pending_grads);
   f.pending_grad_ttl_seconds = absl::GetFlag(FLAGS_pending_grad_ttl_seconds);
   f.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
@@ -478,6 +482,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError("--shm-bytes-per-session and --shm-total-bytes must be > 0");
   }
   if (f.max_sessions_per_peer < 0) return absl::InvalidArgumentError("--max-sessions-per-peer must be >= 0");
+  if (f.max_streams_per_client < -1) return absl::InvalidArgumentError("--max-streams-per-client must be >= -1");
   if (!(f.data_plane_auth_timeout_seconds > 0 && f.data_plane_auth_timeout_seconds <= 3600)) {
     return absl::InvalidArgumentError("--data-plane-auth-timeout-seconds must be in (0, 3600]");
   }

@@ -50,6 +50,7 @@ struct ServerFlags {
   int metrics_port{};  // -1: no metrics endpoint; 0: pick a free port
   std::string metrics_host;
   int64_t max_concurrent_streams{};
+  int64_t max_streams_per_client{};
   int64_t max_pending_grads{};
   double pending_grad_ttl_seconds{};
   int64_t max_request_bytes{};
