@@ -45,7 +45,8 @@ struct ServiceConfig {
   // slot meanwhile), then send each next message, and read each answer, within the second. Past
   // either, the call ends DEADLINE_EXCEEDED naming the wait.
   double stream_header_timeout_seconds = 10;
-  // Sessions (OpenSession) one peer host may hold at once (0: no limit); more get RESOURCE_EXHAUSTED.
+  // Sessions (OpenSession) one client (client_shares.h: host, token, a loopback peer's uid) may hold
+  // at once (0: no limit); more get RESOURCE_EXHAUSTED.
   int64_t max_sessions_per_peer = 64;
   double stream_idle_timeout_seconds = 60;
   // Largest head shard LoadHead builds, in weight bytes (0: the host's memory).
@@ -233,8 +234,7 @@ class LceService final : public v1::LceService::Service {
   StreamWatchdog watchdog_;  // deadlines of the streams' waits on their clients
   std::atomic<int64_t> streams_in_flight_{0};
   ClientShares client_streams_;  // streams in flight by client
-  std::mutex sessions_mu_;
-  std::map<std::string, int64_t> sessions_by_peer_;  // open sessions by peer host
+  ClientShares client_sessions_;  // open sessions by client
   std::mutex engine_mu_;
   std::mutex staging_pool_mu_;
   std::vector<std::unique_ptr<ChunkStaging>> staging_pool_;  // idle device stagings

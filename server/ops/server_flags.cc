@@ -63,7 +63,7 @@ ABSL_FLAG(int64_t, shm_bytes_per_session, int64_t{64} << 30,
 ABSL_FLAG(int64_t, shm_total_bytes, int64_t{4} << 40,
           "bytes of clients' shared memory the server maps for all sessions together (address space: a sparse memfd costs its client nothing); beyond, RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_sessions_per_peer, 64,
-          "sessions (OpenSession) one client host may hold at once (0: no limit); more get RESOURCE_EXHAUSTED");
+          "sessions (OpenSession) one client (its host and bearer token, and on loopback its uid) may hold at once (0: no limit); more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(double, data_plane_auth_timeout_seconds, 60,
           "a new data-plane connection's first transfer must come within S and name its session's region, or the connection ends");
 ABSL_FLAG(int32_t, data_plane_max_unauthenticated, 256,
