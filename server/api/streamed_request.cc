@@ -199,23 +199,27 @@ grpc::Status StreamedRequest::ResolveRegions(InFlightChunk& c) {
   c.hidden_slice = {};
   c.dh_slice = {};
   if (!chunk.has_hidden_region() && !chunk.has_d_hidden_region()) return grpc::Status::OK;
+  // The session's id and its secret (issue 35, item 12: the id alone once opened its regions).
   const auto& md = ctx_->client_metadata();
-  auto it = md.find("lce-session");
-  const std::string session = it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+  auto value = [&md](const char* key) {
+    auto it = md.find(key);
+    return it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+  };
+  const std::string session = value("lce-session"), secret = value("lce-session-secret");
   auto fail = [&](const absl::Status& e) {
     return ToGrpcStatus(absl::Status(e.code(), absl::StrCat("chunk ", chunk_index_, ": ", e.message())));
   };
   const int64_t bytes = c.rows * row_bytes_;
   RegionRegistry& regions = service_.regions_;
   if (chunk.has_hidden_region()) {
-    absl::StatusOr<RegionRegistry::Slice> r = regions.Resolve(session, chunk.hidden_region(), bytes, "hidden_region");
+    absl::StatusOr<RegionRegistry::Slice> r = regions.Resolve(session, secret, chunk.hidden_region(), bytes, "hidden_region");
     if (!r.ok()) return fail(r.status());
     c.hidden_slice = *std::move(r);
     c.hidden = reinterpret_cast<const char*>(c.hidden_slice.bytes.data());
   }
   if (!chunk.has_d_hidden_region()) return grpc::Status::OK;
   if (!(is_fb_ || is_bw_ || is_pl_)) return fail(absl::InvalidArgumentError("d_hidden_region: Score returns no d_hidden"));
-  absl::StatusOr<RegionRegistry::Slice> r = regions.Resolve(session, chunk.d_hidden_region(), bytes, "d_hidden_region");
+  absl::StatusOr<RegionRegistry::Slice> r = regions.Resolve(session, secret, chunk.d_hidden_region(), bytes, "d_hidden_region");
   if (!r.ok()) return fail(r.status());
   c.dh_slice = *std::move(r);
   if (c.dh_slice.device && !c.hidden_slice.device) {

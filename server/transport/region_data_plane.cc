@@ -243,7 +243,7 @@ absl::StatusOr<RegionRegistry::Slice> RegionDataPlane::Check(const v1::data_plan
   slice.set_offset(h.offset);
   slice.set_byte_size(h.length);
   absl::StatusOr<RegionRegistry::Slice> s =
-      regions_.Resolve(h.session_id, slice, h.length, h.op == kOpWrite ? "data plane write" : "data plane read");
+      regions_.Resolve(h.session_id, h.secret, slice, h.length, h.op == kOpWrite ? "data plane write" : "data plane read");
   if (s.ok() && !s->server_memory) {
     return absl::InvalidArgumentError(absl::StrCat("data plane: region ", h.region_id, " is not server memory"));
   }

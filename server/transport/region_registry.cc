@@ -440,8 +440,18 @@ int RegionRegistry::ReleaseSession(const std::string& session) {
   return static_cast<int>(gone.size());
 }
 
-absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string& session, const v1::RegionSlice& slice,
-                                                             int64_t bytes_needed, const char* what) const {
+absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string& session, const std::string& secret,
+                                                             const v1::RegionSlice& slice, int64_t bytes_needed,
+                                                             const char* what) const {
+  if (session.empty() || secret.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": the request carries no ", session.empty() ? "lce-session" : "lce-session-secret",
+        " metadata: a request that names regions carries its session's id (lce-session) and secret "
+        "(lce-session-secret, SessionResponse.session_secret)"));
+  }
+  if (absl::Status s = CheckSecret(session, secret); !s.ok()) {
+    return absl::PermissionDeniedError(absl::StrCat(what, ": lce-session and lce-session-secret: ", s.message()));
+  }
   std::shared_ptr<const Region> r;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -452,10 +462,9 @@ absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string&
     return absl::NotFoundError(absl::StrCat(what, ": region ", slice.region_id(),
                                             " is not registered (never, unregistered, or its session ended)"));
   }
-  if (session.empty() || r->session != session) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        what, ": region ", slice.region_id(), " belongs to another session",
-        session.empty() ? " (the request carries no lce-session metadata)" : " than the request's lce-session"));
+  if (r->session != session) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(what, ": region ", slice.region_id(), " belongs to another session than the request's lce-session"));
   }
   if (absl::Status s = LostError(*r, what); !s.ok()) return s;
   // Every term is checked as signed: a negative size would pass the bound below and wrap to a huge

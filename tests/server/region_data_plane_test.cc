@@ -178,7 +178,7 @@ TEST(RegionDataPlane, NegativeOrOverflowingPlacementIsRefusedBeforeAnyByteMoves)
   v1::RegionSlice slice;
   slice.set_region_id(*region);
   slice.set_byte_size(-1);
-  EXPECT_EQ(regions.Resolve(session.id, slice, -1, "chunk").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(regions.Resolve(session.id, session.secret, slice, -1, "chunk").status().code(), absl::StatusCode::kInvalidArgument);
   const Reply back = ReadOnANewConnection((*dp)->port(), session, *region, 4096);
   EXPECT_EQ(back.code, 0) << back.message;
 }
@@ -322,7 +322,7 @@ TEST(RegionDataPlane, AFreshServerMemoryRegionHoldsOnlyZeros) {
     v1::RegionSlice slice;
     slice.set_region_id(*region);
     slice.set_byte_size(size);
-    auto resolved = regions.Resolve(session.id, slice, size, "fresh");
+    auto resolved = regions.Resolve(session.id, session.secret, slice, size, "fresh");
     ASSERT_TRUE(resolved.ok()) << resolved.status();
     EXPECT_EQ(std::count(resolved->bytes.begin(), resolved->bytes.end(), 0), size) << size << "-byte region";
     SendTransfer(fd, v1::data_plane::kOpRead, session, *region, 0, "", size);
