@@ -413,8 +413,8 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
       dp.Reset();
       return s;
     }
-    routed.hidden_region = RegionRef{dp.session->id(), dp.hidden_region, 0};
-    if (wants_d_hidden) routed.d_hidden_region = RegionRef{dp.session->id(), dp.d_hidden_region, 0};
+    routed.hidden_region = RegionRef{dp.session->id(), dp.hidden_region, 0, dp.session->secret()};
+    if (wants_d_hidden) routed.d_hidden_region = RegionRef{dp.session->id(), dp.d_hidden_region, 0, dp.session->secret()};
     const size_t k = static_cast<size_t>(options_.data_plane_sockets);
     for (size_t i = 0; i < parts.size(); ++i) {
       DataPlaneLane lane;
@@ -522,10 +522,7 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, const HiddenCall*
   StreamTrace trace;
   if (tracing) trace.start = now();
   Prepare(&ctx);
-  if (batch.hidden_region || batch.d_hidden_region) {
-    ctx.AddMetadata("lce-session", batch.hidden_region ? batch.hidden_region->session_id
-                                                       : batch.d_hidden_region->session_id);
-  }
+  AddSessionMetadata(&ctx, batch);
   const std::string which = rpc;
   // A region-backed chunk carries no hidden bytes: one chunk (of at most kRegionChunkRows rows) lets
   // the server run the part as one engine call. Over the data plane the bytes still travel, and
@@ -672,10 +669,7 @@ absl::Status LceClient::StreamPart(v1::LceService::Stub& stub, const HiddenCall*
     *req.mutable_chunk() = std::move(*msg.mutable_chunk());
     grpc::ClientContext call_ctx;
     Prepare(&call_ctx);
-    if (batch.hidden_region || batch.d_hidden_region) {
-      call_ctx.AddMetadata("lce-session", batch.hidden_region ? batch.hidden_region->session_id
-                                                              : batch.d_hidden_region->session_id);
-    }
+    AddSessionMetadata(&call_ctx, batch);
     v1::CallResponse answer;
     if (tracing) trace.opened = trace.first_chunk_sent = trace.last_chunk_sent = now();
     const grpc::Status s =
@@ -868,7 +862,22 @@ absl::StatusOr<std::unique_ptr<SharedMemorySession>> LceClient::OpenSessionOn(v1
   s->secret_ = first.session_secret();
   s->shm_socket_ = first.shm_socket();
   if (s->session_id_.empty()) return absl::InternalError("the server's first session message has no session_id");
+  std::lock_guard<std::mutex> lock(secrets_mu_);
+  session_secrets_[s->session_id_] = s->secret_;
   return s;
+}
+
+void LceClient::AddSessionMetadata(grpc::ClientContext* ctx, const HiddenBatch& batch) const {
+  if (!batch.hidden_region && !batch.d_hidden_region) return;
+  const RegionRef& r = batch.hidden_region ? *batch.hidden_region : *batch.d_hidden_region;
+  std::string secret = r.session_secret;
+  if (secret.empty()) {
+    std::lock_guard<std::mutex> lock(secrets_mu_);
+    auto it = session_secrets_.find(r.session_id);
+    if (it != session_secrets_.end()) secret = it->second;
+  }
+  ctx->AddMetadata("lce-session", r.session_id);
+  ctx->AddMetadata("lce-session-secret", secret);
 }
 
 absl::StatusOr<v1::SessionResponse> SharedMemorySession::Ask(const v1::SessionRequest& req) {
@@ -952,7 +961,7 @@ absl::StatusOr<SharedMemorySession::Region> SharedMemorySession::CreateRegion(in
     std::lock_guard<std::mutex> lock(mu_);
     owned_.push_back({*id, fd, addr, static_cast<size_t>(bytes)});
   }
-  return Region{*id, "", absl::Span<uint8_t>(static_cast<uint8_t*>(addr), static_cast<size_t>(bytes)), fd, session_id_};
+  return Region{*id, "", absl::Span<uint8_t>(static_cast<uint8_t*>(addr), static_cast<size_t>(bytes)), fd, session_id_, secret_};
 }
 
 absl::Status SharedMemorySession::ReleaseRegion(uint64_t region_id) {

@@ -221,6 +221,8 @@ int main(int argc, char** argv) {
   options.data_plane_auth_timeout_seconds = flags->data_plane_auth_timeout_seconds;
   options.data_plane_max_unauthenticated = flags->data_plane_max_unauthenticated;
   options.data_plane_max_connections = flags->data_plane_max_connections;
+  options.data_plane_max_connections_per_session = flags->data_plane_max_connections_per_session;
+  options.data_plane_idle_timeout_seconds = flags->data_plane_idle_timeout_seconds;
   options.data_plane_tls = flags->data_plane_tls;
   options.shm_socket = flags->shm_socket;
   options.allow_shm_by_name = flags->allow_shm_by_name;
@@ -229,6 +231,7 @@ int main(int argc, char** argv) {
   // Co-located clients may hand over GPU memory (CUDA IPC) when the engine is one GPU's.
   if (!tp && (*engine)->backend() == "cuda") options.service.cuda_device = flags->device;
   options.service.max_concurrent_streams = flags->max_concurrent_streams;
+  options.service.max_streams_per_client = flags->max_streams_per_client;
   options.service.pending_grads = {flags->max_pending_grads, absl::Seconds(flags->pending_grad_ttl_seconds)};
   options.service.max_request_bytes = flags->max_request_bytes;
   options.service.stream_header_timeout_seconds = flags->stream_header_timeout_seconds;

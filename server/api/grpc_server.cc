@@ -89,6 +89,8 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(std::shared_ptr<He
     RegionDataPlaneOptions dpo;
     dpo.max_write_bytes = options.server_memory_per_session;
     dpo.max_connections = options.data_plane_max_connections;
+    dpo.max_connections_per_session = options.data_plane_max_connections_per_session;
+    dpo.idle_timeout = absl::Seconds(options.data_plane_idle_timeout_seconds);
     dpo.auth_timeout = absl::Seconds(options.data_plane_auth_timeout_seconds);
     dpo.max_unauthenticated = options.data_plane_max_unauthenticated;
     dpo.metrics = options.service.metrics;

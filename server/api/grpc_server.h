@@ -47,6 +47,8 @@ struct GrpcServerOptions {
   int64_t server_memory_per_session = int64_t{4} << 30;
   int64_t server_memory_total = 0;  // over all sessions (0: no limit)
   int data_plane_max_connections = 512;
+  int data_plane_max_connections_per_session = 64;  // RegionDataPlaneOptions::max_connections_per_session
+  double data_plane_idle_timeout_seconds = 600;     // RegionDataPlaneOptions::idle_timeout
   double data_plane_auth_timeout_seconds = 60;  // RegionDataPlaneOptions::auth_timeout
   int data_plane_max_unauthenticated = 256;
   // TLS on the data plane, with `tls`'s certificate and key (region_data_plane.h).

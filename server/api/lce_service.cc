@@ -14,21 +14,6 @@
 #include "lce/training.h"
 
 namespace lce::server {
-namespace {
-
-// The host of a gRPC peer string: "ipv4:10.0.0.1:5000" -> "10.0.0.1", "ipv6:[::1]:5000" -> "[::1]",
-// anything else (a Unix socket) as it is.
-std::string PeerHost(const std::string& peer) {
-  for (const char* scheme : {"ipv4:", "ipv6:"}) {
-    if (peer.rfind(scheme, 0) != 0) continue;
-    const std::string addr = peer.substr(5);
-    const size_t colon = addr.rfind(':');
-    return colon == std::string::npos ? addr : addr.substr(0, colon);
-  }
-  return peer;
-}
-
-}  // namespace
 
 std::string StatusCodeName(grpc::StatusCode code) {
   return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
@@ -185,12 +170,29 @@ absl::Status LceService::UnstageFromDevice(ChunkStaging& st, const StagedCall& c
   return s;
 }
 
-absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) const {
-  if (!config_.auth.enabled()) return absl::OkStatus();
+namespace {
+
+std::string Authorization(grpc::ServerContext* ctx) {
   const auto& md = ctx->client_metadata();
   auto it = md.find("authorization");
-  const std::string value = it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
-  return config_.auth.Check(value, access);
+  return it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+}
+
+}  // namespace
+
+absl::Status LceService::Authenticate(grpc::ServerContext* ctx, Access access) const {
+  if (!config_.auth.enabled()) return absl::OkStatus();
+  return config_.auth.Check(Authorization(ctx), access);
+}
+
+std::string LceService::ClientToken(grpc::ServerContext* ctx) const {
+  // Without tokens any header passes: one that named a new client each time would dodge every cap.
+  return config_.auth.enabled() ? Authorization(ctx) : std::string();
+}
+
+int64_t LceService::StreamsPerClient() const {
+  if (config_.max_streams_per_client != 0) return config_.max_streams_per_client;
+  return (config_.max_concurrent_streams + 1) / 2;  // 0 (no limit) stays 0
 }
 
 grpc::Status LceService::GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp) {
@@ -293,22 +295,18 @@ grpc::Status LceService::OpenSession(grpc::ServerContext* ctx,
 grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
                                          grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
   if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
-  // Sessions are capped per peer host: each may hold server memory and mapped regions.
-  const std::string peer = PeerHost(ctx->peer());
-  {
-    std::lock_guard<std::mutex> lock(sessions_mu_);
-    if (config_.max_sessions_per_peer > 0 && sessions_by_peer_[peer] >= config_.max_sessions_per_peer) {
-      if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"sessions_per_peer"}).Increment();
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("peer ", peer, " already holds ", config_.max_sessions_per_peer,
-                                       " sessions, the most one peer may (--max-sessions-per-peer)"));
-    }
-    ++sessions_by_peer_[peer];
+  // Sessions are capped per client: each may hold server memory and mapped regions. A client is its
+  // host, its token and, on loopback, its uid (client_shares.h): one local user's sessions no longer
+  // lock out every other local user (issue 35, item 10).
+  const ClientShares::Grant share =
+      client_sessions_.Acquire(ctx->peer(), ClientToken(ctx), config_.max_sessions_per_peer);
+  if (share.ticket == 0) {
+    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"sessions_per_peer"}).Increment();
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("client ", share.client, " already holds ", config_.max_sessions_per_peer,
+                                     " sessions, the most one client may (--max-sessions-per-peer)"));
   }
-  absl::Cleanup end_peer_session = [this, &peer] {
-    std::lock_guard<std::mutex> lock(sessions_mu_);
-    if (--sessions_by_peer_[peer] == 0) sessions_by_peer_.erase(peer);
-  };
+  absl::Cleanup end_share = [this, &share] { client_sessions_.Release(share.ticket); };
   const RegionRegistry::Peer peer_identity = RegionRegistry::IdentifyPeer(ctx->peer());
   const RegionRegistry::SessionKeys keys = regions_.OpenSession(peer_identity.uid);
   const std::string& session = keys.id;

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "chunk_staging.h"
+#include "client_shares.h"
 #include "dynamic_batcher.h"
 #include "head_store.h"
 #include "region_registry.h"
@@ -33,6 +34,10 @@ struct ServiceConfig {
   int64_t max_message_bytes = 64 << 20;
   // Admission: streams beyond this many at once get RESOURCE_EXHAUSTED at once (0: no limit).
   int64_t max_concurrent_streams = 0;
+  // ... and beyond this many of one client's (client_shares.h: host, token, a loopback peer's uid),
+  // so that one client cannot hold every slot (issue 35, item 8). 0: half of max_concurrent_streams;
+  // -1: no cap. Calls (one message each way) hold a slot only while computed, and are not counted.
+  int64_t max_streams_per_client = 0;
   // Largest total hidden bytes of one request (0: no limit).
   int64_t max_request_bytes = 0;
   // Waits on a silent client, in seconds (0: no limit); gRPC's sync reads and writes have no
@@ -40,7 +45,8 @@ struct ServiceConfig {
   // slot meanwhile), then send each next message, and read each answer, within the second. Past
   // either, the call ends DEADLINE_EXCEEDED naming the wait.
   double stream_header_timeout_seconds = 10;
-  // Sessions (OpenSession) one peer host may hold at once (0: no limit); more get RESOURCE_EXHAUSTED.
+  // Sessions (OpenSession) one client (client_shares.h: host, token, a loopback peer's uid) may hold
+  // at once (0: no limit); more get RESOURCE_EXHAUSTED.
   int64_t max_sessions_per_peer = 64;
   double stream_idle_timeout_seconds = 60;
   // Largest head shard LoadHead builds, in weight bytes (0: the host's memory).
@@ -158,6 +164,10 @@ class LceService final : public v1::LceService::Service {
                            const std::function<bool()>& wait, bool* done);
 
   absl::Status Authenticate(grpc::ServerContext* ctx, Access access) const;
+  // The caller's bearer token as part of its identity for per-client caps ("" without tokens).
+  std::string ClientToken(grpc::ServerContext* ctx) const;
+  // The streams one client may hold (max_streams_per_client resolved; <= 0: no cap).
+  int64_t StreamsPerClient() const;
   // Runs one RPC body, counting it in the metrics (requests by code, duration, in flight).
   template <typename F>
   grpc::Status Recorded(const char* method, grpc::ServerContext* ctx, F&& body);
@@ -223,8 +233,8 @@ class LceService final : public v1::LceService::Service {
   ServiceConfig config_;
   StreamWatchdog watchdog_;  // deadlines of the streams' waits on their clients
   std::atomic<int64_t> streams_in_flight_{0};
-  std::mutex sessions_mu_;
-  std::map<std::string, int64_t> sessions_by_peer_;  // open sessions by peer host
+  ClientShares client_streams_;  // streams in flight by client
+  ClientShares client_sessions_;  // open sessions by client
   std::mutex engine_mu_;
   std::mutex staging_pool_mu_;
   std::vector<std::unique_ptr<ChunkStaging>> staging_pool_;  // idle device stagings

@@ -73,7 +73,7 @@ grpc::Status StreamedRequest::Stages() {
     if (grpc::Status g = Receive(&more); !g.ok()) return g;
     if (!more) break;
     // The slot's last chunk (two back) must be done before this one takes its place.
-    if (pipeline_.has_value() && pipeline_->outstanding() > 1) {
+    if (pipeline_ != nullptr && pipeline_->outstanding() > 1) {
       if (grpc::Status g = WaitOldest(); !g.ok()) return g;
     }
     InFlightChunk& c = chunks_[chunk_index_ % 2];
@@ -89,13 +89,7 @@ grpc::Status StreamedRequest::Stages() {
 // holds none (and is dropped at the header timeout).
 grpc::Status StreamedRequest::Admit() {
   if (grpc::Status g = service_.ReadHeader(rpc_, ctx_, stream_, &plan_, &head_use_); !g.ok()) return g;
-  slot_.emplace(service_.streams_in_flight_, config_.max_concurrent_streams);
-  if (!slot_->admitted()) {
-    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"concurrent_streams"}).Increment();
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        absl::StrCat("server is at its limit of ", config_.max_concurrent_streams,
-                                     " concurrent streams; retry later"));
-  }
+  if (grpc::Status g = TakeSlot(); !g.ok()) return g;
   validator_.emplace(rpc_, *service_.heads_, config_.limits);
   const HeadShape& shape = plan_->head->engine->shape();
   row_bytes_ = shape.hidden_size * DTypeSize(shape.dtype);
@@ -106,12 +100,41 @@ grpc::Status StreamedRequest::Admit() {
   // reading ahead), except PolicyLoss's (host work between its two calls).
   pipelined_ = (config_.cuda_device >= 0 ? config_.pipeline_chunks : config_.pipeline_chunks_on_cpu) &&
                plan_->sends_ahead && !is_pl_;
-  // Answers leave from their own thread while the next chunk computes (two in flight at most); a
-  // pipelined stream's finish thread writes them itself, a Call's handler into its response.
+  // Its threads start now, while the first chunk is on its way. Where they cannot (a task limit),
+  // the stream is served serially on this thread: slower, never an abort (issue 35, item 4).
+  if (pipelined_) {
+    absl::StatusOr<std::unique_ptr<EngineCallPipeline>> p = EngineCallPipeline::Start(work_);
+    if (p.ok()) pipeline_ = *std::move(p);
+    pipelined_ = p.ok();
+  }
+  // Answers leave from their own thread while the next chunk computes (two in flight at most; on
+  // this thread where it cannot start); a pipelined stream's finish thread writes them itself, a
+  // Call's handler into its response.
   writer_.emplace(stream_, 2, /*own_thread=*/!pipelined_ && !one_message_);
-  // Its threads start now, while the first chunk is on its way.
-  if (pipelined_) pipeline_.emplace(work_);
   return grpc::Status::OK;
+}
+
+grpc::Status StreamedRequest::TakeSlot() {
+  slot_.emplace(service_.streams_in_flight_, config_.max_concurrent_streams);
+  auto refuse = [&](const char* reason, std::string message) {
+    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({reason}).Increment();
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, std::move(message));
+  };
+  if (!slot_->admitted()) {
+    return refuse("concurrent_streams", absl::StrCat("server is at its limit of ", config_.max_concurrent_streams,
+                                                     " concurrent streams; retry later"));
+  }
+  // A Call holds its slot only while it computes: only streams, which may hold theirs for as long as
+  // their client trickles chunks, count against the client's share.
+  const int64_t cap = service_.StreamsPerClient();
+  if (one_message_ || cap <= 0 ||
+      slot_->TakeClientShare(service_.client_streams_, ctx_->peer(), service_.ClientToken(ctx_), cap)) {
+    return grpc::Status::OK;
+  }
+  return refuse("streams_per_client",
+                absl::StrCat("client ", slot_->client(), " already holds ", cap, " of the server's ",
+                             config_.max_concurrent_streams, " concurrent streams, the most one client may ",
+                             "(--max-streams-per-client); retry later"));
 }
 
 // The client's next message, within the idle timeout; `*more` is false at the stream's end.
@@ -176,23 +199,27 @@ grpc::Status StreamedRequest::ResolveRegions(InFlightChunk& c) {
   c.hidden_slice = {};
   c.dh_slice = {};
   if (!chunk.has_hidden_region() && !chunk.has_d_hidden_region()) return grpc::Status::OK;
+  // The session's id and its secret (issue 35, item 12: the id alone once opened its regions).
   const auto& md = ctx_->client_metadata();
-  auto it = md.find("lce-session");
-  const std::string session = it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+  auto value = [&md](const char* key) {
+    auto it = md.find(key);
+    return it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+  };
+  const std::string session = value("lce-session"), secret = value("lce-session-secret");
   auto fail = [&](const absl::Status& e) {
     return ToGrpcStatus(absl::Status(e.code(), absl::StrCat("chunk ", chunk_index_, ": ", e.message())));
   };
   const int64_t bytes = c.rows * row_bytes_;
   RegionRegistry& regions = service_.regions_;
   if (chunk.has_hidden_region()) {
-    absl::StatusOr<RegionRegistry::Slice> r = regions.Resolve(session, chunk.hidden_region(), bytes, "hidden_region");
+    absl::StatusOr<RegionRegistry::Slice> r = regions.Resolve(session, secret, chunk.hidden_region(), bytes, "hidden_region");
     if (!r.ok()) return fail(r.status());
     c.hidden_slice = *std::move(r);
     c.hidden = reinterpret_cast<const char*>(c.hidden_slice.bytes.data());
   }
   if (!chunk.has_d_hidden_region()) return grpc::Status::OK;
   if (!(is_fb_ || is_bw_ || is_pl_)) return fail(absl::InvalidArgumentError("d_hidden_region: Score returns no d_hidden"));
-  absl::StatusOr<RegionRegistry::Slice> r = regions.Resolve(session, chunk.d_hidden_region(), bytes, "d_hidden_region");
+  absl::StatusOr<RegionRegistry::Slice> r = regions.Resolve(session, secret, chunk.d_hidden_region(), bytes, "d_hidden_region");
   if (!r.ok()) return fail(r.status());
   c.dh_slice = *std::move(r);
   if (c.dh_slice.device && !c.hidden_slice.device) {
@@ -464,8 +491,8 @@ grpc::Status StreamedRequest::Answer(InFlightChunk& c) {
 // The stream's end: the pipeline drained, the declared counts, the summary, the last answers out.
 grpc::Status StreamedRequest::Finish() {
   last_chunk_.store(chunk_index_ - 1);
-  if (pipeline_.has_value()) pipeline_->Close();  // its threads end with the last chunk
-  while (pipeline_.has_value() && pipeline_->outstanding() > 0) {
+  if (pipeline_ != nullptr) pipeline_->Close();  // its threads end with the last chunk
+  while (pipeline_ != nullptr && pipeline_->outstanding() > 0) {
     if (grpc::Status g = WaitOldest(); !g.ok()) return g;
   }
   // A Call's client that left is seen when its answer is sent.

@@ -58,18 +58,31 @@ class StreamedRequest {
     bool device_path = false;  // a GPU engine's call through the stream's staging
     LceService::StagedCall staged;  // the call's views (device ones when staged)
   };
-  // One admission slot, held for the life of the stream.
+  // One admission slot, held for the life of the stream: one of the server's and, for a stream that
+  // waits on its client, one of its client's share (`shares` null: none).
   class StreamSlot {
    public:
     StreamSlot(std::atomic<int64_t>& counter, int64_t limit) : counter_(counter) {
       admitted_ = counter_.fetch_add(1) < limit || limit <= 0;
     }
-    ~StreamSlot() { counter_.fetch_sub(1); }
+    ~StreamSlot() {
+      counter_.fetch_sub(1);
+      if (shares_ != nullptr && client_.ticket != 0) shares_->Release(client_.ticket);
+    }
     bool admitted() const { return admitted_; }
+    // One of the client's `cap`: false when it holds them all.
+    bool TakeClientShare(ClientShares& shares, const std::string& peer, const std::string& token, int64_t cap) {
+      client_ = shares.Acquire(peer, token, cap);
+      shares_ = &shares;
+      return client_.ticket != 0;
+    }
+    const std::string& client() const { return client_.client; }
 
    private:
     std::atomic<int64_t>& counter_;
     bool admitted_;
+    ClientShares* shares_ = nullptr;
+    ClientShares::Grant client_;
   };
   // The stream's device stagings (two when pipelined), back to the service's pool at the end.
   struct StagingLease {
@@ -82,6 +95,8 @@ class StreamedRequest {
 
   grpc::Status Stages();
   grpc::Status Admit();
+  // A slot of the server's and of the client's share, or RESOURCE_EXHAUSTED saying which is full.
+  grpc::Status TakeSlot();
   grpc::Status Receive(bool* more);
   grpc::Status Accept(InFlightChunk& c);
   grpc::Status ResolveRegions(InFlightChunk& c);
@@ -148,7 +163,7 @@ class StreamedRequest {
   // answer goes with the status (a pipelined chunk is usually answered after the client is done).
   std::atomic<int64_t> last_chunk_{-1};
   // Last: destroyed (its steps finished) before everything its steps use.
-  std::optional<EngineCallPipeline> pipeline_;
+  std::unique_ptr<EngineCallPipeline> pipeline_;
 };
 
 }  // namespace lce::server

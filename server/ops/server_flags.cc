@@ -63,13 +63,17 @@ ABSL_FLAG(int64_t, shm_bytes_per_session, int64_t{64} << 30,
 ABSL_FLAG(int64_t, shm_total_bytes, int64_t{4} << 40,
           "bytes of clients' shared memory the server maps for all sessions together (address space: a sparse memfd costs its client nothing); beyond, RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_sessions_per_peer, 64,
-          "sessions (OpenSession) one client host may hold at once (0: no limit); more get RESOURCE_EXHAUSTED");
+          "sessions (OpenSession) one client (its host and bearer token, and on loopback its uid) may hold at once (0: no limit); more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(double, data_plane_auth_timeout_seconds, 60,
           "a new data-plane connection's first transfer must come within S and name its session's region, or the connection ends");
 ABSL_FLAG(int32_t, data_plane_max_unauthenticated, 256,
           "connections that have not done so yet, at most (128 from one address); they never take --data-plane-max-connections' slots");
 ABSL_FLAG(int32_t, data_plane_max_connections, 512,
           "data-plane connections served at once (a client opens 2 x data_plane_sockets a stream); more are answered RESOURCE_EXHAUSTED and closed (a client already sending sees the connection reset)");
+ABSL_FLAG(int32_t, data_plane_max_connections_per_session, 64,
+          "of those, the most one session may hold (a client opens 2 x data_plane_sockets a stream); more are answered RESOURCE_EXHAUSTED and closed");
+ABSL_FLAG(double, data_plane_idle_timeout_seconds, 600,
+          "an authenticated data-plane connection silent between transfers for S ends (the clients reconnect on their next request)");
 ABSL_FLAG(std::string, grpc_poll_strategy, "",
           "gRPC's I/O poller (GRPC_POLL_STRATEGY): epoll1 (gRPC's default) or poll (each completion queue polls its own connections); empty: gRPC's choice");
 ABSL_FLAG(std::string, grpc_channel_args, "",
@@ -90,6 +94,8 @@ ABSL_FLAG(std::string, metrics_host, "0.0.0.0",
           "listen address of the metrics endpoint");
 ABSL_FLAG(int64_t, max_concurrent_streams, 64,
           "streams served at once; more get RESOURCE_EXHAUSTED (0 = no limit)");
+ABSL_FLAG(int64_t, max_streams_per_client, 0,
+          "streams one client (its host and bearer token, and on loopback its uid) may hold at once (0: half of --max-concurrent-streams; -1: no cap); more get RESOURCE_EXHAUSTED. Calls are not counted");
 ABSL_FLAG(int64_t, max_pending_grads, 4,
           "weight-gradient contributions a head holds pending at once (being computed, or deferred and waiting for CommitGrad); each takes a dW-sized fp32 buffer; a new one past this drops the oldest deferred one");
 ABSL_FLAG(double, pending_grad_ttl_seconds, 600,
@@ -185,6 +191,8 @@ const std::vector<std::string>& FlagNames() {
       "data_plane_auth_timeout_seconds",
       "data_plane_max_unauthenticated",
       "data_plane_max_connections",
+      "data_plane_max_connections_per_session",
+      "data_plane_idle_timeout_seconds",
       "grpc_poll_strategy",
       "grpc_channel_args",
       "max_rows_per_request",
@@ -195,6 +203,7 @@ const std::vector<std::string>& FlagNames() {
       "metrics_port",
       "metrics_host",
       "max_concurrent_streams",
+      "max_streams_per_client",
       "max_pending_grads",
       "pending_grad_ttl_seconds",
       "max_request_bytes",
@@ -395,6 +404,8 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   f.data_plane_auth_timeout_seconds = absl::GetFlag(FLAGS_data_plane_auth_timeout_seconds);
   f.data_plane_max_unauthenticated = absl::GetFlag(FLAGS_data_plane_max_unauthenticated);
   f.data_plane_max_connections = absl::GetFlag(FLAGS_data_plane_max_connections);
+  f.data_plane_max_connections_per_session = absl::GetFlag(FLAGS_data_plane_max_connections_per_session);
+  f.data_plane_idle_timeout_seconds = absl::GetFlag(FLAGS_data_plane_idle_timeout_seconds);
   f.grpc_poll_strategy = absl::GetFlag(FLAGS_grpc_poll_strategy);
   f.max_rows_per_request = absl::GetFlag(FLAGS_max_rows_per_request);
   f.log_requests = absl::GetFlag(FLAGS_log_requests);
@@ -404,6 +415,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   f.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   f.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   f.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  f.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   f.max_pending_grads = absl::GetFlag(FLAGS_max_pending_grads);
   f.pending_grad_ttl_seconds = absl::GetFlag(FLAGS_pending_grad_ttl_seconds);
   f.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
@@ -470,12 +482,19 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError("--shm-bytes-per-session and --shm-total-bytes must be > 0");
   }
   if (f.max_sessions_per_peer < 0) return absl::InvalidArgumentError("--max-sessions-per-peer must be >= 0");
+  if (f.max_streams_per_client < -1) return absl::InvalidArgumentError("--max-streams-per-client must be >= -1");
   if (!(f.data_plane_auth_timeout_seconds > 0 && f.data_plane_auth_timeout_seconds <= 3600)) {
     return absl::InvalidArgumentError("--data-plane-auth-timeout-seconds must be in (0, 3600]");
   }
   if (f.data_plane_max_unauthenticated < 1) return absl::InvalidArgumentError("--data-plane-max-unauthenticated must be >= 1");
   if (f.data_plane_max_connections < 1 || f.data_plane_max_connections > 65536) {
     return absl::InvalidArgumentError("--data-plane-max-connections must be in [1, 65536]");
+  }
+  if (f.data_plane_max_connections_per_session < 1) {
+    return absl::InvalidArgumentError("--data-plane-max-connections-per-session must be >= 1");
+  }
+  if (!(f.data_plane_idle_timeout_seconds > 0)) {
+    return absl::InvalidArgumentError("--data-plane-idle-timeout-seconds must be > 0");
   }
   return f;
 }

@@ -30,6 +30,8 @@ struct ServerFlags {
   bool allow_shm_by_name{};     // RegisterRegion.shm_name accepted
   int64_t data_plane_bytes_per_session{};
   int data_plane_max_connections{};
+  int data_plane_max_connections_per_session{};
+  double data_plane_idle_timeout_seconds{};
   int64_t data_plane_total_bytes{};  // server memory over all sessions; -1: half the host's, 0: no limit
   int64_t shm_bytes_per_session{};   // clients' shared memory mapped for one session
   int64_t shm_total_bytes{};         // ... and for all sessions
@@ -48,6 +50,7 @@ struct ServerFlags {
   int metrics_port{};  // -1: no metrics endpoint; 0: pick a free port
   std::string metrics_host;
   int64_t max_concurrent_streams{};
+  int64_t max_streams_per_client{};
   int64_t max_pending_grads{};
   double pending_grad_ttl_seconds{};
   int64_t max_request_bytes{};

@@ -3,15 +3,26 @@
 #include <algorithm>
 #include <utility>
 
+#include "thread_start.h"
+
 namespace lce::server {
 
-EngineCallPipeline::EngineCallPipeline(RequestWork* work)
-    : work_(work), caller_([this] { RunCalls(); }), finisher_([this] { RunFinishes(); }) {}
+absl::StatusOr<std::unique_ptr<EngineCallPipeline>> EngineCallPipeline::Start(RequestWork* work) {
+  std::unique_ptr<EngineCallPipeline> p(new EngineCallPipeline(work));
+  absl::StatusOr<std::thread> caller = StartThread("a stream's engine calls", [q = p.get()] { q->RunCalls(); });
+  if (!caller.ok()) return caller.status();
+  p->caller_ = *std::move(caller);
+  // Without a finisher the caller ends at once (closed, nothing queued): the destructor joins it.
+  absl::StatusOr<std::thread> finisher = StartThread("a stream's answers", [q = p.get()] { q->RunFinishes(); });
+  if (!finisher.ok()) return finisher.status();
+  p->finisher_ = *std::move(finisher);
+  return p;
+}
 
 EngineCallPipeline::~EngineCallPipeline() {
   Close();
-  caller_.join();  // every call has run and handed its job on
-  finisher_.join();
+  if (caller_.joinable()) caller_.join();  // every call has run and handed its job on
+  if (finisher_.joinable()) finisher_.join();
 }
 
 void EngineCallPipeline::Close() {

@@ -13,7 +13,9 @@
 #include <mutex>
 #include <thread>
 
-#include "absl/status/status.h"
+#include <memory>
+
+#include "absl/status/statusor.h"
 #include "request_log.h"
 
 namespace lce::server {
@@ -22,7 +24,8 @@ class EngineCallPipeline {
  public:
   using Step = std::function<absl::Status()>;
   // Calls and finishes count in `work`'s accounting (null: none), as on the handler's thread.
-  explicit EngineCallPipeline(RequestWork* work);
+  // RESOURCE_EXHAUSTED when its threads cannot start (a task limit): the caller runs serially.
+  static absl::StatusOr<std::unique_ptr<EngineCallPipeline>> Start(RequestWork* work);
   EngineCallPipeline(const EngineCallPipeline&) = delete;
   EngineCallPipeline& operator=(const EngineCallPipeline&) = delete;
   // Runs what was submitted to its end (callers' buffers must outlive the steps), then stops.
@@ -47,6 +50,7 @@ class EngineCallPipeline {
     int64_t seq = 0;
     absl::Status status;
   };
+  explicit EngineCallPipeline(RequestWork* work) : work_(work) {}
   void RunCalls();
   void RunFinishes();
 

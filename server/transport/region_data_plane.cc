@@ -8,11 +8,11 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <system_error>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "lce/device_memory.h"
+#include "thread_start.h"
 
 namespace lce::server {
 namespace {
@@ -44,8 +44,11 @@ absl::StatusOr<std::unique_ptr<RegionDataPlane>> RegionDataPlane::Start(RegionRe
                                                                         const std::string& host, int port,
                                                                         const RegionDataPlaneOptions& options) {
   if (options.max_connections < 1) return absl::InvalidArgumentError("data plane: max_connections must be >= 1");
-  if (options.stall_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("data plane: stall_timeout must be positive");
+  if (options.max_connections_per_session < 1) {
+    return absl::InvalidArgumentError("data plane: max_connections_per_session must be >= 1");
+  }
+  if (options.stall_timeout <= absl::ZeroDuration() || options.idle_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("data plane: stall_timeout and idle_timeout must be positive");
   }
   std::unique_ptr<RegionDataPlane> dp(new RegionDataPlane(regions, options));
   if (options.tls) {
@@ -75,7 +78,9 @@ absl::StatusOr<std::unique_ptr<RegionDataPlane>> RegionDataPlane::Start(RegionRe
   socklen_t len = sizeof(addr);
   getsockname(dp->listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
   dp->port_ = ntohs(addr.sin_port);
-  dp->acceptor_ = std::thread([p = dp.get()] { p->AcceptLoop(); });
+  absl::StatusOr<std::thread> acceptor = StartThread("the data plane's acceptor", [p = dp.get()] { p->AcceptLoop(); });
+  if (!acceptor.ok()) return acceptor.status();
+  dp->acceptor_ = *std::move(acceptor);
   return dp;
 }
 
@@ -125,12 +130,13 @@ void RegionDataPlane::AcceptLoop() {
         conns_.push_back(fd);
         ++unauthenticated_[peer];
         const uint64_t id = next_id_++;
-        try {
-          threads_.emplace(id, std::thread([this, id, fd, peer] { Serve(id, fd, peer); }));
-        } catch (const std::system_error& e) {  // a task limit: refuse this connection, never abort
+        absl::StatusOr<std::thread> t = StartThread("a data-plane connection", [this, id, fd, peer] { Serve(id, fd, peer); });
+        if (t.ok()) {
+          threads_.emplace(id, *std::move(t));
+        } else {  // a task limit: refuse this connection, never abort
           conns_.pop_back();
-          --unauthenticated_[peer];
-          refused = {"threads", absl::StrCat("the server cannot start a thread for this connection: ", e.what())};
+          if (--unauthenticated_[peer] == 0) unauthenticated_.erase(peer);
+          refused = {"threads", absl::StrCat("data plane: ", t.status().message())};
         }
       }
     }
@@ -147,11 +153,14 @@ void RegionDataPlane::AcceptLoop() {
   }
 }
 
+std::pair<std::string, std::string> RegionDataPlane::PoolFullLocked() const {
+  if (authenticated_ < max_connections_) return {};
+  return {"data_plane_connections",
+          absl::StrCat("data plane: the server is at its limit of ", max_connections_, " connections; retry later")};
+}
+
 std::pair<std::string, std::string> RegionDataPlane::RefusalLocked(uint32_t peer) const {
-  if (authenticated_ >= max_connections_) {
-    return {"data_plane_connections",
-            absl::StrCat("data plane: the server is at its limit of ", max_connections_, " connections; retry later")};
-  }
+  if (auto full = PoolFullLocked(); !full.first.empty()) return full;
   int total = 0;
   for (const auto& [_, n] : unauthenticated_) total += n;
   auto it = unauthenticated_.find(peer);
@@ -164,16 +173,23 @@ std::pair<std::string, std::string> RegionDataPlane::RefusalLocked(uint32_t peer
   return {};
 }
 
-bool RegionDataPlane::Authenticate(uint32_t peer) {
+std::pair<std::string, std::string> RegionDataPlane::Authenticate(uint32_t peer, const std::string& session) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (authenticated_ >= max_connections_) return false;
+  if (auto full = PoolFullLocked(); !full.first.empty()) return full;
+  int& mine = by_session_[session];
+  if (mine >= max_per_session_) {
+    return {"data_plane_session_connections",
+            absl::StrCat("data plane: this session already holds ", max_per_session_,
+                         " connections, the most one session may (--data-plane-max-connections-per-session)")};
+  }
+  ++mine;
   if (--unauthenticated_[peer] == 0) unauthenticated_.erase(peer);
   ++authenticated_;
-  return true;
+  return {};
 }
 
 void RegionDataPlane::Serve(uint64_t id, int fd, uint32_t peer) {
-  bool authenticated = false;  // by a first transfer that resolved: until then, no second chance
+  std::string session;  // authenticated as, by a first transfer that resolved: until then, no second chance
   // The TLS handshake, like the first transfer, must come within the auth timeout.
   SetTimeouts(fd, auth_timeout_);
   std::unique_ptr<DataPlaneLink> link;
@@ -185,25 +201,29 @@ void RegionDataPlane::Serve(uint64_t id, int fd, uint32_t peer) {
   }
   std::unique_ptr<DeviceTransfer> transfer;  // made on the first transfer to or from GPU memory
   while (link != nullptr && !stopping_) {
-    // Idle between transfers for as long as the client likes, once authenticated (before, the first
-    // transfer must come within the auth timeout); within one, every read and write must progress
-    // within the stall timeout (a recv or send that times out fails, and the connection ends).
-    SetTimeouts(fd, authenticated ? absl::ZeroDuration() : auth_timeout_);
+    // Idle between transfers up to the idle timeout once authenticated (before, the first transfer
+    // must come within the auth timeout); within one, every read and write must progress within the
+    // stall timeout (a recv or send that times out fails, and the connection ends).
+    const bool authenticated = !session.empty();
+    SetTimeouts(fd, authenticated ? idle_timeout_ : auth_timeout_);
     uint8_t head[v1::data_plane::kHeaderBytes];
     if (!link->Recv(head, 1)) {
-      if (!authenticated && !stopping_ && metrics_ != nullptr) {
-        metrics_->rejections.WithLabels({"data_plane_auth_timeout"}).Increment();
+      const bool timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+      if ((!authenticated || timed_out) && !stopping_ && metrics_ != nullptr) {
+        metrics_->rejections.WithLabels({authenticated ? "data_plane_idle_timeout" : "data_plane_auth_timeout"})
+            .Increment();
       }
       break;
     }
     SetTimeouts(fd, stall_timeout_);
-    if (!link->Recv(head + 1, sizeof(head) - 1) || !Transfer(*link, head, peer, authenticated, transfer)) break;
+    if (!link->Recv(head + 1, sizeof(head) - 1) || !Transfer(*link, head, peer, session, transfer)) break;
   }
   link.reset();
   std::lock_guard<std::mutex> lock(mu_);
   conns_.erase(std::remove(conns_.begin(), conns_.end(), fd), conns_.end());
-  if (authenticated) {
+  if (!session.empty()) {
     --authenticated_;
+    if (--by_session_[session] == 0) by_session_.erase(session);
   } else if (--unauthenticated_[peer] == 0) {
     unauthenticated_.erase(peer);
   }
@@ -223,14 +243,14 @@ absl::StatusOr<RegionRegistry::Slice> RegionDataPlane::Check(const v1::data_plan
   slice.set_offset(h.offset);
   slice.set_byte_size(h.length);
   absl::StatusOr<RegionRegistry::Slice> s =
-      regions_.Resolve(h.session_id, slice, h.length, h.op == kOpWrite ? "data plane write" : "data plane read");
+      regions_.Resolve(h.session_id, h.secret, slice, h.length, h.op == kOpWrite ? "data plane write" : "data plane read");
   if (s.ok() && !s->server_memory) {
     return absl::InvalidArgumentError(absl::StrCat("data plane: region ", h.region_id, " is not server memory"));
   }
   return s;
 }
 
-bool RegionDataPlane::Transfer(DataPlaneLink& link, const uint8_t* head, uint32_t peer, bool& authenticated,
+bool RegionDataPlane::Transfer(DataPlaneLink& link, const uint8_t* head, uint32_t peer, std::string& session,
                                std::unique_ptr<DeviceTransfer>& transfer) {
   v1::data_plane::TransferHeader h;
   if (!v1::data_plane::DecodeTransferHeader(head, &h)) {
@@ -244,15 +264,16 @@ bool RegionDataPlane::Transfer(DataPlaneLink& link, const uint8_t* head, uint32_
     return false;
   }
   absl::StatusOr<RegionRegistry::Slice> s = Check(h);
-  if (s.ok() && !authenticated) {
-    if (!Authenticate(peer)) {
-      if (metrics_ != nullptr) metrics_->rejections.WithLabels({"data_plane_connections"}).Increment();
-      Reply(link, absl::ResourceExhaustedError(absl::StrCat("data plane: the server is at its limit of ",
-                                                            max_connections_, " connections; retry later")));
+  if (s.ok() && session.empty()) {
+    const auto [reason, message] = Authenticate(peer, h.session_id);
+    if (!reason.empty()) {
+      if (metrics_ != nullptr) metrics_->rejections.WithLabels({reason}).Increment();
+      Reply(link, absl::ResourceExhaustedError(message));
       return false;
     }
-    authenticated = true;
+    session = h.session_id;
   }
+  const bool authenticated = !session.empty();
   if (!s.ok()) {
     if (!authenticated) {  // a connection that has not presented a session gets no second try
       Reply(link, s.status());

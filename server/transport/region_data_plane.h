@@ -8,9 +8,10 @@
 // write's payload is read and dropped before the reply, and the connection goes on; one longer than
 // any region may be (the per-session limit) is answered at once and the connection closed, as is a
 // header without the magic. Connections beyond `max_connections` (each holds a thread, and on a GPU
-// server two pinned buffers) get a RESOURCE_EXHAUSTED reply at once and are closed. Between transfers
-// a connection may idle as long as its client likes; once a transfer has begun, a peer that sends or
-// takes nothing for `stall_timeout` loses the connection.
+// server two pinned buffers) get a RESOURCE_EXHAUSTED reply at once and are closed, as are those of a
+// session that holds `max_connections_per_session` already. Between transfers a connection may idle
+// for `idle_timeout`; once a transfer has begun, a peer that sends or takes nothing for
+// `stall_timeout` loses the connection.
 // Every transfer carries its session's id and secret (RegionRegistry::CheckSecret): the secret goes
 // only to the session's authenticated OpenSession. Optionally TLS (options.tls; data_plane_link.h);
 // without it the bytes and the secret cross the network in the clear.
@@ -39,7 +40,13 @@ namespace lce::server {
 struct RegionDataPlaneOptions {
   int64_t max_write_bytes = int64_t{4} << 30;  // the largest region a session may hold (longer refused writes are not drained)
   int max_connections = 512;                   // authenticated connections served at once
+  // ... of them one session's: one session cannot take the whole pool (issue 35, item 5). The
+  // clients open 2 x data_plane_sockets (at most 16) a stream.
+  int max_connections_per_session = 64;
   absl::Duration stall_timeout = absl::Seconds(60);
+  // An authenticated connection silent between transfers for this long ends (the clients reconnect
+  // on their next request): idle connections cannot hold the pool for ever.
+  absl::Duration idle_timeout = absl::Seconds(600);
   // A connection is authenticated by its first transfer, which must arrive within auth_timeout and
   // resolve (its session owns the region); until then it counts against max_unauthenticated, and
   // against max_unauthenticated_per_peer for its peer address, never against max_connections.
@@ -70,7 +77,9 @@ class RegionDataPlane {
       : regions_(regions),
         max_write_bytes_(options.max_write_bytes),
         max_connections_(options.max_connections),
+        max_per_session_(options.max_connections_per_session),
         stall_timeout_(options.stall_timeout),
+        idle_timeout_(options.idle_timeout),
         auth_timeout_(options.auth_timeout),
         max_unauthenticated_(options.max_unauthenticated),
         max_unauthenticated_per_peer_(options.max_unauthenticated_per_peer),
@@ -80,13 +89,17 @@ class RegionDataPlane {
   // Why a new connection from `peer` is refused at once: {metric reason, message}, or an empty
   // reason. Hold mu_.
   std::pair<std::string, std::string> RefusalLocked(uint32_t peer) const;
-  // Moves a connection from unauthenticated to authenticated: false when that pool is full.
-  bool Authenticate(uint32_t peer);
+  // The refusal when the authenticated connections fill the pool. Hold mu_.
+  std::pair<std::string, std::string> PoolFullLocked() const;
+  // Moves a connection from unauthenticated to authenticated as one of `session`'s: the refusal
+  // ({metric reason, message}) when the pool or the session's share of it is full.
+  std::pair<std::string, std::string> Authenticate(uint32_t peer, const std::string& session);
   void Serve(uint64_t id, int fd, uint32_t peer);
   // The slice a transfer names, checked: its session's secret, owner, bounds, server memory.
   absl::StatusOr<RegionRegistry::Slice> Check(const v1::data_plane::TransferHeader& h) const;
-  // One transfer whose header is `head`: false when the connection must end.
-  bool Transfer(DataPlaneLink& link, const uint8_t* head, uint32_t peer, bool& authenticated,
+  // One transfer whose header is `head`: false when the connection must end. `session`: the session
+  // the connection is authenticated as (empty: not yet).
+  bool Transfer(DataPlaneLink& link, const uint8_t* head, uint32_t peer, std::string& session,
                 std::unique_ptr<DeviceTransfer>& transfer);
   // The bytes of an accepted transfer and its reply (before a read's bytes, after a write's).
   bool Move(DataPlaneLink& link, bool write, const RegionRegistry::Slice& s, std::unique_ptr<DeviceTransfer>& transfer);
@@ -95,7 +108,9 @@ class RegionDataPlane {
   std::unique_ptr<TlsServerContext> tls_;  // null: plain TCP
   const int64_t max_write_bytes_;
   const int max_connections_;
+  const int max_per_session_;
   const absl::Duration stall_timeout_;
+  const absl::Duration idle_timeout_;
   const absl::Duration auth_timeout_;
   const int max_unauthenticated_;
   const int max_unauthenticated_per_peer_;
@@ -107,6 +122,7 @@ class RegionDataPlane {
   std::mutex mu_;
   std::vector<int> conns_;                       // every open connection (to wake them at stop)
   int authenticated_ = 0;
+  std::map<std::string, int> by_session_;        // authenticated connections by session
   std::map<uint32_t, int> unauthenticated_;      // by peer IPv4 address
   std::map<uint64_t, std::thread> threads_;  // by connection
   std::vector<uint64_t> finished_;           // connections whose thread is done: joined on the next accept

@@ -10,13 +10,12 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client_shares.h"
 #include "lce/device_memory.h"
 #include "request_authenticator.h"
 #include "shm_fault_guard.h"
@@ -99,31 +98,6 @@ std::string RegionRegistry::NewSessionId() {
 
 namespace {
 
-// The uid owning the loopback TCP socket whose local end is `ip:port` (the client's end of our
-// connection), from the kernel's socket table; -1 when not found.
-int64_t LoopbackSocketUid(const std::string& ip, int port) {
-  in_addr a{};
-  if (inet_pton(AF_INET, ip.c_str(), &a) != 1) return -1;
-  // The client's socket is IPv4, or IPv6 with the address v4-mapped (::ffff:a.b.c.d; gRPC's sockets
-  // are dual-stack): the kernel prints each 32-bit word of the address in hex, in host order.
-  char v4[32], v6[64];
-  std::snprintf(v4, sizeof(v4), "%08X:%04X", a.s_addr, port);
-  std::snprintf(v6, sizeof(v6), "0000000000000000%08X%08X:%04X", htonl(0xffffu) == 0xffffu ? 0xffffu : 0xffff0000u,
-                a.s_addr, port);
-  for (const auto& [path, want] : {std::pair<const char*, const char*>{"/proc/net/tcp", v4}, {"/proc/net/tcp6", v6}}) {
-    std::ifstream table(path);
-    std::string line;
-    std::getline(table, line);  // the header
-    while (std::getline(table, line)) {
-      std::istringstream fields(line);
-      std::string sl, local, remote, st, queues, timer, retransmits;
-      int64_t uid = -1;
-      if (fields >> sl >> local >> remote >> st >> queues >> timer >> retransmits >> uid && local == want) return uid;
-    }
-  }
-  return -1;
-}
-
 // Server memory is handed to a client, which may read it before writing it: it must hold none of
 // the bytes its allocator last gave someone else (issue 35, item 1). cudaMalloc does not clear.
 absl::Status ZeroDeviceMemory(uint8_t* data, int64_t bytes, int device) {
@@ -153,9 +127,7 @@ RegionRegistry::Peer RegionRegistry::IdentifyPeer(const std::string& grpc_peer) 
   }
   if (grpc_peer.rfind("ipv4:127.", 0) != 0) return p;
   p.local = true;
-  const std::string addr = grpc_peer.substr(5);
-  const size_t colon = addr.rfind(':');
-  if (colon != std::string::npos) p.uid = LoopbackSocketUid(addr.substr(0, colon), std::atoi(addr.c_str() + colon + 1));
+  p.uid = SocketOwners::Read().Uid(grpc_peer);
   return p;
 }
 
@@ -468,8 +440,18 @@ int RegionRegistry::ReleaseSession(const std::string& session) {
   return static_cast<int>(gone.size());
 }
 
-absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string& session, const v1::RegionSlice& slice,
-                                                             int64_t bytes_needed, const char* what) const {
+absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string& session, const std::string& secret,
+                                                             const v1::RegionSlice& slice, int64_t bytes_needed,
+                                                             const char* what) const {
+  if (session.empty() || secret.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, ": the request carries no ", session.empty() ? "lce-session" : "lce-session-secret",
+        " metadata: a request that names regions carries its session's id (lce-session) and secret "
+        "(lce-session-secret, SessionResponse.session_secret)"));
+  }
+  if (absl::Status s = CheckSecret(session, secret); !s.ok()) {
+    return absl::PermissionDeniedError(absl::StrCat(what, ": lce-session and lce-session-secret: ", s.message()));
+  }
   std::shared_ptr<const Region> r;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -480,10 +462,9 @@ absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string&
     return absl::NotFoundError(absl::StrCat(what, ": region ", slice.region_id(),
                                             " is not registered (never, unregistered, or its session ended)"));
   }
-  if (session.empty() || r->session != session) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        what, ": region ", slice.region_id(), " belongs to another session",
-        session.empty() ? " (the request carries no lce-session metadata)" : " than the request's lce-session"));
+  if (r->session != session) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(what, ": region ", slice.region_id(), " belongs to another session than the request's lce-session"));
   }
   if (absl::Status s = LostError(*r, what); !s.ok()) return s;
   // Every term is checked as signed: a negative size would pass the bound below and wrap to a huge

@@ -118,13 +118,15 @@ class RegionRegistry {
   // returns how many regions.
   int ReleaseSession(const std::string& session);
 
-  // The bytes of `slice` for a request of `session` that needs exactly `bytes_needed` bytes there.
-  // NOT_FOUND: unknown region; PERMISSION_DENIED: the region belongs to another session (or the
-  // request names none); FAILED_PRECONDITION: its shm object was shrunk under it (CheckIntact);
-  // INVALID_ARGUMENT: the slice is out of the region's bounds or not
-  // `bytes_needed` long. `what` ("hidden_region", ...) names the field in messages.
-  absl::StatusOr<Slice> Resolve(const std::string& session, const v1::RegionSlice& slice, int64_t bytes_needed,
-                                const char* what) const;
+  // The bytes of `slice` for a request of `session`, which shows the session's `secret` (compared in
+  // constant time: the id alone travels in metadata and opens nothing), that needs exactly
+  // `bytes_needed` bytes there. PERMISSION_DENIED: no session, or a secret that is not the open
+  // session's (first, before anything about the region is told), or the region belongs to another
+  // session; NOT_FOUND: unknown region; FAILED_PRECONDITION: its shm object was shrunk under it
+  // (CheckIntact); INVALID_ARGUMENT: the slice is out of the region's bounds or not `bytes_needed`
+  // long. `what` ("hidden_region", ...) names the field in messages.
+  absl::StatusOr<Slice> Resolve(const std::string& session, const std::string& secret, const v1::RegionSlice& slice,
+                                int64_t bytes_needed, const char* what) const;
 
   // After a request has used `slice`: FAILED_PRECONDITION when its client shrank the shm object
   // meanwhile (the server read zeros and must not answer with them; the region stays unusable).

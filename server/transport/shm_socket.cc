@@ -6,22 +6,46 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <system_error>
 #include <cstring>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
-#include "data_plane_link.h"
 #include "lce/v1/shm_socket_wire.h"
+#include "thread_start.h"
 
 namespace lce::server {
 namespace {
 
 namespace wire = v1::shm_socket;
 
+// Bounds the next recv on `fd` by what is left before `deadline`: false when nothing is. The time
+// is the request's, not each recv's: a byte every 4 s once held a connection for ever (issue 35,
+// item 9).
+bool BoundRecv(int fd, absl::Time deadline) {
+  const absl::Duration left = deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) return false;
+  timeval tv = absl::ToTimeval(left);
+  if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1;  // zero would be no limit
+  return setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) == 0;
+}
+
+// `n` bytes before `deadline`: false when the connection ended or the time ran out first.
+bool RecvBefore(int fd, void* p, size_t n, absl::Time deadline) {
+  auto* b = static_cast<uint8_t*>(p);
+  while (n > 0) {
+    if (!BoundRecv(fd, deadline)) return false;
+    const ssize_t r = ::recv(fd, b, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    b += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
 // The request's first bytes and the descriptors that came with them (closed by the caller).
-// False when the connection ended or timed out first.
-bool RecvWithFds(int fd, uint8_t* buf, size_t n, std::vector<int>* fds) {
+// False when the connection ended or `deadline` passed first.
+bool RecvWithFds(int fd, uint8_t* buf, size_t n, std::vector<int>* fds, absl::Time deadline) {
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
   iovec iov{buf, n};
   msghdr m{};
@@ -29,8 +53,11 @@ bool RecvWithFds(int fd, uint8_t* buf, size_t n, std::vector<int>* fds) {
   m.msg_iovlen = 1;
   m.msg_control = control;
   m.msg_controllen = sizeof(control);
-  ssize_t r = ::recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
-  while (r < 0 && errno == EINTR) r = ::recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
+  ssize_t r = -1;
+  do {
+    if (!BoundRecv(fd, deadline)) return false;
+    r = ::recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
+  } while (r < 0 && errno == EINTR);
   if (r <= 0) return false;
   for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
@@ -42,7 +69,7 @@ bool RecvWithFds(int fd, uint8_t* buf, size_t n, std::vector<int>* fds) {
     }
   }
   if ((m.msg_flags & MSG_CTRUNC) != 0) fds->push_back(-1);  // more than fit: refused below
-  return DataPlaneLink(fd).Recv(buf + r, n - static_cast<size_t>(r));
+  return RecvBefore(fd, buf + r, n - static_cast<size_t>(r), deadline);
 }
 
 void Reply(int fd, const absl::StatusOr<uint64_t>& id) {
@@ -59,7 +86,7 @@ void Reply(int fd, const absl::StatusOr<uint64_t>& id) {
 
 absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regions, const std::string& path,
                                                             std::function<void()> on_register,
-                                                            ServiceMetrics* metrics) {
+                                                            ServiceMetrics* metrics, absl::Duration request_timeout) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -79,7 +106,7 @@ absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regi
           absl::StrCat("shm socket: cannot replace ", path, ": ", std::strerror(errno), instead));
     }
   }
-  std::unique_ptr<ShmSocket> s(new ShmSocket(regions, path, std::move(on_register), metrics));
+  std::unique_ptr<ShmSocket> s(new ShmSocket(regions, path, std::move(on_register), metrics, request_timeout));
   s->listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (s->listen_fd_ < 0) return absl::InternalError(absl::StrCat("shm socket: socket: ", std::strerror(errno)));
   std::memcpy(addr.sun_path, path.data(), path.size());
@@ -87,7 +114,9 @@ absl::StatusOr<std::unique_ptr<ShmSocket>> ShmSocket::Start(RegionRegistry& regi
     return absl::UnavailableError(absl::StrCat("shm socket: cannot listen at ", path, ": ", std::strerror(errno)));
   }
   ::chmod(path.c_str(), 0666);
-  s->acceptor_ = std::thread([p = s.get()] { p->AcceptLoop(); });
+  absl::StatusOr<std::thread> acceptor = StartThread("the shm socket's acceptor", [p = s.get()] { p->AcceptLoop(); });
+  if (!acceptor.ok()) return acceptor.status();  // the destructor removes the file
+  s->acceptor_ = *std::move(acceptor);
   return s;
 }
 
@@ -132,10 +161,10 @@ void ShmSocket::AcceptLoop() {
         ::close(fd);
       } else {
         const uint64_t id = next_id_++;
-        try {
-          conns_[id] = {fd, std::thread([this, id, fd] { Serve(id, fd); })};
-        } catch (const std::system_error&) {  // a task limit: drop this connection, never abort
-          conns_.erase(id);
+        absl::StatusOr<std::thread> t = StartThread("a shm-socket connection", [this, id, fd] { Serve(id, fd); });
+        if (t.ok()) {
+          conns_[id] = {fd, *std::move(t)};
+        } else {  // a task limit: drop this connection, never abort
           ::close(fd);
         }
       }
@@ -145,10 +174,9 @@ void ShmSocket::AcceptLoop() {
 }
 
 void ShmSocket::Serve(uint64_t id, int fd) {
-  const timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  const timeval tv = absl::ToTimeval(request_timeout_);  // for the reply; the request has a deadline
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  const absl::StatusOr<uint64_t> region = Register(fd);
+  const absl::StatusOr<uint64_t> region = Register(fd, absl::Now() + request_timeout_);
   if (region.ok() && on_register_) on_register_();
   Reply(fd, region);
   std::lock_guard<std::mutex> lock(mu_);
@@ -157,7 +185,7 @@ void ShmSocket::Serve(uint64_t id, int fd) {
   finished_.push_back(id);
 }
 
-absl::StatusOr<uint64_t> ShmSocket::Register(int fd) {
+absl::StatusOr<uint64_t> ShmSocket::Register(int fd, absl::Time deadline) {
   uint8_t head[wire::kRequestBytes];
   std::vector<int> fds;
   absl::Cleanup close_fds = [&fds] {
@@ -165,8 +193,9 @@ absl::StatusOr<uint64_t> ShmSocket::Register(int fd) {
       if (f >= 0) ::close(f);
     }
   };
-  if (!RecvWithFds(fd, head, sizeof(head), &fds)) {
-    return absl::InvalidArgumentError("shm socket: the request ended early (or took over 5 s)");
+  if (!RecvWithFds(fd, head, sizeof(head), &fds, deadline)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm socket: the request ended early (or took over ", absl::FormatDuration(request_timeout_), ")"));
   }
   wire::Request r;
   uint32_t name_len = 0;
@@ -176,7 +205,9 @@ absl::StatusOr<uint64_t> ShmSocket::Register(int fd) {
                                                    wire::kMaxNameBytes, ")"));
   }
   r.name.resize(name_len);
-  if (name_len > 0 && !DataPlaneLink(fd).Recv(r.name.data(), name_len)) return absl::InvalidArgumentError("shm socket: the name ended early");
+  if (name_len > 0 && !RecvBefore(fd, r.name.data(), name_len, deadline)) {
+    return absl::InvalidArgumentError("shm socket: the name ended early (or came late)");
+  }
   if (fds.size() != 1 || fds[0] < 0) {
     return absl::InvalidArgumentError(absl::StrCat("shm socket: region '", r.name, "': send exactly one file descriptor "
                                                    "(SCM_RIGHTS) with the request, got ", fds.size()));

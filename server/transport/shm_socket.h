@@ -5,8 +5,9 @@
 // offset, size and name, and the descriptor; the sender's uid (SO_PEERCRED) must be the session's.
 // Wire format: proto/lce/v1/shm_socket_wire.h.
 //
-// A connection must send its request within 5 s and read the reply within 5 s more; at most 32 are
-// served at once (more are closed at once): a silent local client holds only its own connection.
+// A connection must send its whole request within 5 s (however it trickles it: the time is the
+// request's, not each recv's) and read the reply within 5 s more; at most 32 are served at once (more
+// are closed at once): a silent or slow local client holds only its own connection, for 10 s at most.
 #pragma once
 
 #include <atomic>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "accept_backoff.h"
 #include "region_registry.h"
 
@@ -33,23 +35,32 @@ class ShmSocket {
   // registration is the session's secret and uid, not the file's mode.
   // `on_register` (may be empty) runs after each registration that succeeded (the regions' metrics);
   // `metrics` (may be null) counts the accept errors it survives.
+  // `request_timeout`: the time a connection has to send its whole request (tests shorten it).
   static absl::StatusOr<std::unique_ptr<ShmSocket>> Start(RegionRegistry& regions, const std::string& path,
                                                          std::function<void()> on_register = {},
-                                                         ServiceMetrics* metrics = nullptr);
+                                                         ServiceMetrics* metrics = nullptr,
+                                                         absl::Duration request_timeout = absl::Seconds(5));
   ~ShmSocket();  // stops accepting, ends the connections, joins the threads, removes the file
   const std::string& path() const { return path_; }
 
  private:
-  ShmSocket(RegionRegistry& regions, std::string path, std::function<void()> on_register, ServiceMetrics* metrics)
-      : regions_(regions), path_(std::move(path)), on_register_(std::move(on_register)), backoff_("shm_socket", metrics) {}
+  ShmSocket(RegionRegistry& regions, std::string path, std::function<void()> on_register, ServiceMetrics* metrics,
+            absl::Duration request_timeout)
+      : regions_(regions),
+        path_(std::move(path)),
+        on_register_(std::move(on_register)),
+        request_timeout_(request_timeout),
+        backoff_("shm_socket", metrics) {}
   void AcceptLoop();
   void Serve(uint64_t id, int fd);
-  // Reads one request and its descriptor from `fd` and registers it: the region id or why not.
-  absl::StatusOr<uint64_t> Register(int fd);
+  // Reads one request and its descriptor from `fd`, all of it before `deadline`, and registers it:
+  // the region id or why not.
+  absl::StatusOr<uint64_t> Register(int fd, absl::Time deadline);
 
   RegionRegistry& regions_;
   const std::string path_;
   const std::function<void()> on_register_;
+  const absl::Duration request_timeout_;
   AcceptBackoff backoff_;
   int listen_fd_ = -1;
   std::atomic<bool> stopping_{false};

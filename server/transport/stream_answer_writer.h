@@ -2,6 +2,7 @@
 // computed while the previous answer is still being written to the wire; at most `depth` answers
 // wait in the queue, and Push blocks beyond that (back-pressure from a slow client reaches the
 // compute loop).
+// Where its thread cannot start (a task limit: thread_start.h) it writes as one without.
 // Without a thread of its own (`own_thread` false), Push writes on the caller's thread: for callers
 // that are already off the compute path (a pipelined stream's finish thread), where the extra hop
 // only delayed each answer and the thread's start and join lengthened the request's ends.
@@ -16,6 +17,7 @@
 #include <utility>
 
 #include "grpcpp/support/sync_stream.h"
+#include "thread_start.h"
 
 namespace lce::server {
 
@@ -24,8 +26,12 @@ class StreamAnswerWriter {
  public:
   StreamAnswerWriter(grpc::internal::WriterInterface<Resp>* stream, size_t depth, bool own_thread = true)
       : stream_(stream), depth_(depth) {
-    if (own_thread) thread_ = std::thread([this] { Run(); });
+    if (!own_thread) return;
+    absl::StatusOr<std::thread> t = StartThread("a stream's answer writer", [this] { Run(); });
+    if (t.ok()) thread_ = *std::move(t);  // else Push writes on the caller's thread
   }
+  // Whether answers leave from a thread of their own.
+  bool own_thread() const { return thread_.joinable(); }
   ~StreamAnswerWriter() { Finish(); }
 
   // Queues an answer (writes it, without a thread). False once a write has failed (the client went

@@ -138,12 +138,28 @@ TEST(SharedMemory, MisuseGetsItsStatusAndTheServerKeepsServing) {
   EXPECT_NE(r.status().message().find("offset 1"), std::string::npos) << r.status();
   EXPECT_NE(r.status().message().find(absl::StrCat("has ", b.hidden.size(), " bytes")), std::string::npos)
       << r.status();
-  // another session's id with this session's region
+  // another session (its id and secret) with this session's region
   RegionRef stolen = region->Ref();
   stolen.session_id = (*s2)->id();
+  stolen.session_secret = (*s2)->secret();
   shm.hidden_region = stolen;
   r = c->Score(shm, h);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << r.status();
+  EXPECT_NE(r.status().message().find("belongs to another session"), std::string::npos) << r.status();
+  // Issue 35, item 12: the session's id alone (it travels in metadata), from a client that never
+  // saw the secret, or with a wrong secret, opens nothing.
+  auto stranger = Connect(*ts, 4 << 20);
+  shm.hidden_region = RegionRef{(*s1)->id(), region->id, 0};
+  r = stranger->Score(shm, h);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << r.status();
+  EXPECT_NE(r.status().message().find("lce-session-secret"), std::string::npos) << r.status();
+  shm.hidden_region = RegionRef{(*s1)->id(), region->id, 0, (*s2)->secret()};
+  r = c->Score(shm, h);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << r.status();
+  EXPECT_NE(r.status().message().find("do not name an open session"), std::string::npos) << r.status();
+  // A RegionRef made by hand without the secret, on the client that opened the session, works.
+  shm.hidden_region = RegionRef{(*s1)->id(), region->id, 0};
+  EXPECT_TRUE(c->Score(shm, h).ok());
   // unknown region
   shm.hidden_region = RegionRef{(*s1)->id(), uint64_t{1} << 40, 0};
   r = c->Score(shm, h);
@@ -293,8 +309,8 @@ TEST(SharedMemory, SessionEndReleasesTheServersMappings) {
     ASSERT_TRUE(c->Score(shm, {}).ok());
     (*s)->Cancel();  // as a client that goes away
     EXPECT_TRUE(WaitFor([&] { return Mappings(name) == 1; })) << "the server kept its mapping";
-    auto r = c->Score(shm, {});
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+    auto r = c->Score(shm, {});  // an ended session's id and secret open nothing
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << r.status();
     // unregistering a region explicitly also unmaps it
     auto s2 = c->OpenSession();
     ASSERT_TRUE(s2.ok());

@@ -2,6 +2,7 @@
 // DEADLINE_EXCEEDED (naming the wait) once the header or the next message is overdue; the server
 // keeps serving others meanwhile and afterwards. Raw gRPC streams, as a hostile client sends.
 #include <chrono>
+#include <fstream>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "test_server.h"
+#include "thread_start.h"
 
 namespace lce::e2e {
 namespace {
@@ -31,11 +33,12 @@ v1::StreamRequest Chunk(const Batch& b) {
 }
 
 // A whole Score of a few rows.
-grpc::Status ScoreFew(const std::string& target) {
+grpc::Status ScoreFew(const std::string& target, bool sends_ahead = false, const std::string& token = "") {
   auto stub = RawStub(target);
   grpc::ClientContext ctx;
+  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
   auto stream = stub->Score(&ctx);
-  stream->Write(Header());
+  stream->Write(Header(sends_ahead));
   stream->Write(Chunk(MakeBatch(5, v1::DTYPE_BFLOAT16, 1)));
   stream->WritesDone();
   v1::StreamResponse r;
@@ -132,6 +135,63 @@ TEST(StreamLimits, AStreamSilentBetweenChunksEndsAtTheIdleTimeout) {
     ExpectDeadline(Drain(*stream), "--stream-idle-timeout-seconds");
   }
   grpc::Status s = ScoreFew(ts->target);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// A token file of `token` under the test's temporary directory.
+std::string TokenFile(const std::string& name, const std::string& token) {
+  const std::string path = ::testing::TempDir() + "/stream_limits_" + name + ".token";
+  std::ofstream(path) << token << "\n";
+  return path;
+}
+
+// Issue 35, item 8: one client once held every admission slot by trickling chunks on 64 streams.
+// A client (its host, its token and, on loopback, its uid) now holds at most its share, and another
+// client is admitted meanwhile.
+TEST(StreamLimits, OneClientCannotHoldEverySlot) {
+  auto ts = StartTestServer(8 << 20, false, false, [](server::GrpcServerOptions& o) {
+    o.service.max_concurrent_streams = 4;  // a client's share: 2
+    o.service.stream_idle_timeout_seconds = 300;
+    o.service.auth = *server::RequestAuthenticator::FromFiles(TokenFile("scoring", "tok-scoring-0123456789"),
+                                                              TokenFile("admin", "tok-admin-0123456789"));
+  });
+  auto stub = RawStub(ts->target);
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<Stream>> held;
+  for (int i = 0; i < 3; ++i) {  // the hog's streams: two admitted and answered, then silent
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    contexts.back()->AddMetadata("authorization", "Bearer tok-scoring-0123456789");
+    held.push_back(stub->Score(contexts.back().get()));
+    held.back()->Write(Header());
+    held.back()->Write(Chunk(MakeBatch(1, v1::DTYPE_BFLOAT16, 7)));
+    v1::StreamResponse r;
+    if (i < 2) ASSERT_TRUE(held.back()->Read(&r)) << "stream " << i << " was not admitted";
+  }
+  held.back()->WritesDone();
+  const grpc::Status third = Drain(*held.back());
+  EXPECT_EQ(third.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << third.error_message();
+  EXPECT_NE(third.error_message().find("--max-streams-per-client"), std::string::npos) << third.error_message();
+  EXPECT_EQ(Rejections(*ts, "streams_per_client"), 1);
+  // Another client (another token) is admitted while the hog holds its share.
+  grpc::Status other = ScoreFew(ts->target, false, "tok-admin-0123456789");
+  EXPECT_TRUE(other.ok()) << other.error_message();
+  for (int i = 0; i < 2; ++i) {
+    contexts[i]->TryCancel();
+    Drain(*held[i]);
+  }
+}
+
+// Issue 35, item 4: where a stream's threads (its answer writer, a pipelined stream's engine calls)
+// cannot start, as under a task limit, the stream is served on its handler's thread; nothing aborts.
+TEST(StreamLimits, StreamsAreServedWhenTheirThreadsCannotStart) {
+  auto ts = StartTestServer(8 << 20, false, false);
+  for (bool sends_ahead : {false, true}) {  // serial, pipelined (the test server pipelines on CPU)
+    server::FailThreadStartsForTest(1000);
+    grpc::Status s = ScoreFew(ts->target, sends_ahead);
+    server::FailThreadStartsForTest(0);
+    EXPECT_TRUE(s.ok()) << "sends_ahead " << sends_ahead << ": " << s.error_message();
+  }
+  grpc::Status s = ScoreFew(ts->target, true);
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 

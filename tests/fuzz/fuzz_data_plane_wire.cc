@@ -65,7 +65,7 @@ void Run(const uint8_t* data, size_t size) {
                                    (h.session_id == b.id && h.secret == b.secret)),
                    "the secret check let a wrong secret in, or kept the right one out");
     absl::StatusOr<RegionRegistry::Slice> s =
-        secret.ok() ? regions.Resolve(h.session_id, slice, h.length, "data plane") : absl::StatusOr<RegionRegistry::Slice>(secret);
+        secret.ok() ? regions.Resolve(h.session_id, h.secret, slice, h.length, "data plane") : absl::StatusOr<RegionRegistry::Slice>(secret);
     const size_t payload = write ? static_cast<size_t>(std::min<int64_t>(h.length, static_cast<int64_t>(size - at))) : 0;
     if (s.ok()) {
       auto it = sizes.find(h.region_id);

@@ -35,20 +35,24 @@ void MakeShm() {
 
 // Input: records (fuzz_common.h), each an operation: byte 0 the operation, byte 1 the session
 // (s0, s1 or none), byte 2 the peer (bit 0: local; bits 1-2: uid ours, unknown, another; bit 3:
-// Resolve asks for other than the slice's size), the rest its argument: a serialized RegisterRegion
-// (register), RegionSlice (resolve), a little-endian region id (unregister), a peer string.
+// Resolve asks for other than the slice's size; bit 4: Resolve shows the next session's secret), the
+// rest its argument: a serialized RegisterRegion (register), RegionSlice (resolve), a little-endian
+// region id (unregister), a peer string.
 void Run(const uint8_t* data, size_t size) {
   RegionRegistry regions(-1);
   regions.EnableServerMemory(1 << 16, 1 << 17);
   regions.AllowShmByName(true);  // the name path is parsed too (--allow-shm-by-name)
   // Two open sessions (a released one stays closed: its registrations are refused) and none.
-  const std::string sessions[3] = {regions.OpenSession().id, regions.OpenSession().id, ""};
+  const RegionRegistry::SessionKeys keys[3] = {regions.OpenSession(), regions.OpenSession(), {}};
+  const std::string sessions[3] = {keys[0].id, keys[1].id, ""};
   std::map<uint64_t, std::pair<std::string, int64_t>> held;  // what Register returned: (session, bytes)
   fuzz::Records records(data, size);
   std::string_view rec;
   for (int op = 0; op < 64 && records.Next(&rec); ++op) {
     if (rec.size() < 3) continue;
     const std::string& session = sessions[static_cast<uint8_t>(rec[1]) % 3];
+    // The session's secret, or (flag bit 4) the other session's: a request's proof (issue 35, item 12).
+    const std::string& secret = keys[(static_cast<uint8_t>(rec[1]) + ((rec[2] & 16) ? 1 : 0)) % 3].secret;
     const uint8_t flags = static_cast<uint8_t>(rec[2]);
     RegionRegistry::Peer peer;
     peer.local = flags & 1;
@@ -80,8 +84,9 @@ void Run(const uint8_t* data, size_t size) {
         if (int64_t shifted = 0; flags & 8 && !__builtin_add_overflow(needed, static_cast<int8_t>(rec[2]), &shifted)) {
           needed = shifted;
         }
-        absl::StatusOr<RegionRegistry::Slice> s = regions.Resolve(session, slice, needed, "hidden_region");
+        absl::StatusOr<RegionRegistry::Slice> s = regions.Resolve(session, secret, slice, needed, "hidden_region");
         if (!s.ok()) break;
+        LCE_FUZZ_CHECK(!(flags & 16), "resolved with another session's secret");
         auto it = held.find(slice.region_id());
         LCE_FUZZ_CHECK(it != held.end(), "resolved an unknown region");
         LCE_FUZZ_CHECK(it->second.first == session && !session.empty(), "resolved another session's region");

@@ -490,7 +490,8 @@ def test_progress_and_empty_batches_over_the_data_plane(dp_heads):
 
 def test_messages_carry_no_hidden_bytes(dp_heads):
     """Over the data plane the chunks name slices of the session's server memory (and carry the
-    session's id in lce-session metadata), as co-located requests name shared memory."""
+    session's id and secret in lce-session and lce-session-secret metadata), as co-located requests name
+    shared memory."""
     from lce_client._proto import lce_pb2_grpc as pb_grpc
     from helpers import Recorder
 

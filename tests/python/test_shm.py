@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import grpc
 import numpy as np
@@ -36,15 +37,17 @@ def in_region(session, arr, extra=0):
     return region, view
 
 
-def raw_score(client, session_id, dtype, rows, hidden_slice, d_slice=None, rpc="Score"):
-    """A request built by hand (to send slices the client library would not)."""
+def raw_score(client, session, dtype, rows, hidden_slice, d_slice=None, rpc="Score"):
+    """A request built by hand (to send slices the client library would not). `session`: an open
+    session (its id and secret go in the metadata), an id alone (no secret), or "" (neither)."""
     hdr = pb.RequestHeader(hidden_size=HIDDEN, dtype=WIRE[dtype])
     if rpc == "ForwardBackward":
         hdr.reduction = pb.REDUCTION_SUM
     chunk = pb.RowChunk(targets=[0] * rows, hidden_region=hidden_slice)
     if d_slice is not None:
         chunk.d_hidden_region.CopyFrom(d_slice)
-    md = (("lce-session", session_id),) if session_id else None
+    session_id, secret = (session.session_id, session.secret) if hasattr(session, "secret") else (session, "")
+    md = (("lce-session", session_id), ("lce-session-secret", secret)) if session_id else None
     call = getattr(client._stub, rpc)(iter([pb.StreamRequest(header=hdr), pb.StreamRequest(chunk=chunk)]),
                                       metadata=md, timeout=30)
     return list(call)
@@ -133,7 +136,7 @@ def test_shm_bounds_and_registration_errors(heads):
     with head.client() as c, c.shared_memory_session() as s:
         region, h = in_region(s, st)
         size = st.nbytes
-        sid = s.session_id
+        sid = s  # its id and secret
         # a slice past the region's end, a negative offset, a slice of the wrong size
         msg = expect_error(lambda: raw_score(c, sid, "fp32", rows, pb.RegionSlice(
             region_id=region.id, offset=rb, byte_size=rows * rb)), grpc.StatusCode.INVALID_ARGUMENT,
@@ -190,8 +193,8 @@ def test_shm_other_session_and_unknown_region(heads):
     with head.client() as c, c.shared_memory_session() as a, c.shared_memory_session() as b:
         assert a.session_id != b.session_id
         region, h = in_region(a, st)
-        # B's session id in the metadata, A's region: refused
-        stolen = dataclasses.replace(region, session_id=b.session_id)
+        # B's session (id and secret) in the metadata, A's region: refused
+        stolen = dataclasses.replace(region, session_id=b.session_id, session_secret=b.secret)
         expect_error(lambda: c.score(h, y, hidden_region=stolen), grpc.StatusCode.PERMISSION_DENIED,
                      "another session")
         expect_error(lambda: c.forward_backward(st, y, d_hidden_region=stolen), grpc.StatusCode.PERMISSION_DENIED)
@@ -199,10 +202,16 @@ def test_shm_other_session_and_unknown_region(heads):
         sl = pb.RegionSlice(region_id=region.id, offset=0, byte_size=rows * rb)
         expect_error(lambda: raw_score(c, "", "fp32", rows, sl), grpc.StatusCode.PERMISSION_DENIED, "lce-session")
         expect_error(lambda: raw_score(c, "0" * 32, "fp32", rows, sl), grpc.StatusCode.PERMISSION_DENIED)
+        # issue 35, item 12: A's id alone (it travels in metadata), or with a wrong secret, opens nothing
+        expect_error(lambda: raw_score(c, a.session_id, "fp32", rows, sl), grpc.StatusCode.PERMISSION_DENIED,
+                     "lce-session-secret")
+        forged = types.SimpleNamespace(session_id=a.session_id, secret=b.secret)
+        expect_error(lambda: raw_score(c, forged, "fp32", rows, sl), grpc.StatusCode.PERMISSION_DENIED,
+                     "do not name an open session")
         # B cannot unregister A's region either
         expect_error(lambda: b.unregister(region.id), grpc.StatusCode.PERMISSION_DENIED)
         # unknown region
-        expect_error(lambda: raw_score(c, a.session_id, "fp32", rows,
+        expect_error(lambda: raw_score(c, a, "fp32", rows,
                                        pb.RegionSlice(region_id=10 ** 12, offset=0, byte_size=rows * rb)),
                      grpc.StatusCode.NOT_FOUND, "not registered")
         # the owner still can
@@ -241,14 +250,16 @@ def test_shm_release_on_unregister_close_and_cancel(own_server):
         s.close()
         assert wait_until(lambda: name not in maps_of(pid)), "the server kept the region mapped after close"
         assert region.fd == -1, "close() should close the client's memfds"
-        # cancel (as a client going away): the region is released; using it is NOT_FOUND
+        # cancel (as a client going away): the region is released; naming it is PERMISSION_DENIED (the
+        # session is gone, so its id and secret open nothing)
         s = c.shared_memory_session()
         region, h = in_region(s, st)
         np.testing.assert_array_equal(c.score(h, y, hidden_region=region)[0], lp0)
         assert region.map_name in maps_of(pid)
         s.cancel()
         assert wait_until(lambda: region.map_name not in maps_of(pid)), "not released after cancel"
-        expect_error(lambda: c.score(h, y, hidden_region=region), grpc.StatusCode.NOT_FOUND, "not registered")
+        expect_error(lambda: c.score(h, y, hidden_region=region), grpc.StatusCode.PERMISSION_DENIED,
+                     "do not name an open session")
         os.close(region.fd)
         # the server keeps serving
         np.testing.assert_array_equal(c.score(st, y)[0], lp0)
@@ -265,7 +276,7 @@ r = s.create(5 * 48 * 4)
 h = r.ndarray((5, 48), np.float32)
 h[:] = 0.5
 lp, _ = c.score(h, np.arange(5), hidden_region=r)
-print(r.memfd_name, s.session_id, r.id, flush=True)
+print(r.memfd_name, s.session_id, r.id, s.secret, flush=True)
 time.sleep(600)
 """
 
@@ -277,16 +288,17 @@ def test_shm_release_when_client_process_dies(own_server):
     try:
         line = child.stdout.readline().split()
         assert line, "the child client did not start"
-        shm_name, session_id, region_id = f"/memfd:{line[0]} ", line[1], int(line[2])
+        shm_name, region_id = f"/memfd:{line[0]} ", int(line[2])
+        dead = types.SimpleNamespace(session_id=line[1], secret=line[3])
         assert shm_name in maps_of(pid)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
         assert wait_until(lambda: shm_name not in maps_of(pid)), "the server kept a dead client's region mapped"
         with lce_client.Client(srv.target, timeout=30) as c:
-            # its region is gone, even for a request that names the dead session
-            expect_error(lambda: raw_score(c, session_id, "fp32", 5,
+            # its region is gone, even for a request that names the dead session with its secret
+            expect_error(lambda: raw_score(c, dead, "fp32", 5,
                                            pb.RegionSlice(region_id=region_id, offset=0, byte_size=5 * 48 * 4)),
-                         grpc.StatusCode.NOT_FOUND)
+                         grpc.StatusCode.PERMISSION_DENIED, "do not name an open session")
             lp, _ = c.score(np.full((5, HIDDEN), 0.5, np.float32), np.arange(5))
             assert lp.shape == (5,)
     finally:
@@ -341,7 +353,9 @@ def test_shm_region_survives_until_a_request_using_it_ends(own_server):
         for t in threads:
             t.join()
         for r in results:
-            assert not isinstance(r, lce_client.LceError) or r.code == grpc.StatusCode.NOT_FOUND, r
+            # refused once the session is gone (its secret opens nothing) or its region unmapped
+            assert not isinstance(r, lce_client.LceError) or r.code in (grpc.StatusCode.PERMISSION_DENIED,
+                                                                        grpc.StatusCode.NOT_FOUND), r
         assert wait_until(lambda: region.map_name not in maps_of(srv.proc.pid))
         assert srv.proc.poll() is None
         np.testing.assert_array_equal(c.score(st[:4], y[:4])[0], c.score(st[:4], y[:4])[0])
@@ -400,7 +414,7 @@ def test_shm_by_name_only_where_allowed_and_the_socket_checks_the_secret(server_
             os.ftruncate(fd, st.nbytes)
             os.pwrite(fd, st.tobytes(), 0)
             rid = s.register(path[len("/dev/shm"):], st.nbytes)
-            got = raw_score(c, s.session_id, "fp32", rows, pb.RegionSlice(region_id=rid, offset=0, byte_size=st.nbytes))
+            got = raw_score(c, s, "fp32", rows, pb.RegionSlice(region_id=rid, offset=0, byte_size=st.nbytes))
             want, _ = c.score(st, np.zeros(rows, np.int64))
             lp = np.array(got[0].chunk.logprobs, np.float32)
             np.testing.assert_array_equal(lp, want[:len(lp)])

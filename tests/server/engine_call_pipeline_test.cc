@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "thread_start.h"
 
 namespace lce::server {
 namespace {
@@ -32,7 +33,8 @@ TEST(EngineCallPipelineTest, CallsAndFinishesRunInOrderOnTheirOwnThreads) {
   const std::thread::id caller = std::this_thread::get_id();
   std::atomic<int> on_caller_thread{0}, without_work{0};
   {
-    EngineCallPipeline p(&work);
+    std::unique_ptr<EngineCallPipeline> owned = *EngineCallPipeline::Start(&work);
+    EngineCallPipeline& p = *owned;
     for (int i = 0; i < 4; ++i) {
       p.Submit(
           [&, i] {
@@ -66,7 +68,8 @@ TEST(EngineCallPipelineTest, ClosedItStillRunsWhatWasSubmitted) {
   // run, in order, and their statuses are there to wait for.
   Log log;
   {
-    EngineCallPipeline p(nullptr);
+    std::unique_ptr<EngineCallPipeline> owned = *EngineCallPipeline::Start(nullptr);
+    EngineCallPipeline& p = *owned;
     for (int i = 0; i < 3; ++i) {
       p.Submit(
           [&, i] {
@@ -93,7 +96,8 @@ TEST(EngineCallPipelineTest, ClosedItStillRunsWhatWasSubmitted) {
 
 TEST(EngineCallPipelineTest, TheNextCallRunsWhileTheLastOneFinishes) {
   // A slow finish (outputs copied back, the answer queued) must not hold the next call back.
-  EngineCallPipeline p(nullptr);
+  std::unique_ptr<EngineCallPipeline> owned = *EngineCallPipeline::Start(nullptr);
+  EngineCallPipeline& p = *owned;
   std::atomic<bool> second_call_ran{false}, first_finish_saw_it{false};
   p.Submit([] { return absl::OkStatus(); },
            [&] {
@@ -113,7 +117,8 @@ TEST(EngineCallPipelineTest, TheNextCallRunsWhileTheLastOneFinishes) {
 }
 
 TEST(EngineCallPipelineTest, AFailedCallIsNotFinishedAndLaterOnesAreSkipped) {
-  EngineCallPipeline p(nullptr);
+  std::unique_ptr<EngineCallPipeline> owned = *EngineCallPipeline::Start(nullptr);
+  EngineCallPipeline& p = *owned;
   std::atomic<int> calls{0}, finishes{0};
   auto ok_call = [&] {
     ++calls;
@@ -142,7 +147,8 @@ TEST(EngineCallPipelineTest, AFailedCallIsNotFinishedAndLaterOnesAreSkipped) {
 
 TEST(EngineCallPipelineTest, AFailedFinishSkipsLaterFinishesButNotEarlierOnes) {
   // The client went away while chunk 1 was answered: chunk 0 still counts as answered, chunk 2 not.
-  EngineCallPipeline p(nullptr);
+  std::unique_ptr<EngineCallPipeline> owned = *EngineCallPipeline::Start(nullptr);
+  EngineCallPipeline& p = *owned;
   std::atomic<int> finishes{0};
   auto call = [] { return absl::OkStatus(); };
   p.Submit(call, [&] {
@@ -161,7 +167,8 @@ TEST(EngineCallPipelineTest, AFailedFinishSkipsLaterFinishesButNotEarlierOnes) {
 }
 
 TEST(EngineCallPipelineTest, SubmitReturnsWhileTheCallRuns) {
-  EngineCallPipeline p(nullptr);
+  std::unique_ptr<EngineCallPipeline> owned = *EngineCallPipeline::Start(nullptr);
+  EngineCallPipeline& p = *owned;
   std::atomic<bool> release{false}, started{false};
   p.Submit(
       [&] {
@@ -182,7 +189,8 @@ TEST(EngineCallPipelineTest, DestructionRunsWhatWasSubmittedBeforeItReturns) {
   // handler's frame, so the pipeline must not return from its destructor with a step running.
   std::atomic<int> done{0};
   {
-    EngineCallPipeline p(nullptr);
+    std::unique_ptr<EngineCallPipeline> owned = *EngineCallPipeline::Start(nullptr);
+    EngineCallPipeline& p = *owned;
     for (int i = 0; i < 3; ++i) {
       p.Submit(
           [&] {
@@ -197,6 +205,21 @@ TEST(EngineCallPipelineTest, DestructionRunsWhatWasSubmittedBeforeItReturns) {
     }
   }
   EXPECT_EQ(done.load(), 3);
+}
+
+// Issue 35, item 4: either thread failing to start (a task limit) is RESOURCE_EXHAUSTED for the
+// caller, who then runs the stream serially; nothing aborts, nothing is left running.
+TEST(EngineCallPipelineTest, AThreadThatCannotStartIsResourceExhausted) {
+  for (int after : {0, 1}) {  // the caller's thread, the finisher's
+    FailThreadStartsForTest(1, after);
+    auto p = EngineCallPipeline::Start(nullptr);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted) << after << ": " << p.status();
+  }
+  FailThreadStartsForTest(0);
+  auto p = EngineCallPipeline::Start(nullptr);
+  ASSERT_TRUE(p.ok()) << p.status();
+  (*p)->Submit([] { return absl::OkStatus(); }, [] { return absl::OkStatus(); });
+  EXPECT_TRUE((*p)->WaitOldest().ok());
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "metrics.h"
 #include "service_metrics.h"
+#include "thread_start.h"
 
 namespace lce::server {
 namespace {
@@ -89,6 +90,23 @@ Reply ReadOnANewConnection(int port, const RegionRegistry::SessionKeys& session,
   }
   return r;
 }
+
+// A data plane on a free loopback port over its own registry (1 MiB of server memory a session),
+// counting in its own metrics; `o.metrics` is set here.
+struct TestPlane {
+  explicit TestPlane(RegionDataPlaneOptions o) {
+    regions.EnableServerMemory(1 << 20);
+    o.metrics = &metrics;
+    auto started = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
+    EXPECT_TRUE(started.ok()) << started.status();
+    if (started.ok()) dp = *std::move(started);
+  }
+  int port() const { return dp->port(); }
+  RegionRegistry regions;  // host memory: no GPU here
+  metrics::Registry registry;
+  ServiceMetrics metrics{registry};
+  std::unique_ptr<RegionDataPlane> dp;
+};
 
 TEST(RegionDataPlane, ConnectionsBeyondTheLimitAreRefusedAndTheOthersServed) {
   RegionRegistry regions;  // host memory: no GPU here
@@ -177,7 +195,7 @@ TEST(RegionDataPlane, NegativeOrOverflowingPlacementIsRefusedBeforeAnyByteMoves)
   v1::RegionSlice slice;
   slice.set_region_id(*region);
   slice.set_byte_size(-1);
-  EXPECT_EQ(regions.Resolve(session.id, slice, -1, "chunk").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(regions.Resolve(session.id, session.secret, slice, -1, "chunk").status().code(), absl::StatusCode::kInvalidArgument);
   const Reply back = ReadOnANewConnection((*dp)->port(), session, *region, 4096);
   EXPECT_EQ(back.code, 0) << back.message;
 }
@@ -186,10 +204,6 @@ TEST(RegionDataPlane, NegativeOrOverflowingPlacementIsRefusedBeforeAnyByteMoves)
 // against their own cap (and one a peer address), never the authenticated connections', and end at
 // the auth timeout; a connection whose first transfer is refused gets no second try.
 TEST(RegionDataPlane, SilentConnectionsCannotLockOutASession) {
-  RegionRegistry regions;
-  regions.EnableServerMemory(1 << 20);
-  metrics::Registry registry;
-  ServiceMetrics metrics(registry);
   RegionDataPlaneOptions o;
   // Room for `real`, `again` and `forged` at once: a closed connection's slot is freed when its
   // thread notices, which under load can be after the next connection arrives.
@@ -197,19 +211,21 @@ TEST(RegionDataPlane, SilentConnectionsCannotLockOutASession) {
   o.max_unauthenticated = 8;
   o.max_unauthenticated_per_peer = 3;
   o.auth_timeout = absl::Milliseconds(400);
-  o.metrics = &metrics;
-  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
-  ASSERT_TRUE(dp.ok()) << dp.status();
+  TestPlane plane(o);
+  ASSERT_NE(plane.dp, nullptr);
+  RegionRegistry& regions = plane.regions;
+  ServiceMetrics& metrics = plane.metrics;
+  const int port = plane.port();
   const RegionRegistry::SessionKeys session = regions.OpenSession();
   auto region = regions.RegisterServerMemory(session.id, "r", 4096);
   ASSERT_TRUE(region.ok()) << region.status();
-  const int real = Connect((*dp)->port());  // authenticated by its first transfer
+  const int real = Connect(port);  // authenticated by its first transfer
   SendTransfer(real, v1::data_plane::kOpWrite, session, *region, 0, std::string(16, 'r'), 16);
   ASSERT_EQ(ReadReply(real).code, 0);
 
   std::vector<int> silent;
-  for (int i = 0; i < 3; ++i) silent.push_back(Connect((*dp)->port()));
-  const int fourth = Connect((*dp)->port());  // past the per-address cap: refused at once
+  for (int i = 0; i < 3; ++i) silent.push_back(Connect(port));
+  const int fourth = Connect(port);  // past the per-address cap: refused at once
   const Reply refused = ReadReply(fourth);
   EXPECT_EQ(refused.code, static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) << refused.message;
   EXPECT_NE(refused.message.find("not presented a session"), std::string::npos) << refused.message;
@@ -228,7 +244,7 @@ TEST(RegionDataPlane, SilentConnectionsCannotLockOutASession) {
     ::close(fd);
   }
   EXPECT_GE(metrics.rejections.WithLabels({"data_plane_auth_timeout"}).Value(), 3.0);
-  const Reply again = ReadOnANewConnection((*dp)->port(), session, *region, 16);
+  const Reply again = ReadOnANewConnection(port, session, *region, 16);
   EXPECT_EQ(again.code, 0) << again.message;
   // A first transfer naming a made-up session, or the real session with a wrong secret (issue 22:
   // the id alone is no capability), is answered PERMISSION_DENIED and the connection closed.
@@ -236,7 +252,7 @@ TEST(RegionDataPlane, SilentConnectionsCannotLockOutASession) {
        {RegionRegistry::SessionKeys{RegionRegistry::NewSessionId(), session.secret},
         RegionRegistry::SessionKeys{session.id, RegionRegistry::NewSessionId()},
         RegionRegistry::SessionKeys{session.id, ""}}) {
-    const int forged = Connect((*dp)->port());
+    const int forged = Connect(port);
     SendTransfer(forged, v1::data_plane::kOpRead, bad, *region, 0, "", 16);
     const Reply r = ReadReply(forged);
     EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied)) << r.message;
@@ -249,7 +265,7 @@ TEST(RegionDataPlane, SilentConnectionsCannotLockOutASession) {
   SendTransfer(real, v1::data_plane::kOpWrite, {session.id, RegionRegistry::NewSessionId()}, *region, 0,
                std::string(16, 'x'), 16);
   EXPECT_EQ(ReadReply(real).code, static_cast<int32_t>(absl::StatusCode::kPermissionDenied));
-  const Reply unchanged = ReadOnANewConnection((*dp)->port(), session, *region, 16);
+  const Reply unchanged = ReadOnANewConnection(port, session, *region, 16);
   EXPECT_EQ(unchanged.code, 0) << unchanged.message;
   ::close(real);
 }
@@ -321,7 +337,7 @@ TEST(RegionDataPlane, AFreshServerMemoryRegionHoldsOnlyZeros) {
     v1::RegionSlice slice;
     slice.set_region_id(*region);
     slice.set_byte_size(size);
-    auto resolved = regions.Resolve(session.id, slice, size, "fresh");
+    auto resolved = regions.Resolve(session.id, session.secret, slice, size, "fresh");
     ASSERT_TRUE(resolved.ok()) << resolved.status();
     EXPECT_EQ(std::count(resolved->bytes.begin(), resolved->bytes.end(), 0), size) << size << "-byte region";
     SendTransfer(fd, v1::data_plane::kOpRead, session, *region, 0, "", size);
@@ -383,6 +399,76 @@ TEST(RegionDataPlane, NeedsRoomForOneConnectionAndAPositiveStallTimeout) {
   o.max_connections = 1;
   o.stall_timeout = absl::ZeroDuration();
   EXPECT_EQ(RegionDataPlane::Start(regions, "127.0.0.1", 0, o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Issue 35, item 5: one session holding idle connections once locked every other client out of the
+// pool. A session holds at most max_connections_per_session of it, and an authenticated connection
+// idle for idle_timeout ends.
+TEST(RegionDataPlane, OneSessionCannotTakeThePoolAndIdleConnectionsEnd) {
+  RegionDataPlaneOptions o;
+  o.max_connections = 4;
+  o.max_connections_per_session = 2;
+  o.idle_timeout = absl::Milliseconds(600);
+  TestPlane plane(o);
+  ASSERT_NE(plane.dp, nullptr);
+  RegionRegistry& regions = plane.regions;
+  const int port = plane.port();
+  const RegionRegistry::SessionKeys hog = regions.OpenSession(), other = regions.OpenSession();
+  auto hog_region = regions.RegisterServerMemory(hog.id, "r", 4096);
+  auto other_region = regions.RegisterServerMemory(other.id, "r", 4096);
+  ASSERT_TRUE(hog_region.ok() && other_region.ok());
+  std::vector<int> held;
+  for (int i = 0; i < 3; ++i) {
+    held.push_back(Connect(port));
+    SendTransfer(held.back(), v1::data_plane::kOpWrite, hog, *hog_region, 0, std::string(16, 'h'), 16);
+    const Reply r = ReadReply(held.back());
+    if (i < 2) {
+      EXPECT_EQ(r.code, 0) << r.message;
+    } else {
+      EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) << r.message;
+      EXPECT_NE(r.message.find("--data-plane-max-connections-per-session"), std::string::npos) << r.message;
+    }
+  }
+  EXPECT_EQ(plane.metrics.rejections.WithLabels({"data_plane_session_connections"}).Value(), 1.0);
+  const Reply served = ReadOnANewConnection(port, other, *other_region, 16);
+  EXPECT_EQ(served.code, 0) << "another session is locked out: " << served.message;
+  // The hog's connections, idle past the timeout, are closed by the server.
+  for (int i = 0; i < 2; ++i) {
+    timeval wait{3, 0};
+    setsockopt(held[i], SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof(wait));
+    char b;
+    EXPECT_EQ(::recv(held[i], &b, 1, 0), 0) << "an idle authenticated connection was kept";
+  }
+  for (int fd : held) ::close(fd);
+  EXPECT_GE(plane.metrics.rejections.WithLabels({"data_plane_idle_timeout"}).Value(), 2.0);
+}
+
+// Issue 35, item 4: a thread that cannot start (a task limit) fails the start, or refuses that one
+// connection with RESOURCE_EXHAUSTED; the next connection is served.
+TEST(RegionDataPlane, AThreadThatCannotStartIsAnErrorNotAnAbort) {
+  RegionRegistry regions;
+  regions.EnableServerMemory(1 << 20);
+  metrics::Registry registry;
+  ServiceMetrics metrics(registry);
+  RegionDataPlaneOptions o;
+  o.metrics = &metrics;
+  FailThreadStartsForTest(1);
+  auto refused = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  auto dp = RegionDataPlane::Start(regions, "127.0.0.1", 0, o);
+  ASSERT_TRUE(dp.ok()) << dp.status();
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  auto region = regions.RegisterServerMemory(session.id, "r", 4096);
+  ASSERT_TRUE(region.ok()) << region.status();
+  FailThreadStartsForTest(1);  // this connection's thread
+  const int a = Connect((*dp)->port());
+  const Reply r = ReadReply(a);
+  EXPECT_EQ(r.code, static_cast<int32_t>(absl::StatusCode::kResourceExhausted)) << r.message;
+  EXPECT_NE(r.message.find("cannot start a thread"), std::string::npos) << r.message;
+  ::close(a);
+  EXPECT_EQ(metrics.rejections.WithLabels({"threads"}).Value(), 1.0);
+  FailThreadStartsForTest(0);
+  EXPECT_EQ(ReadOnANewConnection((*dp)->port(), session, *region, 16).code, 0);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // server map, and a listener that outlives a descriptor shortage (issue 35, items 2 and 3).
 #include "shm_socket.h"
 
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -17,6 +18,7 @@
 #include "lce/v1/shm_socket_wire.h"
 #include "metrics.h"
 #include "service_metrics.h"
+#include "thread_start.h"
 
 namespace lce::server {
 namespace {
@@ -160,6 +162,52 @@ TEST(ShmSocket, AcceptsAgainAfterTheDescriptorsRanOut) {
   const Reply r = Register((*socket)->path(), session, memfd, 4096);
   EXPECT_EQ(r.code, 0) << "no reply: the listener stopped accepting. " << r.message;
   EXPECT_GE(metrics.accept_errors.WithLabels({"shm_socket", "EMFILE"}).Value(), 1.0);
+  ::close(memfd);
+}
+
+// Issue 35, item 9: the request's time was each recv's, so a byte every 4 s held a connection (and
+// one of the 32) for ever. The whole request must now arrive within the timeout.
+TEST(ShmSocket, ARequestTrickledByteByByteEndsAtItsTimeout) {
+  RegionRegistry regions;
+  auto socket = ShmSocket::Start(regions, SocketPath(), {}, nullptr, absl::Seconds(1));
+  ASSERT_TRUE(socket.ok()) << socket.status();
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, (*socket)->path().data(), (*socket)->path().size());
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << std::strerror(errno);
+  const auto start = std::chrono::steady_clock::now();
+  bool ended = false;
+  for (int i = 0; i < 20 && !ended; ++i) {  // 6 s of trickling at most, a byte every 300 ms
+    if (::send(fd, "L", 1, MSG_NOSIGNAL) != 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    pollfd p{fd, POLLIN, 0};
+    ended = ::poll(&p, 1, 0) == 1;  // the refusal, or the close
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_TRUE(ended) << "a trickling client held its connection for " << seconds << " s";
+  EXPECT_LT(seconds, 3.0);
+  ::close(fd);
+}
+
+// Issue 35, item 4: a thread that cannot start (a task limit) fails the start, or drops that one
+// connection; the next connection is served.
+TEST(ShmSocket, AThreadThatCannotStartIsAnErrorNotAnAbort) {
+  RegionRegistry regions;
+  const std::string path = SocketPath();
+  FailThreadStartsForTest(1);
+  auto refused = ShmSocket::Start(regions, path);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("shm socket's acceptor"), std::string::npos) << refused.status();
+  auto socket = ShmSocket::Start(regions, path);
+  ASSERT_TRUE(socket.ok()) << socket.status();
+  const RegionRegistry::SessionKeys session = regions.OpenSession();
+  const int memfd = Memfd(4096);
+  FailThreadStartsForTest(1);  // this connection's thread
+  EXPECT_EQ(Register(path, session, memfd, 4096).code, -1) << "the connection was not dropped";
+  const Reply r = Register(path, session, memfd, 4096);
+  EXPECT_EQ(r.code, 0) << r.message;
+  FailThreadStartsForTest(0);
   ::close(memfd);
 }
 

@@ -6,6 +6,8 @@
 #include <thread>
 #include <vector>
 
+#include "thread_start.h"
+
 namespace lce::server {
 namespace {
 
@@ -76,6 +78,20 @@ TEST(StreamAnswerWriterTest, TheLastMessageGoesAsSuchAndNothingAfterIt) {
     EXPECT_EQ(stream.written, (std::vector<int>{0, 1}));
     EXPECT_EQ(stream.last, (std::vector<bool>{false, true}));
   }
+}
+
+// Issue 35, item 4: where its thread cannot start (a task limit), the writer writes on the caller's
+// thread instead of aborting the server.
+TEST(StreamAnswerWriterTest, WritesInlineWhenItsThreadCannotStart) {
+  RecordingStream stream;
+  FailThreadStartsForTest(1);
+  StreamAnswerWriter<int> w(&stream, 2);
+  FailThreadStartsForTest(0);
+  EXPECT_FALSE(w.own_thread());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(w.Push(int{i}));
+  ASSERT_TRUE(w.Finish());
+  EXPECT_EQ(stream.written, (std::vector<int>{0, 1, 2}));
+  for (auto id : stream.threads) EXPECT_EQ(id, std::this_thread::get_id());
 }
 
 }  // namespace

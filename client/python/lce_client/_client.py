@@ -19,7 +19,7 @@ from ._proto import lce_pb2_grpc as pb_grpc
 from ._data_plane import MAX_SOCKETS as _MAX_DATA_PLANE_SOCKETS
 from ._errors import LceError, _wrap
 from ._data_plane import DataPlane, Route, UploadState
-from ._shm import SESSION_METADATA_KEY, Region, SharedMemorySession
+from ._shm import SESSION_METADATA_KEY, SESSION_SECRET_METADATA_KEY, Region, SharedMemorySession
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_MIN_STREAM_BYTES = 8 << 20
@@ -912,10 +912,10 @@ class Client:
             raise ValueError(f"{rpc} returns no d_hidden: d_hidden_region does not apply")
         cuda_regions = [r for r in (hidden_region, d_hidden_region) if r is not None and r.is_cuda]
         if hidden_region is not None or d_hidden_region is not None:
-            sessions = {r.session_id for r in (hidden_region, d_hidden_region) if r is not None}
+            sessions = {(r.session_id, r.session_secret) for r in (hidden_region, d_hidden_region) if r is not None}
             if len(sessions) != 1:
                 raise ValueError("hidden_region and d_hidden_region must belong to one session")
-            metadata = tuple(self._metadata or ()) + ((SESSION_METADATA_KEY, sessions.pop()),)
+            metadata = tuple(self._metadata or ()) + _session_metadata(*sessions.pop())
             if hidden_region is not None:
                 hidden_at = (hidden_region.id, hidden_region.offset_of(
                     h.tensor if isinstance(h, A.DeviceArray) else h.array))
@@ -963,7 +963,7 @@ class Client:
                 if prog is not None:
                     prog.close()
                 raise
-            metadata = tuple(self._metadata or ()) + ((SESSION_METADATA_KEY, routes[0].session_id),)
+            metadata = tuple(self._metadata or ()) + _session_metadata(routes[0].session_id, routes[0].session_secret)
             hidden_at = (routes[0].hidden_region, 0)
             if want_dhidden:
                 d_hidden_at = (routes[0].d_hidden_region, 0)
@@ -1196,6 +1196,12 @@ class Client:
         if all(s is None for s in summaries):
             return None
         return _combine_summaries(rpc, parts, summaries, expect_valid)
+
+
+def _session_metadata(session_id: str, secret: str) -> tuple:
+    """The metadata of a request that names a session's regions: the session's id and its secret (the
+    server opens the regions to neither alone)."""
+    return ((SESSION_METADATA_KEY, session_id), (SESSION_SECRET_METADATA_KEY, secret))
 
 
 def _server_info(r: pb.GetInfoResponse) -> ServerInfo:

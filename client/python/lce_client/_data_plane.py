@@ -343,8 +343,9 @@ class Route:
     """Where one stream of one request moves its bytes: its lane, the session, and the regions (the
     whole request's; each stream uses the slices at its rows' offsets)."""
 
-    def __init__(self, lane: Lane, session_id: str, hidden_region: int, d_hidden_region: Optional[int]):
-        self.lane, self.session_id = lane, session_id
+    def __init__(self, lane: Lane, session_id: str, hidden_region: int, d_hidden_region: Optional[int],
+                 session_secret: str = ""):
+        self.lane, self.session_id, self.session_secret = lane, session_id, session_secret
         self.hidden_region, self.d_hidden_region = hidden_region, d_hidden_region
 
     def download(self, offset: int, into: memoryview) -> None:
@@ -491,8 +492,8 @@ class DataPlane:
                     lane.close()
                 self.lanes[i] = None
                 self.lanes[i] = Lane(self.host, self.port, self.sockets, i, self.session.secret, self.tls)
-        sid = self.session.session_id
-        return [Route(self.lanes[i], sid, self.hidden_region, self.d_hidden_region if d_hidden else None)
+        sid, secret = self.session.session_id, self.session.secret
+        return [Route(self.lanes[i], sid, self.hidden_region, self.d_hidden_region if d_hidden else None, secret)
                 for i in range(parts)]
 
     def _ensure(self, region: int, size: int, needed: int, name: str):

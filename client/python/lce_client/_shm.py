@@ -51,6 +51,9 @@ from ._proto import lce_pb2 as pb
 
 _COUNTER = itertools.count()
 SESSION_METADATA_KEY = "lce-session"
+# A request that names a session's regions proves it is the session's with the session's secret (the
+# id alone opens nothing: issue 35, item 12).
+SESSION_SECRET_METADATA_KEY = "lce-session-secret"
 CUDA_IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
 # The shm socket's request (then the name) and reply (then the message): proto/lce/v1/shm_socket_wire.h.
 SHM_SOCKET_REQUEST = struct.Struct("<4sI32s32sqq")
@@ -89,6 +92,8 @@ class Region:
     # like any file, and the server then refuses the region) and its name in /proc/<pid>/maps.
     fd: int = -1
     memfd_name: str = ""
+    # The session's secret, sent beside its id with each request that names the region.
+    session_secret: str = ""
 
     @property
     def map_name(self) -> str:
@@ -267,6 +272,7 @@ class SharedMemorySession:
                 else:
                     _IPC_LIVE[key] = _IPC_LIVE.get(key, 0) + 1
         region = Region(rid, self.session_id, label, "", nbytes, None, None, cuda=True, tensor=tensor,
+                        session_secret=self.secret,
                         device_ptr=int(tensor.data_ptr()), _ipc_key=key)
         self._regions.append(region)
         return region
@@ -306,6 +312,7 @@ class SharedMemorySession:
             os.close(fd)
             raise
         region = Region(rid, self.session_id, name or label, "", nbytes, np.frombuffer(mm, dtype=np.uint8), mm,
+                        session_secret=self.secret,
                         fd=fd, memfd_name=label)
         self._regions.append(region)
         return region

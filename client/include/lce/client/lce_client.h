@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -133,6 +134,9 @@ struct RegionRef {
   std::string session_id;
   uint64_t region_id = 0;
   int64_t offset = 0;
+  // The session's secret, sent beside its id (the server opens a session's regions to neither alone).
+  // Empty: the secret of the session of that id this client opened (LceClient::OpenSession).
+  std::string session_secret;
 };
 
 // A batch of rows, borrowed (not copied) for the duration of a call.
@@ -164,7 +168,8 @@ class SharedMemorySession {
     absl::Span<uint8_t> bytes;   // this process's mapping, writable
     int fd = -1;                 // the memfd, open while the region is (owned by the session)
     std::string session_id;
-    RegionRef Ref(int64_t offset = 0) const { return RegionRef{session_id, id, offset}; }
+    std::string session_secret;  // the session's (SharedMemorySession::secret)
+    RegionRef Ref(int64_t offset = 0) const { return RegionRef{session_id, id, offset, session_secret}; }
   };
 
   ~SharedMemorySession();
@@ -346,6 +351,8 @@ class LceClient {
   absl::Status PrepareDataPlane(Replica& replica, size_t parts, int64_t hidden_bytes, bool d_hidden);
   // A call's deadline and bearer token (the admin token for training RPCs, where one is set).
   void Prepare(grpc::ClientContext* ctx, bool admin = false) const;
+  // The session metadata of a batch that names regions: their session's id and secret.
+  void AddSessionMetadata(grpc::ClientContext* ctx, const HiddenBatch& batch) const;
 
   ClientOptions options_;
   // The scoring replicas; replicas_[0] is the front too, except with round_robin, where the front
@@ -357,6 +364,9 @@ class LceClient {
   std::atomic<bool> no_call_{false};  // the server has no LceService.Call: requests stream
   // Runs each call's writer, uploaders and download shares, and a split request's extra streams.
   std::unique_ptr<WorkerPool> workers_;
+  // The secrets of the sessions this client opened, by id: for RegionRefs made without one.
+  mutable std::mutex secrets_mu_;
+  std::map<std::string, std::string> session_secrets_;
 };
 
 // Splits `rows` rows of `row_bytes` into at most `streams` contiguous [first, count) ranges of at
