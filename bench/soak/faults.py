@@ -257,7 +257,8 @@ def _region_chunk(region, rows, hidden, offset=0):
 def region_of_another_session(f: FaultLane):
     with f.client.shared_memory_session() as a, f.client.shared_memory_session() as b:
         r = a.create(4096)
-        f.send("Score", f.header(), [_region_chunk(r, 2, f.head.hidden)], metadata=(("lce-session", b.session_id),))
+        f.send("Score", f.header(), [_region_chunk(r, 2, f.head.hidden)],
+               metadata=(("lce-session", b.session_id), ("lce-session-secret", b.secret)))
 
 
 def region_out_of_bounds(f: FaultLane):
@@ -266,7 +267,7 @@ def region_out_of_bounds(f: FaultLane):
         rows = int(f.rng.integers(1, 4))
         off = 4096 - rows * f.head.hidden * 4 + int(f.rng.integers(4, 512)) // 4 * 4
         f.send("Score", f.header(), [_region_chunk(r, rows, f.head.hidden, offset=off)],
-               metadata=(("lce-session", s.session_id),))
+               metadata=(("lce-session", s.session_id), ("lce-session-secret", s.secret)))
 
 
 def register_by_name(f: FaultLane):
@@ -302,7 +303,8 @@ def unregister_unknown(f: FaultLane):
 
 def session_closed_midrequest(f: FaultLane):
     """The session that holds the request's region ends between its chunks: the request either finishes
-    (right answers) or fails NOT_FOUND from the first chunk that names the gone region."""
+    (right answers) or fails PERMISSION_DENIED from the first chunk that names the gone region (the
+    secret it shows proves no session any more)."""
     s = f.client.shared_memory_session()
     try:
         req = make_request(f.rng, f.head, "score", rows=500)
@@ -394,7 +396,7 @@ FAULTS: Dict[str, Tuple[set, Callable, float]] = {
     "bad_sequence_id": ({"INVALID_ARGUMENT"}, bad_sequence_id, 1),
     "unknown_head": ({"NOT_FOUND"}, unknown_head, 1),
     "stale_version": ({"FAILED_PRECONDITION"}, stale_version, 1),
-    "region_without_session": ({"NOT_FOUND"}, region_without_session, 1),
+    "region_without_session": ({"PERMISSION_DENIED"}, region_without_session, 1),
     "region_of_another_session": ({"PERMISSION_DENIED"}, region_of_another_session, 1),
     "region_out_of_bounds": ({"INVALID_ARGUMENT"}, region_out_of_bounds, 1),
     "register_by_name": ({"PERMISSION_DENIED"}, register_by_name, 1),
@@ -402,7 +404,7 @@ FAULTS: Dict[str, Tuple[set, Callable, float]] = {
     "register_beyond_object": ({"INVALID_ARGUMENT"}, register_beyond_object, 1),
     "server_memory_over_cap": ({"RESOURCE_EXHAUSTED"}, server_memory_over_cap, 1),
     "unregister_unknown": ({"NOT_FOUND"}, unregister_unknown, 1),
-    "session_closed_midrequest": ({"OK", "NOT_FOUND"}, session_closed_midrequest, 2),
+    "session_closed_midrequest": ({"OK", "PERMISSION_DENIED"}, session_closed_midrequest, 2),
     "data_plane_garbage": ({"INVALID_ARGUMENT", "closed"}, data_plane_garbage, 1),
     "data_plane_unknown_region": ({"NOT_FOUND", "PERMISSION_DENIED", "UNAUTHENTICATED"}, data_plane_unknown_region, 1),
     "data_plane_out_of_bounds": ({"INVALID_ARGUMENT"}, data_plane_out_of_bounds, 1),

@@ -1,5 +1,6 @@
 """The soak's training lanes on the head "train" (fp32): a trainer that accumulates dW through
-ForwardBackward and PolicyLoss, reads it back (GetGrad), steps (OptimizerStep), replaces the weight
+ForwardBackward and PolicyLoss (at once, or deferred and committed with a scale, beside clients that
+forward deferred and die before their backward), reads it back (GetGrad), steps (OptimizerStep), replaces the weight
 (UpdateWeights), reloads the head (LoadHead) and saves it (SaveHead), each checked against a local
 reference of the same successful steps (float64 dW; AdamW in fp32 from the server's own dW); training
 requests that must fail, each followed by a check that dW and the version did not move; and a lane
@@ -62,15 +63,35 @@ class TrainerLane(Lane):
 
     # ------------------------------------------------------------------------------ the steps
     def accumulate(self) -> None:
+        """One accumulating request: its dW added at once, or deferred and committed with a scale (an
+        autograd backward's upstream gradient); now and then a client that forwards deferred and dies
+        before its backward, whose contribution must never reach dW (the next check_grad)."""
         kind = str(self.rng.choice(["forward_backward", "policy_loss"]))
         req = make_request(self.rng, self.head, kind, rows=int(self.rng.integers(1, 200)), version=self.s.version)
+        deferred = bool(self.rng.random() < 0.5)
+        scale = float(self.rng.choice([0.25, 1.0, -0.5, 0.0])) if deferred else 1.0
         try:
-            res = issue(self.client, req, accumulate_weight_grad=True)
+            res = issue(self.client, req, accumulate_weight_grad=True, defer_weight_grad=deferred)
+            if deferred:
+                self.client.commit_grad(res.pending_grads, scale=scale, head=TRAIN_HEAD)
         except lce_client.LceError as e:
             unexpected(self.ledger, f"trainer/{kind}", e, req.describe())
             return
         check(self.ledger, "trainer", req, res)
-        self.s.dW += R.d_weight(req.f, req.ref["dz"])
+        self.s.dW += scale * R.d_weight(req.f, req.ref["dz"])
+        if self.rng.random() < 0.3:
+            self.abandoned_forward()
+
+    def abandoned_forward(self) -> None:
+        req = make_request(self.rng, self.head, "forward_backward", rows=int(self.rng.integers(1, 64)),
+                           version=self.s.version)
+        dying = lce_client.Client(self.ctx.target, timeout=120)
+        try:
+            issue(dying, req, accumulate_weight_grad=True, defer_weight_grad=True)
+        except lce_client.LceError as e:
+            unexpected(self.ledger, "trainer/abandoned_forward", e, req.describe())
+        finally:
+            dying.close()
 
     def check_grad(self) -> np.ndarray:
         g = self.client.get_grad(TRAIN_HEAD)

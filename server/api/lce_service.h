@@ -221,6 +221,11 @@ class LceService final : public v1::LceService::Service {
   absl::Status CommitContribution(const ServedHead& head, uint64_t id, float scale);
   // Frees contributions that left the book (on every rank) and counts them. Hold head.training->mu.
   void ReleaseContributions(const ServedHead& head, const std::vector<PendingGrads::Dropped>& dropped);
+  // A LoadHead's clone source's current weight (null for other sources), and this rank's shard of
+  // the source (`clone` for a clone) with the engine serving it.
+  absl::StatusOr<std::shared_ptr<const HeadWeights>> CloneWeight(const TpHeadSource& source);
+  absl::Status LoadOwnShard(const TpHeadSource& source, std::shared_ptr<const HeadWeights> clone,
+                            std::shared_ptr<const HeadWeights>* weights, std::shared_ptr<LceEngine>* engine);
   // This rank's trainer of `head`, made at first use. Hold head.training->mu.
   absl::StatusOr<HeadTrainer*> TrainerOf(const ServedHead& head) const;
   // The exclusive right to change head `name`, once the requests on it have ended.

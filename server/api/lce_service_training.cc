@@ -153,6 +153,26 @@ absl::StatusOr<RequestPlan> LceService::ValidateAndUse(const StreamRequestValida
   }
 }
 
+absl::StatusOr<std::shared_ptr<const HeadWeights>> LceService::CloneWeight(const TpHeadSource& source) {
+  if (source.clone_of.empty()) return std::shared_ptr<const HeadWeights>();
+  absl::StatusOr<std::shared_ptr<const ServedHead>> h = heads_->Get(source.clone_of);
+  if (!h.ok()) return h.status();
+  std::lock_guard<std::mutex> lock((*h)->training->mu);
+  return CurrentWeights((*h)->training->trainer.get(), (*h)->weights);
+}
+
+absl::Status LceService::LoadOwnShard(const TpHeadSource& source, std::shared_ptr<const HeadWeights> clone,
+                                      std::shared_ptr<const HeadWeights>* weights, std::shared_ptr<LceEngine>* engine) {
+  absl::StatusOr<std::shared_ptr<const HeadWeights>> w =
+      LoadShard(source, 0, config_.tp_size, [&](const std::string&) { return clone; }, config_.max_head_bytes);
+  if (!w.ok()) return w.status();
+  absl::StatusOr<std::shared_ptr<LceEngine>> e = config_.make_engine(*w);
+  if (!e.ok()) return e.status();
+  *weights = *std::move(w);
+  *engine = *std::move(e);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<HeadTrainer*> LceService::TrainerOf(const ServedHead& head) const {
   return TrainerFor(head.training->trainer, head.shard_engine, head.weights, config_.make_engine);
 }
@@ -183,33 +203,24 @@ grpc::Status LceService::LoadHead(grpc::ServerContext* ctx, const v1::LoadHeadRe
     absl::StatusOr<TpHeadSource> source = SourceFrom(*req);
     if (!source.ok()) return ToGrpcStatus(source.status());
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, req->name());
-    if (absl::Status s = dp.Ready(change.status()); !s.ok()) return ToGrpcStatus(s);
     const int64_t current = heads_->Version(req->name());
-    // A clone's weight is taken before the group's lock (the order every request takes the locks in).
-    std::shared_ptr<const HeadWeights> clone;
-    if (!source->clone_of.empty()) {
-      absl::StatusOr<std::shared_ptr<const ServedHead>> h = heads_->Get(source->clone_of);
-      if (!h.ok()) return ToGrpcStatus(h.status());
-      std::lock_guard<std::mutex> lock((*h)->training->mu);
-      absl::StatusOr<std::shared_ptr<const HeadWeights>> w = CurrentWeights((*h)->training->trainer.get(), (*h)->weights);
-      if (!w.ok()) return ToGrpcStatus(w.status());
-      clone = *std::move(w);
-    }
     std::shared_ptr<const HeadWeights> weights;
     std::shared_ptr<LceEngine> engine;
-    auto load_own = [&]() -> absl::Status {  // this rank's shard
-      absl::StatusOr<std::shared_ptr<const HeadWeights>> w =
-          LoadShard(*source, 0, config_.tp_size, [&](const std::string&) { return clone; }, config_.max_head_bytes);
-      if (!w.ok()) return w.status();
-      absl::StatusOr<std::shared_ptr<LceEngine>> e = config_.make_engine(*w);
-      if (!e.ok()) return e.status();
-      weights = *std::move(w);
-      engine = *std::move(e);
-      return absl::OkStatus();
-    };
-    absl::Status s = config_.tp_group != nullptr ? config_.tp_group->Load(req->name(), current + 1, *source, load_own)
-                                                 : load_own();
-    if (!s.ok()) return ToGrpcStatus(s);
+    // A clone's weight is taken before the group's lock (the order every request takes the locks in).
+    absl::StatusOr<std::shared_ptr<const HeadWeights>> clone = CloneWeight(*source);
+    if (!clone.ok()) change = clone.status();
+    auto load_own = [&] { return LoadOwnShard(*source, clone.ok() ? *clone : nullptr, &weights, &engine); };
+    // Data-parallel replicas agree on the outcome: a server without tensor-parallel peers loads its
+    // head before they meet, so a replica that cannot load it keeps the others from serving it alone.
+    // (A group's peers keep what they load: there the replicas meet first.)
+    const bool load_first = config_.tp_group == nullptr;
+    absl::Status loaded = change.ok() && load_first ? load_own() : change.status();
+    if (absl::Status s = dp.Ready(loaded); !s.ok()) return ToGrpcStatus(s);
+    if (!load_first) {
+      if (absl::Status s = config_.tp_group->Load(req->name(), current + 1, *source, load_own); !s.ok()) {
+        return ToGrpcStatus(s);
+      }
+    }
     // A new head: no gradient, no optimizer state.
     absl::StatusOr<std::shared_ptr<const ServedHead>> put =
         heads_->Put(req->name(), Serve(req->name(), current + 1, engine, weights, nullptr), current);

@@ -56,7 +56,7 @@ class Replica:
 class DpJob:
     """R replicas of k ranks each, started together in fresh rendezvous directories under `workdir`."""
 
-    def __init__(self, workdir: Path, replicas: int, k: int, extra=(), head=(VOCAB, HIDDEN)):
+    def __init__(self, workdir: Path, replicas: int, k: int, extra=(), head=(VOCAB, HIDDEN), extra_for=None):
         self.replicas = []
         for d in range(replicas):
             port_file = workdir / f"front-{d}.port"
@@ -68,7 +68,7 @@ class DpJob:
                        f"--seed-head={head[0]}x{head[1]}", "--head-dtype=fp32", f"--seed={SEED}",
                        f"--tp-size={k}", f"--tp-rank={t}", f"--tp-rendezvous={workdir / f'tp-{d}'}",
                        f"--dp-size={replicas}", f"--dp-rank={d}", f"--dp-rendezvous={workdir / 'dp'}",
-                       "--dp-timeout-seconds=10", *extra]
+                       "--dp-timeout-seconds=10", *extra, *(extra_for(d) if extra_for else ())]
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
                 logs.append(log)
             self.replicas.append(Replica(procs, port_file, logs))
@@ -100,10 +100,10 @@ class DpJob:
 def dp_job(tmp_path):
     jobs = []
 
-    def start(replicas, k, extra=(), head=(VOCAB, HIDDEN)):
+    def start(replicas, k, extra=(), head=(VOCAB, HIDDEN), extra_for=None):
         workdir = tmp_path / f"job{len(jobs)}"
         workdir.mkdir()
-        jobs.append(DpJob(workdir, replicas, k, extra, head))
+        jobs.append(DpJob(workdir, replicas, k, extra, head, extra_for))
         return jobs[-1]
 
     yield start
@@ -265,6 +265,20 @@ def test_a_load_one_replica_cannot_get_ready_for_changes_no_replica(dp_job):
     for d, c in enumerate((a, b)):
         assert c.info("t").head.version == 1, f"replica {d} changed the head alone"
         assert np.array_equal(c.score(h, y, head="t")[0], before), f"replica {d} serves another head"
+
+
+# The load itself agreed on: a replica that cannot load the head (here over its --max-head-bytes) keeps
+# every replica from serving it (a replica without tensor-parallel peers loads before the meeting).
+def test_a_head_one_replica_cannot_load_is_served_by_none(dp_job):
+    job = dp_job(2, 1, extra_for=lambda d: ["--max-head-bytes=100000"] if d == 1 else [])
+    a, b = (r.client() for r in job.replicas)
+    with pytest.raises(lce_client.LceError) as ei:
+        a.load_head("big", seeded=(1000, HIDDEN, 5, "fp32"))  # 192,000 bytes: over replica 1's limit
+    assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "replica 1" in str(ei.value), ei.value
+    for d, c in enumerate((a, b)):
+        assert "big" not in [h.name for h in c.info().heads], f"replica {d} serves the head alone"
+    a.load_head("small", seeded=(VOCAB, HIDDEN, 6, "fp32"))  # the job goes on
+    assert b.info("small").head.version == 1
 
 
 # dW crosses between replicas in pieces of 16 << 20 floats (kPieceFloats, server/tp/dp_rank.cc): a head of
