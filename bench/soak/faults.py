@@ -6,6 +6,7 @@ whose outcome may legitimately be success (a short deadline a fast server meets;
 while its request runs) has that success's answer checked against the reference."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from typing import Callable, Dict, Tuple
@@ -291,6 +292,38 @@ def register_beyond_object(f: FaultLane):
         s.register_fd(r.fd, 4096 + int(f.rng.integers(1, 1 << 20)))
 
 
+def register_sparse_memfd(f: FaultLane):
+    """A sparse memfd of a terabyte (free to the client) handed over the shm socket: refused before the
+    server maps it (issue 35: 68 of them once took the server's address space)."""
+    fd = os.memfd_create("lce-soak-sparse", os.MFD_CLOEXEC)
+    try:
+        size = (1 << 40) + int(f.rng.integers(0, 1 << 20)) * 4096
+        os.ftruncate(fd, size)
+        with f.client.shared_memory_session() as s:
+            s.register_fd(fd, size)
+    finally:
+        os.close(fd)
+
+
+def data_plane_idle_authenticated(f: FaultLane):
+    """Authenticated data-plane connections left idle while the session's other traffic goes on: a few
+    of them take no one else's place (per-session cap; issue 35) and the session's own transfers work."""
+    with f.client.shared_memory_session() as s:
+        rid = s.allocate_server_memory(4096)
+        idle = [_dp_connection(f, s.secret) for _ in range(int(f.rng.integers(2, 6)))]
+        try:
+            for conn in idle:
+                conn.write(s.session_id, rid, 0, memoryview(b"x" * 16))  # authenticated, then silent
+            worker = _dp_connection(f, s.secret)
+            try:
+                worker.write(s.session_id, rid, 16, memoryview(b"y" * 64))
+            finally:
+                worker.close()
+        finally:
+            for conn in idle:
+                conn.close()
+
+
 def server_memory_over_cap(f: FaultLane):
     with f.client.shared_memory_session() as s:
         s.allocate_server_memory(f.ctx.data_plane_bytes_per_session + int(f.rng.integers(1, 1 << 20)))
@@ -405,6 +438,8 @@ FAULTS: Dict[str, Tuple[set, Callable, float]] = {
     "server_memory_over_cap": ({"RESOURCE_EXHAUSTED"}, server_memory_over_cap, 1),
     "unregister_unknown": ({"NOT_FOUND"}, unregister_unknown, 1),
     "session_closed_midrequest": ({"OK", "PERMISSION_DENIED"}, session_closed_midrequest, 2),
+    "register_sparse_memfd": ({"RESOURCE_EXHAUSTED"}, register_sparse_memfd, 1),
+    "data_plane_idle_authenticated": ({"OK"}, data_plane_idle_authenticated, 1),
     "data_plane_garbage": ({"INVALID_ARGUMENT", "closed"}, data_plane_garbage, 1),
     "data_plane_unknown_region": ({"NOT_FOUND", "PERMISSION_DENIED", "UNAUTHENTICATED"}, data_plane_unknown_region, 1),
     "data_plane_out_of_bounds": ({"INVALID_ARGUMENT"}, data_plane_out_of_bounds, 1),

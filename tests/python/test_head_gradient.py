@@ -331,3 +331,42 @@ def test_losses_on_logprobs_and_entropy_train_the_head(srv):
     with torch.no_grad():
         remote_logprobs(torch.tensor(h), torch.tensor(y), c, accumulate_weight_grad=True)
     assert not np.any(c.get_grad())
+
+
+def test_an_accumulating_request_waiting_on_its_client_blocks_no_training_call(srv):
+    """Issue 35, item 11: an accumulating ForwardBackward fills its own pending buffer and holds no
+    lock on the head's training state while it waits for its client's next chunk: ZeroGrad, GetGrad and
+    CommitGrad of another contribution answer at once meanwhile; the stalled request then finishes."""
+    import threading
+    import time
+
+    from lce_client._proto import lce_pb2 as pb, lce_pb2_grpc as pb_grpc
+
+    server, _ = srv
+    c = lce_client.Client(server.target, timeout=60)
+    h, y = _rows(13)
+    go_on = threading.Event()
+
+    def requests():
+        yield pb.StreamRequest(header=pb.RequestHeader(hidden_size=HIDDEN, dtype=pb.DTYPE_FLOAT32,
+                                                       reduction=pb.REDUCTION_SUM, accumulate_weight_grad=True))
+        yield pb.StreamRequest(chunk=pb.RowChunk(hidden=h[:8].tobytes(), targets=y[:8].tolist()))
+        go_on.wait(30)
+        yield pb.StreamRequest(chunk=pb.RowChunk(hidden=h[8:].tobytes(), targets=y[8:].tolist()))
+
+    stub = pb_grpc.LceServiceStub(c._channel)
+    answers = []
+    t = threading.Thread(target=lambda: answers.extend(stub.ForwardBackward(requests(), timeout=60)))
+    t.start()
+    try:
+        time.sleep(0.5)  # the first chunk computed; the request waits for the second
+        other = c.forward_backward(h, y, accumulate_weight_grad=True, defer_weight_grad=True)
+        t0 = time.monotonic()
+        c.zero_grad()
+        c.get_grad()
+        c.commit_grad(other.pending_grads)
+        assert time.monotonic() - t0 < 5, "training calls waited for the stalled request"
+    finally:
+        go_on.set()
+        t.join(60)
+    assert answers and answers[-1].HasField("summary"), "the stalled request finished"
