@@ -246,6 +246,8 @@ absl::StatusOr<Args> Parse(const std::vector<std::string>& given) {
     const std::string w = words[i];
     if (w == "--help" || w == "-h") {
       a.help = true;
+    } else if (w == "--version") {
+      a.version = true;
     } else if (w.rfind("--", 0) != 0 || w.size() == 2) {
       if (!a.command.empty()) {
         return absl::InvalidArgumentError(

@@ -91,6 +91,7 @@ struct Args {
   std::string command;                                     // the first word that is not a flag
   std::vector<std::pair<std::string, std::string>> flags;  // absl name (dashes -> underscores), value
   bool help = false;                                       // --help or -h anywhere
+  bool version = false;                                    // --version anywhere
 };
 
 // Splits the words after the program name: flags take a value, `--name=value` or `--name value`;

@@ -401,6 +401,10 @@ int main(int argc, char** argv) {
   if (!a.ok()) return Usage(a.status());
   g_command = a->command;
   const Command* cmd = lce::client::cli::FindCommand(a->command);
+  if (a->version) {
+    std::cout << "lce_cli " << LCE_SERVE_VERSION << std::endl;
+    return 0;
+  }
   if (a->help) {
     std::cout << (cmd != nullptr ? lce::client::cli::CommandHelp(*cmd) : lce::client::cli::Help());
     return 0;

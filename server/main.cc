@@ -102,6 +102,10 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<ServerFlags> flags = ParseServerFlags(argc, argv);
   if (!flags.ok()) return Fail(flags.status());
+  if (flags->version) {
+    std::cout << "lce_server " << LCE_SERVE_VERSION << std::endl;
+    return 0;
+  }
   if (flags->help) {
     std::cout << ServerUsage();
     return 0;

@@ -282,12 +282,17 @@ absl::StatusOr<std::vector<std::string>> ExpandFlagfiles(int argc, char** argv) 
   return words;
 }
 
-// Sets the flags the words name; INVALID_ARGUMENT naming the first unknown flag or bad value.
-absl::Status SetFlags(const std::vector<std::string>& words, bool& help) {
+// Sets the flags the words name; INVALID_ARGUMENT naming the first unknown flag or bad value. A
+// boolean flag alone (--batch-invariant, not followed by a value) means true.
+absl::Status SetFlags(const std::vector<std::string>& words, bool& help, bool& version) {
   for (size_t i = 0; i < words.size(); ++i) {
     const std::string& arg = words[i];
     if (arg == "--help" || arg == "-h") {
       help = true;
+      continue;
+    }
+    if (arg == "--version") {
+      version = true;
       continue;
     }
     if (arg.rfind("--", 0) != 0) return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
@@ -296,10 +301,6 @@ absl::Status SetFlags(const std::vector<std::string>& words, bool& help) {
     if (eq != std::string::npos) {
       value = name.substr(eq + 1);
       name = name.substr(0, eq);
-    } else if (i + 1 < words.size()) {
-      value = words[++i];
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
     }
     const std::string key = absl::StrReplaceAll(name, {{"-", "_"}});
     absl::CommandLineFlag* flag = nullptr;
@@ -307,6 +308,16 @@ absl::Status SetFlags(const std::vector<std::string>& words, bool& help) {
       if (known == key) flag = absl::FindCommandLineFlag(known);
     }
     if (flag == nullptr) return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
+    if (eq == std::string::npos) {
+      const bool next_is_flag = i + 1 >= words.size() || words[i + 1].rfind("--", 0) == 0;
+      if (flag->IsOfType<bool>() && next_is_flag) {
+        value = "true";
+      } else if (i + 1 < words.size()) {
+        value = words[++i];
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat("flag --", name, " needs a value"));
+      }
+    }
     std::string error;
     if (!flag->ParseFrom(value, &error)) {
       return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", name, ": ", error));
@@ -378,7 +389,7 @@ absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv) {
   absl::StatusOr<std::vector<std::string>> words = ExpandFlagfiles(argc, argv);
   if (!words.ok()) return words.status();
   ServerFlags f;
-  if (absl::Status s = SetFlags(*words, f.help); !s.ok()) return s;
+  if (absl::Status s = SetFlags(*words, f.help, f.version); !s.ok()) return s;
   f.host = absl::GetFlag(FLAGS_host);
   f.port = absl::GetFlag(FLAGS_port);
   f.port_file = absl::GetFlag(FLAGS_port_file);

@@ -83,6 +83,7 @@ struct ServerFlags {
   double memory_trim_seconds{};  // MemoryTrimmer's interval (0: never)
   int64_t max_head_bytes{};
   bool help = false;  // --help or -h
+  bool version = false;  // --version
 };
 
 absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv);

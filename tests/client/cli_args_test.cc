@@ -44,6 +44,14 @@ TEST(CliArgs, BothFlagFormsAndTheCommand) {
   EXPECT_EQ(absl::GetFlag(FLAGS_seed), std::nullopt);
 }
 
+TEST(CliArgs, VersionIsNoCommandOrFlag) {
+  absl::StatusOr<Args> a = Parse({"--version"});
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(a->version);
+  EXPECT_TRUE(a->command.empty());
+  EXPECT_FALSE(Parse({"score"})->version);
+}
+
 TEST(CliArgs, EachParseStartsFromTheDefaults) {
   ASSERT_TRUE(Set({"bench", "--rows=3", "--op=train", "--temperature=2", "--grow-chunks=1"}).ok());
   EXPECT_EQ(absl::GetFlag(FLAGS_rows), 3);

@@ -114,6 +114,21 @@ TEST(ServerFlags, DefaultsTypedValuesAndClearErrors) {
   }
 }
 
+// A boolean flag alone means true (README: --batch-invariant), before another flag or at the end;
+// followed by a value it takes it; --version is no flag to set.
+TEST(ServerFlags, BareBooleansAndVersion) {
+  absl::StatusOr<ServerFlags> f = Parse({"--batch-invariant", "--port=7", "--tp-invariant"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_TRUE(f->batch_invariant);
+  EXPECT_TRUE(f->tp_invariant);
+  EXPECT_EQ(f->port, 7);
+  f = Parse({"--log-requests", "false", "--version"});
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_FALSE(f->log_requests);
+  EXPECT_TRUE(f->version);
+  EXPECT_FALSE(Parse({})->version);
+}
+
 TEST(ServerFlags, FlagfileExpandsInPlace) {
   const std::string path = ::testing::TempDir() + "/lce_server.flags";
   FILE* out = fopen(path.c_str(), "w");
