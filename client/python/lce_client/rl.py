@@ -28,8 +28,10 @@
   rank's rows of it), so ``torch.autograd.grad(..., (hidden, weight))`` works as verl's test writes it.
   To train the head where it lives instead, pass ``accumulate_weight_grad`` to
   ``lce_client.torch.remote_logprobs`` (or use ``remote_policy_loss``) and step with
-  ``Client.optimizer_step``. ``dist_process_group`` is not
-  used for communication: the server holds the whole head, so each rank gets the whole answer.
+  ``Client.optimizer_step``. With ``dist_process_group`` (a tensor-parallel group whose ranks hold the
+  same rows) the group's first rank makes the group's one request and the answers reach the others
+  through torch.distributed: the server sees each hidden state once and adds dW once; every rank gets
+  the whole logprobs, entropy and d_hidden (as verl's kernel, which all-reduces its d_hidden).
   ``ignore_index`` (-100) rows get logprob 0 and are left out of "sum" / "mean" (their entropy is
   still computed).
 * ``per_token_logps(model, input_ids, attention_mask, logits_to_keep, ...)`` — TRL's
@@ -102,13 +104,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: Optional[torch.Tensor], l
         raise ValueError(f"labels of shape {tuple(labels.shape)} for hidden states {tuple(hidden.shape)}: "
                          f"{flat_labels.shape[0]} labels for {flat_hidden.shape[0]} tokens")
     rank = 0
-    if dist_process_group is not None and weight is not None:
+    if dist_process_group is not None:
         import torch.distributed as dist
 
         rank = dist.get_rank(dist_process_group)
     lp, ent = remote_logprobs(flat_hidden, flat_labels, client,
                               temperature=1.0 if temperature is None else temperature, softcap=softcap,
-                              ignore_index=ignore_index, head=head, weight=weight, weight_rank=rank)
+                              ignore_index=ignore_index, head=head, weight=weight, weight_rank=rank,
+                              process_group=dist_process_group)
     if reduction == "none":
         return lp, ent
     # As verl's kernel: only the logprobs are reduced; the entropy stays per token.

@@ -274,10 +274,16 @@ class RemoteLinearCrossEntropy(torch.nn.Module):
 class _RemoteLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, weight, anchor, client, opts):
-        wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
-        lp, ent = _via_cuda_ipc(opts["cuda_session"], wire, False, lambda w, kw: client.score(
-            w, targets, temperature=opts["temperature"], softcap=opts["softcap"], entropy=True,
-            ignore_index=opts["ignore_index"], head=opts["head"], **kw))
+        group = opts["group"]
+        lp = ent = None
+        if group is None or group.leader:  # a group's rows go to the server once
+            wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
+            lp, ent = _via_cuda_ipc(opts["cuda_session"], wire, False, lambda w, kw: client.score(
+                w, targets, temperature=opts["temperature"], softcap=opts["softcap"], entropy=True,
+                ignore_index=opts["ignore_index"], head=opts["head"], **kw))
+        if group is not None:
+            lp, ent = (group.share(None if x is None else torch.as_tensor(x), tuple(targets.shape), torch.float32,
+                                   hidden.device) for x in (lp, ent))
         ctx.client, ctx.opts, ctx.hidden_dtype = client, opts, hidden.dtype
         ctx.weight_meta = None if weight is None else (weight.shape, weight.dtype, weight.device)
         ctx.save_for_backward(hidden, targets)
@@ -291,30 +297,44 @@ class _RemoteLogprobs(torch.autograd.Function):
         if g_lp is None and g_ent is None:
             return None, None, (_zeros(ctx) if wants_weight else None), None, None, None
         hidden, targets = ctx.saved_tensors
-        opts, client = ctx.opts, ctx.client
+        opts, client, group = ctx.opts, ctx.client, ctx.opts["group"]
         trains = opts["trains"]
         # The head's dW of exactly these upstream gradients: added at once when the server trains the head;
         # kept pending and read back when a local weight wants it (then committed or discarded).
         accumulate = trains or wants_weight
-        wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
-        res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.backward(
-            w, targets, grad_logprob=g_lp, grad_entropy=g_ent, temperature=opts["temperature"],
-            softcap=opts["softcap"], ignore_index=opts["ignore_index"], head=opts["head"],
-            accumulate_weight_grad=accumulate, defer_weight_grad=wants_weight, **kw))
-        d = res.d_hidden if accumulate else res
-        d_weight = None
-        if wants_weight:
-            pending = PendingWeightGrad(client, opts["head"], res.pending_grads)
-            try:  # a request split over streams left one contribution a part: their sum
-                parts = [torch.from_numpy(client.get_grad(head=opts["head"], pending_grad=i)) for i in pending.ids]
-            finally:
-                if trains:
-                    pending.commit(1.0)
-                else:
-                    pending.discard()
-            d_weight = _weight_rows(ctx, sum(parts[1:], parts[0])) if parts else _zeros(ctx)
-        d_hidden = d.to(ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
+        d, ids = None, ()
+        if group is None or group.leader:  # a group's backward is one request, dW added once
+            wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
+            res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.backward(
+                w, targets, grad_logprob=g_lp, grad_entropy=g_ent, temperature=opts["temperature"],
+                softcap=opts["softcap"], ignore_index=opts["ignore_index"], head=opts["head"],
+                accumulate_weight_grad=accumulate, defer_weight_grad=wants_weight, **kw))
+            d, ids = (res.d_hidden, res.pending_grads) if accumulate else (res, ())
+        if group is not None:
+            d = group.share(None if d is None else torch.as_tensor(d), tuple(hidden.shape), torch.float32, hidden.device)
+            if wants_weight:
+                ids = group.share_ids(ids, hidden.device)
+        d_weight = _pending_weight_grad(ctx, ids) if wants_weight else None
+        d_hidden = torch.as_tensor(d).to(device=hidden.device, dtype=ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
         return d_hidden, None, d_weight, None, None, None
+
+
+def _pending_weight_grad(ctx, ids) -> torch.Tensor:
+    """The local weight's gradient from the call's pending contributions (one a stream of a split
+    request: their sum), read by every rank of a group; then the leader commits them (the server trains
+    the head too) or discards them."""
+    opts, client, group = ctx.opts, ctx.client, ctx.opts["group"]
+    pending = PendingWeightGrad(client, opts["head"], ids if group is None or group.leader else ())
+    try:
+        parts = [torch.from_numpy(client.get_grad(head=opts["head"], pending_grad=i)) for i in ids]
+    finally:
+        if group is not None:
+            group.barrier()  # every rank has read them
+        if opts["trains"]:
+            pending.commit(1.0)
+        else:
+            pending.discard()
+    return _weight_rows(ctx, sum(parts[1:], parts[0])) if parts else _zeros(ctx)
 
 
 def _zeros(ctx):
@@ -335,18 +355,27 @@ def remote_logprobs(hidden: torch.Tensor, targets: torch.Tensor, client: Optiona
                     temperature: float = 1.0, softcap: Optional[float] = None, ignore_index: int = -100,
                     head: Optional[str] = None, cast: bool = True, cuda_session=None,
                     accumulate_weight_grad: bool = False, weight: Optional[torch.Tensor] = None,
-                    weight_rank: int = 0):
+                    weight_rank: int = 0, process_group=None):
     """(logprobs, entropy) of targets under the remote head, fp32, shaped like targets, differentiable
     w.r.t. hidden: the backward makes one Backward RPC with the upstream grads of both outputs.
     cuda_session: as in RemoteLinearCrossEntropy (CUDA IPC regions instead of bytes on the wire).
     accumulate_weight_grad: that Backward also adds the head's dW of those upstream grads on the server
     (autograd's gradient: nothing without a backward). weight: a local tensor equal to the served head (or
     the rows of rank `weight_rank`'s equal shard of it) that gets the head's gradient of this call, read
-    back from the server (GetGrad of the call's pending contribution: V·H·4 bytes over the wire)."""
+    back from the server (GetGrad of the call's pending contribution: V·H·4 bytes over the wire).
+    process_group: a tensor-parallel group whose ranks all hold these rows (no sequence parallelism):
+    its first rank makes the one Score (and Backward) and the answers reach every rank through
+    torch.distributed; dW is added once; each rank gets the whole d_hidden (as verl's kernel all-reduces
+    its own)."""
     client = client or get_default_client()
     trains = _trains_head(accumulate_weight_grad)
+    group = None
+    if process_group is not None:
+        from ._group import RowGroup
+
+        group = RowGroup(process_group)
     opts = dict(temperature=temperature, softcap=softcap, ignore_index=ignore_index, head=head, cast=cast,
-                cuda_session=cuda_session, trains=trains, weight_rank=weight_rank)
+                cuda_session=cuda_session, trains=trains, weight_rank=weight_rank, group=group)
     if weight is not None and not (weight.requires_grad and torch.is_grad_enabled()):
         weight = None
     return _RemoteLogprobs.apply(hidden, targets, weight, _anchor(trains), client, opts)

@@ -1,0 +1,106 @@
+"""Tensor-parallel trainers against one server (issue 39's CPU test): k trainer processes of one
+torch.distributed group (gloo) whose ranks hold the same rows, as Megatron's output layer without
+sequence parallelism. The group makes one request's work on the server (counted in the server's request
+log), every rank gets the right answers (float64 reference: verl's formulas, as in
+test_verl_contract.py), each rank's weight shard gets its rows of the gradient, and a head trained on the
+server gets dW once, not k times."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import lce_client  # noqa: E402
+from conftest import Server, serve_weight  # noqa: E402
+
+T, H, V, TEMP = 29, 16, 96, 1.5
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.empty((1, T, H)).uniform_(-0.5, 0.5, generator=g)
+    weight = torch.empty((V, H)).uniform_(-0.5, 0.5, generator=g)
+    labels = torch.randint(0, V, (1, T), generator=g)
+    g_ent = torch.empty((T,)).uniform_(-0.5, 0.5, generator=g)
+    g_lp = torch.empty((T,)).uniform_(-1, 1, generator=g)
+    return hidden, weight, labels, g_ent, g_lp
+
+
+def _reference(hidden, weight, labels, g_ent, g_lp):
+    h = hidden.reshape(T, H).double().requires_grad_()
+    w = weight.double().requires_grad_()
+    logits = h @ w.T / TEMP
+    lp = -torch.nn.functional.cross_entropy(logits, labels.reshape(T), reduction="none")
+    ent = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    dh, dw = torch.autograd.grad((ent, lp), (h, w), (g_ent.double(), g_lp.double()))
+    return lp.detach(), ent.detach(), dh, dw
+
+
+def _rank(rank, k, store, target):
+    import torch.distributed as dist
+
+    import lce_client.rl as rl
+    from lce_client.torch import remote_logprobs
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=k)
+    try:
+        group = dist.new_group(list(range(k)))
+        client = lce_client.Client(target, timeout=60)
+        hidden, weight, labels, g_ent, g_lp = _inputs()
+        ref_lp, ref_ent, ref_dh, ref_dw = _reference(hidden, weight, labels, g_ent, g_lp)
+        rows = V // k
+        shard = weight[rank * rows:(rank + 1) * rows].clone().requires_grad_()  # verl's TP layout
+        h = hidden.clone().requires_grad_()
+        rl.set_head(client, head="tp")
+        lp, ent = rl.linear_cross_entropy(h, shard, labels, TEMP, "none", group)
+        dh, dw = torch.autograd.grad((ent, lp), (h, shard), (g_ent, g_lp))
+        torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dh.reshape(T, H).double(), ref_dh, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dw.double(), ref_dw[rank * rows:(rank + 1) * rows], atol=1e-5, rtol=1e-5)
+        # The head trained on the server through the group: dW of the group's loss, added once.
+        dist.barrier(group=group)
+        if rank == 0:
+            client.zero_grad(head="tp")
+        dist.barrier(group=group)
+        lp, ent = remote_logprobs(hidden.reshape(T, H).clone().requires_grad_(), labels.reshape(T), client,
+                                  temperature=TEMP, head="tp", accumulate_weight_grad=True, process_group=group)
+        torch.autograd.backward((ent, lp), (g_ent, g_lp))
+        dist.barrier(group=group)
+        if rank == 0:
+            np.testing.assert_allclose(client.get_grad(head="tp"), ref_dw.numpy(), rtol=1e-5, atol=1e-6)
+        dist.barrier(group=group)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_tp_group_makes_one_request_and_every_rank_gets_its_answers(workdir, tmp_path, k):
+    srv = Server(["--seed-head=8x8", "--head-dtype=fp32", "--log-requests=true"], workdir, f"tp_group_{k}")
+    try:
+        with lce_client.Client(srv.target, timeout=60) as c:
+            serve_weight(c, _inputs()[1], "tp")
+        before = _requests(srv)
+        torch.multiprocessing.spawn(_rank, args=(k, str(tmp_path / "store"), srv.target), nprocs=k, join=True)
+        calls = {m: n - before.get(m, 0) for m, n in _requests(srv).items()}
+        # One Score and one Backward a group forward and backward, twice (the local weight, then the head
+        # trained on the server), whatever k; k GetGrads of the local weight's pending contribution and the
+        # check of the head's dW.
+        assert calls.get("Score") == 2 and calls.get("Backward") == 2, calls
+        assert calls.get("GetGrad") == k + 1, calls
+    finally:
+        srv.stop()
+
+
+def _requests(srv) -> dict:
+    """RPCs the server finished, by method, from its request log."""
+    counts = {}
+    for line in srv.log_path.read_text().splitlines():
+        if line.startswith("{"):
+            m = json.loads(line).get("method", "")
+            counts[m] = counts.get(m, 0) + 1
+    return counts
