@@ -44,7 +44,7 @@ def _rank(rank, k, store, target):
     import torch.distributed as dist
 
     import lce_client.rl as rl
-    from lce_client.torch import remote_logprobs
+    from lce_client.torch import remote_linear_cross_entropy, remote_logprobs
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=k)
     try:
@@ -73,6 +73,23 @@ def _rank(rank, k, store, target):
         dist.barrier(group=group)
         if rank == 0:
             np.testing.assert_allclose(client.get_grad(head="tp"), ref_dw.numpy(), rtol=1e-5, atol=1e-6)
+            client.zero_grad(head="tp")
+        dist.barrier(group=group)
+        # The loss path (pretraining / SFT): one ForwardBackward a group, (loss / 2)'s d_hidden on every
+        # rank, dW once with the backward's scale.
+        x = hidden.reshape(T, H).clone().requires_grad_()
+        loss = remote_linear_cross_entropy(x, labels.reshape(T), client, temperature=TEMP, head="tp",
+                                           accumulate_weight_grad=True, process_group=group)
+        (loss / 2).backward()
+        hr = hidden.reshape(T, H).double().requires_grad_()
+        w = weight.double().requires_grad_()
+        ref = torch.nn.functional.cross_entropy(hr @ w.T / TEMP, labels.reshape(T)) / 2
+        ref.backward()
+        torch.testing.assert_close(loss.double() / 2, ref.detach(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(x.grad.double(), hr.grad, atol=1e-6, rtol=1e-5)
+        dist.barrier(group=group)
+        if rank == 0:
+            np.testing.assert_allclose(client.get_grad(head="tp"), w.grad.numpy(), rtol=1e-5, atol=1e-7)
         dist.barrier(group=group)
     finally:
         dist.destroy_process_group()
@@ -88,10 +105,12 @@ def test_a_tp_group_makes_one_request_and_every_rank_gets_its_answers(workdir, t
         torch.multiprocessing.spawn(_rank, args=(k, str(tmp_path / "store"), srv.target), nprocs=k, join=True)
         calls = {m: n - before.get(m, 0) for m, n in _requests(srv).items()}
         # One Score and one Backward a group forward and backward, twice (the local weight, then the head
-        # trained on the server), whatever k; k GetGrads of the local weight's pending contribution and the
-        # check of the head's dW.
+        # trained on the server), and one ForwardBackward, whatever k; k GetGrads of the local weight's
+        # pending contribution and two checks of the head's dW; CommitGrad: the local weight's discard and
+        # the loss's commit.
         assert calls.get("Score") == 2 and calls.get("Backward") == 2, calls
-        assert calls.get("GetGrad") == k + 1, calls
+        assert calls.get("ForwardBackward") == 1 and calls.get("CommitGrad") == 1 + 1, calls  # + a discard
+        assert calls.get("GetGrad") == k + 2, calls
     finally:
         srv.stop()
 

@@ -127,6 +127,15 @@ def _anchor(trains: bool):
     return torch.empty(0, requires_grad=True) if trains else None
 
 
+def _row_group(process_group):
+    """The tensor-parallel group whose ranks hold the same rows (lce_client._group), or None."""
+    if process_group is None:
+        return None
+    from ._group import RowGroup
+
+    return RowGroup(process_group)
+
+
 def _uniform(g: torch.Tensor) -> Optional[float]:
     """The one value of a per-token upstream gradient when all its elements are equal (a sum or mean
     of a reduction="none" loss), else None."""
@@ -140,36 +149,38 @@ def _uniform(g: torch.Tensor) -> Optional[float]:
 class _RemoteLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, anchor, client, opts):
-        wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
-        divisor = opts["divisor"]
-        trains = opts["trains"]
-        # With a divisor: the sum's per-row upstream gradient 1 / divisor goes to the server (as grad_loss of
-        # reduction "none"), so that d_hidden and a pending dW are those of sum / divisor.
-        res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.forward_backward(
-            w, targets, reduction="none" if divisor is not None else opts["reduction"],
-            ignore_index=opts["ignore_index"], label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"],
-            temperature=opts["temperature"], softcap=opts["softcap"], head=opts["head"],
-            grad_loss=torch.full(tuple(targets.shape), 1.0 / divisor) if divisor is not None else None,
-            accumulate_weight_grad=trains, defer_weight_grad=trains, **kw))
-        ctx.client, ctx.opts, ctx.hidden_dtype = client, opts, hidden.dtype
-        ctx.d_hidden = res.d_hidden  # gradient for grad_output == 1 (per row for "none")
-        ctx.pending = PendingWeightGrad(client, opts["head"], res.pending_grads) if trains else None
-        ctx.valid_tokens = res.valid_tokens
+        divisor, trains, group = opts["divisor"], opts["trains"], opts["group"]
+        ctx.client, ctx.opts, ctx.hidden_dtype, ctx.backwards = client, opts, hidden.dtype, 0
+        res = None
+        if group is None or group.leader:  # a group's rows go to the server once
+            wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
+            # With a divisor: the sum's per-row upstream gradient 1 / divisor goes to the server (as grad_loss
+            # of reduction "none"), so that d_hidden and a pending dW are those of sum / divisor.
+            res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.forward_backward(
+                w, targets, reduction="none" if divisor is not None else opts["reduction"],
+                ignore_index=opts["ignore_index"], label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"],
+                temperature=opts["temperature"], softcap=opts["softcap"], head=opts["head"],
+                grad_loss=torch.full(tuple(targets.shape), 1.0 / divisor) if divisor is not None else None,
+                accumulate_weight_grad=trains, defer_weight_grad=trains, **kw))
+        per_token, loss, ctx.d_hidden, ctx.valid_tokens = _shared_answers(group, res, hidden, targets)
+        # The pending dW is the leader's to commit (the group's one contribution).
+        ctx.pending = PendingWeightGrad(client, opts["head"], res.pending_grads) if trains and res is not None else None
         if opts["backward_mode"] == "rpc" or trains:
             ctx.save_for_backward(hidden, targets)
         if opts["reduction"] == "none":
-            return res.per_token_loss.to(hidden.device)
+            return per_token.to(hidden.device)
         if divisor is not None:
-            total = torch.as_tensor(res.per_token_loss).detach().to("cpu", torch.float64).sum().item()
+            total = torch.as_tensor(per_token).detach().to("cpu", torch.float64).sum().item()
             return torch.tensor(total / divisor, dtype=torch.float32, device=hidden.device)
-        return torch.tensor(res.loss, dtype=torch.float32, device=hidden.device)
+        return torch.tensor(loss, dtype=torch.float32, device=hidden.device)
 
     @staticmethod
     def backward(ctx, grad_out):
         opts = ctx.opts
         per_token = opts["reduction"] == "none"
         scalar = _uniform(grad_out) if per_token else float(grad_out)
-        if opts["backward_mode"] == "rpc" or (ctx.pending is not None and (scalar is None or not ctx.pending.open)):
+        ctx.backwards += 1
+        if opts["backward_mode"] == "rpc" or (opts["trains"] and (scalar is None or ctx.backwards > 1)):
             # Per-token upstream gradients, or a second backward of a retained graph: the server computes
             # d_hidden and (training the head) dW again with them.
             d = _recompute(ctx, grad_out)
@@ -185,27 +196,49 @@ class _RemoteLCE(torch.autograd.Function):
         return (d.to(torch.float32) * g).to(ctx.hidden_dtype), None, None, None, None
 
 
+def _shared_answers(group, res, hidden, targets):
+    """(per_token_loss, loss, d_hidden, valid_tokens) of a ForwardBackward result, on every rank of a group
+    (the leader's; the others pass None)."""
+    if group is None:
+        return res.per_token_loss, res.loss, res.d_hidden, res.valid_tokens
+    lead = res is not None
+    per_token = group.share(torch.as_tensor(res.per_token_loss) if lead else None, tuple(targets.shape),
+                            torch.float32, hidden.device)
+    d_hidden = group.share(torch.as_tensor(res.d_hidden) if lead else None, tuple(hidden.shape), torch.float32,
+                           hidden.device)
+    scalars = group.share(torch.tensor([res.loss, float(res.valid_tokens)], dtype=torch.float64) if lead else None,
+                          (2,), torch.float64, hidden.device)
+    return per_token, float(scalars[0]), d_hidden, int(scalars[1])
+
+
 def _recompute(ctx, grad_out):
     """d_hidden (and, training the head, dW added at once) of sum_i g_i * loss_i with autograd's per-row
-    upstream gradients g_i, from a second ForwardBackward; the forward's pending dW is discarded."""
-    opts, client = ctx.opts, ctx.client
+    upstream gradients g_i, from a second ForwardBackward (a group's leader's); the forward's pending dW
+    is discarded."""
+    opts, client, group = ctx.opts, ctx.client, ctx.opts["group"]
     hidden, targets = ctx.saved_tensors
-    if ctx.pending is not None:
-        ctx.pending.discard()
-    g = grad_out.detach().to("cpu", torch.float32)
-    if opts["reduction"] != "none":
-        valid = (targets != opts["ignore_index"]).to("cpu")
-        per_row = 1.0 / opts["divisor"] if opts["divisor"] is not None else (
-            1.0 / max(ctx.valid_tokens, 1) if opts["reduction"] == "mean" else 1.0)
-        g = torch.where(valid, g * per_row, torch.zeros((), dtype=torch.float32)).to(torch.float32)
-    wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
-    res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.forward_backward(
-        w, targets, reduction="none", ignore_index=opts["ignore_index"], label_smoothing=opts["label_smoothing"],
-        z_loss=opts["z_loss"], temperature=opts["temperature"], softcap=opts["softcap"], head=opts["head"],
-        grad_loss=g.expand(tuple(targets.shape)).contiguous(), accumulate_weight_grad=ctx.pending is not None, **kw))
+    d = None
+    if group is None or group.leader:
+        if ctx.pending is not None:
+            ctx.pending.discard()
+        g = grad_out.detach().to("cpu", torch.float32)
+        if opts["reduction"] != "none":
+            valid = (targets != opts["ignore_index"]).to("cpu")
+            per_row = 1.0 / opts["divisor"] if opts["divisor"] is not None else (
+                1.0 / max(ctx.valid_tokens, 1) if opts["reduction"] == "mean" else 1.0)
+            g = torch.where(valid, g * per_row, torch.zeros((), dtype=torch.float32)).to(torch.float32)
+        wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
+        res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.forward_backward(
+            w, targets, reduction="none", ignore_index=opts["ignore_index"],
+            label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"], temperature=opts["temperature"],
+            softcap=opts["softcap"], head=opts["head"], grad_loss=g.expand(tuple(targets.shape)).contiguous(),
+            accumulate_weight_grad=opts["trains"], **kw))
+        d = res.d_hidden
+    if group is not None:
+        d = group.share(None if d is None else torch.as_tensor(d), tuple(hidden.shape), torch.float32, hidden.device)
     if not ctx.needs_input_grad[0]:
         return None
-    return res.d_hidden.to(ctx.hidden_dtype)
+    return torch.as_tensor(d).to(device=hidden.device, dtype=ctx.hidden_dtype)
 
 
 def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, client: Optional[Client] = None, *,
@@ -213,7 +246,7 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
                                 z_loss: float = 0.0, temperature: float = 1.0, softcap: Optional[float] = None,
                                 head: Optional[str] = None, cast: bool = True, accumulate_weight_grad: bool = False,
                                 backward_mode: str = "scale", cuda_session=None,
-                                divisor: Optional[float] = None) -> torch.Tensor:
+                                divisor: Optional[float] = None, process_group=None) -> torch.Tensor:
     """Functional form of RemoteLinearCrossEntropy. divisor (reduction "sum" only): the loss is the sum
     divided by it (Hugging Face's num_items_in_batch: the valid tokens of a whole accumulated batch), and
     d_hidden and an accumulated dW are those of the quotient.
@@ -222,7 +255,11 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
     held pending on the server and added when the backward runs, scaled by the upstream gradient the
     loss receives (loss / k, weighted sums, a per-token grad_output of reduction "none": the latter
     recomputes); a forward under no_grad / inference_mode adds nothing, and one whose loss is dropped
-    without a backward is discarded (docs/MATH.md, "When dW is committed")."""
+    without a backward is discarded (docs/MATH.md, "When dW is committed").
+
+    process_group: a tensor-parallel group whose ranks all hold these rows (Megatron's output layer
+    without sequence parallelism): the group's first rank makes the one request, every rank gets the
+    loss and the whole d_hidden through torch.distributed, and dW is added once."""
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be none, sum or mean, got {reduction!r}")
     if divisor is not None and (reduction != "sum" or not divisor > 0):
@@ -236,7 +273,7 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
     opts = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
                 temperature=temperature, softcap=softcap, head=head, cast=cast, trains=trains,
                 backward_mode=backward_mode, cuda_session=cuda_session,
-                divisor=None if divisor is None else float(divisor))
+                divisor=None if divisor is None else float(divisor), group=_row_group(process_group))
     return _RemoteLCE.apply(hidden, targets, _anchor(trains), client, opts)
 
 
@@ -369,11 +406,7 @@ def remote_logprobs(hidden: torch.Tensor, targets: torch.Tensor, client: Optiona
     its own)."""
     client = client or get_default_client()
     trains = _trains_head(accumulate_weight_grad)
-    group = None
-    if process_group is not None:
-        from ._group import RowGroup
-
-        group = RowGroup(process_group)
+    group = _row_group(process_group)
     opts = dict(temperature=temperature, softcap=softcap, ignore_index=ignore_index, head=head, cast=cast,
                 cuda_session=cuda_session, trains=trains, weight_rank=weight_rank, group=group)
     if weight is not None and not (weight.requires_grad and torch.is_grad_enabled()):
