@@ -11,13 +11,19 @@ namespace lce::e2e {
 grpc::Status RunOneChunk(v1::LceService::Stub& stub, const std::string& rpc, const v1::RequestHeader& header,
                          const Batch& b, std::vector<v1::StreamResponse>* out) {
   grpc::ClientContext ctx;
-  auto s = rpc == "score" ? stub.Score(&ctx) : stub.ForwardBackward(&ctx);
+  auto s = rpc == "score" ? stub.Score(&ctx) : rpc == "bw" ? stub.Backward(&ctx) : stub.ForwardBackward(&ctx);
   v1::StreamRequest m;
   *m.mutable_header() = header;
   s->Write(m);
   m.Clear();
   m.mutable_chunk()->set_hidden(b.hidden.data(), b.hidden.size());
   for (int32_t y : b.targets) m.mutable_chunk()->add_targets(y);
+  // A Backward's upstream gradient of logprob_i: -1 for a target, so that dW and d_hidden are those of
+  // the sum of the cross-entropy losses, as a ForwardBackward of REDUCTION_SUM.
+  if (rpc == "bw") {
+    const int32_t ignore = header.has_ignore_index() ? header.ignore_index() : -100;
+    for (int32_t y : b.targets) m.mutable_chunk()->add_grad_logprob(y == ignore ? 0.0f : -1.0f);
+  }
   s->Write(m);
   s->WritesDone();
   v1::StreamResponse r;
@@ -49,10 +55,11 @@ grpc::Status UpdateWeightsRpc(v1::LceService::Stub& stub, const std::string& hea
   return writer->Finish();
 }
 
-std::vector<float> GradOf(v1::LceService::Stub& stub, const std::string& head) {
+std::vector<float> GradOf(v1::LceService::Stub& stub, const std::string& head, uint64_t pending) {
   grpc::ClientContext ctx;
   v1::GetGradRequest req;
   req.set_head(head);
+  req.set_pending_grad_id(pending);
   auto reader = stub.GetGrad(&ctx, req);
   std::vector<float> g(kVocab * kHidden, std::nanf(""));
   int64_t next = 0;

@@ -13,7 +13,8 @@
 
 namespace lce::e2e {
 
-// A Score (rpc "score") or ForwardBackward (any other) of `b` in one chunk; the answers go to `out`.
+// A Score (rpc "score"), Backward ("bw": the upstream gradient of each target's logprob -1, which is
+// the summed cross-entropy's) or ForwardBackward (any other) of `b` in one chunk; answers into `out`.
 grpc::Status RunOneChunk(v1::LceService::Stub& stub, const std::string& rpc, const v1::RequestHeader& header,
                          const Batch& b, std::vector<v1::StreamResponse>* out);
 
@@ -21,8 +22,9 @@ grpc::Status RunOneChunk(v1::LceService::Stub& stub, const std::string& rpc, con
 grpc::Status UpdateWeightsRpc(v1::LceService::Stub& stub, const std::string& head, const std::vector<float>& weight,
                               int64_t expected_version, v1::HeadDescription* out);
 
-// `head`'s whole dW from GetGrad (NaN where no row came); the rows must come in order.
-std::vector<float> GradOf(v1::LceService::Stub& stub, const std::string& head);
+// `head`'s whole dW from GetGrad (NaN where no row came), or its pending contribution `pending`; the
+// rows must come in order.
+std::vector<float> GradOf(v1::LceService::Stub& stub, const std::string& head, uint64_t pending = 0);
 
 // Logprobs of `b` from a CPU engine over `weight`.
 std::vector<float> CpuEngineLogprobs(const std::vector<float>& weight, const Batch& b);

@@ -56,6 +56,56 @@ class Training : public ::testing::Test {
   std::unique_ptr<v1::LceService::Stub> stub_;
 };
 
+// The head-gradient contract over the wire (docs/MATH.md, "When dW is committed"): a deferred
+// request's dW reaches no dW until CommitGrad adds it, scaled; GetGrad reads it back while it waits;
+// a Backward with the loss's upstream gradient adds the ForwardBackward's dW.
+TEST_F(Training, DeferredAndBackwardWeightGradients) {
+  const Batch b = MakeBatch(90, v1::DTYPE_FLOAT32, 43);
+  v1::RequestHeader h;
+  h.set_head("wide");
+  h.set_hidden_size(kHidden);
+  h.set_dtype(v1::DTYPE_FLOAT32);
+  h.set_reduction(v1::REDUCTION_SUM);
+  h.set_accumulate_weight_grad(true);
+  auto zero_grad = [&] {
+    grpc::ClientContext ctx;
+    v1::ZeroGradRequest req;
+    req.set_head("wide");
+    v1::ZeroGradResponse resp;
+    ASSERT_TRUE(stub_->ZeroGrad(&ctx, req, &resp).ok());
+  };
+  std::vector<v1::StreamResponse> out;
+  zero_grad();
+  ASSERT_TRUE(RunOne("fb", h, b, &out).ok());
+  const std::vector<float> plain = GetGrad("wide");
+  zero_grad();
+  h.set_defer_weight_grad(true);
+  out.clear();
+  ASSERT_TRUE(RunOne("fb", h, b, &out).ok());
+  ASSERT_EQ(out.back().summary().pending_grad_ids_size(), 1);
+  const uint64_t id = out.back().summary().pending_grad_ids(0);
+  for (float x : GetGrad("wide")) ASSERT_EQ(x, 0.0f) << "nothing before the commit";
+  ExpectElementsNear(GradOf(*stub_, "wide", id), plain, 1e-6, "the pending contribution read back");
+  grpc::ClientContext ctx;
+  v1::CommitGradRequest commit;
+  commit.set_head("wide");
+  commit.set_pending_grad_id(id);
+  commit.set_scale(0.5f);
+  v1::CommitGradResponse committed;
+  ASSERT_TRUE(stub_->CommitGrad(&ctx, commit, &committed).ok());
+  std::vector<float> half(plain.size());
+  for (size_t i = 0; i < plain.size(); ++i) half[i] = 0.5f * plain[i];
+  ExpectElementsNear(GetGrad("wide"), half, 1e-6, "dW after the commit");
+  zero_grad();
+  h.set_defer_weight_grad(false);
+  h.clear_reduction();  // a ForwardBackward option
+  out.clear();
+  grpc::Status bw = RunOne("bw", h, b, &out);
+  ASSERT_TRUE(bw.ok()) << bw.error_message();
+  ASSERT_TRUE(out.back().has_summary()) << "a Backward that adds dW ends with a summary";
+  ExpectElementsNear(GetGrad("wide"), plain, 1e-5, "the Backward's dW");
+}
+
 TEST_F(Training, AccumulatedGradientEqualsEngineAndAdamWStepsMatch) {
   Batch b = MakeBatch(120, v1::DTYPE_FLOAT32, 41);
   v1::RequestHeader h;
