@@ -370,3 +370,26 @@ def test_an_accumulating_request_waiting_on_its_client_blocks_no_training_call(s
         go_on.set()
         t.join(60)
     assert answers and answers[-1].HasField("summary"), "the stalled request finished"
+
+
+@requires_torch
+def test_serve_linear_trains_an_existing_head_like_autograd(srv):
+    """serve_linear(nn.Linear): one line puts the layer's exact weight on the server and gives the loss
+    module over it; a training step's dW is the local layer's autograd gradient; a biased layer is
+    refused (the service's heads have no trained bias)."""
+    import torch
+    from lce_client.torch import serve_linear
+
+    server, _ = srv
+    c = lce_client.Client(server.target, timeout=60)
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(HIDDEN, 53, bias=False)
+    module = serve_linear(layer, c, head="from-linear", train=True)
+    h, y = _rows(14)
+    y = np.where(y >= 0, y % 53, y)
+    (module(torch.tensor(h, requires_grad=True), torch.tensor(y)) * 0.3).backward()
+    ref = torch.nn.functional.cross_entropy(torch.tensor(h) @ layer.weight.T, torch.tensor(y)) * 0.3
+    ref.backward()
+    assert_close(c.get_grad(head="from-linear"), layer.weight.grad.numpy(), rtol=1e-5, atol=1e-9, what="dW")
+    with pytest.raises(ValueError, match="bias"):
+        serve_linear(torch.nn.Linear(HIDDEN, 53), c, head="biased")

@@ -32,7 +32,7 @@ import torch
 
 from ._client import Client
 
-__all__ = ["RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy", "set_default_client",
+__all__ = ["RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy", "serve_linear", "set_default_client",
            "get_default_client"]
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -412,3 +412,26 @@ def remote_logprobs(hidden: torch.Tensor, targets: torch.Tensor, client: Optiona
     if weight is not None and not (weight.requires_grad and torch.is_grad_enabled()):
         weight = None
     return _RemoteLogprobs.apply(hidden, targets, weight, _anchor(trains), client, opts)
+
+
+def serve_linear(linear: torch.nn.Linear, client: Optional[Client] = None, head: str = "lm-head", *,
+                 train: bool = False, **loss_options) -> RemoteLinearCrossEntropy:
+    """Serves an existing ``nn.Linear`` [vocab, hidden] (an LM head) as head `head` on the server (LoadHead
+    of its shape and dtype, then UpdateWeights with its exact values; admin token where auth is on) and
+    returns the loss module over it: ``loss = serve_linear(model.lm_head, client)(hidden, targets)``.
+    train: the head trains on the server (autograd's gradient, see remote_linear_cross_entropy; step it
+    with Client.optimizer_step). loss_options: RemoteLinearCrossEntropy's (reduction, label_smoothing, ...).
+    A linear with a bias is refused: the service trains heads without one."""
+    if linear.bias is not None:
+        raise ValueError("serve_linear: the linear has a bias, which the service's heads do not train; "
+                         "use bias=False or keep this head local")
+    dtypes = {v: k for k, v in _TORCH_DTYPES.items()}
+    weight = linear.weight.detach()
+    if weight.dtype not in dtypes:
+        raise TypeError(f"serve_linear: a {weight.dtype} weight; the service holds fp32, bf16 or fp16 heads")
+    client = client or get_default_client()
+    vocab, hidden = weight.shape
+    client.load_head(head, seeded=(vocab, hidden, 0, dtypes[weight.dtype]))
+    client.update_weights(weight.cpu().contiguous(), head=head)
+    client.zero_grad(head=head)
+    return RemoteLinearCrossEntropy(client, head=head, accumulate_weight_grad=train, **loss_options)
