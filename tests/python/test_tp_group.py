@@ -90,6 +90,20 @@ def _rank(rank, k, store, target):
         dist.barrier(group=group)
         if rank == 0:
             np.testing.assert_allclose(client.get_grad(head="tp"), w.grad.numpy(), rtol=1e-5, atol=1e-7)
+            client.zero_grad(head="tp")
+        dist.barrier(group=group)
+        # Sequence parallelism: each rank holds (and sends) its shard of the rows, gets its rows' d_hidden
+        # and the group's mean loss; dW of every row once.
+        rows_of = torch.tensor_split(torch.arange(T), k)[rank]
+        xs = hidden.reshape(T, H)[rows_of].clone().requires_grad_()
+        loss = remote_linear_cross_entropy(xs, labels.reshape(T)[rows_of], client, temperature=TEMP, head="tp",
+                                           accumulate_weight_grad=True, process_group=group, sequence_parallel=True)
+        (loss / 2).backward()
+        torch.testing.assert_close(loss.double() / 2, ref.detach(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(xs.grad.double(), hr.grad[rows_of], atol=1e-6, rtol=1e-5)
+        dist.barrier(group=group)
+        if rank == 0:
+            np.testing.assert_allclose(client.get_grad(head="tp"), w.grad.numpy(), rtol=1e-5, atol=1e-7)
         dist.barrier(group=group)
     finally:
         dist.destroy_process_group()
@@ -106,11 +120,12 @@ def test_a_tp_group_makes_one_request_and_every_rank_gets_its_answers(workdir, t
         calls = {m: n - before.get(m, 0) for m, n in _requests(srv).items()}
         # One Score and one Backward a group forward and backward, twice (the local weight, then the head
         # trained on the server), and one ForwardBackward, whatever k; k GetGrads of the local weight's
-        # pending contribution and two checks of the head's dW; CommitGrad: the local weight's discard and
-        # the loss's commit.
+        # pending contribution and three checks of the head's dW; CommitGrad: the local weight's discard
+        # and the loss's commit.
         assert calls.get("Score") == 2 and calls.get("Backward") == 2, calls
-        assert calls.get("ForwardBackward") == 1 and calls.get("CommitGrad") == 1 + 1, calls  # + a discard
-        assert calls.get("GetGrad") == k + 2, calls
+        # Sequence parallelism: one ForwardBackward and one commit a rank, each of its own rows.
+        assert calls.get("ForwardBackward") == 1 + k and calls.get("CommitGrad") == 1 + 1 + k, calls  # + a discard
+        assert calls.get("GetGrad") == k + 3, calls
     finally:
         srv.stop()
 

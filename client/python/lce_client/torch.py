@@ -246,7 +246,8 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
                                 z_loss: float = 0.0, temperature: float = 1.0, softcap: Optional[float] = None,
                                 head: Optional[str] = None, cast: bool = True, accumulate_weight_grad: bool = False,
                                 backward_mode: str = "scale", cuda_session=None,
-                                divisor: Optional[float] = None, process_group=None) -> torch.Tensor:
+                                divisor: Optional[float] = None, process_group=None,
+                                sequence_parallel: bool = False) -> torch.Tensor:
     """Functional form of RemoteLinearCrossEntropy. divisor (reduction "sum" only): the loss is the sum
     divided by it (Hugging Face's num_items_in_batch: the valid tokens of a whole accumulated batch), and
     d_hidden and an accumulated dW are those of the quotient.
@@ -259,7 +260,10 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
 
     process_group: a tensor-parallel group whose ranks all hold these rows (Megatron's output layer
     without sequence parallelism): the group's first rank makes the one request, every rank gets the
-    loss and the whole d_hidden through torch.distributed, and dW is added once."""
+    loss and the whole d_hidden through torch.distributed, and dW is added once. With
+    sequence_parallel, each rank holds its own shard of the rows instead: each sends its shard (no
+    gather), gets its rows' d_hidden (and per-token losses), and adds its rows' dW; a reduced loss is the
+    group's (the mean over the group's valid tokens), the same on every rank."""
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be none, sum or mean, got {reduction!r}")
     if divisor is not None and (reduction != "sum" or not divisor > 0):
@@ -269,12 +273,37 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
     if backward_mode == "rpc" and reduction != "none":
         raise ValueError("backward_mode='rpc' applies to reduction='none' (sum and mean scale by a scalar)")
     client = client or get_default_client()
+    if process_group is not None and sequence_parallel:
+        return _sequence_parallel_loss(hidden, targets, client, process_group, reduction=reduction, divisor=divisor,
+                                       ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                                       temperature=temperature, softcap=softcap, head=head, cast=cast,
+                                       accumulate_weight_grad=accumulate_weight_grad, backward_mode=backward_mode,
+                                       cuda_session=cuda_session)
     trains = _trains_head(accumulate_weight_grad)
     opts = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
                 temperature=temperature, softcap=softcap, head=head, cast=cast, trains=trains,
                 backward_mode=backward_mode, cuda_session=cuda_session,
                 divisor=None if divisor is None else float(divisor), group=_row_group(process_group))
     return _RemoteLCE.apply(hidden, targets, _anchor(trains), client, opts)
+
+
+def _sequence_parallel_loss(hidden, targets, client, process_group, *, reduction, divisor, ignore_index, **kw):
+    """A sequence-parallel rank's loss over its own rows (see remote_linear_cross_entropy): its request
+    covers its shard; a mean divides by the group's valid tokens; the reduced loss's value is the
+    group's, its gradient this rank's share (the other ranks' parts enter as constants)."""
+    import torch.distributed as dist
+
+    if reduction == "none":  # per-token losses stay with their rows
+        return remote_linear_cross_entropy(hidden, targets, client, reduction="none", ignore_index=ignore_index, **kw)
+    if reduction == "mean":
+        valid = torch.tensor([float((targets != ignore_index).sum())], dtype=torch.float64, device=hidden.device)
+        dist.all_reduce(valid, group=process_group)
+        divisor = max(float(valid.item()), 1.0)
+    local = remote_linear_cross_entropy(hidden, targets, client, reduction="sum", divisor=divisor,
+                                        ignore_index=ignore_index, **kw)
+    total = local.detach().to(torch.float64).reshape(1).clone()
+    dist.all_reduce(total, group=process_group)
+    return local + (total.to(local.dtype).reshape(()) - local.detach())
 
 
 class RemoteLinearCrossEntropy(torch.nn.Module):
