@@ -3,11 +3,11 @@ torch.distributed group (gloo) whose ranks hold the same rows, as Megatron's out
 sequence parallelism. The group makes one request's work on the server (counted in the server's request
 log), every rank gets the right answers (float64 reference: verl's formulas, as in
 test_verl_contract.py), each rank's weight shard gets its rows of the gradient, and a head trained on the
-server gets dW once, not k times."""
+server gets dW once, not k times. With sequence parallelism each rank sends its own shard of the rows
+(k requests that together hold each row once) and gets its rows' d_hidden and the group's loss."""
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
