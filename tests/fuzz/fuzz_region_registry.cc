@@ -1,7 +1,8 @@
 // Fuzz target: region registration (OpenSession's RegisterRegion, lce.v1.RegisterRegion) and the
 // uses of a registered region, through RegionRegistry's public functions: Register (a serialized
 // RegisterRegion, or a name, shm name, offset and size), Resolve of a slice (whose bytes are then
-// touched end to end), Unregister, ReleaseSession, and IdentifyPeer of a gRPC peer string. The peer
+// touched end to end), Unregister, ReleaseSession, IdentifyPeer of a gRPC peer string, and RegisterFd
+// of a sparse memfd of any size (mapped only within the mapped-bytes caps: issue 35, item 2). The peer
 // is local or remote, its uid ours, unknown or another. Two POSIX shm objects of ours exist for the
 // shm names to find (the seeds name them); server memory is capped at 64 KiB a session.
 #include <fcntl.h>
@@ -17,6 +18,7 @@ namespace {
 
 const char* kShmA = "/lce_fuzz_region_a";  // 8192 bytes
 const char* kShmB = "/lce_fuzz_region_b";  // 100 bytes
+constexpr int64_t kMappedPerSession = int64_t{1} << 20;  // the mapped-bytes caps, small enough to meet
 
 void MakeShm() {
   for (auto [name, bytes] : {std::pair<const char*, off_t>{kShmA, 8192}, {kShmB, 100}}) {
@@ -42,6 +44,7 @@ void Run(const uint8_t* data, size_t size) {
   RegionRegistry regions(-1);
   regions.EnableServerMemory(1 << 16, 1 << 17);
   regions.AllowShmByName(true);  // the name path is parsed too (--allow-shm-by-name)
+  regions.LimitMappedBytes(kMappedPerSession, 3 * kMappedPerSession / 2);  // issue 35, item 2
   // Two open sessions (a released one stays closed: its registrations are refused) and none.
   const RegionRegistry::SessionKeys keys[3] = {regions.OpenSession(), regions.OpenSession(), {}};
   const std::string sessions[3] = {keys[0].id, keys[1].id, ""};
@@ -59,7 +62,7 @@ void Run(const uint8_t* data, size_t size) {
     const int who = (flags >> 1) & 3;
     peer.uid = who == 0 ? static_cast<int64_t>(getuid()) : who == 1 ? -1 : 4242;
     const std::string arg(rec.substr(3));
-    switch (static_cast<uint8_t>(rec[0]) % 5) {
+    switch (static_cast<uint8_t>(rec[0]) % 6) {
       case 0: {
         v1::RegisterRegion r;
         if (!r.ParseFromString(arg)) break;
@@ -130,6 +133,25 @@ void Run(const uint8_t* data, size_t size) {
       case 4:
         (void)RegionRegistry::IdentifyPeer(arg);
         break;
+      case 5: {  // a sparse memfd handed over (the shm socket's path): mapped only within the caps
+        int64_t v[3] = {0, 0, 0};  // the object's size, the region's offset and size
+        std::memcpy(v, arg.data(), std::min(arg.size(), sizeof(v)));
+        const int64_t object = v[0] & ((int64_t{1} << 44) - 1);  // sparse: up to 16 TiB costs nothing
+        const int fd = memfd_create("lce_fuzz_sparse", MFD_CLOEXEC);
+        if (fd < 0 || ftruncate(fd, object) != 0) {
+          if (fd >= 0) close(fd);
+          break;
+        }
+        absl::StatusOr<uint64_t> id = regions.RegisterFd(session, secret, static_cast<int64_t>(getuid()), "sparse", fd,
+                                                         v[1], v[2]);
+        close(fd);
+        if (!id.ok()) break;
+        LCE_FUZZ_CHECK(v[2] > 0 && v[2] <= kMappedPerSession, "mapped %lld bytes of a sparse file",
+                       static_cast<long long>(v[2]));
+        LCE_FUZZ_CHECK(held.count(*id) == 0, "region id %llu given twice", static_cast<unsigned long long>(*id));
+        held[*id] = {session, v[2]};
+        break;
+      }
     }
     LCE_FUZZ_CHECK(regions.size() == held.size(), "%zu regions held, %zu registered", regions.size(), held.size());
   }
@@ -173,6 +195,12 @@ void WriteSeeds(const std::string& dir) {
   op(s, 2, 0, 0, id(2));
   op(s, 3, 0, 0, "");
   op(s, 4, 0, 0, "ipv4:127.0.0.1:1");
+  auto sparse = [](int64_t object, int64_t offset, int64_t bytes) {
+    const int64_t v[3] = {object, offset, bytes};
+    return std::string(reinterpret_cast<const char*>(v), sizeof(v));
+  };
+  op(s, 5, 0, 0, sparse(int64_t{1} << 40, 0, int64_t{1} << 40));  // refused: over the caps
+  op(s, 5, 0, 0, sparse(8192, 0, 4096));
   fuzz::WriteSeed(dir, "sessions", s);
   s.clear();
   op(s, 0, 0, 0, reg(kShmA, 0, 64));        // a remote peer
