@@ -90,7 +90,7 @@ class PendingWeightGrad:
     """A forward's weight-gradient contribution held pending on the server (ids of one call's streams),
     committed once by the first backward that reaches it, with autograd's upstream gradient, and
     discarded when its graph is freed without a backward (a dropped loss, an evaluation forward run
-    with grad enabled). Later backwards of a retained graph recompute (see _commit_or_recompute)."""
+    with grad enabled). Later backwards of a retained graph recompute (_recompute)."""
 
     def __init__(self, client: Client, head: Optional[str], ids):
         self.client, self.head, self.ids = client, head, tuple(ids)
