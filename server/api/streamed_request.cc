@@ -357,7 +357,7 @@ absl::Status StreamedRequest::CallEngine(InFlightChunk& c, const char* what, con
                        : service_.RunEngine(method_, what, engine, c.view, plan_->options, up, outs, grads);
 }
 
-// Unpipelined: the engine call here (under the training lock when it accumulates dW), then the
+// Unpipelined: the engine call here (into the request's pending dW when it accumulates), then the
 // answer.
 grpc::Status StreamedRequest::Compute(InFlightChunk& c) {
   absl::Status s;
