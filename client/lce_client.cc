@@ -21,6 +21,9 @@
 #include "worker_pool.h"
 
 namespace lce::client {
+
+std::string_view Version() { return LCE_SERVE_VERSION; }
+
 namespace {
 
 using BidiStream = grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "gtest/gtest.h"
+#include "lce/client/lce_client.h"
 
 namespace lce::client::cli {
 namespace {
@@ -43,6 +44,8 @@ TEST(CliArgs, BothFlagFormsAndTheCommand) {
   EXPECT_EQ(absl::GetFlag(FLAGS_chunk_bytes), 8);           // underscores work too
   EXPECT_EQ(absl::GetFlag(FLAGS_seed), std::nullopt);
 }
+
+TEST(ClientLibrary, VersionIsTheProjects) { EXPECT_EQ(lce::client::Version(), PROJECT_VERSION_FOR_TEST); }
 
 TEST(CliArgs, VersionIsNoCommandOrFlag) {
   absl::StatusOr<Args> a = Parse({"--version"});

@@ -21,7 +21,7 @@ from ._client import (DEFAULT_CHUNK_BYTES, DEFAULT_MIN_STREAM_BYTES, BackwardRes
 from ._shm import Region, SharedMemorySession
 from . import aio
 
-__version__ = "0.1.0"
+from ._version import VERSION as __version__
 __all__ = ["Client", "LceError", "HeadInfo", "ServerInfo", "ForwardBackwardResult", "BackwardResult", "PolicyLossResult",
            "DEFAULT_CHUNK_BYTES", "DEFAULT_MIN_STREAM_BYTES", "plan_chunks", "Region", "SharedMemorySession", "bf16_bits_to_f32", "f32_to_bf16_bits", "RemoteLinearCrossEntropy",
            "remote_logprobs", "remote_linear_cross_entropy"]

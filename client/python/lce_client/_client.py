@@ -338,6 +338,7 @@ class Client:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._admin_metadata = (("authorization", f"Bearer {admin_token}"),) if admin_token else self._metadata
         self._info_cache: dict = {}
+        self._version_checked = False  # info() warns once on another major version
         self._lock = threading.Lock()
         self.data_plane_sockets = int(data_plane_sockets)
         lb = [("grpc.lb_policy_name", "round_robin")] if load_balancing else []
@@ -435,6 +436,10 @@ class Client:
                     raise
         with self._lock:
             self._info_cache[self._head(head)] = info
+            warn = not self._version_checked
+            self._version_checked = True
+        if warn:
+            _warn_on_other_major(info.server_version)
         return info
 
     def replica_info(self, head: Optional[str] = None) -> List[Tuple[str, Union[ServerInfo, "LceError"]]]:
@@ -1202,6 +1207,19 @@ def _session_metadata(session_id: str, secret: str) -> tuple:
     """The metadata of a request that names a session's regions: the session's id and its secret (the
     server opens the regions to neither alone)."""
     return ((SESSION_METADATA_KEY, session_id), (SESSION_SECRET_METADATA_KEY, secret))
+
+
+def _warn_on_other_major(server_version: str) -> None:
+    """Warns (once a client) where the server's major version is not this package's: the API may
+    differ (docs/API.md)."""
+    from . import _version
+
+    theirs, ours = _version.major(server_version), _version.major(_version.VERSION)
+    if theirs and theirs != ours:
+        import warnings
+
+        warnings.warn(f"lce_server {server_version} is of another major version than lce_client {_version.VERSION}: "
+                      "calls may be refused or answered differently", RuntimeWarning, stacklevel=3)
 
 
 def _server_info(r: pb.GetInfoResponse) -> ServerInfo:

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -39,6 +40,10 @@ struct StreamTrace {
   Time last_answer;       // the last answer (or summary) arrived
   Time ended;             // the stream's status arrived (Finish returned)
 };
+
+// This library's version: the project's (the server's --version and GetInfo's server_version; the
+// Python package's lce_client.__version__).
+std::string_view Version();
 
 struct ClientOptions {
   // The server: "host:port". Replicas (data-parallel groups serving one head, or any servers of the
