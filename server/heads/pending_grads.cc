@@ -1,5 +1,6 @@
 #include "pending_grads.h"
 
+#include <algorithm>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -34,13 +35,15 @@ absl::StatusOr<std::vector<PendingGrads::Dropped>> PendingGrads::MakeRoom(int64_
       ++it;
     }
   }
+  // The age order keeps only ids still in the book (committed and released ones leave through Take),
+  // so it never outgrows the book however many requests a head serves.
+  order_.erase(std::remove_if(order_.begin(), order_.end(), [this](uint64_t id) { return entries_.count(id) == 0; }),
+               order_.end());
   // Oldest waiting ones first, until one more fits.
   const int64_t cap = std::max<int64_t>(1, limits.max_per_head);
   for (auto it = order_.begin(); size() >= cap && it != order_.end();) {
     auto e = entries_.find(*it);
-    if (e == entries_.end()) {
-      it = order_.erase(it);
-    } else if (e->second.filling) {
+    if (e->second.filling) {
       ++it;
     } else {
       out.push_back({*it, Drop::kEvicted});

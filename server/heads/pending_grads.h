@@ -66,7 +66,7 @@ class PendingGrads {
 
  private:
   std::map<uint64_t, Entry> entries_;
-  std::deque<uint64_t> order_;              // ids by age, oldest first (may hold ids gone since)
+  std::deque<uint64_t> order_;              // ids by age, oldest first (those gone since pruned at MakeRoom)
   std::map<uint64_t, Drop> gone_;           // recently dropped ids and why
   std::deque<uint64_t> gone_order_;
 };
