@@ -19,6 +19,16 @@ absl::Status ValidateOptions(const LceOptions& o) {
   if (!(o.z_loss >= 0.0f) || !std::isfinite(o.z_loss)) {
     return absl::InvalidArgumentError(absl::StrCat("z_loss must be >= 0, got ", o.z_loss));
   }
+  if (o.top_k < 0 || o.top_k > kMaxTopK) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k must be in [0, ", kMaxTopK, "], got ", o.top_k));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateOutputs(const LceOptions& o, const RowOutputs& out) {
+  if (o.top_k == 0 && (out.argmax != nullptr || out.top_tokens != nullptr || out.top_logprobs != nullptr)) {
+    return absl::InvalidArgumentError("argmax and top-k outputs need options.top_k >= 1");
+  }
   return absl::OkStatus();
 }
 
