@@ -61,9 +61,7 @@ start_server "${command[@]}" --metrics-port=0
 grep "^server $VERSION, backend " "$WORK/info.txt" >/dev/null || { echo "FAIL: GetInfo's version" >&2; exit 1; }
 /usr/bin/lce_cli score --target="$TARGET" --rows=64 --seed=1 | tee "$WORK/score.txt" | tail -n 2
 grep "^rows 64 (valid 64), head 'default'" "$WORK/score.txt" >/dev/null || { echo "FAIL: lce_cli score" >&2; exit 1; }
-kill -TERM "$SERVER_PID"
-wait "$SERVER_PID" || { echo "FAIL: the server did not stop cleanly on SIGTERM" >&2; exit 1; }
-SERVER_PID=
+stop_server
 
 echo "== apt-get remove lce-serve"
 DEBIAN_FRONTEND=noninteractive $SUDO apt-get remove -y -qq lce-serve >"$WORK/apt.log" 2>&1 || { cat "$WORK/apt.log"; exit 1; }

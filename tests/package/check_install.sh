@@ -2,7 +2,8 @@
 # The C++ package as a user gets it (issue 38): `cmake --install` of a built tree into a fresh prefix,
 # then tests/package/consumer built outside the source tree against that prefix, once with
 # find_package(lce_serve CONFIG) and once with `pkg-config --cflags --libs lce-client`; the installed
-# lce_server started on a free port (CPU engine, a seeded head) and both consumers run against it.
+# lce_server started on a free port (CPU engine, a seeded head) and both consumers run against it;
+# then the installed lce_tp_launch.sh starts a group of two installed servers that lce_cli scores on.
 # Usage: bash tests/package/check_install.sh [BUILD_DIR]   (default $LCE_BUILD_DIR or build; built already)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -50,4 +51,13 @@ for consumer in "$WORK/consumer/build/lce_consumer" "$WORK/consumer/lce_consumer
   [ "$(grep -c '^row .* logprob -[0-9.]* entropy [0-9.]*$' <<<"$out")" = 4 ] \
     || { echo "FAIL: $consumer did not score 4 rows" >&2; exit 1; }
 done
+stop_server
+
+echo "== the installed launcher: a tensor-parallel group of 2 of the installed lce_server"
+start_server env -u LCE_SERVER "$PREFIX/bin/lce_tp_launch.sh" 2 -- --backend=cpu --cpu-threads=1 --seed-head=1000x64
+"$PREFIX/bin/lce_cli" info --target="$TARGET" | grep "^server $VERSION, backend cpu, tp_size 2," \
+  || { echo "FAIL: the launcher's group is not the installed server's TP-2 group" >&2; exit 1; }
+"$PREFIX/bin/lce_cli" score --target="$TARGET" --rows=8 | grep "^rows 8 (valid 8)" \
+  || { echo "FAIL: lce_cli score against the group" >&2; exit 1; }
+stop_server
 echo "check_install: ok"

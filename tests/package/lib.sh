@@ -36,6 +36,15 @@ start_server() {
   TARGET=127.0.0.1:$(cat "$port_file")
 }
 
+# stop_server: SIGTERM to the server started last; fails unless it exits 0 (drained and stopped).
+stop_server() {
+  kill -TERM "$SERVER_PID"
+  local rc=0
+  wait "$SERVER_PID" || rc=$?
+  SERVER_PID=
+  [ "$rc" = 0 ] || { echo "FAIL: the server exited $rc on SIGTERM:" >&2; tail -n 5 "$WORK/server.log" >&2; return 1; }
+}
+
 # expect_version WHAT ACTUAL: fails unless ACTUAL is the project's version.
 expect_version() {
   if [ "$2" != "$(project_version)" ]; then
