@@ -176,8 +176,8 @@ absl::Status StreamRequestValidator::ValidateClassWeights(const v1::RequestHeade
   }
   for (int64_t c = 0; c < V; ++c) {
     const float w = h.class_weights(static_cast<int>(c));
-    if (!(w >= 0.0f) || !std::isfinite(w)) {
-      return absl::InvalidArgumentError(absl::StrCat("class_weights[", c, "] is ", w, "; weights must be finite and >= 0"));
+    if (!std::isfinite(w)) {
+      return absl::InvalidArgumentError(absl::StrCat("class_weights[", c, "] is ", w, "; weights must be finite"));
     }
   }
   plan.class_weights.assign(h.class_weights().begin(), h.class_weights().end());

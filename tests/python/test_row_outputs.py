@@ -180,7 +180,7 @@ def test_bad_score_headers(served, change, message):
 
 @pytest.mark.parametrize("weights, reduction, message", [
     ([1.0] * (VOCAB - 1), pb.REDUCTION_SUM, f"class_weights has {VOCAB - 1} values"),
-    ([1.0] * (VOCAB - 1) + [-0.5], pb.REDUCTION_SUM, f"class_weights[{VOCAB - 1}] is -0.5"),
+    ([1.0] * (VOCAB - 1) + [float("inf")], pb.REDUCTION_SUM, f"class_weights[{VOCAB - 1}] is inf"),
     ([1.0] * (VOCAB - 1) + [float("nan")], pb.REDUCTION_SUM, "must be finite"),
     ([1.0] * VOCAB, pb.REDUCTION_MEAN, "REDUCTION_SUM and divide"),
 ])

@@ -20,7 +20,7 @@ struct LceOptions {
   float temperature = 1.0f;     // T > 0
   float softcap = 0.0f;         // s >= 0; 0 = off
   float label_smoothing = 0.0f; // eps in [0, 1); used by the loss only
-  float z_loss = 0.0f;          // lambda >= 0; used by the loss only
+  float z_loss = 0.0f;          // lambda, finite (usually >= 0); used by the loss only
   int32_t ignore_index = -100;
   bool allow_tf32 = false;      // fp32 heads on CUDA only
   // The call ranks each row's top_k most probable tokens (RowOutputs::argmax, top_tokens,
@@ -50,7 +50,7 @@ struct RowsView {
   // on a GPU saves a kernel and a host round trip a call. Unchecked out-of-range targets with this
   // set are undefined behaviour.
   bool targets_checked = false;
-  // Class weights w [vocab_size] (global ids, >= 0, finite) in the rows' memory space, or null (all 1):
+  // Class weights w [vocab_size] (global ids, finite) in the rows' memory space, or null (all 1):
   // the loss of a row is PyTorch's CrossEntropyLoss(weight=w) term (docs/MATH.md, "Class weights").
   const float* class_weight = nullptr;
 };
