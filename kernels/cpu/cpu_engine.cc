@@ -478,6 +478,16 @@ void CpuEngine::GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const i
   }
 }
 
+// dB_tile[v] += Σ_r dA_t[v, r], each element summing the rows in order (the same order whatever the
+// chunking: a fresh one starts from 0 at the call's first block).
+void AddBiasGrad(const float* dA_t, int64_t nr, int64_t nv, float* d_bias, bool fresh) {
+  for (int64_t v = 0; v < nv; ++v) {
+    float acc = fresh ? 0.0f : d_bias[v];
+    for (int64_t r = 0; r < nr; ++r) acc += dA_t[v * kRowBlock + r];
+    d_bias[v] = acc;
+  }
+}
+
 // Adds a tile's node to the stack of subtrees (tile_tree.h), summing siblings' values.
 void PushTile(std::vector<TreeNode>& stack, TreeNode node) {
   PushTreeNode(stack, std::move(node), [](TreeNode& left, TreeNode& right) {
@@ -555,6 +565,7 @@ absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, con
     cpu::FixedOrderGemm(H, cols, nv, {w_.data() + v0 * H, 1, H}, ws.z_t.data(), kRowBlock,
                         node.value.data(), cols, /*accumulate=*/false, threads_);
     PushTile(subtrees, std::move(node));
+    if (grads.d_bias != nullptr) AddBiasGrad(ws.z_t.data(), nr, nv, grads.d_bias + v0, grads.d_weight_fresh && r0 == 0);
     // dW_tile[nv, H] += dA_t[nv, rows] · h[rows, H]: each element sums the rows in order.
     if (grads.d_weight != nullptr) {
       // A fresh d_weight is written by the first block (each element's sum starts from 0 either way).
@@ -597,10 +608,14 @@ absl::Status CpuEngine::Compute(const RowsView& rows, const LceOptions& o, const
                                 const RowOutputs& out, const GradOutputs& grads) {
   if (absl::Status s = CheckCall(rows, o); !s.ok()) return s;
   if (absl::Status s = ValidateOutputs(o, out); !s.ok()) return s;
+  if (grads.d_bias != nullptr && (!shape_.has_bias || grads.d_weight == nullptr)) {
+    return absl::InvalidArgumentError("d_bias goes with d_weight, for a head with a bias");
+  }
   std::lock_guard<std::mutex> lock(mu_);
   const bool backward = up.mode != GradMode::kNone;
   if (grads.d_weight != nullptr && grads.d_weight_fresh && (!backward || rows.rows == 0)) {
     std::fill(grads.d_weight, grads.d_weight + shape_.shard_rows * shape_.hidden_size, 0.0f);  // no block writes it
+    if (grads.d_bias != nullptr) std::fill(grads.d_bias, grads.d_bias + shape_.shard_rows, 0.0f);
   }
   if (ws_ == nullptr) ws_ = std::make_unique<Workspace>(shape_.hidden_size, Tile());
   float weight_total = static_cast<float>(shape_.vocab_size);

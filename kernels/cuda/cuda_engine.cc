@@ -559,6 +559,9 @@ absl::Status CudaEngine::BadTarget(const RowsView& rows, const LceOptions& o, un
 absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, const Upstream& up,
                                  const RowOutputs& out, const GradOutputs& grads) {
   if (absl::Status s = CheckCall(rows, o, up); !s.ok()) return s;
+  if (grads.d_bias != nullptr) return absl::UnimplementedError("training a head's bias is not on the CUDA engine yet");
+  if (absl::Status s = ValidateOutputs(o, out); !s.ok()) return s;
+  if (out.z_loss != nullptr) return absl::UnimplementedError("the z-loss output is not on the CUDA engine yet");
   std::lock_guard<std::mutex> lock(mu_);
   LCE_CUDA_CHECK(cudaSetDevice(config_.device));
   // A fresh d_weight (GradOutputs::d_weight_fresh) is written by the first row block's dW products

@@ -85,7 +85,7 @@ std::unique_ptr<LceEngine> Engine(const Case& c) {
 }
 
 struct EngineRun {
-  std::vector<float> lse, logprob, entropy, loss, z_loss, dw;
+  std::vector<float> lse, logprob, entropy, loss, z_loss, dw, db;
   std::vector<uint8_t> dh;
   absl::Status status;
 };
@@ -113,6 +113,10 @@ EngineRun RunEngine(LceEngine& e, const Case& c, const std::vector<float>& g = {
     r.dw.assign(p.vocab * p.hidden, 0.0f);
     grads.d_hidden = r.dh.data();
     grads.d_weight = r.dw.data();
+    if (c.head->shape.has_bias) {
+      r.db.assign(p.vocab, 0.0f);
+      grads.d_bias = r.db.data();
+    }
   }
   RowsView rows{c.hidden.data(), p.targets.data(), p.rows, MemorySpace::kHost};
   rows.class_weight = c.class_weight.empty() ? nullptr : c.class_weight.data();
@@ -207,6 +211,7 @@ TEST_P(Options, ValuesAndGradientsMatchReference) {
     const double dh_tol = dtype == DType::kFloat32 ? 1e-5 : 1e-2;
     EXPECT_LE(RelErr(Decode(r.dh, dtype), ref.d_hidden), dh_tol) << "option set " << k << " mode " << int(mode);
     EXPECT_LE(RelErr(r.dw, ref.d_weight), 1e-5) << "option set " << k << " mode " << int(mode);
+    if (k == 5) EXPECT_LE(RelErr(r.db, ref.d_bias), 1e-5) << "d_bias, mode " << int(mode);
   }
 }
 

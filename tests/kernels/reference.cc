@@ -28,6 +28,7 @@ RefResult ReferenceLce(const RefProblem& p) {
   if (grad) {
     r.d_hidden.assign(N * H, 0);
     r.d_weight.assign(V * H, 0);
+    r.d_bias.assign(V, 0);
   }
   std::vector<double> a(V), z(V), pr(V), dz(V);
   for (int64_t i = 0; i < N; ++i) {
@@ -80,6 +81,7 @@ RefResult ReferenceLce(const RefProblem& p) {
       dz[j] = d;
     }
     for (int64_t j = 0; j < V; ++j) {
+      r.d_bias[j] += dz[j];
       for (int64_t k = 0; k < H; ++k) {
         r.d_hidden[i * H + k] += dz[j] * p.w[j * H + k];
         r.d_weight[j * H + k] += dz[j] * p.h[i * H + k];

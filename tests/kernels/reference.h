@@ -25,6 +25,7 @@ struct RefResult {
   std::vector<double> all_logprob;  // [rows, vocab] when options.top_k > 0: for the rankings
   std::vector<double> d_hidden;  // [rows, hidden] when mode != kNone
   std::vector<double> d_weight;  // [vocab, hidden] when mode != kNone
+  std::vector<double> d_bias;    // [vocab] when mode != kNone
 };
 
 RefResult ReferenceLce(const RefProblem& p);

@@ -98,6 +98,9 @@ struct GradOutputs {
   // there (=) instead of adding to it, every element, which saves zeroing the buffer and reading it
   // in the first product. Undefined again when the call fails.
   bool d_weight_fresh = false;
+  // dB [shard_rows] fp32 of a head with a bias, accumulated (fresh: written) with d_weight: the
+  // trainer's buffers hold it after dW (HeadTrainer::grad_elements).
+  float* d_bias = nullptr;
 };
 
 // The per-row outputs ("logprob", "entropy", "lse", "loss", "d_hidden", "d_weight") whose bits do
