@@ -140,6 +140,7 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
     *o.ptr = *d;
   }
   call.grads.d_weight = grads.d_weight;  // the request's pending dW (the trainer's): device memory already
+  call.grads.d_bias = grads.d_bias;
   call.grads.d_weight_pending = grads.d_weight_pending;
   call.grads.d_weight_fresh = grads.d_weight_fresh;
   if (grads.d_hidden != nullptr) {

@@ -219,6 +219,7 @@ class LceService final : public v1::LceService::Service {
   struct Contribution {
     uint64_t id = 0;
     float* d_weight = nullptr;
+    float* d_bias = nullptr;  // in the same buffer, after dW (a head with a bias)
   };
   enum class ContributionEnd { kCommit, kDefer, kRelease };
   absl::StatusOr<Contribution> BeginContribution(const ServedHead& head);

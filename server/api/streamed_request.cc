@@ -279,6 +279,7 @@ grpc::Status StreamedRequest::Prepare(InFlightChunk& c) {
       contribution_ = *made;
     }
     c.grads.d_weight = contribution_.d_weight;
+    c.grads.d_bias = contribution_.d_bias;
     c.grads.d_weight_pending = contribution_.id;
     c.grads.d_weight_fresh = first;
   }

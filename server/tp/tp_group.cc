@@ -50,6 +50,7 @@ struct TpControl {
   uint32_t dtype = 0;
   int64_t seed_vocab = 0, seed_hidden = 0;
   uint64_t seed = 0;
+  uint32_t seed_bias = 0;
   char tensor[128] = {};
   char clone_of[64] = {};
   char path[480] = {};  // kLoad: the file; kSave: the directory
@@ -276,6 +277,7 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   }
   GradOutputs dev_grads;
   dev_grads.d_weight = grads.d_weight;
+  dev_grads.d_bias = grads.d_bias;
   dev_grads.d_weight_fresh = grads.d_weight_fresh;
   if (grads.d_hidden != nullptr) {
     absl::StatusOr<void*> p = staging_->Buffer(kOutDHidden, n * row_bytes);
@@ -396,6 +398,7 @@ absl::Status TpGroup::Load(const std::string& head, int64_t version, const TpHea
     c.seed_vocab = src.seed_vocab;
     c.seed_hidden = src.seed_hidden;
     c.seed = src.seed;
+    c.seed_bias = src.seed_bias ? 1 : 0;
     for (absl::Status s : {PutText(c.path, src.file, "LoadHead file"), PutText(c.tensor, src.tensor, "LoadHead tensor"),
                            PutText(c.clone_of, source.clone_of, "LoadHead clone_of")}) {
       if (!s.ok()) return s;
@@ -568,6 +571,7 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
     absl::StatusOr<float*> d_weight = c.pending != 0 ? (*t)->AcquirePending(c.pending, /*zeroed=*/!fresh) : (*t)->grad();
     if (!d_weight.ok()) return d_weight.status();
     grads.d_weight = *d_weight;
+    grads.d_bias = (*t)->BiasPart(*d_weight);
     grads.d_weight_pending = c.pending;
     grads.d_weight_fresh = fresh;
   }
@@ -654,6 +658,7 @@ absl::Status TpPeer::OnLoad(const TpControl& c) {
   source.source.seed_vocab = c.seed_vocab;
   source.source.seed_hidden = c.seed_hidden;
   source.source.seed = c.seed;
+  source.source.seed_bias = c.seed_bias != 0;
   source.source.dtype = static_cast<DType>(c.dtype);
   if (c.source == SourceKind::kClone) source.clone_of = GetText(c.clone_of);
   absl::StatusOr<std::shared_ptr<const HeadWeights>> w =
