@@ -26,7 +26,7 @@
 // for the fast loss path, c_row from a first pass of the same GEMM over the first kFirstPassCols columns,
 // or z − m_tile (fp16), which WriteGrad reads with the tiles' m. Score and training take the same
 // GEMM, so a row's logprob is the same bits in both, and in any batch.
-#include "cuda/cuda_engine.h"
+//
 // A call is a short loop of named phases (Compute): plan (PlanCall, PrepareCall: call_plan.cc), then for
 // each row block stage, forward, merge, finalize (engine_forward.cc), backward and copy out
 // (engine_backward.cc). Knobs (CudaTuning, lce/cuda_tuning.h) are taken once, at Init.
