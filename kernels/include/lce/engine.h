@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "lce/collectives.h"
+#include "lce/cuda_tuning.h"
 #include "lce/head.h"
 
 namespace lce {
@@ -126,10 +128,12 @@ struct EngineConfig {
   // groups fold their statistics in global segment order and sum d_hidden over the canonical tile
   // tree (tile_tree.h), so logprob, entropy, lse, loss and d_hidden are the same bits for any group
   // size (V >= 131072). Off by default: batch_invariant costs 5-13% at some train shapes and up to
-  // 1.7x on 64-row calls, tp_invariant 31-44% more at train (bench/RESULTS.md). LCE_CUDA_BATCH_INVARIANT /
-  // LCE_CUDA_TP_INVARIANT (0 or 1) override them.
+  // 1.7x on 64-row calls, tp_invariant 31-44% more at train (bench/RESULTS.md). CudaTuning's
+  // batch_invariant / tp_invariant (LCE_CUDA_BATCH_INVARIANT / LCE_CUDA_TP_INVARIANT) override them.
   bool batch_invariant = false;
   bool tp_invariant = false;
+  // CUDA backend's tuning (lce/cuda_tuning.h), taken at Init; unset: CudaTuningFromEnv().
+  std::optional<CudaTuning> cuda_tuning;
   // Tensor parallelism: collectives over the ranks that hold the other vocabulary shards. Null
   // when the head is not sharded. Not owned; must outlive the engine.
   Collectives* collectives = nullptr;
