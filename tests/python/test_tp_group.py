@@ -60,6 +60,9 @@ def _rank(rank, k, store, target):
         dh, dw = torch.autograd.grad((ent, lp), (h, shard), (g_ent, g_lp))
         torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+        # verl's contract (its tests/utils/test_special_linear_cross_entropy_tp.py all-reduces each rank's
+        # d_hidden before comparing): the group's sum is the whole d_hidden.
+        dist.all_reduce(dh, group=group)
         torch.testing.assert_close(dh.reshape(T, H).double(), ref_dh, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(dw.double(), ref_dw[rank * rows:(rank + 1) * rows], atol=1e-5, rtol=1e-5)
         # The head trained on the server through the group: dW of the group's loss, added once.
