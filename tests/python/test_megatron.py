@@ -66,12 +66,16 @@ def _layers(k, sp, train_head, client):
     """(Megatron's ColumnParallelLinear, ours) with this rank's shard of the same weight."""
     from megatron.core import tensor_parallel
 
-    from lce_client.megatron import LinearCrossEntropyModule
+    from lce_client.megatron import LinearCrossEntropyModule, remote_output_layer
 
     init = torch.nn.init.zeros_
     ref = tensor_parallel.ColumnParallelLinear(H, V, config=_megatron(k, False), init_method=init, bias=False)
-    ours = LinearCrossEntropyModule(H, V, config=_megatron(k, sp), init_method=init, bias=False, client=client,
-                                    head="mg", train_head=train_head)
+    if train_head == "local":  # a built model's layer turned into ours, in place
+        ours = remote_output_layer(tensor_parallel.ColumnParallelLinear(
+            H, V, config=_megatron(k, sp), init_method=init, bias=False), client, head="mg", train_head=train_head)
+    else:
+        ours = LinearCrossEntropyModule(H, V, config=_megatron(k, sp), init_method=init, bias=False, client=client,
+                                        head="mg", train_head=train_head)
     rank, rows = torch.distributed.get_rank(ref.tp_group), V // k
     with torch.no_grad():
         for layer in (ref, ours):
@@ -99,6 +103,8 @@ def _train(k, sp, train_head, client, group):
     Megatron's."""
     import torch.distributed as dist
 
+    from lce_client.megatron import output_processor
+
     rank = dist.get_rank(group)
     ref, ours = _layers(k, sp, train_head, client)
     for step in range(MICRO):
@@ -107,7 +113,10 @@ def _train(k, sp, train_head, client, group):
         want = _megatron_loss(ref, x_ref, labels)
         ((want * mask).sum() / mask.sum() / MICRO).backward()
         x = (_shard(hidden, k, rank) if sp and k > 1 else hidden).clone().requires_grad_()
-        got = ours(x, output_cross_entropy_loss=True, labels=labels)
+        if step == 0:  # as megatron-core 0.19's GPTModel calls it
+            got = output_processor(hidden_states=x, output_layer=ours, labels=labels, config=ours.config)
+        else:
+            got = ours(x, output_cross_entropy_loss=True, labels=labels)
         assert got.shape == (B, S)
         ((got * mask).sum() / mask.sum() / MICRO).backward()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -128,6 +137,8 @@ def _rl(k, sp, client, group):
     """logprobs_and_entropy and their backward against float64 torch on the whole weight."""
     import torch.distributed as dist
 
+    from lce_client.megatron import logprobs_output_processor
+
     rank = dist.get_rank(group)
     _, ours = _layers(k, sp, None, client)
     hidden, labels, _ = _batch(0, k)
@@ -139,7 +150,9 @@ def _rl(k, sp, client, group):
     ent64 = (torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)).T
     (dh64,) = torch.autograd.grad((lp64, ent64), (h64,), (g_lp.double(), g_ent.double()))
     x = (_shard(hidden, k, rank) if sp and k > 1 else hidden).clone().requires_grad_()
-    lp, ent = ours.logprobs_and_entropy(x, labels, temperature=TEMP)
+    # GPTModel's output_processor with input_ids: the labels are the next tokens.
+    lp, ent = logprobs_output_processor(hidden_states=x, output_layer=ours, input_ids=torch.roll(labels, 1, -1),
+                                        context={"temperature": TEMP})
     torch.autograd.backward((lp, ent), (g_lp, g_ent))
     torch.testing.assert_close(lp.double(), lp64.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent.double(), ent64.detach(), atol=1e-5, rtol=1e-5)
@@ -178,8 +191,11 @@ def _rank(rank, k, store, target, port, out):
         client = lce_client.Client(target, timeout=60)
         from megatron.core import parallel_state
 
+        from lce_client.megatron import serve_megatron_weight
+
         _megatron(k, False)
         group = parallel_state.get_tensor_model_parallel_group()
+        serve_megatron_weight(_layers(k, False, None, client)[1], client, "mg")  # the shards, gathered: the same head
         for sp in (False, True):
             _train(k, sp, "server", client, group)
             _train(k, sp, "local", client, group)

@@ -43,7 +43,8 @@ from megatron.core import tensor_parallel
 
 from .torch import get_default_client, remote_linear_cross_entropy, remote_logprobs
 
-__all__ = ["LinearCrossEntropyModule", "remote_output_layer", "output_processor", "serve_megatron_weight"]
+__all__ = ["LinearCrossEntropyModule", "remote_output_layer", "output_processor", "logprobs_output_processor",
+           "serve_megatron_weight"]
 
 _TRAIN_HEAD = (None, "server", "local")
 
@@ -192,6 +193,18 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
     if config is not None and getattr(config, "use_mup", False) and getattr(config, "mup_output_mult", 1.0) != 1.0:
         raise ValueError("MuP output scaling (mup_output_mult != 1) scales the logits; the service's heads do not")
     return output_layer(hidden_states, weight=output_weight, output_cross_entropy_loss=True, labels=labels)
+
+
+def logprobs_output_processor(*, hidden_states, output_layer, output_weight=None, labels=None, input_ids=None,
+                              context=None, **_unused):
+    """``GPTModel.forward(..., output_processor=logprobs_output_processor,
+    output_processor_context={"temperature": t})``: (logprobs, entropy) [b, s] of `labels`, or where none
+    are given of the next tokens (``input_ids`` rolled left by one, the last position's label being the
+    first token, as verl and AReaL roll them), instead of the logits that RL frameworks turn into them."""
+    if labels is None:
+        labels = torch.roll(input_ids, shifts=-1, dims=-1)
+    temperature = (context or {}).get("temperature", 1.0)
+    return output_layer.logprobs_and_entropy(hidden_states, labels, temperature=temperature, weight=output_weight)
 
 
 def serve_megatron_weight(layer: tensor_parallel.ColumnParallelLinear, client, head: str, *,
