@@ -7,7 +7,9 @@ trained on the server, so the dW is the server's, compared once after one step w
 Megatron's side: ``ColumnParallelLinear`` (its SP all-gather inside on GPUs) + ``vocab_parallel_cross_entropy``
 on the rank's vocab shard; on CPUs Megatron's SP gather needs CUDA, so its side runs without SP on the
 whole sequence and its d_hidden is cut to the rank's shard. Ours: the same shard, the head on the server
-(serve_megatron_weight), train_head="server".
+(serve_megatron_weight), train_head="server" (or "local": the shard's gradient from the server,
+compared with Megatron's; with --ddp both layers in Megatron's DistributedDataParallel and their
+main_grad compared).
 
 GPUs, one process per GPU, a server already running (e.g. lce_server --backend=cuda, or a TP group):
   torchrun --nproc-per-node 2 bench/megatron_tp_gpu.py --target HOST:PORT --shape 8192x4096x151936 [--sp]
@@ -42,6 +44,10 @@ def parse():
     ap.add_argument("--sp", action="store_true", help="sequence parallelism")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--check-dw", action="store_true", help="read the server's dW back (V*H*4 bytes) and compare")
+    ap.add_argument("--train-head", choices=["server", "local"], default="server",
+                    help="local: the shard's gradient comes back into the weight (GetGrad, V*H*4 bytes a rank)")
+    ap.add_argument("--ddp", action="store_true",
+                    help="wrap both layers in Megatron's DistributedDataParallel (CUDA) and compare main_grad")
     return ap.parse_args()
 
 
@@ -59,6 +65,14 @@ def layers(args, k, h, v):
                                                      init_method=lambda w: torch.nn.init.normal_(w, std=0.02))
         out.append(layer.to(args.device))
     return out
+
+
+def wrap_ddp(layer):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    wrapped = DistributedDataParallel(layer.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer)
+    wrapped.zero_grad_buffer()
+    return wrapped
 
 
 def timed(fn, iters, device):
@@ -100,8 +114,9 @@ def bench(rank, k, target, args):
     n, h, v = (int(x) for x in args.shape.split("x"))
     ref, ours = layers(args, k, h, v)
     client = lce_client.Client(target, timeout=600)
-    remote_output_layer(ours, client, head=HEAD, train_head="server")
+    remote_output_layer(ours, client, head=HEAD, train_head=args.train_head)
     serve_megatron_weight(ours, client, HEAD, load=True)
+    ddp = [wrap_ddp(layer) for layer in (ref, ours)] if args.ddp else []
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn((n, 1, h), generator=g).to(args.device, DTYPES[args.dtype])
     labels = torch.randint(0, v, (1, n), generator=g).to(args.device)
@@ -126,13 +141,19 @@ def bench(rank, k, target, args):
     result = dict(tp=k, sp=bool(args.sp and k > 1), shape=args.shape, dtype=args.dtype, device=args.device,
                   max_diff_loss=(got.float() - want.float()).abs().max().item(),
                   max_diff_d_hidden=(x.grad.float() - d_ref.float()).abs().max().item())
-    if args.check_dw:
+    if ddp:  # Megatron's DDP adds each weight's gradient into its main_grad
+        for d in ddp:
+            d.finish_grad_sync()
+        result["max_diff_main_grad"] = (ours.weight.main_grad - ref.weight.main_grad).abs().max().item()
+    elif args.train_head == "local":
+        result["max_diff_weight_grad"] = (ours.weight.grad.float() - ref.weight.grad.float()).abs().max().item()
+    if args.check_dw and args.train_head == "server":
         parts = [torch.empty_like(ref.weight.grad) for _ in range(k)]
         dist.all_gather(parts, ref.weight.grad.contiguous())
         if rank == 0:
             dw = torch.from_numpy(client.get_grad(head=HEAD))
             result["max_diff_dw"] = (dw - torch.cat(parts).float().cpu()).abs().max().item()
-    for t in (x_ref, x):
+    for t in [x_ref, x] + ([] if ddp else [ref.weight, ours.weight]):
         t.grad = None
     result["megatron_ms"] = timed(megatron_step, args.iters, args.device)
     result["lce_ms"] = timed(our_step, args.iters, args.device)
