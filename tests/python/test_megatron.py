@@ -6,7 +6,8 @@ fusion) on the same inputs and the same weight shards: the per-token loss [b, s]
 dW after several micro-batches of gradient accumulation (Megatron's pretrain loss: sum(loss * loss_mask) /
 loss_mask.sum(), a uniform mask and one with zeros), both with the head trained on the server and with
 the gradient returned into the rank's weight shard; logprobs and entropy (verl's Megatron actor) against
-a float64 reference. The server's request log shows one request's work per group: without sequence
+a float64 reference; verl's Megatron actor's sequence-parallel path through lce_client.rl. The server's
+request log shows one request's work per group: without sequence
 parallelism one request a group, with it one a rank, each of its own rows; the hidden-state bytes the
 server received are printed beside k copies'."""
 from __future__ import annotations
@@ -161,6 +162,62 @@ def _rl(k, sp, client, group):
     dist.barrier(group=group)
 
 
+class _SequenceParallelGather(torch.autograd.Function):
+    """Megatron's gather_from_sequence_parallel_region (its default tensor_parallel_output_grad=True): an
+    all-gather of the shards, whose backward reduce-scatters (here an all-reduce and the rank's rows:
+    gloo has no reduce-scatter). Megatron's own needs CUDA."""
+
+    @staticmethod
+    def forward(ctx, shard, group):
+        import torch.distributed as dist
+
+        ctx.group, ctx.rows = group, shard.shape[0]
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None
+
+
+def _verl(k, client, group):
+    """verl's Megatron actor with sequence parallelism (verl/models/mcore/model_forward_fused.py): the
+    shards gathered, then lce_client.rl.linear_cross_entropy(hidden, weight shard, labels, temperature,
+    "none", tp_group) in place of verl's kernel. The gather's reduce-scatter sums the ranks' d_hidden
+    parts, so each rank's shard gets its rows of the whole d_hidden once (not k times), and each weight
+    shard its rows of dW."""
+    import torch.distributed as dist
+
+    import lce_client.rl as rl
+
+    rank, rows = dist.get_rank(group), V // k
+    hidden, labels, _ = _batch(0, k)
+    g = torch.Generator().manual_seed(4)
+    g_lp, g_ent = torch.empty(S * B).uniform_(-1, 1, generator=g), torch.empty(S * B).uniform_(-1, 1, generator=g)
+    h64, w64 = hidden.double().requires_grad_(), _weight().double().requires_grad_()
+    logits = (h64.reshape(S * B, H) @ w64.T) / TEMP
+    lp64 = torch.log_softmax(logits, -1).gather(-1, labels.T.reshape(-1, 1)).squeeze(-1)
+    ent64 = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    dh64, dw64 = torch.autograd.grad((lp64, ent64), (h64, w64), (g_lp.double(), g_ent.double()))
+    x = _shard(hidden, k, rank).clone().requires_grad_()
+    shard = _weight()[rank * rows:(rank + 1) * rows].clone().requires_grad_()
+    rl.set_head(client, head="mg")
+    lp, ent = rl.linear_cross_entropy(_SequenceParallelGather.apply(x, group), shard, labels.T.contiguous(), TEMP,
+                                      "none", group)
+    torch.autograd.backward((lp, ent), (g_lp, g_ent))
+    torch.testing.assert_close(lp.double(), lp64.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ent64.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), _shard(dh64, k, rank), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shard.grad.double(), dw64[rank * rows:(rank + 1) * rows], atol=1e-5, rtol=1e-5)
+    dist.barrier(group=group)
+
+
 def _bytes(k, client, group, port):
     """Hidden-state bytes the server receives for one Score of the batch: the group's one request, and
     every rank sending its own copy (what each rank of a group did before issue 39); rank 0's numbers."""
@@ -200,6 +257,7 @@ def _rank(rank, k, store, target, port, out):
             _train(k, sp, "server", client, group)
             _train(k, sp, "local", client, group)
             _rl(k, sp, client, group)
+        _verl(k, client, group)
         group_bytes, copies_bytes = _bytes(k, client, group, port)
         if rank == 0:
             with open(out, "w") as f:
@@ -224,13 +282,15 @@ def test_megatron_output_layer_matches_megatrons_own_with_one_request_per_group(
         # the server-trained head: a ForwardBackward a micro-batch and one more for the masked one's
         # per-token upstream gradient, a commit of each uniform one and a discard of the masked one's;
         # the local weight: a Score and a Backward a micro-batch, each rank reading the pending dW and the
-        # sender discarding it; RL: a Score and a Backward. Then the bytes' Scores: the group's one, and
-        # one a rank.
+        # sender discarding it; RL: a Score and a Backward. Then verl's path (the gathered rows: one
+        # Score and one Backward a group, k GetGrads of the weight's rows, one discard) and the bytes'
+        # Scores: the group's one, and one a rank.
         sends = 1 + (k if k > 1 else 1)  # SP off: one sender; SP on: k
         assert calls.get("ForwardBackward") == (MICRO + 1) * sends, calls
-        assert calls.get("Score") == (MICRO + 1) * sends + 1 + k and calls.get("Backward") == (MICRO + 1) * sends, calls
-        assert calls.get("CommitGrad") == MICRO * sends + MICRO * sends, calls
-        assert calls.get("GetGrad") == 2 * (1 + MICRO * k), calls
+        assert calls.get("Score") == (MICRO + 1) * sends + 1 + 1 + k, calls
+        assert calls.get("Backward") == (MICRO + 1) * sends + 1, calls
+        assert calls.get("CommitGrad") == MICRO * sends + MICRO * sends + 1, calls
+        assert calls.get("GetGrad") == 2 * (1 + MICRO * k) + k, calls
         group_bytes, copies_bytes = json.loads(out.read_text())
         print(f"\nTP {k}: one Score of [{S * B}, {H}] fp32 hidden states: the group sent {group_bytes:.0f} bytes, "
               f"k copies {copies_bytes:.0f}")
