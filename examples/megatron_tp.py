@@ -20,6 +20,13 @@ sends it); server: the head trains on the server (Client.optimizer_step, the sam
 parallelism (each rank sends its shard of the sequence). Pipeline parallelism needs nothing more: only
 the last stage has the output layer.
 
+--rl verl|areal: an RL step instead of the loss (a clipped-ratio policy loss with per-sequence advantages
+and an entropy bonus, over logprobs and entropy at --temperature), Megatron's side from the logits
+(logprobs: -vocab_parallel_cross_entropy of logits / T; entropy of the gathered logits). verl: the
+sequence shards gathered and lce_client.rl.linear_cross_entropy(hidden, weight shard, labels, T, "none",
+tp_group), the call verl's Megatron actor makes (docs/INTEGRATIONS.md); areal: GPTModel's output processor
+lce_client.megatron.logprobs_output_processor in place of AReaL's gather_logprobs_entropy on the logits.
+
     python examples/megatron_tp.py --tp 2                  # starts a local lce_server (CPU engine)
     python examples/megatron_tp.py --tp 2 --sp --train-head server --target 127.0.0.1:50051
     torchrun --nproc-per-node 2 examples/megatron_tp.py --target 127.0.0.1:50051
@@ -49,7 +56,12 @@ def parse():
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-2)
-    return ap.parse_args()
+    ap.add_argument("--rl", choices=["verl", "areal"], help="an RL step through that framework's call")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    args = ap.parse_args()
+    if args.rl == "verl" and args.train_head != "local":
+        ap.error("--rl verl: verl's call returns the weight's gradient (--train-head local)")
+    return args
 
 
 def megatron_layers(args, k):
@@ -92,8 +104,12 @@ def train(args, group, layer, loss_fn, client=None):
     for step in range(args.steps):
         inputs, labels, mask = batch(args, step)
         hidden = net(inputs).transpose(0, 1)  # [s, b, h], Megatron's layout
-        per_token = loss_fn(layer, hidden, labels, rank, k)  # [b, s]
-        loss = (per_token * mask).sum() / mask.sum()
+        if args.rl:
+            lp, ent = loss_fn(layer, hidden, labels, rank, k, args)  # [b, s] each
+            loss = policy_loss(lp, ent, mask, step)
+        else:
+            per_token = loss_fn(layer, hidden, labels, rank, k)  # [b, s]
+            loss = (per_token * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if args.sp and k > 1:  # the replicated body under SP: Megatron all-reduces such grads over TP
@@ -109,6 +125,81 @@ def train(args, group, layer, loss_fn, client=None):
         dist.barrier(group=group)
         losses.append(loss.item())
     return losses
+
+
+def policy_loss(lp, ent, mask, step):
+    """A PPO-style clipped surrogate over the tokens (the rollout's logprobs = these, detached) with
+    per-sequence advantages of +-1, minus an entropy bonus: per-token upstream gradients of both."""
+    adv = torch.tensor([1.0, -1.0]).repeat(lp.shape[0])[:lp.shape[0], None] * (1 if step % 2 else -1)
+    ratio = torch.exp(lp - lp.detach())
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    return -((surrogate + 0.01 * ent) * mask).sum() / mask.sum()
+
+
+class _GatherVocab(torch.autograd.Function):
+    """The whole logits from the vocab shards (every rank computes the same loss from them, so a shard's
+    gradient is its columns of the whole one)."""
+
+    @staticmethod
+    def forward(ctx, shard, group):
+        ctx.group, ctx.cols = group, shard.shape[-1]
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = dist.get_rank(ctx.group)
+        return grad[..., rank * ctx.cols:(rank + 1) * ctx.cols], None
+
+
+def megatron_logprobs(layer, hidden, labels, rank, k, args):
+    from megatron.core import tensor_parallel
+
+    logits, _ = layer(hidden)
+    logits = logits / args.temperature
+    whole = _GatherVocab.apply(logits, layer.tp_group)
+    # (a copy: Megatron's cross-entropy works on its logits in place)
+    lp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels.T.contiguous()).T
+    ent = torch.logsumexp(whole, -1) - (torch.softmax(whole, -1) * whole).sum(-1)
+    return lp, ent.T
+
+
+class _SequenceParallelGather(torch.autograd.Function):
+    """Megatron's gather_from_sequence_parallel_region (CUDA-only there): all-gather, reduce-scatter back
+    (an all-reduce and the rank's rows: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, shard, group):
+        ctx.group, ctx.rows = group, shard.shape[0]
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None
+
+
+def remote_logprobs(layer, hidden, labels, rank, k, args):
+    if layer.sequence_parallel:
+        hidden = hidden.chunk(k)[rank]
+    if args.rl == "areal":
+        from lce_client.megatron import logprobs_output_processor
+
+        return logprobs_output_processor(hidden_states=hidden, output_layer=layer, labels=labels,
+                                         context={"temperature": args.temperature})
+    from lce_client.rl import linear_cross_entropy
+
+    if layer.sequence_parallel:  # verl gathers the shards first
+        hidden = _SequenceParallelGather.apply(hidden, layer.tp_group)
+    lp, ent = linear_cross_entropy(hidden, layer.weight, labels.T.contiguous(), args.temperature, "none",
+                                   layer.tp_group)
+    s, b = labels.shape[1], labels.shape[0]
+    return lp.view(s, b).T, ent.view(s, b).T
 
 
 def megatron_loss(layer, hidden, labels, rank, k):
@@ -131,6 +222,7 @@ def run(rank, k, init, target, args):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=k)
     try:
         import lce_client
+        import lce_client.rl as rl
         from lce_client.megatron import remote_output_layer, serve_megatron_weight
 
         group = dist.new_group(list(range(k)))
@@ -138,10 +230,13 @@ def run(rank, k, init, target, args):
         client = lce_client.Client(target, timeout=120)
         remote_output_layer(ours, client, head=HEAD, train_head=args.train_head)
         serve_megatron_weight(ours, client, HEAD, load=True)
-        want = train(args, group, ref, megatron_loss)
-        got = train(args, group, ours, remote_loss, client)
+        if args.rl:
+            rl.set_head(client, head=HEAD)
+        want = train(args, group, ref, megatron_logprobs if args.rl else megatron_loss)
+        got = train(args, group, ours, remote_logprobs if args.rl else remote_loss, client)
         if rank == 0:
-            print(f"TP {k}, SP {'on' if args.sp and k > 1 else 'off'}, head trained {args.train_head}")
+            print(f"TP {k}, SP {'on' if args.sp and k > 1 else 'off'}, head trained {args.train_head}"
+                  + (f", RL through {args.rl}'s call" if args.rl else ""))
             print("step  megatron     lce-serve")
             for i, (a, b) in enumerate(zip(want, got)):
                 print(f"{i:4d}  {a:.7f}  {b:.7f}")
