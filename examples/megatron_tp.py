@@ -136,52 +136,18 @@ def policy_loss(lp, ent, mask, step):
     return -((surrogate + 0.01 * ent) * mask).sum() / mask.sum()
 
 
-class _GatherVocab(torch.autograd.Function):
-    """The whole logits from the vocab shards (every rank computes the same loss from them, so a shard's
-    gradient is its columns of the whole one)."""
-
-    @staticmethod
-    def forward(ctx, shard, group):
-        ctx.group, ctx.cols = group, shard.shape[-1]
-        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, shard.contiguous(), group=group)
-        return torch.cat(parts, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rank = dist.get_rank(ctx.group)
-        return grad[..., rank * ctx.cols:(rank + 1) * ctx.cols], None
-
-
 def megatron_logprobs(layer, hidden, labels, rank, k, args):
     from megatron.core import tensor_parallel
 
+    from lce_client.megatron import gather_shards
+
     logits, _ = layer(hidden)
     logits = logits / args.temperature
-    whole = _GatherVocab.apply(logits, layer.tp_group)
+    whole = gather_shards(logits, layer.tp_group, dim=-1)  # every rank: the same loss of them
     # (a copy: Megatron's cross-entropy works on its logits in place)
     lp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), labels.T.contiguous()).T
     ent = torch.logsumexp(whole, -1) - (torch.softmax(whole, -1) * whole).sum(-1)
     return lp, ent.T
-
-
-class _SequenceParallelGather(torch.autograd.Function):
-    """Megatron's gather_from_sequence_parallel_region (CUDA-only there): all-gather, reduce-scatter back
-    (an all-reduce and the rank's rows: gloo has no reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, shard, group):
-        ctx.group, ctx.rows = group, shard.shape[0]
-        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, shard.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        rank = dist.get_rank(ctx.group)
-        return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None
 
 
 def remote_logprobs(layer, hidden, labels, rank, k, args):
@@ -192,10 +158,11 @@ def remote_logprobs(layer, hidden, labels, rank, k, args):
 
         return logprobs_output_processor(hidden_states=hidden, output_layer=layer, labels=labels,
                                          context={"temperature": args.temperature})
+    from lce_client.megatron import gather_shards
     from lce_client.rl import linear_cross_entropy
 
     if layer.sequence_parallel:  # verl gathers the shards first
-        hidden = _SequenceParallelGather.apply(hidden, layer.tp_group)
+        hidden = gather_shards(hidden, layer.tp_group, sum_grads=True)  # Megatron's SP gather
     lp, ent = linear_cross_entropy(hidden, layer.weight, labels.T.contiguous(), args.temperature, "none",
                                    layer.tp_group)
     s, b = labels.shape[1], labels.shape[0]

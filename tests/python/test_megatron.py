@@ -29,7 +29,7 @@ except Exception as e:  # noqa: BLE001 (any failure to import is a reason to ski
 
 import lce_client  # noqa: E402
 from conftest import Server, serve_weight  # noqa: E402
-from helpers import free_port, sample, scrape  # noqa: E402
+from helpers import free_port, requests_by_method, sample, scrape  # noqa: E402
 
 S, B, H, V, TEMP, MICRO = 12, 2, 16, 96, 1.5, 3
 
@@ -162,39 +162,17 @@ def _rl(k, sp, client, group):
     dist.barrier(group=group)
 
 
-class _SequenceParallelGather(torch.autograd.Function):
-    """Megatron's gather_from_sequence_parallel_region (its default tensor_parallel_output_grad=True): an
-    all-gather of the shards, whose backward reduce-scatters (here an all-reduce and the rank's rows:
-    gloo has no reduce-scatter). Megatron's own needs CUDA."""
-
-    @staticmethod
-    def forward(ctx, shard, group):
-        import torch.distributed as dist
-
-        ctx.group, ctx.rows = group, shard.shape[0]
-        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, shard.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
-
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        rank = dist.get_rank(ctx.group)
-        return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None
-
-
 def _verl(k, client, group):
     """verl's Megatron actor with sequence parallelism (verl/models/mcore/model_forward_fused.py): the
-    shards gathered, then lce_client.rl.linear_cross_entropy(hidden, weight shard, labels, temperature,
+    shards gathered (Megatron's gather_from_sequence_parallel_region: a reduce-scatter back; its own
+    needs CUDA), then lce_client.rl.linear_cross_entropy(hidden, weight shard, labels, temperature,
     "none", tp_group) in place of verl's kernel. The gather's reduce-scatter sums the ranks' d_hidden
     parts, so each rank's shard gets its rows of the whole d_hidden once (not k times), and each weight
     shard its rows of dW."""
     import torch.distributed as dist
 
     import lce_client.rl as rl
+    from lce_client.megatron import gather_shards
 
     rank, rows = dist.get_rank(group), V // k
     hidden, labels, _ = _batch(0, k)
@@ -208,7 +186,7 @@ def _verl(k, client, group):
     x = _shard(hidden, k, rank).clone().requires_grad_()
     shard = _weight()[rank * rows:(rank + 1) * rows].clone().requires_grad_()
     rl.set_head(client, head="mg")
-    lp, ent = rl.linear_cross_entropy(_SequenceParallelGather.apply(x, group), shard, labels.T.contiguous(), TEMP,
+    lp, ent = rl.linear_cross_entropy(gather_shards(x, group, sum_grads=True), shard, labels.T.contiguous(), TEMP,
                                       "none", group)
     torch.autograd.backward((lp, ent), (g_lp, g_ent))
     torch.testing.assert_close(lp.double(), lp64.detach(), atol=1e-5, rtol=1e-5)
@@ -274,10 +252,10 @@ def test_megatron_output_layer_matches_megatrons_own_with_one_request_per_group(
     try:
         with lce_client.Client(srv.target, timeout=60) as c:
             serve_weight(c, _weight(), "mg")
-        before, out = _requests(srv), tmp_path / "bytes.json"
+        before, out = requests_by_method(srv), tmp_path / "bytes.json"
         torch.multiprocessing.spawn(_rank, args=(k, str(tmp_path / "store"), srv.target, port, str(out)), nprocs=k,
                                     join=True)
-        calls = {m: n - before.get(m, 0) for m, n in _requests(srv).items()}
+        calls = {m: n - before.get(m, 0) for m, n in requests_by_method(srv).items()}
         # Per group, without sequence parallelism (one request each) and with it (one a rank, of its rows):
         # the server-trained head: a ForwardBackward a micro-batch and one more for the masked one's
         # per-token upstream gradient, a commit of each uniform one and a discard of the masked one's;
@@ -297,33 +275,3 @@ def test_megatron_output_layer_matches_megatrons_own_with_one_request_per_group(
         assert group_bytes >= S * B * H * 4 and copies_bytes == k * group_bytes
     finally:
         srv.stop()
-
-
-def _requests(srv) -> dict:
-    """RPCs the server finished, by method, from its request log."""
-    counts = {}
-    for line in srv.log_path.read_text().splitlines():
-        if line.startswith("{"):
-            m = json.loads(line).get("method", "")
-            counts[m] = counts.get(m, 0) + 1
-    return counts
-
-
-def test_the_megatron_example_trains_like_megatrons_own_layer(tmp_path):
-    """examples/megatron_tp.py: TP 2 with sequence parallelism and the shard's gradient returned into the
-    weight, three AdamW steps, the same losses as Megatron's own layer."""
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from conftest import server_binary
-
-    script = Path(__file__).resolve().parents[2] / "examples" / "megatron_tp.py"
-    env = dict(os.environ, LCE_SERVER_BIN=str(server_binary()))
-    p = subprocess.run([sys.executable, str(script), "--tp", "2", "--sp", "--steps", "3"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
-    diff = re.search(r"max \|megatron - lce-serve\| = (\S+)", p.stdout)
-    assert diff and float(diff.group(1)) < 1e-5, p.stdout

@@ -7,8 +7,6 @@ server gets dW once, not k times. With sequence parallelism each rank sends its 
 (k requests that together hold each row once) and gets its rows' d_hidden and the group's loss."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -16,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import lce_client  # noqa: E402
 from conftest import Server, serve_weight  # noqa: E402
+from helpers import requests_by_method  # noqa: E402
 
 T, H, V, TEMP = 29, 16, 96, 1.5
 
@@ -118,9 +117,9 @@ def test_a_tp_group_makes_one_request_and_every_rank_gets_its_answers(workdir, t
     try:
         with lce_client.Client(srv.target, timeout=60) as c:
             serve_weight(c, _inputs()[1], "tp")
-        before = _requests(srv)
+        before = requests_by_method(srv)
         torch.multiprocessing.spawn(_rank, args=(k, str(tmp_path / "store"), srv.target), nprocs=k, join=True)
-        calls = {m: n - before.get(m, 0) for m, n in _requests(srv).items()}
+        calls = {m: n - before.get(m, 0) for m, n in requests_by_method(srv).items()}
         # One Score and one Backward a group forward and backward, twice (the local weight, then the head
         # trained on the server), and one ForwardBackward, whatever k; k GetGrads of the local weight's
         # pending contribution and three checks of the head's dW; CommitGrad: the local weight's discard
@@ -131,13 +130,3 @@ def test_a_tp_group_makes_one_request_and_every_rank_gets_its_answers(workdir, t
         assert calls.get("GetGrad") == k + 3, calls
     finally:
         srv.stop()
-
-
-def _requests(srv) -> dict:
-    """RPCs the server finished, by method, from its request log."""
-    counts = {}
-    for line in srv.log_path.read_text().splitlines():
-        if line.startswith("{"):
-            m = json.loads(line).get("method", "")
-            counts[m] = counts.get(m, 0) + 1
-    return counts

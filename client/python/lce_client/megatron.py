@@ -44,27 +44,35 @@ from megatron.core import tensor_parallel
 from .torch import get_default_client, remote_linear_cross_entropy, remote_logprobs
 
 __all__ = ["LinearCrossEntropyModule", "remote_output_layer", "output_processor", "logprobs_output_processor",
-           "serve_megatron_weight"]
+           "serve_megatron_weight", "gather_shards"]
 
 _TRAIN_HEAD = (None, "server", "local")
 
 
-class _GatherRows(torch.autograd.Function):
-    """The group's row shards concatenated in rank order on every rank; the backward hands each rank the
-    rows of its own shard of the (identical on every rank) upstream gradient, as Megatron's
-    ``gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)``."""
-
+class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, group):
-        ctx.group, ctx.rows = group, local.shape[0]
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        return torch.cat(parts)
+    def forward(ctx, shard, group, dim, sum_grads):
+        ctx.group, ctx.dim, ctx.size, ctx.sum_grads = group, dim, shard.shape[dim], sum_grads
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.sum_grads:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)  # with the slice below: a reduce-scatter (gloo has none)
         rank = dist.get_rank(ctx.group)
-        return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None
+        return grad.narrow(ctx.dim, rank * ctx.size, ctx.size), None, None, None
+
+
+def gather_shards(shard: torch.Tensor, group, dim: int = 0, sum_grads: bool = False) -> torch.Tensor:
+    """The group's equal shards concatenated along `dim` in rank order, on every rank, differentiable:
+    the backward gives each rank its slice of the upstream gradient, summed over the group first with
+    ``sum_grads``. Megatron's ``gather_from_sequence_parallel_region`` is (dim 0, sum_grads=True; with
+    ``tensor_parallel_output_grad=False``, sum_grads=False) and ``gather_from_tensor_model_parallel_region``
+    (the last dim, sum_grads=False), on any backend (Megatron's own allocate on CUDA)."""
+    return _Gather.apply(shard, group, dim, sum_grads)
 
 
 class _WholeVocab(torch.autograd.Function):
@@ -132,7 +140,7 @@ class LinearCrossEntropyModule(tensor_parallel.ColumnParallelLinear):
         hidden = input_.reshape(rows, h)
         outs = self._remote(hidden, flat_labels, weight, ignore_index, temperature, None if sp else group)
         if sp:
-            outs = tuple(_GatherRows.apply(o, group) for o in outs)
+            outs = tuple(gather_shards(o, group) for o in outs)  # the same upstream gradient on every rank
         return tuple(o.view(-1, b).transpose(0, 1) for o in outs)
 
     def _remote(self, hidden, labels, weight, ignore_index, temperature, row_group):
