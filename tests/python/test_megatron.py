@@ -210,6 +210,7 @@ def _bytes(k, client, group, port):
                  lambda: remote_logprobs(hidden.reshape(S * B, H), labels.T.reshape(-1), client, head="mg")):
         dist.barrier(group=group)
         before = sample(scrape(port), "lce_bytes_received_total")
+        dist.barrier(group=group)  # every rank has read the counter before any sends
         with torch.no_grad():
             call()
         dist.barrier(group=group)
