@@ -40,4 +40,12 @@ if [ -f "$REQ" ] && [ ! -f "$STAMP" ]; then
   .venv/bin/python -m pip install -q -r "$REQ"
   touch "$STAMP"
 fi
+# megatron-core (lce_client.megatron): without its dependencies (torch stays the one above) and past its
+# Python >= 3.12 marker (its cp311 wheel runs here); see the file.
+MREQ=client/python/requirements-megatron.txt
+MSTAMP=.venv/.lce-megatron-$(cat "$MREQ" 2>/dev/null | sha1sum | cut -c1-12)
+if [ -f "$MREQ" ] && [ ! -f "$MSTAMP" ]; then
+  .venv/bin/python -m pip install -q --no-deps --ignore-requires-python -r "$MREQ"
+  touch "$MSTAMP"
+fi
 echo "install-deps: ok"

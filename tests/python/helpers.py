@@ -2,6 +2,7 @@
 and a recorder of a channel's streaming calls."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -41,6 +42,16 @@ def sample(text: str, name: str, **labels) -> float:
         if all(got.get(k) == str(v) for k, v in labels.items()):
             return float(value)
     return 0.0
+
+
+def requests_by_method(srv) -> dict:
+    """RPCs a conftest.Server finished, by method, from its request log (--log-requests)."""
+    counts = {}
+    for line in srv.log_path.read_text().splitlines():
+        if line.startswith("{"):
+            m = json.loads(line).get("method", "")
+            counts[m] = counts.get(m, 0) + 1
+    return counts
 
 
 def cli_binary() -> Path:

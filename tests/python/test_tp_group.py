@@ -7,8 +7,6 @@ server gets dW once, not k times. With sequence parallelism each rank sends its 
 (k requests that together hold each row once) and gets its rows' d_hidden and the group's loss."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -16,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import lce_client  # noqa: E402
 from conftest import Server, serve_weight  # noqa: E402
+from helpers import requests_by_method  # noqa: E402
 
 T, H, V, TEMP = 29, 16, 96, 1.5
 
@@ -60,6 +59,9 @@ def _rank(rank, k, store, target):
         dh, dw = torch.autograd.grad((ent, lp), (h, shard), (g_ent, g_lp))
         torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+        # verl's contract (its tests/utils/test_special_linear_cross_entropy_tp.py all-reduces each rank's
+        # d_hidden before comparing): the group's sum is the whole d_hidden.
+        dist.all_reduce(dh, group=group)
         torch.testing.assert_close(dh.reshape(T, H).double(), ref_dh, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(dw.double(), ref_dw[rank * rows:(rank + 1) * rows], atol=1e-5, rtol=1e-5)
         # The head trained on the server through the group: dW of the group's loss, added once.
@@ -115,9 +117,9 @@ def test_a_tp_group_makes_one_request_and_every_rank_gets_its_answers(workdir, t
     try:
         with lce_client.Client(srv.target, timeout=60) as c:
             serve_weight(c, _inputs()[1], "tp")
-        before = _requests(srv)
+        before = requests_by_method(srv)
         torch.multiprocessing.spawn(_rank, args=(k, str(tmp_path / "store"), srv.target), nprocs=k, join=True)
-        calls = {m: n - before.get(m, 0) for m, n in _requests(srv).items()}
+        calls = {m: n - before.get(m, 0) for m, n in requests_by_method(srv).items()}
         # One Score and one Backward a group forward and backward, twice (the local weight, then the head
         # trained on the server), and one ForwardBackward, whatever k; k GetGrads of the local weight's
         # pending contribution and three checks of the head's dW; CommitGrad: the local weight's discard
@@ -128,13 +130,3 @@ def test_a_tp_group_makes_one_request_and_every_rank_gets_its_answers(workdir, t
         assert calls.get("GetGrad") == k + 3, calls
     finally:
         srv.stop()
-
-
-def _requests(srv) -> dict:
-    """RPCs the server finished, by method, from its request log."""
-    counts = {}
-    for line in srv.log_path.read_text().splitlines():
-        if line.startswith("{"):
-            m = json.loads(line).get("method", "")
-            counts[m] = counts.get(m, 0) + 1
-    return counts

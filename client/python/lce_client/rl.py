@@ -31,7 +31,10 @@
   ``Client.optimizer_step``. With ``dist_process_group`` (a tensor-parallel group whose ranks hold the
   same rows) the group's first rank makes the group's one request and the answers reach the others
   through torch.distributed: the server sees each hidden state once and adds dW once; every rank gets
-  the whole logprobs, entropy and d_hidden (as verl's kernel, which all-reduces its d_hidden).
+  the whole logprobs and entropy, and d_hidden as verl's kernel gives it: a part a rank whose sum over
+  the group is the whole (verl's kernel: the rank's vocab shard's part; its caller sums them, by an
+  all-reduce or the reduce-scatter of Megatron's sequence-parallel gather): here the first rank's is
+  the whole and the others' zeros.
   ``ignore_index`` (-100) rows get logprob 0 and are left out of "sum" / "mean" (their entropy is
   still computed).
 * ``per_token_logps(model, input_ids, attention_mask, logits_to_keep, ...)`` — TRL's
@@ -111,7 +114,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: Optional[torch.Tensor], l
     lp, ent = remote_logprobs(flat_hidden, flat_labels, client,
                               temperature=1.0 if temperature is None else temperature, softcap=softcap,
                               ignore_index=ignore_index, head=head, weight=weight, weight_rank=rank,
-                              process_group=dist_process_group)
+                              process_group=dist_process_group, partial_d_hidden=True)
     if reduction == "none":
         return lp, ent
     # As verl's kernel: only the logprobs are reduced; the entropy stays per token.

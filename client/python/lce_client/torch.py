@@ -461,7 +461,11 @@ class _RemoteLogprobs(torch.autograd.Function):
                 accumulate_weight_grad=accumulate, defer_weight_grad=wants_weight, **kw))
             d, ids = (res.d_hidden, res.pending_grads) if accumulate else (res, ())
         if group is not None:
-            d = group.share(None if d is None else torch.as_tensor(d), tuple(hidden.shape), torch.float32, hidden.device)
+            if opts["partial_d_hidden"]:  # verl's kernel: the group's sum is d_hidden (the leader's whole one)
+                d = torch.as_tensor(d) if group.leader else torch.zeros(tuple(hidden.shape), dtype=torch.float32)
+            else:
+                d = group.share(None if d is None else torch.as_tensor(d), tuple(hidden.shape), torch.float32,
+                                hidden.device)
             if wants_weight:
                 ids = group.share_ids(ids, hidden.device)
         d_weight = _pending_weight_grad(ctx, ids) if wants_weight else None
@@ -505,7 +509,7 @@ def remote_logprobs(hidden: torch.Tensor, targets: torch.Tensor, client: Optiona
                     temperature: float = 1.0, softcap: Optional[float] = None, ignore_index: int = -100,
                     head: Optional[str] = None, cast: bool = True, cuda_session=None,
                     accumulate_weight_grad: bool = False, weight: Optional[torch.Tensor] = None,
-                    weight_rank: int = 0, process_group=None):
+                    weight_rank: int = 0, process_group=None, partial_d_hidden: bool = False):
     """(logprobs, entropy) of targets under the remote head, fp32, shaped like targets, differentiable
     w.r.t. hidden: the backward makes one Backward RPC with the upstream grads of both outputs.
     cuda_session: as in RemoteLinearCrossEntropy (CUDA IPC regions instead of bytes on the wire).
@@ -515,13 +519,16 @@ def remote_logprobs(hidden: torch.Tensor, targets: torch.Tensor, client: Optiona
     back from the server (GetGrad of the call's pending contribution: V·H·4 bytes over the wire).
     process_group: a tensor-parallel group whose ranks all hold these rows (no sequence parallelism):
     its first rank makes the one Score (and Backward) and the answers reach every rank through
-    torch.distributed; dW is added once; each rank gets the whole d_hidden (as verl's kernel all-reduces
-    its own)."""
+    torch.distributed; dW is added once; each rank gets the whole d_hidden (what Megatron's column-parallel
+    layer gives after its all-reduce), or with partial_d_hidden a part whose sum over the group is the whole
+    (verl's kernel: each rank's vocab shard's part, summed by the caller's all-reduce or sequence-parallel
+    reduce-scatter): the first rank's is the whole, the others' zeros, and no d_hidden crosses the group."""
     client = client or get_default_client()
     trains = _trains_head(accumulate_weight_grad)
     group = _row_group(process_group)
     opts = dict(temperature=temperature, softcap=softcap, ignore_index=ignore_index, head=head, cast=cast,
-                cuda_session=cuda_session, trains=trains, weight_rank=weight_rank, group=group)
+                cuda_session=cuda_session, trains=trains, weight_rank=weight_rank, group=group,
+                partial_d_hidden=partial_d_hidden)
     if weight is not None and not (weight.requires_grad and torch.is_grad_enabled()):
         weight = None
     return _RemoteLogprobs.apply(hidden, targets, weight, _anchor(trains), client, opts)
