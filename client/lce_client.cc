@@ -301,8 +301,7 @@ absl::Status CheckBatch(const HiddenBatch& batch, const RowGrads& grads) {
       batch.hidden_region->session_id != batch.d_hidden_region->session_id) {
     return absl::InvalidArgumentError("hidden_region and d_hidden_region must belong to one session");
   }
-  if (batch.rows < 0 ||
-      (!batch.hidden_region && static_cast<int64_t>(batch.hidden.size()) != batch.rows * row_bytes) ||
+  if (batch.rows < 0 || (!batch.hidden_region && static_cast<int64_t>(batch.hidden.size()) != batch.rows * row_bytes) ||
       static_cast<int64_t>(batch.targets.size()) != batch.rows) {
     return absl::InvalidArgumentError(absl::StrCat("batch of ", batch.rows, " rows x ", batch.hidden_size,
                                                    " needs ", batch.rows * row_bytes, " hidden bytes and ",
@@ -395,9 +394,9 @@ absl::Status LceClient::RouteOverDataPlane(Replica& replica, const char* rpc, si
 // first attempt is retried here, where a fail-fast call would give up at once.
 void LceClient::ConnectExtraChannels(Replica& replica) {
   if (replica.extra_connected.load()) return;
-  const auto deadline = std::chrono::system_clock::now() +
-                        std::min<std::chrono::system_clock::duration>(absl::ToChronoSeconds(options_.timeout),
-                                                                     std::chrono::seconds(30));
+  const auto deadline =
+      std::chrono::system_clock::now() +
+      std::min<std::chrono::system_clock::duration>(absl::ToChronoSeconds(options_.timeout), std::chrono::seconds(30));
   bool all = true;
   for (auto& ch : replica.extra_channels) all = ch->WaitForConnected(deadline) && all;
   replica.extra_connected = all;
@@ -472,7 +471,8 @@ absl::StatusOr<BackwardResult> LceClient::Backward(const HiddenBatch& batch, v1:
                                                    absl::Span<const float> grad_logprob,
                                                    absl::Span<const float> grad_entropy) {
   ForwardBackwardResult r;
-  if (absl::Status s = Stream("Backward", batch, header, RowGrads{{}, grad_logprob, grad_entropy}, &r); !s.ok()) return s;
+  const RowGrads grads{{}, grad_logprob, grad_entropy};
+  if (absl::Status s = Stream("Backward", batch, header, grads, &r); !s.ok()) return s;
   return BackwardResult{std::move(r.d_hidden)};
 }
 

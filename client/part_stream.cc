@@ -135,8 +135,9 @@ std::optional<absl::Status> PartStream::RunAsCall(v1::LceService::Stub& stub, co
   if (tracing_) trace_.opened = trace_.first_chunk_sent = trace_.last_chunk_sent = Now();
   const auto [first, n] = plan_[0];
   const grpc::Status s =
-      hidden_apart ? hidden_call->Run(&call_ctx, req, batch_.hidden.subspan(first * row_bytes_, n * row_bytes_), &answer)
-                   : stub.Call(&call_ctx, req, &answer);
+      hidden_apart
+          ? hidden_call->Run(&call_ctx, req, batch_.hidden.subspan(first * row_bytes_, n * row_bytes_), &answer)
+          : stub.Call(&call_ctx, req, &answer);
   if (tracing_) trace_.first_answer = trace_.last_answer = Now();
   ReportTrace();
   if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) return std::nullopt;
@@ -209,8 +210,8 @@ void PartStream::Upload(int socket, grpc::ClientContext& ctx) {
     absl::Status s;
     if (len > 0) {
       s = lane_->up[static_cast<size_t>(socket)]->Write(to.session_id, to.region_id,
-                                                       to.offset + first * row_bytes_ + off,
-                                                       batch_.hidden.subspan(first * row_bytes_ + off, len));
+                                                        to.offset + first * row_bytes_ + off,
+                                                        batch_.hidden.subspan(first * row_bytes_ + off, len));
     }
     std::lock_guard<std::mutex> l(mu_);
     if (!s.ok()) {

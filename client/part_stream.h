@@ -39,8 +39,8 @@ struct RowGrads {
 // What a stream uses of its client.
 struct StreamEnv {
   const ClientOptions& options;
-  WorkerPool& workers;          // runs the writer and the uploaders
-  std::atomic<bool>& no_call;   // the server has no LceService.Call: stream from now on
+  WorkerPool& workers;                                // runs the writer and the uploaders
+  std::atomic<bool>& no_call;                         // the server has no LceService.Call: stream from now on
   std::function<void(grpc::ClientContext*)> prepare;  // a call's deadline, token and session metadata
 };
 
@@ -118,8 +118,8 @@ class PartStream {
   // writer announces each chunk once its bytes are in, without waiting for answers.
   std::mutex mu_;
   std::condition_variable cv_;
-  size_t uploaded_ = 0;  // data plane: plan chunks whose bytes are in server memory (under mu_)
-  bool stop_ = false;    // the call is over: failed, or the answers are all in (under mu_)
+  size_t uploaded_ = 0;           // data plane: plan chunks whose bytes are in server memory (under mu_)
+  bool stop_ = false;             // the call is over: failed, or the answers are all in (under mu_)
   std::vector<int> shares_done_;  // by plan chunk: the sockets that moved their share (under mu_)
   absl::Status upload_error_;     // under mu_
   absl::Status answer_error_;     // the answers are unusable (the reading thread's)

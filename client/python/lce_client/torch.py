@@ -32,8 +32,8 @@ import torch
 
 from ._client import Client
 
-__all__ = ["RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy", "serve_linear", "set_default_client",
-           "get_default_client"]
+__all__ = ["RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy", "serve_linear",
+           "set_default_client", "get_default_client"]
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _default_client: Optional[Client] = None
@@ -377,11 +377,13 @@ class _RemoteLogprobs(torch.autograd.Function):
                 accumulate_weight_grad=accumulate, defer_weight_grad=wants_weight, **kw))
             d, ids = (res.d_hidden, res.pending_grads) if accumulate else (res, ())
         if group is not None:
-            d = group.share(None if d is None else torch.as_tensor(d), tuple(hidden.shape), torch.float32, hidden.device)
+            d = group.share(None if d is None else torch.as_tensor(d), tuple(hidden.shape), torch.float32,
+                            hidden.device)
             if wants_weight:
                 ids = group.share_ids(ids, hidden.device)
         d_weight = _pending_weight_grad(ctx, ids) if wants_weight else None
-        d_hidden = torch.as_tensor(d).to(device=hidden.device, dtype=ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
+        d_hidden = (torch.as_tensor(d).to(device=hidden.device, dtype=ctx.hidden_dtype) if ctx.needs_input_grad[0]
+                    else None)
         return d_hidden, None, d_weight, None, None, None
 
 

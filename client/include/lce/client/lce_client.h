@@ -324,12 +324,12 @@ class LceClient {
 
  private:
   explicit LceClient(ClientOptions options);
-  struct DataPlane;      // the session, regions and sockets of ClientOptions.data_plane
-  struct Replica;        // one server (or round_robin name): its channels, stubs and data plane
+  struct DataPlane;  // the session, regions and sockets of ClientOptions.data_plane
+  struct Replica;    // one server (or round_robin name): its channels, stubs and data plane
   // A streaming call: on the front (training, regions), or spread over the replicas with retries
   // on UNAVAILABLE (StreamOn on each).
-  absl::Status Stream(const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
-                      const RowGrads& grads, ForwardBackwardResult* out);
+  absl::Status Stream(const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header, const RowGrads& grads,
+                      ForwardBackwardResult* out);
   // The call on one replica: its rows split into streams (PartStream each), their answers put
   // together (AnswerAssembly).
   absl::Status StreamOn(Replica& replica, const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
