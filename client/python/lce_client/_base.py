@@ -111,15 +111,6 @@ _AGGREGATIONS = {
     "seq-mean-token-mean": pb.AGGREGATION_SEQ_MEAN_TOKEN_MEAN,
 }
 _KL = {"k1": pb.KL_ESTIMATOR_K1, "k3": pb.KL_ESTIMATOR_K3}
-
-
-_REDUCTIONS = {"none": pb.REDUCTION_NONE, "sum": pb.REDUCTION_SUM, "mean": pb.REDUCTION_MEAN}
-_AGGREGATIONS = {
-    "token-mean": pb.AGGREGATION_TOKEN_MEAN,
-    "seq-mean-token-sum": pb.AGGREGATION_SEQ_MEAN_TOKEN_SUM,
-    "seq-mean-token-mean": pb.AGGREGATION_SEQ_MEAN_TOKEN_MEAN,
-}
-_KL = {"k1": pb.KL_ESTIMATOR_K1, "k3": pb.KL_ESTIMATOR_K3}
 _CALL_METHODS = {"Score": pb.CALL_SCORE, "ForwardBackward": pb.CALL_FORWARD_BACKWARD, "Backward": pb.CALL_BACKWARD,
                  "PolicyLoss": pb.CALL_POLICY_LOSS}
 
