@@ -3,6 +3,7 @@ and an options object build the same client; bad settings are refused as before.
 client connects on its first call."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -20,15 +21,30 @@ def _settings_of(c) -> dict:
     return {name: getattr(c, name) for name in ATTRIBUTES}
 
 
-@pytest.mark.parametrize("make", [lce_client.Client, lce_client.aio.Client])
-def test_keywords_and_options_object_build_the_same_client(make):
-    by_keywords = make("127.0.0.1:1,127.0.0.1:2", **SETTINGS)
-    by_object = make("127.0.0.1:1,127.0.0.1:2", options=ClientOptions(**SETTINGS))
+def _check_same(by_keywords, by_object) -> None:
     assert _settings_of(by_keywords) == _settings_of(by_object)
     assert _settings_of(by_keywords)["streams"] == 3 and by_keywords.targets == ["127.0.0.1:1", "127.0.0.1:2"]
     assert by_keywords.client_options == by_object.client_options == ClientOptions(**SETTINGS)
+
+
+def test_keywords_and_options_object_build_the_same_client():
+    by_keywords = lce_client.Client("127.0.0.1:1,127.0.0.1:2", **SETTINGS)
+    by_object = lce_client.Client("127.0.0.1:1,127.0.0.1:2", options=ClientOptions(**SETTINGS))
+    _check_same(by_keywords, by_object)
     by_keywords.close()
     by_object.close()
+
+
+def test_keywords_and_options_object_build_the_same_aio_client():
+    async def main():  # grpc.aio channels belong to an event loop
+        by_keywords = lce_client.aio.Client("127.0.0.1:1,127.0.0.1:2", **SETTINGS)
+        by_object = lce_client.aio.Client("127.0.0.1:1,127.0.0.1:2", options=ClientOptions(**SETTINGS))
+        _check_same(by_keywords, by_object)
+        assert by_keywords._sync.client_options == by_keywords.client_options  # its other calls' client
+        await by_keywords.aclose()
+        await by_object.aclose()
+
+    asyncio.run(main())
 
 
 def test_keywords_beside_an_options_object_change_those_settings():

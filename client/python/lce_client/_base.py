@@ -452,7 +452,8 @@ class _ClientBase:
     def _place_answers(self, answers, begin, n, out, dh_bytes, row_bytes, rpc, header, route=None,
                        d_hidden_at=None, on_rows=None):
         """A part's answer messages placed into `out` (rows [begin, begin + n) of the request); returns
-        its summary (or None). on_rows(done_in_part, rows) per answered chunk."""
+        its summary (or None) and how many of its rows were answered (_check_answered checks them).
+        on_rows(done_in_part, rows) per answered chunk."""
         expect, summary = 0, None
         for msg in answers:
             kind = msg.WhichOneof("kind")
@@ -463,9 +464,13 @@ class _ClientBase:
                                            route, d_hidden_at)
                 if on_rows is not None:
                     on_rows(expect, int(msg.chunk.rows))
-        if expect != n:
-            raise LceError(grpc.StatusCode.INTERNAL, f"server answered {expect} of {n} rows", rpc)
-        return summary
+        return summary, expect
+
+    @staticmethod
+    def _check_answered(answered: int, n: int, rpc: str) -> None:
+        """INTERNAL where the server ended a part of n rows having answered fewer."""
+        if answered != n:
+            raise LceError(grpc.StatusCode.INTERNAL, f"server answered {answered} of {n} rows", rpc)
 
     @staticmethod
     def _place_chunk(c, begin, n, expect, out, dh_bytes, row_bytes, rpc, header, route=None, d_hidden_at=None) -> int:

@@ -635,8 +635,8 @@ class Client(_ClientBase):
         if on_call is not None:
             on_call(call)
         try:
-            summary = self._place_answers(answers, begin, n, out, dh_bytes, row_bytes, rpc, header, route,
-                                          d_hidden_at, on_rows)
+            summary, answered = self._place_answers(answers, begin, n, out, dh_bytes, row_bytes, rpc, header, route,
+                                                    d_hidden_at, on_rows)
         except grpc.RpcError as e:
             if uploads is not None and uploads.error is not None:  # the CANCELLED is the failed upload's doing
                 raise uploads.error from e
@@ -647,6 +647,7 @@ class Client(_ClientBase):
             raise
         if uploads is not None and uploads.error is not None:
             raise uploads.error
+        self._check_answered(answered, n, rpc)
         return summary
 
     def _call(self, stub, rpc, requests, metadata):

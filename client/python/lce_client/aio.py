@@ -135,7 +135,8 @@ class Client(_ClientBase):
                 answers = await self._astream(stub, rpc, requests, timeout)
             except _MaskedStatus:
                 return await self._resend_for_the_status(rpc, h, targets, header, per_row, finish, want_dhidden)
-        out["summary"] = self._place_answers(answers, 0, n, out, dh_bytes, row_bytes, rpc, header)
+        out["summary"], answered = self._place_answers(answers, 0, n, out, dh_bytes, row_bytes, rpc, header)
+        self._check_answered(answered, n, rpc)
         return finish(out)
 
     async def _astream(self, stub, rpc, requests, timeout):
