@@ -512,6 +512,10 @@ class CudaEngine final : public LceEngine {
 
 absl::Status CudaEngine::CheckCall(const RowsView& rows, const LceOptions& o, const Upstream& up) const {
   if (absl::Status s = ValidateOptions(o); !s.ok()) return s;
+  // Rankings, class weights and the z-loss output are the CPU engine's so far (docs/API.md).
+  if (o.top_k > 0 || rows.class_weight != nullptr) {
+    return absl::UnimplementedError("argmax / top-k rankings and class weights are not on the CUDA engine yet");
+  }
   if (rows.rows < 0) return absl::InvalidArgumentError("negative row count");
   if (rows.rows > 0 && (rows.hidden == nullptr || rows.targets == nullptr)) {
     return absl::InvalidArgumentError("hidden and targets must be given");

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _arrays as A
 from ._base import (_ClientBase, BackwardResult, ForwardBackwardResult, PolicyLossResult, ProgressFn,  # noqa: F401
-                    call_answers, client_options, plan_chunks)
+                    ScoreResult, call_answers, client_options, plan_chunks, token_accuracy)
 from ._data_plane import DataPlane, Route, UploadState
 from ._errors import LceError, _wrap
 from ._options import DEFAULT_CHUNK_BYTES, DEFAULT_MIN_STREAM_BYTES, ClientOptions  # noqa: F401
@@ -481,7 +481,7 @@ class Client(_ClientBase):
         data plane taken where the client has one, the parts sent and their answers placed."""
         if d_hidden_region is not None and not want_dhidden:
             raise ValueError(f"{rpc} returns no d_hidden: d_hidden_region does not apply")
-        at = self._placement(h, want_dhidden, hidden_region, d_hidden_region, d_hidden_offset)
+        at = self._placement(h, int(header.top_k), want_dhidden, hidden_region, d_hidden_region, d_hidden_offset)
         n = h.rows
         if n == 0:
             # The server refuses requests without rows; an empty batch has an empty answer (and a loss
@@ -518,12 +518,12 @@ class Client(_ClientBase):
                 prog.close()
         return at.out
 
-    def _placement(self, h, want_dhidden: bool, hidden_region: Optional[Region], d_hidden_region: Optional[Region],
-                   d_hidden_offset: int) -> "_Placement":
+    def _placement(self, h, top_k: int, want_dhidden: bool, hidden_region: Optional[Region],
+                   d_hidden_region: Optional[Region], d_hidden_offset: int) -> "_Placement":
         """Where a request's hidden states are read and its answers written: the outputs (d_hidden in the
         caller's region, or a new array), and the regions' session in the metadata."""
         n = h.rows
-        at = _Placement(out=self._new_outputs(n), metadata=self._metadata)
+        at = _Placement(out=self._new_outputs(n, top_k), metadata=self._metadata)
         if hidden_region is not None or d_hidden_region is not None:
             sessions = {(r.session_id, r.session_secret) for r in (hidden_region, d_hidden_region) if r is not None}
             if len(sessions) != 1:

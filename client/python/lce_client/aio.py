@@ -115,7 +115,8 @@ class Client(_ClientBase):
 
     async def _arun(self, rpc, h, targets, header, per_row, finish, want_dhidden, timeout):
         n = h.rows
-        out = self._new_outputs(n, A.new_hidden_out(n, h.hidden_size, h.wire_dtype) if want_dhidden else None)
+        out = self._new_outputs(n, int(header.top_k),
+                                A.new_hidden_out(n, h.hidden_size, h.wire_dtype) if want_dhidden else None)
         if n == 0:
             out["summary"] = pb.RequestSummary(rows=0, valid_tokens=0, loss=0.0)
             return finish(out)

@@ -20,12 +20,22 @@ struct LceOptions {
   float temperature = 1.0f;     // T > 0
   float softcap = 0.0f;         // s >= 0; 0 = off
   float label_smoothing = 0.0f; // eps in [0, 1); used by the loss only
-  float z_loss = 0.0f;          // lambda >= 0; used by the loss only
+  float z_loss = 0.0f;          // lambda, finite (usually >= 0); used by the loss only
   int32_t ignore_index = -100;
   bool allow_tf32 = false;      // fp32 heads on CUDA only
+  // The call ranks each row's top_k most probable tokens (RowOutputs::argmax, top_tokens,
+  // top_logprobs); 0 = no ranking. In [0, kMaxTopK]. An option, not only an output, because a
+  // group's ranks all take part in the ranking's exchange.
+  int32_t top_k = 0;
 };
 
+inline constexpr int32_t kMaxTopK = 64;
+
 absl::Status ValidateOptions(const LceOptions& options);
+
+struct RowOutputs;
+// The outputs a call asks for against its options (rankings need top_k >= 1).
+absl::Status ValidateOutputs(const LceOptions& options, const RowOutputs& outputs);
 
 // Where the pointers of one Compute call live. Every pointer of a call lives in the same place.
 enum class MemorySpace : uint8_t { kHost, kDevice };
@@ -40,6 +50,9 @@ struct RowsView {
   // on a GPU saves a kernel and a host round trip a call. Unchecked out-of-range targets with this
   // set are undefined behaviour.
   bool targets_checked = false;
+  // Class weights w [vocab_size] (global ids, finite) in the rows' memory space, or null (all 1):
+  // the loss of a row is PyTorch's CrossEntropyLoss(weight=w) term (docs/MATH.md, "Class weights").
+  const float* class_weight = nullptr;
 };
 
 // Which gradient, if any, a call computes.
@@ -63,6 +76,15 @@ struct RowOutputs {
   float* entropy = nullptr;
   float* lse = nullptr;
   float* loss = nullptr;
+  // z_loss·lse² (0 for ignored rows): the z-loss part of loss.
+  float* z_loss = nullptr;
+  // Rankings; need LceOptions::top_k >= 1. argmax [rows]: the most probable token (the lowest id
+  // among equal logits), for every row, ignored ones too. top_tokens / top_logprobs [rows, top_k]:
+  // the top_k most probable tokens, most probable first (equal logits: lower id first), and their
+  // logprobs z - lse.
+  int32_t* argmax = nullptr;
+  int32_t* top_tokens = nullptr;
+  float* top_logprobs = nullptr;
 };
 
 // Gradient outputs; null means "not wanted".
