@@ -117,6 +117,21 @@ def _ranking_outputs(argmax: bool, top_k: int) -> list:
     return ([pb.OUTPUT_ARGMAX] if argmax or top_k else []) + ([pb.OUTPUT_TOP_K] if top_k else [])
 
 
+def _class_weighted(hdr: pb.RequestHeader, t: np.ndarray, class_weights, reduction: str,
+                    ignore_index: int) -> Tuple[str, Optional[float]]:
+    """Puts class_weights into the header. A weighted mean divides by the non-ignored targets' weights
+    (PyTorch): it is asked as a sum and divided here. Returns the reduction to ask for and, for a
+    weighted mean, that sum of weights (None otherwise)."""
+    if class_weights is None:
+        return reduction, None
+    cw = np.ascontiguousarray(_as_numpy(class_weights), dtype=np.float32).reshape(-1)
+    hdr.class_weights.extend(cw.tolist())
+    if reduction != "mean":
+        return reduction, None
+    valid_t = t[t != ignore_index]
+    return "sum", float(cw[valid_t].astype(np.float64).sum()) if valid_t.size else 0.0
+
+
 def _rankings(res: dict, h, top_k: int):
     """(argmax, top_tokens, top_logprobs) in the caller's kind and row shape ([..., k] for top-k)."""
     am = A.to_caller_rows(res["argmax"], h)
@@ -274,26 +289,14 @@ class _ClientBase:
             raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
         if grad_loss is not None and reduction != "none":
             raise ValueError("grad_loss applies to reduction='none' only")
-        outputs = [pb.OUTPUT_LOSS] + _ranking_outputs(argmax, top_k)
-        if return_logprobs:
-            outputs.append(pb.OUTPUT_LOGPROBS)
-        if return_entropy:
-            outputs.append(pb.OUTPUT_ENTROPY)
-        if return_z_loss:
-            outputs.append(pb.OUTPUT_Z_LOSS)
+        outputs = [pb.OUTPUT_LOSS] + _ranking_outputs(argmax, top_k) + \
+            [o for o, asked in ((pb.OUTPUT_LOGPROBS, return_logprobs), (pb.OUTPUT_ENTROPY, return_entropy),
+                                (pb.OUTPUT_Z_LOSS, return_z_loss)) if asked]
         h = self._hidden(hidden, dtype, hidden_region)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
         hdr.top_k = top_k
-        # A weighted mean divides by the targets' weights (PyTorch): asked as a sum, divided here.
-        weight_sum = None
-        if class_weights is not None:
-            cw = np.ascontiguousarray(_as_numpy(class_weights), dtype=np.float32).reshape(-1)
-            hdr.class_weights.extend(cw.tolist())
-            if reduction == "mean":
-                valid_t = t[t != ignore_index]
-                weight_sum = float(cw[valid_t].astype(np.float64).sum()) if valid_t.size else 0.0
-                reduction = "sum"
+        reduction, weight_sum = _class_weighted(hdr, t, class_weights, reduction, ignore_index)
         hdr.reduction = _REDUCTIONS[reduction]
         hdr.label_smoothing = label_smoothing
         hdr.z_loss = z_loss
