@@ -68,7 +68,8 @@ def run(client: lce_client.Client, args) -> dict:
     good = np.full(P * G * T, args.good_token, dtype=np.int32)
 
     history = []
-    print(f"{'step':>4} {'reward':>7} {'loss':>9} {'clip%':>6} {'approx_kl':>10} {'kl_ref':>8} {'logp(good)':>11} {'version':>7}")
+    print(f"{'step':>4} {'reward':>7} {'loss':>9} {'clip%':>6} {'approx_kl':>10} {'kl_ref':>8} {'logp(good)':>11} "
+          f"{'version':>7}")
     for step in range(args.steps):
         # Rollout: sample tokens (half from the good token's neighbourhood, so rewards vary), score them.
         tokens = np.where(rng.random(P * G * T) < 0.15, args.good_token, rng.integers(0, V, P * G * T)).astype(np.int32)

@@ -92,7 +92,8 @@ def main() -> None:
             print(f"\n{'seq':>3} {'tokens':>6} {'sum logprob':>12} {'mean entropy':>13}")
             for b in range(B):
                 valid = tokens[b] != -100
-                print(f"{b:>3} {int(valid.sum()):>6} {logprobs[b][valid].sum():>12.3f} {entropy[b][valid].mean():>13.4f}")
+                print(f"{b:>3} {int(valid.sum()):>6} {logprobs[b][valid].sum():>12.3f} "
+                      f"{entropy[b][valid].mean():>13.4f}")
             print(f"\n(uniform sampling over V={head.vocab_size} would give logprob ~ {-np.log(head.vocab_size):.2f}; "
                   f"max entropy is {np.log(head.vocab_size):.2f})")
     finally:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite, what CI runs (.ci/run): installs dependencies (idempotent), builds, runs the
+# The whole test suite, what CI runs (.ci/run): checks the style of the files the last change touched
+# (tests/lint.sh), installs dependencies (idempotent), builds, runs the
 # C++ tests (ctest: CPU tests, and GPU tests that skip with a message where no GPU is present), the
 # Python tests, the packages (tests/package: install, wheel, .deb) and 2 minutes of the soak; then the
 # hardening lanes (docs/OPERATING.md, "Fuzzing, sanitizers, soak"): the fuzzers for LCE_FUZZ_SECONDS
@@ -44,6 +45,7 @@ packages() {
   bash tests/package/check_deb.sh "$BUILD"
 }
 
+stage "lint (changed files)" bash tests/lint.sh
 stage "dependencies" bash deploy/install-deps.sh
 stage "build (gcc, Release)" build
 stage "C++ tests (ctest)" ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS"

@@ -61,7 +61,7 @@ def generate_stubs():
 def _requirements():
     reqs = ["numpy>=1.22"]
     try:
-        import grpc_tools
+        import grpc_tools  # noqa: F401 - whether it is installed
         from importlib.metadata import version
 
         tools = version("grpcio-tools")

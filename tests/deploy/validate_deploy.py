@@ -129,7 +129,8 @@ def check_compose(root, c):
             if src.startswith("./"):
                 check(os.path.exists(os.path.join(root, src)), f"compose: {svc} mounts {src} (exists)")
     prom_mounts = " ".join(str(v) for v in services.get("prometheus", {}).get("volumes", []))
-    check("./deploy/prometheus/prometheus.yml:" in prom_mounts, "compose: prometheus uses deploy/prometheus/prometheus.yml")
+    check("./deploy/prometheus/prometheus.yml:" in prom_mounts,
+          "compose: prometheus uses deploy/prometheus/prometheus.yml")
     declared = set((c.get("volumes") or {}).keys())
     for svc, body in services.items():
         for v in body.get("volumes", []):
@@ -198,7 +199,8 @@ def check_k8s(root, k8s):
             argv = [str(a) for a in c.get("command", []) + c.get("args", [])]
             if argv and argv[0].endswith("lce_tp_launch.sh"):
                 check(len(argv) > 1 and argv[1] == str(gpus),
-                      f"k8s: {cname} TP size (launcher argument {argv[1] if len(argv) > 1 else '?'}) equals its GPUs ({gpus})")
+                      f"k8s: {cname} TP size (launcher argument {argv[1] if len(argv) > 1 else '?'}) "
+                      f"equals its GPUs ({gpus})")
             dp = [a.split("=", 1)[1] for a in argv if a.startswith("--dp-size=")]
             if dp:  # a data-parallel job: one replica a pod
                 check(dp == [str(spec.get("replicas"))],
@@ -256,7 +258,8 @@ def check_dashboard(root, promtool):
         "request rate by method and code from lce_requests_total")
     for q in ("0.5", "0.9", "0.99"):
         has(lambda e, q=q: f"histogram_quantile({q}," in e and "lce_request_duration_seconds_bucket" in e
-            and re.search(r"by\([^)]*\ble\b", e), f"latency p{q[2:].ljust(2, '0')} from lce_request_duration_seconds_bucket")
+            and re.search(r"by\([^)]*\ble\b", e),
+            f"latency p{q[2:].ljust(2, '0')} from lce_request_duration_seconds_bucket")
     has(lambda e: "lce_tokens_total" in e and "rate(" in e, "tokens/s from lce_tokens_total")
     has(lambda e: "lce_device_memory_bytes" in e, "GPU memory from lce_device_memory_bytes")
 
@@ -268,7 +271,7 @@ def check_dashboard(root, promtool):
                            + (f"; unknown: {sorted(unknown)}" if unknown else ""))
         allowed = set().union(*(known[n] for n in names if n in known)) | TARGET_LABELS
         for grp in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", e):
-            labels = {l.strip() for l in grp.split(",") if l.strip()}
+            labels = {x.strip() for x in grp.split(",") if x.strip()}
             check(labels <= allowed, f"dashboard: '{title}' groups by labels the series carry {sorted(labels)}")
 
     if promtool:

@@ -1,6 +1,7 @@
 """Run by check_wheel.sh in a fresh venv, from a scratch directory: the installed lce_client (not the
 source tree's) scores rows of a head this script writes, against a float64 reference, and reports the
-server's version. Usage: python wheel_smoke.py write HEAD.safetensors | python wheel_smoke.py score TARGET HEAD.safetensors
+server's version. Usage: python wheel_smoke.py write HEAD.safetensors
+                       | python wheel_smoke.py score TARGET HEAD.safetensors
 """
 import sys
 import sysconfig

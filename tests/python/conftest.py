@@ -6,7 +6,6 @@ The binary: $LCE_SERVER_BIN, else build/bin/lce_server under the repository root
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

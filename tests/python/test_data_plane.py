@@ -523,7 +523,8 @@ def test_calls_from_several_threads_take_turns(dp_heads):
     import threading
 
     head = dp_heads["bf16"]
-    batches = [(head.hidden(150 + 40 * i, seed=110 + i)[0], targets_for_rows(150 + 40 * i, seed=120 + i)) for i in range(4)]
+    batches = [(head.hidden(150 + 40 * i, seed=110 + i)[0], targets_for_rows(150 + 40 * i, seed=120 + i))
+               for i in range(4)]
     plain, dp = clients(head, 32, streams=2, min_rows=64)
     with plain, dp:
         want = [plain.forward_backward(st, y) for st, y in batches]

@@ -63,8 +63,8 @@ def test_train_tiny_lm_against_replicas_trains_on_the_first(tmp_path, server_fac
 def test_rollout_logprobs_prints_a_table(tmp_path):
     stdout = _run([str(EXAMPLES / "rollout_logprobs.py"), "--sequences", "2", "--length", "5"], tmp_path)
     lines = stdout.splitlines()
-    assert any(l.split()[:6] == ["seq", "pos", "token", "logprob", "prob", "entropy"] for l in lines), stdout
-    rows = [l.split() for l in lines if len(l.split()) == 6 and l.split()[0].isdigit()]
+    assert any(ln.split()[:6] == ["seq", "pos", "token", "logprob", "prob", "entropy"] for ln in lines), stdout
+    rows = [ln.split() for ln in lines if len(ln.split()) == 6 and ln.split()[0].isdigit()]
     assert len(rows) == 2 * 5
     ignored = [r for r in rows if r[2] == "ignored"]
     assert len(ignored) == 2 and all(float(r[3]) == 0.0 for r in ignored)

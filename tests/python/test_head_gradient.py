@@ -84,8 +84,6 @@ def _check(c, W):
 @requires_torch
 @pytest.mark.parametrize("case", ["scaled", "zero", "weighted_sum", "used_twice", "accumulated", "divisor"])
 def test_scalar_upstream_gradients(srv, case):
-    import torch
-
     server, w0 = srv
     c = lce_client.Client(server.target, timeout=60)
     c.zero_grad()
@@ -174,8 +172,6 @@ def test_per_token_grad_output_of_reduction_none(srv):
 
 @requires_torch
 def test_retained_graph_backpropagated_twice(srv):
-    import torch
-
     server, w0 = srv
     c = lce_client.Client(server.target, timeout=60)
     c.zero_grad()

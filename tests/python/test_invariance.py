@@ -129,7 +129,8 @@ def ranked_answers(client, h, y):
     cw = (0.5 + (np.arange(VOCAB) % 7) / 4).astype(np.float32)
     r = client.forward_backward(h, y, reduction="sum", class_weights=cw, return_z_loss=True, argmax=True, **OPTIONS)
     bits = lambda a: np.asarray(a).view(np.uint32)
-    return {"argmax": np.asarray(s.argmax), "top_tokens": np.asarray(s.top_tokens), "top_logprobs": bits(s.top_logprobs),
+    return {"argmax": np.asarray(s.argmax), "top_tokens": np.asarray(s.top_tokens),
+            "top_logprobs": bits(s.top_logprobs),
             "fb_argmax": np.asarray(r.argmax), "loss": bits(r.per_token_loss), "z_loss": bits(r.z_loss),
             "d_hidden": np.asarray(r.d_hidden).view(np.uint16).reshape(len(y), HIDDEN)}
 

@@ -150,7 +150,8 @@ def test_correctness(client, B, T, H, V, scalar, dtype, bias, has_ce_weight, lse
                      ignore_index, reduction, softcap, return_z_loss, accum_dtype, atol, rtol):
     """accum_dtype (Liger's gradient accumulation dtype) needs nothing: the server accumulates in fp32."""
     skip_unless((bias, NO_BIAS))
-    ce_weight = torch.rand(V, generator=torch.Generator().manual_seed(V), dtype=torch.float32) if has_ce_weight else None
+    ce_weight = (torch.rand(V, generator=torch.Generator().manual_seed(V), dtype=torch.float32) if has_ce_weight
+                 else None)
     check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction=reduction, atol=atol, rtol=rtol, seed=B + V,
                lse_square_scale=lse_square_scale, label_smoothing=label_smoothing, ignore_index=ignore_index,
                softcap=softcap, ce_weight=ce_weight, return_z_loss=return_z_loss)

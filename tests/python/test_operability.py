@@ -121,7 +121,8 @@ def test_real_prometheus_scrapes_the_server(metrics_server, tmp_path):
 def test_admin_rpcs_need_the_admin_token(server_factory, workdir):
     (workdir / "scoring.tok").write_text("scoring-token-0123456789\n")
     (workdir / "admin.tok").write_text("admin-token-0123456789ab\n")
-    srv = server_factory([f"--seed-head=64x{HIDDEN}", "--head-dtype=fp32", f"--auth-token-file={workdir / 'scoring.tok'}",
+    srv = server_factory([f"--seed-head=64x{HIDDEN}", "--head-dtype=fp32",
+                          f"--auth-token-file={workdir / 'scoring.tok'}",
                           f"--admin-token-file={workdir / 'admin.tok'}"], name="admin")
     scorer = lce_client.Client(srv.target, timeout=30, token="scoring-token-0123456789")
     admin = lce_client.Client(srv.target, timeout=30, token="admin-token-0123456789ab")

@@ -127,9 +127,11 @@ def _service_breaks(name: str, old: dpb.ServiceDescriptorProto, new: dpb.Service
         if n.output_type != m.output_type:
             out.append(f"RPC_SAME_RESPONSE_TYPE: {where} returns {n.output_type}, was {m.output_type}")
         if n.client_streaming != m.client_streaming:
-            out.append(f"RPC_SAME_CLIENT_STREAMING: {where} client streaming {m.client_streaming} -> {n.client_streaming}")
+            out.append(f"RPC_SAME_CLIENT_STREAMING: {where} client streaming {m.client_streaming} -> "
+                       f"{n.client_streaming}")
         if n.server_streaming != m.server_streaming:
-            out.append(f"RPC_SAME_SERVER_STREAMING: {where} server streaming {m.server_streaming} -> {n.server_streaming}")
+            out.append(f"RPC_SAME_SERVER_STREAMING: {where} server streaming {m.server_streaming} -> "
+                       f"{n.server_streaming}")
     return out
 
 
@@ -233,17 +235,21 @@ BREAKS = {
     "a field renamed": (lambda d: setattr(_field(d, "RequestHeader", "softcap"), "name", "soft_cap"),
                         "FIELD_SAME_NAME: .lce.v1.RequestHeader.softcap (= 6) renamed to soft_cap"),
     "a scalar's type changed": (lambda d: setattr(_field(d, "RequestHeader", "softcap"), "type", Field.TYPE_DOUBLE),
-                                "FIELD_SAME_TYPE: .lce.v1.RequestHeader.softcap (= 6) changed type from TYPE_FLOAT to TYPE_DOUBLE"),
+                                "FIELD_SAME_TYPE: .lce.v1.RequestHeader.softcap (= 6) changed type from TYPE_FLOAT to "
+                                "TYPE_DOUBLE"),
     "an enum field's enum changed": (
         lambda d: setattr(_field(d, "RequestHeader", "dtype"), "type_name", ".lce.v1.Reduction"),
         "FIELD_SAME_TYPE: .lce.v1.RequestHeader.dtype (= 4) changed type from .lce.v1.DType to .lce.v1.Reduction"),
     "a field made repeated": (lambda d: setattr(_field(d, "RequestHeader", "softcap"), "label", Field.LABEL_REPEATED),
-                              "FIELD_SAME_CARDINALITY: .lce.v1.RequestHeader.softcap (= 6) changed from singular to repeated"),
+                              "FIELD_SAME_CARDINALITY: .lce.v1.RequestHeader.softcap (= 6) changed from singular to "
+                              "repeated"),
     "a field's presence dropped": (
         lambda d: _drop_presence(_field(d, "RequestHeader", "temperature")),
-        "FIELD_SAME_CARDINALITY: .lce.v1.RequestHeader.temperature (= 5) changed from optional (explicit presence) to singular"),
+        "FIELD_SAME_CARDINALITY: .lce.v1.RequestHeader.temperature (= 5) changed from optional (explicit presence) "
+        "to singular"),
     "a field moved into a oneof": (
-        lambda d: setattr(_field(d, "RequestHeader", "softcap"), "oneof_index", _add_oneof(d, "RequestHeader", "choice")),
+        lambda d: setattr(_field(d, "RequestHeader", "softcap"), "oneof_index",
+                          _add_oneof(d, "RequestHeader", "choice")),
         "FIELD_SAME_ONEOF: .lce.v1.RequestHeader.softcap (= 6) moved from oneof '' to 'choice'"),
     "a message removed": (lambda d: _remove_message(d, "HeadDescription"),
                           "MESSAGE_NO_DELETE: message .lce.v1.HeadDescription removed"),
@@ -260,7 +266,8 @@ BREAKS = {
         "RPC_SAME_REQUEST_TYPE: .lce.v1.LceService.ZeroGrad takes .lce.v1.GetInfoRequest, was .lce.v1.ZeroGradRequest"),
     "an RPC's response type changed": (
         lambda d: setattr(_method(d, "GetInfo"), "output_type", ".lce.v1.HeadDescription"),
-        "RPC_SAME_RESPONSE_TYPE: .lce.v1.LceService.GetInfo returns .lce.v1.HeadDescription, was .lce.v1.GetInfoResponse"),
+        "RPC_SAME_RESPONSE_TYPE: .lce.v1.LceService.GetInfo returns .lce.v1.HeadDescription, was "
+        ".lce.v1.GetInfoResponse"),
     "an RPC no longer client-streaming": (
         lambda d: setattr(_method(d, "Score"), "client_streaming", False),
         "RPC_SAME_CLIENT_STREAMING: .lce.v1.LceService.Score client streaming True -> False"),

@@ -201,5 +201,6 @@ def test_replica_info_says_what_each_replica_is(pair):
         assert ia.backend == "cpu" and ia.head.vocab_size == VOCAB
         assert isinstance(ib, lce_client.LceError) and ib.code == grpc.StatusCode.UNAVAILABLE
         lines = c.describe().splitlines()
-        assert lines[0].startswith(f"  {a.target} (front): backend cpu, tp_size 1, head 'default' {VOCAB}x{HIDDEN} fp32")
+        assert lines[0].startswith(
+            f"  {a.target} (front): backend cpu, tp_size 1, head 'default' {VOCAB}x{HIDDEN} fp32")
         assert lines[1].startswith(f"  {b.target}: GetInfo: UNAVAILABLE")

@@ -12,20 +12,22 @@ as coroutines over grpc.aio.
 
 PyTorch autograd (needs torch): lce_client.torch.RemoteLinearCrossEntropy and remote_logprobs, also
 reachable as lce_client.RemoteLinearCrossEntropy / lce_client.remote_logprobs.
-lce_client.hf: a Hugging Face causal LM's head served remotely (apply_remote_head). lce_client.rl: verl's linear_cross_entropy contract, TRL-style
-per_token_logps, the fused policy loss. docs/INTEGRATIONS.md describes them.
+lce_client.hf: a Hugging Face causal LM's head served remotely (apply_remote_head). lce_client.rl:
+verl's linear_cross_entropy contract, TRL-style per_token_logps, the fused policy loss.
+docs/INTEGRATIONS.md describes them.
 """
 from ._arrays import bf16_bits_to_f32, f32_to_bf16_bits
-from ._client import (DEFAULT_CHUNK_BYTES, DEFAULT_MIN_STREAM_BYTES, BackwardResult, Client, ForwardBackwardResult, HeadInfo, LceError, PolicyLossResult,
-                      ScoreResult, ServerInfo, plan_chunks, token_accuracy)
+from ._client import (DEFAULT_CHUNK_BYTES, DEFAULT_MIN_STREAM_BYTES, BackwardResult, Client, ForwardBackwardResult,
+                      HeadInfo, LceError, PolicyLossResult, ScoreResult, ServerInfo, plan_chunks, token_accuracy)
+from ._options import ClientOptions
 from ._shm import Region, SharedMemorySession
 from . import aio
 
 from ._version import VERSION as __version__
-__all__ = ["Client", "LceError", "HeadInfo", "ServerInfo", "ForwardBackwardResult", "BackwardResult", "PolicyLossResult",
-           "ScoreResult", "token_accuracy",
-           "DEFAULT_CHUNK_BYTES", "DEFAULT_MIN_STREAM_BYTES", "plan_chunks", "Region", "SharedMemorySession", "bf16_bits_to_f32", "f32_to_bf16_bits", "RemoteLinearCrossEntropy",
-           "remote_logprobs", "remote_linear_cross_entropy"]
+__all__ = ["Client", "ClientOptions", "LceError", "HeadInfo", "ServerInfo", "ForwardBackwardResult", "BackwardResult",
+           "PolicyLossResult", "ScoreResult", "token_accuracy", "DEFAULT_CHUNK_BYTES", "DEFAULT_MIN_STREAM_BYTES",
+           "plan_chunks", "Region", "SharedMemorySession", "bf16_bits_to_f32", "f32_to_bf16_bits",
+           "RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy", "aio", "__version__"]
 
 _TORCH_NAMES = {"RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy",
                 "set_default_client", "get_default_client"}

@@ -112,7 +112,8 @@ def device_hidden(hidden: Any) -> DeviceArray:
     """Wraps a contiguous torch CUDA tensor [..., H] without copying it (for CUDA IPC regions)."""
     if not is_torch_tensor(hidden) or hidden.device.type != "cuda":
         raise TypeError("hidden_region is a CUDA region: pass the torch CUDA tensor that lies in it as hidden "
-                        f"(got {type(hidden).__name__}{' on ' + str(hidden.device) if is_torch_tensor(hidden) else ''})")
+                        f"(got {type(hidden).__name__}"
+                        f"{' on ' + str(hidden.device) if is_torch_tensor(hidden) else ''})")
     t = hidden.detach()
     if t.dim() < 1:
         raise ValueError("hidden must have shape [..., hidden_size]")

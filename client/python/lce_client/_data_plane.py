@@ -355,7 +355,8 @@ class Route:
 
 class UploadState:
     """One stream's uploads, as the C++ client's StreamPart makes them: one task per upload socket
-    of the route's lane, on the lane's upload threads, each writing its socket_share of every chunk into the hidden region in turn,
+    of the route's lane, on the lane's upload threads, each writing its socket_share of every chunk into the hidden
+    region in turn,
     without waiting for the other sockets (no barrier a chunk: a slow socket delays only the chunks
     whose share it has not finished). `uploaded` counts the leading chunks whose shares are all in;
     the request stream waits for a chunk there (`wait`) before it sends the chunk's message.

@@ -28,8 +28,9 @@ GPU memory (servers with the CUDA backend, on the same host):
 The client synchronizes the device's current CUDA stream before it sends a request that uses a CUDA
 region; writes made on other streams must be synchronized by the caller (torch.cuda.synchronize()).
 The tensor must stay alive, and its storage unresized, while it is registered: the region holds a
-reference to it until it is released or the session is closed. CUDA IPC shares the whole cudaMalloc block the tensor lies in (PyTorch's caching allocator
-may place other tensors there) with the server process. A CPU server answers UNIMPLEMENTED.
+reference to it until it is released or the session is closed. CUDA IPC shares the whole cudaMalloc block the
+tensor lies in (PyTorch's caching allocator may place other tensors there) with the server process. A CPU server
+answers UNIMPLEMENTED.
 """
 from __future__ import annotations
 

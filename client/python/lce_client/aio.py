@@ -18,27 +18,24 @@ call, which merging pays once for many.
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
 
 import grpc
 import numpy as np
 
 from . import _arrays as A
 from . import _coalesce as C
-from ._client import Client as _SyncClient, call_answers
+from ._base import _ClientBase, call_answers, client_options
+from ._client import Client as _SyncClient
 from ._errors import LceError, _wrap
 from ._proto import lce_pb2 as pb
 from ._proto import lce_pb2_grpc as pb_grpc
-
-_CALL_METHODS = {"Score": pb.CALL_SCORE, "ForwardBackward": pb.CALL_FORWARD_BACKWARD,
-                 "Backward": pb.CALL_BACKWARD, "PolicyLoss": pb.CALL_POLICY_LOSS}
 
 
 class _MaskedStatus(Exception):
     """grpc.aio reported INTERNAL "Internal error from Core" for a stream the server ended early."""
 
 
-class Client(_SyncClient):
+class Client(_ClientBase):
     """lce_client.Client's arguments (one target or several: requests take turns over them), and:
 
     coalesce: merge concurrent small calls into one RPC (default True). score() and backward() calls
@@ -64,8 +61,11 @@ class Client(_SyncClient):
     `rpcs_sent` counts the computations' RPCs this client sent over grpc.aio (a merged one once).
     """
 
-    def __init__(self, target, *, coalesce: bool = True, **kwargs):
-        super().__init__(target, **kwargs)
+    def __init__(self, target, *, coalesce: bool = True, options=None, **kwargs):
+        o = client_options(options, kwargs)
+        # The calls other than the four computations go through a sync client of the same settings.
+        self._sync = _SyncClient(target, options=o)
+        super().__init__(self._sync.targets, o)
         if self.load_balancing:
             raise ValueError("aio.Client takes its replicas listed, not as a round_robin name")
         self._aio_channels = [self._new_aio_channel(t) for t in self.targets]
@@ -87,6 +87,10 @@ class Client(_SyncClient):
         for ch in self._aio_channels:
             await ch.close()
         self.close()
+
+    def close(self) -> None:
+        """Closes the channels of the calls other than the four computations (aclose closes all)."""
+        self._sync.close()
 
     async def __aenter__(self):
         return self
@@ -111,9 +115,8 @@ class Client(_SyncClient):
 
     async def _arun(self, rpc, h, targets, header, per_row, finish, want_dhidden, timeout):
         n = h.rows
-        out = {**A.new_outputs(n, int(header.top_k)),
-               "d_hidden": A.new_hidden_out(n, h.hidden_size, h.wire_dtype) if want_dhidden else None,
-               "summary": None}
+        out = self._new_outputs(n, int(header.top_k),
+                                A.new_hidden_out(n, h.hidden_size, h.wire_dtype) if want_dhidden else None)
         if n == 0:
             out["summary"] = pb.RequestSummary(rows=0, valid_tokens=0, loss=0.0)
             return finish(out)
@@ -133,15 +136,8 @@ class Client(_SyncClient):
                 answers = await self._astream(stub, rpc, requests, timeout)
             except _MaskedStatus:
                 return await self._resend_for_the_status(rpc, h, targets, header, per_row, finish, want_dhidden)
-        expect = 0
-        for msg in answers:
-            kind = msg.WhichOneof("kind")
-            if kind == "summary":
-                out["summary"] = msg.summary
-            elif kind == "chunk":
-                expect = self._place_chunk(msg.chunk, 0, n, expect, out, dh_bytes, row_bytes, rpc, header)
-        if expect != n:
-            raise LceError(grpc.StatusCode.INTERNAL, f"server answered {expect} of {n} rows", rpc)
+        out["summary"], answered = self._place_answers(answers, 0, n, out, dh_bytes, row_bytes, rpc, header)
+        self._check_answered(answered, n, rpc)
         return finish(out)
 
     async def _astream(self, stub, rpc, requests, timeout):
@@ -172,12 +168,12 @@ class Client(_SyncClient):
         if header.accumulate_weight_grad:
             raise LceError(grpc.StatusCode.INTERNAL, "the server ended the stream early and grpc.aio lost its "
                            "status (grpc/grpc#36066); not resent, as it accumulates the weight gradient", rpc)
-        return await asyncio.to_thread(_SyncClient._run, self, rpc, h, targets, header, per_row, finish,
+        return await asyncio.to_thread(self._sync._run, rpc, h, targets, header, per_row, finish,
                                        want_dhidden=want_dhidden, progress=None, use_tqdm=False)
 
     async def _acall(self, stub, rpc, requests, timeout):
         """A request of one chunk as one Call; None where the server has none (then this stub streams)."""
-        req = pb.CallRequest(method=_CALL_METHODS[rpc], header=requests[0].header, chunk=requests[1].chunk)
+        req = self._call_request(rpc, requests[0].header, requests[1].chunk)
         self.rpcs_sent += 1
         try:
             resp = await stub.Call(req, timeout=timeout, metadata=self._metadata)
@@ -194,10 +190,7 @@ class Client(_SyncClient):
         the wire, that would go as one Call (one chunk)."""
         if not self.coalesce or rpc not in C.MERGEABLE or header.accumulate_weight_grad or h.rows == 0:
             return False
-        row_bytes = h.hidden_size * h.itemsize
-        per = max(1, self.chunk_bytes // row_bytes)
-        first = min(per, max(1, self.first_chunk_bytes // row_bytes)) if self.first_chunk_bytes > 0 else per
-        return h.rows <= first  # plan_chunks' one chunk
+        return self._fits_one_call(h, d_hidden_back=rpc != "Score")
 
     async def _coalesced(self, rpc, h, targets, header, per_row, finish, want_dhidden):
         loop = asyncio.get_running_loop()
@@ -282,7 +275,7 @@ class Client(_SyncClient):
         """The sync client's load_head, on a worker thread (a coroutine). The heads' merging limits are
         asked again after it (a replaced head may have another vocabulary; it may be the default one)."""
         try:
-            return await asyncio.to_thread(_SyncClient.load_head, self, name, **kwargs)
+            return await asyncio.to_thread(self._sync.load_head, name, **kwargs)
         finally:
             self._limits.clear()
 
@@ -293,10 +286,8 @@ def _raw(out: dict) -> dict:
 
 
 def _on_a_thread(name: str):
-    sync = getattr(_SyncClient, name)
-
     async def call(self, *args, **kwargs):
-        return await asyncio.to_thread(sync, self, *args, **kwargs)
+        return await asyncio.to_thread(getattr(self._sync, name), *args, **kwargs)
 
     call.__name__ = name
     call.__doc__ = f"The sync client's {name}, on a worker thread (a coroutine)."

@@ -322,7 +322,8 @@ def _remote_forward(model, input_ids=None, attention_mask=None, position_ids=Non
                                            divisor=divisor, accumulate_weight_grad=rh.train_head is not None, **common)
     if want_lp or want_ent:
         # A Score now; a Backward in the backward only if a loss uses them.
-        logprobs, entropy = remote_logprobs(hidden, targets, rh.client, accumulate_weight_grad=rh.train_head is not None, **common)
+        logprobs, entropy = remote_logprobs(hidden, targets, rh.client,
+                                            accumulate_weight_grad=rh.train_head is not None, **common)
     out = RemoteCausalLMOutput(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                hidden_states=outputs.hidden_states, attentions=outputs.attentions,
                                logprobs=logprobs if want_lp else None, entropy=entropy if want_ent else None)

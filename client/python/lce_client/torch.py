@@ -33,8 +33,8 @@ import torch
 
 from ._client import Client
 
-__all__ = ["RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy", "serve_linear", "set_default_client",
-           "get_default_client", "CrossEntropyOutput"]
+__all__ = ["RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy", "serve_linear",
+           "set_default_client", "get_default_client", "CrossEntropyOutput"]
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _default_client: Optional[Client] = None
@@ -284,7 +284,8 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
     if backward_mode == "rpc" and reduction != "none":
         raise ValueError("backward_mode='rpc' applies to reduction='none' (sum and mean scale by a scalar)")
     client = client or get_default_client()
-    if sequence_parallel and (ce_weight is not None or return_z_loss or return_token_accuracy or return_predicted_tokens):
+    if sequence_parallel and (ce_weight is not None or return_z_loss or return_token_accuracy
+                              or return_predicted_tokens):
         raise ValueError("ce_weight and the return_* outputs are not available with sequence_parallel")
     if process_group is not None and sequence_parallel:
         return _sequence_parallel_loss(hidden, targets, client, process_group, reduction=reduction, divisor=divisor,
@@ -469,7 +470,8 @@ class _RemoteLogprobs(torch.autograd.Function):
             if wants_weight:
                 ids = group.share_ids(ids, hidden.device)
         d_weight = _pending_weight_grad(ctx, ids) if wants_weight else None
-        d_hidden = torch.as_tensor(d).to(device=hidden.device, dtype=ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
+        d_hidden = (torch.as_tensor(d).to(device=hidden.device, dtype=ctx.hidden_dtype) if ctx.needs_input_grad[0]
+                    else None)
         return d_hidden, None, d_weight, None, None, None
 
 

@@ -24,9 +24,13 @@
 
 namespace lce::client {
 
-class HiddenCall;  // hidden_call.h
-
-class WorkerPool;
+// Private to the library (its .h files under client/).
+class HiddenCall;      // hidden_call.h
+class WorkerPool;      // worker_pool.h
+struct DataPlaneLane;  // part_stream.h: one stream's data-plane sockets
+struct PartRequest;    // part_stream.h: what every stream of one request shares
+struct RowGrads;       // part_stream.h: a request's per-row upstream gradients
+struct PartSummary;    // answer_assembly.h: one stream's summary
 
 // When one stream of a call reached each point (steady_clock, which every process on a host
 // shares: a benchmark lines these up with the server's request log, `start_mono_us`).
@@ -320,37 +324,32 @@ class LceClient {
 
  private:
   explicit LceClient(ClientOptions options);
-  struct Assembly;
-  struct DataPlane;      // the session, regions and sockets of ClientOptions.data_plane
-  struct DataPlaneLane;  // one stream's share of them
-  struct Replica;        // one server (or round_robin name): its channels, stubs and data plane
-  struct PartSummary {
-    double loss = 0;
-    int64_t valid_tokens = 0;
-    int64_t head_version = 0;
-    std::vector<uint64_t> pending_grads;
-  };
+  struct DataPlane;  // the session, regions and sockets of ClientOptions.data_plane
+  struct Replica;    // one server (or round_robin name): its channels, stubs and data plane
   // A streaming call: on the front (training, regions), or spread over the replicas with retries
   // on UNAVAILABLE (StreamOn on each).
-  absl::Status Stream(const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
-                      absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
-                      absl::Span<const float> grad_entropy, ForwardBackwardResult* out);
+  absl::Status Stream(const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header, const RowGrads& grads,
+                      ForwardBackwardResult* out);
+  // The call on one replica: its rows split into streams (PartStream each), their answers put
+  // together (AnswerAssembly).
   absl::Status StreamOn(Replica& replica, const char* rpc, const HiddenBatch& batch, const v1::RequestHeader& header,
-                        absl::Span<const float> grad_loss, absl::Span<const float> grad_logprob,
-                        absl::Span<const float> grad_entropy, ForwardBackwardResult* out);
+                        const RowGrads& grads, ForwardBackwardResult* out);
+  // Prepares the replica's data plane for `parts` streams of `routed` and points `routed` at its
+  // server memory (the bytes then travel over `lanes`, one a stream); under DataPlane::mu.
+  absl::Status RouteOverDataPlane(Replica& replica, const char* rpc, size_t parts, HiddenBatch& routed,
+                                  std::vector<DataPlaneLane>& lanes);
+  void ConnectExtraChannels(Replica& replica);
+  // Runs the request's parts at once, one stream each (the first on this thread); the first
+  // failure cancels the others.
+  absl::Status RunParts(Replica& replica, const PartRequest& request,
+                        const std::vector<std::pair<int64_t, int64_t>>& parts, const std::vector<DataPlaneLane>& lanes,
+                        std::vector<PartSummary>& summaries);
   // The replica for a scoring call's next attempt: from `start` (the call's turn) on, the first that
   // has not failed this call (`failed`, by index), preferring one whose connection is not known to be
   // down; `start` again once all have failed.
   size_t PickReplica(size_t start, const std::vector<bool>& failed);
   absl::StatusOr<v1::GetInfoResponse> GetInfoOn(Replica& replica, const std::string& head);
   absl::StatusOr<std::unique_ptr<SharedMemorySession>> OpenSessionOn(v1::LceService::Stub& stub);
-  // Rows [first, first + count) of the batch as one stream on `stub`; answers go into `assembly`.
-  // `hidden_call`: the stub's channel's, for a request that fits one Call (null: none).
-  absl::Status StreamPart(v1::LceService::Stub& stub, const HiddenCall* hidden_call, grpc::ClientContext& ctx,
-                          const char* rpc,
-                          const HiddenBatch& batch, const v1::RequestHeader& header, absl::Span<const float> grad_loss,
-                          absl::Span<const float> grad_logprob, absl::Span<const float> grad_entropy, int64_t first,
-                          int64_t count, Assembly& assembly, PartSummary* summary, const DataPlaneLane* lane);
   // Opens (or reopens, or grows) what the data plane needs for a batch of `hidden_bytes` split in
   // `parts` streams; called under DataPlane::mu.
   absl::Status PrepareDataPlane(Replica& replica, size_t parts, int64_t hidden_bytes, bool d_hidden);
@@ -367,7 +366,7 @@ class LceClient {
   Replica* front_ = nullptr;
   std::atomic<uint64_t> next_replica_{0};
   std::atomic<bool> no_call_{false};  // the server has no LceService.Call: requests stream
-  // Runs each call's writer, uploaders and download shares, and a split request's extra streams.
+  // Runs each stream's writer, uploaders and download shares, and a split request's extra streams.
   std::unique_ptr<WorkerPool> workers_;
   // The secrets of the sessions this client opened, by id: for RegionRefs made without one.
   mutable std::mutex secrets_mu_;

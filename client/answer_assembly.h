@@ -1,0 +1,70 @@
+// Where the answers of one request come together: every stream of the request (a part of its rows)
+// places its answers here at their rows, and the request's result is checked and completed here
+// once all parts are done. A new per-row output of the API is added in this file and its .cc only.
+// Private to the client library.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "lce/client/lce_client.h"
+
+namespace lce::client {
+
+// What one stream's summary message said (RequestHeader.partial: a part's loss and valid tokens).
+struct PartSummary {
+  double loss = 0;
+  int64_t valid_tokens = 0;
+  int64_t head_version = 0;
+  std::vector<uint64_t> pending_grads;
+
+  void Read(const v1::RequestSummary& s);
+};
+
+// Outputs are sized on first use (under a lock); afterwards the parts write disjoint row ranges
+// without it. Thread-safe for parts that answer disjoint rows.
+class AnswerAssembly {
+ public:
+  // `out`: the caller's result; `d_hidden_out`: the caller's destination for d_hidden (empty: the
+  // result's d_hidden).
+  AnswerAssembly(int64_t rows, int64_t row_bytes, ForwardBackwardResult* out, absl::Span<uint8_t> d_hidden_out);
+
+  int64_t rows() const { return rows_; }
+  int64_t row_bytes() const { return row_bytes_; }
+
+  // Marks rows [first, first + n) answered: an error if one was answered before.
+  absl::Status Claim(int64_t first, int64_t n);
+  // Places an answer's per-row values (logprobs, entropy, loss) at rows [first, first + n).
+  absl::Status PlaceRowValues(const v1::ChunkResult& c, int64_t first, int64_t n);
+  // Places d_hidden bytes that came in the answer at rows [first, first + n).
+  absl::Status PlaceDHidden(const std::string& bytes, int64_t first, int64_t n);
+  // Where rows [first, ...) of d_hidden go (a data-plane download writes there), and the count of
+  // rows written so.
+  uint8_t* DHiddenAt(int64_t first);
+  void CountDHidden(int64_t n) { n_dhidden_ += n; }
+
+  // Once every part is done: every row answered exactly once, each output for all rows or none;
+  // then the parts' summaries (in part order) into the result. `split`: the request went as
+  // several parts, whose valid tokens must add up to the header's declared count.
+  absl::Status Finish(const std::vector<PartSummary>& summaries, const v1::RequestHeader& header, bool split);
+
+ private:
+  float* Floats(std::vector<float>& v);
+  void Place(const google::protobuf::RepeatedField<float>& src, std::vector<float>& dst, int64_t first,
+             std::atomic<int64_t>& count);
+  absl::Status CheckCovered() const;
+
+  const int64_t rows_, row_bytes_;
+  ForwardBackwardResult* const out_;
+  const absl::Span<uint8_t> d_hidden_out_;
+  std::mutex mu_;
+  std::vector<uint8_t> seen_;  // rows answered; each part touches only its own range
+  std::atomic<int64_t> covered_{0}, n_logprobs_{0}, n_entropy_{0}, n_loss_{0}, n_dhidden_{0};
+};
+
+}  // namespace lce::client

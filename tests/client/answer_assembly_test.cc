@@ -1,0 +1,100 @@
+// AnswerAssembly (client/answer_assembly.h): the answers of a request's streams placed at their rows,
+// and the checks that turn a server's wrong answer into an error instead of a wrong result.
+#include "answer_assembly.h"
+
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace lce::client {
+namespace {
+
+v1::ChunkResult Answer(int64_t first, int64_t rows, std::vector<float> logprobs) {
+  v1::ChunkResult c;
+  c.set_first_row(first);
+  c.set_rows(rows);
+  for (float v : logprobs) c.add_logprobs(v);
+  return c;
+}
+
+TEST(AnswerAssembly, PlacesEachAnswerAtItsRowsAndSumsThePartsSummaries) {
+  ForwardBackwardResult out;
+  AnswerAssembly a(/*rows=*/4, /*row_bytes=*/2, &out, {});
+  // The second part answers first: placement is by row, not by arrival.
+  ASSERT_TRUE(a.Claim(2, 2).ok());
+  ASSERT_TRUE(a.PlaceRowValues(Answer(2, 2, {-3, -4}), 2, 2).ok());
+  ASSERT_TRUE(a.PlaceDHidden(std::string("\x05\x06\x07\x08", 4), 2, 2).ok());
+  ASSERT_TRUE(a.Claim(0, 2).ok());
+  ASSERT_TRUE(a.PlaceRowValues(Answer(0, 2, {-1, -2}), 0, 2).ok());
+  ASSERT_TRUE(a.PlaceDHidden(std::string("\x01\x02\x03\x04", 4), 0, 2).ok());
+  // loss, valid tokens, head version, pending gradients
+  const std::vector<PartSummary> parts = {{0.25, 2, 7, {11}}, {0.5, 1, 7, {12}}};
+  v1::RequestHeader header;
+  header.set_num_valid_tokens(3);
+  ASSERT_TRUE(a.Finish(parts, header, /*split=*/true).ok());
+  EXPECT_EQ(out.logprobs, (std::vector<float>{-1, -2, -3, -4}));
+  EXPECT_TRUE(out.entropy.empty());  // not selected: not sized either
+  EXPECT_EQ(out.d_hidden, (std::vector<uint8_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_DOUBLE_EQ(out.reduced_loss, 0.75);
+  EXPECT_EQ(out.valid_tokens, 3);
+  EXPECT_EQ(out.head_version, 7);
+  EXPECT_EQ(out.pending_grads, (std::vector<uint64_t>{11, 12}));
+}
+
+TEST(AnswerAssembly, RefusesARowAnsweredTwiceOrAnOutputOfTheWrongLength) {
+  ForwardBackwardResult out;
+  AnswerAssembly a(4, 2, &out, {});
+  ASSERT_TRUE(a.Claim(0, 3).ok());
+  const absl::Status twice = a.Claim(2, 2);
+  EXPECT_EQ(twice.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(twice.message(), "row 2 was answered twice");
+  const absl::Status short_answer = a.PlaceRowValues(Answer(0, 3, {-1, -2}), 0, 3);
+  EXPECT_EQ(short_answer.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(short_answer.message(), "answer for rows [0, 3) has 2 logprob values");
+  EXPECT_EQ(a.PlaceDHidden(std::string(5, 'x'), 0, 3).message(), "answer for rows [0, 3) has 5 d_hidden bytes, not 6");
+}
+
+TEST(AnswerAssembly, FinishRefusesMissingRowsPartialOutputsOrMixedVersions) {
+  std::vector<PartSummary> one(1);
+  {
+    ForwardBackwardResult out;
+    AnswerAssembly a(4, 2, &out, {});
+    ASSERT_TRUE(a.Claim(0, 3).ok());
+    EXPECT_EQ(a.Finish(one, {}, false).message(), "the server answered 3 of 4 rows");
+  }
+  {
+    ForwardBackwardResult out;
+    AnswerAssembly a(4, 2, &out, {});
+    ASSERT_TRUE(a.Claim(0, 4).ok());
+    ASSERT_TRUE(a.PlaceRowValues(Answer(0, 2, {-1, -2}), 0, 2).ok());
+    EXPECT_EQ(a.Finish(one, {}, false).message(), "the server answered logprobs for 2 of 4 rows");
+  }
+  {
+    ForwardBackwardResult out;
+    AnswerAssembly a(4, 2, &out, {});
+    ASSERT_TRUE(a.Claim(0, 4).ok());
+    const std::vector<PartSummary> parts = {{0, 0, /*head_version=*/3, {}}, {0, 0, /*head_version=*/4, {}}};
+    EXPECT_EQ(a.Finish(parts, {}, true).code(), absl::StatusCode::kAborted);
+  }
+  {
+    ForwardBackwardResult out;
+    AnswerAssembly a(4, 2, &out, {});
+    ASSERT_TRUE(a.Claim(0, 4).ok());
+    const std::vector<PartSummary> parts = {{0, /*valid_tokens=*/2, 0, {}}, {0, /*valid_tokens=*/1, 0, {}}};
+    v1::RequestHeader header;
+    header.set_num_valid_tokens(4);
+    EXPECT_EQ(a.Finish(parts, header, true).code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST(AnswerAssembly, DHiddenGoesToTheCallersDestinationWhenGiven) {
+  ForwardBackwardResult out;
+  std::vector<uint8_t> mine(4, 0);
+  AnswerAssembly a(2, 2, &out, absl::MakeSpan(mine));
+  ASSERT_TRUE(a.PlaceDHidden(std::string("\x09\x0a", 2), 1, 1).ok());
+  EXPECT_EQ(mine, (std::vector<uint8_t>{0, 0, 9, 10}));
+  EXPECT_TRUE(out.d_hidden.empty());
+}
+
+}  // namespace
+}  // namespace lce::client
