@@ -110,6 +110,17 @@ absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
   if (p.host) LCE_CUDA_CHECK(pinned_.Ensure(bad_off + 64, config_.device));
   if (p.host) p.bad_host = reinterpret_cast<unsigned long long*>(pinned_.get() + bad_off);
 
+  p.class_weight = p.rows.class_weight;
+  if (p.class_weight != nullptr && p.host) {
+    const int64_t bytes = shape_.vocab_size * static_cast<int64_t>(sizeof(float));
+    if (class_weight_ == nullptr) {
+      absl::StatusOr<std::unique_ptr<DeviceBuffer>> b = AllocateDeviceBuffer(bytes, config_.device);
+      if (!b.ok()) return b.status();
+      class_weight_ = std::move(*b);
+    }
+    LCE_CUDA_CHECK(cudaMemcpyAsync(class_weight_->data(), p.rows.class_weight, bytes, cudaMemcpyHostToDevice, stream_));
+    p.class_weight = reinterpret_cast<const float*>(class_weight_->data());
+  }
   p.targets_pending = !p.rows.targets_checked && !p.host;  // device rows: read with block 0's flags
   if (!p.rows.targets_checked) {
     if (absl::Status st = CheckTargets(p.rows, p.o, s); !st.ok()) return st;

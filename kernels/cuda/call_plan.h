@@ -32,6 +32,7 @@ struct CallPlan {
   int debug_skip = 0;      // CudaTuning::debug_skip
   LogitTransform tf;
   // PrepareCall.
+  const float* class_weight = nullptr;       // [V] on the device (host rows': copied to class_weight_)
   bool targets_pending = false;              // device rows' targets: read with block 0's flags
   unsigned long long* bad_host = nullptr;    // host rows: the flags' copy in pinned memory
 };
@@ -51,6 +52,7 @@ struct BlockIo {
   float* o_entropy = nullptr;
   float* o_lse = nullptr;
   float* o_loss = nullptr;
+  float* o_z_loss = nullptr;
 };
 
 }  // namespace lce::cuda

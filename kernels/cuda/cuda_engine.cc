@@ -159,7 +159,6 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   if (absl::Status s = CheckCall(rows, o, up); !s.ok()) return s;
   if (grads.d_bias != nullptr) return absl::UnimplementedError("training a head's bias is not on the CUDA engine yet");
   if (absl::Status s = ValidateOutputs(o, out); !s.ok()) return s;
-  if (out.z_loss != nullptr) return absl::UnimplementedError("the z-loss output is not on the CUDA engine yet");
   std::lock_guard<std::mutex> lock(mu_);
   LCE_CUDA_CHECK(cudaSetDevice(config_.device));
   CallPlan p{rows, o, up, out, grads};
@@ -231,9 +230,10 @@ absl::Status CudaEngine::Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_
 
 absl::Status CudaEngine::CheckCall(const RowsView& rows, const LceOptions& o, const Upstream& up) const {
   if (absl::Status s = ValidateOptions(o); !s.ok()) return s;
-  // Rankings, class weights and the z-loss output are the CPU engine's so far (docs/API.md).
-  if (o.top_k > 0 || rows.class_weight != nullptr) {
-    return absl::UnimplementedError("argmax / top-k rankings and class weights are not on the CUDA engine yet");
+  // Rankings, and class weights with label smoothing, are the CPU engine's so far (docs/MATH.md).
+  if (o.top_k > 0) return absl::UnimplementedError("argmax / top-k rankings are not on the CUDA engine yet");
+  if (rows.class_weight != nullptr && o.label_smoothing > 0.0f) {
+    return absl::UnimplementedError("class weights with label smoothing are not on the CUDA engine yet");
   }
   if (rows.rows < 0) return absl::InvalidArgumentError("negative row count");
   if (rows.rows > 0 && (rows.hidden == nullptr || rows.targets == nullptr)) {

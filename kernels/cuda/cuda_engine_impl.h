@@ -199,6 +199,7 @@ class CudaEngine final : public LceEngine {
   int64_t tune_floats_ = 0;
   void* cublas_ws_ = nullptr;
   std::unique_ptr<DeviceBuffer> weight_, bias_, workspace_;
+  std::unique_ptr<DeviceBuffer> class_weight_;  // host rows' class weights, copied once a call
   PinnedStaging pinned_;
   int64_t tile_ = 0, lds_ = 0, nseg_ = 0;
   bool batch_invariant_ = false;  // one GEMM algorithm for every row count (GemmSpec::n_invariant)

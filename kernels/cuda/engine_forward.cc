@@ -30,6 +30,7 @@ absl::Status CudaEngine::StageBlock(const CallPlan& p, Scratch& s, int64_t r0, B
   b.o_entropy = p.out.entropy != nullptr ? p.out.entropy + r0 : nullptr;
   b.o_lse = p.out.lse != nullptr ? p.out.lse + r0 : nullptr;
   b.o_loss = p.out.loss != nullptr ? p.out.loss + r0 : nullptr;
+  b.o_z_loss = p.out.z_loss != nullptr ? p.out.z_loss + r0 : nullptr;
   if (p.host) {
     // Pinned staging for the bulk input; the small per-row arrays go straight.
     std::memcpy(pinned_.get(), b.h, static_cast<size_t>(nr * H * esz));
@@ -48,6 +49,7 @@ absl::Status CudaEngine::StageBlock(const CallPlan& p, Scratch& s, int64_t r0, B
     b.o_entropy = b.o_entropy != nullptr ? s.out[1] : nullptr;
     b.o_lse = b.o_lse != nullptr ? s.out[2] : nullptr;
     b.o_loss = b.o_loss != nullptr ? s.out[3] : nullptr;
+    b.o_z_loss = b.o_z_loss != nullptr ? s.out[4] : nullptr;
   } else if (p.layout.stage) {
     LCE_CUDA_CHECK(cudaMemcpyAsync(s.hidden, b.h, nr * H * esz, cudaMemcpyDeviceToDevice, stream_));
     b.h = s.hidden;
@@ -185,6 +187,8 @@ absl::StatusOr<bool> CudaEngine::Finalize(const CallPlan& p, Scratch& s, const B
   fa.logprob = b.o_logprob;
   fa.entropy = b.o_entropy;
   fa.loss = b.o_loss;
+  fa.z_loss_out = b.o_z_loss;
+  fa.class_weight = p.class_weight;
   fa.row_c = b.fast ? s.row_c : nullptr;
   fa.temperature = p.o.temperature;
   fa.softcap = p.o.softcap;
@@ -194,8 +198,8 @@ absl::StatusOr<bool> CudaEngine::Finalize(const CallPlan& p, Scratch& s, const B
   unsigned long long flags[3] = {ULLONG_MAX, 0, ULLONG_MAX};
   LCE_CUDA_CHECK(cudaMemcpyAsync(p.host ? p.bad_host : flags, s.bad, sizeof(flags), cudaMemcpyDeviceToHost, stream_));
   if (p.host) {
-    float* dsts[4] = {p.out.logprob, p.out.entropy, p.out.lse, p.out.loss};
-    for (int k = 0; k < 4; ++k) {
+    float* dsts[5] = {p.out.logprob, p.out.entropy, p.out.lse, p.out.loss, p.out.z_loss};
+    for (int k = 0; k < 5; ++k) {
       if (dsts[k] == nullptr) continue;
       LCE_CUDA_CHECK(cudaMemcpyAsync(dsts[k] + b.r0, s.out[k], nr * sizeof(float), cudaMemcpyDeviceToHost, stream_));
     }

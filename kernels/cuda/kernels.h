@@ -157,6 +157,10 @@ struct FinalizeArgs {
   float* logprob = nullptr;
   float* entropy = nullptr;
   float* loss = nullptr;
+  float* z_loss_out = nullptr;           // [rows] z_loss·lse² (0 for ignored rows), or null
+  // [V] class weights (global ids) or null: the loss and its coefficients take w_y (docs/MATH.md,
+  // "Class weights"; not with label smoothing, which the engine refuses with them).
+  const float* class_weight = nullptr;
   const float* row_c = nullptr;          // fast loss path: c_i (else null)
   float temperature = 1.0f;
   float softcap = 0.0f;

@@ -87,17 +87,21 @@ __global__ void FinalizeKernel(FinalizeArgs a, const float* __restrict__ m, cons
   if (a.lse != nullptr) a.lse[r] = lse;
   if (a.logprob != nullptr) a.logprob[r] = logprob;
   if (a.entropy != nullptr) a.entropy[r] = log_s - mean_pz;
+  const float w_y = (a.class_weight != nullptr && !ignored) ? a.class_weight[y] : 1.0f;
+  const float z_loss = ignored ? 0.0f : a.z_loss * lse * lse;
+  if (a.z_loss_out != nullptr) a.z_loss_out[r] = z_loss;
   if (a.loss != nullptr) {
     a.loss[r] = ignored ? 0.0f
-                        : -(1.0f - eps) * logprob + eps * (lse - sum_z / static_cast<float>(a.vocab_size)) +
-                              a.z_loss * lse * lse;
+                        : -(1.0f - eps) * w_y * logprob + eps * (lse - sum_z / static_cast<float>(a.vocab_size)) +
+                              z_loss;
   }
   float A = 0.0f, B = 0.0f, C = 0.0f, D = 0.0f;
   if (a.grad == GradKind::kLoss) {
     if (!ignored) {
       const float g = a.grad_loss != nullptr ? a.grad_loss[r] : 1.0f;
-      A = g * (1.0f + 2.0f * a.z_loss * lse);
-      C = g * (1.0f - eps);
+      // (1−ε)·w_y + ε·W/V with W = V: class weights come without label smoothing here.
+      A = a.class_weight != nullptr ? g * (w_y + 2.0f * a.z_loss * lse) : g * (1.0f + 2.0f * a.z_loss * lse);
+      C = g * (1.0f - eps) * w_y;
       D = g * eps / static_cast<float>(a.vocab_size);
     }
   } else if (a.grad == GradKind::kGeneric) {

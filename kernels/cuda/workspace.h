@@ -54,7 +54,7 @@ struct Scratch {
   void* hidden = nullptr;         // [R, H] head dtype
   int32_t* targets = nullptr;     // [R]
   float* up[3] = {nullptr, nullptr, nullptr};   // grad_loss, grad_logprob, grad_entropy [R]
-  float* out[4] = {nullptr, nullptr, nullptr, nullptr};  // logprob, entropy, lse, loss [R]
+  float* out[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};  // logprob, entropy, lse, loss, z_loss [R]
   void* d_hidden = nullptr;       // [R, H] head dtype
   float* dw_slab = nullptr;       // [slab_rows, H] fp32 (kHost with d_weight)
 };

@@ -54,6 +54,7 @@ struct Problem {
   std::shared_ptr<HeadWeights> head;
   std::vector<uint8_t> hidden;  // encoded
   std::vector<float> grad_loss, grad_logprob, grad_entropy;
+  std::vector<float> class_weight;  // empty or [vocab] (ref.class_weight the same)
 };
 
 struct ProblemSpec {
@@ -119,7 +120,7 @@ Problem MakeProblem(const ProblemSpec& sp, uint64_t seed) {
 
 struct Answers {
   absl::Status status;
-  std::vector<float> logprob, entropy, lse, loss, d_hidden, d_weight;
+  std::vector<float> logprob, entropy, lse, loss, z_loss, d_hidden, d_weight;
 };
 
 template <typename T>
@@ -152,6 +153,7 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
   a.entropy.assign(N, nan);
   a.lse.assign(N, nan);
   a.loss.assign(N, nan);
+  a.z_loss.assign(N, nan);
   std::vector<uint8_t> dh(grad ? N * H * DTypeSize(p.dtype) : 0, 0xff);  // NaN in every dtype
   a.d_weight = dw_init;
   Upstream up;
@@ -161,8 +163,10 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
     up.grad_logprob = p.grad_logprob.empty() ? nullptr : p.grad_logprob.data();
     up.grad_entropy = p.grad_entropy.empty() ? nullptr : p.grad_entropy.data();
     RowsView rows{hidden.data(), targets.data(), N, MemorySpace::kHost};
+    rows.class_weight = p.class_weight.empty() ? nullptr : p.class_weight.data();
     a.status = e.Compute(rows, p.ref.options, up,
-                         {a.logprob.data(), want_entropy ? a.entropy.data() : nullptr, a.lse.data(), a.loss.data()},
+                         {a.logprob.data(), want_entropy ? a.entropy.data() : nullptr, a.lse.data(), a.loss.data(),
+                          a.z_loss.data()},
                          {grad ? dh.data() : nullptr, grad && !dw_init.empty() ? a.d_weight.data() : nullptr});
   } else {
     uint8_t* d_hidden = ToDevice(hidden);
@@ -170,20 +174,25 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
     float* d_gl = ToDevice(p.grad_loss);
     float* d_glp = ToDevice(p.grad_logprob);
     float* d_ge = ToDevice(p.grad_entropy);
-    float* d_out[4];
+    float* d_out[5];
     for (auto*& q : d_out) q = ToDevice(a.logprob);  // NaN-poisoned
+    float* d_cw = ToDevice(p.class_weight);
     uint8_t* d_dh = grad ? ToDevice(dh) : nullptr;
     float* d_dw = grad && !dw_init.empty() ? ToDevice(dw_init) : nullptr;
     up.grad_loss = d_gl;
     up.grad_logprob = d_glp;
     up.grad_entropy = d_ge;
     RowsView rows{d_hidden, d_targets, N, MemorySpace::kDevice};
-    a.status = e.Compute(rows, p.ref.options, up, {d_out[0], want_entropy ? d_out[1] : nullptr, d_out[2], d_out[3]},
-                         {d_dh, d_dw});
+    rows.class_weight = d_cw;
+    a.status = e.Compute(rows, p.ref.options, up,
+                         {d_out[0], want_entropy ? d_out[1] : nullptr, d_out[2], d_out[3], d_out[4]}, {d_dh, d_dw});
     FromDevice(d_out[0], a.logprob);
     FromDevice(d_out[1], a.entropy);
     FromDevice(d_out[2], a.lse);
     FromDevice(d_out[3], a.loss);
+    FromDevice(d_out[4], a.z_loss);
+    if (d_cw != nullptr) cudaFree(d_cw);
+    cudaFree(d_out[4]);
     if (d_dh != nullptr) FromDevice(d_dh, dh);
     if (d_dw != nullptr) FromDevice(d_dw, a.d_weight);
     for (void* q : {static_cast<void*>(d_hidden), static_cast<void*>(d_targets), static_cast<void*>(d_gl),
@@ -246,6 +255,7 @@ void ExpectMatches(const Answers& a, const Problem& p, const std::vector<float>&
   EXPECT_LE(RelErr(a.entropy, ref.entropy), fwd_tol) << what << " entropy";
   EXPECT_LE(RelErr(a.lse, ref.lse), fwd_tol) << what << " lse";
   EXPECT_LE(RelErr(a.loss, ref.loss), fwd_tol) << what << " loss";
+  EXPECT_LE(RelErr(a.z_loss, ref.z_loss), fwd_tol) << what << " z_loss";
   if (p.ref.mode == GradMode::kNone) return;
   const double gtol = p.dtype == DType::kFloat32 ? 1e-5 : 1e-2;
   EXPECT_LE(RelErr(a.d_hidden, ref.d_hidden), gtol) << what << " d_hidden";
@@ -311,6 +321,42 @@ TEST_F(CudaTest, MatchesReferenceEveryDtypeSpaceOption) {
       }
     }
   }
+}
+
+// Class weights (PyTorch's CrossEntropyLoss(weight=), without label smoothing on this engine) and the
+// z-loss output, host and device rows, the fast loss path (bf16, no softcap) and the general one.
+TEST_F(CudaTest, ClassWeightsAndZLossMatchReference) {
+  uint64_t seed = 7000;
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    for (float softcap : {0.0f, 8.0f}) {
+      ProblemSpec sp;
+      sp.dtype = dt;
+      sp.grad_loss = true;
+      sp.h_scale = 2.0;
+      sp.options.z_loss = 1e-3f;
+      sp.options.softcap = softcap;
+      Problem p = MakeProblem(sp, ++seed);
+      for (int64_t j = 0; j < sp.vocab; ++j) p.class_weight.push_back(0.25f + 0.1f * static_cast<float>(j % 13));
+      p.ref.class_weight.assign(p.class_weight.begin(), p.class_weight.end());
+      auto e = MakeCuda(p);
+      ASSERT_NE(e, nullptr);
+      const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, ++seed);
+      for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+        const std::string what = std::string(DTypeName(dt)) + "/softcap " + std::to_string(softcap) +
+                                 (space == MemorySpace::kHost ? "/host" : "/device");
+        ExpectMatches(RunEngine(*e, p, space, dw0), p, dw0, what);
+      }
+    }
+  }
+  // With label smoothing: not on this engine yet, said so.
+  ProblemSpec sp;
+  sp.options.label_smoothing = 0.1f;
+  Problem p = MakeProblem(sp, ++seed);
+  p.class_weight.assign(sp.vocab, 1.0f);
+  p.ref.class_weight.assign(sp.vocab, 1.0);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(RunEngine(*e, p, MemorySpace::kHost, {}).status.code(), absl::StatusCode::kUnimplemented);
 }
 
 TEST_F(CudaTest, OddShapes) {
