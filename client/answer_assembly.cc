@@ -15,8 +15,9 @@ void PartSummary::Read(const v1::RequestSummary& s) {
 }
 
 AnswerAssembly::AnswerAssembly(int64_t rows, int64_t row_bytes, ForwardBackwardResult* out,
-                               absl::Span<uint8_t> d_hidden_out)
-    : rows_(rows), row_bytes_(row_bytes), out_(out), d_hidden_out_(d_hidden_out), seen_(static_cast<size_t>(rows), 0) {}
+                               absl::Span<uint8_t> d_hidden_out, int32_t top_k)
+    : rows_(rows), row_bytes_(row_bytes), top_k_(top_k), out_(out), d_hidden_out_(d_hidden_out),
+      seen_(static_cast<size_t>(rows), 0) {}
 
 absl::Status AnswerAssembly::Claim(int64_t first, int64_t n) {
   for (int64_t r = first; r < first + n; ++r) {
@@ -26,32 +27,44 @@ absl::Status AnswerAssembly::Claim(int64_t first, int64_t n) {
   return absl::OkStatus();
 }
 
-float* AnswerAssembly::Floats(std::vector<float>& v) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (v.empty()) v.resize(static_cast<size_t>(rows_));
-  return v.data();
+template <typename T>
+absl::Status AnswerAssembly::Check(const google::protobuf::RepeatedField<T>& src, int64_t width, const char* name,
+                                   int64_t first, int64_t n) const {
+  if (!src.empty() && src.size() != n * width) {  // empty: not selected
+    return absl::InternalError(absl::StrCat("answer for rows [", first, ", ", first + n, ") has ", src.size(), " ",
+                                            name, " values, not ", n * width));
+  }
+  return absl::OkStatus();
 }
 
-void AnswerAssembly::Place(const google::protobuf::RepeatedField<float>& src, std::vector<float>& dst, int64_t first,
-                           std::atomic<int64_t>& count) {
-  if (src.empty()) return;  // not selected
-  std::copy(src.begin(), src.end(), Floats(dst) + first);
-  count += src.size();
+template <typename T>
+void AnswerAssembly::Place(const google::protobuf::RepeatedField<T>& src, int64_t width, std::vector<T>& dst,
+                           int64_t first, std::atomic<int64_t>& count) {
+  if (src.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // sized on first use; parts then write disjoint rows
+    if (dst.empty()) dst.resize(static_cast<size_t>(rows_ * width));
+  }
+  std::copy(src.begin(), src.end(), dst.data() + first * width);
+  count += src.size() / width;
 }
 
 absl::Status AnswerAssembly::PlaceRowValues(const v1::ChunkResult& c, int64_t first, int64_t n) {
-  // Each output an answer carries has a value for each of its rows (an empty one: not selected).
-  const std::pair<const google::protobuf::RepeatedField<float>*, const char*> outputs[] = {
-      {&c.logprobs(), "logprob"}, {&c.entropy(), "entropy"}, {&c.loss(), "loss"}};
-  for (const auto& [src, what] : outputs) {
-    if (!src->empty() && src->size() != n) {
-      return absl::InternalError(
-          absl::StrCat("answer for rows [", first, ", ", first + n, ") has ", src->size(), " ", what, " values"));
-    }
+  const int64_t k = std::max<int64_t>(top_k_, 1);
+  for (absl::Status s : {Check(c.logprobs(), 1, "logprob", first, n), Check(c.entropy(), 1, "entropy", first, n),
+                         Check(c.loss(), 1, "loss", first, n), Check(c.z_loss(), 1, "z_loss", first, n),
+                         Check(c.argmax(), 1, "argmax", first, n), Check(c.top_tokens(), k, "top_tokens", first, n),
+                         Check(c.top_logprobs(), k, "top_logprobs", first, n)}) {
+    if (!s.ok()) return s;
   }
-  Place(c.logprobs(), out_->logprobs, first, n_logprobs_);
-  Place(c.entropy(), out_->entropy, first, n_entropy_);
-  Place(c.loss(), out_->loss, first, n_loss_);
+  Rankings& rk = out_->rankings;
+  Place(c.logprobs(), 1, out_->logprobs, first, counts_[0]);
+  Place(c.entropy(), 1, out_->entropy, first, counts_[1]);
+  Place(c.loss(), 1, out_->loss, first, counts_[2]);
+  Place(c.z_loss(), 1, out_->z_loss, first, counts_[3]);
+  Place(c.argmax(), 1, rk.argmax, first, counts_[4]);
+  Place(c.top_tokens(), k, rk.top_tokens, first, counts_[5]);
+  Place(c.top_logprobs(), k, rk.top_logprobs, first, counts_[6]);
   return absl::OkStatus();
 }
 
@@ -77,8 +90,10 @@ absl::Status AnswerAssembly::CheckCovered() const {
   if (covered_ != rows_) {
     return absl::InternalError(absl::StrCat("the server answered ", covered_.load(), " of ", rows_, " rows"));
   }
-  for (auto [count, what] : {std::pair{n_logprobs_.load(), "logprobs"}, std::pair{n_entropy_.load(), "entropy"},
-                             std::pair{n_loss_.load(), "loss"}, std::pair{n_dhidden_.load(), "d_hidden"}}) {
+  const char* names[] = {"logprobs", "entropy", "loss", "z_loss", "argmax", "top_tokens", "top_logprobs"};
+  std::vector<std::pair<int64_t, const char*>> counts = {{n_dhidden_.load(), "d_hidden"}};
+  for (int i = 0; i < 7; ++i) counts.push_back({counts_[i].load(), names[i]});
+  for (auto [count, what] : counts) {
     if (count != 0 && count != rows_) {
       return absl::InternalError(absl::StrCat("the server answered ", what, " for ", count, " of ", rows_, " rows"));
     }

@@ -32,14 +32,16 @@ class AnswerAssembly {
  public:
   // `out`: the caller's result; `d_hidden_out`: the caller's destination for d_hidden (empty: the
   // result's d_hidden).
-  AnswerAssembly(int64_t rows, int64_t row_bytes, ForwardBackwardResult* out, absl::Span<uint8_t> d_hidden_out);
+  // `top_k`: the header's (values a row of top_tokens and top_logprobs).
+  AnswerAssembly(int64_t rows, int64_t row_bytes, ForwardBackwardResult* out, absl::Span<uint8_t> d_hidden_out,
+                 int32_t top_k = 0);
 
   int64_t rows() const { return rows_; }
   int64_t row_bytes() const { return row_bytes_; }
 
   // Marks rows [first, first + n) answered: an error if one was answered before.
   absl::Status Claim(int64_t first, int64_t n);
-  // Places an answer's per-row values (logprobs, entropy, loss) at rows [first, first + n).
+  // Places an answer's per-row values (logprobs, entropy, loss, z_loss, the rankings) at rows [first, first + n).
   absl::Status PlaceRowValues(const v1::ChunkResult& c, int64_t first, int64_t n);
   // Places d_hidden bytes that came in the answer at rows [first, first + n).
   absl::Status PlaceDHidden(const std::string& bytes, int64_t first, int64_t n);
@@ -54,17 +56,21 @@ class AnswerAssembly {
   absl::Status Finish(const std::vector<PartSummary>& summaries, const v1::RequestHeader& header, bool split);
 
  private:
-  float* Floats(std::vector<float>& v);
-  void Place(const google::protobuf::RepeatedField<float>& src, std::vector<float>& dst, int64_t first,
+  template <typename T>
+  absl::Status Check(const google::protobuf::RepeatedField<T>& src, int64_t width, const char* name, int64_t first,
+                     int64_t n) const;
+  template <typename T>
+  void Place(const google::protobuf::RepeatedField<T>& src, int64_t width, std::vector<T>& dst, int64_t first,
              std::atomic<int64_t>& count);
   absl::Status CheckCovered() const;
 
-  const int64_t rows_, row_bytes_;
+  const int64_t rows_, row_bytes_, top_k_;
   ForwardBackwardResult* const out_;
   const absl::Span<uint8_t> d_hidden_out_;
   std::mutex mu_;
   std::vector<uint8_t> seen_;  // rows answered; each part touches only its own range
-  std::atomic<int64_t> covered_{0}, n_logprobs_{0}, n_entropy_{0}, n_loss_{0}, n_dhidden_{0};
+  std::atomic<int64_t> covered_{0}, n_dhidden_{0};
+  std::atomic<int64_t> counts_[7] = {};  // rows answered of each output, in PlaceRowValues' order
 };
 
 }  // namespace lce::client

@@ -59,6 +59,8 @@ ABSL_FLAG(bool, grow_chunks, false,
 
 ABSL_FLAG(std::string, service, "", "service to check (unset: the server as a whole)");
 ABSL_FLAG(int64_t, show, 16, "rows printed");
+ABSL_FLAG(int32_t, top_k, 0, "score: also each row's k most probable tokens and their logprobs, and the token "
+          "accuracy (argmax = target), 0 to 64 (0: none)");
 ABSL_FLAG(std::string, reduction, "mean", "none, sum or mean");
 ABSL_FLAG(double, label_smoothing, 0, "in [0, 1)");
 ABSL_FLAG(double, z_loss, 0, "z-loss coefficient");
@@ -186,7 +188,8 @@ const std::vector<Command>& Commands() {
       {"info", "head and server description", "lce_cli info: server version, backend, TP size, limits and every head",
        {"head"}},
       {"score", "logprobs and entropy of a batch; prints a table of the first rows",
-       "lce_cli score: per-row logprob of the target and entropy; prints the first rows and a summary", {"show"}, true},
+       "lce_cli score: per-row logprob of the target and entropy; prints the first rows and a summary; with\n"
+       "--top-k, each row's k most probable tokens and the token accuracy", {"show", "top_k"}, true},
       {"forward-backward", "cross-entropy loss, per-token losses and the norm of d_hidden of a batch",
        "lce_cli forward-backward: reduced loss, valid tokens, per-token loss of the first rows, |d_hidden|",
        {"reduction", "label_smoothing", "z_loss", "accumulate_weight_grad", "show"}, true},

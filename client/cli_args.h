@@ -46,6 +46,7 @@ ABSL_DECLARE_FLAG(bool, grow_chunks);
 // Per command.
 ABSL_DECLARE_FLAG(std::string, service);
 ABSL_DECLARE_FLAG(int64_t, show);
+ABSL_DECLARE_FLAG(int32_t, top_k);
 ABSL_DECLARE_FLAG(std::string, reduction);
 ABSL_DECLARE_FLAG(double, label_smoothing);
 ABSL_DECLARE_FLAG(double, z_loss);

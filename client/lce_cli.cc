@@ -193,9 +193,34 @@ struct BatchCall {
   int64_t valid = 0;  // rows whose target is not ignore_index
 };
 
+// --top-k: each shown row's ranking, and the token accuracy over the valid rows.
+void PrintRankings(const lce::client::Rankings& rk, const BatchCall& b, int32_t k) {
+  for (int64_t i = 0; i < b.show; ++i) {
+    std::printf("%8lld top %d:", static_cast<long long>(i), k);
+    for (int32_t j = 0; j < k; ++j) std::printf(" %d (%.4f)", rk.top_tokens[i * k + j], rk.top_logprobs[i * k + j]);
+    std::printf("\n");
+  }
+  int64_t right = 0;
+  for (size_t i = 0; i < rk.argmax.size(); ++i) {
+    right += b.batch.targets[i] != b.ignore_index && rk.argmax[i] == b.batch.targets[i] ? 1 : 0;
+  }
+  std::printf("token accuracy %.6f (%lld of %lld valid rows: argmax = target)\n",
+              b.valid ? static_cast<double>(right) / static_cast<double>(b.valid) : 0.0, static_cast<long long>(right),
+              static_cast<long long>(b.valid));
+}
+
 int Score(LceClient& c, const BatchCall& b) {
   const HiddenBatch& view = b.batch.view;
-  absl::StatusOr<lce::client::ScoreResult> r = c.Score(view, b.header);
+  v1::RequestHeader h = b.header;
+  const int32_t k = absl::GetFlag(FLAGS_top_k);
+  if (k != 0) {
+    h.add_outputs(v1::OUTPUT_LOGPROBS);
+    h.add_outputs(v1::OUTPUT_ENTROPY);
+    h.add_outputs(v1::OUTPUT_ARGMAX);
+    h.add_outputs(v1::OUTPUT_TOP_K);
+    h.set_top_k(k);
+  }
+  absl::StatusOr<lce::client::ScoreResult> r = c.Score(view, h);
   if (!r.ok()) return Failed(r.status());
   const bool has_lp = !r->logprobs.empty(), has_ent = !r->entropy.empty();
   std::printf("%8s %8s %12s %12s\n", "row", "target", "logprob", "entropy");
@@ -212,6 +237,7 @@ int Score(LceClient& c, const BatchCall& b) {
   std::printf("rows %lld (valid %lld), head '%s' %s: mean logprob %.6f, mean entropy %.6f, loss (mean -logprob) %.6f\n",
               static_cast<long long>(view.rows), static_cast<long long>(b.valid), b.head.name().c_str(),
               v1::DType_Name(view.dtype).c_str(), valid ? lp / valid : 0.0, ent / view.rows, valid ? -lp / valid : 0.0);
+  if (k != 0) PrintRankings(r->rankings, b, k);
   return 0;
 }
 

@@ -357,7 +357,7 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
   if (split) ConnectExtraChannels(replica);
   v1::RequestHeader part_header = header;
   if (split) part_header.set_partial(true);
-  AnswerAssembly assembly(batch.rows, row_bytes, out, batch.d_hidden_out);
+  AnswerAssembly assembly(batch.rows, row_bytes, out, batch.d_hidden_out, header.top_k());
   const PartRequest request{rpc, routed, part_header, grads, assembly};
   std::vector<PartSummary> summaries(parts.size());
   if (absl::Status s = RunParts(replica, request, parts, lanes, summaries); !s.ok()) {
@@ -450,7 +450,7 @@ absl::StatusOr<ScoreResult> LceClient::Score(const HiddenBatch& batch, v1::Reque
   b.d_hidden_out = {};
   ForwardBackwardResult r;
   if (absl::Status s = Stream("Score", b, header, RowGrads{}, &r); !s.ok()) return s;
-  return ScoreResult{std::move(r.logprobs), std::move(r.entropy)};
+  return ScoreResult{std::move(r.logprobs), std::move(r.entropy), std::move(r.rankings)};
 }
 
 absl::StatusOr<ForwardBackwardResult> LceClient::ForwardBackward(const HiddenBatch& batch, v1::RequestHeader header,

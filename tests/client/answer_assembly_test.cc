@@ -41,6 +41,42 @@ TEST(AnswerAssembly, PlacesEachAnswerAtItsRowsAndSumsThePartsSummaries) {
   EXPECT_EQ(out.pending_grads, (std::vector<uint64_t>{11, 12}));
 }
 
+// The rankings (top_k values a row) and the z-loss land at their rows as the per-row floats do; a
+// ranking of the wrong width is the server's error.
+TEST(AnswerAssembly, PlacesRankingsAndZLoss) {
+  ForwardBackwardResult out;
+  AnswerAssembly a(/*rows=*/3, /*row_bytes=*/2, &out, {}, /*top_k=*/2);
+  v1::ChunkResult late;  // rows 1..2
+  for (int32_t t : {7, 8}) late.add_argmax(t);
+  for (int32_t t : {7, 1, 8, 2}) late.add_top_tokens(t);
+  for (float v : {-0.1f, -2.0f, -0.2f, -3.0f}) late.add_top_logprobs(v);
+  for (float v : {0.5f, 0.6f}) late.add_z_loss(v);
+  ASSERT_TRUE(a.Claim(1, 2).ok());
+  ASSERT_TRUE(a.PlaceRowValues(late, 1, 2).ok());
+  v1::ChunkResult first;  // row 0
+  first.add_argmax(4);
+  first.add_top_tokens(4);
+  first.add_top_tokens(5);
+  first.add_top_logprobs(-0.3f);
+  first.add_top_logprobs(-1.5f);
+  first.add_z_loss(0.4f);
+  ASSERT_TRUE(a.Claim(0, 1).ok());
+  ASSERT_TRUE(a.PlaceRowValues(first, 0, 1).ok());
+  ASSERT_TRUE(a.Finish({{0, 3, 1, {}}}, v1::RequestHeader(), false).ok());
+  EXPECT_EQ(out.rankings.argmax, (std::vector<int32_t>{4, 7, 8}));
+  EXPECT_EQ(out.rankings.top_tokens, (std::vector<int32_t>{4, 5, 7, 1, 8, 2}));
+  EXPECT_EQ(out.rankings.top_logprobs, (std::vector<float>{-0.3f, -1.5f, -0.1f, -2.0f, -0.2f, -3.0f}));
+  EXPECT_EQ(out.z_loss, (std::vector<float>{0.4f, 0.5f, 0.6f}));
+
+  ForwardBackwardResult bad_out;
+  AnswerAssembly b(2, 2, &bad_out, {}, 2);
+  v1::ChunkResult narrow;  // one token a row where the header asked two
+  narrow.add_top_tokens(1);
+  narrow.add_top_tokens(2);
+  ASSERT_TRUE(b.Claim(0, 2).ok());
+  EXPECT_EQ(b.PlaceRowValues(narrow, 0, 2).code(), absl::StatusCode::kInternal);
+}
+
 TEST(AnswerAssembly, RefusesARowAnsweredTwiceOrAnOutputOfTheWrongLength) {
   ForwardBackwardResult out;
   AnswerAssembly a(4, 2, &out, {});
@@ -50,7 +86,7 @@ TEST(AnswerAssembly, RefusesARowAnsweredTwiceOrAnOutputOfTheWrongLength) {
   EXPECT_EQ(twice.message(), "row 2 was answered twice");
   const absl::Status short_answer = a.PlaceRowValues(Answer(0, 3, {-1, -2}), 0, 3);
   EXPECT_EQ(short_answer.code(), absl::StatusCode::kInternal);
-  EXPECT_EQ(short_answer.message(), "answer for rows [0, 3) has 2 logprob values");
+  EXPECT_EQ(short_answer.message(), "answer for rows [0, 3) has 2 logprob values, not 3");
   EXPECT_EQ(a.PlaceDHidden(std::string(5, 'x'), 0, 3).message(), "answer for rows [0, 3) has 5 d_hidden bytes, not 6");
 }
 

@@ -240,12 +240,23 @@ class SharedMemorySession {
   std::vector<Owned> owned_;
 };
 
+// Per-row rankings (OUTPUT_ARGMAX, OUTPUT_TOP_K with RequestHeader.top_k = k): argmax [rows];
+// top_tokens and top_logprobs [rows, k] row-major, most probable first. Empty when not selected.
+struct Rankings {
+  std::vector<int32_t> argmax;
+  std::vector<int32_t> top_tokens;
+  std::vector<float> top_logprobs;
+};
+
 struct ScoreResult {
   std::vector<float> logprobs, entropy;
+  Rankings rankings;
 };
 
 struct ForwardBackwardResult {
   std::vector<float> loss, logprobs, entropy;  // per token, when selected in the header
+  std::vector<float> z_loss;                   // per token, with OUTPUT_Z_LOSS
+  Rankings rankings;
   std::vector<uint8_t> d_hidden;               // rows * hidden_size elements of the batch's dtype
   double reduced_loss = 0;
   int64_t valid_tokens = 0;
