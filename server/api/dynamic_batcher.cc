@@ -4,7 +4,7 @@
 #include <deque>
 #include <tuple>
 
-#include "absl/base/casts.h"
+#include "engine_options.h"
 
 namespace lce::server {
 namespace {
@@ -28,10 +28,7 @@ void Scatter(T* dst, const std::vector<T>& src, int64_t at, int64_t n) {
 
 bool BatchKey::operator<(const BatchKey& o) const {
   auto tied = [](const BatchKey& k) {
-    const LceOptions& p = k.options;
-    auto bits = [](float f) { return absl::bit_cast<uint32_t>(f); };
-    return std::make_tuple(k.head, bits(p.temperature), bits(p.softcap), bits(p.label_smoothing), bits(p.z_loss),
-                           p.ignore_index, p.allow_tf32, k.mode, k.row_bytes, k.present);
+    return std::make_tuple(k.head, EncodeOptions(k.options), k.mode, k.row_bytes, k.present);
   };
   return tied(*this) < tied(o);
 }

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine_options.h"
 #include "head_store.h"
 
 namespace lce::server {
@@ -15,7 +16,7 @@ enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kS
 
 namespace {
 
-constexpr uint32_t kMagic = 0x4c434533;  // "LCE3": this layout of the control block
+constexpr uint32_t kMagic = 0x4c434534;  // "LCE4": this layout of the control block
 enum Flags : uint32_t { kGradLoss = 1, kGradLogprob = 2, kGradEntropy = 4, kAccumulateWeightGrad = 8, kFreshWeightGrad = 16 };
 enum Slot : int { kControl, kHidden, kTargets, kGradLossSlot, kGradLogprobSlot, kGradEntropySlot,
                   kOutLogprob, kOutEntropy, kOutLse, kOutLoss, kOutDHidden, kScalars, kPiece };
@@ -33,9 +34,7 @@ struct TpControl {
   int64_t rows = 0;
   uint32_t mode = 0;
   uint32_t flags = 0;
-  float temperature = 1, softcap = 0, label_smoothing = 0, z_loss = 0;
-  int32_t ignore_index = -100;
-  uint32_t allow_tf32 = 0;
+  OptionBytes options = EncodeOptions(LceOptions{});
   // kCompute with kAccumulateWeightGrad, kCommitPending, kReleasePending: the pending contribution
   // (HeadTrainer::AcquirePending; 0: dW itself), and kCommitPending's scale
   uint64_t pending = 0;
@@ -215,12 +214,7 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   c.flags = (up.grad_loss ? kGradLoss : 0) | (up.grad_logprob ? kGradLogprob : 0) | (up.grad_entropy ? kGradEntropy : 0) |
             (grads.d_weight ? kAccumulateWeightGrad : 0) | (grads.d_weight && grads.d_weight_fresh ? kFreshWeightGrad : 0);
   c.pending = grads.d_weight_pending;
-  c.temperature = o.temperature;
-  c.softcap = o.softcap;
-  c.label_smoothing = o.label_smoothing;
-  c.z_loss = o.z_loss;
-  c.ignore_index = o.ignore_index;
-  c.allow_tf32 = o.allow_tf32 ? 1 : 0;
+  c.options = EncodeOptions(o);
   if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
   const HeadShape& shape = local.shape();
   const int64_t n = rows.rows;
@@ -529,13 +523,7 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
     if (!p.ok()) return p.status();
     *g.dst = static_cast<const float*>(*p);
   }
-  LceOptions o;
-  o.temperature = c.temperature;
-  o.softcap = c.softcap;
-  o.label_smoothing = c.label_smoothing;
-  o.z_loss = c.z_loss;
-  o.ignore_index = c.ignore_index;
-  o.allow_tf32 = c.allow_tf32 != 0;
+  const LceOptions o = DecodeOptions(c.options);
   GradOutputs grads;
   if (c.flags & kAccumulateWeightGrad) {
     absl::StatusOr<HeadTrainer*> t = Trainer(head);
