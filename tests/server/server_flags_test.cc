@@ -1,5 +1,8 @@
 #include "server_flags.h"
 
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -140,6 +143,29 @@ TEST(ServerFlags, FlagfileExpandsInPlace) {
   EXPECT_EQ(f->port, 10);  // later words win
   EXPECT_EQ(f->metrics_port, 0);
   EXPECT_EQ(Parse({"--flagfile=/no/such/file"}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// docs/OPERATING.md's flag table is the flags' own (ServerFlagsMarkdown: name, default and help as
+// declared), so the docs cannot drift from the binary. After changing a flag, regenerate it:
+//   LCE_UPDATE_DOCS=1 build/bin/server_test --gtest_filter='ServerFlags.OperatingDoc*'
+TEST(ServerFlags, OperatingDocTableIsTheFlags) {
+  const std::string path = std::string(LCE_SOURCE_DIR) + "/docs/OPERATING.md";
+  std::stringstream text;
+  text << std::ifstream(path).rdbuf();
+  std::string doc = text.str();
+  const std::string begin = "<!-- server flags: generated from server/ops/server_flags.cc, see tests/server/server_flags_test.cc -->\n";
+  const std::string end = "<!-- end of server flags -->";
+  const size_t b = doc.find(begin), e = doc.find(end);
+  ASSERT_TRUE(b != std::string::npos && e != std::string::npos && b < e) << path << " has no flag table markers";
+  const std::string want = ServerFlagsMarkdown();
+  if (std::getenv("LCE_UPDATE_DOCS") != nullptr) {
+    doc.replace(b + begin.size(), e - b - begin.size(), want);
+    std::ofstream(path) << doc;
+    return;
+  }
+  EXPECT_EQ(doc.substr(b + begin.size(), e - b - begin.size()), want)
+      << path << "'s flag table differs from the flags; regenerate it: LCE_UPDATE_DOCS=1 " << "build/bin/server_test "
+      << "--gtest_filter='ServerFlags.OperatingDoc*'";
 }
 
 }  // namespace
