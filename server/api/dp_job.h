@@ -28,6 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "dp_rank.h"
+#include "grpc_status.h"
 #include "grpcpp/server_context.h"
 #include "lce/engine.h"
 #include "lce/v1/lce.grpc.pb.h"
@@ -160,7 +161,7 @@ class DpCall {
   ~DpCall();
 
   bool answered() const { return answer_.has_value(); }
-  grpc::Status answer() const { return *answer_; }
+  absl::Status answer() const { return FromGrpcStatus(*answer_); }
   // In a call that changes weights: meets every replica's front, with `mine` this front's outcome so
   // far (e.g. its wait for the head's requests to drain). OK when every replica can go on; else
   // nothing changes anywhere. Without a job: `mine`.
