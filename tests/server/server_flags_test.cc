@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -166,6 +167,41 @@ TEST(ServerFlags, OperatingDocTableIsTheFlags) {
   EXPECT_EQ(doc.substr(b + begin.size(), e - b - begin.size()), want)
       << path << "'s flag table differs from the flags; regenerate it: LCE_UPDATE_DOCS=1 " << "build/bin/server_test "
       << "--gtest_filter='ServerFlags.OperatingDoc*'";
+}
+
+// The flags the docs and deploy configs pass to lce_server exist: a command line written in
+// README.md, docs/, deploy/ or docker-compose.yml (after "lce_server"), or a k8s container
+// argument ("- --name"), names a flag --help lists.
+TEST(ServerFlags, DocsAndDeployConfigsNameRealFlags) {
+  const std::string usage = ServerUsage();
+  const std::regex command_flag("--([a-z0-9-]+)"), k8s_arg("^\\s*- --([a-z0-9-]+)");
+  int checked = 0;
+  for (const char* file : {"README.md", "docs/OPERATING.md", "docs/TRANSPORT.md", "docs/MATH.md", "deploy/README.md",
+                           "docker-compose.yml", "deploy/k8s/statefulset.yaml", "deploy/k8s/dp/statefulset.yaml"}) {
+    std::ifstream in(std::string(LCE_SOURCE_DIR) + "/" + file);
+    ASSERT_TRUE(in) << file;
+    for (std::string line; std::getline(in, line);) {
+      std::vector<std::string> names;
+      std::smatch m;
+      if (std::string(file).find("k8s/") != std::string::npos && std::regex_search(line, m, k8s_arg)) {
+        names.push_back(m[1]);
+      }
+      const size_t at = line.find("lce_server ");
+      if (at != std::string::npos) {
+        const std::string rest = line.substr(at, line.find('`', at) - at);  // to the end of a code span
+        for (std::sregex_iterator it(rest.begin(), rest.end(), command_flag), end; it != end; ++it) {
+          names.push_back((*it)[1]);
+        }
+      }
+      for (const std::string& name : names) {
+        if (name == "help" || name == "version" || name == "flagfile") continue;
+        ++checked;
+        EXPECT_NE(usage.find("  --" + name + " (default: "), std::string::npos)
+            << file << " passes --" << name << ", which lce_server does not have: " << line;
+      }
+    }
+  }
+  EXPECT_GT(checked, 20) << "the scan found the command lines";
 }
 
 }  // namespace
