@@ -303,7 +303,7 @@ absl::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
   if (share.ticket == 0) {
     if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"sessions_per_peer"}).Increment();
     return absl::ResourceExhaustedError(absl::StrCat("client ", share.client, " already holds ", config_.max_sessions_per_peer,
-                                     " sessions, the most one client may (--max-sessions-per-peer)"));
+                                                     " sessions, the most one client may (--max-sessions-per-peer)"));
   }
   absl::Cleanup end_share = [this, &share] { client_sessions_.Release(share.ticket); };
   const RegionRegistry::Peer peer_identity = RegionRegistry::IdentifyPeer(ctx->peer());

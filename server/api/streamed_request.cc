@@ -183,7 +183,7 @@ absl::Status StreamedRequest::Accept(InFlightChunk& c) {
   if (config_.max_request_bytes > 0 && bytes_seen_ > config_.max_request_bytes) {
     if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"request_bytes"}).Increment();
     return absl::ResourceExhaustedError(absl::StrCat("chunk ", chunk_index_, ": request exceeds ", config_.max_request_bytes,
-                                     " bytes of hidden states, the server's limit per request"));
+                                                     " bytes of hidden states, the server's limit per request"));
   }
   return absl::OkStatus();
 }
@@ -515,15 +515,15 @@ absl::Status StreamedRequest::CheckDeclaredCounts() const {
   if (plan_->partial) return absl::OkStatus();
   if (is_fb_ && plan_->reduction == v1::REDUCTION_MEAN && plan_->declared_valid_tokens != valid_seen_) {
     return absl::InvalidArgumentError(absl::StrCat("header.num_valid_tokens declared ", plan_->declared_valid_tokens,
-                                     " but the request has ", valid_seen_,
-                                     " non-ignored rows; the returned d_hidden is wrong, discard it"));
+                                                   " but the request has ", valid_seen_,
+                                                   " non-ignored rows; the returned d_hidden is wrong, discard it"));
   }
   if (!is_pl_) return absl::OkStatus();
   for (int64_t q = 0; q < num_seq_; ++q) {
     if (seq_seen_[q] != plan_->sequence_valid_tokens[q]) {
       return absl::InvalidArgumentError(absl::StrCat("policy.sequence_valid_tokens[", q, "] declared ", plan_->sequence_valid_tokens[q],
-                                       " but the request has ", seq_seen_[q],
-                                       " non-ignored rows in that sequence; discard the returned d_hidden"));
+                                                     " but the request has ", seq_seen_[q],
+                                                     " non-ignored rows in that sequence; discard the returned d_hidden"));
     }
   }
   return absl::OkStatus();
