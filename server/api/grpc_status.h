@@ -1,6 +1,6 @@
 // The edges where absl::Status and grpc::Status meet (the numeric codes agree). Inside server/ a
 // status is absl::Status; LceService::Recorded, which every RPC leaves through, makes the gRPC one,
-// and the answers of other data-parallel fronts (dp_job.h) come in through FromGrpcStatus.
+// and the answers of other data-parallel fronts come in through FromGrpcStatus (DpJob::CallFront).
 #pragma once
 
 #include <string>
