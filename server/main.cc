@@ -29,6 +29,7 @@
 #include "chunk_staging.h"
 #include "dp_job.h"
 #include "dp_rank.h"
+#include "status_macros.h"
 #include "tp_communicator.h"
 #include "tp_group.h"
 
@@ -322,7 +323,7 @@ absl::Status StartListeners(const lce::server::ServerFlags& f, ServerParts& p) {
   p.server = *std::move(server);
   const int port = p.server->port();
   if (p.options.service.dp_job != nullptr) {
-    if (absl::Status s = p.options.service.dp_job->Publish(port); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(p.options.service.dp_job->Publish(port));
   }
   p.trimmer = std::make_unique<MemoryTrimmer>(f.memory_trim_seconds, &p.registry);
   if (f.metrics_port >= 0) {

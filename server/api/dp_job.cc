@@ -20,6 +20,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "request_authenticator.h"
+#include "status_macros.h"
 #include "tp_group.h"
 
 namespace lce::server {
@@ -111,10 +112,10 @@ absl::StatusOr<std::shared_ptr<DpJob>> DpJob::Join(const DpJobOptions& o, DpRank
   absl::StatusOr<std::unique_ptr<TpCommunicator>> control = CreateGlooCommunicator(b);
   if (!control.ok()) return control.status();
   std::shared_ptr<DpJob> job(new DpJob(o, front_rank, *std::move(control)));
-  if (absl::Status s = job->CheckShapes(shape, tp_size); !s.ok()) return s;
-  if (absl::Status s = job->ShareSecret(); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(job->CheckShapes(shape, tp_size));
+  LCE_RETURN_IF_ERROR(job->ShareSecret());
   if (o.dp.replica == 0) {
-    if (absl::Status s = MarkDpJobFormed(o.dp); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(MarkDpJobFormed(o.dp));
   }
   return job;
 }
@@ -127,7 +128,7 @@ absl::Status DpJob::CheckShapes(const HeadShape& shape, int tp_size) {
     v[2 * i] = mine[i];
     v[2 * i + 1] = -mine[i];
   }
-  if (absl::Status s = AllReduceFloats(*control_, *control_staging_, v, 8, ReduceOp::kMax); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(AllReduceFloats(*control_, *control_staging_, v, 8, ReduceOp::kMax));
   for (int i = 0; i < 8; i += 2) {
     if (v[i] != -v[i + 1]) {
       return absl::FailedPreconditionError(
@@ -144,7 +145,7 @@ absl::Status DpJob::ShareSecret() {
     std::random_device random;
     for (int i = 0; i < 32; ++i) hex[i] = "0123456789abcdef"[random() % 16];
   }
-  if (absl::Status s = control_->Broadcast(hex, 32, false, nullptr, 0); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(control_->Broadcast(hex, 32, false, nullptr, 0));
   secret_.assign(hex, 32);
   return absl::OkStatus();
 }

@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "engine_options.h"
+#include "status_macros.h"
 
 namespace lce::server {
 namespace {
@@ -200,7 +201,7 @@ absl::Status DynamicBatcher::RunMerged(const BatchKey& key, Queue& q, const std:
   auto data = [](auto& v) { return v.empty() ? nullptr : v.data(); };
   const BatchRows merged{q.hidden.data(), q.targets.data(), n, data(q.in[0]), data(q.in[1]), data(q.in[2]),
                          data(q.out[0]), data(q.out[1]), data(q.out[2]), data(q.d_hidden)};
-  if (absl::Status s = run(merged); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(run(merged));
   at = 0;
   for (Item* it : batch) {
     const BatchRows& r = *it->rows;

@@ -158,7 +158,7 @@ absl::Status LceService::UnstageFromDevice(ChunkStaging& st, const StagedCall& c
     const float* dev_out[4] = {call.outs.logprob, call.outs.entropy, call.outs.lse, call.outs.loss};
     for (int k = 0; k < 4; ++k) {
       if (call.host_out[k] == nullptr) continue;
-      if (absl::Status d = st.DownloadAsync(call.host_out[k], dev_out[k], call.rows.rows * 4); !d.ok()) return d;
+      LCE_RETURN_IF_ERROR(st.DownloadAsync(call.host_out[k], dev_out[k], call.rows.rows * 4));
     }
     if (call.host_d_hidden != nullptr) {
       if (absl::Status d = st.DownloadAsync(call.host_d_hidden, call.grads.d_hidden, call.d_hidden_bytes); !d.ok()) {

@@ -113,7 +113,7 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
   }
   o.label_smoothing = h.label_smoothing();
   o.z_loss = h.z_loss();
-  if (absl::Status s = ValidateOptions(o); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(ValidateOptions(o));
 
   plan.partial = h.partial();
   plan.sends_ahead = h.sends_ahead();
@@ -196,15 +196,15 @@ absl::StatusOr<int64_t> StreamRequestValidator::ValidateChunk(const RequestPlan&
     return absl::OkStatus();
   };
   const bool is_bw = rpc_ == RpcKind::kBackward;
-  if (absl::Status s = check_len(c.grad_logprob_size(), "grad_logprob", is_bw); !s.ok()) return s;
-  if (absl::Status s = check_len(c.grad_entropy_size(), "grad_entropy", is_bw); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(check_len(c.grad_logprob_size(), "grad_logprob", is_bw));
+  LCE_RETURN_IF_ERROR(check_len(c.grad_entropy_size(), "grad_entropy", is_bw));
   const bool loss_grads = rpc_ == RpcKind::kForwardBackward && plan.reduction == v1::REDUCTION_NONE;
-  if (absl::Status s = check_len(c.grad_loss_size(), "grad_loss", loss_grads); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(check_len(c.grad_loss_size(), "grad_loss", loss_grads));
   const bool is_pl = rpc_ == RpcKind::kPolicyLoss;
-  if (absl::Status s = check_len(c.old_logprobs_size(), "old_logprobs", is_pl); !s.ok()) return s;
-  if (absl::Status s = check_len(c.advantages_size(), "advantages", is_pl); !s.ok()) return s;
-  if (absl::Status s = check_len(c.ref_logprobs_size(), "ref_logprobs", is_pl); !s.ok()) return s;
-  if (absl::Status s = check_len(c.sequence_ids_size(), "sequence_ids", is_pl); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(check_len(c.old_logprobs_size(), "old_logprobs", is_pl));
+  LCE_RETURN_IF_ERROR(check_len(c.advantages_size(), "advantages", is_pl));
+  LCE_RETURN_IF_ERROR(check_len(c.ref_logprobs_size(), "ref_logprobs", is_pl));
+  LCE_RETURN_IF_ERROR(check_len(c.sequence_ids_size(), "sequence_ids", is_pl));
   if (is_pl) {
     if (c.old_logprobs_size() == 0 || c.advantages_size() == 0) {
       return absl::InvalidArgumentError(absl::StrCat(where, "PolicyLoss needs old_logprobs and advantages for every row"));

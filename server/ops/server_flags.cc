@@ -322,7 +322,7 @@ absl::Status CheckTimeouts(const ServerFlags& f) {
                          std::pair{"stream-header-timeout-seconds", f.stream_header_timeout_seconds},
                          std::pair{"stream-idle-timeout-seconds", f.stream_idle_timeout_seconds},
                          std::pair{"memory-trim-seconds", f.memory_trim_seconds}}) {
-    if (absl::Status s = CheckSeconds(name, v); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(CheckSeconds(name, v));
   }
   if (f.max_head_bytes < 0) return absl::InvalidArgumentError("--max-head-bytes must be >= 0");
   return absl::OkStatus();

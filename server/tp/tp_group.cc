@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "engine_options.h"
 #include "head_store.h"
+#include "status_macros.h"
 
 namespace lce::server {
 
@@ -71,9 +72,9 @@ absl::StatusOr<void*> Share(TpCommunicator& comm, ChunkStaging& staging, int slo
   absl::StatusOr<void*> buf = staging.Buffer(slot, std::max<int64_t>(bytes, 1));
   if (!buf.ok()) return buf.status();
   if (src != nullptr) {
-    if (absl::Status s = staging.Upload(*buf, src, bytes); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(staging.Upload(*buf, src, bytes));
   }
-  if (absl::Status s = comm.Broadcast(*buf, bytes, staging.device(), staging.stream()); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(comm.Broadcast(*buf, bytes, staging.device(), staging.stream()));
   return *buf;
 }
 
@@ -90,7 +91,7 @@ absl::Status ShareControl(TpCommunicator& comm, ChunkStaging& staging, TpControl
 absl::Status AllReduceFloats(TpCommunicator& comm, ChunkStaging& staging, float* values, int n, ReduceOp op) {
   absl::StatusOr<void*> buf = staging.Buffer(kScalars, n * 4);
   if (!buf.ok()) return buf.status();
-  if (absl::Status s = staging.Upload(*buf, values, n * 4); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(staging.Upload(*buf, values, n * 4));
   if (absl::Status s = comm.AllReduce(static_cast<float*>(*buf), n, op, staging.device(), staging.stream()); !s.ok()) {
     return s;
   }
@@ -104,8 +105,8 @@ namespace {
 // their codes; their logs say why). Each failed rank adds 2^rank to one sum.
 absl::Status AgreeOnOutcome(TpCommunicator& comm, ChunkStaging& staging, const absl::Status& mine, const std::string& what) {
   float v[2] = {mine.ok() ? 0.0f : std::ldexp(1.0f, std::min(comm.rank(), 23)), static_cast<float>(mine.code())};
-  if (absl::Status s = AllReduceFloats(comm, staging, v, 1, ReduceOp::kSum); !s.ok()) return s;
-  if (absl::Status s = AllReduceFloats(comm, staging, v + 1, 1, ReduceOp::kMax); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(AllReduceFloats(comm, staging, v, 1, ReduceOp::kSum));
+  LCE_RETURN_IF_ERROR(AllReduceFloats(comm, staging, v + 1, 1, ReduceOp::kMax));
   if (v[0] == 0.0f) return absl::OkStatus();
   if (!mine.ok()) return mine;
   std::vector<std::string> ranks;
@@ -121,7 +122,7 @@ template <typename F>
 absl::Status ForEachPiece(int64_t rows, int64_t row_bytes, F&& f) {
   const int64_t per = std::max<int64_t>(1, kPieceBytes / row_bytes);
   for (int64_t r0 = 0; r0 < rows; r0 += per) {
-    if (absl::Status s = f(r0, std::min(per, rows - r0)); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(f(r0, std::min(per, rows - r0)));
   }
   return absl::OkStatus();
 }
@@ -207,7 +208,7 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
                                     const LceOptions& o, const Upstream& up, const RowOutputs& outputs,
                                     const GradOutputs& grads) {
   TpControl c;
-  if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
   c.version = version;
   c.rows = rows.rows;
   c.mode = static_cast<uint32_t>(up.mode);
@@ -215,7 +216,7 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
             (grads.d_weight ? kAccumulateWeightGrad : 0) | (grads.d_weight && grads.d_weight_fresh ? kFreshWeightGrad : 0);
   c.pending = grads.d_weight_pending;
   c.options = EncodeOptions(o);
-  if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
   const HeadShape& shape = local.shape();
   const int64_t n = rows.rows;
   const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
@@ -257,11 +258,11 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
     dev_grads.d_hidden = *p;
   }
   RowsView view{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice};
-  if (absl::Status s = local.Compute(view, o, staged_up, dev_out, dev_grads); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(local.Compute(view, o, staged_up, dev_out, dev_grads));
   for (auto [host, dev] : {std::pair{outputs.logprob, dev_out.logprob}, std::pair{outputs.entropy, dev_out.entropy},
                            std::pair{outputs.lse, dev_out.lse}, std::pair{outputs.loss, dev_out.loss}}) {
     if (host == nullptr) continue;
-    if (absl::Status s = staging_->Download(host, dev, n * 4); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(staging_->Download(host, dev, n * 4));
   }
   if (grads.d_hidden != nullptr) return staging_->Download(grads.d_hidden, dev_grads.d_hidden, n * row_bytes);
   return absl::OkStatus();
@@ -289,7 +290,7 @@ absl::Status TpGroup::GradOp(const std::string& head, TpOp op, uint64_t pending,
     c.op = op;
     c.pending = pending;
     c.scale = scale;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
     return ShareControl(*comm_, *staging_, c, true);
   });
 }
@@ -300,7 +301,7 @@ absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version
   return Locked<absl::StatusOr<ShardStep>>([&]() -> absl::StatusOr<ShardStep> {
     TpControl c;
     c.op = TpOp::kStep;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
     c.version = version;
     c.lr = p.lr;
     c.beta1 = p.beta1;
@@ -308,7 +309,7 @@ absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version
     c.eps = p.eps;
     c.weight_decay = p.weight_decay;
     c.max_grad_norm = max_grad_norm;
-    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
     absl::StatusOr<ShardStep> r = StepShard(std::move(front), vocab_size, comm_, staging_.get(), p, max_grad_norm, dp);
     if (r.status().code() == absl::StatusCode::kInternal) {
       return Fail(absl::InternalError(absl::StrCat("rank 0: ", r.status().message(),
@@ -325,8 +326,8 @@ absl::Status TpGroup::GatherPeerGrads(const std::string& head, const HeadShape& 
     TpControl c;
     c.op = TpOp::kGetGrad;
     c.pending = pending;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
-    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
+    LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
     const int64_t H = shape.hidden_size;
     absl::Status sunk;
     std::vector<float> host;
@@ -335,9 +336,9 @@ absl::Status TpGroup::GatherPeerGrads(const std::string& head, const HeadShape& 
       absl::Status s = ForEachPiece(range.end - range.begin, H * 4, [&](int64_t r0, int64_t n) -> absl::Status {
         absl::StatusOr<void*> buf = staging_->Buffer(kPiece, n * H * 4);
         if (!buf.ok()) return buf.status();
-        if (absl::Status b = comm_->Broadcast(*buf, n * H * 4, staging_->device(), staging_->stream(), r); !b.ok()) return b;
+        LCE_RETURN_IF_ERROR(comm_->Broadcast(*buf, n * H * 4, staging_->device(), staging_->stream(), r));
         host.resize(static_cast<size_t>(n * H));
-        if (absl::Status d = staging_->Download(host.data(), *buf, n * H * 4); !d.ok()) return d;
+        LCE_RETURN_IF_ERROR(staging_->Download(host.data(), *buf, n * H * 4));
         if (sunk.ok()) sunk = sink(range.begin + r0, n, host.data());  // the peers go on regardless
         return absl::OkStatus();
       });
@@ -353,9 +354,9 @@ absl::Status TpGroup::Save(const std::string& head, int64_t version, const std::
     TpControl c;
     c.op = TpOp::kSave;
     c.version = version;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
-    if (absl::Status s = PutText(c.path, dir, "SaveHead directory"); !s.ok()) return s;
-    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
+    LCE_RETURN_IF_ERROR(PutText(c.path, dir, "SaveHead directory"));
+    LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
     return AgreeOnOutcome(*comm_, *staging_, front_part(), absl::StrCat("write its shard to ", dir));
   });
 }
@@ -366,7 +367,7 @@ absl::Status TpGroup::Load(const std::string& head, int64_t version, const TpHea
     TpControl c;
     c.op = TpOp::kLoad;
     c.version = version;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
     const HeadSource& src = source.source;
     c.source = !source.clone_of.empty() ? SourceKind::kClone : src.file.empty() ? SourceKind::kSeeded : SourceKind::kFile;
     c.dtype = static_cast<uint32_t>(src.dtype);
@@ -377,7 +378,7 @@ absl::Status TpGroup::Load(const std::string& head, int64_t version, const TpHea
                            PutText(c.clone_of, source.clone_of, "LoadHead clone_of")}) {
       if (!s.ok()) return s;
     }
-    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
     return AgreeOnOutcome(*comm_, *staging_, front_part(), absl::StrCat("load its shard of head '", head, "'"));
   });
 }
@@ -388,8 +389,8 @@ absl::Status TpGroup::Update(const std::string& head, int64_t version, const Hea
     TpControl c;
     c.op = TpOp::kUpdate;
     c.version = version;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
-    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
+    LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
     const int64_t row_bytes = full.shape.hidden_size * DTypeSize(full.shape.dtype);
     for (int r = 1; r < comm_->world_size(); ++r) {  // each peer's rows, in pieces
       const VocabRange range = VocabShard(full.shape.vocab_size, r, comm_->world_size());
@@ -421,7 +422,7 @@ class TpPeer {
   absl::Status Run() {
     for (;;) {
       TpControl c;
-      if (absl::Status s = ShareControl(comm_, staging_, c, false); !s.ok()) return s;
+      LCE_RETURN_IF_ERROR(ShareControl(comm_, staging_, c, false));
       if (c.magic != kMagic) return absl::DataLossError("tensor-parallel control block is corrupt (another build?)");
       if (c.op == TpOp::kStop) return absl::OkStatus();
       absl::Status s = Dispatch(c);
