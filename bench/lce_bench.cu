@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "bench_check.h"
+#include "lce/cuda_tuning.h"
 #include "lce/engine.h"
 
 namespace {
@@ -104,17 +105,27 @@ double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
   return m;
 }
 
-// --epi-ab: score and train with LCE_CUDA_EPILOGUE_STATS=0 and =1 in turns on one engine (two rounds of
-// each, the faster round kept), then each path once more to compare their outputs.
+// --epi-ab: score and train with the epilogue-statistics GEMM off and on (CudaTuning::epilogue_stats,
+// LCE_CUDA_EPILOGUE_STATS=0 and =1) in turns on one engine (two rounds of each, the faster round kept), then
+// each path once more to compare their outputs.
+void SetEpilogueStats(lce::LceEngine& engine, bool on) {
+  lce::CudaTuning t = lce::CudaTuningFromEnv();
+  t.epilogue_stats = on;
+  const absl::Status st = lce::SetCudaTuning(engine, t);
+  if (!st.ok()) {
+    std::fprintf(stderr, "SetCudaTuning: %s\n", st.ToString().c_str());
+    std::exit(1);
+  }
+}
+
 template <class Score, class Train>
-void EpilogueAb(int64_t N, int64_t H, Score score, Train train, const float* lp, const float* ent, const float* loss,
-                const __nv_bfloat16* dh, int warmup, int reps, cudaStream_t stream, Row* row) {
-  const char* was = std::getenv("LCE_CUDA_EPILOGUE_STATS");
-  const std::string saved = was != nullptr ? was : "";
+void EpilogueAb(lce::LceEngine& engine, int64_t N, int64_t H, Score score, Train train, const float* lp,
+                const float* ent, const float* loss, const __nv_bfloat16* dh, int warmup, int reps,
+                cudaStream_t stream, Row* row) {
   std::vector<float> s_ms[2], t_ms[2];
   for (int round = 0; round < 2; ++round) {
     for (int on = 0; on < 2; ++on) {
-      setenv("LCE_CUDA_EPILOGUE_STATS", on ? "1" : "0", 1);
+      SetEpilogueStats(engine, on != 0);
       s_ms[on].push_back(static_cast<float>(MedianMs(score, warmup, reps, stream)));
       t_ms[on].push_back(static_cast<float>(MedianMs(train, warmup, reps, stream)));
     }
@@ -122,7 +133,7 @@ void EpilogueAb(int64_t N, int64_t H, Score score, Train train, const float* lp,
   std::vector<float> lp_[2], ent_[2], loss_[2], dh_[2];
   std::vector<__nv_bfloat16> dh_raw(N * H);
   for (int on = 0; on < 2; ++on) {
-    setenv("LCE_CUDA_EPILOGUE_STATS", on ? "1" : "0", 1);
+    SetEpilogueStats(engine, on != 0);
     score();
     train();
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -134,7 +145,8 @@ void EpilogueAb(int64_t N, int64_t H, Score score, Train train, const float* lp,
     dh_[on].resize(N * H);
     for (int64_t i = 0; i < N * H; ++i) dh_[on][i] = __bfloat162float(dh_raw[i]);
   }
-  if (was != nullptr) setenv("LCE_CUDA_EPILOGUE_STATS", saved.c_str(), 1); else unsetenv("LCE_CUDA_EPILOGUE_STATS");
+  const absl::Status restored = lce::SetCudaTuning(engine, lce::CudaTuningFromEnv());  // as the engine was made
+  if (!restored.ok()) std::fprintf(stderr, "SetCudaTuning: %s\n", restored.ToString().c_str());
   row->off_ms = std::min(s_ms[0][0], s_ms[0][1]);
   row->on_ms = std::min(s_ms[1][0], s_ms[1][1]);
   row->train_off_ms = std::min(t_ms[0][0], t_ms[0][1]);
@@ -367,7 +379,7 @@ int main(int argc, char** argv) {
     const double score_ms = MedianMs(score, warmup, reps, stream);
     const double extra = static_cast<double>(free1 - free2) / (1 << 30);
     Row row{N, H, V, 0, train_ms, score_ms, extra, mean_loss};
-    if (score_ab) EpilogueAb(N, H, score, train, lp, ent, loss, dh, warmup, reps, stream, &row);
+    if (score_ab) EpilogueAb(*engine, N, H, score, train, lp, ent, loss, dh, warmup, reps, stream, &row);
     engine.reset();
     CHECK_CUDA(cudaMalloc(&logits, N * V * 2));
     MedianMs(gemm, 3, 20, stream, &floor_ms);

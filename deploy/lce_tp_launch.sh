@@ -5,7 +5,8 @@
 #
 # Usage: lce_tp_launch.sh K [--restarts=N] -- LCE_SERVER_FLAGS...
 #   e.g. lce_tp_launch.sh 2 -- --port=50051 --backend=cpu --seed-head=151936x4096
-# Environment: LCE_SERVER (binary, default build/bin/lce_server next to this repo),
+# Environment: LCE_SERVER (binary, default build/bin/lce_server next to this repo, else the
+#   lce_server installed beside this script),
 #   LCE_TP_RENDEZVOUS (a directory that holds each start's own fresh one, made here with mode
 #   0700; default a fresh temporary one), CUDA_VISIBLE_DEVICES is set to
 #   the rank (plus LCE_TP_GPU_OFFSET, default 0) for each rank when LCE_TP_BIND_GPUS=1.
@@ -26,6 +27,8 @@ done
 [ "${1:-}" = "--" ] && shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 SERVER=${LCE_SERVER:-$HERE/build/bin/lce_server}
+# Installed (cmake --install, the .deb): the lce_server beside this script.
+[ -n "${LCE_SERVER:-}" ] || [ -x "$SERVER" ] || SERVER=$(cd "$(dirname "$0")" && pwd)/lce_server
 if [ -n "${LCE_TP_RENDEZVOUS:-}" ]; then
   BASE=$LCE_TP_RENDEZVOUS
   mkdir -p -m 0700 -- "$BASE"   # may exist already (a mounted volume): only our own start directories go in it

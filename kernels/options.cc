@@ -16,8 +16,20 @@ absl::Status ValidateOptions(const LceOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("label_smoothing must be in [0, 1), got ", o.label_smoothing));
   }
-  if (!(o.z_loss >= 0.0f) || !std::isfinite(o.z_loss)) {
-    return absl::InvalidArgumentError(absl::StrCat("z_loss must be >= 0, got ", o.z_loss));
+  // Any finite coefficient: a class-weighted mean whose weights sum below 0 needs a negative one
+  // (the client libraries keep the z-loss divided by the valid tokens, as Liger-Kernel does).
+  if (!std::isfinite(o.z_loss)) {
+    return absl::InvalidArgumentError(absl::StrCat("z_loss must be finite, got ", o.z_loss));
+  }
+  if (o.top_k < 0 || o.top_k > kMaxTopK) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k must be in [0, ", kMaxTopK, "], got ", o.top_k));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateOutputs(const LceOptions& o, const RowOutputs& out) {
+  if (o.top_k == 0 && (out.argmax != nullptr || out.top_tokens != nullptr || out.top_logprobs != nullptr)) {
+    return absl::InvalidArgumentError("argmax and top-k outputs need options.top_k >= 1");
   }
   return absl::OkStatus();
 }

@@ -162,6 +162,11 @@ absl::Status HeadTrainer::CopyGrad(int64_t first_row, int64_t rows, float* host)
   return CopyRows(grad_data(), first_row, rows, host);
 }
 
+absl::Status HeadTrainer::CopyBiasGrad(float* host) {
+  if (!shape_.has_bias) return absl::FailedPreconditionError("the head has no bias");
+  return CopyElements(grad_data(), weight_elements(), shape_.shard_rows, host);
+}
+
 absl::Status HeadTrainer::CopyPending(uint64_t id, int64_t first_row, int64_t rows, float* host) {
   absl::StatusOr<float*> p = FindPending(id);
   if (!p.ok()) return p.status();
@@ -194,9 +199,12 @@ class CpuHeadTrainer final : public HeadTrainer {
   absl::StatusOr<TileSquaredNorms> GradTileSquaredNorms() override {
     const ShardTiles tiles = TilesOf(shape_);
     TileSquaredNorms out{tiles.first_tile, {}};
+    const float* d_bias = BiasPart(grad_data());
     for (int64_t i = 0; i < tiles.count; ++i) {
-      const int64_t r0 = tiles.RowBegin(i);
-      out.sums.push_back(SquaredNorm(grad_data() + r0 * shape_.hidden_size, (tiles.RowEnd(i) - r0) * shape_.hidden_size));
+      const int64_t r0 = tiles.RowBegin(i), n = tiles.RowEnd(i) - r0;
+      // A tile's rows of dW, then of dB: the tile's share of the parameters' norm.
+      out.sums.push_back(SquaredNorm(grad_data() + r0 * shape_.hidden_size, n * shape_.hidden_size) +
+                         (d_bias != nullptr ? SquaredNorm(d_bias + r0, n) : 0.0));
     }
     return out;
   }
@@ -206,7 +214,7 @@ class CpuHeadTrainer final : public HeadTrainer {
     if (!master_.empty()) return absl::OkStatus();
     const int64_t n = grad_elements();
     master_.resize(static_cast<size_t>(n));
-    ConvertToFloat(weights_->weight.data(), shape_.dtype, n, master_.data());
+    SetMasters(*weights_);
     m_.assign(static_cast<size_t>(n), 0.0f);
     v_.assign(static_cast<size_t>(n), 0.0f);
     return absl::OkStatus();
@@ -219,16 +227,17 @@ class CpuHeadTrainer final : public HeadTrainer {
     AdamWStep(master_.data(), m_.data(), v_.data(), grad_data(), n, p, steps_, grad_scale);
     auto next = std::make_shared<HeadWeights>();
     next->shape = shape_;
-    next->bias = weights_->bias;
+    next->bias.assign(master_.begin() + weight_elements(), master_.end());  // fp32, as the masters
     next->weight.resize(weights_->weight.size());
-    ConvertFromFloat(master_.data(), n, shape_.dtype, next->weight.data());
+    ConvertFromFloat(master_.data(), weight_elements(), shape_.dtype, next->weight.data());
     return Serve(std::move(next));
   }
 
   absl::StatusOr<std::shared_ptr<LceEngine>> SetWeight(std::shared_ptr<const HeadWeights> w) override {
     if (!make_) return absl::FailedPreconditionError("this server cannot build new head versions");
     if (w->weight.size() != weights_->weight.size()) return absl::InvalidArgumentError("new weight has another shape");
-    if (!master_.empty()) ConvertToFloat(w->weight.data(), shape_.dtype, grad_elements(), master_.data());
+    if (w->bias.size() != weights_->bias.size()) return absl::InvalidArgumentError("new bias has another shape");
+    if (!master_.empty()) SetMasters(*w);
     return Serve(std::move(w));
   }
 
@@ -258,7 +267,10 @@ class CpuHeadTrainer final : public HeadTrainer {
     return absl::OkStatus();
   }
   absl::Status CopyRows(const float* buffer, int64_t first_row, int64_t rows, float* host) override {
-    std::memcpy(host, buffer + first_row * shape_.hidden_size, static_cast<size_t>(rows * shape_.hidden_size) * sizeof(float));
+    return CopyElements(buffer, first_row * shape_.hidden_size, rows * shape_.hidden_size, host);
+  }
+  absl::Status CopyElements(const float* buffer, int64_t first, int64_t n, float* host) override {
+    std::memcpy(host, buffer + first, static_cast<size_t>(n) * sizeof(float));
     return absl::OkStatus();
   }
 
@@ -273,6 +285,12 @@ class CpuHeadTrainer final : public HeadTrainer {
    private:
     std::unique_ptr<float[]> data_;
   };
+
+  // The fp32 masters [W | b] := the weight (and bias) of `w`.
+  void SetMasters(const HeadWeights& w) {
+    ConvertToFloat(w.weight.data(), shape_.dtype, weight_elements(), master_.data());
+    std::copy(w.bias.begin(), w.bias.end(), master_.begin() + weight_elements());
+  }
 
   absl::StatusOr<std::shared_ptr<LceEngine>> Serve(std::shared_ptr<const HeadWeights> w) {
     absl::StatusOr<std::shared_ptr<LceEngine>> e = make_(w);

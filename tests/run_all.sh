@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, what CI runs (.ci/run): installs dependencies (idempotent), builds, runs the
 # C++ tests (ctest: CPU tests, and GPU tests that skip with a message where no GPU is present), the
-# Python tests and 2 minutes of the soak; then the hardening lanes (docs/OPERATING.md, "Fuzzing,
-# sanitizers, soak"): the fuzzers for LCE_FUZZ_SECONDS each, the C++ tests under ASan + UBSan and
-# the concurrency tests under TSan. Prints each stage's time at the end.
+# Python tests, the packages (tests/package: install, wheel, .deb) and 2 minutes of the soak; then the
+# hardening lanes (docs/OPERATING.md, "Fuzzing, sanitizers, soak"): the fuzzers for LCE_FUZZ_SECONDS
+# each, the C++ tests under ASan + UBSan and the concurrency tests under TSan. Prints each stage's time
+# at the end.
 #   LCE_HARDENING=0 skips the hardening lanes (a quick local run); LCE_SOAK_SECONDS, LCE_FUZZ_SECONDS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,10 +35,20 @@ pytests() {
   LCE_SERVER_BIN="$PWD/$BUILD/bin/lce_server" .venv/bin/python -m pytest -q tests/python
 }
 
+# The packages as a user installs them (docs/INSTALL.md), from the build above: the C++ package into a
+# scratch prefix with a consumer built against it, the wheel into a fresh venv, the .deb installed,
+# run and removed; each scores a batch against its installed server.
+packages() {
+  bash tests/package/check_install.sh "$BUILD"
+  LCE_BUILD_PYTHON=.venv/bin/python bash tests/package/check_wheel.sh "$BUILD"
+  bash tests/package/check_deb.sh "$BUILD"
+}
+
 stage "dependencies" bash deploy/install-deps.sh
 stage "build (gcc, Release)" build
 stage "C++ tests (ctest)" ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS"
 stage "Python tests (pytest)" pytests
+stage "package (install, wheel, deb)" packages
 stage "soak (${LCE_SOAK_SECONDS:-120} s)" .venv/bin/python bench/soak/soak.py --server-bin="$PWD/$BUILD/bin/lce_server" \
   --duration="${LCE_SOAK_SECONDS:-120}"
 if [ "${LCE_HARDENING:-1}" != 0 ]; then

@@ -40,6 +40,7 @@ struct RowStats {
   float sum_exp_z = 0.0f;    // Q = Σ exp(z − max)·(z − max)
   float sum_z = 0.0f;        // Σ z (label smoothing)
   float target_z = 0.0f;     // z_{y}, when y is in this shard
+  float sum_wz = 0.0f;       // Σ w·z (label smoothing with class weights)
 };
 
 // Per-row partials of one vocabulary tile, relative to the tile's own max so that they do not depend
@@ -50,9 +51,28 @@ struct TilePartial {
   float sum_exp_z;  // Σ exp(z − max)·(z − max)
   float sum_z;
   float target_z;   // −inf when y is not in this tile
+  float sum_wz;     // Σ w·z with class weights and label smoothing, else 0
 };
 constexpr int64_t kPartialFloats = sizeof(TilePartial) / sizeof(float);
-static_assert(sizeof(TilePartial) == 5 * sizeof(float));
+static_assert(sizeof(TilePartial) == 6 * sizeof(float));
+
+// One of a row's most probable tokens: its logit z and its global id, as a float so that ranks exchange
+// candidates with the partials' max all-reduce (exact: ids < 2^24). Both −inf in a slot a rank does not
+// own, or past a tile's last column.
+struct Candidate {
+  float z;
+  float id;
+};
+// Ranking order: larger z first, then lower id; a total order, so the top k of any grouping of the
+// candidates are the same.
+inline bool Before(const Candidate& a, const Candidate& b) { return a.z > b.z || (a.z == b.z && a.id < b.id); }
+// Inserts c into the sorted list top[0, k) if it ranks there.
+inline void Offer(Candidate* top, int k, Candidate c) {
+  if (!Before(c, top[k - 1])) return;
+  int j = k - 1;
+  for (; j > 0 && Before(c, top[j - 1]); --j) top[j] = top[j - 1];
+  top[j] = c;
+}
 
 // A subtree of the canonical binary tree over the head's tiles: level ℓ, index j covers tiles
 // [j·2^ℓ, (j+1)·2^ℓ); its value is the transposed d_hidden [H, cols] summed over those tiles,
@@ -71,9 +91,20 @@ struct RowFinal {
   float log_sum_exp;      // log S: p = exp((z − max) − log S), not exp(z − lse) of two large numbers
 };
 
-// Backward coefficients of a row: dL/dz_j = a·p_j + b·p_j·(z_j − max) − c·1[j=y] − d.
+// Backward coefficients of a row: dL/dz_j = a·p_j + b·p_j·(z_j − max) − c·1[j=y] − d·w_j
+// (w_j = 1 without class weights).
 struct RowCoef {
   float a = 0.0f, b = 0.0f, c = 0.0f, d = 0.0f;
+};
+
+// What a call's math needs beyond its options: the class weights and their sum over the vocabulary.
+struct CallMath {
+  const LceOptions& o;
+  const float* class_weight;  // [V] global ids, or null
+  float weight_total;         // Σ_c w_c (V without class weights)
+  float Weight(int64_t id) const { return class_weight != nullptr ? class_weight[id] : 1.0f; }
+  // Label smoothing with class weights: the tiles accumulate Σ w·z.
+  bool WeightedSmoothing() const { return class_weight != nullptr && o.label_smoothing > 0.0f; }
 };
 
 // Scratch of a Compute call, kept by the engine between calls (a call of a few rows would otherwise spend
@@ -121,17 +152,23 @@ class CpuEngine final : public LceEngine {
   void LogitTile(const Workspace& ws, int64_t cols, int64_t v0, int64_t nv, const LceOptions& o,
                  float* z_t) const;
   void TilePartials(const float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
-                    const LceOptions& o, std::vector<TilePartial>& parts) const;
+                    const CallMath& m, std::vector<TilePartial>& parts) const;
+  void TileCandidates(const float* z_t, int64_t nr, int64_t v0, int64_t nv, int k,
+                      std::vector<Candidate>& cands) const;
   absl::Status FoldPartials(std::vector<TilePartial>& parts, int64_t nr,
                             std::vector<RowStats>& stats) const;
-  absl::Status FinishRows(int64_t r0, int64_t nr, const int32_t* y, const LceOptions& o,
+  absl::Status RankRows(std::vector<Candidate>& cands, int64_t r0, int64_t nr, int k,
+                        const std::vector<RowFinal>& fin, const RowOutputs& out) const;
+  absl::Status FinishRows(int64_t r0, int64_t nr, const int32_t* y, const CallMath& m,
                           const std::vector<RowStats>& stats, const RowOutputs& out,
                           std::vector<RowFinal>& fin) const;
   void GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
-                const LceOptions& o, const std::vector<RowCoef>& coef,
+                const CallMath& m, const std::vector<RowCoef>& coef,
                 const std::vector<RowFinal>& fin, const std::vector<RowStats>& stats) const;
+  absl::Status ForwardBlock(Workspace& ws, const RowsView& rows, int64_t r0, int64_t nr, const CallMath& m,
+                            const RowOutputs& out, std::vector<RowStats>& stats, std::vector<RowFinal>& fin);
   absl::Status BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, const int32_t* y,
-                             const LceOptions& o, const std::vector<RowCoef>& coef,
+                             const CallMath& m, const std::vector<RowCoef>& coef,
                              const std::vector<RowFinal>& fin, const std::vector<RowStats>& stats,
                              const GradOutputs& grads);
   absl::Status CombineDHidden(std::vector<TreeNode> own, int64_t cols, Workspace& ws) const;
@@ -208,22 +245,27 @@ void CpuEngine::LogitTile(const Workspace& ws, int64_t cols, int64_t v0, int64_t
 
 // Each row's partials of tile [v0, v0+nv) into parts[row · Tiles() + tile index].
 void CpuEngine::TilePartials(const float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
-                             const LceOptions& o, std::vector<TilePartial>& parts) const {
+                             const CallMath& m, std::vector<TilePartial>& parts) const {
+  const LceOptions& o = m.o;
   const int64_t tile = TileIndex(v0), tiles = Tiles(), vb = shape_.vocab_begin;
+  const float* w = m.WeightedSmoothing() ? m.class_weight + vb + v0 : nullptr;
   const int64_t groups = (nr + kColumnGroup - 1) / kColumnGroup;
 #pragma omp parallel for schedule(static) num_threads(static_cast<int>(std::min<int64_t>(threads_, groups)))
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t r0 = g * kColumnGroup, n = std::min(nr, r0 + kColumnGroup) - r0;
-    float tmax[kColumnGroup], tsum_z[kColumnGroup], s[kColumnGroup], q[kColumnGroup];
+    float tmax[kColumnGroup], tsum_z[kColumnGroup], s[kColumnGroup], q[kColumnGroup], wz[kColumnGroup];
     for (int64_t r = 0; r < n; ++r) {
       tmax[r] = -std::numeric_limits<float>::infinity();
-      tsum_z[r] = s[r] = q[r] = 0.0f;
+      tsum_z[r] = s[r] = q[r] = wz[r] = 0.0f;
     }
     for (int64_t v = 0; v < nv; ++v) {
       const float* zv = z_t + v * kRowBlock + r0;
       for (int64_t r = 0; r < n; ++r) {
         tmax[r] = std::max(tmax[r], zv[r]);
         tsum_z[r] += zv[r];
+      }
+      if (w != nullptr) {
+        for (int64_t r = 0; r < n; ++r) wz[r] += w[v] * zv[r];
       }
     }
     for (int64_t v = 0; v < nv; ++v) {
@@ -241,7 +283,30 @@ void CpuEngine::TilePartials(const float* z_t, int64_t nr, int64_t v0, int64_t n
       parts[(r0 + r) * tiles + tile] = {
           std::isnan(tsum_z[r]) ? std::numeric_limits<float>::infinity() : tmax[r], s[r], q[r],
           tsum_z[r],
-          has_target ? z_t[local * kRowBlock + r0 + r] : -std::numeric_limits<float>::infinity()};
+          has_target ? z_t[local * kRowBlock + r0 + r] : -std::numeric_limits<float>::infinity(), wz[r]};
+    }
+  }
+}
+
+// Each row's top k of tile [v0, v0+nv) into cands[(row · Tiles() + tile index) · k ...], ranked.
+void CpuEngine::TileCandidates(const float* z_t, int64_t nr, int64_t v0, int64_t nv, int k,
+                               std::vector<Candidate>& cands) const {
+  const int64_t tile = TileIndex(v0), tiles = Tiles(), first_id = shape_.vocab_begin + v0;
+  const float none = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(std::min<int64_t>(threads_, nr)))
+  for (int64_t r = 0; r < nr; ++r) {
+    Candidate* top = cands.data() + (r * tiles + tile) * k;
+    std::fill_n(top, k, Candidate{none, none});
+    int held = 0;  // the first k columns fill the list; later ones must beat its last
+    for (int64_t v = 0; v < nv; ++v) {
+      const Candidate c{z_t[v * kRowBlock + r], static_cast<float>(first_id + v)};
+      if (held < k) {
+        int j = held++;
+        for (; j > 0 && Before(c, top[j - 1]); --j) top[j] = top[j - 1];
+        top[j] = c;
+      } else {
+        Offer(top, k, c);
+      }
     }
   }
 }
@@ -273,16 +338,48 @@ absl::Status CpuEngine::FoldPartials(std::vector<TilePartial>& parts, int64_t nr
       st.sum_exp_z = q_acc + (p.sum_exp_z + (p.max - m) * p.sum_exp) * scale_tile;
       st.max = m;
       st.sum_z += p.sum_z;
+      st.sum_wz += p.sum_wz;
       if (p.target_z != -std::numeric_limits<float>::infinity()) st.target_z = p.target_z;
     }
   }
   return absl::OkStatus();
 }
 
+// Gathers the other ranks' candidates (as FoldPartials does) and ranks each row's: its k best over the
+// whole vocabulary, whatever the group size (Before is a total order).
+absl::Status CpuEngine::RankRows(std::vector<Candidate>& cands, int64_t r0, int64_t nr, int k,
+                                 const std::vector<RowFinal>& fin, const RowOutputs& out) const {
+  const int64_t tiles = Tiles();
+  if (collectives_ != nullptr) {
+    if (absl::Status s = collectives_->AllReduce(reinterpret_cast<float*>(cands.data()), nr * tiles * k * 2,
+                                                 ReduceOp::kMax, false, nullptr);
+        !s.ok()) {
+      return s;
+    }
+  }
+  const float none = -std::numeric_limits<float>::infinity();
+  std::vector<Candidate> top(k);
+  for (int64_t r = 0; r < nr; ++r) {
+    std::fill(top.begin(), top.end(), Candidate{none, none});
+    const Candidate* row = cands.data() + r * tiles * k;
+    for (int64_t i = 0; i < tiles * k; ++i) {
+      if (row[i].id >= 0.0f) Offer(top.data(), k, row[i]);
+    }
+    if (out.argmax != nullptr) out.argmax[r0 + r] = static_cast<int32_t>(top[0].id);
+    for (int j = 0; j < k; ++j) {
+      const int64_t at = (r0 + r) * k + j;
+      if (out.top_tokens != nullptr) out.top_tokens[at] = static_cast<int32_t>(top[j].id);
+      if (out.top_logprobs != nullptr) out.top_logprobs[at] = top[j].z - fin[r].lse;
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Per-row outputs of rows [r0, r0+nr) from their merged statistics; fills `fin` for pass 2.
-absl::Status CpuEngine::FinishRows(int64_t r0, int64_t nr, const int32_t* y, const LceOptions& o,
+absl::Status CpuEngine::FinishRows(int64_t r0, int64_t nr, const int32_t* y, const CallMath& m,
                                    const std::vector<RowStats>& stats, const RowOutputs& out,
                                    std::vector<RowFinal>& fin) const {
+  const LceOptions& o = m.o;
   const float eps = o.label_smoothing;
   const float V = static_cast<float>(shape_.vocab_size);
   fin.resize(nr);
@@ -300,21 +397,27 @@ absl::Status CpuEngine::FinishRows(int64_t r0, int64_t nr, const int32_t* y, con
     if (out.lse != nullptr) out.lse[r0 + r] = lse;
     if (out.logprob != nullptr) out.logprob[r0 + r] = logprob;
     if (out.entropy != nullptr) out.entropy[r0 + r] = log_s - fin[r].mean_pz_shifted;
-    if (out.loss != nullptr) {
-      out.loss[r0 + r] = ignored ? 0.0f
-                                 : -(1.0f - eps) * logprob + eps * (lse - st.sum_z / V) +
-                                       o.z_loss * lse * lse;
+    const float z_loss = ignored ? 0.0f : o.z_loss * lse * lse;
+    if (out.z_loss != nullptr) out.z_loss[r0 + r] = z_loss;
+    if (out.loss != nullptr && ignored) out.loss[r0 + r] = 0.0f;
+    if (out.loss != nullptr && !ignored) {
+      // w_y·(1−ε)·(lse − z_y) + ε/V·Σ_c w_c·(lse − z_c) + λ·lse² (w = 1 without class weights)
+      const float smooth = m.class_weight == nullptr ? lse - st.sum_z / V
+                                                     : (m.weight_total * lse - st.sum_wz) / V;
+      out.loss[r0 + r] = -(1.0f - eps) * m.Weight(y[r]) * logprob + eps * smooth + z_loss;
     }
   }
   return absl::OkStatus();
 }
 
 // Backward coefficients (docs/MATH.md):
-//   loss:    a = g(1 + 2λ·lse), b = 0, c = g(1−ε), d = g·ε/V      (all 0 for ignored rows)
+//   loss:    a = g((1−ε)·w_y + ε·W/V + 2λ·lse), b = 0, c = g(1−ε)·w_y, d = g·ε/V   (0 for ignored rows;
+//            w = 1 and W = V without class weights)
 //   generic: a = −u + e·Σp(z−max), b = −e, c = −u, d = 0           (u = 0 for ignored rows)
-std::vector<RowCoef> BackwardCoefficients(int64_t r0, int64_t nr, const int32_t* y,
-                                          const LceOptions& o, const Upstream& up, int64_t vocab,
-                                          const std::vector<RowFinal>& fin) {
+std::vector<RowCoef> BackwardCoefficients(int64_t r0, int64_t nr, const int32_t* y, const CallMath& m,
+                                          const Upstream& up, int64_t vocab, const std::vector<RowFinal>& fin) {
+  const LceOptions& o = m.o;
+  const float eps = o.label_smoothing, V = static_cast<float>(vocab);
   std::vector<RowCoef> coef(nr);
   for (int64_t r = 0; r < nr; ++r) {
     const bool ignored = y[r] == o.ignore_index;
@@ -322,9 +425,11 @@ std::vector<RowCoef> BackwardCoefficients(int64_t r0, int64_t nr, const int32_t*
     if (up.mode == GradMode::kLoss) {
       if (ignored) continue;
       const float g = up.grad_loss != nullptr ? up.grad_loss[r0 + r] : 1.0f;
-      c.a = g * (1.0f + 2.0f * o.z_loss * fin[r].lse);
-      c.c = g * (1.0f - o.label_smoothing);
-      c.d = g * o.label_smoothing / static_cast<float>(vocab);
+      const float w_y = m.Weight(y[r]);
+      c.a = m.class_weight == nullptr ? g * (1.0f + 2.0f * o.z_loss * fin[r].lse)
+                                      : g * ((1.0f - eps) * w_y + eps * m.weight_total / V + 2.0f * o.z_loss * fin[r].lse);
+      c.c = g * (1.0f - eps) * w_y;
+      c.d = g * eps / V;
     } else {
       const float u = (ignored || up.grad_logprob == nullptr) ? 0.0f : up.grad_logprob[r0 + r];
       const float e = up.grad_entropy != nullptr ? up.grad_entropy[r0 + r] : 0.0f;
@@ -338,17 +443,20 @@ std::vector<RowCoef> BackwardCoefficients(int64_t r0, int64_t nr, const int32_t*
 
 // Turns the transposed logit tile z_t into dL/da in place.
 void CpuEngine::GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
-                         const LceOptions& o, const std::vector<RowCoef>& coef,
+                         const CallMath& m, const std::vector<RowCoef>& coef,
                          const std::vector<RowFinal>& fin, const std::vector<RowStats>& stats) const {
+  const LceOptions& o = m.o;
   const float inv_t = 1.0f / o.temperature;
+  const float* w = m.class_weight != nullptr ? m.class_weight + shape_.vocab_begin + v0 : nullptr;
 #pragma omp parallel for schedule(static) num_threads(threads_)
   for (int64_t v = 0; v < nv; ++v) {
     float* zv = z_t + v * kRowBlock;
+    const float w_v = w != nullptr ? w[v] : 1.0f;
     for (int64_t r = 0; r < nr; ++r) {
       const RowCoef& c = coef[r];
       const float zz = zv[r];
       const float p = std::exp((zz - fin[r].max) - fin[r].log_sum_exp);
-      const float dz = c.a * p + c.b * p * (zz - fin[r].max) - c.d;
+      const float dz = c.a * p + c.b * p * (zz - fin[r].max) - c.d * w_v;
       float da = dz * inv_t;
       if (o.softcap > 0.0f) {
         const float t = zz * o.temperature / o.softcap;  // tanh(a / s)
@@ -367,6 +475,16 @@ void CpuEngine::GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const i
       dcorr *= 1.0f - t * t;
     }
     z_t[local * kRowBlock + r] += dcorr;
+  }
+}
+
+// dB_tile[v] += Σ_r dA_t[v, r], each element summing the rows in order (the same order whatever the
+// chunking: a fresh one starts from 0 at the call's first block).
+void AddBiasGrad(const float* dA_t, int64_t nr, int64_t nv, float* d_bias, bool fresh) {
+  for (int64_t v = 0; v < nv; ++v) {
+    float acc = fresh ? 0.0f : d_bias[v];
+    for (int64_t r = 0; r < nr; ++r) acc += dA_t[v * kRowBlock + r];
+    d_bias[v] = acc;
   }
 }
 
@@ -431,7 +549,7 @@ absl::Status CpuEngine::CombineDHidden(std::vector<TreeNode> own, int64_t cols, 
 
 // Pass 2 over the shard's vocabulary for one block: d_hidden (written) and dW (accumulated).
 absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, const int32_t* y,
-                                      const LceOptions& o, const std::vector<RowCoef>& coef,
+                                      const CallMath& m, const std::vector<RowCoef>& coef,
                                       const std::vector<RowFinal>& fin,
                                       const std::vector<RowStats>& stats, const GradOutputs& grads) {
   const int64_t H = shape_.hidden_size;
@@ -439,14 +557,15 @@ absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, con
   std::vector<TreeNode> subtrees;
   for (int64_t v0 = 0; v0 < shape_.shard_rows; v0 += Tile()) {
     const int64_t nv = std::min(Tile(), shape_.shard_rows - v0);
-    LogitTile(ws, cols, v0, nv, o, ws.z_t.data());
-    GradTile(ws.z_t.data(), nr, v0, nv, y, o, coef, fin, stats);
+    LogitTile(ws, cols, v0, nv, m.o, ws.z_t.data());
+    GradTile(ws.z_t.data(), nr, v0, nv, y, m, coef, fin, stats);
     // This tile's d_hidden_t[H, r] = W_tileᵀ[H, nv] · dA_t[nv, r], each element summed in order.
     // [H, cols], not [H, kRowBlock]: a call of a few rows zeroes and adds its tiles' nodes at its own width.
     TreeNode node{0, TileIndex(v0), std::vector<float>(H * cols, 0.0f)};
     cpu::FixedOrderGemm(H, cols, nv, {w_.data() + v0 * H, 1, H}, ws.z_t.data(), kRowBlock,
                         node.value.data(), cols, /*accumulate=*/false, threads_);
     PushTile(subtrees, std::move(node));
+    if (grads.d_bias != nullptr) AddBiasGrad(ws.z_t.data(), nr, nv, grads.d_bias + v0, grads.d_weight_fresh && r0 == 0);
     // dW_tile[nv, H] += dA_t[nv, rows] · h[rows, H]: each element sums the rows in order.
     if (grads.d_weight != nullptr) {
       // A fresh d_weight is written by the first block (each element's sum starts from 0 either way).
@@ -464,37 +583,56 @@ absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, con
   return absl::OkStatus();
 }
 
+// Pass 1 for one block: logit tiles into partials (and ranking candidates), folded over the group;
+// the block's per-row outputs; `stats` and `fin` for pass 2.
+absl::Status CpuEngine::ForwardBlock(Workspace& ws, const RowsView& rows, int64_t r0, int64_t nr, const CallMath& m,
+                                     const RowOutputs& out, std::vector<RowStats>& stats, std::vector<RowFinal>& fin) {
+  const int32_t* y = rows.targets + r0;
+  const int k = m.o.top_k;
+  LoadRows(rows, r0, nr, BlockColumns(nr), ws);
+  const float none = -std::numeric_limits<float>::infinity();
+  std::vector<TilePartial> parts(nr * Tiles(), TilePartial{none, none, none, none, none, none});
+  std::vector<Candidate> cands(k > 0 ? nr * Tiles() * k : 0, Candidate{none, none});
+  for (int64_t v0 = 0; v0 < shape_.shard_rows; v0 += Tile()) {
+    const int64_t nv = std::min(Tile(), shape_.shard_rows - v0);
+    LogitTile(ws, BlockColumns(nr), v0, nv, m.o, ws.z_t.data());
+    TilePartials(ws.z_t.data(), nr, v0, nv, y, m, parts);
+    if (k > 0) TileCandidates(ws.z_t.data(), nr, v0, nv, k, cands);
+  }
+  if (absl::Status s = FoldPartials(parts, nr, stats); !s.ok()) return s;
+  if (absl::Status s = FinishRows(r0, nr, y, m, stats, out, fin); !s.ok()) return s;
+  return k > 0 ? RankRows(cands, r0, nr, k, fin, out) : absl::OkStatus();
+}
+
 absl::Status CpuEngine::Compute(const RowsView& rows, const LceOptions& o, const Upstream& up,
                                 const RowOutputs& out, const GradOutputs& grads) {
   if (absl::Status s = CheckCall(rows, o); !s.ok()) return s;
+  if (absl::Status s = ValidateOutputs(o, out); !s.ok()) return s;
+  if (grads.d_bias != nullptr && (!shape_.has_bias || grads.d_weight == nullptr)) {
+    return absl::InvalidArgumentError("d_bias goes with d_weight, for a head with a bias");
+  }
   std::lock_guard<std::mutex> lock(mu_);
   const bool backward = up.mode != GradMode::kNone;
   if (grads.d_weight != nullptr && grads.d_weight_fresh && (!backward || rows.rows == 0)) {
     std::fill(grads.d_weight, grads.d_weight + shape_.shard_rows * shape_.hidden_size, 0.0f);  // no block writes it
+    if (grads.d_bias != nullptr) std::fill(grads.d_bias, grads.d_bias + shape_.shard_rows, 0.0f);
   }
   if (ws_ == nullptr) ws_ = std::make_unique<Workspace>(shape_.hidden_size, Tile());
-  Workspace& ws = *ws_;
-  std::vector<TilePartial> parts;
+  float weight_total = static_cast<float>(shape_.vocab_size);
+  if (rows.class_weight != nullptr) {
+    double total = 0.0;  // once a call, in id order: the same W for any group size
+    for (int64_t c = 0; c < shape_.vocab_size; ++c) total += rows.class_weight[c];
+    weight_total = static_cast<float>(total);
+  }
+  const CallMath m{o, rows.class_weight, weight_total};
   std::vector<RowStats> stats;
   std::vector<RowFinal> fin;
   for (int64_t r0 = 0; r0 < rows.rows; r0 += kRowBlock) {
     const int64_t nr = std::min(kRowBlock, rows.rows - r0);
-    const int64_t cols = BlockColumns(nr);
-    const int32_t* y = rows.targets + r0;
-    LoadRows(rows, r0, nr, cols, ws);
-    const float none = -std::numeric_limits<float>::infinity();
-    parts.assign(nr * Tiles(), TilePartial{none, none, none, none, none});
-    for (int64_t v0 = 0; v0 < shape_.shard_rows; v0 += Tile()) {
-      const int64_t nv = std::min(Tile(), shape_.shard_rows - v0);
-      LogitTile(ws, cols, v0, nv, o, ws.z_t.data());
-      TilePartials(ws.z_t.data(), nr, v0, nv, y, o, parts);
-    }
-    if (absl::Status s = FoldPartials(parts, nr, stats); !s.ok()) return s;
-    if (absl::Status s = FinishRows(r0, nr, y, o, stats, out, fin); !s.ok()) return s;
+    if (absl::Status s = ForwardBlock(*ws_, rows, r0, nr, m, out, stats, fin); !s.ok()) return s;
     if (!backward) continue;
-    const std::vector<RowCoef> coef =
-        BackwardCoefficients(r0, nr, y, o, up, shape_.vocab_size, fin);
-    if (absl::Status s = BackwardBlock(ws, r0, nr, y, o, coef, fin, stats, grads); !s.ok()) return s;
+    const std::vector<RowCoef> coef = BackwardCoefficients(r0, nr, rows.targets + r0, m, up, shape_.vocab_size, fin);
+    if (absl::Status s = BackwardBlock(*ws_, r0, nr, rows.targets + r0, m, coef, fin, stats, grads); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

@@ -119,8 +119,7 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
   if (found == 0) return absl::InternalError("cuBLASLt found no algorithm for a GEMM");
   p->algo = res[0].algo;
   p->has_algo = true;
-  const char* no_tune = std::getenv("LCE_CUDA_NO_GEMM_TUNE");
-  if (found > 1 && (no_tune == nullptr || *no_tune == '0')) {
+  if (found > 1 && tune_) {
     // Where to time: in place on scratch output, else on tune_scratch with n cut to fit.
     int64_t tn = g.n;
     void* tc = g.c;

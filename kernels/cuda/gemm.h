@@ -46,6 +46,8 @@ class GemmRunner {
   ~GemmRunner();
 
   absl::Status Init();
+  // Whether Tune times cuBLASLt's candidates (CudaTuning::gemm_tune); false: its heuristic's first.
+  void set_tune(bool tune) { tune_ = tune; }
   // Runs g on stream. On the first call for a size class of problem, times the candidates: in place when g writes
   // scratch (c_is_scratch), else on tune_scratch (tune_floats floats) with n cut to fit.
   absl::Status Run(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
@@ -78,6 +80,7 @@ class GemmRunner {
   static void FreePlan(Plan* plan);
 
   cublasLtHandle_t lt_ = nullptr;
+  bool tune_ = true;
   cudaEvent_t ev_[2] = {nullptr, nullptr};
   std::map<Key, Plan> plans_;                    // by exact problem, bounded
   std::map<Key, cublasLtMatmulAlgo_t> algos_;   // tuned, by size class of m, n, k (SizeClass in gemm.cc)

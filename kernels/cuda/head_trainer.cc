@@ -57,6 +57,8 @@ class CudaHeadTrainer final : public HeadTrainer {
   }
 
   absl::Status PrepareStep() override {
+    // Its engine trains no bias (CudaEngine::Compute refuses d_bias): a step would leave it behind.
+    if (shape_.has_bias) return absl::UnimplementedError("stepping a head with a bias is not on the CUDA engine yet");
     if (master_ != nullptr) return absl::OkStatus();
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     return MakeMasters();
@@ -76,7 +78,7 @@ class CudaHeadTrainer final : public HeadTrainer {
     a.eps = p.eps;
     a.step_size = c.step_size;
     LCE_CUDA_CHECK(LaunchAdamW(Master(), Master() + Stride(), Master() + 2 * Stride(), grad_data(),
-                               shape_.dtype, serving_.weight, grad_elements(), a, stream_));
+                               shape_.dtype, serving_.weight, weight_elements(), a, stream_));
     LCE_CUDA_CHECK(Sync());
     ++steps_;
     host_current_ = false;
@@ -88,7 +90,7 @@ class CudaHeadTrainer final : public HeadTrainer {
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     LCE_CUDA_CHECK(cudaMemcpyAsync(serving_.weight, w->weight.data(), w->weight.size(), cudaMemcpyHostToDevice, stream_));
     if (master_ != nullptr) {
-      LCE_CUDA_CHECK(LaunchDTypeToFloat(serving_.weight, shape_.dtype, Master(), grad_elements(), stream_));
+      LCE_CUDA_CHECK(LaunchDTypeToFloat(serving_.weight, shape_.dtype, Master(), weight_elements(), stream_));
     }
     LCE_CUDA_CHECK(Sync());
     weights_ = std::move(w);
@@ -132,9 +134,11 @@ class CudaHeadTrainer final : public HeadTrainer {
     return Sync();
   }
   absl::Status CopyRows(const float* buffer, int64_t first_row, int64_t rows, float* host) override {
+    return CopyElements(buffer, first_row * shape_.hidden_size, rows * shape_.hidden_size, host);
+  }
+  absl::Status CopyElements(const float* buffer, int64_t first, int64_t n, float* host) override {
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
-    LCE_CUDA_CHECK(cudaMemcpyAsync(host, buffer + first_row * shape_.hidden_size,
-                                   static_cast<size_t>(rows * shape_.hidden_size) * 4, cudaMemcpyDeviceToHost, stream_));
+    LCE_CUDA_CHECK(cudaMemcpyAsync(host, buffer + first, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, stream_));
     return Sync();
   }
 
@@ -161,7 +165,7 @@ class CudaHeadTrainer final : public HeadTrainer {
     absl::StatusOr<std::unique_ptr<DeviceBuffer>> m = AllocateDeviceBuffer(3 * Stride() * 4, serving_.device);
     if (!m.ok()) return m.status();
     float* master = reinterpret_cast<float*>((*m)->data());
-    LCE_CUDA_CHECK(LaunchDTypeToFloat(serving_.weight, shape_.dtype, master, grad_elements(), stream_));
+    LCE_CUDA_CHECK(LaunchDTypeToFloat(serving_.weight, shape_.dtype, master, weight_elements(), stream_));
     LCE_CUDA_CHECK(cudaMemsetAsync(master + Stride(), 0, static_cast<size_t>(2 * Stride()) * 4, stream_));
     LCE_CUDA_CHECK(Sync());
     master_ = std::move(*m);  // only once complete: a failure leaves no half-made state

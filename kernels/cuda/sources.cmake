@@ -1,6 +1,10 @@
 # The CUDA backend's sources (included by kernels/CMakeLists.txt when LCE_WITH_CUDA).
 set(LCE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/cuda_engine.cc
+  ${CMAKE_CURRENT_LIST_DIR}/call_plan.cc
+  ${CMAKE_CURRENT_LIST_DIR}/workspace.cc
+  ${CMAKE_CURRENT_LIST_DIR}/engine_forward.cc
+  ${CMAKE_CURRENT_LIST_DIR}/engine_backward.cc
   ${CMAKE_CURRENT_LIST_DIR}/gemm.cc
   ${CMAKE_CURRENT_LIST_DIR}/tile_stats.cu
   ${CMAKE_CURRENT_LIST_DIR}/row_finalize.cu

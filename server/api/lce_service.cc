@@ -72,7 +72,8 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
                                            const Upstream& up, const RowOutputs& out, const GradOutputs& grads,
                                            bool d_hidden_on_device) {
   const int64_t row_bytes = engine.shape().hidden_size * DTypeSize(engine.shape().dtype);
-  absl::StatusOr<StagedCall> call = StageOnDevice(st, rows, hidden_on_device, row_bytes, up, out, grads, d_hidden_on_device);
+  absl::StatusOr<StagedCall> call = StageOnDevice(st, rows, hidden_on_device, row_bytes, engine.shape().vocab_size,
+                                                  options.top_k, up, out, grads, d_hidden_on_device);
   if (!call.ok()) return call.status();
   if (absl::Status s = RunEngine(method, op, engine, call->rows, options, call->up, call->outs, call->grads); !s.ok()) {
     return s;
@@ -96,11 +97,13 @@ void CountStaging(std::chrono::steady_clock::time_point start, double RequestWor
 
 absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& st, const RowsView& rows,
                                                                  bool hidden_on_device, int64_t row_bytes,
+                                                                 int64_t vocab_size, int32_t top_k,
                                                                  const Upstream& up, const RowOutputs& out,
                                                                  const GradOutputs& grads, bool d_hidden_on_device) {
   const int64_t n = rows.rows;
   // Slots: 0 targets; 1-3 grad_loss, grad_logprob, grad_entropy; 4-7 logprob, entropy, lse, loss;
-  // 8 d_hidden; 9 hidden. Copies are queued, then waited for once (each wait is a GPU bubble).
+  // 8 d_hidden; 9 hidden; 10 class weights; 11-14 z_loss, argmax, top_tokens, top_logprobs. Copies
+  // are queued, then waited for once (each wait is a GPU bubble).
   const auto start = std::chrono::steady_clock::now();
   auto up_array = [&](int slot, const void* host, int64_t bytes) -> absl::StatusOr<void*> {
     if (host == nullptr) return nullptr;
@@ -115,20 +118,30 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
   absl::StatusOr<void*> gl = up_array(1, up.grad_loss, n * 4);
   absl::StatusOr<void*> glp = up_array(2, up.grad_logprob, n * 4);
   absl::StatusOr<void*> gen = up_array(3, up.grad_entropy, n * 4);
-  for (const auto* r : {&hidden, &targets, &gl, &glp, &gen}) {
+  absl::StatusOr<void*> cw = up_array(10, rows.class_weight, rows.class_weight != nullptr ? vocab_size * 4 : 0);
+  for (const auto* r : {&hidden, &targets, &gl, &glp, &gen, &cw}) {
     if (!r->ok()) return r->status();
   }
   StagedCall call;
-  float* host_out[4] = {out.logprob, out.entropy, out.lse, out.loss};
-  float* dev_out[4] = {nullptr, nullptr, nullptr, nullptr};
-  for (int k = 0; k < 4; ++k) {
-    call.host_out[k] = host_out[k];
-    if (host_out[k] == nullptr) continue;
-    absl::StatusOr<void*> d = st.Buffer(4 + k, n * 4);
+  call.outs = out;  // every output pointer replaced by its device buffer below
+  const int64_t k = std::max<int32_t>(top_k, 1);
+  struct Out { int slot; void** ptr; int64_t bytes; };
+  for (Out o : {Out{4, reinterpret_cast<void**>(&call.outs.logprob), n * 4},
+                Out{5, reinterpret_cast<void**>(&call.outs.entropy), n * 4},
+                Out{6, reinterpret_cast<void**>(&call.outs.lse), n * 4},
+                Out{7, reinterpret_cast<void**>(&call.outs.loss), n * 4},
+                Out{11, reinterpret_cast<void**>(&call.outs.z_loss), n * 4},
+                Out{12, reinterpret_cast<void**>(&call.outs.argmax), n * 4},
+                Out{13, reinterpret_cast<void**>(&call.outs.top_tokens), n * k * 4},
+                Out{14, reinterpret_cast<void**>(&call.outs.top_logprobs), n * k * 4}}) {
+    if (*o.ptr == nullptr) continue;
+    absl::StatusOr<void*> d = st.Buffer(o.slot, o.bytes);
     if (!d.ok()) return d.status();
-    dev_out[k] = static_cast<float*>(*d);
+    call.downloads.push_back({*o.ptr, *d, o.bytes});
+    *o.ptr = *d;
   }
   call.grads.d_weight = grads.d_weight;  // the request's pending dW (the trainer's): device memory already
+  call.grads.d_bias = grads.d_bias;
   call.grads.d_weight_pending = grads.d_weight_pending;
   call.grads.d_weight_fresh = grads.d_weight_fresh;
   if (grads.d_hidden != nullptr) {
@@ -143,9 +156,9 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
     }
   }
   call.rows = RowsView{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice, rows.targets_checked};
+  call.rows.class_weight = static_cast<const float*>(*cw);
   call.up = Upstream{up.mode, static_cast<const float*>(*gl), static_cast<const float*>(*glp),
                      static_cast<const float*>(*gen)};
-  call.outs = RowOutputs{dev_out[0], dev_out[1], dev_out[2], dev_out[3]};
   absl::Status s = st.Sync();
   CountStaging(start);
   if (!s.ok()) return s;
@@ -155,10 +168,8 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
 absl::Status LceService::UnstageFromDevice(ChunkStaging& st, const StagedCall& call) {
   const auto start = std::chrono::steady_clock::now();
   absl::Status s = [&] {
-    const float* dev_out[4] = {call.outs.logprob, call.outs.entropy, call.outs.lse, call.outs.loss};
-    for (int k = 0; k < 4; ++k) {
-      if (call.host_out[k] == nullptr) continue;
-      LCE_RETURN_IF_ERROR(st.DownloadAsync(call.host_out[k], dev_out[k], call.rows.rows * 4));
+    for (const StagedCall::Download& d : call.downloads) {
+      LCE_RETURN_IF_ERROR(st.DownloadAsync(d.host, d.device, d.bytes));
     }
     if (call.host_d_hidden != nullptr) {
       if (absl::Status d = st.DownloadAsync(call.host_d_hidden, call.grads.d_hidden, call.d_hidden_bytes); !d.ok()) {

@@ -194,12 +194,18 @@ class LceService final : public v1::LceService::Service {
     Upstream up;
     RowOutputs outs;
     GradOutputs grads;
-    float* host_out[4] = {nullptr, nullptr, nullptr, nullptr};  // logprob, entropy, lse, loss
+    // The per-row outputs that come back: host destination, device source, bytes.
+    struct Download {
+      void* host;
+      const void* device;
+      int64_t bytes;
+    };
+    std::vector<Download> downloads;
     void* host_d_hidden = nullptr;  // null when d_hidden is written in place on the device
     int64_t d_hidden_bytes = 0;
   };
   absl::StatusOr<StagedCall> StageOnDevice(ChunkStaging& st, const RowsView& rows, bool hidden_on_device,
-                                           int64_t row_bytes, const Upstream& up, const RowOutputs& out,
+                                           int64_t row_bytes, int64_t vocab_size, int32_t top_k, const Upstream& up, const RowOutputs& out,
                                            const GradOutputs& grads, bool d_hidden_on_device);
   absl::Status UnstageFromDevice(ChunkStaging& st, const StagedCall& call);
   // Device staging for one stream, reused across streams (allocation is slow, pinned or not).
@@ -215,6 +221,7 @@ class LceService final : public v1::LceService::Service {
   struct Contribution {
     uint64_t id = 0;
     float* d_weight = nullptr;
+    float* d_bias = nullptr;  // in the same buffer, after dW (a head with a bias)
   };
   enum class ContributionEnd { kCommit, kDefer, kRelease };
   absl::StatusOr<Contribution> BeginContribution(const ServedHead& head);

@@ -32,7 +32,7 @@ absl::StatusOr<LceService::Contribution> LceService::BeginContribution(const Ser
     t.pending.Take(id).IgnoreError();
     return buffer.status();
   }
-  return Contribution{id, *buffer};
+  return Contribution{id, *buffer, (*trainer)->BiasPart(*buffer)};
 }
 
 absl::Status LceService::EndContribution(const ServedHead& head, uint64_t id, ContributionEnd end) {

@@ -47,6 +47,7 @@ absl::StatusOr<TpHeadSource> SourceFrom(const v1::LoadHeadRequest& req) {
       out.source.seed_vocab = req.seeded().vocab_size();
       out.source.seed_hidden = req.seeded().hidden_size();
       out.source.seed = req.seeded().seed();
+      out.source.seed_bias = req.seeded().bias();
       absl::StatusOr<DType> d = FromWire(req.seeded().dtype());
       if (!d.ok()) return d.status();
       out.source.dtype = *d;

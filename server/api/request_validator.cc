@@ -1,5 +1,7 @@
 #include "request_validator.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "status_macros.h"
 #include "wire_types.h"
@@ -117,22 +119,7 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
 
   plan.partial = h.partial();
   plan.sends_ahead = h.sends_ahead();
-  if (h.outputs().empty()) {
-    plan.want_logprobs = rpc_ == RpcKind::kScore;
-    plan.want_entropy = rpc_ == RpcKind::kScore;
-    plan.want_loss = is_fb || is_pl;
-  }
-  for (int out : h.outputs()) {
-    switch (out) {
-      case v1::OUTPUT_LOGPROBS: plan.want_logprobs = true; break;
-      case v1::OUTPUT_ENTROPY: plan.want_entropy = true; break;
-      case v1::OUTPUT_LOSS:
-        if (!is_fb && !is_pl) return absl::InvalidArgumentError("OUTPUT_LOSS is a ForwardBackward or PolicyLoss output");
-        plan.want_loss = true;
-        break;
-      default: return absl::InvalidArgumentError(absl::StrCat("unknown output ", out));
-    }
-  }
+  LCE_RETURN_IF_ERROR(ValidateOutputs(h, plan));
   if (is_fb) {
     plan.reduction = h.reduction() == v1::REDUCTION_UNSPECIFIED ? v1::REDUCTION_MEAN : h.reduction();
     if (!v1::Reduction_IsValid(plan.reduction)) {
@@ -149,7 +136,69 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
       return absl::InvalidArgumentError("num_valid_tokens applies to REDUCTION_MEAN only");
     }
   }
+  LCE_RETURN_IF_ERROR(ValidateClassWeights(h, plan));
   return plan;
+}
+
+// The outputs asked for (the RPC's defaults when none) and the ranking's size.
+absl::Status StreamRequestValidator::ValidateOutputs(const v1::RequestHeader& h, RequestPlan& plan) const {
+  const bool is_fb = rpc_ == RpcKind::kForwardBackward, is_pl = rpc_ == RpcKind::kPolicyLoss;
+  if (h.outputs().empty()) {
+    plan.want_logprobs = rpc_ == RpcKind::kScore;
+    plan.want_entropy = rpc_ == RpcKind::kScore;
+    plan.want_loss = is_fb || is_pl;
+  }
+  for (int out : h.outputs()) {
+    switch (out) {
+      case v1::OUTPUT_LOGPROBS: plan.want_logprobs = true; break;
+      case v1::OUTPUT_ENTROPY: plan.want_entropy = true; break;
+      case v1::OUTPUT_LOSS:
+        if (!is_fb && !is_pl) return absl::InvalidArgumentError("OUTPUT_LOSS is a ForwardBackward or PolicyLoss output");
+        plan.want_loss = true;
+        break;
+      case v1::OUTPUT_Z_LOSS:
+        if (!is_fb) return absl::InvalidArgumentError("OUTPUT_Z_LOSS is a ForwardBackward output");
+        plan.want_z_loss = true;
+        break;
+      case v1::OUTPUT_ARGMAX: plan.want_argmax = true; break;
+      case v1::OUTPUT_TOP_K: plan.want_top_k = true; break;
+      default: return absl::InvalidArgumentError(absl::StrCat("unknown output ", out));
+    }
+  }
+  if ((plan.want_argmax || plan.want_top_k) && is_pl) {
+    return absl::InvalidArgumentError("OUTPUT_ARGMAX and OUTPUT_TOP_K are Score, ForwardBackward and Backward outputs");
+  }
+  if (plan.want_top_k != (h.top_k() != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("header.top_k (", h.top_k(), ") goes with OUTPUT_TOP_K: set both or neither"));
+  }
+  if (plan.want_top_k && (h.top_k() < 1 || h.top_k() > kMaxTopK)) {
+    return absl::InvalidArgumentError(absl::StrCat("header.top_k must be in [1, ", kMaxTopK, "], got ", h.top_k()));
+  }
+  plan.options.top_k = plan.want_top_k ? h.top_k() : (plan.want_argmax ? 1 : 0);
+  return absl::OkStatus();
+}
+
+absl::Status StreamRequestValidator::ValidateClassWeights(const v1::RequestHeader& h, RequestPlan& plan) const {
+  if (h.class_weights().empty()) return absl::OkStatus();
+  if (rpc_ != RpcKind::kForwardBackward) return absl::InvalidArgumentError("class_weights apply to ForwardBackward only");
+  if (plan.reduction == v1::REDUCTION_MEAN) {
+    return absl::InvalidArgumentError(
+        "class_weights with REDUCTION_MEAN: the mean's denominator is the sum of the targets' weights; ask for "
+        "REDUCTION_SUM and divide by it (the client libraries do)");
+  }
+  const int64_t V = plan.head->engine->shape().vocab_size;
+  if (h.class_weights_size() != V) {
+    return absl::InvalidArgumentError(absl::StrCat("class_weights has ", h.class_weights_size(), " values; head '",
+                                                   plan.head->name, "' has ", V, " vocabulary ids"));
+  }
+  for (int64_t c = 0; c < V; ++c) {
+    const float w = h.class_weights(static_cast<int>(c));
+    if (!std::isfinite(w)) {
+      return absl::InvalidArgumentError(absl::StrCat("class_weights[", c, "] is ", w, "; weights must be finite"));
+    }
+  }
+  plan.class_weights.assign(h.class_weights().begin(), h.class_weights().end());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> StreamRequestValidator::ValidateChunk(const RequestPlan& plan, const v1::RowChunk& c,

@@ -15,8 +15,9 @@ namespace lce::server {
 namespace {
 
 // Points a repeated float field at `n` new zeroed elements and returns their storage.
-float* Grow(google::protobuf::RepeatedField<float>* field, int64_t n) {
-  field->Resize(static_cast<int>(n), 0.0f);
+template <typename T>
+T* Grow(google::protobuf::RepeatedField<T>* field, int64_t n) {
+  field->Resize(static_cast<int>(n), T{});
   return field->mutable_data();
 }
 
@@ -246,6 +247,12 @@ absl::Status StreamedRequest::Prepare(InFlightChunk& c) {
   c.outs = RowOutputs{};
   if (plan_->want_logprobs) c.outs.logprob = Grow(out->mutable_logprobs(), n);
   if (plan_->want_entropy) c.outs.entropy = Grow(out->mutable_entropy(), n);
+  if (plan_->want_z_loss) c.outs.z_loss = Grow(out->mutable_z_loss(), n);
+  if (plan_->want_argmax) c.outs.argmax = Grow(out->mutable_argmax(), n);
+  if (plan_->want_top_k) {
+    c.outs.top_tokens = Grow(out->mutable_top_tokens(), n * plan_->options.top_k);
+    c.outs.top_logprobs = Grow(out->mutable_top_logprobs(), n * plan_->options.top_k);
+  }
   c.loss.clear();
   if (is_fb_) {
     c.loss.assign(n, 0.0f);
@@ -270,11 +277,13 @@ absl::Status StreamedRequest::Prepare(InFlightChunk& c) {
       contribution_ = *made;
     }
     c.grads.d_weight = contribution_.d_weight;
+    c.grads.d_bias = contribution_.d_bias;
     c.grads.d_weight_pending = contribution_.id;
     c.grads.d_weight_fresh = first;
   }
   // ValidateChunk checked every target: the engine need not check them again.
   c.view = RowsView{c.hidden, chunk.targets().data(), n, MemorySpace::kHost, /*targets_checked=*/true};
+  c.view.class_weight = plan_->class_weights.empty() ? nullptr : plan_->class_weights.data();
   // A GPU engine of one rank gets every chunk in device memory, copied on this stream's thread
   // (outside the engine's lock); its dW lives on the device too.
   c.device_path = c.hidden_slice.device || config_.cuda_device >= 0;
@@ -317,7 +326,8 @@ absl::Status StreamedRequest::Submit(InFlightChunk& c) {
   const int slot = static_cast<int>(c.index % 2);
   if (c.device_path) {
     absl::StatusOr<LceService::StagedCall> staged = service_.StageOnDevice(
-        *staging_.held[slot], c.view, c.hidden_slice.device, row_bytes_, c.up, c.outs, c.grads, c.dh_slice.device);
+        *staging_.held[slot], c.view, c.hidden_slice.device, row_bytes_, plan_->head->engine->shape().vocab_size,
+        plan_->options.top_k, c.up, c.outs, c.grads, c.dh_slice.device);
     if (!staged.ok()) return ChunkError(c, staged.status());
     c.staged = *staged;
   } else {
@@ -376,6 +386,8 @@ absl::Status StreamedRequest::Compute(InFlightChunk& c) {
 bool StreamedRequest::Batchable(const InFlightChunk& c) const {
   const DynamicBatcher& batcher = service_.batcher_;
   if (!batcher.enabled() || !one_message_ || is_pl_ || plan_->accumulate_weight_grad) return false;
+  // The batcher merges the four classic outputs and d_hidden; a call with more is made alone.
+  if (plan_->options.top_k > 0 || plan_->want_z_loss || !plan_->class_weights.empty()) return false;
   if (c.rows > batcher.options().max_rows || c.hidden_slice.hold != nullptr || c.dh_slice.hold != nullptr) {
     return false;
   }

@@ -285,6 +285,7 @@ absl::StatusOr<HeadShape> SourceShape(const HeadSource& source) {
     shape.vocab_size = source.seed_vocab;
     shape.hidden_size = source.seed_hidden;
     shape.dtype = source.dtype;
+    shape.has_bias = source.seed_bias;
   } else if (IsIndex(source.file)) {
     absl::StatusOr<HeadIndex> idx = ReadIndex(source.file);
     if (!idx.ok()) return idx.status();
@@ -334,6 +335,7 @@ void FillSeeded(const HeadSource& source, HeadWeights& head) {
               head.weight.data() + (r * shape.hidden_size + c) * es);
     }
   }
+  if (shape.has_bias) head.bias.assign(static_cast<size_t>(shape.shard_rows), 0.0f);
 }
 
 absl::Status ReadIndexed(const HeadSource& source, HeadWeights& head) {

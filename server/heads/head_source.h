@@ -23,6 +23,7 @@ struct HeadSource {
   int64_t seed_hidden = 0;
   uint64_t seed = 0;
   DType dtype = DType::kBFloat16;
+  bool seed_bias = false;  // the seeded head has an fp32 bias, all zeros
 };
 
 // Parses "VxH", e.g. "32000x512"; INVALID_ARGUMENT when not positive or too large to be a size.

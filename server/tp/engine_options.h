@@ -17,7 +17,7 @@ namespace lce::server {
 // The fields, in the order they are encoded.
 template <typename Options>  // LceOptions or const LceOptions
 constexpr auto OptionFields(Options& o) {
-  return std::tie(o.temperature, o.softcap, o.label_smoothing, o.z_loss, o.ignore_index, o.allow_tf32);
+  return std::tie(o.temperature, o.softcap, o.label_smoothing, o.z_loss, o.ignore_index, o.allow_tf32, o.top_k);
 }
 
 namespace options_detail {

@@ -17,10 +17,12 @@ enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kS
 
 namespace {
 
-constexpr uint32_t kMagic = 0x4c434534;  // "LCE4": this layout of the control block
-enum Flags : uint32_t { kGradLoss = 1, kGradLogprob = 2, kGradEntropy = 4, kAccumulateWeightGrad = 8, kFreshWeightGrad = 16 };
+constexpr uint32_t kMagic = 0x4c434535;  // "LCE5": this layout of the control block
+enum Flags : uint32_t { kGradLoss = 1, kGradLogprob = 2, kGradEntropy = 4, kAccumulateWeightGrad = 8, kFreshWeightGrad = 16,
+                        kClassWeights = 32 };
 enum Slot : int { kControl, kHidden, kTargets, kGradLossSlot, kGradLogprobSlot, kGradEntropySlot,
-                  kOutLogprob, kOutEntropy, kOutLse, kOutLoss, kOutDHidden, kScalars, kPiece };
+                  kOutLogprob, kOutEntropy, kOutLse, kOutLoss, kOutDHidden, kScalars, kPiece, kClassWeightSlot,
+                  kOutZLoss, kOutArgmax, kOutTopTokens, kOutTopLogprobs };
 enum class SourceKind : uint32_t { kFile = 1, kSeeded = 2, kClone = 3 };
 // Shards move between ranks in pieces of at most this many bytes (a bounded staging buffer).
 constexpr int64_t kPieceBytes = int64_t{64} << 20;
@@ -47,6 +49,7 @@ struct TpControl {
   uint32_t dtype = 0;
   int64_t seed_vocab = 0, seed_hidden = 0;
   uint64_t seed = 0;
+  uint32_t seed_bias = 0;
   char tensor[128] = {};
   char clone_of[64] = {};
   char path[480] = {};  // kLoad: the file; kSave: the directory
@@ -213,7 +216,8 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   c.rows = rows.rows;
   c.mode = static_cast<uint32_t>(up.mode);
   c.flags = (up.grad_loss ? kGradLoss : 0) | (up.grad_logprob ? kGradLogprob : 0) | (up.grad_entropy ? kGradEntropy : 0) |
-            (grads.d_weight ? kAccumulateWeightGrad : 0) | (grads.d_weight && grads.d_weight_fresh ? kFreshWeightGrad : 0);
+            (grads.d_weight ? kAccumulateWeightGrad : 0) | (grads.d_weight && grads.d_weight_fresh ? kFreshWeightGrad : 0) |
+            (rows.class_weight ? kClassWeights : 0);
   c.pending = grads.d_weight_pending;
   c.options = EncodeOptions(o);
   LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
@@ -224,6 +228,12 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   if (!hidden.ok()) return hidden.status();
   absl::StatusOr<void*> targets = Share(*comm_, *staging_, kTargets, rows.targets, n * 4);
   if (!targets.ok()) return targets.status();
+  const void* class_weight = nullptr;
+  if (rows.class_weight != nullptr) {
+    absl::StatusOr<void*> p = Share(*comm_, *staging_, kClassWeightSlot, rows.class_weight, shape.vocab_size * 4);
+    if (!p.ok()) return p.status();
+    class_weight = *p;
+  }
   Upstream staged_up = up;
   struct GradIn { const float* host; int slot; const float** dst; };
   for (GradIn g : {GradIn{up.grad_loss, kGradLossSlot, &staged_up.grad_loss},
@@ -234,35 +244,42 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
     if (!p.ok()) return p.status();
     *g.dst = static_cast<const float*>(*p);
   }
-  if (!staging_->device()) {
-    RowsView view{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kHost};
-    return local.Compute(view, o, staged_up, outputs, grads);
-  }
+  RowsView view{*hidden, static_cast<const int32_t*>(*targets), n,
+                staging_->device() ? MemorySpace::kDevice : MemorySpace::kHost};
+  view.class_weight = static_cast<const float*>(class_weight);
+  if (!staging_->device()) return local.Compute(view, o, staged_up, outputs, grads);
   // Device staging: outputs land in device buffers, then come back to the caller's host memory; dW
   // (the front's trainer's) is device memory already.
-  RowOutputs dev_out;
-  struct Out { float* host; int slot; float** dst; };
-  for (Out x : {Out{outputs.logprob, kOutLogprob, &dev_out.logprob}, Out{outputs.entropy, kOutEntropy, &dev_out.entropy},
-                Out{outputs.lse, kOutLse, &dev_out.lse}, Out{outputs.loss, kOutLoss, &dev_out.loss}}) {
-    if (x.host == nullptr) continue;
-    absl::StatusOr<void*> p = staging_->Buffer(x.slot, n * 4);
+  RowOutputs dev_out = outputs;
+  const int64_t k = std::max<int32_t>(o.top_k, 1);
+  struct Out { int slot; void** dst; int64_t bytes; };
+  std::vector<std::pair<void*, Out>> back;  // host destination, device buffer
+  for (Out x : {Out{kOutLogprob, reinterpret_cast<void**>(&dev_out.logprob), n * 4},
+                Out{kOutEntropy, reinterpret_cast<void**>(&dev_out.entropy), n * 4},
+                Out{kOutLse, reinterpret_cast<void**>(&dev_out.lse), n * 4},
+                Out{kOutLoss, reinterpret_cast<void**>(&dev_out.loss), n * 4},
+                Out{kOutZLoss, reinterpret_cast<void**>(&dev_out.z_loss), n * 4},
+                Out{kOutArgmax, reinterpret_cast<void**>(&dev_out.argmax), n * 4},
+                Out{kOutTopTokens, reinterpret_cast<void**>(&dev_out.top_tokens), n * k * 4},
+                Out{kOutTopLogprobs, reinterpret_cast<void**>(&dev_out.top_logprobs), n * k * 4}}) {
+    if (*x.dst == nullptr) continue;
+    absl::StatusOr<void*> p = staging_->Buffer(x.slot, x.bytes);
     if (!p.ok()) return p.status();
-    *x.dst = static_cast<float*>(*p);
+    back.push_back({*x.dst, x});
+    *x.dst = *p;
   }
   GradOutputs dev_grads;
   dev_grads.d_weight = grads.d_weight;
+  dev_grads.d_bias = grads.d_bias;
   dev_grads.d_weight_fresh = grads.d_weight_fresh;
   if (grads.d_hidden != nullptr) {
     absl::StatusOr<void*> p = staging_->Buffer(kOutDHidden, n * row_bytes);
     if (!p.ok()) return p.status();
     dev_grads.d_hidden = *p;
   }
-  RowsView view{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice};
   LCE_RETURN_IF_ERROR(local.Compute(view, o, staged_up, dev_out, dev_grads));
-  for (auto [host, dev] : {std::pair{outputs.logprob, dev_out.logprob}, std::pair{outputs.entropy, dev_out.entropy},
-                           std::pair{outputs.lse, dev_out.lse}, std::pair{outputs.loss, dev_out.loss}}) {
-    if (host == nullptr) continue;
-    LCE_RETURN_IF_ERROR(staging_->Download(host, dev, n * 4));
+  for (const auto& [host, x] : back) {
+    LCE_RETURN_IF_ERROR(staging_->Download(host, *x.dst, x.bytes));
   }
   if (grads.d_hidden != nullptr) return staging_->Download(grads.d_hidden, dev_grads.d_hidden, n * row_bytes);
   return absl::OkStatus();
@@ -374,6 +391,7 @@ absl::Status TpGroup::Load(const std::string& head, int64_t version, const TpHea
     c.seed_vocab = src.seed_vocab;
     c.seed_hidden = src.seed_hidden;
     c.seed = src.seed;
+    c.seed_bias = src.seed_bias ? 1 : 0;
     for (absl::Status s : {PutText(c.path, src.file, "LoadHead file"), PutText(c.tensor, src.tensor, "LoadHead tensor"),
                            PutText(c.clone_of, source.clone_of, "LoadHead clone_of")}) {
       if (!s.ok()) return s;
@@ -514,6 +532,12 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
   if (!hidden.ok()) return hidden.status();
   absl::StatusOr<void*> targets = Share(comm_, staging_, kTargets, nullptr, n * 4);
   if (!targets.ok()) return targets.status();
+  const void* class_weight = nullptr;  // shared right after the targets, as the front does
+  if (c.flags & kClassWeights) {
+    absl::StatusOr<void*> p = Share(comm_, staging_, kClassWeightSlot, nullptr, head.weights->shape.vocab_size * 4);
+    if (!p.ok()) return p.status();
+    class_weight = *p;
+  }
   Upstream up;
   up.mode = static_cast<GradMode>(c.mode);
   struct GradIn { uint32_t flag; int slot; const float** dst; };
@@ -533,6 +557,7 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
     absl::StatusOr<float*> d_weight = c.pending != 0 ? (*t)->AcquirePending(c.pending, /*zeroed=*/!fresh) : (*t)->grad();
     if (!d_weight.ok()) return d_weight.status();
     grads.d_weight = *d_weight;
+    grads.d_bias = (*t)->BiasPart(*d_weight);
     grads.d_weight_pending = c.pending;
     grads.d_weight_fresh = fresh;
   }
@@ -544,6 +569,7 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
   }
   RowsView rows{*hidden, static_cast<const int32_t*>(*targets), n,
                 staging_.device() ? MemorySpace::kDevice : MemorySpace::kHost};
+  rows.class_weight = static_cast<const float*>(class_weight);
   absl::Status st = head.engine->Compute(rows, o, up, RowOutputs{}, grads);
   // Other errors (bad rows) are deterministic: the front got the same one and answered the client.
   return st.code() == absl::StatusCode::kUnavailable ? st : absl::OkStatus();
@@ -618,6 +644,7 @@ absl::Status TpPeer::OnLoad(const TpControl& c) {
   source.source.seed_vocab = c.seed_vocab;
   source.source.seed_hidden = c.seed_hidden;
   source.source.seed = c.seed;
+  source.source.seed_bias = c.seed_bias != 0;
   source.source.dtype = static_cast<DType>(c.dtype);
   if (c.source == SourceKind::kClone) source.clone_of = GetText(c.clone_of);
   absl::StatusOr<std::shared_ptr<const HeadWeights>> w =

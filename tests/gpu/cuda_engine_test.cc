@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
@@ -21,6 +22,7 @@
 
 #include "cuda/cuda_engine.h"
 #include "gtest/gtest.h"
+#include "lce/cuda_tuning.h"
 #include "lce/engine.h"
 #include "lce/numeric.h"
 #include "reference.h"
@@ -195,6 +197,20 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
   return a;
 }
 
+// The tuning an engine takes from the environment (CudaTuningFromEnv), or `base`, with a test's change on
+// top: a setting for one engine (EngineConfig::cuda_tuning, or SetCudaTuning between calls of one engine,
+// whose tuned GEMM algorithms comparisons of bits rely on), never the process's environment, which a
+// failed assertion would leave set for the next test.
+CudaTuning TuningWith(const std::function<void(CudaTuning&)>& change, CudaTuning base = CudaTuningFromEnv()) {
+  change(base);
+  return base;
+}
+
+EngineConfig WithTuning(const CudaTuning& tuning, EngineConfig cfg = {}) {
+  cfg.cuda_tuning = tuning;
+  return cfg;
+}
+
 std::unique_ptr<LceEngine> MakeCuda(const Problem& p, EngineConfig cfg = {}) {
   auto e = CreateEngine(Backend::kCuda, p.head, cfg);
   EXPECT_TRUE(e.ok()) << e.status();
@@ -357,9 +373,8 @@ TEST_F(CudaTest, ManyRowBlocksUnderSmallWorkspace) {
   ASSERT_NE(e, nullptr);
   const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 32);
   ExpectMatches(RunEngine(*e, p, MemorySpace::kHost, dw0), p, dw0, "host, small workspace");
-  setenv("LCE_CUDA_MAX_ROWS", "7", 1);
+  ASSERT_TRUE(SetCudaTuning(*e, TuningWith([](CudaTuning& t) { t.max_rows = 7; })).ok());
   ExpectMatches(RunEngine(*e, p, MemorySpace::kDevice, dw0), p, dw0, "device, 7-row blocks");
-  unsetenv("LCE_CUDA_MAX_ROWS");
   EngineConfig tiny;
   tiny.workspace_bytes = 1 << 20;
   EXPECT_FALSE(CreateEngine(Backend::kCuda, p.head, tiny).ok());
@@ -399,18 +414,16 @@ TEST_F(CudaTest, FastLossPathMatchesGeneralPath) {
   sp.options.temperature = 0.8f;
   sp.options.z_loss = 1e-3f;
   const Problem p = MakeProblem(sp, 111);
-  auto e = MakeCuda(p);
+  const CudaTuning blocks = TuningWith([](CudaTuning& t) { t.max_rows = 128; });
+  auto e = MakeCuda(p, WithTuning(blocks));
   ASSERT_NE(e, nullptr);
   const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 112);
-  setenv("LCE_CUDA_MAX_ROWS", "128", 1);
   const Answers beside = RunEngine(*e, p, MemorySpace::kDevice, dw0);  // d_hidden's product beside dW's
-  setenv("LCE_CUDA_DH_BESIDE", "0", 1);
+  ASSERT_TRUE(SetCudaTuning(*e, TuningWith([](CudaTuning& t) { t.dh_beside = false; }, blocks)).ok());
   const Answers serial = RunEngine(*e, p, MemorySpace::kDevice, dw0);
-  unsetenv("LCE_CUDA_DH_BESIDE");
-  setenv("LCE_CUDA_NO_FAST", "1", 1);
+  ASSERT_TRUE(SetCudaTuning(*e, TuningWith([](CudaTuning& t) { t.fast_loss_path = false; }, blocks)).ok());
   const Answers general = RunEngine(*e, p, MemorySpace::kDevice, dw0);
-  unsetenv("LCE_CUDA_NO_FAST");
-  unsetenv("LCE_CUDA_MAX_ROWS");
+  ASSERT_TRUE(SetCudaTuning(*e, CudaTuningFromEnv()).ok());
   ExpectMatches(beside, p, dw0, "fast path, d_hidden beside dW");
   ExpectMatches(serial, p, dw0, "fast path, one product after the other");
   ExpectSameBits(beside, serial, "beside and one after the other");
@@ -436,22 +449,21 @@ TEST_F(CudaTest, RepeatedTargetsGiveTheSameDWeightBitsEveryRun) {
       p.ref.targets[i] = static_cast<int32_t>((i * 7) % 5);
     }
   }
-  auto e = MakeCuda(p);
+  const CudaTuning blocks = TuningWith([](CudaTuning& t) { t.max_rows = 128; });
+  auto e = MakeCuda(p, WithTuning(blocks));
   ASSERT_NE(e, nullptr);
   const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 132);
-  setenv("LCE_CUDA_MAX_ROWS", "128", 1);
   const Answers first = RunEngine(*e, p, MemorySpace::kDevice, dw0);
   ExpectMatches(first, p, dw0, "repeated targets, beside");
   for (int run = 0; run < 5; ++run) {
     ExpectSameBits(first, RunEngine(*e, p, MemorySpace::kDevice, dw0), absl::StrCat("beside, run ", run + 2));
   }
-  setenv("LCE_CUDA_DH_BESIDE", "0", 1);
+  ASSERT_TRUE(SetCudaTuning(*e, TuningWith([](CudaTuning& t) { t.dh_beside = false; }, blocks)).ok());
   ExpectSameBits(first, RunEngine(*e, p, MemorySpace::kDevice, dw0), "one after the other");
-  unsetenv("LCE_CUDA_DH_BESIDE");
+  ASSERT_TRUE(SetCudaTuning(*e, blocks).ok());
   const Answers host = RunEngine(*e, p, MemorySpace::kHost, dw0);
   ExpectMatches(host, p, dw0, "repeated targets, host rows");
   ExpectSameBits(host, RunEngine(*e, p, MemorySpace::kHost, dw0), "host rows, second run");
-  unsetenv("LCE_CUDA_MAX_ROWS");
 }
 
 // A small vocabulary with logits spread wide: the target's term dominates most rows' gradient.
@@ -479,7 +491,7 @@ TEST_F(CudaTest, HundredThousandRows) {
 // and adds it in fp32, as the fast path does (docs/MATH.md). Where the target term dominates a row's
 // gradient (a small vocabulary, logits spread wide: harder than ExpectMatches' 1e-2 for bf16 on either
 // road), d_hidden and d_weight come closer to float64 than with the term rounded into the copy
-// (LCE_CUDA_TARGET_APART=0, the way before): the loss with label smoothing and with a softcap (the
+// (CudaTuning::target_apart false, the way before): the loss with label smoothing and with a softcap (the
 // general path's loss), and the generic backward; device and host rows.
 TEST_F(CudaTest, GeneralPathTargetTermApart) {
   for (int variant = 0; variant < 3; ++variant) {
@@ -492,9 +504,9 @@ TEST_F(CudaTest, GeneralPathTargetTermApart) {
     ASSERT_NE(e, nullptr);
     const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 161 + variant);
     const RefResult ref = testing::ReferenceLce(p.ref);
-    setenv("LCE_CUDA_TARGET_APART", "0", 1);
+    ASSERT_TRUE(SetCudaTuning(*e, TuningWith([](CudaTuning& t) { t.target_apart = false; })).ok());
     const Answers in_copy = RunEngine(*e, p, MemorySpace::kDevice, dw0);
-    unsetenv("LCE_CUDA_TARGET_APART");
+    ASSERT_TRUE(SetCudaTuning(*e, CudaTuningFromEnv()).ok());
     const std::string what = absl::StrCat("variant ", variant);
     for (MemorySpace space : {MemorySpace::kDevice, MemorySpace::kHost}) {
       const Answers apart = RunEngine(*e, p, space, dw0);
@@ -628,16 +640,15 @@ TEST_F(CudaTest, NonFiniteHiddenNamesTheRow) {
   sp.rows = 50;
   sp.dtype = DType::kFloat32;
   const Problem p = MakeProblem(sp, 71);
-  auto e = MakeCuda(p);
+  // Blocks of 10 rows: the bad row sits in the third block.
+  auto e = MakeCuda(p, WithTuning(TuningWith([](CudaTuning& t) { t.max_rows = 10; })));
   ASSERT_NE(e, nullptr);
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
       std::vector<uint8_t> hidden = p.hidden;
       const int64_t row = 23;
       std::memcpy(hidden.data() + (row * sp.hidden + 5) * 4, &bad, 4);
-      setenv("LCE_CUDA_MAX_ROWS", "10", 1);  // the bad row sits in the third block
       const Answers a = RunEngine(*e, p, space, RandomVec(sp.vocab * sp.hidden, 72), &hidden);
-      unsetenv("LCE_CUDA_MAX_ROWS");
       EXPECT_EQ(a.status.code(), absl::StatusCode::kInvalidArgument) << a.status;
       EXPECT_NE(std::string(a.status.message()).find("row 23"), std::string::npos) << a.status;
     }
@@ -665,7 +676,7 @@ TEST_F(CudaTest, BadTargetNamesTheRow) {
   Problem q = MakeProblem(sp, 82);
   q.ref.targets[290] = 9001;
   const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 83);
-  setenv("LCE_CUDA_MAX_ROWS", "128", 1);
+  ASSERT_TRUE(SetCudaTuning(*e, TuningWith([](CudaTuning& t) { t.max_rows = 128; })).ok());
   for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
     const Answers a = RunEngine(*e, q, space, dw0);
     EXPECT_EQ(a.status.code(), absl::StatusCode::kInvalidArgument) << a.status;
@@ -673,7 +684,6 @@ TEST_F(CudaTest, BadTargetNamesTheRow) {
     size_t first = 0;
     EXPECT_EQ(BitsDiffer(a.d_weight, dw0, &first), 0u) << "d_weight changed by a failed call, first at " << first;
   }
-  unsetenv("LCE_CUDA_MAX_ROWS");
 }
 
 TEST_F(CudaTest, AgreesWithCpuEngine) {
@@ -952,10 +962,10 @@ TEST_F(CudaTest, BatchInvarianceBitForBit) {
 namespace lce {
 namespace {
 
-// The forward through the epilogue-statistics GEMM (LCE_CUDA_EPILOGUE_STATS=1: CUTLASS sm_90a, the
-// softmax partials in the GEMM's epilogue, kernels/cuda/epilogue_stats_gemm.cu), score and training. The engine reads the
-// switch per call; these tests set it for their own scope and skip, saying why, where the build has
-// no CUTLASS or the device is not an sm_90.
+// The forward through the epilogue-statistics GEMM (CudaTuning::epilogue_stats: CUTLASS sm_90a, the
+// softmax partials in the GEMM's epilogue, kernels/cuda/epilogue_stats_gemm.cu), score and training. These
+// tests' engines take it on whatever the environment says (Epi), and skip, saying why, where the build has
+// no CUDA device, no CUTLASS or the device is not an sm_90.
 class EpilogueStatsTest : public CudaTest {
  protected:
   void SetUp() override {
@@ -964,30 +974,21 @@ class EpilogueStatsTest : public CudaTest {
     if (!cuda::EpilogueStatsAvailable(0)) {
       GTEST_SKIP() << "epilogue-statistics GEMM not built (no CUTLASS headers) or device 0 is not an sm_90: skipped";
     }
-    const char* old = std::getenv("LCE_CUDA_EPILOGUE_STATS");
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv("LCE_CUDA_EPILOGUE_STATS", "1", 1);
-    set_ = true;
   }
-  void TearDown() override {
-    if (!set_) return;
-    if (had_) {
-      setenv("LCE_CUDA_EPILOGUE_STATS", old_.c_str(), 1);
-    } else {
-      unsetenv("LCE_CUDA_EPILOGUE_STATS");
-    }
+  static CudaTuning EpiTuning(const std::function<void(CudaTuning&)>& change = [](CudaTuning&) {}) {
+    return TuningWith([&](CudaTuning& t) {
+      t.epilogue_stats = true;
+      change(t);
+    });
   }
+  static EngineConfig Epi(EngineConfig cfg = {}) { return WithTuning(EpiTuning(), cfg); }
+  // The same engine's logit-tile path (its tuned GEMMs, the epilogue GEMM off for this call).
   static Answers Without(LceEngine& e, const Problem& p) {
-    setenv("LCE_CUDA_EPILOGUE_STATS", "0", 1);
+    EXPECT_TRUE(SetCudaTuning(e, EpiTuning([](CudaTuning& t) { t.epilogue_stats = false; })).ok());
     Answers a = RunEngine(e, p, MemorySpace::kDevice, {});
-    setenv("LCE_CUDA_EPILOGUE_STATS", "1", 1);
+    EXPECT_TRUE(SetCudaTuning(e, EpiTuning()).ok());
     return a;
   }
-
- private:
-  bool set_ = false, had_ = false;
-  std::string old_;
 };
 
 ProblemSpec ScoreSpec(int64_t rows, int64_t hidden, int64_t vocab) {
@@ -1022,7 +1023,7 @@ TEST_F(EpilogueStatsTest, MatchesReferenceRaggedShapesAndOptions) {
         sp.ignore_frac = 0.5;
       }
       const Problem p = MakeProblem(sp, ++seed);
-      auto e = MakeCuda(p);
+      auto e = MakeCuda(p, Epi());
       ASSERT_NE(e, nullptr);
       for (MemorySpace space : {MemorySpace::kDevice, MemorySpace::kHost}) {
         ExpectMatches(RunEngine(*e, p, space, {}), p, {},
@@ -1039,7 +1040,7 @@ TEST_F(EpilogueStatsTest, AgreesWithTheLogitTilePath) {
   sp.bias = true;
   sp.options.softcap = 20.0f;
   const Problem p = MakeProblem(sp, 5100);
-  auto e = MakeCuda(p);
+  auto e = MakeCuda(p, Epi());
   ASSERT_NE(e, nullptr);
   const Answers epi = RunEngine(*e, p, MemorySpace::kDevice, {});
   const Answers tiles = Without(*e, p);
@@ -1051,7 +1052,7 @@ TEST_F(EpilogueStatsTest, AgreesWithTheLogitTilePath) {
   ExpectMatches(epi, p, {}, "epilogue statistics");
 }
 
-// Every kernel configuration (LCE_CUDA_EPI_KERNEL, read when the engine is made) against float64, on
+// Every kernel configuration (CudaTuning::epi_kernel, taken when the engine is made) against float64, on
 // ragged rows and columns; 1 (cooperative 128×256), 2 (ping-pong 64×256) and 3 (1 with W's tiles
 // multicast) the same bits, as the automatic choice between 2 and 1 by row count relies on.
 TEST_F(EpilogueStatsTest, EveryKernelConfiguration) {
@@ -1060,10 +1061,8 @@ TEST_F(EpilogueStatsTest, EveryKernelConfiguration) {
   sp.options.temperature = 0.9f;
   const Problem p = MakeProblem(sp, 5050);
   std::vector<Answers> got;
-  for (const char* config : {"0", "1", "2", "3"}) {
-    setenv("LCE_CUDA_EPI_KERNEL", config, 1);
-    auto e = MakeCuda(p);
-    unsetenv("LCE_CUDA_EPI_KERNEL");
+  for (int config : {0, 1, 2, 3}) {
+    auto e = MakeCuda(p, WithTuning(EpiTuning([&](CudaTuning& t) { t.epi_kernel = config; })));
     ASSERT_NE(e, nullptr);
     got.push_back(RunEngine(*e, p, MemorySpace::kDevice, {}));
     ExpectMatches(got.back(), p, {}, absl::StrCat("configuration ", config));
@@ -1078,12 +1077,11 @@ TEST_F(EpilogueStatsTest, HundredThousandRows) {
   ProblemSpec sp = ScoreSpec(100003, 16, 1203);
   sp.h_scale = 3.0;
   const Problem p = MakeProblem(sp, 5200);
-  auto e = MakeCuda(p);
+  auto e = MakeCuda(p, Epi());
   ASSERT_NE(e, nullptr);
   ExpectMatches(RunEngine(*e, p, MemorySpace::kDevice, {}), p, {}, "100003 rows device");
-  setenv("LCE_CUDA_MAX_ROWS", "1000", 1);
+  ASSERT_TRUE(SetCudaTuning(*e, EpiTuning([](CudaTuning& t) { t.max_rows = 1000; })).ok());
   ExpectMatches(RunEngine(*e, p, MemorySpace::kHost, {}), p, {}, "100003 rows host, 1000-row blocks");
-  unsetenv("LCE_CUDA_MAX_ROWS");
 }
 
 TEST_F(EpilogueStatsTest, ExtremeLogits) {
@@ -1091,7 +1089,7 @@ TEST_F(EpilogueStatsTest, ExtremeLogits) {
   sp.h_scale = 30.0;
   sp.w_scale = 30.0;  // logits ~ 1e3
   const Problem p = MakeProblem(sp, 5300);
-  auto e = MakeCuda(p);
+  auto e = MakeCuda(p, Epi());
   ASSERT_NE(e, nullptr);
   const Answers a = RunEngine(*e, p, MemorySpace::kDevice, {});
   ASSERT_TRUE(a.status.ok()) << a.status;
@@ -1103,7 +1101,7 @@ TEST_F(EpilogueStatsTest, ExtremeLogits) {
 
 TEST_F(EpilogueStatsTest, NonFiniteHiddenNamesTheRow) {
   const Problem p = MakeProblem(ScoreSpec(50, 64, 3000), 5400);
-  auto e = MakeCuda(p);
+  auto e = MakeCuda(p, Epi());
   ASSERT_NE(e, nullptr);
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     std::vector<uint8_t> hidden = p.hidden;
@@ -1129,7 +1127,7 @@ TEST_F(EpilogueStatsTest, NoEntropyGivesTheSameBits) {
     Problem p = MakeProblem(sp, 5900 + variant);
     p.grad_entropy.clear();  // the generic backward: a logprob gradient only
     p.ref.grad_entropy.clear();
-    auto e = MakeCuda(p);
+    auto e = MakeCuda(p, Epi());
     ASSERT_NE(e, nullptr);
     const std::vector<float> dw0 = sp.mode == GradMode::kNone ? std::vector<float>{} : RandomVec(sp.vocab * sp.hidden, 5950);
     const std::string what = absl::StrCat("variant ", variant);
@@ -1142,7 +1140,7 @@ TEST_F(EpilogueStatsTest, NoEntropyGivesTheSameBits) {
     }
   }
   const Problem p = MakeProblem(ScoreSpec(50, 64, 3000), 5400);
-  auto e = MakeCuda(p);
+  auto e = MakeCuda(p, Epi());
   ASSERT_NE(e, nullptr);
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
                     -std::numeric_limits<float>::infinity()}) {
@@ -1166,7 +1164,7 @@ TEST_F(EpilogueStatsTest, BatchInvarianceBitForBit) {
     sp.options.softcap = 30.0f;
     sp.options.label_smoothing = 0.1f;
     const Problem p = MakeProblem(sp, 5500 + invariant_cfg);
-    auto e = MakeCuda(p, cfg);
+    auto e = MakeCuda(p, Epi(cfg));
     ASSERT_NE(e, nullptr);
     ExpectBatchInvariant(*e, p, 0, invariant_cfg ? "invariant cfg" : "default cfg");
   }
@@ -1187,7 +1185,7 @@ TEST_F(EpilogueStatsTest, TrainingMatchesReferenceEveryOption) {
       sp.hidden = s.hidden;
       sp.vocab = s.vocab;
       const Problem p = MakeProblem(sp, ++seed);
-      auto e = MakeCuda(p);
+      auto e = MakeCuda(p, Epi());
       ASSERT_NE(e, nullptr);
       const std::vector<float> dw0 = RandomVec(s.vocab * s.hidden, seed);
       const std::string what = absl::StrCat(s.rows, "x", s.hidden, "x", s.vocab, " ", oc.name);
@@ -1221,7 +1219,7 @@ TEST_F(EpilogueStatsTest, TrainingBatchInvarianceAndScoreAgreement) {
     sp.mode = variant % 3 == 2 ? GradMode::kGeneric : GradMode::kLoss;
     if (variant % 3 == 1) sp.options.label_smoothing = 0.1f;
     const Problem p = MakeProblem(sp, 5800 + variant);
-    auto e = MakeCuda(p, cfg);
+    auto e = MakeCuda(p, Epi(cfg));
     ASSERT_NE(e, nullptr);
     const Answers whole =
         ExpectBatchInvariant(*e, p, cfg.batch_invariant ? sp.hidden : 0, absl::StrCat("variant ", variant));
@@ -1250,13 +1248,13 @@ TEST_F(EpilogueStatsTest, VocabParallelStatisticsBitForBit) {
   sp.bias = true;
   sp.options.temperature = 0.8f;
   const Problem full = MakeProblem(sp, 5600);
-  auto one = MakeCuda(full, cfg);
+  auto one = MakeCuda(full, Epi(cfg));
   ASSERT_NE(one, nullptr);
   const Answers want = RunEngine(*one, full, MemorySpace::kDevice, {});
   ASSERT_TRUE(want.status.ok()) << want.status;
   ExpectMatches(want, full, {}, "one GPU");
   for (int k : {2, 3}) {
-    const std::vector<Answers> got = RunSharded(full, k, {}, cfg);
+    const std::vector<Answers> got = RunSharded(full, k, {}, Epi(cfg));
     for (int r = 0; r < k; ++r) {
       ASSERT_TRUE(got[r].status.ok()) << "k=" << k << " rank " << r << ": " << got[r].status;
       for (int64_t i = 0; i < sp.rows; ++i) {

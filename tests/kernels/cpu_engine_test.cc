@@ -3,6 +3,9 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <algorithm>
+#include <functional>
+#include <set>
 #include <tuple>
 
 #include "gtest/gtest.h"
@@ -45,6 +48,7 @@ struct Case {
   RefProblem ref;
   std::shared_ptr<HeadWeights> head;
   std::vector<uint8_t> hidden;
+  std::vector<float> class_weight;  // empty or [vocab] (ref.class_weight holds the same values)
 };
 
 // Random problem: hidden ~ N(0, hidden_scale²), W ~ N(0, 1/H), targets uniform, a fraction ignored.
@@ -81,7 +85,7 @@ std::unique_ptr<LceEngine> Engine(const Case& c) {
 }
 
 struct EngineRun {
-  std::vector<float> lse, logprob, entropy, loss, dw;
+  std::vector<float> lse, logprob, entropy, loss, z_loss, dw, db;
   std::vector<uint8_t> dh;
   absl::Status status;
 };
@@ -97,6 +101,7 @@ EngineRun RunEngine(LceEngine& e, const Case& c, const std::vector<float>& g = {
   r.logprob.assign(p.rows, kPoison);
   r.entropy.assign(p.rows, kPoison);
   r.loss.assign(p.rows, kPoison);
+  r.z_loss.assign(p.rows, kPoison);
   Upstream up;
   up.mode = p.mode;
   up.grad_loss = g.empty() ? nullptr : g.data();
@@ -108,10 +113,15 @@ EngineRun RunEngine(LceEngine& e, const Case& c, const std::vector<float>& g = {
     r.dw.assign(p.vocab * p.hidden, 0.0f);
     grads.d_hidden = r.dh.data();
     grads.d_weight = r.dw.data();
+    if (c.head->shape.has_bias) {
+      r.db.assign(p.vocab, 0.0f);
+      grads.d_bias = r.db.data();
+    }
   }
   RowsView rows{c.hidden.data(), p.targets.data(), p.rows, MemorySpace::kHost};
-  r.status = e.Compute(rows, p.options, up, {r.logprob.data(), r.entropy.data(), r.lse.data(), r.loss.data()},
-                       grads);
+  rows.class_weight = c.class_weight.empty() ? nullptr : c.class_weight.data();
+  r.status = e.Compute(rows, p.options, up,
+                       {r.logprob.data(), r.entropy.data(), r.lse.data(), r.loss.data(), r.z_loss.data()}, grads);
   return r;
 }
 
@@ -151,8 +161,21 @@ LceOptions OptionSet(int k) {
     case 3: o.label_smoothing = 0.1f; break;
     case 4: o.z_loss = 1e-2f; break;
     case 5: o.temperature = 0.9f; o.softcap = 5.0f; o.label_smoothing = 0.05f; o.z_loss = 1e-3f; o.ignore_index = 3; break;
+    case 6: o.label_smoothing = 0.1f; o.z_loss = 1e-2f; o.softcap = 4.0f; break;  // with class weights
+    case 7: break;                                                                 // with class weights
   }
   return o;
+}
+
+// Class weights in [0, 2) with some zeros: PyTorch's CrossEntropyLoss(weight=...) (docs/MATH.md).
+void AddClassWeights(Case& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> unif(0.0, 2.0);
+  for (int64_t j = 0; j < c.ref.vocab; ++j) {
+    const float w = j % 17 == 0 ? 0.0f : static_cast<float>(unif(rng));
+    c.class_weight.push_back(w);
+    c.ref.class_weight.push_back(w);
+  }
 }
 
 TEST_P(Options, ValuesAndGradientsMatchReference) {
@@ -160,6 +183,7 @@ TEST_P(Options, ValuesAndGradientsMatchReference) {
   for (GradMode mode : {GradMode::kLoss, GradMode::kGeneric}) {
     Case c = MakeCase(150, 24, 2500, dtype, 77 + k * 13 + static_cast<int>(mode), 2.0, 0.1, /*bias=*/k == 5);
     c.ref.options = OptionSet(k);
+    if (k >= 6) AddClassWeights(c, 1000 + k);
     if (c.ref.options.ignore_index != -100) {
       for (auto& y : c.ref.targets) if (y == -100) y = c.ref.options.ignore_index;
     }
@@ -182,16 +206,18 @@ TEST_P(Options, ValuesAndGradientsMatchReference) {
     RefResult ref = testing::ReferenceLce(c.ref);
     EXPECT_LE(RelErr(r.logprob, ref.logprob), 1e-5) << "option set " << k;
     EXPECT_LE(RelErr(r.loss, ref.loss), 1e-5) << "option set " << k;
+    EXPECT_LE(RelErr(r.z_loss, ref.z_loss), 1e-5) << "option set " << k;
     EXPECT_LE(RelErr(r.entropy, ref.entropy), 1e-5) << "option set " << k;
     const double dh_tol = dtype == DType::kFloat32 ? 1e-5 : 1e-2;
     EXPECT_LE(RelErr(Decode(r.dh, dtype), ref.d_hidden), dh_tol) << "option set " << k << " mode " << int(mode);
     EXPECT_LE(RelErr(r.dw, ref.d_weight), 1e-5) << "option set " << k << " mode " << int(mode);
+    if (k == 5) EXPECT_LE(RelErr(r.db, ref.d_bias), 1e-5) << "d_bias, mode " << int(mode);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, Options,
                          ::testing::Combine(::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
-                                            ::testing::Range(0, 6)));
+                                            ::testing::Range(0, 8)));
 
 TEST(CpuEngine, ExtremeLogits) {
   // Hidden scaled so logits reach ~1e4: softmax is nearly one-hot; nothing may overflow.
@@ -421,6 +447,80 @@ TEST(CpuEngine, FreshWeightGradientOverwritesWhatWasThere) {
   std::fill(fresh.begin(), fresh.end(), kPoison);
   ASSERT_TRUE(e->Compute(rows, LceOptions{}, Upstream{}, {}, g).ok());
   for (float v : fresh) ASSERT_EQ(v, 0.0f) << "a forward-only call still writes a fresh dW";
+}
+
+// Rankings (argmax, top-k) against a float64 sort: the engine's j-th logprob is the j-th largest,
+// and the token it names has that logprob (near-equal logits may swap places between fp32 and
+// float64, so tokens are checked through their values).
+void ExpectRankings(const Case& c, int k, const std::vector<int32_t>& argmax, const std::vector<int32_t>& tokens,
+                    const std::vector<float>& logprobs, const RefResult& ref) {
+  const int64_t V = c.ref.vocab;
+  for (int64_t i = 0; i < c.ref.rows; ++i) {
+    std::vector<double> row(ref.all_logprob.begin() + i * V, ref.all_logprob.begin() + (i + 1) * V);
+    std::vector<double> sorted = row;
+    std::sort(sorted.begin(), sorted.end(), std::greater<double>());
+    std::set<int32_t> seen;
+    for (int j = 0; j < k; ++j) {
+      const int32_t t = tokens[i * k + j];
+      ASSERT_TRUE(t >= 0 && t < V) << "row " << i << " rank " << j;
+      EXPECT_TRUE(seen.insert(t).second) << "row " << i << ": token " << t << " twice";
+      EXPECT_NEAR(logprobs[i * k + j], sorted[j], 1e-5 * (1 + std::abs(sorted[j]))) << "row " << i << " rank " << j;
+      EXPECT_NEAR(row[t], sorted[j], 1e-5 * (1 + std::abs(sorted[j]))) << "row " << i << " rank " << j;
+    }
+    EXPECT_EQ(argmax[i], tokens[i * k]) << "row " << i;
+  }
+}
+
+TEST(CpuEngine, RankingsMatchFloat64Sort) {
+  for (int k : {1, 20, 64}) {
+    Case c = MakeCase(37, 24, 700, DType::kBFloat16, 300 + k, 2.0);
+    c.ref.options.top_k = k;
+    c.ref.options.temperature = 0.8f;
+    c.ref.options.softcap = 6.0f;
+    auto e = Engine(c);
+    std::vector<int32_t> argmax(c.ref.rows, -7), tokens(c.ref.rows * k, -7);
+    std::vector<float> logprobs(c.ref.rows * k, kPoison), lse(c.ref.rows, kPoison);
+    RowOutputs out;
+    out.lse = lse.data();
+    out.argmax = argmax.data();
+    out.top_tokens = tokens.data();
+    out.top_logprobs = logprobs.data();
+    RowsView rows{c.hidden.data(), c.ref.targets.data(), c.ref.rows, MemorySpace::kHost};
+    ASSERT_TRUE(e->Compute(rows, c.ref.options, Upstream{}, out, GradOutputs{}).ok());
+    ExpectRankings(c, k, argmax, tokens, logprobs, testing::ReferenceLce(c.ref));
+  }
+}
+
+// Equal logits rank by id (lower first), whatever tile they sit in; rows of a ranking ask for nothing
+// else and still get every slot.
+TEST(CpuEngine, EqualLogitsRankLowerIdFirst) {
+  const int64_t H = 8, V = 200;
+  auto head = std::make_shared<HeadWeights>();
+  head->shape = {V, H, DType::kFloat32, 0, V, false};
+  std::vector<float> w(V * H, 0.0f);
+  w[3 * H] = 1.0f;    // logit 1
+  w[150 * H] = 1.0f;  // logit 1, in a later tile
+  w[77 * H] = 0.5f;   // logit 0.5; every other logit is 0
+  head->weight.assign(reinterpret_cast<uint8_t*>(w.data()), reinterpret_cast<uint8_t*>(w.data() + w.size()));
+  auto e = CreateEngine(Backend::kCpu, head, EngineConfig{});
+  ASSERT_TRUE(e.ok());
+  std::vector<float> h(H, 0.0f);
+  h[0] = 1.0f;
+  const int32_t y = 5;
+  LceOptions o;
+  o.top_k = 5;
+  std::vector<int32_t> argmax(1), tokens(5);
+  RowOutputs out;
+  out.argmax = argmax.data();
+  out.top_tokens = tokens.data();
+  RowsView rows{h.data(), &y, 1, MemorySpace::kHost};
+  ASSERT_TRUE((*e)->Compute(rows, o, Upstream{}, out, GradOutputs{}).ok());
+  EXPECT_EQ(tokens, (std::vector<int32_t>{3, 150, 77, 0, 1}));
+  EXPECT_EQ(argmax[0], 3);
+  o.top_k = 0;
+  EXPECT_EQ((*e)->Compute(rows, o, Upstream{}, out, GradOutputs{}).code(), absl::StatusCode::kInvalidArgument);
+  o.top_k = kMaxTopK + 1;
+  EXPECT_EQ((*e)->Compute(rows, o, Upstream{}, RowOutputs{}, GradOutputs{}).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -17,10 +17,18 @@ RefResult ReferenceLce(const RefProblem& p) {
   r.logprob.assign(N, 0);
   r.entropy.assign(N, 0);
   r.loss.assign(N, 0);
+  r.z_loss.assign(N, 0);
+  if (o.top_k > 0) r.all_logprob.assign(N * V, 0);
+  const bool weighted = !p.class_weight.empty();
+  double W = static_cast<double>(V);
+  if (weighted) W = 0;
+  for (double c : p.class_weight) W += c;
+  auto weight = [&](int64_t j) { return weighted ? p.class_weight[j] : 1.0; };
   const bool grad = p.mode != GradMode::kNone;
   if (grad) {
     r.d_hidden.assign(N * H, 0);
     r.d_weight.assign(V * H, 0);
+    r.d_bias.assign(V, 0);
   }
   std::vector<double> a(V), z(V), pr(V), dz(V);
   for (int64_t i = 0; i < N; ++i) {
@@ -31,10 +39,10 @@ RefResult ReferenceLce(const RefProblem& p) {
       z[j] = (s > 0 ? s * std::tanh(acc / s) : acc) / T;
     }
     const double m = *std::max_element(z.begin(), z.end());
-    double se = 0, sz = 0;
+    double se = 0, swz = 0;
     for (int64_t j = 0; j < V; ++j) {
       se += std::exp(z[j] - m);
-      sz += z[j];
+      swz += weight(j) * z[j];
     }
     const double lse = m + std::log(se);
     double pz = 0;
@@ -47,14 +55,18 @@ RefResult ReferenceLce(const RefProblem& p) {
     r.lse[i] = lse;
     r.entropy[i] = (lse - m) - pz;
     r.logprob[i] = ignored ? 0.0 : z[y] - lse;
-    r.loss[i] = ignored ? 0.0 : -(1 - eps) * r.logprob[i] + eps * (lse - sz / V) + lam * lse * lse;
+    const double wy = ignored ? 0.0 : weight(y);
+    r.z_loss[i] = ignored ? 0.0 : lam * lse * lse;
+    r.loss[i] = ignored ? 0.0 : -(1 - eps) * wy * r.logprob[i] + eps * (W * lse - swz) / V + r.z_loss[i];
+    for (int64_t j = 0; o.top_k > 0 && j < V; ++j) r.all_logprob[i * V + j] = z[j] - lse;
     if (!grad) continue;
     for (int64_t j = 0; j < V; ++j) {
       double d = 0;
       if (p.mode == GradMode::kLoss) {
         if (!ignored) {
           const double g = p.grad_loss.empty() ? 1.0 : p.grad_loss[i];
-          d = g * ((1 + 2 * lam * lse) * pr[j] - (1 - eps) * (j == y ? 1 : 0) - eps / V);
+          d = g * ((1 - eps) * wy * (pr[j] - (j == y ? 1 : 0)) + eps / V * (W * pr[j] - weight(j)) +
+                   2 * lam * lse * pr[j]);
         }
       } else {
         const double u = (ignored || p.grad_logprob.empty()) ? 0.0 : p.grad_logprob[i];
@@ -69,6 +81,7 @@ RefResult ReferenceLce(const RefProblem& p) {
       dz[j] = d;
     }
     for (int64_t j = 0; j < V; ++j) {
+      r.d_bias[j] += dz[j];
       for (int64_t k = 0; k < H; ++k) {
         r.d_hidden[i * H + k] += dz[j] * p.w[j * H + k];
         r.d_weight[j * H + k] += dz[j] * p.h[i * H + k];

@@ -17,12 +17,15 @@ struct RefProblem {
   LceOptions options;
   GradMode mode = GradMode::kNone;
   std::vector<double> grad_loss, grad_logprob, grad_entropy;  // empty = default (1 / 0 / 0)
+  std::vector<double> class_weight;  // empty or [vocab]: PyTorch's CrossEntropyLoss(weight=...)
 };
 
 struct RefResult {
-  std::vector<double> lse, logprob, entropy, loss;
+  std::vector<double> lse, logprob, entropy, loss, z_loss;
+  std::vector<double> all_logprob;  // [rows, vocab] when options.top_k > 0: for the rankings
   std::vector<double> d_hidden;  // [rows, hidden] when mode != kNone
   std::vector<double> d_weight;  // [vocab, hidden] when mode != kNone
+  std::vector<double> d_bias;    // [vocab] when mode != kNone
 };
 
 RefResult ReferenceLce(const RefProblem& p);

@@ -54,23 +54,34 @@ class ThreadCollectives final : public Collectives {
 };
 
 struct Answers {
-  std::vector<float> logprob, entropy, loss;
+  std::vector<float> logprob, entropy, loss, z_loss, top_logprobs;
+  std::vector<int32_t> argmax, top_tokens;
   std::vector<float> d_hidden;  // fp32 head
   std::vector<float> d_weight;  // this engine's shard rows
 };
 
 Answers RunEngineOnce(LceEngine& e, const std::vector<float>& h, const std::vector<int32_t>& y, const LceOptions& o,
-            const Upstream& up) {
+                      const Upstream& up, const std::vector<float>& class_weight) {
   const int64_t n = static_cast<int64_t>(y.size());
   Answers a;
   a.logprob.assign(n, NAN);
   a.entropy.assign(n, NAN);
   a.loss.assign(n, NAN);
+  a.z_loss.assign(n, NAN);
+  a.argmax.assign(o.top_k > 0 ? n : 0, -7);
+  a.top_tokens.assign(n * o.top_k, -7);
+  a.top_logprobs.assign(n * o.top_k, NAN);
   a.d_hidden.assign(h.size(), NAN);
   a.d_weight.assign(e.shape().shard_rows * e.shape().hidden_size, 0.0f);
   RowsView rows{h.data(), y.data(), n, MemorySpace::kHost};
-  absl::Status s = e.Compute(rows, o, up, {a.logprob.data(), a.entropy.data(), nullptr, a.loss.data()},
-                             {a.d_hidden.data(), a.d_weight.data()});
+  rows.class_weight = class_weight.empty() ? nullptr : class_weight.data();
+  RowOutputs out{a.logprob.data(), a.entropy.data(), nullptr, a.loss.data(), a.z_loss.data()};
+  if (o.top_k > 0) {
+    out.argmax = a.argmax.data();
+    out.top_tokens = a.top_tokens.data();
+    out.top_logprobs = a.top_logprobs.data();
+  }
+  absl::Status s = e.Compute(rows, o, up, out, {a.d_hidden.data(), a.d_weight.data()});
   EXPECT_TRUE(s.ok()) << s;
   return a;
 }
@@ -106,17 +117,24 @@ TEST(VocabParallel, ShardsGiveTheUnshardedAnswersBitForBit) {
   ASSERT_TRUE(reference.ok());
 
   for (int k : {2, 3, 5}) {
-    for (int opt = 0; opt < 3; ++opt) {
+    for (int opt = 0; opt < 4; ++opt) {
       LceOptions o;
+      std::vector<float> cw;  // opt 3: class weights with label smoothing, and the rankings
       if (opt == 1) { o.temperature = 0.7f; o.softcap = 4.0f; }
       if (opt == 2) { o.label_smoothing = 0.1f; o.z_loss = 1e-3f; }
+      if (opt == 3) {
+        o.label_smoothing = 0.2f;
+        o.z_loss = 1e-3f;
+        o.top_k = 7;
+        for (int64_t j = 0; j < V; ++j) cw.push_back(0.25f + 0.01f * static_cast<float>(j % 150));
+      }
       for (GradMode mode : {GradMode::kLoss, GradMode::kGeneric}) {
         Upstream up;
         up.mode = mode;
         up.grad_loss = mode == GradMode::kLoss ? g.data() : nullptr;
         up.grad_logprob = mode == GradMode::kGeneric ? u.data() : nullptr;
         up.grad_entropy = mode == GradMode::kGeneric ? en.data() : nullptr;
-        Answers want = RunEngineOnce(**reference, h, y, o, up);
+        Answers want = RunEngineOnce(**reference, h, y, o, up, cw);
         ThreadGroup group(k);
         std::vector<Answers> got(k);
         std::vector<std::thread> threads;
@@ -133,7 +151,7 @@ TEST(VocabParallel, ShardsGiveTheUnshardedAnswersBitForBit) {
             cfg.cpu_threads = 1;
             auto e = CreateEngine(Backend::kCpu, shard, cfg);
             ASSERT_TRUE(e.ok()) << e.status();
-            got[r] = RunEngineOnce(**e, h, y, o, up);
+            got[r] = RunEngineOnce(**e, h, y, o, up, cw);
           });
         }
         for (auto& t : threads) t.join();
@@ -143,6 +161,10 @@ TEST(VocabParallel, ShardsGiveTheUnshardedAnswersBitForBit) {
           ExpectSameBits(got[r].logprob, want.logprob, tag + " logprob");
           ExpectSameBits(got[r].entropy, want.entropy, tag + " entropy");
           ExpectSameBits(got[r].loss, want.loss, tag + " loss");
+          ExpectSameBits(got[r].z_loss, want.z_loss, tag + " z_loss");
+          ExpectSameBits(got[r].top_logprobs, want.top_logprobs, tag + " top_logprobs");
+          EXPECT_EQ(got[r].argmax, want.argmax) << tag;
+          EXPECT_EQ(got[r].top_tokens, want.top_tokens) << tag;
           ExpectSameBits(got[r].d_hidden, want.d_hidden, tag + " d_hidden");
           dw.insert(dw.end(), got[r].d_weight.begin(), got[r].d_weight.end());
         }

@@ -154,6 +154,66 @@ TEST(HeadTrainer, CpuTrainerStepsLikeTheHostLoop) {
   EXPECT_EQ(*trainer.GradSquaredNorm(), 0.0);
 }
 
+// A head with a bias: the gradient buffer is [dW | dB]; the engine fills dB beside dW, a pending
+// contribution commits both scaled, the norm counts both, and a step moves both (AdamW on fp32 masters,
+// the bias kept in fp32) as the host loop over the whole parameter vector does.
+TEST(HeadTrainer, BiasIsTrainedBesideTheWeight) {
+  const int64_t V = 130, H = 8, N = 20;
+  std::shared_ptr<HeadWeights> w = RandomHead(V, H, 15);
+  w->shape.has_bias = true;
+  for (int64_t j = 0; j < V; ++j) w->bias.push_back(0.01f * static_cast<float>(j % 11) - 0.05f);
+  absl::StatusOr<std::shared_ptr<LceEngine>> engine = MakeCpuEngine(w);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  absl::StatusOr<std::unique_ptr<HeadTrainer>> t = CreateHeadTrainer(*engine, w, MakeCpuEngine);
+  ASSERT_TRUE(t.ok()) << t.status();
+  HeadTrainer& trainer = **t;
+  ASSERT_EQ(trainer.grad_elements(), V * H + V);
+  std::mt19937 rng(16);
+  std::normal_distribution<float> normal;
+  std::vector<uint8_t> hidden(static_cast<size_t>(N * H * 2));
+  for (int64_t i = 0; i < N * H; ++i) reinterpret_cast<uint16_t*>(hidden.data())[i] = FloatToBf16(normal(rng));
+  std::vector<int32_t> targets(N);
+  for (int64_t i = 0; i < N; ++i) targets[i] = static_cast<int32_t>((i * 7) % V);
+  const RowsView rows{hidden.data(), targets.data(), N, MemorySpace::kHost};
+  const Upstream up{GradMode::kLoss, nullptr, nullptr, nullptr};
+  std::vector<float> want(static_cast<size_t>(V * H + V), 0.0f);  // [dW | dB] made directly, scaled by 0.5
+  ASSERT_TRUE((*engine)->Compute(rows, LceOptions{}, up, {}, {nullptr, want.data(), 0, false, want.data() + V * H}).ok());
+  for (float& x : want) x *= 0.5f;
+  absl::StatusOr<float*> pending = trainer.AcquirePending(7, /*zeroed=*/false);
+  ASSERT_TRUE(pending.ok());
+  GradOutputs g{nullptr, *pending, 7, /*d_weight_fresh=*/true, trainer.BiasPart(*pending)};
+  ASSERT_TRUE((*engine)->Compute(rows, LceOptions{}, up, {}, g).ok());
+  ASSERT_TRUE(trainer.CommitPending(7, 0.5f).ok());
+  ASSERT_EQ(std::memcmp(trainer.grad(), want.data(), want.size() * 4), 0);
+  double dB2 = 0;
+  for (int64_t j = 0; j < V; ++j) dB2 += double(want[V * H + j]) * want[V * H + j];
+  ASSERT_GT(dB2, 0.0);
+  EXPECT_NEAR(*trainer.GradSquaredNorm(), SquaredNorm(want.data(), V * H) + dB2, 1e-9 * (dB2 + 1));
+  std::vector<float> db(V);
+  ASSERT_TRUE(trainer.CopyBiasGrad(db.data()).ok());
+  EXPECT_EQ(std::memcmp(db.data(), want.data() + V * H, V * 4), 0);
+
+  std::vector<float> master(static_cast<size_t>(V * H + V)), m(master.size(), 0.0f), v(master.size(), 0.0f);
+  ConvertToFloat(w->weight.data(), DType::kBFloat16, V * H, master.data());
+  std::copy(w->bias.begin(), w->bias.end(), master.begin() + V * H);
+  AdamWParams p;
+  p.lr = 1e-2f;
+  ASSERT_TRUE(trainer.Step(p, 1.0f).ok());
+  AdamWStep(master.data(), m.data(), v.data(), want.data(), V * H + V, p, 1, 1.0f);
+  absl::StatusOr<std::shared_ptr<const HeadWeights>> now = trainer.Weights();
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ((*now)->bias, std::vector<float>(master.begin() + V * H, master.end()));
+  EXPECT_NE((*now)->bias, w->bias);
+  std::vector<uint8_t> rounded(static_cast<size_t>(V * H * 2));
+  ConvertFromFloat(master.data(), V * H, DType::kBFloat16, rounded.data());
+  EXPECT_EQ((*now)->weight, rounded);
+  // Without a bias there is none to copy.
+  absl::StatusOr<std::unique_ptr<HeadTrainer>> plain = CreateHeadTrainer(*MakeCpuEngine(RandomHead(V, H, 1)),
+                                                                         RandomHead(V, H, 1), MakeCpuEngine);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)->CopyBiasGrad(db.data()).code(), absl::StatusCode::kFailedPrecondition);
+}
+
 // The squared norm a group combines from its shards' tiles has the bits of one rank's, for any split.
 TEST(HeadTrainer, ShardsTileNormsCombineToOneRanksBits) {
   const int64_t V = 3001, H = 24;

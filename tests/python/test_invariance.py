@@ -120,3 +120,25 @@ def test_tensor_parallel_groups(setup, reference, k):
         assert c.info().tp_size == k
         assert_rows_equal(answers(c, h, y), reference, range(ROWS), 0, f"TP group of {k}")
         assert_rows_equal(answers(c, h[150:151], y[150:151]), reference, [150], 150, f"TP group of {k}, alone")
+
+
+def ranked_answers(client, h, y):
+    """The rankings (top-k 8: argmax, tokens, logprobs) and a class-weighted loss with its z-loss part and
+    d_hidden, as raw bits."""
+    s = client.score(h, y, temperature=OPTIONS["temperature"], softcap=OPTIONS["softcap"], top_k=8)
+    cw = (0.5 + (np.arange(VOCAB) % 7) / 4).astype(np.float32)
+    r = client.forward_backward(h, y, reduction="sum", class_weights=cw, return_z_loss=True, argmax=True, **OPTIONS)
+    bits = lambda a: np.asarray(a).view(np.uint32)
+    return {"argmax": np.asarray(s.argmax), "top_tokens": np.asarray(s.top_tokens), "top_logprobs": bits(s.top_logprobs),
+            "fb_argmax": np.asarray(r.argmax), "loss": bits(r.per_token_loss), "z_loss": bits(r.z_loss),
+            "d_hidden": np.asarray(r.d_hidden).view(np.uint16).reshape(len(y), HIDDEN)}
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_rankings_and_class_weights_over_groups(setup, k):
+    """The new outputs cross the group's control block: a TP group gives one rank's bits."""
+    h, y, servers = setup
+    with lce_client.Client(servers[1].target, timeout=60) as c:
+        want = ranked_answers(c, h, y)
+    with lce_client.Client(servers[k].target, timeout=60) as c:
+        assert_rows_equal(ranked_answers(c, h, y), want, range(ROWS), 0, f"TP group of {k}")

@@ -15,9 +15,10 @@ Liger, calls lce_client.torch.remote_linear_cross_entropy with the server's head
 atol + rtol * |got|).
 
 Liger's mapping: lse_square_scale is our z_loss (added to the loss, as in CrossEntropyWithZLoss);
-label_smoothing, ignore_index (any value, 42 included), softcap and reduction are ours. Cases the
-service cannot express skip, naming the feature: a bias, ce_weight (class weights), return_z_loss (the
-z-loss as its own output), return_token_accuracy, return_predicted_tokens, use_token_scaling. Their
+label_smoothing, ignore_index (any value, 42 included), softcap, reduction, ce_weight (class weights),
+return_z_loss, return_token_accuracy and return_predicted_tokens are ours (the op's keywords, answers in
+Liger's CrossEntropyOutput). Cases the service cannot express skip, naming the feature: a bias,
+use_token_scaling. Their
 large shape (B, T, H, V) = (8, 128, 1024, 4096) runs with LCE_LIGER_LARGE=1 (2-3 s a case on one
 CPU thread; CI runs their "random shape" (4, 47, 31, 123)).
 """
@@ -54,11 +55,11 @@ def skip_unless(*missing):
 
 
 def cross_entropy_with_z_loss(logits, targets, *, lse_square_scale=0.0, reduction="mean", ignore_index=-100,
-                              label_smoothing=0.0):
-    """Liger's CrossEntropyWithZLoss (weight None, return_z_loss False), same operations."""
+                              label_smoothing=0.0, ce_weight=None, return_z_loss=False):
+    """Liger's CrossEntropyWithZLoss (test/transformers/test_cross_entropy.py), same operations."""
     logits = logits.to(torch.float32)
     target_mask = targets != ignore_index
-    ce_loss = F.cross_entropy(logits, targets, reduction=reduction, label_smoothing=label_smoothing,
+    ce_loss = F.cross_entropy(logits, targets, weight=ce_weight, reduction=reduction, label_smoothing=label_smoothing,
                               ignore_index=ignore_index)
     lse = torch.logsumexp(logits, dim=-1)
     z_loss = torch.where(targets != ignore_index, lse_square_scale * (lse ** 2), 0.0)
@@ -66,7 +67,8 @@ def cross_entropy_with_z_loss(logits, targets, *, lse_square_scale=0.0, reductio
         z_loss = z_loss.sum() / target_mask.sum()
     elif reduction == "sum":
         z_loss = z_loss.sum()
-    return ce_loss.to(torch.float32) + z_loss.to(torch.float32)
+    total = ce_loss.to(torch.float32) + z_loss.to(torch.float32)
+    return (total, z_loss.to(torch.float32)) if return_z_loss else total
 
 
 def torch_lm_head_ce(x, weight, y, *, softcap=None, **ce):
@@ -101,7 +103,7 @@ def with_ignored(target, ignore_index, g):
 
 
 def check_case(client, *, B, T, H, V, dtype, reduction, atol, rtol, seed, grad_output=None, weight=None,
-               target=None, x=None, **opts):
+               target=None, x=None, return_z_loss=False, **opts):
     """Their fixture of one test: the same weight in both heads, the same inputs, loss, input gradient and
     weight gradient compared; grad_output: the loss's upstream gradient (default ones_like)."""
     g = torch.Generator().manual_seed(seed)
@@ -112,8 +114,11 @@ def check_case(client, *, B, T, H, V, dtype, reduction, atol, rtol, seed, grad_o
         target = with_ignored(torch.randint(0, V, (B * T,), generator=g), opts.get("ignore_index", -100), g)
     x1, x2 = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
     w1 = weight.detach().clone().requires_grad_(True)
-    output1 = torch_lm_head_ce(x1, w1, target, reduction=reduction, **opts)
-    output2 = remote_lm_head_ce(client, x2, target, reduction=reduction, **opts)
+    output1 = torch_lm_head_ce(x1, w1, target, reduction=reduction, return_z_loss=return_z_loss, **opts)
+    output2 = remote_lm_head_ce(client, x2, target, reduction=reduction, return_z_loss=return_z_loss, **opts)
+    if return_z_loss:  # their check of the z-loss output (CrossEntropyOutput.z_loss)
+        (output1, z_output1), output2, z_output2 = output1, output2.loss, output2.z_loss
+        assert_verbose_allclose(z_output1, z_output2, atol=atol, rtol=rtol, what="z_loss")
     assert_verbose_allclose(output1, output2, atol=atol, rtol=rtol, what="loss")
     grad_output = torch.ones_like(output1) if grad_output is None else grad_output
     output1.backward(gradient=grad_output)
@@ -144,11 +149,11 @@ def _options_case(fn):
 def test_correctness(client, B, T, H, V, scalar, dtype, bias, has_ce_weight, lse_square_scale, label_smoothing,
                      ignore_index, reduction, softcap, return_z_loss, accum_dtype, atol, rtol):
     """accum_dtype (Liger's gradient accumulation dtype) needs nothing: the server accumulates in fp32."""
-    skip_unless((bias, NO_BIAS), (has_ce_weight, "ce_weight (class weights)"),
-                (return_z_loss, "return_z_loss (the z-loss as its own output)"))
+    skip_unless((bias, NO_BIAS))
+    ce_weight = torch.rand(V, generator=torch.Generator().manual_seed(V), dtype=torch.float32) if has_ce_weight else None
     check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction=reduction, atol=atol, rtol=rtol, seed=B + V,
                lse_square_scale=lse_square_scale, label_smoothing=label_smoothing, ignore_index=ignore_index,
-               softcap=softcap)
+               softcap=softcap, ce_weight=ce_weight, return_z_loss=return_z_loss)
 
 
 @_options_case
@@ -157,19 +162,22 @@ def test_correctness_with_forward_only(client, B, T, H, V, scalar, dtype, bias, 
                                        accum_dtype, atol, rtol):
     """Under no_grad: the same loss, an output that cannot be backpropagated ("does not require grad"),
     and (our contract) nothing added to the head's gradient."""
-    skip_unless((bias, NO_BIAS), (has_ce_weight, "ce_weight (class weights)"),
-                (return_z_loss, "return_z_loss (the z-loss as its own output)"))
+    skip_unless((bias, NO_BIAS))
     g = torch.Generator().manual_seed(B + V + 1)
     weight = torch.rand(V, H, generator=g).to(dtype)
     serve_weight(client, weight, HEAD)
     x = torch.randn(B * T, H, generator=g).to(dtype)
     target = with_ignored(torch.randint(0, V, (B * T,), generator=g), ignore_index, g)
+    ce_weight = torch.rand(V, generator=g) if has_ce_weight else None
     opts = dict(reduction=reduction, lse_square_scale=lse_square_scale, label_smoothing=label_smoothing,
-                ignore_index=ignore_index, softcap=softcap)
+                ignore_index=ignore_index, softcap=softcap, ce_weight=ce_weight, return_z_loss=return_z_loss)
     x2 = x.clone().requires_grad_(True)
     with torch.no_grad():
         output1 = torch_lm_head_ce(x, weight, target, **opts)
         output2 = remote_lm_head_ce(client, x2, target, **opts)
+        if return_z_loss:
+            assert_verbose_allclose(output1[1], output2.z_loss, atol=atol, rtol=rtol, what="z_loss")
+            output1, output2 = output1[0], output2.loss
         assert_verbose_allclose(output1, output2, atol=atol, rtol=rtol, what="loss")
     with pytest.raises(RuntimeError, match="does not require grad"):
         output2.backward(gradient=torch.rand_like(output1))
@@ -183,11 +191,18 @@ def test_correctness_with_forward_only(client, B, T, H, V, scalar, dtype, bias, 
 @pytest.mark.parametrize("bias", [True, False])
 def test_correctness_functional(client, B, T, H, V, scalar, dtype, bias, ce_weight, atol, rtol):
     """Theirs compares liger_fused_linear_cross_entropy with LigerFusedLinearCrossEntropyFunction (both
-    Liger, return_z_loss=True, a randn scalar grad_output). The z-loss output is not ours to give, so
-    the case is skipped; what it also covers (a randn scalar upstream gradient through every option,
-    randn weights) is run against their ground truth in test_functional_options_loss_and_gradients."""
-    skip_unless((bias, NO_BIAS), (ce_weight, "ce_weight (class weights)"),
-                (True, "return_z_loss (the z-loss as its own output), which this case compares"))
+    Liger): randn inputs, weight and ce_weight (negative class weights included), lse_square_scale 1e-4,
+    label_smoothing 0.1, softcap 30, mean, return_z_loss, a randn scalar grad_output. Ours against their
+    ground truth on the same inputs: loss, z-loss, both gradients."""
+    skip_unless((bias, NO_BIAS))
+    g = torch.Generator().manual_seed(B * V + int(ce_weight))
+    x = torch.randn(B * T, H, generator=g).to(dtype) * scalar
+    target = torch.randint(0, V, (B * T,), generator=g)
+    weight = torch.randn(V, H, generator=g).to(dtype)
+    cw = torch.randn(V, generator=g) if ce_weight else None
+    check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction="mean", atol=atol, rtol=rtol, seed=0, x=x,
+               weight=weight, target=target, grad_output=torch.randn((), generator=g), lse_square_scale=1e-4,
+               label_smoothing=0.1, softcap=30.0, ce_weight=cw, return_z_loss=True)
 
 
 @pytest.mark.parametrize("B, T, H, V", [(2, 2, 8, 8), (9, 7, 41, 41)])
@@ -211,9 +226,24 @@ def test_functional_options_loss_and_gradients(client, B, T, H, V, dtype, atol, 
 @pytest.mark.parametrize("return_token_accuracy", [True, False])
 def test_correctness_with_token_accuracy(client, B, T, H, V, scalar, dtype, bias, return_token_accuracy, reduction,
                                          atol, rtol):
-    """With return_token_accuracy=False their case is the plain loss: run. True: skipped."""
-    skip_unless((bias, NO_BIAS), (return_token_accuracy, "return_token_accuracy (token accuracy output)"))
-    check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction=reduction, atol=atol, rtol=rtol, seed=B * T)
+    """Their loss and gradients with and without return_token_accuracy, and the accuracy against theirs:
+    argmax of the logits in the inputs' dtype, right where it is the target, over the valid tokens."""
+    skip_unless((bias, NO_BIAS))
+    g = torch.Generator().manual_seed(B * T)
+    weight = torch.rand(V, H, generator=g).to(dtype)
+    x = (torch.randn(B * T, H, generator=g) * scalar).to(dtype)
+    target = with_ignored(torch.randint(0, V, (B * T,), generator=g), -100, g)
+    if return_token_accuracy:
+        serve_weight(client, weight, HEAD)
+        result = remote_lm_head_ce(client, x.clone().requires_grad_(True), target, reduction=reduction,
+                                   return_token_accuracy=True)
+        with torch.no_grad():
+            predictions = torch.argmax(x @ weight.t(), dim=-1)
+            mask = target != -100
+            expected_accuracy = ((predictions == target) & mask).sum().float() / mask.sum().float()
+        assert_verbose_allclose(result.token_accuracy, expected_accuracy, atol=atol, rtol=rtol, what="accuracy")
+    check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction=reduction, atol=atol, rtol=rtol, seed=0,
+               weight=weight, x=x, target=target)
 
 
 @pytest.mark.parametrize("B, T, H, V", SHAPES)
@@ -260,10 +290,35 @@ def test_liger_fused_linear_cross_entropy_structured_output(return_z_loss, retur
                 (return_token_accuracy, "return_token_accuracy (token accuracy output)"))
 
 
+@pytest.mark.parametrize("B, T, H, V", SHAPES)
+@pytest.mark.parametrize("reduction, dtype, atol, rtol", [("mean", torch.bfloat16, 5e-3, 5e-2),
+                                                          ("mean", torch.float32, 1e-5, 5e-4)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("ignore_index", [-100, 2])
-def test_correctness_with_predicted_tokens(bias, ignore_index):
-    skip_unless((bias, NO_BIAS), (True, "return_predicted_tokens (the argmax token of each row)"))
+def test_correctness_with_predicted_tokens(client, B, T, H, V, reduction, dtype, bias, ignore_index, atol, rtol):
+    """Their checks: CrossEntropyOutput.predicted_tokens int64 [B*T], the logit at the predicted token equal
+    to the row's max logit (within their tolerance), -1 for ignored rows, and a loss that backpropagates."""
+    skip_unless((bias, NO_BIAS))
+    g = torch.Generator().manual_seed(42)
+    weight = torch.randn(V, H, generator=g).to(dtype)
+    serve_weight(client, weight, HEAD)
+    x = torch.randn(B * T, H, generator=g).to(dtype).requires_grad_(True)
+    target = torch.randint(0, V, (B * T,), generator=g)
+    target[torch.randperm(B * T, generator=g)[:B * T // 4]] = ignore_index
+    result = remote_lm_head_ce(client, x, target, ignore_index=ignore_index, reduction=reduction,
+                               return_predicted_tokens=True)
+    assert result.predicted_tokens is not None
+    assert result.predicted_tokens.shape == (B * T,)
+    assert result.predicted_tokens.dtype == torch.int64
+    mask = target != ignore_index
+    with torch.no_grad():
+        logits = x.float() @ weight.float().t()
+        max_logits = logits[mask].max(dim=-1).values
+        predicted = logits[mask].gather(1, result.predicted_tokens[mask].unsqueeze(1)).squeeze(1)
+    assert torch.allclose(predicted, max_logits, atol=atol, rtol=rtol)
+    assert torch.all(result.predicted_tokens[~mask] == -1)
+    result.loss.backward()
+    assert x.grad is not None
 
 
 @pytest.mark.parametrize("B, T, H, V", [(2, 16, 32, 64), (1, 32, 64, 128)])

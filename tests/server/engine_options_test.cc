@@ -65,6 +65,7 @@ TEST(EngineOptions, RoundTripKeepsEveryValue) {
   o.z_loss = 1e-4f;
   o.ignore_index = -1;
   o.allow_tf32 = true;
+  o.top_k = 5;
   const LceOptions back = DecodeOptions(EncodeOptions(o));
   EXPECT_EQ(back.temperature, 0.7f);
   EXPECT_EQ(back.softcap, 30.0f);
@@ -72,6 +73,7 @@ TEST(EngineOptions, RoundTripKeepsEveryValue) {
   EXPECT_EQ(back.z_loss, 1e-4f);
   EXPECT_EQ(back.ignore_index, -1);
   EXPECT_TRUE(back.allow_tf32);
+  EXPECT_EQ(back.top_k, 5);
 }
 
 // Options compare by bits, as the batcher always did: equal options share a key, -0 and 0 do not

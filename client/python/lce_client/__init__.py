@@ -17,12 +17,13 @@ per_token_logps, the fused policy loss. docs/INTEGRATIONS.md describes them.
 """
 from ._arrays import bf16_bits_to_f32, f32_to_bf16_bits
 from ._client import (DEFAULT_CHUNK_BYTES, DEFAULT_MIN_STREAM_BYTES, BackwardResult, Client, ForwardBackwardResult, HeadInfo, LceError, PolicyLossResult,
-                      ServerInfo, plan_chunks)
+                      ScoreResult, ServerInfo, plan_chunks, token_accuracy)
 from ._shm import Region, SharedMemorySession
 from . import aio
 
 from ._version import VERSION as __version__
 __all__ = ["Client", "LceError", "HeadInfo", "ServerInfo", "ForwardBackwardResult", "BackwardResult", "PolicyLossResult",
+           "ScoreResult", "token_accuracy",
            "DEFAULT_CHUNK_BYTES", "DEFAULT_MIN_STREAM_BYTES", "plan_chunks", "Region", "SharedMemorySession", "bf16_bits_to_f32", "f32_to_bf16_bits", "RemoteLinearCrossEntropy",
            "remote_logprobs", "remote_linear_cross_entropy"]
 

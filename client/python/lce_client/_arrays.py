@@ -209,6 +209,18 @@ def new_rows_out(rows: int) -> np.ndarray:
     return np.zeros(rows, dtype=np.float32)
 
 
+# The per-row answers a ChunkResult may carry: name -> (dtype, values a row: 1, or the header's top_k).
+ROW_OUTPUTS = {"logprobs": (np.float32, 1), "entropy": (np.float32, 1), "loss": (np.float32, 1),
+               "z_loss": (np.float32, 1), "argmax": (np.int32, 1), "top_tokens": (np.int32, "k"),
+               "top_logprobs": (np.float32, "k")}
+
+
+def new_outputs(rows: int, top_k: int) -> dict:
+    """A request's per-row answers, zeroed, filled chunk by chunk as they arrive."""
+    return {name: np.zeros((rows,) if width == 1 else (rows, top_k), dtype=dt)
+            for name, (dt, width) in ROW_OUTPUTS.items()}
+
+
 def new_hidden_out(rows: int, hidden_size: int, wire: int) -> np.ndarray:
     return np.empty((rows, hidden_size), dtype=_STORAGE[wire])
 
@@ -227,6 +239,17 @@ def torch_dtype(wire: int):
 def to_caller_rows(arr: np.ndarray, like: HostArray):
     """Per-row fp32 outputs in the caller's kind: numpy, or a torch fp32 tensor on the caller's device."""
     arr = arr.reshape(like.lead_shape)
+    if like.kind == "torch":
+        import torch
+
+        t = torch.from_numpy(arr)
+        return t.to(like.device) if like.device is not None and like.device.type != "cpu" else t
+    return arr
+
+
+def to_caller_topk(arr: np.ndarray, like: HostArray):
+    """[rows, k] outputs (top-k tokens or logprobs) as [..., k] in the caller's kind."""
+    arr = arr.reshape(tuple(like.lead_shape) + (arr.shape[-1],))
     if like.kind == "torch":
         import torch
 

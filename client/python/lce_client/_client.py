@@ -118,6 +118,55 @@ class ForwardBackwardResult:
     # defer_weight_grad: the ids of the request's pending dW contributions (one a stream), for
     # Client.commit_grad.
     pending_grads: Tuple[int, ...] = ()
+    # return_z_loss: the z-loss part of per_token_loss; argmax / top_k: as ScoreResult's.
+    z_loss: Any = None
+    argmax: Any = None
+    top_tokens: Any = None
+    top_logprobs: Any = None
+
+
+@dataclass
+class ScoreResult:
+    """Client.score's answer when it ranks tokens (argmax=True or top_k > 0): per-row fp32 `logprobs`
+    and `entropy` (None without entropy=True), `argmax` (int32, the most probable token), and with
+    top_k the [..., k] `top_tokens` (int32, most probable first) and their `top_logprobs`. Unpacks as
+    (logprobs, entropy), as score's plain answer does."""
+
+    logprobs: Any
+    entropy: Any
+    argmax: Any = None
+    top_tokens: Any = None
+    top_logprobs: Any = None
+
+    def __iter__(self):
+        return iter((self.logprobs, self.entropy))
+
+
+def token_accuracy(argmax, targets, ignore_index: int = -100) -> float:
+    """The fraction of rows whose target is not ignore_index and whose argmax is their target (0.0 when
+    every row is ignored): Liger's token accuracy."""
+    a, t = np.asarray(_as_numpy(argmax)).reshape(-1), np.asarray(_as_numpy(targets)).reshape(-1)
+    valid = t != ignore_index
+    n = int(np.count_nonzero(valid))
+    return float(np.count_nonzero((a == t) & valid)) / n if n else 0.0
+
+
+def _as_numpy(x):
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else x
+
+
+def _ranking_outputs(argmax: bool, top_k: int) -> list:
+    if not isinstance(top_k, int) or not 0 <= top_k <= 64:
+        raise ValueError(f"top_k must be an int in [0, 64], got {top_k!r}")
+    return ([pb.OUTPUT_ARGMAX] if argmax or top_k else []) + ([pb.OUTPUT_TOP_K] if top_k else [])
+
+
+def _rankings(res: dict, h, top_k: int):
+    """(argmax, top_tokens, top_logprobs) in the caller's kind and row shape ([..., k] for top-k)."""
+    am = A.to_caller_rows(res["argmax"], h)
+    if not top_k:
+        return am, None, None
+    return am, A.to_caller_topk(res["top_tokens"], h), A.to_caller_topk(res["top_logprobs"], h)
 
 
 @dataclass
@@ -560,7 +609,8 @@ class Client:
               entropy: bool = True, ignore_index: int = -100, *, head: Optional[str] = None,
               head_version: int = 0, allow_tf32: bool = False, dtype=None,
               progress: Optional[ProgressFn] = None, tqdm: Union[bool, dict] = False,
-              hidden_region: Optional[Region] = None, streams: Optional[int] = None):
+              hidden_region: Optional[Region] = None, streams: Optional[int] = None,
+              argmax: bool = False, top_k: int = 0):
         """Per-token logprob of the target and (if `entropy`) entropy of the softmax.
 
         hidden: [..., H] numpy or torch (bf16 / fp16 / fp32, the head's dtype); targets: [...] ints.
@@ -570,14 +620,22 @@ class Client:
         (session.register_cuda), `hidden` is the torch CUDA tensor in it (not copied).
         streams: overrides the client's `streams` for this call (a large request is split over that
         many concurrent streams; see Client).
+        argmax / top_k (<= 64): also rank each row's tokens, in the same pass (no logits): the answer is
+        then a ScoreResult. targets may be None when only the rankings are wanted (every row ignored).
         """
-        outputs = [pb.OUTPUT_LOGPROBS] + ([pb.OUTPUT_ENTROPY] if entropy else [])
+        outputs = [pb.OUTPUT_LOGPROBS] + ([pb.OUTPUT_ENTROPY] if entropy else []) + _ranking_outputs(argmax, top_k)
         h = self._hidden(hidden, dtype, hidden_region)
+        if targets is None:
+            targets = np.full(h.lead_shape, ignore_index, dtype=np.int32)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
+        hdr.top_k = top_k
         def finish(res):
             lp = A.to_caller_rows(res["logprobs"], h)
-            return lp, (A.to_caller_rows(res["entropy"], h) if entropy else None)
+            ent = A.to_caller_rows(res["entropy"], h) if entropy else None
+            if not (argmax or top_k):
+                return lp, ent
+            return ScoreResult(lp, ent, *_rankings(res, h, top_k))
 
         return self._run("Score", h, t, hdr, {}, finish, want_dhidden=False, progress=progress, use_tqdm=tqdm,
                          hidden_region=hidden_region, streams=streams)
@@ -585,6 +643,7 @@ class Client:
     def forward_backward(self, hidden, targets, reduction: str = "mean", ignore_index: int = -100,
                          label_smoothing: float = 0.0, z_loss: float = 0.0, temperature: float = 1.0,
                          softcap: Optional[float] = None, grad_loss=None, *, head: Optional[str] = None,
+                         class_weights=None, return_z_loss: bool = False, argmax: bool = False, top_k: int = 0,
                          head_version: int = 0, accumulate_weight_grad: bool = False,
                          defer_weight_grad: bool = False, return_logprobs: bool = False, return_entropy: bool = False, allow_tf32: bool = False,
                          dtype=None, progress: Optional[ProgressFn] = None,
@@ -598,21 +657,36 @@ class Client:
         written in place into d_hidden_region at d_hidden_offset and returned as a view of it.
         accumulate_weight_grad: also add the loss's dW to the head's gradient when the call succeeds;
         with defer_weight_grad, keep it pending instead (result.pending_grads) until commit_grad adds it
-        scaled by the upstream gradient the loss receives, or discards it (docs/MATH.md)."""
+        scaled by the upstream gradient the loss receives, or discards it (docs/MATH.md).
+        class_weights: [V] per-class weights (PyTorch's CrossEntropyLoss(weight=)); reduction "mean" then
+        divides by the sum of the non-ignored targets' weights, as PyTorch does. return_z_loss: also the
+        z-loss part of each row's loss; argmax / top_k: rank each row's tokens (as score does)."""
         if defer_weight_grad and not accumulate_weight_grad:
             raise ValueError("defer_weight_grad needs accumulate_weight_grad=True")
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
         if grad_loss is not None and reduction != "none":
             raise ValueError("grad_loss applies to reduction='none' only")
-        outputs = [pb.OUTPUT_LOSS]
+        outputs = [pb.OUTPUT_LOSS] + _ranking_outputs(argmax, top_k)
         if return_logprobs:
             outputs.append(pb.OUTPUT_LOGPROBS)
         if return_entropy:
             outputs.append(pb.OUTPUT_ENTROPY)
+        if return_z_loss:
+            outputs.append(pb.OUTPUT_Z_LOSS)
         h = self._hidden(hidden, dtype, hidden_region)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
+        hdr.top_k = top_k
+        # A weighted mean divides by the targets' weights (PyTorch): asked as a sum, divided here.
+        weight_sum = None
+        if class_weights is not None:
+            cw = np.ascontiguousarray(_as_numpy(class_weights), dtype=np.float32).reshape(-1)
+            hdr.class_weights.extend(cw.tolist())
+            if reduction == "mean":
+                valid_t = t[t != ignore_index]
+                weight_sum = float(cw[valid_t].astype(np.float64).sum()) if valid_t.size else 0.0
+                reduction = "sum"
         hdr.reduction = _REDUCTIONS[reduction]
         hdr.label_smoothing = label_smoothing
         hdr.z_loss = z_loss
@@ -624,19 +698,30 @@ class Client:
         per_row = {}
         if grad_loss is not None:
             per_row["grad_loss"] = A.host_rows(grad_loss, h.rows, "grad_loss", np.float32, h.lead_shape)
+        elif weight_sum is not None:
+            # d_hidden and dW of sum_i loss_i / W: every row's upstream gradient 1 / W (REDUCTION_NONE).
+            hdr.reduction = pb.REDUCTION_NONE
+            g = np.full(h.lead_shape, (1.0 / weight_sum) if weight_sum else 0.0, dtype=np.float32)
+            per_row["grad_loss"] = A.host_rows(g, h.rows, "grad_loss", np.float32, h.lead_shape)
         def finish(res):
             s = res["summary"]
             if s is None:
                 raise LceError(grpc.StatusCode.INTERNAL, "server ended ForwardBackward without a summary",
                                "ForwardBackward")
+            ranks = _rankings(res, h, top_k) if (argmax or top_k) else (None, None, None)
+            loss = float(s.loss)
+            if weight_sum is not None:  # the summary's loss is the plain sum of loss_i (REDUCTION_NONE)
+                loss = float(np.asarray(res["loss"], dtype=np.float64).sum() / weight_sum) if weight_sum else 0.0
             return ForwardBackwardResult(
-                loss=float(s.loss),
+                loss=loss,
                 per_token_loss=A.to_caller_rows(res["loss"], h),
                 d_hidden=A.to_caller_hidden(res["d_hidden"], h),
                 valid_tokens=int(s.valid_tokens), rows=int(s.rows), head_version=int(s.head_version),
                 logprobs=A.to_caller_rows(res["logprobs"], h) if return_logprobs else None,
                 entropy=A.to_caller_rows(res["entropy"], h) if return_entropy else None,
                 pending_grads=tuple(int(i) for i in s.pending_grad_ids),
+                z_loss=A.to_caller_rows(res["z_loss"], h) if return_z_loss else None,
+                argmax=ranks[0], top_tokens=ranks[1], top_logprobs=ranks[2],
             )
 
         return self._run("ForwardBackward", h, t, hdr, per_row, finish, want_dhidden=True, progress=progress,
@@ -910,7 +995,7 @@ class Client:
                    expect_valid: Optional[int] = None) -> dict:
         step = self._rows_per_chunk(h)
         n = h.rows
-        out = {"logprobs": A.new_rows_out(n), "entropy": A.new_rows_out(n), "loss": A.new_rows_out(n),
+        out = {**A.new_outputs(n, int(header.top_k)),
                "d_hidden": None, "summary": None}
         metadata, hidden_at, d_hidden_at = self._metadata, None, None
         if d_hidden_region is not None and not want_dhidden:
@@ -1088,13 +1173,14 @@ class Client:
                                               else ""), rpc)
         r1 = r0 + rows
         g0, g1 = begin + r0, begin + r1
-        for name in ("logprobs", "entropy", "loss"):
+        for name, (_, width) in A.ROW_OUTPUTS.items():
             vals = getattr(c, name)
             if len(vals):
-                if len(vals) != rows:
+                per_row = int(header.top_k) if width == "k" else 1
+                if len(vals) != rows * per_row:
                     raise LceError(grpc.StatusCode.INTERNAL,
                                    f"server sent {len(vals)} {name} for a chunk of {rows} rows", rpc)
-                out[name][g0:g1] = vals
+                out[name][g0:g1] = np.asarray(vals).reshape(out[name][g0:g1].shape)
         if route is not None and route.d_hidden_region is not None:
             # The server wrote the chunk's d_hidden into its memory before it answered.
             if len(c.d_hidden):

@@ -111,7 +111,7 @@ class Client(_SyncClient):
 
     async def _arun(self, rpc, h, targets, header, per_row, finish, want_dhidden, timeout):
         n = h.rows
-        out = {"logprobs": A.new_rows_out(n), "entropy": A.new_rows_out(n), "loss": A.new_rows_out(n),
+        out = {**A.new_outputs(n, int(header.top_k)),
                "d_hidden": A.new_hidden_out(n, h.hidden_size, h.wire_dtype) if want_dhidden else None,
                "summary": None}
         if n == 0:

@@ -26,6 +26,7 @@ one of the same server; CPU tensors take the usual path.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -33,7 +34,7 @@ import torch
 from ._client import Client
 
 __all__ = ["RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy", "serve_linear", "set_default_client",
-           "get_default_client"]
+           "get_default_client", "CrossEntropyOutput"]
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _default_client: Optional[Client] = None
@@ -156,12 +157,16 @@ class _RemoteLCE(torch.autograd.Function):
             wire = _wire_hidden(client, hidden, opts["head"], opts["cast"])
             # With a divisor: the sum's per-row upstream gradient 1 / divisor goes to the server (as grad_loss
             # of reduction "none"), so that d_hidden and a pending dW are those of sum / divisor.
+            extras = opts["extras"]
             res = _via_cuda_ipc(opts["cuda_session"], wire, True, lambda w, kw: client.forward_backward(
                 w, targets, reduction="none" if divisor is not None else opts["reduction"],
                 ignore_index=opts["ignore_index"], label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"],
                 temperature=opts["temperature"], softcap=opts["softcap"], head=opts["head"],
                 grad_loss=torch.full(tuple(targets.shape), 1.0 / divisor) if divisor is not None else None,
+                class_weights=opts["class_weights"], return_z_loss="z_loss" in extras, argmax="argmax" in extras,
                 accumulate_weight_grad=trains, defer_weight_grad=trains, **kw))
+            for name in extras:
+                extras[name] = getattr(res, name)
         per_token, loss, ctx.d_hidden, ctx.valid_tokens = _shared_answers(group, res, hidden, targets)
         # The pending dW is the leader's to commit (the group's one contribution).
         ctx.pending = PendingWeightGrad(client, opts["head"], res.pending_grads) if trains and res is not None else None
@@ -232,7 +237,7 @@ def _recompute(ctx, grad_out):
             w, targets, reduction="none", ignore_index=opts["ignore_index"],
             label_smoothing=opts["label_smoothing"], z_loss=opts["z_loss"], temperature=opts["temperature"],
             softcap=opts["softcap"], head=opts["head"], grad_loss=g.expand(tuple(targets.shape)).contiguous(),
-            accumulate_weight_grad=opts["trains"], **kw))
+            class_weights=opts["class_weights"], accumulate_weight_grad=opts["trains"], **kw))
         d = res.d_hidden
     if group is not None:
         d = group.share(None if d is None else torch.as_tensor(d), tuple(hidden.shape), torch.float32, hidden.device)
@@ -247,7 +252,8 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
                                 head: Optional[str] = None, cast: bool = True, accumulate_weight_grad: bool = False,
                                 backward_mode: str = "scale", cuda_session=None,
                                 divisor: Optional[float] = None, process_group=None,
-                                sequence_parallel: bool = False) -> torch.Tensor:
+                                sequence_parallel: bool = False, ce_weight=None, return_z_loss: bool = False,
+                                return_token_accuracy: bool = False, return_predicted_tokens: bool = False):
     """Functional form of RemoteLinearCrossEntropy. divisor (reduction "sum" only): the loss is the sum
     divided by it (Hugging Face's num_items_in_batch: the valid tokens of a whole accumulated batch), and
     d_hidden and an accumulated dW are those of the quotient.
@@ -263,7 +269,12 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
     loss and the whole d_hidden through torch.distributed, and dW is added once. With
     sequence_parallel, each rank holds its own shard of the rows instead: each sends its shard (no
     gather), gets its rows' d_hidden (and per-token losses), and adds its rows' dW; a reduced loss is the
-    group's (the mean over the group's valid tokens), the same on every rank."""
+    group's (the mean over the group's valid tokens), the same on every rank.
+
+    Liger-Kernel's options (liger_fused_linear_cross_entropy): ce_weight [V] class weights (PyTorch's
+    cross_entropy(weight=); "mean" divides by the non-ignored targets' weights, and a z-loss by their count,
+    as Liger does); return_z_loss, return_token_accuracy, return_predicted_tokens: the answer is then a
+    CrossEntropyOutput (Liger's fields; the extra outputs are not differentiable)."""
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be none, sum or mean, got {reduction!r}")
     if divisor is not None and (reduction != "sum" or not divisor > 0):
@@ -273,6 +284,8 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
     if backward_mode == "rpc" and reduction != "none":
         raise ValueError("backward_mode='rpc' applies to reduction='none' (sum and mean scale by a scalar)")
     client = client or get_default_client()
+    if sequence_parallel and (ce_weight is not None or return_z_loss or return_token_accuracy or return_predicted_tokens):
+        raise ValueError("ce_weight and the return_* outputs are not available with sequence_parallel")
     if process_group is not None and sequence_parallel:
         return _sequence_parallel_loss(hidden, targets, client, process_group, reduction=reduction, divisor=divisor,
                                        ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
@@ -280,11 +293,82 @@ def remote_linear_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, cli
                                        accumulate_weight_grad=accumulate_weight_grad, backward_mode=backward_mode,
                                        cuda_session=cuda_session)
     trains = _trains_head(accumulate_weight_grad)
+    extras = {name: None for name, wanted in (("z_loss", return_z_loss),
+                                              ("argmax", return_token_accuracy or return_predicted_tokens)) if wanted}
+    if extras and process_group is not None:
+        raise ValueError("return_z_loss / return_token_accuracy / return_predicted_tokens: not with a process_group")
+    weights = _ClassWeights.of(ce_weight, targets, ignore_index, reduction, z_loss)
+    if weights.divisor is not None:
+        reduction, divisor, z_loss = "sum", weights.divisor, weights.z_loss
     opts = dict(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
                 temperature=temperature, softcap=softcap, head=head, cast=cast, trains=trains,
                 backward_mode=backward_mode, cuda_session=cuda_session,
-                divisor=None if divisor is None else float(divisor), group=_row_group(process_group))
-    return _RemoteLCE.apply(hidden, targets, _anchor(trains), client, opts)
+                divisor=None if divisor is None else float(divisor), group=_row_group(process_group),
+                class_weights=weights.values, extras=extras)
+    loss = _RemoteLCE.apply(hidden, targets, _anchor(trains), client, opts)
+    if not extras:
+        return loss
+    return CrossEntropyOutput.of(loss, extras, targets, ignore_index, weights.original_reduction or reduction,
+                                 weights.z_scale, return_z_loss, return_token_accuracy, return_predicted_tokens)
+
+
+@dataclass
+class CrossEntropyOutput:
+    """Liger-Kernel's CrossEntropyOutput: the loss, and what return_z_loss / return_token_accuracy /
+    return_predicted_tokens asked for (None otherwise), reduced as Liger reduces them: the z-loss and the
+    accuracy per token for reduction "none", else the z-loss summed (divided by the valid tokens for
+    "mean") and the accuracy over the valid tokens; predicted tokens are int64, -1 for ignored rows."""
+
+    loss: torch.Tensor
+    z_loss: Optional[torch.Tensor] = None
+    token_accuracy: Optional[torch.Tensor] = None
+    predicted_tokens: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, loss, extras, targets, ignore_index, reduction, z_scale, want_z, want_acc, want_pred):
+        dev = loss.device
+        y = targets.detach().to("cpu")
+        valid = y != ignore_index
+        n = max(int(valid.sum()), 1)
+        out = cls(loss)
+        if want_z:
+            zl = torch.as_tensor(extras["z_loss"]).to(torch.float32) * z_scale
+            out.z_loss = (zl if reduction == "none" else zl.sum() / (n if reduction == "mean" else 1)).to(dev)
+        if want_acc or want_pred:
+            am = torch.as_tensor(extras["argmax"]).to(torch.int64)
+            if want_acc:
+                right = ((am == y) & valid).to(torch.float32)
+                out.token_accuracy = (right if reduction == "none" else right.sum() / n).to(dev)
+            if want_pred:
+                out.predicted_tokens = torch.where(valid, am, torch.full_like(am, -1)).to(dev)
+        return out
+
+
+@dataclass
+class _ClassWeights:
+    """ce_weight as the op sends it: the values, and for a mean the sum over the valid targets' weights as
+    the divisor (PyTorch's), with the z-loss coefficient rescaled so that the z-loss is still divided by
+    the valid tokens' count (Liger's), and z_scale to bring its per-row output back."""
+
+    values: object = None
+    divisor: Optional[float] = None
+    z_loss: float = 0.0
+    z_scale: float = 1.0
+    original_reduction: Optional[str] = None
+
+    @classmethod
+    def of(cls, ce_weight, targets, ignore_index, reduction, z_loss):
+        if ce_weight is None:
+            return cls()
+        w = torch.as_tensor(ce_weight).detach().to("cpu", torch.float32).reshape(-1).numpy()
+        if reduction != "mean":
+            return cls(values=w)
+        y = targets.detach().to("cpu").reshape(-1)
+        y = y[y != ignore_index].numpy()
+        n, total = len(y), float(w[y].astype("float64").sum()) if len(y) else 0.0
+        if total == 0.0:  # nothing to divide by (PyTorch gives nan): the sum
+            return cls(values=w, divisor=1.0, z_loss=z_loss, original_reduction="mean")
+        return cls(values=w, divisor=total, z_loss=z_loss * total / n, z_scale=n / total, original_reduction="mean")
 
 
 def _sequence_parallel_loss(hidden, targets, client, process_group, *, reduction, divisor, ignore_index, **kw):

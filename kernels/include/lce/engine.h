@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "lce/collectives.h"
+#include "lce/cuda_tuning.h"
 #include "lce/head.h"
 
 namespace lce {
@@ -20,12 +22,22 @@ struct LceOptions {
   float temperature = 1.0f;     // T > 0
   float softcap = 0.0f;         // s >= 0; 0 = off
   float label_smoothing = 0.0f; // eps in [0, 1); used by the loss only
-  float z_loss = 0.0f;          // lambda >= 0; used by the loss only
+  float z_loss = 0.0f;          // lambda, finite (usually >= 0); used by the loss only
   int32_t ignore_index = -100;
   bool allow_tf32 = false;      // fp32 heads on CUDA only
+  // The call ranks each row's top_k most probable tokens (RowOutputs::argmax, top_tokens,
+  // top_logprobs); 0 = no ranking. In [0, kMaxTopK]. An option, not only an output, because a
+  // group's ranks all take part in the ranking's exchange.
+  int32_t top_k = 0;
 };
 
+inline constexpr int32_t kMaxTopK = 64;
+
 absl::Status ValidateOptions(const LceOptions& options);
+
+struct RowOutputs;
+// The outputs a call asks for against its options (rankings need top_k >= 1).
+absl::Status ValidateOutputs(const LceOptions& options, const RowOutputs& outputs);
 
 // Where the pointers of one Compute call live. Every pointer of a call lives in the same place.
 enum class MemorySpace : uint8_t { kHost, kDevice };
@@ -40,6 +52,9 @@ struct RowsView {
   // on a GPU saves a kernel and a host round trip a call. Unchecked out-of-range targets with this
   // set are undefined behaviour.
   bool targets_checked = false;
+  // Class weights w [vocab_size] (global ids, finite) in the rows' memory space, or null (all 1):
+  // the loss of a row is PyTorch's CrossEntropyLoss(weight=w) term (docs/MATH.md, "Class weights").
+  const float* class_weight = nullptr;
 };
 
 // Which gradient, if any, a call computes.
@@ -63,6 +78,15 @@ struct RowOutputs {
   float* entropy = nullptr;
   float* lse = nullptr;
   float* loss = nullptr;
+  // z_loss·lse² (0 for ignored rows): the z-loss part of loss.
+  float* z_loss = nullptr;
+  // Rankings; need LceOptions::top_k >= 1. argmax [rows]: the most probable token (the lowest id
+  // among equal logits), for every row, ignored ones too. top_tokens / top_logprobs [rows, top_k]:
+  // the top_k most probable tokens, most probable first (equal logits: lower id first), and their
+  // logprobs z - lse.
+  int32_t* argmax = nullptr;
+  int32_t* top_tokens = nullptr;
+  float* top_logprobs = nullptr;
 };
 
 // Gradient outputs; null means "not wanted".
@@ -76,6 +100,9 @@ struct GradOutputs {
   // there (=) instead of adding to it, every element, which saves zeroing the buffer and reading it
   // in the first product. Undefined again when the call fails.
   bool d_weight_fresh = false;
+  // dB [shard_rows] fp32 of a head with a bias, accumulated (fresh: written) with d_weight: the
+  // trainer's buffers hold it after dW (HeadTrainer::grad_elements).
+  float* d_bias = nullptr;
 };
 
 // The per-row outputs ("logprob", "entropy", "lse", "loss", "d_hidden", "d_weight") whose bits do
@@ -101,10 +128,12 @@ struct EngineConfig {
   // groups fold their statistics in global segment order and sum d_hidden over the canonical tile
   // tree (tile_tree.h), so logprob, entropy, lse, loss and d_hidden are the same bits for any group
   // size (V >= 131072). Off by default: batch_invariant costs 5-13% at some train shapes and up to
-  // 1.7x on 64-row calls, tp_invariant 31-44% more at train (bench/RESULTS.md). LCE_CUDA_BATCH_INVARIANT /
-  // LCE_CUDA_TP_INVARIANT (0 or 1) override them.
+  // 1.7x on 64-row calls, tp_invariant 31-44% more at train (bench/RESULTS.md). CudaTuning's
+  // batch_invariant / tp_invariant (LCE_CUDA_BATCH_INVARIANT / LCE_CUDA_TP_INVARIANT) override them.
   bool batch_invariant = false;
   bool tp_invariant = false;
+  // CUDA backend's tuning (lce/cuda_tuning.h), taken at Init; unset: CudaTuningFromEnv().
+  std::optional<CudaTuning> cuda_tuning;
   // Tensor parallelism: collectives over the ranks that hold the other vocabulary shards. Null
   // when the head is not sharded. Not owned; must outlive the engine.
   Collectives* collectives = nullptr;

@@ -91,14 +91,19 @@ class HeadTrainer {
   virtual ~HeadTrainer() = default;
   // "cpu" or "cuda".
   virtual std::string_view backend() const = 0;
-  // dW [shard_rows, hidden] fp32, in grad_space(). A caller may write through it (a data-parallel
-  // all-reduce), so dW is no longer known to be zero afterwards.
+  // The gradient of the shard's parameters, fp32, in grad_space(): dW [shard_rows, hidden], then, for a
+  // head with a bias, dB [shard_rows] (grad_elements() floats; every buffer here has that layout, and
+  // the optimizer steps both). A caller may write through it (a data-parallel all-reduce), so it is no
+  // longer known to be zero afterwards.
   float* grad() {
     grad_zero_ = false;
     return grad_->data();
   }
   virtual MemorySpace grad_space() const = 0;
-  int64_t grad_elements() const { return shape_.shard_rows * shape_.hidden_size; }
+  int64_t weight_elements() const { return shape_.shard_rows * shape_.hidden_size; }
+  int64_t grad_elements() const { return weight_elements() + (shape_.has_bias ? shape_.shard_rows : 0); }
+  // Where dB starts in a gradient buffer (null without a bias).
+  float* BiasPart(float* buffer) const { return shape_.has_bias ? buffer + weight_elements() : nullptr; }
   // The cudaStream_t grad() is ordered on (null on the host), for collectives over it (e.g. a
   // data-parallel all-reduce of dW before a step). Every call here is complete when it returns.
   virtual void* stream() = 0;
@@ -130,6 +135,8 @@ class HeadTrainer {
   absl::StatusOr<double> GradSquaredNorm();
   // Rows [first_row, first_row + rows) of this shard's dW into host memory.
   absl::Status CopyGrad(int64_t first_row, int64_t rows, float* host);
+  // This shard's dB [shard_rows] into host memory (FAILED_PRECONDITION: the head has no bias).
+  absl::Status CopyBiasGrad(float* host);
   // The same of pending contribution `id` (NOT_FOUND: none), and its buffer (grad_space()).
   absl::Status CopyPending(uint64_t id, int64_t first_row, int64_t rows, float* host);
   absl::StatusOr<float*> FindPending(uint64_t id);
@@ -156,6 +163,8 @@ class HeadTrainer {
   virtual absl::Status AddScaled(float* y, const float* x, float s) = 0;
   // Rows of a dW-sized buffer into host memory (checked to lie in the shard).
   virtual absl::Status CopyRows(const float* buffer, int64_t first_row, int64_t rows, float* host) = 0;
+  // Elements [first, first + n) of a gradient buffer into host memory.
+  virtual absl::Status CopyElements(const float* buffer, int64_t first, int64_t n, float* host) = 0;
   // dW's own buffer, for the backend's use (grad() marks it possibly non-zero). Made by the backend.
   float* grad_data() { return grad_->data(); }
 

@@ -1,0 +1,120 @@
+// The CUDA engine's plan of a call (call_plan.h): what it computes, on which path, in blocks of how
+// many rows, and the scratch that holds them.
+#include "cuda/call_plan.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_engine_impl.h"
+
+namespace lce::cuda {
+
+// A fresh d_weight (GradOutputs::d_weight_fresh) is written by the first row block's dW products
+// (beta 0); where no device product covers it (no rows, no backward, host d_weight's slabs), it is
+// zeroed first.
+absl::Status CudaEngine::ZeroFreshDWeight(CallPlan& p) {
+  const RowsView& rows = p.rows;
+  const bool dw_fresh_in = p.grads.d_weight != nullptr && p.grads.d_weight_fresh;
+  const bool dw_products = rows.rows > 0 && p.up.mode != GradMode::kNone && rows.space == MemorySpace::kDevice;
+  if (dw_fresh_in && !dw_products) {
+    const size_t dw_bytes = static_cast<size_t>(shape_.shard_rows * shape_.hidden_size) * sizeof(float);
+    if (rows.space == MemorySpace::kHost) {
+      std::memset(p.grads.d_weight, 0, dw_bytes);
+    } else {
+      LCE_CUDA_CHECK(cudaMemsetAsync(p.grads.d_weight, 0, dw_bytes, stream_));
+      LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+  }
+  p.dw_fresh = dw_fresh_in && dw_products;
+  return absl::OkStatus();
+}
+
+void CudaEngine::PlanCall(CallPlan& p) const {
+  const LceOptions& o = p.o;
+  const GradOutputs& grads = p.grads;
+  const bool host = p.rows.space == MemorySpace::kHost;
+  const bool want_grad = p.up.mode != GradMode::kNone;
+  const bool backward = want_grad && (grads.d_hidden != nullptr || grads.d_weight != nullptr);
+  p.host = host;
+  p.backward = backward;
+  // The epilogue GEMM's Q (the entropy's statistic), where the call uses it. A group's ranks always compute
+  // it: only rank 0 sees the call's outputs, and their partials are merged.
+  p.entropy = config_.collectives != nullptr || p.out.entropy != nullptr ||
+              (p.up.mode == GradMode::kGeneric && p.up.grad_entropy != nullptr);
+  const bool epi = UseEpilogueStats();
+  // Fast loss path (fast_grad.cu): no dA pass; the per-row factors go around the GEMMs. Host rows take
+  // it as device rows do (host d_weight through the device in slabs, as on the general path), so that
+  // a row's d_hidden is the same computation whatever memory its hidden state came from (README.md,
+  // Guarantees). The general path rounded dL/da, the target's −C included, to bf16 before its GEMM:
+  // CudaTest.HundredThousandRows' host rows took it and were 0.0169 from float64 per value (H200); the
+  // fast path gives 0.0081, bf16 rounding of the exact d_hidden alone 0.0039 (a CPU replica of these
+  // kernels' arithmetic, which gives the H200's 0.0168526 to the digit).
+  p.fast = backward && shape_.dtype == DType::kBFloat16 && p.up.mode == GradMode::kLoss && o.softcap == 0.0f &&
+           o.label_smoothing == 0.0f && !tree_dh_ && tuning_.fast_loss_path;
+  // So the general path of a bf16 head keeps its target term apart too: out of the bf16 dL/da, added in
+  // fp32 to d_hidden (before a group's all-reduce) and scattered into d_weight in a fixed order, as the fast
+  // path's (RowInfoSlot). Not with d_hidden over the tile tree, whose canonical sum has no place for it.
+  // CudaTuning::target_apart false: in the copy (the way before; for comparison).
+  p.target_apart = backward && shape_.dtype == DType::kBFloat16 && !tree_dh_ && tuning_.target_apart;
+  ScratchLayout layout{backward, host, host && backward && grads.d_weight != nullptr,
+                       p.fast && grads.d_weight != nullptr, p.target_apart && grads.d_weight != nullptr, tree_dh_};
+  layout.epi = epi;
+  layout.stage = epi && !host && reinterpret_cast<uintptr_t>(p.rows.hidden) % 16 != 0;
+  // CudaTuning::dh_beside false: one after the other (bench/NOTES.md, e10). dW is the same bits either way:
+  // the target scatter's order is fixed (LaunchScatterTargetDW), not the GPU's schedule.
+  layout.side = p.fast && !host && grads.d_weight != nullptr && grads.d_hidden != nullptr && tuning_.dh_beside &&
+                !tuning_.gemm_ex;
+
+  // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
+  const int64_t N = p.rows.rows;
+  const int64_t r_max = RowsPerBlock(layout, N);
+  const int64_t nblocks = (N + r_max - 1) / r_max;
+  int64_t R = (N + nblocks - 1) / nblocks;
+  if (nblocks > 1 && RoundUp(R, 128) <= r_max) R = RoundUp(R, 128);
+  // Small blocks take wider logit tiles (WideTile). Not with batch-invariant GEMMs, whose algorithm
+  // is chosen per tile length: a row's logits would then change with the row count.
+  if (!batch_invariant_ && !layout.epi) {
+    ScratchLayout wide = layout;
+    wide.tile = WideTile(R);
+    if (wide.tile > tile_ && Bytes(wide, R) <= config_.workspace_bytes) layout = wide;
+  }
+  p.layout = layout;
+  p.R = R;
+  p.tile = TileOf(layout);
+  p.ldz = Ldz(layout);
+  p.debug_skip = tuning_.debug_skip;
+  p.tf = LogitTransform{shape_.has_bias ? reinterpret_cast<const float*>(bias_->data()) : nullptr, o.softcap,
+                        o.temperature};
+}
+
+absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
+  const int64_t R = p.R, H = shape_.hidden_size, esz = DTypeSize(shape_.dtype);
+  const int64_t need = Bytes(p.layout, R);
+  if (workspace_ == nullptr || workspace_->size() < need) {
+    LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    workspace_.reset();  // freed before the larger one is taken
+    absl::StatusOr<std::unique_ptr<DeviceBuffer>> grown = AllocateDeviceBuffer(need, config_.device);
+    if (!grown.ok()) return grown.status();
+    workspace_ = std::move(*grown);
+  }
+  Carve(p.layout, R, workspace_->data(), &s);
+  LCE_CUDA_CHECK(cublasSetWorkspace(cublas_, s.cublas_ws, kCublasWorkspace));
+  cublas_ws_ = s.cublas_ws;
+  // GEMMs are tuned on scratch free while they run: the logit tiles, or d_hidden's accumulator (written
+  // only after the dW products) where the epilogue GEMM left no tiles.
+  tune_scratch_ = p.layout.epi ? s.dh : s.logits[0];
+  tune_floats_ = p.layout.epi ? (s.dh != nullptr ? R * H : 0) : 2 * R * p.ldz;
+  const int64_t bad_off = RoundUp(R * H * esz, 64);  // s.bad's 3 × u64 after the staging
+  if (p.host) LCE_CUDA_CHECK(pinned_.Ensure(bad_off + 64, config_.device));
+  if (p.host) p.bad_host = reinterpret_cast<unsigned long long*>(pinned_.get() + bad_off);
+
+  p.targets_pending = !p.rows.targets_checked && !p.host;  // device rows: read with block 0's flags
+  if (!p.rows.targets_checked) {
+    if (absl::Status st = CheckTargets(p.rows, p.o, s); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace lce::cuda

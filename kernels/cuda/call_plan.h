@@ -1,0 +1,56 @@
+// Internal: what the CUDA engine decides once for a call (CallPlan) and for each row block (BlockIo).
+// A call runs as phases over them (cuda_engine.cc, CudaEngine::Compute): plan, stage, forward, merge,
+// finalize, backward, copy out.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/kernels.h"
+#include "cuda/workspace.h"
+#include "lce/engine.h"
+
+namespace lce::cuda {
+
+struct CallPlan {
+  // The call's arguments.
+  const RowsView& rows;
+  const LceOptions& o;
+  const Upstream& up;
+  const RowOutputs& out;
+  const GradOutputs& grads;
+  // ZeroFreshDWeight: the first row block's dW products write d_weight (beta 0).
+  bool dw_fresh = false;
+  // PlanCall.
+  bool host = false;       // rows in host memory: staged through pinned memory and s.hidden
+  bool backward = false;   // a gradient is wanted and has somewhere to go
+  bool entropy = false;    // the epilogue GEMM computes Q (the entropy's statistic)
+  bool fast = false;       // the fast loss path (fast_grad.cu), unless a block's logits overflow it
+  bool target_apart = false;  // bf16 general path: the target's term kept out of the bf16 dA
+  ScratchLayout layout;
+  int64_t R = 0;           // rows a block
+  int64_t tile = 0, ldz = 0;  // logit tile columns and their leading dimension
+  int debug_skip = 0;      // CudaTuning::debug_skip
+  LogitTransform tf;
+  // PrepareCall.
+  bool targets_pending = false;              // device rows' targets: read with block 0's flags
+  unsigned long long* bad_host = nullptr;    // host rows: the flags' copy in pinned memory
+};
+
+// One row block's inputs and outputs, on the device (host rows: their staged copies).
+struct BlockIo {
+  int64_t r0 = 0, nr = 0;
+  float dw_beta = 1.0f;    // 0 where the block writes a fresh d_weight
+  bool trace = false;      // CudaTuning::trace, first block
+  bool fast = false;       // this block on the fast loss path
+  const void* h = nullptr;
+  const int32_t* y = nullptr;
+  const float* gl = nullptr;
+  const float* glp = nullptr;
+  const float* ge = nullptr;
+  float* o_logprob = nullptr;
+  float* o_entropy = nullptr;
+  float* o_lse = nullptr;
+  float* o_loss = nullptr;
+};
+
+}  // namespace lce::cuda
