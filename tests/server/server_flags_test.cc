@@ -171,7 +171,7 @@ TEST(ServerFlags, OperatingDocTableIsTheFlags) {
 
 // The flags the docs and deploy configs pass to lce_server exist: a command line written in
 // README.md, docs/, deploy/ or docker-compose.yml (after "lce_server"), or a k8s container
-// argument ("- --name"), names a flag --help lists.
+// argument ("- --name"), names a flag --help lists; the systemd unit's flagfile parses.
 TEST(ServerFlags, DocsAndDeployConfigsNameRealFlags) {
   const std::string usage = ServerUsage();
   const std::regex command_flag("--([a-z0-9-]+)"), k8s_arg("^\\s*- --([a-z0-9-]+)");
@@ -202,6 +202,10 @@ TEST(ServerFlags, DocsAndDeployConfigsNameRealFlags) {
     }
   }
   EXPECT_GT(checked, 20) << "the scan found the command lines";
+  // The .deb's config is a flagfile: it parses whole, values included.
+  const std::string conf = std::string(LCE_SOURCE_DIR) + "/deploy/systemd/lce-serve.conf";
+  absl::StatusOr<ServerFlags> installed = Parse({"--flagfile=" + conf});
+  EXPECT_TRUE(installed.ok()) << conf << ": " << installed.status();
 }
 
 }  // namespace
