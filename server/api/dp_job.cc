@@ -20,6 +20,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "request_authenticator.h"
+#include "status_macros.h"
 #include "tp_group.h"
 
 namespace lce::server {
@@ -111,10 +112,10 @@ absl::StatusOr<std::shared_ptr<DpJob>> DpJob::Join(const DpJobOptions& o, DpRank
   absl::StatusOr<std::unique_ptr<TpCommunicator>> control = CreateGlooCommunicator(b);
   if (!control.ok()) return control.status();
   std::shared_ptr<DpJob> job(new DpJob(o, front_rank, *std::move(control)));
-  if (absl::Status s = job->CheckShapes(shape, tp_size); !s.ok()) return s;
-  if (absl::Status s = job->ShareSecret(); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(job->CheckShapes(shape, tp_size));
+  LCE_RETURN_IF_ERROR(job->ShareSecret());
   if (o.dp.replica == 0) {
-    if (absl::Status s = MarkDpJobFormed(o.dp); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(MarkDpJobFormed(o.dp));
   }
   return job;
 }
@@ -127,7 +128,7 @@ absl::Status DpJob::CheckShapes(const HeadShape& shape, int tp_size) {
     v[2 * i] = mine[i];
     v[2 * i + 1] = -mine[i];
   }
-  if (absl::Status s = AllReduceFloats(*control_, *control_staging_, v, 8, ReduceOp::kMax); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(AllReduceFloats(*control_, *control_staging_, v, 8, ReduceOp::kMax));
   for (int i = 0; i < 8; i += 2) {
     if (v[i] != -v[i + 1]) {
       return absl::FailedPreconditionError(
@@ -144,7 +145,7 @@ absl::Status DpJob::ShareSecret() {
     std::random_device random;
     for (int i = 0; i < 32; ++i) hex[i] = "0123456789abcdef"[random() % 16];
   }
-  if (absl::Status s = control_->Broadcast(hex, 32, false, nullptr, 0); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(control_->Broadcast(hex, 32, false, nullptr, 0));
   secret_.assign(hex, 32);
   return absl::OkStatus();
 }
@@ -161,20 +162,20 @@ bool DpJob::Marked(grpc::ServerContext* ctx, const char* key, std::string* value
   return true;
 }
 
-std::optional<grpc::Status> DpJob::Route(grpc::ServerContext* ctx, DpCallKind kind, const FrontCall& call,
+std::optional<absl::Status> DpJob::Route(grpc::ServerContext* ctx, DpCallKind kind, const FrontCall& call,
                                          const std::function<void(int)>& take, int64_t* seq) {
   std::string secret, text;
   const bool marked = Marked(ctx, kSecret, &secret);
   if (marked && !ConstantTimeEquals(secret, secret_)) {
-    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, "the call carries another data-parallel job's mark");
+    return absl::PermissionDeniedError("the call carries another data-parallel job's mark");
   }
   if (marked && Marked(ctx, kSequence, &text)) {  // the sequencer's forward: this replica's part
-    if (!absl::SimpleAtoi(text, seq)) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "bad call number");
+    if (!absl::SimpleAtoi(text, seq)) return absl::InvalidArgumentError("bad call number");
     ctx->AddTrailingMetadata(kReached, "1");
     return std::nullopt;
   }
   if (replica() != 0) {
-    grpc::Status s = Relay(ctx, call);
+    absl::Status s = Relay(ctx, call);
     if (s.ok()) take(0);
     return s;
   }
@@ -183,7 +184,7 @@ std::optional<grpc::Status> DpJob::Route(grpc::ServerContext* ctx, DpCallKind ki
     origin = 0;
   }
   ctx->AddTrailingMetadata(kReached, "1");
-  grpc::Status s = Sequence(ctx, kind, origin, call);
+  absl::Status s = Sequence(ctx, kind, origin, call);
   if (s.ok()) take(origin);
   return s;
 }
@@ -221,7 +222,7 @@ absl::StatusOr<v1::LceService::Stub*> DpJob::Front(int replica) {
 DpJob::Answer DpJob::CallFront(int replica, grpc::ServerContext* ctx, const Marks& marks, const FrontCall& call,
                                grpc::ClientContext& c) {
   absl::StatusOr<v1::LceService::Stub*> stub = Front(replica);
-  if (!stub.ok()) return {ToGrpcStatus(stub.status()), false};
+  if (!stub.ok()) return {stub.status(), false};
   // Long enough for a front's drain, the meeting and the call; a client's deadline comes first.
   c.set_deadline(ForwardDeadline(ctx, 2 * (options_.change_wait + options_.dp.timeout) + absl::Seconds(30)));
   const auto& md = ctx->client_metadata();
@@ -229,23 +230,22 @@ DpJob::Answer DpJob::CallFront(int replica, grpc::ServerContext* ctx, const Mark
     c.AddMetadata("authorization", std::string(auth->second.data(), auth->second.size()));
   }
   for (const auto& [key, value] : marks) c.AddMetadata(key, value);
-  grpc::Status s = call(replica, **stub, c);
-  return {s, c.GetServerTrailingMetadata().count(kReached) > 0};
+  const grpc::Status s = call(replica, **stub, c);
+  return {FromGrpcStatus(s), c.GetServerTrailingMetadata().count(kReached) > 0};  // the one conversion of an answer
 }
 
-grpc::Status DpJob::Relay(grpc::ServerContext* ctx, const FrontCall& call) {
+absl::Status DpJob::Relay(grpc::ServerContext* ctx, const FrontCall& call) {
   grpc::ClientContext c;
   const Answer a = CallFront(0, ctx, {{kSecret, secret_}, {kOrigin, absl::StrCat(replica())}}, call, c);
   if (a.reached) return a.status;
-  return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                      absl::StrCat("data-parallel replica 0 (the job's sequencer) did not answer (",
-                                   a.status.error_message(), "); the job's training is down until it restarts, ",
-                                   "every replica keeps scoring"));
+  return absl::UnavailableError(absl::StrCat("data-parallel replica 0 (the job's sequencer) did not answer (",
+                                             a.status.message(), "); the job's training is down until it restarts, ",
+                                             "every replica keeps scoring"));
 }
 
-grpc::Status DpJob::Sequence(grpc::ServerContext* ctx, DpCallKind kind, int origin, const FrontCall& call) {
+absl::Status DpJob::Sequence(grpc::ServerContext* ctx, DpCallKind kind, int origin, const FrontCall& call) {
   std::lock_guard<std::mutex> lock(sequence_mu_);
-  if (!down_.ok()) return ToGrpcStatus(down_);
+  if (!down_.ok()) return down_;
   const Marks marks = {{kSecret, secret_}, {kSequence, absl::StrCat(++sequence_)}};
   std::vector<int> replicas;
   for (int d = 0; d < size(); ++d) {
@@ -259,7 +259,7 @@ grpc::Status DpJob::Sequence(grpc::ServerContext* ctx, DpCallKind kind, int orig
     calls.emplace_back([&, i] {
       answers[i] = CallFront(replicas[i], ctx, marks, call, contexts[i]);
       answers[i].dropped =
-          dropping && !answers[i].reached && answers[i].status.error_code() == grpc::StatusCode::CANCELLED;
+          dropping && !answers[i].reached && answers[i].status.code() == absl::StatusCode::kCancelled;
       // A lost replica fails the call: the others are not waited for (a hung one would hold the
       // answer until its deadline). Their handlers run on, and change nothing without the lost one.
       if (answers[i].lost() && !dropping.exchange(true)) {
@@ -279,8 +279,8 @@ std::vector<std::string> DpJob::LostReplicas(const std::vector<int>& replicas, c
     if (a.dropped) silent.push_back(absl::StrCat("replica ", replicas[i], " did not answer in time"));
     if (!a.lost()) continue;
     unreachable = unreachable || !a.reached;
-    lost.push_back(a.reached ? absl::StrCat("replica ", replicas[i], ": ", a.status.error_message())
-                             : absl::StrCat("replica ", replicas[i], " did not answer (", a.status.error_message(), ")"));
+    lost.push_back(a.reached ? absl::StrCat("replica ", replicas[i], ": ", a.status.message())
+                             : absl::StrCat("replica ", replicas[i], " did not answer (", a.status.message(), ")"));
   }
   // A replica that timed out waiting (its links say only that a peer was silent) was waiting for the
   // ones still silent when the sequencer gave up: they are named first. Where a front could not be
@@ -290,29 +290,29 @@ std::vector<std::string> DpJob::LostReplicas(const std::vector<int>& replicas, c
   return lost;
 }
 
-grpc::Status DpJob::Combine(DpCallKind kind, const std::vector<int>& replicas, const std::vector<Answer>& answers) {
+absl::Status DpJob::Combine(DpCallKind kind, const std::vector<int>& replicas, const std::vector<Answer>& answers) {
   const std::vector<std::string> lost = LostReplicas(replicas, answers);
   if (!lost.empty()) {
     down_ = absl::UnavailableError(absl::StrCat("the data-parallel job's training is down until it restarts (every ",
                                                 "replica keeps scoring): ", absl::StrJoin(lost, "; ")));
-    return ToGrpcStatus(down_);
+    return down_;
   }
   std::vector<std::string> failed, applied;
-  grpc::StatusCode code = grpc::StatusCode::OK;
+  absl::StatusCode code = absl::StatusCode::kOk;
   for (size_t i = 0; i < answers.size(); ++i) {
-    const grpc::Status& s = answers[i].status;
+    const absl::Status& s = answers[i].status;
     if (s.ok()) {
       applied.push_back(absl::StrCat("replica ", replicas[i]));
     } else if (!answers[i].dropped) {
-      failed.push_back(absl::StrCat("replica ", replicas[i], ": ", s.error_message()));
-      if (code == grpc::StatusCode::OK) code = s.error_code();
+      failed.push_back(absl::StrCat("replica ", replicas[i], ": ", s.message()));
+      if (code == absl::StatusCode::kOk) code = s.code();
     }
   }
-  if (failed.empty()) return grpc::Status::OK;
+  if (failed.empty()) return absl::OkStatus();
   if (kind.meets && !applied.empty()) {
     failed.push_back(absl::StrCat(absl::StrJoin(applied, ", "), " did apply it: the replicas differ until it is applied again"));
   }
-  return grpc::Status(code, absl::StrJoin(failed, "; "));
+  return absl::Status(code, absl::StrJoin(failed, "; "));
 }
 
 absl::Status DpJob::LoseControl(const absl::Status& why) {
@@ -381,7 +381,7 @@ DpCall DpCall::RouteUpdate(DpJob* job, grpc::ServerContext* ctx, const UpdateRea
       absl::StatusOr<bool> more = next(&msg);
       if (!more.ok()) {
         DpCall refused;
-        refused.answer_ = ToGrpcStatus(more.status());
+        refused.answer_ = more.status();
         return refused;
       }
       if (!*more) break;

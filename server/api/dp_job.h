@@ -87,18 +87,18 @@ class DpJob {
 
   // The call's route: nullopt when `ctx` is the sequencer's forward (apply it here, as call `*seq`);
   // else the job's answer, from the sequencer (`take(replica)` keeps that replica's answer).
-  std::optional<grpc::Status> Route(grpc::ServerContext* ctx, DpCallKind kind, const FrontCall& call,
+  std::optional<absl::Status> Route(grpc::ServerContext* ctx, DpCallKind kind, const FrontCall& call,
                                     const std::function<void(int)>& take, int64_t* seq);
   // The fronts' meeting before call `seq` changes weights: OK when every front's `mine` is OK.
   absl::Status Meet(int64_t seq, const absl::Status& mine);
 
  private:
   struct Answer {
-    grpc::Status status;
+    absl::Status status;  // the front's answer (FromGrpcStatus), or why it could not be called
     bool reached = false;  // the front's handler answered (not the transport)
     bool dropped = false;  // cancelled by the sequencer once another replica was lost
     // A front that did not answer, or whose replica (links or group) is down.
-    bool lost() const { return !status.ok() && !dropped && (!reached || status.error_code() == grpc::StatusCode::UNAVAILABLE); }
+    bool lost() const { return !status.ok() && !dropped && (!reached || status.code() == absl::StatusCode::kUnavailable); }
   };
   using Marks = std::map<std::string, std::string>;
   DpJob(DpJobOptions options, DpRank* front_rank, std::unique_ptr<TpCommunicator> control)
@@ -108,11 +108,11 @@ class DpJob {
   absl::StatusOr<v1::LceService::Stub*> Front(int replica);
   Answer CallFront(int replica, grpc::ServerContext* ctx, const Marks& marks, const FrontCall& call,
                    grpc::ClientContext& c);
-  grpc::Status Relay(grpc::ServerContext* ctx, const FrontCall& call);
-  grpc::Status Sequence(grpc::ServerContext* ctx, DpCallKind kind, int origin, const FrontCall& call);
+  absl::Status Relay(grpc::ServerContext* ctx, const FrontCall& call);
+  absl::Status Sequence(grpc::ServerContext* ctx, DpCallKind kind, int origin, const FrontCall& call);
   // Why the job's training is down after a call (empty: it is not).
   std::vector<std::string> LostReplicas(const std::vector<int>& replicas, const std::vector<Answer>& answers);
-  grpc::Status Combine(DpCallKind kind, const std::vector<int>& replicas, const std::vector<Answer>& answers);
+  absl::Status Combine(DpCallKind kind, const std::vector<int>& replicas, const std::vector<Answer>& answers);
   absl::Status CheckShapes(const HeadShape& shape, int tp_size);
   absl::Status LoseControl(const absl::Status& why);
 
@@ -160,7 +160,7 @@ class DpCall {
   ~DpCall();
 
   bool answered() const { return answer_.has_value(); }
-  grpc::Status answer() const { return *answer_; }
+  absl::Status answer() const { return *answer_; }
   // In a call that changes weights: meets every replica's front, with `mine` this front's outcome so
   // far (e.g. its wait for the head's requests to drain). OK when every replica can go on; else
   // nothing changes anywhere. Without a job: `mine`.
@@ -175,7 +175,7 @@ class DpCall {
   DpCall(DpJob* job, grpc::ServerContext* ctx, DpCallKind kind, const FrontCall& call, const std::function<void(int)>& take);
 
   DpJob* job_ = nullptr;
-  std::optional<grpc::Status> answer_;
+  std::optional<absl::Status> answer_;
   int64_t seq_ = 0;
   bool must_meet_ = false;  // a forward that changes weights, not yet met
 };

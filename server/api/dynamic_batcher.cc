@@ -4,7 +4,8 @@
 #include <deque>
 #include <tuple>
 
-#include "absl/base/casts.h"
+#include "engine_options.h"
+#include "status_macros.h"
 
 namespace lce::server {
 namespace {
@@ -28,10 +29,7 @@ void Scatter(T* dst, const std::vector<T>& src, int64_t at, int64_t n) {
 
 bool BatchKey::operator<(const BatchKey& o) const {
   auto tied = [](const BatchKey& k) {
-    const LceOptions& p = k.options;
-    auto bits = [](float f) { return absl::bit_cast<uint32_t>(f); };
-    return std::make_tuple(k.head, bits(p.temperature), bits(p.softcap), bits(p.label_smoothing), bits(p.z_loss),
-                           p.ignore_index, p.allow_tf32, k.mode, k.row_bytes, k.present);
+    return std::make_tuple(k.head, EncodeOptions(k.options), k.mode, k.row_bytes, k.present);
   };
   return tied(*this) < tied(o);
 }
@@ -203,7 +201,7 @@ absl::Status DynamicBatcher::RunMerged(const BatchKey& key, Queue& q, const std:
   auto data = [](auto& v) { return v.empty() ? nullptr : v.data(); };
   const BatchRows merged{q.hidden.data(), q.targets.data(), n, data(q.in[0]), data(q.in[1]), data(q.in[2]),
                          data(q.out[0]), data(q.out[1]), data(q.out[2]), data(q.d_hidden)};
-  if (absl::Status s = run(merged); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(run(merged));
   at = 0;
   for (Item* it : batch) {
     const BatchRows& r = *it->rows;

@@ -46,7 +46,7 @@ struct BatchRows {
   void* d_hidden = nullptr;  // rows x row_bytes
 };
 
-// What requests must share to be merged. Options compare by their bits.
+// What requests must share to be merged. Options compare by their bits (EncodeOptions: every field).
 struct BatchKey {
   const void* head = nullptr;  // the head's version (ServedHead): a batch never mixes versions
   LceOptions options;

@@ -9,6 +9,7 @@
 #include "grpc/grpc.h"
 #include "grpc_status.h"
 #include "one_message_stream.h"
+#include "status_macros.h"
 #include "streamed_request.h"
 #include "wire_types.h"
 #include "lce/training.h"
@@ -108,7 +109,7 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
     if (host == nullptr) return nullptr;
     absl::StatusOr<void*> d = st.Buffer(slot, bytes);
     if (!d.ok()) return d.status();
-    if (absl::Status s = st.UploadAsync(*d, host, bytes); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(st.UploadAsync(*d, host, bytes));
     return *d;
   };
   absl::StatusOr<void*> hidden = hidden_on_device ? absl::StatusOr<void*>(const_cast<void*>(rows.hidden))
@@ -168,7 +169,7 @@ absl::Status LceService::UnstageFromDevice(ChunkStaging& st, const StagedCall& c
   const auto start = std::chrono::steady_clock::now();
   absl::Status s = [&] {
     for (const StagedCall::Download& d : call.downloads) {
-      if (absl::Status s = st.DownloadAsync(d.host, d.device, d.bytes); !s.ok()) return s;
+      LCE_RETURN_IF_ERROR(st.DownloadAsync(d.host, d.device, d.bytes));
     }
     if (call.host_d_hidden != nullptr) {
       if (absl::Status d = st.DownloadAsync(call.host_d_hidden, call.grads.d_hidden, call.d_hidden_bytes); !d.ok()) {
@@ -210,10 +211,10 @@ grpc::Status LceService::GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequ
   return Recorded("GetInfo", ctx, [&] { return GetInfoBody(ctx, req, resp); });
 }
 
-grpc::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp) {
-  if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
+absl::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp) {
+  LCE_RETURN_IF_ERROR(Authenticate(ctx, Access::kScoring));
   absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
-  if (!head.ok()) return ToGrpcStatus(head.status());
+  if (!head.ok()) return head.status();
   DescribeHead(**head, resp->mutable_head());
   for (const auto& h : heads_->List()) DescribeHead(*h, resp->add_heads());
   resp->set_backend(std::string((*head)->engine->backend()));
@@ -226,7 +227,7 @@ grpc::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfo
   const EngineInvariance inv = (*head)->engine->invariance();
   for (const std::string& o : inv.across_batches) resp->mutable_invariance()->add_across_batches(o);
   for (const std::string& o : inv.across_tp_sizes) resp->mutable_invariance()->add_across_tp_sizes(o);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 LceService::LceService(std::shared_ptr<HeadStore> heads, ServiceConfig config)
@@ -267,9 +268,8 @@ grpc::Status LceService::ServeCall(grpc::ServerContext* ctx,
       {v1::CALL_POLICY_LOSS, RpcKind::kPolicyLoss}};
   v1::CallRequest req;
   if (!call->Read(&req)) {
-    if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "the message is not a CallRequest: it does not parse as protobuf");
+    if (ctx->IsCancelled()) return ToGrpcStatus(absl::CancelledError("client cancelled"));
+    return ToGrpcStatus(absl::InvalidArgumentError("the message is not a CallRequest: it does not parse as protobuf"));
   }
   for (const auto& [method, rpc] : kMethods) {
     if (req.method() != method) continue;
@@ -277,17 +277,17 @@ grpc::Status LceService::ServeCall(grpc::ServerContext* ctx,
     return Recorded(RpcName(rpc), ctx, [&, rpc = rpc] {
       v1::CallResponse resp;
       OneMessageStream stream(&req, &resp);
-      grpc::Status s = RunStream(rpc, ctx, &stream, /*one_message=*/true);
+      absl::Status s = RunStream(rpc, ctx, &stream, /*one_message=*/true);
       // Sent with the status in one batch, as a plain unary answer is.
       if (s.ok() && !call->Write(resp, grpc::WriteOptions().set_last_message())) {
-        return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+        return absl::CancelledError("client went away");
       }
       return s;
     });
   }
-  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                      absl::StrCat("CallRequest.method ", req.method(), " is not a computation (set CALL_SCORE, ",
-                                   "CALL_FORWARD_BACKWARD, CALL_BACKWARD or CALL_POLICY_LOSS)"));
+  return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("CallRequest.method ", req.method(),
+                                                              " is not a computation (set CALL_SCORE, CALL_FORWARD_BACKWARD, ",
+                                                              "CALL_BACKWARD or CALL_POLICY_LOSS)")));
 }
 
 void LceService::RecountRegions() {
@@ -303,9 +303,9 @@ grpc::Status LceService::OpenSession(grpc::ServerContext* ctx,
   return Recorded("OpenSession", ctx, [&] { return OpenSessionBody(ctx, stream); });
 }
 
-grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
+absl::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
                                          grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream) {
-  if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
+  LCE_RETURN_IF_ERROR(Authenticate(ctx, Access::kScoring));
   // Sessions are capped per client: each may hold server memory and mapped regions. A client is its
   // host, its token and, on loopback, its uid (client_shares.h): one local user's sessions no longer
   // lock out every other local user (issue 35, item 10).
@@ -313,9 +313,8 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
       client_sessions_.Acquire(ctx->peer(), ClientToken(ctx), config_.max_sessions_per_peer);
   if (share.ticket == 0) {
     if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"sessions_per_peer"}).Increment();
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        absl::StrCat("client ", share.client, " already holds ", config_.max_sessions_per_peer,
-                                     " sessions, the most one client may (--max-sessions-per-peer)"));
+    return absl::ResourceExhaustedError(absl::StrCat("client ", share.client, " already holds ", config_.max_sessions_per_peer,
+                                                     " sessions, the most one client may (--max-sessions-per-peer)"));
   }
   absl::Cleanup end_share = [this, &share] { client_sessions_.Release(share.ticket); };
   const RegionRegistry::Peer peer_identity = RegionRegistry::IdentifyPeer(ctx->peer());
@@ -339,7 +338,7 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
   resp.set_session_id(session);
   resp.set_session_secret(keys.secret);
   resp.set_shm_socket(shm_socket_);
-  if (!stream->Write(resp)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  if (!stream->Write(resp)) return absl::CancelledError("client went away");
   v1::SessionRequest req;
   while (stream->Read(&req)) {
     resp.Clear();
@@ -362,8 +361,8 @@ grpc::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
     resp.set_message(std::string(s.message()));
     if (!stream->Write(resp)) break;
   }
-  if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "session cancelled");
-  return grpc::Status::OK;
+  if (ctx->IsCancelled()) return absl::CancelledError("session cancelled");
+  return absl::OkStatus();
 }
 
 LceService::ClientWait LceService::HeaderWait() const {
@@ -378,12 +377,12 @@ LceService::ClientWait LceService::IdleWait(std::string what) const {
                        " (the server's --stream-idle-timeout-seconds)")};
 }
 
-grpc::Status LceService::WithinLimit(grpc::ServerContext* ctx, const RequestStream& stream, const ClientWait& limit,
+absl::Status LceService::WithinLimit(grpc::ServerContext* ctx, const RequestStream& stream, const ClientWait& limit,
                                      const std::function<bool()>& wait, bool* done) {
   // Arming wakes the watchdog's thread: worth it only for a wait on the client.
   if (limit.seconds <= 0 || !stream.WaitsOnClient()) {
     *done = wait();
-    return grpc::Status::OK;
+    return absl::OkStatus();
   }
   const auto deadline = StreamWatchdog::Clock::now() + std::chrono::duration_cast<StreamWatchdog::Clock::duration>(
                                                            std::chrono::duration<double>(limit.seconds));
@@ -396,38 +395,38 @@ grpc::Status LceService::WithinLimit(grpc::ServerContext* ctx, const RequestStre
     grpc_call_cancel_with_status(ctx->c_call(), GRPC_STATUS_DEADLINE_EXCEEDED, limit.message.c_str(), nullptr);
   });
   *done = wait();
-  if (watchdog_.Disarm(ticket)) return grpc::Status::OK;
-  return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, limit.message);
+  if (watchdog_.Disarm(ticket)) return absl::OkStatus();
+  return absl::DeadlineExceededError(limit.message);
 }
 
-grpc::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream,
+absl::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream,
                                     std::optional<RequestPlan>* plan, std::optional<HeadStore::Use>* head_use) {
   v1::StreamRequest msg;
   bool got = false;
   const auto t0 = std::chrono::steady_clock::now();
-  grpc::Status g = WithinLimit(ctx, *stream, HeaderWait(), [&] { return stream->Read(&msg); }, &got);
+  absl::Status g = WithinLimit(ctx, *stream, HeaderWait(), [&] { return stream->Read(&msg); }, &got);
   if (RequestWork* work = RequestWork::Current(); work != nullptr) {
     work->read_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   if (!g.ok()) return g;
   if (!got) {
-    if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
-    if (absl::Status s = stream->ReadError(); !s.ok()) return ToGrpcStatus(s);
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty request: expected a header message first");
+    if (ctx->IsCancelled()) return absl::CancelledError("client cancelled");
+    LCE_RETURN_IF_ERROR(stream->ReadError());
+    return absl::InvalidArgumentError("empty request: expected a header message first");
   }
   if (!msg.has_header()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first message of a request must be a header");
+    return absl::InvalidArgumentError("the first message of a request must be a header");
   }
   absl::StatusOr<RequestPlan> p =
       ValidateAndUse(StreamRequestValidator(rpc, *heads_, config_.limits), msg.header(), *head_use);
-  if (!p.ok()) return ToGrpcStatus(p.status());
+  if (!p.ok()) return p.status();
   plan->emplace(*std::move(p));
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream,
+absl::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream,
                                    bool one_message) {
-  if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
+  LCE_RETURN_IF_ERROR(Authenticate(ctx, Access::kScoring));
   StreamedRequest request(*this, rpc, ctx, stream, one_message);
   return request.Run();
 }

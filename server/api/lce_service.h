@@ -14,6 +14,7 @@
 #include "chunk_staging.h"
 #include "client_shares.h"
 #include "dynamic_batcher.h"
+#include "grpc_status.h"
 #include "head_store.h"
 #include "region_registry.h"
 #include "lce/v1/lce.grpc.pb.h"
@@ -132,8 +133,8 @@ class LceService final : public v1::LceService::Service {
 
  private:
   friend class StreamedRequest;  // a streamed request's stages (streamed_request.h)
-  grpc::Status GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp);
-  grpc::Status OpenSessionBody(grpc::ServerContext* ctx,
+  absl::Status GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp);
+  absl::Status OpenSessionBody(grpc::ServerContext* ctx,
                                grpc::ServerReaderWriter<v1::SessionResponse, v1::SessionRequest>* stream);
   // `one_message`: a Call's stream (answers written inline, no writer thread).
   // Any of the four as one message each way (small requests), through the same stages. Served as a
@@ -142,10 +143,10 @@ class LceService final : public v1::LceService::Service {
   grpc::Status ServeCall(grpc::ServerContext* ctx, grpc::ServerUnaryStreamer<v1::CallRequest, v1::CallResponse>* call);
   // One of the four streamed computations, its messages as bytes.
   grpc::Status ServeStream(RpcKind rpc, grpc::ServerContext* ctx, ParsingStream::Raw* raw);
-  grpc::Status RunStream(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream, bool one_message = false);
+  absl::Status RunStream(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream, bool one_message = false);
   // Reads the stream's header (within the header timeout) and checks it into *plan, holding the
   // version of its head the request will run on in *head_use.
-  grpc::Status ReadHeader(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream,
+  absl::Status ReadHeader(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream,
                           std::optional<RequestPlan>* plan, std::optional<HeadStore::Use>* head_use);
   // A blocking wait on the client (a read of its next message, or a write it must read) bounded by
   // the watchdog: past `seconds` (0: no limit) the call is cancelled with DEADLINE_EXCEEDED and
@@ -160,7 +161,7 @@ class LceService final : public v1::LceService::Service {
   // Runs `wait` (true/false as gRPC's Read and Write on `stream`) into *done under `limit`: OK, or
   // DEADLINE_EXCEEDED when it ran past the limit (the call is then cancelled). Unbounded where
   // the stream does not wait on its client (RequestStream::WaitsOnClient).
-  grpc::Status WithinLimit(grpc::ServerContext* ctx, const RequestStream& stream, const ClientWait& limit,
+  absl::Status WithinLimit(grpc::ServerContext* ctx, const RequestStream& stream, const ClientWait& limit,
                            const std::function<bool()>& wait, bool* done);
 
   absl::Status Authenticate(grpc::ServerContext* ctx, Access access) const;
@@ -168,7 +169,8 @@ class LceService final : public v1::LceService::Service {
   std::string ClientToken(grpc::ServerContext* ctx) const;
   // The streams one client may hold (max_streams_per_client resolved; <= 0: no cap).
   int64_t StreamsPerClient() const;
-  // Runs one RPC body, counting it in the metrics (requests by code, duration, in flight).
+  // Runs one RPC body, counting it in the metrics (requests by code, duration, in flight); its
+  // absl::Status becomes the RPC's grpc::Status here.
   template <typename F>
   grpc::Status Recorded(const char* method, grpc::ServerContext* ctx, F&& body);
   // One engine call, after waiting for the engine (one device, one call at a time); the wait is
@@ -265,7 +267,7 @@ grpc::Status LceService::Recorded(const char* method, grpc::ServerContext* ctx, 
   grpc::Status s;
   {
     RequestWork::Scope scope(&work);
-    s = body();
+    s = ToGrpcStatus(body());  // the edge: a body returns absl::Status (or, streamed, a gRPC one)
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - work.start).count();
   if (config_.metrics != nullptr) {

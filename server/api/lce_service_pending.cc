@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpc_status.h"
 #include "lce_service.h"
+#include "status_macros.h"
 
 namespace lce::server {
 
@@ -75,35 +76,35 @@ void LceService::ReleaseContributions(const ServedHead& head, const std::vector<
 
 grpc::Status LceService::CommitGrad(grpc::ServerContext* ctx, const v1::CommitGradRequest* req,
                                     v1::CommitGradResponse* resp) {
-  return Recorded("CommitGrad", ctx, [&]() -> grpc::Status {
-    if (absl::Status s = Authenticate(ctx, Access::kScoring); !s.ok()) return ToGrpcStatus(s);
+  return Recorded("CommitGrad", ctx, [&]() -> absl::Status {
+    LCE_RETURN_IF_ERROR(Authenticate(ctx, Access::kScoring));
     const float scale = req->has_scale() ? req->scale() : 1.0f;
     if (!std::isfinite(scale)) {
-      return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("CommitGrad scale must be finite, got ", scale)));
+      return absl::InvalidArgumentError(absl::StrCat("CommitGrad scale must be finite, got ", scale));
     }
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
-    if (!head.ok()) return ToGrpcStatus(head.status());
+    if (!head.ok()) return head.status();
     const ServedHead& h = **head;
     std::lock_guard<std::mutex> lock(h.training->mu);
     const PendingGrads::Entry* found = h.training->pending.Find(req->pending_grad_id());
     if (found != nullptr && found->filling) {
-      return ToGrpcStatus(absl::FailedPreconditionError(
-          absl::StrCat("pending weight gradient ", req->pending_grad_id(), " belongs to a request still running")));
+      return absl::FailedPreconditionError(
+          absl::StrCat("pending weight gradient ", req->pending_grad_id(), " belongs to a request still running"));
     }
     absl::StatusOr<PendingGrads::Entry> entry = h.training->pending.Take(req->pending_grad_id());
-    if (!entry.ok()) return ToGrpcStatus(entry.status());
+    if (!entry.ok()) return entry.status();
     resp->set_head_version(entry->version);
     if (entry->version != h.version) {
       ReleaseContributions(h, {{req->pending_grad_id(), PendingGrads::Drop::kStale}});
-      return ToGrpcStatus(absl::FailedPreconditionError(
+      return absl::FailedPreconditionError(
           absl::StrCat("pending weight gradient ", req->pending_grad_id(), " was made on version ", entry->version,
-                       " of head '", h.name, "', which is now at version ", h.version, "; it is dropped")));
+                       " of head '", h.name, "', which is now at version ", h.version, "; it is dropped"));
     }
     if (req->discard()) {
       ReleaseContributions(h, {{req->pending_grad_id(), PendingGrads::Drop::kReleased}});
-      return grpc::Status::OK;
+      return absl::OkStatus();
     }
-    return ToGrpcStatus(CommitContribution(h, req->pending_grad_id(), scale));
+    return CommitContribution(h, req->pending_grad_id(), scale);
   });
 }
 

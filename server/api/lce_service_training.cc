@@ -15,6 +15,7 @@
 #include "lce/numeric.h"
 #include "lce/training.h"
 #include "lce_service.h"
+#include "status_macros.h"
 #include "wire_types.h"
 
 namespace lce::server {
@@ -195,69 +196,64 @@ HeadVersion LceService::Serve(const std::string& name, int64_t version, std::sha
 }
 
 grpc::Status LceService::LoadHead(grpc::ServerContext* ctx, const v1::LoadHeadRequest* req, v1::HeadDescription* resp) {
-  return Recorded("LoadHead", ctx, [&]() -> grpc::Status {
-    if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
+  return Recorded("LoadHead", ctx, [&]() -> absl::Status {
+    LCE_RETURN_IF_ERROR(Authenticate(ctx, Access::kAdmin));
     DpCall dp = DpCall::Route(config_.dp_job.get(), ctx, &v1::LceService::Stub::LoadHead, *req, resp);
     if (dp.answered()) return dp.answer();  // data-parallel replicas: every replica loads it
-    if (!config_.make_engine) return ToGrpcStatus(absl::FailedPreconditionError("this server cannot build heads"));
-    if (req->name().empty()) return ToGrpcStatus(absl::InvalidArgumentError("LoadHead needs a name"));
-    absl::StatusOr<TpHeadSource> source = SourceFrom(*req);
-    if (!source.ok()) return ToGrpcStatus(source.status());
+    if (!config_.make_engine) return absl::FailedPreconditionError("this server cannot build heads");
+    if (req->name().empty()) return absl::InvalidArgumentError("LoadHead needs a name");
+    LCE_ASSIGN_OR_RETURN(const TpHeadSource source, SourceFrom(*req));
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, req->name());
     const int64_t current = heads_->Version(req->name());
     std::shared_ptr<const HeadWeights> weights;
     std::shared_ptr<LceEngine> engine;
     // A clone's weight is taken before the group's lock (the order every request takes the locks in).
-    absl::StatusOr<std::shared_ptr<const HeadWeights>> clone = CloneWeight(*source);
+    absl::StatusOr<std::shared_ptr<const HeadWeights>> clone = CloneWeight(source);
     if (!clone.ok()) change = clone.status();
-    auto load_own = [&] { return LoadOwnShard(*source, clone.ok() ? *clone : nullptr, &weights, &engine); };
+    auto load_own = [&] { return LoadOwnShard(source, clone.ok() ? *clone : nullptr, &weights, &engine); };
     // Data-parallel replicas agree on the outcome: a server without tensor-parallel peers loads its
     // head before they meet, so a replica that cannot load it keeps the others from serving it alone.
     // (A group's peers keep what they load: there the replicas meet first.)
     const bool load_first = config_.tp_group == nullptr;
     absl::Status loaded = change.ok() && load_first ? load_own() : change.status();
-    if (absl::Status s = dp.Ready(loaded); !s.ok()) return ToGrpcStatus(s);
+    LCE_RETURN_IF_ERROR(dp.Ready(loaded));
     if (!load_first) {
-      if (absl::Status s = config_.tp_group->Load(req->name(), current + 1, *source, load_own); !s.ok()) {
-        return ToGrpcStatus(s);
-      }
+      LCE_RETURN_IF_ERROR(config_.tp_group->Load(req->name(), current + 1, source, load_own));
     }
     // A new head: no gradient, no optimizer state.
     absl::StatusOr<std::shared_ptr<const ServedHead>> put =
         heads_->Put(req->name(), Serve(req->name(), current + 1, engine, weights, nullptr), current);
-    if (!put.ok()) return ToGrpcStatus(put.status());
+    if (!put.ok()) return put.status();
     DescribeHead(**put, resp);
-    return grpc::Status::OK;
+    return absl::OkStatus();
   });
 }
 
 grpc::Status LceService::ZeroGrad(grpc::ServerContext* ctx, const v1::ZeroGradRequest* req, v1::ZeroGradResponse* resp) {
-  return Recorded("ZeroGrad", ctx, [&]() -> grpc::Status {
-    if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
+  return Recorded("ZeroGrad", ctx, [&]() -> absl::Status {
+    LCE_RETURN_IF_ERROR(Authenticate(ctx, Access::kAdmin));
     DpCall dp = DpCall::Route(config_.dp_job.get(), ctx, &v1::LceService::Stub::ZeroGrad, *req, resp);
     if (dp.answered()) return dp.answer();  // data-parallel replicas: every replica zeroes its dW
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
-    if (!head.ok()) return ToGrpcStatus(head.status());
+    if (!head.ok()) return head.status();
     HeadTraining& t = *(*head)->training;
     std::lock_guard<std::mutex> lock(t.mu);
     if (t.trainer != nullptr) {  // none yet: nothing accumulated
-      if (absl::Status s = t.trainer->ZeroGrad(); !s.ok()) return ToGrpcStatus(s);
+      LCE_RETURN_IF_ERROR(t.trainer->ZeroGrad());
     }
-    if (config_.tp_group != nullptr) return ToGrpcStatus(config_.tp_group->ZeroGrad((*head)->name));
-    return grpc::Status::OK;
+    if (config_.tp_group != nullptr) return config_.tp_group->ZeroGrad((*head)->name);
+    return absl::OkStatus();
   });
 }
 
 grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequest* req,
                                  grpc::ServerWriter<v1::TensorChunk>* writer) {
-  return Recorded("GetGrad", ctx, [&]() -> grpc::Status {
+  return Recorded("GetGrad", ctx, [&]() -> absl::Status {
     // A pending contribution is its client's (who alone knows its id); dW is the head's.
     const uint64_t pending = req->pending_grad_id();
-    if (absl::Status s = Authenticate(ctx, pending != 0 ? Access::kScoring : Access::kAdmin); !s.ok()) {
-      return ToGrpcStatus(s);
-    }
+    LCE_RETURN_IF_ERROR(Authenticate(ctx, pending != 0 ? Access::kScoring : Access::kAdmin));
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
-    if (!head.ok()) return ToGrpcStatus(head.status());
+    if (!head.ok()) return head.status();
     const HeadShape& shape = (*head)->shard_engine->shape();
     const int64_t H = shape.hidden_size;
     // Messages within any gRPC client's default receive limit (4 MiB) as well as the server's.
@@ -265,12 +261,12 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
     const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_bytes / (H * 4));
     std::lock_guard<std::mutex> lock((*head)->training->mu);
     absl::StatusOr<HeadTrainer*> trainer = TrainerOf(**head);
-    if (!trainer.ok()) return ToGrpcStatus(trainer.status());
+    if (!trainer.ok()) return trainer.status();
     if (pending != 0) {
       const PendingGrads::Entry* e = (*head)->training->pending.Find(pending);
       if (e == nullptr || e->filling) {
-        return ToGrpcStatus(absl::NotFoundError(absl::StrCat("no finished pending weight gradient ", pending,
-                                                             " on head '", (*head)->name, "'")));
+        return absl::NotFoundError(absl::StrCat("no finished pending weight gradient ", pending,
+                                                " on head '", (*head)->name, "'"));
       }
     }
     v1::TensorChunk chunk;
@@ -295,62 +291,61 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
       piece.resize(static_cast<size_t>(n * H));
       absl::Status s = pending != 0 ? (*trainer)->CopyPending(pending, r0, n, piece.data())
                                     : (*trainer)->CopyGrad(r0, n, piece.data());
-      if (!s.ok()) return ToGrpcStatus(s);
-      if (absl::Status s = send(shape.vocab_begin + r0, n, piece.data()); !s.ok()) return ToGrpcStatus(s);
+      if (!s.ok()) return s;
+      LCE_RETURN_IF_ERROR(send(shape.vocab_begin + r0, n, piece.data()));
     }
     if (config_.tp_group != nullptr) {  // then the peers' shards, in rank order
-      return ToGrpcStatus(config_.tp_group->GatherPeerGrads((*head)->name, shape, send, pending));
+      return config_.tp_group->GatherPeerGrads((*head)->name, shape, send, pending);
     }
-    return grpc::Status::OK;
+    return absl::OkStatus();
   });
 }
 
 grpc::Status LceService::OptimizerStep(grpc::ServerContext* ctx, const v1::OptimizerStepRequest* req,
                                        v1::OptimizerStepResponse* resp) {
-  return Recorded("OptimizerStep", ctx, [&]() -> grpc::Status {
-    if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
+  return Recorded("OptimizerStep", ctx, [&]() -> absl::Status {
+    LCE_RETURN_IF_ERROR(Authenticate(ctx, Access::kAdmin));
     DpCall dp = DpCall::Route(config_.dp_job.get(), ctx, &v1::LceService::Stub::OptimizerStep, *req, resp);
     if (dp.answered()) return dp.answer();  // data-parallel replicas: every replica steps on the summed dW
-    absl::StatusOr<AdamWParams> p = AdamWFrom(*req);
-    if (!p.ok()) return ToGrpcStatus(p.status());
+    LCE_ASSIGN_OR_RETURN(const AdamWParams adamw, AdamWFrom(*req));
     absl::StatusOr<std::shared_ptr<const ServedHead>> named = heads_->Get(req->head());
-    if (!named.ok()) return ToGrpcStatus(named.status());
+    if (!named.ok()) return named.status();
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, (*named)->name);
-    if (absl::Status s = dp.Ready(change.status()); !s.ok()) return ToGrpcStatus(s);
+    LCE_RETURN_IF_ERROR(dp.Ready(change.status()));
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get((*named)->name);  // current, now fixed
-    if (!head.ok()) return ToGrpcStatus(head.status());
+    if (!head.ok()) return head.status();
     const ServedHead& h = **head;
     std::lock_guard<std::mutex> lock(h.training->mu);
     absl::StatusOr<HeadTrainer*> trainer = TrainerOf(h);
     const int64_t vocab = h.shard_engine->shape().vocab_size;
     absl::StatusOr<ShardStep> step =
         config_.tp_group != nullptr
-            ? config_.tp_group->Step(h.name, h.version + 1, vocab, trainer, *p, req->max_grad_norm(), dp.reducer())
-            : StepShard(trainer, vocab, nullptr, nullptr, *p, req->max_grad_norm(), dp.reducer());
-    if (!step.ok()) return ToGrpcStatus(step.status());
+            ? config_.tp_group->Step(h.name, h.version + 1, vocab, trainer, adamw, req->max_grad_norm(), dp.reducer())
+            : StepShard(trainer, vocab, nullptr, nullptr, adamw, req->max_grad_norm(), dp.reducer());
+    if (!step.ok()) return step.status();
     if (req->zero_grad() || dp.ZeroesGradAfterStep()) {
-      if (absl::Status s = (*trainer)->ZeroGrad(); !s.ok()) return ToGrpcStatus(s);
+      LCE_RETURN_IF_ERROR((*trainer)->ZeroGrad());
       if (config_.tp_group != nullptr) {
-        if (absl::Status s = config_.tp_group->ZeroGrad(h.name); !s.ok()) return ToGrpcStatus(s);
+        LCE_RETURN_IF_ERROR(config_.tp_group->ZeroGrad(h.name));
       }
     }
     absl::StatusOr<std::shared_ptr<const ServedHead>> put =
         heads_->Put(h.name, Serve(h.name, h.version + 1, step->engine, h.weights, h.training), h.version);
-    if (!put.ok()) return ToGrpcStatus(put.status());
+    if (!put.ok()) return put.status();
     // Contributions made on the old weight can no longer be committed (autograd: a backward after
     // the step that changed its weight).
     ReleaseContributions(h, h.training->pending.TakeAll(PendingGrads::Drop::kStale));
     resp->set_step((*trainer)->steps());
     resp->set_grad_norm(step->grad_norm);
     DescribeHead(**put, resp->mutable_head());
-    return grpc::Status::OK;
+    return absl::OkStatus();
   });
 }
 
 grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerReader<v1::UpdateWeightsRequest>* reader,
                                        v1::HeadDescription* resp) {
-  return Recorded("UpdateWeights", ctx, [&]() -> grpc::Status {
-    if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
+  return Recorded("UpdateWeights", ctx, [&]() -> absl::Status {
+    LCE_RETURN_IF_ERROR(Authenticate(ctx, Access::kAdmin));
     // Read as a streamed request is: the header within the header timeout, each next message within
     // the idle timeout, and an admission slot from the header on (issue 35, item 14).
     bool slot = false;
@@ -361,8 +356,8 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
     const UpdateReader next = [&](v1::UpdateWeightsRequest* m) -> absl::StatusOr<bool> {
       bool got = false;
       const ClientWait wait = read == 0 ? HeaderWait() : IdleWait(absl::StrCat("UpdateWeights' message ", read + 1));
-      if (grpc::Status g = WithinLimit(ctx, kClientStream, wait, [&] { return reader->Read(m); }, &got); !g.ok()) {
-        return absl::DeadlineExceededError(g.error_message());
+      if (absl::Status g = WithinLimit(ctx, kClientStream, wait, [&] { return reader->Read(m); }, &got); !g.ok()) {
+        return absl::DeadlineExceededError(g.message());
       }
       if (!got || read++ > 0) return got;
       slot = true;
@@ -376,64 +371,61 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
     if (dp.answered()) return dp.answer();  // data-parallel replicas: every replica serves it
     v1::UpdateWeightsRequest msg;
     absl::StatusOr<bool> first = next(&msg);
-    if (!first.ok()) return ToGrpcStatus(first.status());
+    if (!first.ok()) return first.status();
     if (!*first || !msg.has_header()) {
-      return ToGrpcStatus(absl::InvalidArgumentError("UpdateWeights starts with a header message"));
+      return absl::InvalidArgumentError("UpdateWeights starts with a header message");
     }
     const v1::UpdateWeightsHeader header = msg.header();
     absl::StatusOr<std::shared_ptr<const ServedHead>> named = heads_->Get(header.head());
-    if (!named.ok()) return ToGrpcStatus(named.status());
+    if (!named.ok()) return named.status();
     // The whole weight first (no request waits for the client's upload), then the change.
-    absl::StatusOr<HeadWeights> full = ReadWholeWeight(next, (*named)->shard_engine->shape());
-    if (!full.ok()) return ToGrpcStatus(full.status());
+    LCE_ASSIGN_OR_RETURN(const HeadWeights full, ReadWholeWeight(next, (*named)->shard_engine->shape()));
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, (*named)->name);
-    if (absl::Status s = dp.Ready(change.status()); !s.ok()) return ToGrpcStatus(s);
+    LCE_RETURN_IF_ERROR(dp.Ready(change.status()));
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get((*named)->name);
-    if (!head.ok()) return ToGrpcStatus(head.status());
+    if (!head.ok()) return head.status();
     const ServedHead& h = **head;
     if (header.expected_version() != 0 && header.expected_version() != h.version) {
-      return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
-          "head '", h.name, "' is at version ", h.version, ", the update expected version ", header.expected_version())));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "head '", h.name, "' is at version ", h.version, ", the update expected version ", header.expected_version()));
     }
     const HeadShape& now = h.weights->shape;
-    if (now.vocab_size != full->shape.vocab_size || now.hidden_size != full->shape.hidden_size || now.dtype != full->shape.dtype) {
-      return ToGrpcStatus(absl::FailedPreconditionError(
-          absl::StrCat("head '", h.name, "' was replaced by another shape while the update was sent")));
+    if (now.vocab_size != full.shape.vocab_size || now.hidden_size != full.shape.hidden_size || now.dtype != full.shape.dtype) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("head '", h.name, "' was replaced by another shape while the update was sent"));
     }
     std::lock_guard<std::mutex> lock(h.training->mu);
-    std::shared_ptr<const HeadWeights> shard = ShardOf(*full, *h.weights);
+    std::shared_ptr<const HeadWeights> shard = ShardOf(full, *h.weights);
     std::shared_ptr<LceEngine> engine;
     auto serve_own = [&]() -> absl::Status {  // through the trainer, whose masters follow; moments stay
       absl::StatusOr<std::shared_ptr<LceEngine>> e = ReplaceWeight(h.training->trainer.get(), shard, config_.make_engine);
       if (e.ok()) engine = *std::move(e);
       return e.status();
     };
-    absl::Status s = config_.tp_group != nullptr ? config_.tp_group->Update(h.name, h.version + 1, *full, serve_own) : serve_own();
-    if (!s.ok()) return ToGrpcStatus(s);
+    absl::Status s = config_.tp_group != nullptr ? config_.tp_group->Update(h.name, h.version + 1, full, serve_own) : serve_own();
+    if (!s.ok()) return s;
     absl::StatusOr<std::shared_ptr<const ServedHead>> put =
         heads_->Put(h.name, Serve(h.name, h.version + 1, engine, shard, h.training), h.version);
-    if (!put.ok()) return ToGrpcStatus(put.status());
+    if (!put.ok()) return put.status();
     ReleaseContributions(h, h.training->pending.TakeAll(PendingGrads::Drop::kStale));
     DescribeHead(**put, resp);
-    return grpc::Status::OK;
+    return absl::OkStatus();
   });
 }
 
 grpc::Status LceService::SaveHead(grpc::ServerContext* ctx, const v1::SaveHeadRequest* req, v1::SaveHeadResponse* resp) {
-  return Recorded("SaveHead", ctx, [&]() -> grpc::Status {
-    if (absl::Status s = Authenticate(ctx, Access::kAdmin); !s.ok()) return ToGrpcStatus(s);
+  return Recorded("SaveHead", ctx, [&]() -> absl::Status {
+    LCE_RETURN_IF_ERROR(Authenticate(ctx, Access::kAdmin));
     DpCall dp = DpCall::Route(config_.dp_job.get(), ctx, &v1::LceService::Stub::SaveHead, *req, resp);
     if (dp.answered()) return dp.answer();  // data-parallel replicas: this front's replica writes, in the job's order
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
-    if (!head.ok()) return ToGrpcStatus(head.status());
-    if (req->directory().empty()) return ToGrpcStatus(absl::InvalidArgumentError("SaveHead needs a directory"));
+    if (!head.ok()) return head.status();
+    if (req->directory().empty()) return absl::InvalidArgumentError("SaveHead needs a directory");
     const ServedHead& h = **head;
     const int world = config_.tp_size;
     std::lock_guard<std::mutex> lock(h.training->mu);  // no step rewrites the weight meanwhile
     // Before any rank writes: a committed save of this very version (another run's) moves aside.
-    if (absl::Status s = ProtectCommittedSave(req->directory(), h.name, h.version, world); !s.ok()) {
-      return ToGrpcStatus(s);
-    }
+    LCE_RETURN_IF_ERROR(ProtectCommittedSave(req->directory(), h.name, h.version, world));
     absl::StatusOr<std::string> shard;
     auto write_own = [&]() -> absl::Status {
       absl::StatusOr<std::shared_ptr<const HeadWeights>> w = CurrentWeights(h.training->trainer.get(), h.weights);
@@ -443,16 +435,16 @@ grpc::Status LceService::SaveHead(grpc::ServerContext* ctx, const v1::SaveHeadRe
     };
     absl::Status s = config_.tp_group != nullptr ? config_.tp_group->Save(h.name, h.version, req->directory(), write_own)
                                                  : write_own();
-    if (!s.ok()) return ToGrpcStatus(s);
+    if (!s.ok()) return s;
     // Last: the index's rename commits the save (head_source.h).
-    absl::StatusOr<std::string> index = WriteHeadIndex(req->directory(), h.name, h.version, h.shard_engine->shape(), world);
-    if (!index.ok()) return ToGrpcStatus(index.status());
+    LCE_ASSIGN_OR_RETURN(const std::string index,
+                         WriteHeadIndex(req->directory(), h.name, h.version, h.shard_engine->shape(), world));
     resp->add_files(*shard);
     for (int r = 1; r < world; ++r) {
       resp->add_files((std::filesystem::path(req->directory()) / ShardFileName(h.name, h.version, r, world)).string());
     }
-    resp->set_index_file(*index);
-    return grpc::Status::OK;
+    resp->set_index_file(index);
+    return absl::OkStatus();
   });
 }
 

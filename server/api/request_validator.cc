@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "status_macros.h"
 #include "wire_types.h"
 
 namespace lce::server {
@@ -17,29 +18,77 @@ const char* RpcName(RpcKind rpc) {
   return "?";
 }
 
-absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::RequestHeader& h) const {
-  RequestPlan plan;
-  plan.rpc = rpc_;
-  absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_.Get(h.head());
+namespace {
+
+// The head a header names, at the version it pins, of its hidden size and dtype.
+absl::StatusOr<std::shared_ptr<const ServedHead>> HeadOf(const v1::RequestHeader& h, const HeadStore& heads) {
+  absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads.Get(h.head());
   if (!head.ok()) return head.status();
-  plan.head = *head;
-  const HeadShape& shape = plan.head->engine->shape();
-  if (h.head_version() != 0 && h.head_version() != plan.head->version) {
-    return absl::FailedPreconditionError(absl::StrCat("head '", plan.head->name, "' is at version ",
-                                                      plan.head->version, ", request pins version ",
+  const ServedHead& served = **head;
+  const HeadShape& shape = served.engine->shape();
+  if (h.head_version() != 0 && h.head_version() != served.version) {
+    return absl::FailedPreconditionError(absl::StrCat("head '", served.name, "' is at version ",
+                                                      served.version, ", request pins version ",
                                                       h.head_version()));
   }
   if (h.hidden_size() != shape.hidden_size) {
     return absl::InvalidArgumentError(absl::StrCat("header.hidden_size is ", h.hidden_size(), " but head '",
-                                                   plan.head->name, "' has hidden size ", shape.hidden_size));
+                                                   served.name, "' has hidden size ", shape.hidden_size));
   }
   absl::StatusOr<DType> dtype = FromWire(h.dtype());
   if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat("header.", dtype.status().message()));
   if (*dtype != shape.dtype) {
     return absl::InvalidArgumentError(absl::StrCat("header.dtype is ", DTypeName(*dtype), " but head '",
-                                                   plan.head->name, "' is ", DTypeName(shape.dtype),
+                                                   served.name, "' is ", DTypeName(shape.dtype),
                                                    ": send hidden states in the head's dtype"));
   }
+  return head;
+}
+
+// PolicyLoss's options into the plan: the clip range, the coefficients, the aggregation and the
+// sequences' valid-token counts.
+absl::Status ReadPolicy(const v1::PolicyLossOptions& p, RequestPlan& plan) {
+  if (!(p.clip_low() > 0.0f && p.clip_low() < 1.0f) || !(p.clip_high() > 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("policy.clip_low must be in (0, 1) and clip_high > 0, got ",
+                                                   p.clip_low(), ", ", p.clip_high()));
+  }
+  if (p.dual_clip() != 0.0f && !(p.dual_clip() > 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("policy.dual_clip must be > 1 (or 0 = off), got ", p.dual_clip()));
+  }
+  if (p.kl_coef() < 0.0f || p.entropy_coef() < 0.0f) {
+    return absl::InvalidArgumentError("policy.kl_coef and policy.entropy_coef must be >= 0");
+  }
+  if (p.sequence_valid_tokens().empty()) {
+    return absl::InvalidArgumentError(
+        "policy.sequence_valid_tokens is required: the non-ignored token count of each sequence of the request "
+        "(one entry when every row is in sequence 0; the client libraries fill it in)");
+  }
+  plan.policy = {p.clip_low(), p.clip_high(), p.dual_clip(), p.entropy_coef(), p.kl_coef(),
+                 p.kl_estimator() == v1::KL_ESTIMATOR_K3 ? KlKind::kK3 : KlKind::kK1};
+  switch (p.aggregation()) {
+    case v1::AGGREGATION_UNSPECIFIED:
+    case v1::AGGREGATION_TOKEN_MEAN: plan.aggregation = AggregationKind::kTokenMean; break;
+    case v1::AGGREGATION_SEQ_MEAN_TOKEN_SUM: plan.aggregation = AggregationKind::kSeqMeanTokenSum; break;
+    case v1::AGGREGATION_SEQ_MEAN_TOKEN_MEAN: plan.aggregation = AggregationKind::kSeqMeanTokenMean; break;
+    default: return absl::InvalidArgumentError(absl::StrCat("unknown aggregation ", p.aggregation()));
+  }
+  for (int64_t n : p.sequence_valid_tokens()) {
+    if (n < 0) return absl::InvalidArgumentError("policy.sequence_valid_tokens must be >= 0");
+    // Their sum must be a number (signed overflow is undefined: found by tests/fuzz).
+    if (__builtin_add_overflow(plan.total_valid_tokens, n, &plan.total_valid_tokens)) {
+      return absl::InvalidArgumentError("policy.sequence_valid_tokens add up to more than 2^63 - 1 tokens");
+    }
+    plan.sequence_valid_tokens.push_back(n);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::RequestHeader& h) const {
+  RequestPlan plan;
+  plan.rpc = rpc_;
+  LCE_ASSIGN_OR_RETURN(plan.head, HeadOf(h, heads_));
   LceOptions& o = plan.options;
   o.temperature = h.has_temperature() ? h.temperature() : 1.0f;
   o.softcap = h.softcap();
@@ -57,39 +106,7 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
   }
   plan.defer_weight_grad = h.defer_weight_grad();
   if (is_pl) {
-    const v1::PolicyLossOptions& p = h.policy();
-    if (!(p.clip_low() > 0.0f && p.clip_low() < 1.0f) || !(p.clip_high() > 0.0f)) {
-      return absl::InvalidArgumentError(absl::StrCat("policy.clip_low must be in (0, 1) and clip_high > 0, got ",
-                                                     p.clip_low(), ", ", p.clip_high()));
-    }
-    if (p.dual_clip() != 0.0f && !(p.dual_clip() > 1.0f)) {
-      return absl::InvalidArgumentError(absl::StrCat("policy.dual_clip must be > 1 (or 0 = off), got ", p.dual_clip()));
-    }
-    if (p.kl_coef() < 0.0f || p.entropy_coef() < 0.0f) {
-      return absl::InvalidArgumentError("policy.kl_coef and policy.entropy_coef must be >= 0");
-    }
-    if (p.sequence_valid_tokens().empty()) {
-      return absl::InvalidArgumentError(
-          "policy.sequence_valid_tokens is required: the non-ignored token count of each sequence of the request "
-          "(one entry when every row is in sequence 0; the client libraries fill it in)");
-    }
-    plan.policy = {p.clip_low(), p.clip_high(), p.dual_clip(), p.entropy_coef(), p.kl_coef(),
-                   p.kl_estimator() == v1::KL_ESTIMATOR_K3 ? KlKind::kK3 : KlKind::kK1};
-    switch (p.aggregation()) {
-      case v1::AGGREGATION_UNSPECIFIED:
-      case v1::AGGREGATION_TOKEN_MEAN: plan.aggregation = AggregationKind::kTokenMean; break;
-      case v1::AGGREGATION_SEQ_MEAN_TOKEN_SUM: plan.aggregation = AggregationKind::kSeqMeanTokenSum; break;
-      case v1::AGGREGATION_SEQ_MEAN_TOKEN_MEAN: plan.aggregation = AggregationKind::kSeqMeanTokenMean; break;
-      default: return absl::InvalidArgumentError(absl::StrCat("unknown aggregation ", p.aggregation()));
-    }
-    for (int64_t n : p.sequence_valid_tokens()) {
-      if (n < 0) return absl::InvalidArgumentError("policy.sequence_valid_tokens must be >= 0");
-      // Their sum must be a number (signed overflow is undefined: found by tests/fuzz).
-      if (__builtin_add_overflow(plan.total_valid_tokens, n, &plan.total_valid_tokens)) {
-        return absl::InvalidArgumentError("policy.sequence_valid_tokens add up to more than 2^63 - 1 tokens");
-      }
-      plan.sequence_valid_tokens.push_back(n);
-    }
+    LCE_RETURN_IF_ERROR(ReadPolicy(h.policy(), plan));
   }
   if (!is_fb && (h.label_smoothing() != 0.0f || h.z_loss() != 0.0f || h.reduction() != v1::REDUCTION_UNSPECIFIED ||
                  h.has_num_valid_tokens())) {
@@ -98,11 +115,11 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
   }
   o.label_smoothing = h.label_smoothing();
   o.z_loss = h.z_loss();
-  if (absl::Status s = ValidateOptions(o); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(ValidateOptions(o));
 
   plan.partial = h.partial();
   plan.sends_ahead = h.sends_ahead();
-  if (absl::Status s = ValidateOutputs(h, plan); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(ValidateOutputs(h, plan));
   if (is_fb) {
     plan.reduction = h.reduction() == v1::REDUCTION_UNSPECIFIED ? v1::REDUCTION_MEAN : h.reduction();
     if (!v1::Reduction_IsValid(plan.reduction)) {
@@ -119,7 +136,7 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
       return absl::InvalidArgumentError("num_valid_tokens applies to REDUCTION_MEAN only");
     }
   }
-  if (absl::Status s = ValidateClassWeights(h, plan); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(ValidateClassWeights(h, plan));
   return plan;
 }
 
@@ -228,15 +245,15 @@ absl::StatusOr<int64_t> StreamRequestValidator::ValidateChunk(const RequestPlan&
     return absl::OkStatus();
   };
   const bool is_bw = rpc_ == RpcKind::kBackward;
-  if (absl::Status s = check_len(c.grad_logprob_size(), "grad_logprob", is_bw); !s.ok()) return s;
-  if (absl::Status s = check_len(c.grad_entropy_size(), "grad_entropy", is_bw); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(check_len(c.grad_logprob_size(), "grad_logprob", is_bw));
+  LCE_RETURN_IF_ERROR(check_len(c.grad_entropy_size(), "grad_entropy", is_bw));
   const bool loss_grads = rpc_ == RpcKind::kForwardBackward && plan.reduction == v1::REDUCTION_NONE;
-  if (absl::Status s = check_len(c.grad_loss_size(), "grad_loss", loss_grads); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(check_len(c.grad_loss_size(), "grad_loss", loss_grads));
   const bool is_pl = rpc_ == RpcKind::kPolicyLoss;
-  if (absl::Status s = check_len(c.old_logprobs_size(), "old_logprobs", is_pl); !s.ok()) return s;
-  if (absl::Status s = check_len(c.advantages_size(), "advantages", is_pl); !s.ok()) return s;
-  if (absl::Status s = check_len(c.ref_logprobs_size(), "ref_logprobs", is_pl); !s.ok()) return s;
-  if (absl::Status s = check_len(c.sequence_ids_size(), "sequence_ids", is_pl); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(check_len(c.old_logprobs_size(), "old_logprobs", is_pl));
+  LCE_RETURN_IF_ERROR(check_len(c.advantages_size(), "advantages", is_pl));
+  LCE_RETURN_IF_ERROR(check_len(c.ref_logprobs_size(), "ref_logprobs", is_pl));
+  LCE_RETURN_IF_ERROR(check_len(c.sequence_ids_size(), "sequence_ids", is_pl));
   if (is_pl) {
     if (c.old_logprobs_size() == 0 || c.advantages_size() == 0) {
       return absl::InvalidArgumentError(absl::StrCat(where, "PolicyLoss needs old_logprobs and advantages for every row"));

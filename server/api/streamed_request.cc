@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpc_status.h"
 #include "lce/training.h"
+#include "status_macros.h"
 #include "wire_types.h"
 
 namespace lce::server {
@@ -56,8 +57,8 @@ auto StreamedRequest::Timed(double RequestWork::*acc, F&& f) {
   return r;
 }
 
-grpc::Status StreamedRequest::Run() {
-  grpc::Status g = Stages();
+absl::Status StreamedRequest::Run() {
+  absl::Status g = Stages();
   // A request that failed adds nothing to dW: its pending contribution goes (after the pipeline's
   // last call into it has ended).
   if (contribution_.id != 0) {
@@ -67,30 +68,30 @@ grpc::Status StreamedRequest::Run() {
   return g;
 }
 
-grpc::Status StreamedRequest::Stages() {
-  if (grpc::Status g = Admit(); !g.ok()) return g;
+absl::Status StreamedRequest::Stages() {
+  LCE_RETURN_IF_ERROR(Admit());
   for (;;) {
     bool more = false;
-    if (grpc::Status g = Receive(&more); !g.ok()) return g;
+    LCE_RETURN_IF_ERROR(Receive(&more));
     if (!more) break;
     // The slot's last chunk (two back) must be done before this one takes its place.
     if (pipeline_ != nullptr && pipeline_->outstanding() > 1) {
-      if (grpc::Status g = WaitOldest(); !g.ok()) return g;
+      LCE_RETURN_IF_ERROR(WaitOldest());
     }
     InFlightChunk& c = chunks_[chunk_index_ % 2];
     c.msg.Swap(&msg_);
-    if (grpc::Status g = Accept(c); !g.ok()) return g;
-    if (grpc::Status g = Prepare(c); !g.ok()) return g;
-    if (grpc::Status g = pipelined_ ? Submit(c) : Compute(c); !g.ok()) return g;
+    LCE_RETURN_IF_ERROR(Accept(c));
+    LCE_RETURN_IF_ERROR(Prepare(c));
+    LCE_RETURN_IF_ERROR(pipelined_ ? Submit(c) : Compute(c));
   }
   return Finish();
 }
 
 // The header, the head's version, then the slot: a client that opens streams and sends nothing
 // holds none (and is dropped at the header timeout).
-grpc::Status StreamedRequest::Admit() {
-  if (grpc::Status g = service_.ReadHeader(rpc_, ctx_, stream_, &plan_, &head_use_); !g.ok()) return g;
-  if (grpc::Status g = TakeSlot(); !g.ok()) return g;
+absl::Status StreamedRequest::Admit() {
+  LCE_RETURN_IF_ERROR(service_.ReadHeader(rpc_, ctx_, stream_, &plan_, &head_use_));
+  LCE_RETURN_IF_ERROR(TakeSlot());
   validator_.emplace(rpc_, *service_.heads_, config_.limits);
   const HeadShape& shape = plan_->head->engine->shape();
   row_bytes_ = shape.hidden_size * DTypeSize(shape.dtype);
@@ -112,14 +113,14 @@ grpc::Status StreamedRequest::Admit() {
   // this thread where it cannot start); a pipelined stream's finish thread writes them itself, a
   // Call's handler into its response.
   writer_.emplace(stream_, 2, /*own_thread=*/!pipelined_ && !one_message_);
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status StreamedRequest::TakeSlot() {
+absl::Status StreamedRequest::TakeSlot() {
   slot_.emplace(service_.streams_in_flight_, config_.max_concurrent_streams);
   auto refuse = [&](const char* reason, std::string message) {
     if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({reason}).Increment();
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, std::move(message));
+    return absl::ResourceExhaustedError(std::move(message));
   };
   if (!slot_->admitted()) {
     return refuse("concurrent_streams", absl::StrCat("server is at its limit of ", config_.max_concurrent_streams,
@@ -130,7 +131,7 @@ grpc::Status StreamedRequest::TakeSlot() {
   const int64_t cap = service_.StreamsPerClient();
   if (one_message_ || cap <= 0 ||
       slot_->TakeClientShare(service_.client_streams_, ctx_->peer(), service_.ClientToken(ctx_), cap)) {
-    return grpc::Status::OK;
+    return absl::OkStatus();
   }
   return refuse("streams_per_client",
                 absl::StrCat("client ", slot_->client(), " already holds ", cap, " of the server's ",
@@ -139,67 +140,64 @@ grpc::Status StreamedRequest::TakeSlot() {
 }
 
 // The client's next message, within the idle timeout; `*more` is false at the stream's end.
-grpc::Status StreamedRequest::Receive(bool* more) {
+absl::Status StreamedRequest::Receive(bool* more) {
   // A Call's messages are in memory: no wait to bound, so no timeout message to build either.
   LceService::ClientWait limit{0.0, "", ""};
   if (stream_->WaitsOnClient()) {
     limit = service_.IdleWait(chunk_index_ == 0 ? std::string("the first chunk")
                                                 : absl::StrCat("the message after chunk ", chunk_index_ - 1));
   }
-  grpc::Status g = service_.WithinLimit(
+  absl::Status g = service_.WithinLimit(
       ctx_, *stream_, limit,
       [&] { return Timed(&RequestWork::read_wait_seconds, [&] { return stream_->Read(&msg_); }); }, more);
   if (!g.ok()) return g;
-  if (!*more) return ToGrpcStatus(stream_->ReadError());  // the end, or a message that did not parse
+  if (!*more) return stream_->ReadError();  // the end, or a message that did not parse
   if (stream_->WaitsOnClient() && ctx_->IsCancelled()) {
-    return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+    return absl::CancelledError("client cancelled");
   }
   if (msg_.has_header()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("repeated header (message ", chunk_index_ + 1, "): a request has exactly one"));
+    return absl::InvalidArgumentError(absl::StrCat("repeated header (message ", chunk_index_ + 1, "): a request has exactly one"));
   }
   if (!msg_.has_chunk()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("message ", chunk_index_ + 1, " is neither a header nor a chunk"));
+    return absl::InvalidArgumentError(absl::StrCat("message ", chunk_index_ + 1, " is neither a header nor a chunk"));
   }
   if (chunk_index_ == 0 && work_ != nullptr) work_->first_chunk_wait_seconds = work_->read_wait_seconds;
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 // The chunk checked against the plan, its regions resolved, the request's byte budget.
-grpc::Status StreamedRequest::Accept(InFlightChunk& c) {
+absl::Status StreamedRequest::Accept(InFlightChunk& c) {
   const v1::RowChunk& chunk = c.msg.chunk();
   absl::StatusOr<int64_t> rows = validator_->ValidateChunk(*plan_, chunk, chunk_index_, rows_seen_);
   if (!rows.ok()) {
     if (rows.status().code() == absl::StatusCode::kResourceExhausted && config_.metrics != nullptr) {
       config_.metrics->rejections.WithLabels({"request_rows"}).Increment();
     }
-    return ToGrpcStatus(rows.status());
+    return rows.status();
   }
   c.index = chunk_index_;
   c.first_row = rows_seen_;
   c.rows = *rows;
   c.message_bytes = static_cast<int64_t>(c.msg.ByteSizeLong());
-  if (grpc::Status g = ResolveRegions(c); !g.ok()) return g;
+  LCE_RETURN_IF_ERROR(ResolveRegions(c));
   bytes_seen_ += c.rows * row_bytes_;
   if (config_.max_request_bytes > 0 && bytes_seen_ > config_.max_request_bytes) {
     if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"request_bytes"}).Increment();
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        absl::StrCat("chunk ", chunk_index_, ": request exceeds ", config_.max_request_bytes,
-                                     " bytes of hidden states, the server's limit per request"));
+    return absl::ResourceExhaustedError(absl::StrCat("chunk ", chunk_index_, ": request exceeds ", config_.max_request_bytes,
+                                                     " bytes of hidden states, the server's limit per request"));
   }
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 // Co-located clients: hidden states read from, and d_hidden written to, shared-memory regions of
 // the request's session (checked: owner, bounds, size). The slices stay mapped until the chunk is
 // done.
-grpc::Status StreamedRequest::ResolveRegions(InFlightChunk& c) {
+absl::Status StreamedRequest::ResolveRegions(InFlightChunk& c) {
   const v1::RowChunk& chunk = c.msg.chunk();
   c.hidden = chunk.hidden().data();
   c.hidden_slice = {};
   c.dh_slice = {};
-  if (!chunk.has_hidden_region() && !chunk.has_d_hidden_region()) return grpc::Status::OK;
+  if (!chunk.has_hidden_region() && !chunk.has_d_hidden_region()) return absl::OkStatus();
   // The session's id and its secret (issue 35, item 12: the id alone once opened its regions).
   const auto& md = ctx_->client_metadata();
   auto value = [&md](const char* key) {
@@ -208,7 +206,7 @@ grpc::Status StreamedRequest::ResolveRegions(InFlightChunk& c) {
   };
   const std::string session = value("lce-session"), secret = value("lce-session-secret");
   auto fail = [&](const absl::Status& e) {
-    return ToGrpcStatus(absl::Status(e.code(), absl::StrCat("chunk ", chunk_index_, ": ", e.message())));
+    return absl::Status(e.code(), absl::StrCat("chunk ", chunk_index_, ": ", e.message()));
   };
   const int64_t bytes = c.rows * row_bytes_;
   RegionRegistry& regions = service_.regions_;
@@ -218,7 +216,7 @@ grpc::Status StreamedRequest::ResolveRegions(InFlightChunk& c) {
     c.hidden_slice = *std::move(r);
     c.hidden = reinterpret_cast<const char*>(c.hidden_slice.bytes.data());
   }
-  if (!chunk.has_d_hidden_region()) return grpc::Status::OK;
+  if (!chunk.has_d_hidden_region()) return absl::OkStatus();
   if (!(is_fb_ || is_bw_ || is_pl_)) return fail(absl::InvalidArgumentError("d_hidden_region: Score returns no d_hidden"));
   absl::StatusOr<RegionRegistry::Slice> r = regions.Resolve(session, secret, chunk.d_hidden_region(), bytes, "d_hidden_region");
   if (!r.ok()) return fail(r.status());
@@ -233,11 +231,11 @@ grpc::Status StreamedRequest::ResolveRegions(InFlightChunk& c) {
   if (c.dh_slice.device == c.hidden_slice.device && hp < dp + bytes && dp < hp + bytes) {
     return fail(absl::InvalidArgumentError("d_hidden_region overlaps the chunk's hidden states"));
   }
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 // Where the chunk's outputs go, its upstream gradients, and (GPU engines) the stream's staging.
-grpc::Status StreamedRequest::Prepare(InFlightChunk& c) {
+absl::Status StreamedRequest::Prepare(InFlightChunk& c) {
   const v1::RowChunk& chunk = c.msg.chunk();
   const int64_t n = c.rows;
   int64_t valid = 0;
@@ -296,7 +294,7 @@ grpc::Status StreamedRequest::Prepare(InFlightChunk& c) {
     for (int k = 0; k < (pipelined_ ? 2 : 1); ++k) {
       if (staging_.held[k] != nullptr) continue;
       absl::StatusOr<std::unique_ptr<ChunkStaging>> st = service_.TakeStaging();
-      if (!st.ok()) return ToGrpcStatus(st.status());
+      if (!st.ok()) return st.status();
       staging_.held[k] = *std::move(st);
     }
   }
@@ -314,17 +312,17 @@ grpc::Status StreamedRequest::Prepare(InFlightChunk& c) {
     c.up.grad_logprob = chunk.grad_logprob_size() > 0 ? chunk.grad_logprob().data() : nullptr;
     c.up.grad_entropy = chunk.grad_entropy_size() > 0 ? chunk.grad_entropy().data() : nullptr;
   }
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status StreamedRequest::ChunkError(const InFlightChunk& c, const absl::Status& s) const {
-  return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("chunk ", c.index, " (rows ", c.first_row, "..",
-                                                    c.first_row + c.rows - 1, "): ", s.message())));
+absl::Status StreamedRequest::ChunkError(const InFlightChunk& c, const absl::Status& s) const {
+  return absl::Status(s.code(), absl::StrCat("chunk ", c.index, " (rows ", c.first_row, "..",
+                                                    c.first_row + c.rows - 1, "): ", s.message()));
 }
 
 // Pipelined: the chunk is staged now (its uploads overlap the previous chunk's compute) and its call
 // queued; its outputs come back and its answer leaves on the pipeline's second thread.
-grpc::Status StreamedRequest::Submit(InFlightChunk& c) {
+absl::Status StreamedRequest::Submit(InFlightChunk& c) {
   const int slot = static_cast<int>(c.index % 2);
   if (c.device_path) {
     absl::StatusOr<LceService::StagedCall> staged = service_.StageOnDevice(
@@ -343,19 +341,18 @@ grpc::Status StreamedRequest::Submit(InFlightChunk& c) {
       },
       [this, st, &c]() -> absl::Status {
         if (st != nullptr) {
-          if (absl::Status s = service_.UnstageFromDevice(*st, c.staged); !s.ok()) return s;
+          LCE_RETURN_IF_ERROR(service_.UnstageFromDevice(*st, c.staged));
         }
-        const grpc::Status g = Answer(c);
-        return absl::Status(static_cast<absl::StatusCode>(g.error_code()), g.error_message());
+        return Answer(c);
       });
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 // Waits for the oldest pipelined chunk to be computed and answered.
-grpc::Status StreamedRequest::WaitOldest() {
+absl::Status StreamedRequest::WaitOldest() {
   const InFlightChunk& c = chunks_[(chunk_index_ - pipeline_->outstanding()) % 2];
   absl::Status s = pipeline_->WaitOldest();
-  return s.ok() ? grpc::Status::OK : ChunkError(c, s);
+  return s.ok() ? absl::OkStatus() : ChunkError(c, s);
 }
 
 absl::Status StreamedRequest::CallEngine(InFlightChunk& c, const char* what, const Upstream& up,
@@ -369,7 +366,7 @@ absl::Status StreamedRequest::CallEngine(InFlightChunk& c, const char* what, con
 
 // Unpipelined: the engine call here (into the request's pending dW when it accumulates), then the
 // answer.
-grpc::Status StreamedRequest::Compute(InFlightChunk& c) {
+absl::Status StreamedRequest::Compute(InFlightChunk& c) {
   absl::Status s;
   if (is_pl_) s = PolicyForward(c);
   if (s.ok()) {
@@ -469,7 +466,7 @@ absl::Status StreamedRequest::PolicyForward(InFlightChunk& c) {
 }
 
 // After its engine call: sums, metrics, and the answer on its way.
-grpc::Status StreamedRequest::Answer(InFlightChunk& c) {
+absl::Status StreamedRequest::Answer(InFlightChunk& c) {
   v1::ChunkResult* out = c.resp.mutable_chunk();
   if (is_fb_ || is_pl_) {
     for (float l : c.loss) loss_sum_ += l;
@@ -483,85 +480,83 @@ grpc::Status StreamedRequest::Answer(InFlightChunk& c) {
   // A client that shrank its shm object meanwhile had the server compute on zeros: no answer.
   for (const auto& [slice, what] : {std::pair{&c.hidden_slice, "hidden_region"}, {&c.dh_slice, "d_hidden_region"}}) {
     if (absl::Status s = RegionRegistry::CheckIntact(*slice, what); !s.ok()) {
-      return ToGrpcStatus(absl::Status(s.code(), absl::StrCat("chunk ", c.index, ": ", s.message())));
+      return absl::Status(s.code(), absl::StrCat("chunk ", c.index, ": ", s.message()));
     }
   }
   c.hidden_slice = {};
   c.dh_slice = {};
   const bool last = !SummaryFollows() && c.index == last_chunk_.load();
   bool written = false;
-  grpc::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read an answer"), [&] {
+  absl::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read an answer"), [&] {
     return Timed(&RequestWork::write_wait_seconds,
                  [&] { return last ? writer_->PushLast(std::move(c.resp)) : writer_->Push(std::move(c.resp)); });
   }, &written);
   if (!g.ok()) return g;
-  if (!written) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  if (!written) return absl::CancelledError("client went away");
   c.resp = v1::StreamResponse();
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 // The stream's end: the pipeline drained, the declared counts, the summary, the last answers out.
-grpc::Status StreamedRequest::Finish() {
+absl::Status StreamedRequest::Finish() {
   last_chunk_.store(chunk_index_ - 1);
   if (pipeline_ != nullptr) pipeline_->Close();  // its threads end with the last chunk
   while (pipeline_ != nullptr && pipeline_->outstanding() > 0) {
-    if (grpc::Status g = WaitOldest(); !g.ok()) return g;
+    LCE_RETURN_IF_ERROR(WaitOldest());
   }
   // A Call's client that left is seen when its answer is sent.
   if (stream_->WaitsOnClient() && ctx_->IsCancelled()) {
-    return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+    return absl::CancelledError("client cancelled");
   }
-  if (rows_seen_ == 0) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request has a header but no rows");
-  if (grpc::Status g = CheckDeclaredCounts(); !g.ok()) return g;
-  if (grpc::Status g = EndContribution(); !g.ok()) return g;
-  if (grpc::Status g = SendSummary(); !g.ok()) return g;
+  if (rows_seen_ == 0) return absl::InvalidArgumentError("request has a header but no rows");
+  LCE_RETURN_IF_ERROR(CheckDeclaredCounts());
+  LCE_RETURN_IF_ERROR(EndContribution());
+  LCE_RETURN_IF_ERROR(SendSummary());
   bool drained = false;
-  grpc::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read the last answers"), [&] {
+  absl::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read the last answers"), [&] {
     return Timed(&RequestWork::drain_seconds, [&] { return writer_->Finish(); });
   }, &drained);
   if (!g.ok()) return g;
-  if (!drained) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
-  return grpc::Status::OK;
+  if (!drained) return absl::CancelledError("client went away");
+  return absl::OkStatus();
 }
 
 // A part of a split request (header.partial) carries the whole request's counts: the client checks
 // that its parts add up.
-grpc::Status StreamedRequest::CheckDeclaredCounts() const {
-  if (plan_->partial) return grpc::Status::OK;
+absl::Status StreamedRequest::CheckDeclaredCounts() const {
+  if (plan_->partial) return absl::OkStatus();
   if (is_fb_ && plan_->reduction == v1::REDUCTION_MEAN && plan_->declared_valid_tokens != valid_seen_) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("header.num_valid_tokens declared ", plan_->declared_valid_tokens,
-                                     " but the request has ", valid_seen_,
-                                     " non-ignored rows; the returned d_hidden is wrong, discard it"));
+    return absl::InvalidArgumentError(absl::StrCat("header.num_valid_tokens declared ", plan_->declared_valid_tokens,
+                                                   " but the request has ", valid_seen_,
+                                                   " non-ignored rows; the returned d_hidden is wrong, discard it"));
   }
-  if (!is_pl_) return grpc::Status::OK;
+  if (!is_pl_) return absl::OkStatus();
   for (int64_t q = 0; q < num_seq_; ++q) {
     if (seq_seen_[q] != plan_->sequence_valid_tokens[q]) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("policy.sequence_valid_tokens[", q, "] declared ", plan_->sequence_valid_tokens[q],
-                                       " but the request has ", seq_seen_[q],
-                                       " non-ignored rows in that sequence; discard the returned d_hidden"));
+      return absl::InvalidArgumentError(absl::StrCat("policy.sequence_valid_tokens[", q, "] declared ", plan_->sequence_valid_tokens[q],
+                                                     " but the request has ", seq_seen_[q],
+                                                     " non-ignored rows in that sequence; discard the returned d_hidden"));
     }
   }
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 // Every row computed and checked: the request's dW is added now, before its summary leaves (so a
 // client that reads the summary finds it in dW), or, deferred, waits for CommitGrad under the id
 // the summary carries. A failure after this adds nothing more and takes nothing back.
-grpc::Status StreamedRequest::EndContribution() {
-  if (contribution_.id == 0) return grpc::Status::OK;
+absl::Status StreamedRequest::EndContribution() {
+  if (contribution_.id == 0) return absl::OkStatus();
   const uint64_t id = contribution_.id;
   contribution_ = {};
   const auto end = plan_->defer_weight_grad ? LceService::ContributionEnd::kDefer : LceService::ContributionEnd::kCommit;
-  if (absl::Status s = service_.EndContribution(*plan_->head, id, end); !s.ok()) return ToGrpcStatus(s);
+  LCE_RETURN_IF_ERROR(service_.EndContribution(*plan_->head, id, end));
   if (plan_->defer_weight_grad) deferred_id_ = id;
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status StreamedRequest::SendSummary() {
+absl::Status StreamedRequest::SendSummary() {
   // A Backward's summary carries its weight gradient's outcome (and its pending id, deferred).
-  if (!SummaryFollows()) return grpc::Status::OK;
+  if (!SummaryFollows()) return absl::OkStatus();
   v1::StreamResponse resp;
   v1::RequestSummary* sum = resp.mutable_summary();
   sum->set_rows(rows_seen_);
@@ -582,11 +577,11 @@ grpc::Status StreamedRequest::SendSummary() {
     sum->set_mean_kl(policy_sums_.kl / t);
   }
   bool written = false;
-  grpc::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read an answer"),
+  absl::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read an answer"),
                                         [&] { return writer_->PushLast(std::move(resp)); }, &written);
   if (!g.ok()) return g;
-  if (!written) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
-  return grpc::Status::OK;
+  if (!written) return absl::CancelledError("client went away");
+  return absl::OkStatus();
 }
 
 }  // namespace lce::server

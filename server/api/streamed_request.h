@@ -39,7 +39,7 @@ class StreamedRequest {
 
   // The whole request; its status is the RPC's. One that fails before its rows are done adds nothing
   // to dW (its pending contribution is released).
-  grpc::Status Run();
+  absl::Status Run();
 
  private:
   // A chunk from its message to its answer. Two exist: on a pipelined stream chunk k computes while
@@ -93,16 +93,16 @@ class StreamedRequest {
     }
   };
 
-  grpc::Status Stages();
-  grpc::Status Admit();
+  absl::Status Stages();
+  absl::Status Admit();
   // A slot of the server's and of the client's share, or RESOURCE_EXHAUSTED saying which is full.
-  grpc::Status TakeSlot();
-  grpc::Status Receive(bool* more);
-  grpc::Status Accept(InFlightChunk& c);
-  grpc::Status ResolveRegions(InFlightChunk& c);
-  grpc::Status Prepare(InFlightChunk& c);
-  grpc::Status Submit(InFlightChunk& c);
-  grpc::Status Compute(InFlightChunk& c);
+  absl::Status TakeSlot();
+  absl::Status Receive(bool* more);
+  absl::Status Accept(InFlightChunk& c);
+  absl::Status ResolveRegions(InFlightChunk& c);
+  absl::Status Prepare(InFlightChunk& c);
+  absl::Status Submit(InFlightChunk& c);
+  absl::Status Compute(InFlightChunk& c);
   // Dynamic batching (dynamic_batcher.h): may the chunk's call be merged with other requests'; the
   // call through the batcher.
   bool Batchable(const InFlightChunk& c) const;
@@ -111,17 +111,17 @@ class StreamedRequest {
   absl::Status PolicyForward(InFlightChunk& c);
   absl::Status CallEngine(InFlightChunk& c, const char* what, const Upstream& up, const RowOutputs& outs,
                           const GradOutputs& grads);
-  grpc::Status Answer(InFlightChunk& c);
-  grpc::Status WaitOldest();
-  grpc::Status Finish();
-  grpc::Status CheckDeclaredCounts() const;
-  grpc::Status SendSummary();
+  absl::Status Answer(InFlightChunk& c);
+  absl::Status WaitOldest();
+  absl::Status Finish();
+  absl::Status CheckDeclaredCounts() const;
+  absl::Status SendSummary();
   // ForwardBackward and PolicyLoss end with a summary, and so does a Backward that adds dW (its
   // pending id, deferred).
   bool SummaryFollows() const { return is_fb_ || is_pl_ || (is_bw_ && plan_->accumulate_weight_grad); }
-  grpc::Status ChunkError(const InFlightChunk& c, const absl::Status& s) const;
+  absl::Status ChunkError(const InFlightChunk& c, const absl::Status& s) const;
   // The request's pending dW committed (or, deferred, handed to CommitGrad) once its rows are done.
-  grpc::Status EndContribution();
+  absl::Status EndContribution();
   // `f()`, its time added to the request log's `acc` when the request is accounted.
   template <typename F>
   auto Timed(double RequestWork::*acc, F&& f);

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "status_macros.h"
 
 namespace lce::server {
 namespace {
@@ -82,7 +83,7 @@ absl::Status CopyAll(int in, int out, const std::string& from, const std::string
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return Errno("cannot read", from);
     if (n == 0) return absl::OkStatus();
-    if (absl::Status s = WriteAll(out, buf, static_cast<size_t>(n), to); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(WriteAll(out, buf, static_cast<size_t>(n), to));
   }
 }
 

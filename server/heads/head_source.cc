@@ -18,6 +18,7 @@
 #include "durable_file.h"
 #include "nlohmann/json.hpp"
 #include "safetensors.h"
+#include "status_macros.h"
 
 namespace lce::server {
 namespace {
@@ -159,7 +160,7 @@ absl::Status CheckSaveName(const std::string& name) {
 
 absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::string& name, int64_t version,
                                            const HeadWeights& w, int rank, int world) {
-  if (absl::Status s = CheckSaveName(name); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(CheckSaveName(name));
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::PermissionDeniedError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
@@ -170,13 +171,13 @@ absl::StatusOr<std::string> WriteHeadShard(const std::string& dir, const std::st
     tensors.push_back({"lm_head.bias", DType::kFloat32, {w.shape.shard_rows},
                        reinterpret_cast<const uint8_t*>(w.bias.data()), static_cast<int64_t>(w.bias.size() * 4)});
   }
-  if (absl::Status s = WriteSafetensors(path, tensors); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(WriteSafetensors(path, tensors));
   return path;
 }
 
 absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::string& name, int64_t version,
                                            const HeadShape& shape, int world) {
-  if (absl::Status s = CheckSaveName(name); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(CheckSaveName(name));
   nlohmann::ordered_json index = {{"format", "lce-serve sharded head"},
                                   {"tensor", "lm_head.weight"},
                                   {"vocab_size", shape.vocab_size},
@@ -204,7 +205,7 @@ absl::StatusOr<std::string> WriteHeadIndex(const std::string& dir, const std::st
 
 absl::Status ProtectCommittedSave(const std::string& dir, const std::string& name, int64_t version, int world) {
   namespace fs = std::filesystem;
-  if (absl::Status s = CheckSaveName(name); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(CheckSaveName(name));
   const std::string path = (fs::path(dir) / (name + ".index.json")).string();
   std::ifstream in(path);
   if (!in) return absl::OkStatus();  // no save yet
@@ -228,7 +229,7 @@ absl::Status ProtectCommittedSave(const std::string& dir, const std::string& nam
     const std::string file = file_of((*shards)[k]);
     if (file.empty()) return absl::OkStatus();  // an index that does not load: nothing to keep
     const std::string moved = ShardFileName(name, 0, k, n);
-    if (absl::Status s = LinkDurably(dir, file, moved); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(LinkDurably(dir, file, moved));
     (*shards)[k]["file"] = moved;
   }
   const std::string text = index.dump(1) + "\n";
@@ -404,7 +405,7 @@ absl::StatusOr<std::shared_ptr<HeadWeights>> LoadCheckedHead(const HeadSource& s
   const VocabRange range = VocabShard(shape->vocab_size, tp_rank, tp_size);
   shape->vocab_begin = range.begin;
   shape->shard_rows = range.end - range.begin;
-  if (absl::Status s = CheckShardSize(*shape, max_shard_bytes); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(CheckShardSize(*shape, max_shard_bytes));
   auto head = std::make_shared<HeadWeights>();
   head->shape = *shape;
   if (source.file.empty()) {
@@ -412,7 +413,7 @@ absl::StatusOr<std::shared_ptr<HeadWeights>> LoadCheckedHead(const HeadSource& s
   } else if (absl::Status s = IsIndex(source.file) ? ReadIndexed(source, *head) : ReadFile(source, *head); !s.ok()) {
     return s;
   }
-  if (absl::Status v = ValidateHeadWeights(*head); !v.ok()) return v;
+  LCE_RETURN_IF_ERROR(ValidateHeadWeights(*head));
   return head;
 }
 

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "durable_file.h"
 #include "nlohmann/json.hpp"
+#include "status_macros.h"
 
 namespace lce::server {
 namespace {
@@ -100,7 +101,7 @@ absl::Status CheckRegularFile(const std::string& path) {
 }  // namespace
 
 absl::StatusOr<SafetensorsEntry> ReadSafetensorsEntry(const std::string& path, const std::string& tensor) {
-  if (absl::Status s = CheckRegularFile(path); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(CheckRegularFile(path));
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   in.seekg(0, std::ios::end);
@@ -139,7 +140,7 @@ absl::StatusOr<std::vector<uint8_t>> ReadSafetensorsRows(const std::string& path
   absl::StatusOr<int64_t> bytes = TensorBytes(row_end - row_begin, entry.cols, DTypeSize(entry.dtype), path);
   if (!bytes.ok()) return bytes.status();
   const int64_t row_bytes = entry.cols * DTypeSize(entry.dtype);
-  if (absl::Status s = CheckRegularFile(path); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(CheckRegularFile(path));
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   std::vector<uint8_t> out;
@@ -171,10 +172,10 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
     uint8_t len[8];
     const uint64_t n = text.size();
     for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
-    if (absl::Status s = WriteAll(fd, len, 8, path); !s.ok()) return s;
-    if (absl::Status s = WriteAll(fd, text.data(), text.size(), path); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(WriteAll(fd, len, 8, path));
+    LCE_RETURN_IF_ERROR(WriteAll(fd, text.data(), text.size(), path));
     for (const auto& t : tensors) {
-      if (absl::Status s = WriteAll(fd, t.data, static_cast<size_t>(t.bytes), path); !s.ok()) return s;
+      LCE_RETURN_IF_ERROR(WriteAll(fd, t.data, static_cast<size_t>(t.bytes), path));
     }
     return absl::OkStatus();
   });

@@ -12,7 +12,8 @@
 
 namespace lce::server {
 
-// The parsed flags; their defaults and help are the absl flags' in server_flags.cc.
+// The parsed flags. Each field is set by the flag that names it in server_flags.cc
+// (LCE_SERVER_FLAG: its type, default, help and this field, in one place).
 struct ServerFlags {
   std::string host;
   int port{};  // 0: pick a free port
@@ -89,5 +90,7 @@ struct ServerFlags {
 absl::StatusOr<ServerFlags> ParseServerFlags(int argc, char** argv);
 // --help's text: every flag with its default and help, generated from the flags.
 std::string ServerUsage();
+// The same as a Markdown table, docs/OPERATING.md's (a test keeps the two equal).
+std::string ServerFlagsMarkdown();
 
 }  // namespace lce::server

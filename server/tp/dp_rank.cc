@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "status_macros.h"
 #include "tp_group.h"
 
 namespace lce::server {
@@ -87,7 +88,7 @@ absl::Status MarkDpJobFormed(const DpOptions& o) {
 }
 
 absl::StatusOr<std::unique_ptr<DpRank>> DpRank::Join(const DpOptions& o, int tp_rank, bool cuda, int device) {
-  if (absl::Status s = CheckRendezvousDirectory(o.rendezvous); !s.ok()) return s;  // before any link reads it
+  LCE_RETURN_IF_ERROR(CheckRendezvousDirectory(o.rendezvous));  // before any link reads it
   const TpBootstrap b = DpBootstrap(o, absl::StrCat("tp-", tp_rank), absl::StrCat("data-parallel link of rank ", tp_rank));
   absl::StatusOr<std::unique_ptr<TpCommunicator>> comm;
   std::unique_ptr<ChunkStaging> staging;
@@ -142,7 +143,7 @@ absl::Status DpRank::SumGrad(HeadTrainer& trainer) {
   const int64_t n = trainer.grad_elements();
   for (int64_t i = 0; i < n; i += kPieceFloats) {
     const int64_t count = std::min(kPieceFloats, n - i);
-    if (absl::Status s = comm_->AllReduce(grad + i, count, ReduceOp::kSum, device, trainer.stream()); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(comm_->AllReduce(grad + i, count, ReduceOp::kSum, device, trainer.stream()));
   }
   return absl::OkStatus();
 }
@@ -151,7 +152,7 @@ absl::Status DpRank::Reduce(const absl::Status& ready, HeadTrainer* trainer, TpC
   // This replica's group first: can every rank step, and are all their links up?
   float group[2] = {ready.ok() ? 0.0f : 1.0f, health().ok() ? 0.0f : 1.0f};
   if (tp != nullptr) {
-    if (absl::Status s = AllReduceFloats(*tp, *tp_staging, group, 2, ReduceOp::kMax); !s.ok()) return s;  // the group's
+    LCE_RETURN_IF_ERROR(AllReduceFloats(*tp, *tp_staging, group, 2, ReduceOp::kMax));  // the group's
   }
   if (group[1] != 0.0f) return Lose(absl::AbortedError("a data-parallel link of this replica failed before"));
   // Then every replica's group; dW is summed only when all can step, so that a step not taken leaves
@@ -163,7 +164,7 @@ absl::Status DpRank::Reduce(const absl::Status& ready, HeadTrainer* trainer, TpC
   // A link that failed on any rank of this replica takes the replica's training down on all of them.
   float lost = link.ok() ? 0.0f : 1.0f;
   if (tp != nullptr) {
-    if (absl::Status s = AllReduceFloats(*tp, *tp_staging, &lost, 1, ReduceOp::kMax); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(AllReduceFloats(*tp, *tp_staging, &lost, 1, ReduceOp::kMax));
   }
   if (lost != 0.0f) return Lose(link.ok() ? absl::AbortedError("another rank's data-parallel link failed") : link);
   if (!ready.ok()) return ready;

@@ -7,7 +7,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine_options.h"
 #include "head_store.h"
+#include "status_macros.h"
 
 namespace lce::server {
 
@@ -15,7 +17,7 @@ enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kS
 
 namespace {
 
-constexpr uint32_t kMagic = 0x4c434534;  // "LCE4": this layout of the control block
+constexpr uint32_t kMagic = 0x4c434535;  // "LCE5": this layout of the control block
 enum Flags : uint32_t { kGradLoss = 1, kGradLogprob = 2, kGradEntropy = 4, kAccumulateWeightGrad = 8, kFreshWeightGrad = 16,
                         kClassWeights = 32 };
 enum Slot : int { kControl, kHidden, kTargets, kGradLossSlot, kGradLogprobSlot, kGradEntropySlot,
@@ -35,10 +37,7 @@ struct TpControl {
   int64_t rows = 0;
   uint32_t mode = 0;
   uint32_t flags = 0;
-  float temperature = 1, softcap = 0, label_smoothing = 0, z_loss = 0;
-  int32_t ignore_index = -100;
-  uint32_t allow_tf32 = 0;
-  int32_t top_k = 0;
+  OptionBytes options = EncodeOptions(LceOptions{});
   // kCompute with kAccumulateWeightGrad, kCommitPending, kReleasePending: the pending contribution
   // (HeadTrainer::AcquirePending; 0: dW itself), and kCommitPending's scale
   uint64_t pending = 0;
@@ -76,9 +75,9 @@ absl::StatusOr<void*> Share(TpCommunicator& comm, ChunkStaging& staging, int slo
   absl::StatusOr<void*> buf = staging.Buffer(slot, std::max<int64_t>(bytes, 1));
   if (!buf.ok()) return buf.status();
   if (src != nullptr) {
-    if (absl::Status s = staging.Upload(*buf, src, bytes); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(staging.Upload(*buf, src, bytes));
   }
-  if (absl::Status s = comm.Broadcast(*buf, bytes, staging.device(), staging.stream()); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(comm.Broadcast(*buf, bytes, staging.device(), staging.stream()));
   return *buf;
 }
 
@@ -95,7 +94,7 @@ absl::Status ShareControl(TpCommunicator& comm, ChunkStaging& staging, TpControl
 absl::Status AllReduceFloats(TpCommunicator& comm, ChunkStaging& staging, float* values, int n, ReduceOp op) {
   absl::StatusOr<void*> buf = staging.Buffer(kScalars, n * 4);
   if (!buf.ok()) return buf.status();
-  if (absl::Status s = staging.Upload(*buf, values, n * 4); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(staging.Upload(*buf, values, n * 4));
   if (absl::Status s = comm.AllReduce(static_cast<float*>(*buf), n, op, staging.device(), staging.stream()); !s.ok()) {
     return s;
   }
@@ -109,8 +108,8 @@ namespace {
 // their codes; their logs say why). Each failed rank adds 2^rank to one sum.
 absl::Status AgreeOnOutcome(TpCommunicator& comm, ChunkStaging& staging, const absl::Status& mine, const std::string& what) {
   float v[2] = {mine.ok() ? 0.0f : std::ldexp(1.0f, std::min(comm.rank(), 23)), static_cast<float>(mine.code())};
-  if (absl::Status s = AllReduceFloats(comm, staging, v, 1, ReduceOp::kSum); !s.ok()) return s;
-  if (absl::Status s = AllReduceFloats(comm, staging, v + 1, 1, ReduceOp::kMax); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(AllReduceFloats(comm, staging, v, 1, ReduceOp::kSum));
+  LCE_RETURN_IF_ERROR(AllReduceFloats(comm, staging, v + 1, 1, ReduceOp::kMax));
   if (v[0] == 0.0f) return absl::OkStatus();
   if (!mine.ok()) return mine;
   std::vector<std::string> ranks;
@@ -126,7 +125,7 @@ template <typename F>
 absl::Status ForEachPiece(int64_t rows, int64_t row_bytes, F&& f) {
   const int64_t per = std::max<int64_t>(1, kPieceBytes / row_bytes);
   for (int64_t r0 = 0; r0 < rows; r0 += per) {
-    if (absl::Status s = f(r0, std::min(per, rows - r0)); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(f(r0, std::min(per, rows - r0)));
   }
   return absl::OkStatus();
 }
@@ -212,7 +211,7 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
                                     const LceOptions& o, const Upstream& up, const RowOutputs& outputs,
                                     const GradOutputs& grads) {
   TpControl c;
-  if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
   c.version = version;
   c.rows = rows.rows;
   c.mode = static_cast<uint32_t>(up.mode);
@@ -220,14 +219,8 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
             (grads.d_weight ? kAccumulateWeightGrad : 0) | (grads.d_weight && grads.d_weight_fresh ? kFreshWeightGrad : 0) |
             (rows.class_weight ? kClassWeights : 0);
   c.pending = grads.d_weight_pending;
-  c.temperature = o.temperature;
-  c.softcap = o.softcap;
-  c.label_smoothing = o.label_smoothing;
-  c.z_loss = o.z_loss;
-  c.ignore_index = o.ignore_index;
-  c.allow_tf32 = o.allow_tf32 ? 1 : 0;
-  c.top_k = o.top_k;
-  if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+  c.options = EncodeOptions(o);
+  LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
   const HeadShape& shape = local.shape();
   const int64_t n = rows.rows;
   const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
@@ -284,9 +277,9 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
     if (!p.ok()) return p.status();
     dev_grads.d_hidden = *p;
   }
-  if (absl::Status s = local.Compute(view, o, staged_up, dev_out, dev_grads); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(local.Compute(view, o, staged_up, dev_out, dev_grads));
   for (const auto& [host, x] : back) {
-    if (absl::Status s = staging_->Download(host, *x.dst, x.bytes); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(staging_->Download(host, *x.dst, x.bytes));
   }
   if (grads.d_hidden != nullptr) return staging_->Download(grads.d_hidden, dev_grads.d_hidden, n * row_bytes);
   return absl::OkStatus();
@@ -314,7 +307,7 @@ absl::Status TpGroup::GradOp(const std::string& head, TpOp op, uint64_t pending,
     c.op = op;
     c.pending = pending;
     c.scale = scale;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
     return ShareControl(*comm_, *staging_, c, true);
   });
 }
@@ -325,7 +318,7 @@ absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version
   return Locked<absl::StatusOr<ShardStep>>([&]() -> absl::StatusOr<ShardStep> {
     TpControl c;
     c.op = TpOp::kStep;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
     c.version = version;
     c.lr = p.lr;
     c.beta1 = p.beta1;
@@ -333,7 +326,7 @@ absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version
     c.eps = p.eps;
     c.weight_decay = p.weight_decay;
     c.max_grad_norm = max_grad_norm;
-    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
     absl::StatusOr<ShardStep> r = StepShard(std::move(front), vocab_size, comm_, staging_.get(), p, max_grad_norm, dp);
     if (r.status().code() == absl::StatusCode::kInternal) {
       return Fail(absl::InternalError(absl::StrCat("rank 0: ", r.status().message(),
@@ -350,8 +343,8 @@ absl::Status TpGroup::GatherPeerGrads(const std::string& head, const HeadShape& 
     TpControl c;
     c.op = TpOp::kGetGrad;
     c.pending = pending;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
-    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
+    LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
     const int64_t H = shape.hidden_size;
     absl::Status sunk;
     std::vector<float> host;
@@ -360,9 +353,9 @@ absl::Status TpGroup::GatherPeerGrads(const std::string& head, const HeadShape& 
       absl::Status s = ForEachPiece(range.end - range.begin, H * 4, [&](int64_t r0, int64_t n) -> absl::Status {
         absl::StatusOr<void*> buf = staging_->Buffer(kPiece, n * H * 4);
         if (!buf.ok()) return buf.status();
-        if (absl::Status b = comm_->Broadcast(*buf, n * H * 4, staging_->device(), staging_->stream(), r); !b.ok()) return b;
+        LCE_RETURN_IF_ERROR(comm_->Broadcast(*buf, n * H * 4, staging_->device(), staging_->stream(), r));
         host.resize(static_cast<size_t>(n * H));
-        if (absl::Status d = staging_->Download(host.data(), *buf, n * H * 4); !d.ok()) return d;
+        LCE_RETURN_IF_ERROR(staging_->Download(host.data(), *buf, n * H * 4));
         if (sunk.ok()) sunk = sink(range.begin + r0, n, host.data());  // the peers go on regardless
         return absl::OkStatus();
       });
@@ -378,9 +371,9 @@ absl::Status TpGroup::Save(const std::string& head, int64_t version, const std::
     TpControl c;
     c.op = TpOp::kSave;
     c.version = version;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
-    if (absl::Status s = PutText(c.path, dir, "SaveHead directory"); !s.ok()) return s;
-    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
+    LCE_RETURN_IF_ERROR(PutText(c.path, dir, "SaveHead directory"));
+    LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
     return AgreeOnOutcome(*comm_, *staging_, front_part(), absl::StrCat("write its shard to ", dir));
   });
 }
@@ -391,7 +384,7 @@ absl::Status TpGroup::Load(const std::string& head, int64_t version, const TpHea
     TpControl c;
     c.op = TpOp::kLoad;
     c.version = version;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
     const HeadSource& src = source.source;
     c.source = !source.clone_of.empty() ? SourceKind::kClone : src.file.empty() ? SourceKind::kSeeded : SourceKind::kFile;
     c.dtype = static_cast<uint32_t>(src.dtype);
@@ -403,7 +396,7 @@ absl::Status TpGroup::Load(const std::string& head, int64_t version, const TpHea
                            PutText(c.clone_of, source.clone_of, "LoadHead clone_of")}) {
       if (!s.ok()) return s;
     }
-    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
     return AgreeOnOutcome(*comm_, *staging_, front_part(), absl::StrCat("load its shard of head '", head, "'"));
   });
 }
@@ -414,8 +407,8 @@ absl::Status TpGroup::Update(const std::string& head, int64_t version, const Hea
     TpControl c;
     c.op = TpOp::kUpdate;
     c.version = version;
-    if (absl::Status s = PutText(c.head, head, "head name"); !s.ok()) return s;
-    if (absl::Status s = ShareControl(*comm_, *staging_, c, true); !s.ok()) return s;
+    LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
+    LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
     const int64_t row_bytes = full.shape.hidden_size * DTypeSize(full.shape.dtype);
     for (int r = 1; r < comm_->world_size(); ++r) {  // each peer's rows, in pieces
       const VocabRange range = VocabShard(full.shape.vocab_size, r, comm_->world_size());
@@ -447,7 +440,7 @@ class TpPeer {
   absl::Status Run() {
     for (;;) {
       TpControl c;
-      if (absl::Status s = ShareControl(comm_, staging_, c, false); !s.ok()) return s;
+      LCE_RETURN_IF_ERROR(ShareControl(comm_, staging_, c, false));
       if (c.magic != kMagic) return absl::DataLossError("tensor-parallel control block is corrupt (another build?)");
       if (c.op == TpOp::kStop) return absl::OkStatus();
       absl::Status s = Dispatch(c);
@@ -555,14 +548,7 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
     if (!p.ok()) return p.status();
     *g.dst = static_cast<const float*>(*p);
   }
-  LceOptions o;
-  o.temperature = c.temperature;
-  o.softcap = c.softcap;
-  o.label_smoothing = c.label_smoothing;
-  o.z_loss = c.z_loss;
-  o.ignore_index = c.ignore_index;
-  o.allow_tf32 = c.allow_tf32 != 0;
-  o.top_k = c.top_k;
+  const LceOptions o = DecodeOptions(c.options);
   GradOutputs grads;
   if (c.flags & kAccumulateWeightGrad) {
     absl::StatusOr<HeadTrainer*> t = Trainer(head);

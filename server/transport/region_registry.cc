@@ -19,6 +19,7 @@
 #include "lce/device_memory.h"
 #include "request_authenticator.h"
 #include "shm_fault_guard.h"
+#include "status_macros.h"
 
 #ifdef LCE_WITH_CUDA
 #include "cuda/cuda_check.h"
@@ -388,7 +389,7 @@ absl::Status RegionRegistry::CheckRoomLocked(const std::string& session, int64_t
 absl::StatusOr<uint64_t> RegionRegistry::Add(const std::string& session, std::shared_ptr<Region> region) {
   std::lock_guard<std::mutex> lock(mu_);
   // A registration racing the session's end must not leave a region that nothing releases.
-  if (absl::Status s = CheckOpenLocked(session); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(CheckOpenLocked(session));
   // One session's memory is not another's: the same object (by inode), or the same CUDA allocation
   // (a handle another session registered, leaked or guessed), is refused to any other session.
   for (const auto& [_, r] : regions_) {
@@ -466,7 +467,7 @@ absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string&
     return absl::PermissionDeniedError(
         absl::StrCat(what, ": region ", slice.region_id(), " belongs to another session than the request's lce-session"));
   }
-  if (absl::Status s = LostError(*r, what); !s.ok()) return s;
+  LCE_RETURN_IF_ERROR(LostError(*r, what));
   // Every term is checked as signed: a negative size would pass the bound below and wrap to a huge
   // span (issue 16: a read of length -1 streamed the heap, a write overflowed it).
   if (slice.offset() < 0 || slice.byte_size() < 0 || bytes_needed < 0 || slice.byte_size() != bytes_needed ||

@@ -1,5 +1,9 @@
 #include "server_flags.h"
 
+#include <cstdlib>
+#include <fstream>
+#include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -140,6 +144,68 @@ TEST(ServerFlags, FlagfileExpandsInPlace) {
   EXPECT_EQ(f->port, 10);  // later words win
   EXPECT_EQ(f->metrics_port, 0);
   EXPECT_EQ(Parse({"--flagfile=/no/such/file"}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// docs/OPERATING.md's flag table is the flags' own (ServerFlagsMarkdown: name, default and help as
+// declared), so the docs cannot drift from the binary. After changing a flag, regenerate it:
+//   LCE_UPDATE_DOCS=1 build/bin/server_test --gtest_filter='ServerFlags.OperatingDoc*'
+TEST(ServerFlags, OperatingDocTableIsTheFlags) {
+  const std::string path = std::string(LCE_SOURCE_DIR) + "/docs/OPERATING.md";
+  std::stringstream text;
+  text << std::ifstream(path).rdbuf();
+  std::string doc = text.str();
+  const std::string begin = "<!-- server flags: generated from server/ops/server_flags.cc, see tests/server/server_flags_test.cc -->\n";
+  const std::string end = "<!-- end of server flags -->";
+  const size_t b = doc.find(begin), e = doc.find(end);
+  ASSERT_TRUE(b != std::string::npos && e != std::string::npos && b < e) << path << " has no flag table markers";
+  const std::string want = ServerFlagsMarkdown();
+  if (std::getenv("LCE_UPDATE_DOCS") != nullptr) {
+    doc.replace(b + begin.size(), e - b - begin.size(), want);
+    std::ofstream(path) << doc;
+    return;
+  }
+  EXPECT_EQ(doc.substr(b + begin.size(), e - b - begin.size()), want)
+      << path << "'s flag table differs from the flags; regenerate it: LCE_UPDATE_DOCS=1 " << "build/bin/server_test "
+      << "--gtest_filter='ServerFlags.OperatingDoc*'";
+}
+
+// The flags the docs and deploy configs pass to lce_server exist: a command line written in
+// README.md, docs/, deploy/ or docker-compose.yml (after "lce_server"), or a k8s container
+// argument ("- --name"), names a flag --help lists; the systemd unit's flagfile parses.
+TEST(ServerFlags, DocsAndDeployConfigsNameRealFlags) {
+  const std::string usage = ServerUsage();
+  const std::regex command_flag("--([a-z0-9-]+)"), k8s_arg("^\\s*- --([a-z0-9-]+)");
+  int checked = 0;
+  for (const char* file : {"README.md", "docs/OPERATING.md", "docs/TRANSPORT.md", "docs/MATH.md", "deploy/README.md",
+                           "docker-compose.yml", "deploy/k8s/statefulset.yaml", "deploy/k8s/dp/statefulset.yaml"}) {
+    std::ifstream in(std::string(LCE_SOURCE_DIR) + "/" + file);
+    ASSERT_TRUE(in) << file;
+    for (std::string line; std::getline(in, line);) {
+      std::vector<std::string> names;
+      std::smatch m;
+      if (std::string(file).find("k8s/") != std::string::npos && std::regex_search(line, m, k8s_arg)) {
+        names.push_back(m[1]);
+      }
+      const size_t at = line.find("lce_server ");
+      if (at != std::string::npos) {
+        const std::string rest = line.substr(at, line.find('`', at) - at);  // to the end of a code span
+        for (std::sregex_iterator it(rest.begin(), rest.end(), command_flag), end; it != end; ++it) {
+          names.push_back((*it)[1]);
+        }
+      }
+      for (const std::string& name : names) {
+        if (name == "help" || name == "version" || name == "flagfile") continue;
+        ++checked;
+        EXPECT_NE(usage.find("  --" + name + " (default: "), std::string::npos)
+            << file << " passes --" << name << ", which lce_server does not have: " << line;
+      }
+    }
+  }
+  EXPECT_GT(checked, 20) << "the scan found the command lines";
+  // The .deb's config is a flagfile: it parses whole, values included.
+  const std::string conf = std::string(LCE_SOURCE_DIR) + "/deploy/systemd/lce-serve.conf";
+  absl::StatusOr<ServerFlags> installed = Parse({"--flagfile=" + conf});
+  EXPECT_TRUE(installed.ok()) << conf << ": " << installed.status();
 }
 
 }  // namespace
