@@ -66,11 +66,31 @@ absl::StatusOr<TpHeadSource> SourceFrom(const v1::LoadHeadRequest& req) {
 std::shared_ptr<HeadWeights> ShardOf(const HeadWeights& full, const HeadWeights& base) {
   auto w = std::make_shared<HeadWeights>();
   w->shape = base.shape;
-  w->bias = base.bias;
+  w->bias = base.bias;  // a bias the update does not set stays
+  if (!full.bias.empty()) {
+    w->bias.assign(full.bias.begin() + base.shape.vocab_begin, full.bias.begin() + base.shape.vocab_end());
+  }
   const int64_t row_bytes = base.shape.hidden_size * DTypeSize(base.shape.dtype);
   const auto first = full.weight.begin() + base.shape.vocab_begin * row_bytes;
   w->weight.assign(first, first + base.shape.shard_rows * row_bytes);
   return w;
+}
+
+// UpdateWeightsHeader.bias for a head of `shape`: empty (the bias stays), or the new one, checked.
+absl::StatusOr<std::vector<float>> NewBias(const v1::UpdateWeightsHeader& header, const HeadShape& shape, bool tp) {
+  if (header.bias().empty()) return std::vector<float>();
+  if (!shape.has_bias) return absl::InvalidArgumentError("UpdateWeights: header.bias given, but the head has no bias");
+  if (tp) return absl::UnimplementedError("UpdateWeights: a bias on a tensor-parallel group is not supported yet");
+  if (header.bias_size() != shape.vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("UpdateWeights: header.bias has ", header.bias_size(), " values for ", shape.vocab_size, " rows"));
+  }
+  for (int i = 0; i < header.bias_size(); ++i) {
+    if (!std::isfinite(header.bias(i))) {
+      return absl::InvalidArgumentError(absl::StrCat("UpdateWeights: header.bias[", i, "] is not finite; nothing changed"));
+    }
+  }
+  return std::vector<float>(header.bias().begin(), header.bias().end());
 }
 
 // UpdateWeights' client stream as LceService::WithinLimit sees it: one whose reads wait on the
@@ -246,6 +266,29 @@ grpc::Status LceService::ZeroGrad(grpc::ServerContext* ctx, const v1::ZeroGradRe
   });
 }
 
+namespace {
+
+// GetGrad(bias): dB [vocab, 1] in one message (a head with a bias, one rank, not a pending contribution).
+absl::Status SendBiasGrad(HeadTrainer& trainer, const HeadShape& shape, uint64_t pending, bool tp,
+                          grpc::ServerWriter<v1::TensorChunk>* writer) {
+  if (!shape.has_bias) return absl::FailedPreconditionError("GetGrad(bias): the head has no bias");
+  if (pending != 0) return absl::InvalidArgumentError("GetGrad: bias and pending_grad_id go separately");
+  if (tp) return absl::UnimplementedError("GetGrad(bias) on a tensor-parallel group is not supported yet");
+  std::vector<float> d_bias(static_cast<size_t>(shape.shard_rows));
+  LCE_RETURN_IF_ERROR(trainer.CopyBiasGrad(d_bias.data()));
+  v1::TensorChunk chunk;
+  chunk.set_first_row(0);
+  chunk.set_rows(shape.shard_rows);
+  chunk.set_cols(1);
+  chunk.set_rows_total(shape.vocab_size);
+  chunk.set_dtype(v1::DTYPE_FLOAT32);
+  chunk.set_data(reinterpret_cast<const char*>(d_bias.data()), d_bias.size() * sizeof(float));
+  if (!writer->Write(chunk)) return absl::CancelledError("client went away");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequest* req,
                                  grpc::ServerWriter<v1::TensorChunk>* writer) {
   return Recorded("GetGrad", ctx, [&]() -> absl::Status {
@@ -285,6 +328,7 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
       }
       return absl::OkStatus();
     };
+    if (req->bias()) return SendBiasGrad(**trainer, shape, pending, config_.tp_group != nullptr, writer);
     std::vector<float> piece;
     for (int64_t r0 = 0; r0 < shape.shard_rows; r0 += rows_per_chunk) {  // this rank's shard first
       const int64_t n = std::min(rows_per_chunk, shape.shard_rows - r0);
@@ -379,7 +423,10 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
     absl::StatusOr<std::shared_ptr<const ServedHead>> named = heads_->Get(header.head());
     if (!named.ok()) return named.status();
     // The whole weight first (no request waits for the client's upload), then the change.
-    LCE_ASSIGN_OR_RETURN(const HeadWeights full, ReadWholeWeight(next, (*named)->shard_engine->shape()));
+    const HeadShape& named_shape = (*named)->shard_engine->shape();
+    LCE_ASSIGN_OR_RETURN(std::vector<float> bias, NewBias(header, named_shape, config_.tp_group != nullptr));
+    LCE_ASSIGN_OR_RETURN(HeadWeights full, ReadWholeWeight(next, named_shape));
+    full.bias = std::move(bias);
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, (*named)->name);
     LCE_RETURN_IF_ERROR(dp.Ready(change.status()));
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get((*named)->name);

@@ -285,7 +285,7 @@ def assert_close(got, want, *, rtol, atol, what=""):
 GRAD_RTOL = {"fp32": 1e-5, "bf16": 1.2e-2, "fp16": 2e-3}
 
 
-def serve_weight(client, weight, name: str) -> None:
+def serve_weight(client, weight, name: str, bias=None) -> None:
     """The server's head `name` := a torch weight [vocab, hidden] of fp32 / bf16 / fp16 (LoadHead of that
     shape and dtype, then UpdateWeights with the exact values), as a peer project's test initialises its
     own head; its gradient starts at zero."""
@@ -293,8 +293,8 @@ def serve_weight(client, weight, name: str) -> None:
 
     V, H = weight.shape
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[weight.dtype]
-    client.load_head(name, seeded=(V, H, 0, dtype))
-    client.update_weights(weight.detach().cpu().contiguous(), head=name)
+    client.load_head(name, seeded=(V, H, 0, dtype), bias=bias is not None)
+    client.update_weights(weight.detach().cpu().contiguous(), head=name, bias=bias)
     client.zero_grad(head=name)
 
 

@@ -371,8 +371,7 @@ def test_an_accumulating_request_waiting_on_its_client_blocks_no_training_call(s
 @requires_torch
 def test_serve_linear_trains_an_existing_head_like_autograd(srv):
     """serve_linear(nn.Linear): one line puts the layer's exact weight on the server and gives the loss
-    module over it; a training step's dW is the local layer's autograd gradient; a biased layer is
-    refused (the service's heads have no trained bias)."""
+    module over it; a training step's dW is the local layer's autograd gradient."""
     import torch
     from lce_client.torch import serve_linear
 
@@ -387,5 +386,48 @@ def test_serve_linear_trains_an_existing_head_like_autograd(srv):
     ref = torch.nn.functional.cross_entropy(torch.tensor(h) @ layer.weight.T, torch.tensor(y)) * 0.3
     ref.backward()
     assert_close(c.get_grad(head="from-linear"), layer.weight.grad.numpy(), rtol=1e-5, atol=1e-9, what="dW")
-    with pytest.raises(ValueError, match="bias"):
-        serve_linear(torch.nn.Linear(HIDDEN, 53), c, head="biased")
+
+
+@requires_torch
+def test_serve_linear_with_a_bias_trains_it_like_torch(srv):
+    """A biased nn.Linear served as it is (its bias on the server, fp32): the loss is the local layer's,
+    dW and dB are autograd's for a scaled loss, and an AdamW step moves both as torch.optim.AdamW does;
+    a loss under no_grad adds nothing to either."""
+    import torch
+    from lce_client.torch import serve_linear
+
+    server, _ = srv
+    c = lce_client.Client(server.target, timeout=60)
+    torch.manual_seed(5)
+    layer = torch.nn.Linear(HIDDEN, 53, bias=True).double()
+    with torch.no_grad():
+        layer.bias.mul_(4.0)  # a bias large enough to matter
+    module = serve_linear(layer.float(), c, head="biased", train=True)
+    layer = layer.double()
+    h, y = _rows(15)
+    y = np.where(y >= 0, y % 53, y)
+    with torch.no_grad():
+        module(torch.tensor(h), torch.tensor(y))
+    assert not c.get_grad(head="biased", bias=True).any(), "a no_grad forward added to dB"
+    loss = module(torch.tensor(h, requires_grad=True), torch.tensor(y)) * 0.7
+    ref = torch.nn.functional.cross_entropy(layer(torch.tensor(h, dtype=torch.float64)), torch.tensor(y)) * 0.7
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
+    loss.backward()
+    ref.backward()
+    assert_close(c.get_grad(head="biased"), layer.weight.grad.numpy(), rtol=1e-5, atol=1e-9, what="dW")
+    assert_close(c.get_grad(head="biased", bias=True), layer.bias.grad.numpy(), rtol=1e-5, atol=1e-9, what="dB")
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.0)
+    opt.step()
+    c.optimizer_step(head="biased", lr=1e-2)
+    with torch.no_grad():
+        after = module(torch.tensor(h), torch.tensor(y))
+        want = torch.nn.functional.cross_entropy(layer(torch.tensor(h, dtype=torch.float64)), torch.tensor(y))
+    assert float(after) == pytest.approx(float(want), rel=1e-5), "the step moved the bias as AdamW does"
+    # A head without a bias takes none, and has no dB to read.
+    c.load_head("plain", seeded=(53, HIDDEN, 1, "fp32"))
+    with pytest.raises(lce_client.LceError, match="no bias"):
+        c.update_weights(np.zeros((53, HIDDEN), np.float32), head="plain", bias=np.zeros(53, np.float32))
+    with pytest.raises(lce_client.LceError, match="no bias"):
+        c.get_grad(head="plain", bias=True)
+    with pytest.raises(lce_client.LceError, match="53 rows"):
+        c.update_weights(np.zeros((53, HIDDEN), np.float32), head="biased", bias=np.zeros(52, np.float32))

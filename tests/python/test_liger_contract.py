@@ -17,8 +17,9 @@ atol + rtol * |got|).
 Liger's mapping: lse_square_scale is our z_loss (added to the loss, as in CrossEntropyWithZLoss);
 label_smoothing, ignore_index (any value, 42 included), softcap, reduction, ce_weight (class weights),
 return_z_loss, return_token_accuracy and return_predicted_tokens are ours (the op's keywords, answers in
-Liger's CrossEntropyOutput). Cases the service cannot express skip, naming the feature: a bias,
-use_token_scaling. Their
+Liger's CrossEntropyOutput), and a bias (the server's head holds it in fp32 and trains it: their
+bias.grad is the server's dB, Client.get_grad(bias=True)). Cases the service cannot express skip,
+naming the feature: use_token_scaling. Their
 large shape (B, T, H, V) = (8, 128, 1024, 4096) runs with LCE_LIGER_LARGE=1 (2-3 s a case on one
 CPU thread; CI runs their "random shape" (4, 47, 31, 123)).
 """
@@ -32,14 +33,13 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 from conftest import own_server_client, serve_weight  # noqa: E402
-from lce_client.torch import remote_linear_cross_entropy  # noqa: E402
+from lce_client.torch import CrossEntropyOutput, remote_linear_cross_entropy  # noqa: E402
 
 HEAD = "liger"
 LARGE = pytest.param(8, 128, 1024, 4096, marks=pytest.mark.skipif(
     not os.environ.get("LCE_LIGER_LARGE"), reason="Liger's large shape: 2-3 s a case on one CPU thread, about "
     "30 cases, too slow for CI; set LCE_LIGER_LARGE=1 to run it"))
 SHAPES = [LARGE, (4, 47, 31, 123)]
-NO_BIAS = "bias: the service's heads have no bias"
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +71,9 @@ def cross_entropy_with_z_loss(logits, targets, *, lse_square_scale=0.0, reductio
     return (total, z_loss.to(torch.float32)) if return_z_loss else total
 
 
-def torch_lm_head_ce(x, weight, y, *, softcap=None, **ce):
-    """Liger's TorchLMHeadCE.forward (no bias): linear in the inputs' dtype, fp32, softcap, CE + z-loss."""
-    logits = F.linear(x, weight).to(torch.float32)
+def torch_lm_head_ce(x, weight, y, *, bias=None, softcap=None, **ce):
+    """Liger's TorchLMHeadCE.forward: linear (with its bias) in the inputs' dtype, fp32, softcap, CE + z-loss."""
+    logits = F.linear(x, weight, bias).to(torch.float32)
     if softcap is not None and softcap != 0.0:
         logits = softcap * torch.tanh(logits / softcap)
     return cross_entropy_with_z_loss(logits, y, **ce)
@@ -103,18 +103,20 @@ def with_ignored(target, ignore_index, g):
 
 
 def check_case(client, *, B, T, H, V, dtype, reduction, atol, rtol, seed, grad_output=None, weight=None,
-               target=None, x=None, return_z_loss=False, **opts):
-    """Their fixture of one test: the same weight in both heads, the same inputs, loss, input gradient and
-    weight gradient compared; grad_output: the loss's upstream gradient (default ones_like)."""
+               target=None, x=None, return_z_loss=False, bias=None, **opts):
+    """Their fixture of one test: the same weight (and bias) in both heads, the same inputs, loss, input
+    gradient, weight gradient (and bias gradient) compared; grad_output: the loss's upstream gradient
+    (default ones_like)."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.rand(V, H, generator=g, dtype=torch.float32).to(dtype) if weight is None else weight
-    serve_weight(client, weight, HEAD)
+    serve_weight(client, weight, HEAD, bias=bias)
     x = (torch.randn(B * T, H, generator=g, dtype=torch.float32).to(dtype)) if x is None else x
     if target is None:
         target = with_ignored(torch.randint(0, V, (B * T,), generator=g), opts.get("ignore_index", -100), g)
     x1, x2 = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
     w1 = weight.detach().clone().requires_grad_(True)
-    output1 = torch_lm_head_ce(x1, w1, target, reduction=reduction, return_z_loss=return_z_loss, **opts)
+    b1 = bias.detach().clone().requires_grad_(True) if bias is not None else None
+    output1 = torch_lm_head_ce(x1, w1, target, bias=b1, reduction=reduction, return_z_loss=return_z_loss, **opts)
     output2 = remote_lm_head_ce(client, x2, target, reduction=reduction, return_z_loss=return_z_loss, **opts)
     if return_z_loss:  # their check of the z-loss output (CrossEntropyOutput.z_loss)
         (output1, z_output1), output2, z_output2 = output1, output2.loss, output2.z_loss
@@ -126,6 +128,9 @@ def check_case(client, *, B, T, H, V, dtype, reduction, atol, rtol, seed, grad_o
     assert_verbose_allclose(x1.grad, x2.grad, atol=atol, rtol=rtol, what="input grad")
     assert_verbose_allclose(w1.grad, torch.from_numpy(client.get_grad(head=HEAD)), atol=atol, rtol=rtol,
                             what="weight grad (the server's dW)")
+    if bias is not None:
+        assert_verbose_allclose(b1.grad, torch.from_numpy(client.get_grad(head=HEAD, bias=True)), atol=atol,
+                                rtol=rtol, what="bias grad (the server's dB)")
 
 
 REDUCTIONS = [("mean", 1.0, torch.bfloat16, 5e-3, 5e-2), ("mean", 1.0, torch.float32, 1e-5, 5e-4),
@@ -149,12 +154,12 @@ def _options_case(fn):
 def test_correctness(client, B, T, H, V, scalar, dtype, bias, has_ce_weight, lse_square_scale, label_smoothing,
                      ignore_index, reduction, softcap, return_z_loss, accum_dtype, atol, rtol):
     """accum_dtype (Liger's gradient accumulation dtype) needs nothing: the server accumulates in fp32."""
-    skip_unless((bias, NO_BIAS))
-    ce_weight = (torch.rand(V, generator=torch.Generator().manual_seed(V), dtype=torch.float32) if has_ce_weight
-                 else None)
+    g = torch.Generator().manual_seed(V)
+    ce_weight = torch.rand(V, generator=g, dtype=torch.float32) if has_ce_weight else None
+    b = torch.rand(V, generator=g).to(dtype) if bias else None  # theirs: lin.bias.data = torch.rand(V, dtype)
     check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction=reduction, atol=atol, rtol=rtol, seed=B + V,
                lse_square_scale=lse_square_scale, label_smoothing=label_smoothing, ignore_index=ignore_index,
-               softcap=softcap, ce_weight=ce_weight, return_z_loss=return_z_loss)
+               softcap=softcap, ce_weight=ce_weight, return_z_loss=return_z_loss, bias=b)
 
 
 @_options_case
@@ -163,10 +168,10 @@ def test_correctness_with_forward_only(client, B, T, H, V, scalar, dtype, bias, 
                                        accum_dtype, atol, rtol):
     """Under no_grad: the same loss, an output that cannot be backpropagated ("does not require grad"),
     and (our contract) nothing added to the head's gradient."""
-    skip_unless((bias, NO_BIAS))
     g = torch.Generator().manual_seed(B + V + 1)
     weight = torch.rand(V, H, generator=g).to(dtype)
-    serve_weight(client, weight, HEAD)
+    b = torch.rand(V, generator=g).to(dtype) if bias else None
+    serve_weight(client, weight, HEAD, bias=b)
     x = torch.randn(B * T, H, generator=g).to(dtype)
     target = with_ignored(torch.randint(0, V, (B * T,), generator=g), ignore_index, g)
     ce_weight = torch.rand(V, generator=g) if has_ce_weight else None
@@ -174,7 +179,7 @@ def test_correctness_with_forward_only(client, B, T, H, V, scalar, dtype, bias, 
                 ignore_index=ignore_index, softcap=softcap, ce_weight=ce_weight, return_z_loss=return_z_loss)
     x2 = x.clone().requires_grad_(True)
     with torch.no_grad():
-        output1 = torch_lm_head_ce(x, weight, target, **opts)
+        output1 = torch_lm_head_ce(x, weight, target, bias=b, **opts)
         output2 = remote_lm_head_ce(client, x2, target, **opts)
         if return_z_loss:
             assert_verbose_allclose(output1[1], output2.z_loss, atol=atol, rtol=rtol, what="z_loss")
@@ -183,6 +188,8 @@ def test_correctness_with_forward_only(client, B, T, H, V, scalar, dtype, bias, 
     with pytest.raises(RuntimeError, match="does not require grad"):
         output2.backward(gradient=torch.rand_like(output1))
     assert not client.get_grad(head=HEAD).any(), "a no_grad forward added to the head's gradient"
+    if bias:
+        assert not client.get_grad(head=HEAD, bias=True).any(), "a no_grad forward added to the bias's gradient"
 
 
 @pytest.mark.parametrize("B, T, H, V", [(2, 2, 8, 8), (9, 7, 41, 41)])
@@ -195,15 +202,15 @@ def test_correctness_functional(client, B, T, H, V, scalar, dtype, bias, ce_weig
     Liger): randn inputs, weight and ce_weight (negative class weights included), lse_square_scale 1e-4,
     label_smoothing 0.1, softcap 30, mean, return_z_loss, a randn scalar grad_output. Ours against their
     ground truth on the same inputs: loss, z-loss, both gradients."""
-    skip_unless((bias, NO_BIAS))
     g = torch.Generator().manual_seed(B * V + int(ce_weight))
     x = torch.randn(B * T, H, generator=g).to(dtype) * scalar
     target = torch.randint(0, V, (B * T,), generator=g)
     weight = torch.randn(V, H, generator=g).to(dtype)
+    b = torch.randn(V, generator=g).to(dtype) if bias else None
     cw = torch.randn(V, generator=g) if ce_weight else None
     check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction="mean", atol=atol, rtol=rtol, seed=0, x=x,
                weight=weight, target=target, grad_output=torch.randn((), generator=g), lse_square_scale=1e-4,
-               label_smoothing=0.1, softcap=30.0, ce_weight=cw, return_z_loss=True)
+               label_smoothing=0.1, softcap=30.0, ce_weight=cw, return_z_loss=True, bias=b)
 
 
 @pytest.mark.parametrize("B, T, H, V", [(2, 2, 8, 8), (9, 7, 41, 41)])
@@ -229,22 +236,22 @@ def test_correctness_with_token_accuracy(client, B, T, H, V, scalar, dtype, bias
                                          atol, rtol):
     """Their loss and gradients with and without return_token_accuracy, and the accuracy against theirs:
     argmax of the logits in the inputs' dtype, right where it is the target, over the valid tokens."""
-    skip_unless((bias, NO_BIAS))
     g = torch.Generator().manual_seed(B * T)
     weight = torch.rand(V, H, generator=g).to(dtype)
+    b = torch.rand(V, generator=g).to(dtype) if bias else None
     x = (torch.randn(B * T, H, generator=g) * scalar).to(dtype)
     target = with_ignored(torch.randint(0, V, (B * T,), generator=g), -100, g)
     if return_token_accuracy:
-        serve_weight(client, weight, HEAD)
+        serve_weight(client, weight, HEAD, bias=b)
         result = remote_lm_head_ce(client, x.clone().requires_grad_(True), target, reduction=reduction,
                                    return_token_accuracy=True)
         with torch.no_grad():
-            predictions = torch.argmax(x @ weight.t(), dim=-1)
+            predictions = torch.argmax(x @ weight.t() + (b if bias else 0), dim=-1)
             mask = target != -100
             expected_accuracy = ((predictions == target) & mask).sum().float() / mask.sum().float()
         assert_verbose_allclose(result.token_accuracy, expected_accuracy, atol=atol, rtol=rtol, what="accuracy")
     check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction=reduction, atol=atol, rtol=rtol, seed=0,
-               weight=weight, x=x, target=target)
+               weight=weight, x=x, target=target, bias=b)
 
 
 @pytest.mark.parametrize("B, T, H, V", SHAPES)
@@ -254,17 +261,19 @@ def test_correctness_with_token_accuracy(client, B, T, H, V, scalar, dtype, bias
 @pytest.mark.parametrize("accum_dtype", [None, torch.float32])
 def test_amp(client, B, T, H, V, bias, cast_dtype, accum_dtype, atol, rtol):
     """fp32 head and inputs under torch.autocast (CPU here): their ground truth's linear runs in the cast
-    dtype, the server's head in fp32; accum_dtype needs nothing (fp32 accumulation)."""
-    skip_unless((bias, NO_BIAS))
+    dtype, the server's head in fp32; accum_dtype needs nothing (fp32 accumulation). Their bias is
+    nn.Linear's own initialisation (U(±1/sqrt(H))), here the same in both heads."""
     g = torch.Generator().manual_seed(V + int(cast_dtype == torch.float16))
     weight = torch.rand(V, H, generator=g)
-    serve_weight(client, weight, HEAD)
+    b = (torch.rand(V, generator=g) * 2 - 1) / H ** 0.5 if bias else None
+    serve_weight(client, weight, HEAD, bias=b)
     x = torch.randn(B * T, H, generator=g)
     target = torch.randint(0, V, (B * T,), generator=g)
     x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     w1 = weight.clone().requires_grad_(True)
+    b1 = b.clone().requires_grad_(True) if bias else None
     with torch.autocast(device_type="cpu", dtype=cast_dtype):
-        output1 = torch_lm_head_ce(x1, w1, target)
+        output1 = torch_lm_head_ce(x1, w1, target, bias=b1)
         output2 = remote_lm_head_ce(client, x2, target)
     assert_verbose_allclose(output1, output2, atol=atol, rtol=rtol, what="loss")
     with torch.autocast(device_type="cpu", dtype=cast_dtype):
@@ -273,6 +282,9 @@ def test_amp(client, B, T, H, V, bias, cast_dtype, accum_dtype, atol, rtol):
     assert_verbose_allclose(x1.grad, x2.grad, atol=atol, rtol=rtol, what="input grad")
     assert_verbose_allclose(w1.grad, torch.from_numpy(client.get_grad(head=HEAD)), atol=atol, rtol=rtol,
                             what="weight grad (the server's dW)")
+    if bias:
+        assert_verbose_allclose(b1.grad, torch.from_numpy(client.get_grad(head=HEAD, bias=True)), atol=atol,
+                                rtol=rtol, what="bias grad (the server's dB)")
 
 
 @pytest.mark.parametrize("name", ["test_correctness_token_scaling", "test_correctness_token_scaling_consistency",
@@ -285,10 +297,33 @@ def test_token_scaling(name):
 
 @pytest.mark.parametrize("return_z_loss, return_token_accuracy",
                          [(False, False), (True, False), (False, True), (True, True)])
-def test_liger_fused_linear_cross_entropy_structured_output(return_z_loss, return_token_accuracy):
-    """Their hand-written 3x2 head has a bias in every variant."""
-    skip_unless((True, NO_BIAS), (return_z_loss, "return_z_loss (the z-loss as its own output)"),
-                (return_token_accuracy, "return_token_accuracy (token accuracy output)"))
+def test_liger_fused_linear_cross_entropy_structured_output(client, return_z_loss, return_token_accuracy):
+    """Their hand-written 3x2 head with its bias: a plain loss without the flags, a CrossEntropyOutput with
+    them (z_loss / token_accuracy present exactly when asked), the loss equal to F.cross_entropy within
+    1e-6, their accuracy, and a loss that backpropagates."""
+    hidden_states = torch.tensor([[0.2, -0.1], [1.0, 0.5], [-0.3, 0.7]], requires_grad=True)
+    weight = torch.tensor([[0.5, -0.4], [-0.2, 0.3], [0.1, 0.6]])
+    bias = torch.tensor([0.1, -0.2, 0.05])
+    targets = torch.tensor([0, 1, 2])
+    serve_weight(client, weight, HEAD, bias=bias)
+    result = remote_lm_head_ce(client, hidden_states, targets, return_z_loss=return_z_loss,
+                               return_token_accuracy=return_token_accuracy)
+    logits = hidden_states @ weight.t() + bias
+    expected_loss = F.cross_entropy(logits, targets)
+    if not return_z_loss and not return_token_accuracy:
+        assert isinstance(result, torch.Tensor)
+        assert torch.allclose(result, expected_loss, atol=1e-6)
+        result.backward()
+    else:
+        assert isinstance(result, CrossEntropyOutput)
+        assert torch.allclose(result.loss, expected_loss, atol=1e-6)
+        assert (result.z_loss is not None) == return_z_loss
+        assert (result.token_accuracy is not None) == return_token_accuracy
+        if return_token_accuracy:
+            expected_accuracy = (logits.argmax(dim=-1) == targets).float().mean()
+            assert torch.allclose(result.token_accuracy, expected_accuracy, atol=1e-6)
+        result.loss.backward()
+    assert hidden_states.grad is not None
 
 
 @pytest.mark.parametrize("B, T, H, V", SHAPES)
@@ -299,10 +334,10 @@ def test_liger_fused_linear_cross_entropy_structured_output(return_z_loss, retur
 def test_correctness_with_predicted_tokens(client, B, T, H, V, reduction, dtype, bias, ignore_index, atol, rtol):
     """Their checks: CrossEntropyOutput.predicted_tokens int64 [B*T], the logit at the predicted token equal
     to the row's max logit (within their tolerance), -1 for ignored rows, and a loss that backpropagates."""
-    skip_unless((bias, NO_BIAS))
     g = torch.Generator().manual_seed(42)
     weight = torch.randn(V, H, generator=g).to(dtype)
-    serve_weight(client, weight, HEAD)
+    b = torch.randn(V, generator=g).to(dtype) if bias else None
+    serve_weight(client, weight, HEAD, bias=b)
     x = torch.randn(B * T, H, generator=g).to(dtype).requires_grad_(True)
     target = torch.randint(0, V, (B * T,), generator=g)
     target[torch.randperm(B * T, generator=g)[:B * T // 4]] = ignore_index
@@ -313,7 +348,7 @@ def test_correctness_with_predicted_tokens(client, B, T, H, V, reduction, dtype,
     assert result.predicted_tokens.dtype == torch.int64
     mask = target != ignore_index
     with torch.no_grad():
-        logits = x.float() @ weight.float().t()
+        logits = x.float() @ weight.float().t() + (b.float() if bias else 0)
         max_logits = logits[mask].max(dim=-1).values
         predicted = logits[mask].gather(1, result.predicted_tokens[mask].unsqueeze(1)).squeeze(1)
     assert torch.allclose(predicted, max_logits, atol=atol, rtol=rtol)
@@ -329,11 +364,11 @@ def test_correctness_reduction_none_per_token_grad_output(client, B, T, H, V, bi
     """reduction="none" with a non-uniform per-token grad_output: dW = sum_i grad_output[i] * (g_i outer
     x_i). Their regression test for a kernel that scaled every row by grad_output[0]; here the server's
     dW (a recompute with grad_loss = grad_output, docs/MATH.md) against their torch_ref."""
-    skip_unless((bias, NO_BIAS))
     g = torch.Generator().manual_seed(42 + V)
     x = torch.randn(B * T, H, generator=g, dtype=dtype) * 0.1
     weight = torch.randn(V, H, generator=g, dtype=dtype) * 0.1
+    b = torch.randn(V, generator=g, dtype=dtype) * 0.1 if bias else None  # theirs: randn(V) * 0.1
     target = torch.randint(0, V, (B * T,), generator=g)
     grad_output = torch.rand(B * T, generator=g, dtype=dtype) + 0.5
     check_case(client, B=B, T=T, H=H, V=V, dtype=dtype, reduction="none", atol=atol, rtol=rtol, seed=0, x=x,
-               weight=weight, target=target, grad_output=grad_output)
+               weight=weight, target=target, grad_output=grad_output, bias=b)

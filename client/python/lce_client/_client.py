@@ -299,9 +299,10 @@ class Client(_ClientBase):
         return cached.head
 
     def load_head(self, name: str, *, safetensors_file: Optional[str] = None, tensor: str = "",
-                  clone_of: Optional[str] = None, seeded: Optional[tuple] = None) -> HeadInfo:
+                  clone_of: Optional[str] = None, seeded: Optional[tuple] = None, bias: bool = False) -> HeadInfo:
         """Adds or replaces a head: from a safetensors file on the server, a clone of another head, or
-        a seeded random head `seeded=(vocab, hidden, seed, dtype)`."""
+        a seeded random head `seeded=(vocab, hidden, seed, dtype)` (with `bias`: and a zero fp32 bias,
+        which update_weights(bias=...) sets and training trains)."""
         req = pb.LoadHeadRequest(name=name, tensor=tensor)
         if safetensors_file is not None:
             req.safetensors_file = safetensors_file
@@ -309,7 +310,7 @@ class Client(_ClientBase):
             req.clone_of = clone_of
         elif seeded is not None:
             v, h, s, d = seeded
-            req.seeded.CopyFrom(pb.SeededHead(vocab_size=v, hidden_size=h, seed=s, dtype=A.parse_dtype(d)))
+            req.seeded.CopyFrom(pb.SeededHead(vocab_size=v, hidden_size=h, seed=s, dtype=A.parse_dtype(d), bias=bias))
         else:
             raise ValueError("load_head needs safetensors_file, clone_of or seeded")
         with self._lock:
@@ -331,11 +332,12 @@ class Client(_ClientBase):
                 req.scale = float(scale)
             self._unary("CommitGrad", req, self._front.stub)
 
-    def get_grad(self, head: Optional[str] = None, pending_grad: Optional[int] = None) -> np.ndarray:
+    def get_grad(self, head: Optional[str] = None, pending_grad: Optional[int] = None, bias: bool = False) -> np.ndarray:
         """The head's accumulated fp32 gradient dW [vocab, hidden] as numpy; with `pending_grad`, that
-        pending contribution's instead (it stays pending: commit or discard it after)."""
+        pending contribution's instead (it stays pending: commit or discard it after); with `bias`, the
+        bias's gradient dB [vocab] (a head with a bias)."""
         out = None
-        req = pb.GetGradRequest(head=self._head(head), pending_grad_id=int(pending_grad or 0))
+        req = pb.GetGradRequest(head=self._head(head), pending_grad_id=int(pending_grad or 0), bias=bias)
         try:
             for c in self._front.stub.GetGrad(req, timeout=self.timeout,
                                               metadata=self._metadata if pending_grad else self._admin_metadata):
@@ -344,7 +346,9 @@ class Client(_ClientBase):
                 out[c.first_row:c.first_row + c.rows] = np.frombuffer(c.data, dtype="<f4").reshape(c.rows, c.cols)
         except grpc.RpcError as e:
             raise _wrap(e, "GetGrad") from e
-        return out if out is not None else np.zeros((0, 0), dtype=np.float32)
+        if out is None:
+            return np.zeros((0,) if bias else (0, 0), dtype=np.float32)
+        return out.reshape(-1) if bias else out
 
     def optimizer_step(self, head: Optional[str] = None, *, lr: float, beta1: float = 0.9, beta2: float = 0.999,
                        eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float = 0.0,
@@ -355,8 +359,13 @@ class Client(_ClientBase):
             max_grad_norm=max_grad_norm, zero_grad=zero_grad))
         return r.grad_norm, HeadInfo._from(r.head), r.step
 
-    def update_weights(self, weight: Any, head: Optional[str] = None, expected_version: int = 0) -> HeadInfo:
-        """Replaces the head's weight [vocab, hidden] (numpy or torch, of the head's dtype)."""
+    def update_weights(self, weight: Any, head: Optional[str] = None, expected_version: int = 0,
+                       bias: Any = None) -> HeadInfo:
+        """Replaces the head's weight [vocab, hidden] (numpy or torch, of the head's dtype), and with
+        `bias` [vocab] (a head with a bias) its bias; without, the bias stays."""
+        b = None if bias is None else np.ascontiguousarray(
+            bias.detach().to("cpu", copy=True).float().numpy() if hasattr(bias, "detach") else bias,
+            dtype=np.float32).reshape(-1)
         w = A.host_hidden(weight)
         if len(w.lead_shape) != 1:
             raise ValueError("weight must be [vocab, hidden]")
@@ -365,8 +374,8 @@ class Client(_ClientBase):
         buf = w.byte_view()
 
         def gen():
-            yield pb.UpdateWeightsRequest(header=pb.UpdateWeightsHeader(head=self._head(head),
-                                                                        expected_version=expected_version))
+            yield pb.UpdateWeightsRequest(header=pb.UpdateWeightsHeader(
+                head=self._head(head), expected_version=expected_version, bias=[] if b is None else b.tolist()))
             for r0 in range(0, w.rows, step):
                 r1 = min(w.rows, r0 + step)
                 yield pb.UpdateWeightsRequest(chunk=pb.TensorChunk(

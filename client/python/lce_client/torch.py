@@ -543,17 +543,14 @@ def serve_linear(linear: torch.nn.Linear, client: Optional[Client] = None, head:
     returns the loss module over it: ``loss = serve_linear(model.lm_head, client)(hidden, targets)``.
     train: the head trains on the server (autograd's gradient, see remote_linear_cross_entropy; step it
     with Client.optimizer_step). loss_options: RemoteLinearCrossEntropy's (reduction, label_smoothing, ...).
-    A linear with a bias is refused: the service trains heads without one."""
-    if linear.bias is not None:
-        raise ValueError("serve_linear: the linear has a bias, which the service's heads do not train; "
-                         "use bias=False or keep this head local")
+    A linear with a bias is served with it (fp32 on the server, trained with the weight; CPU engine)."""
     dtypes = {v: k for k, v in _TORCH_DTYPES.items()}
     weight = linear.weight.detach()
     if weight.dtype not in dtypes:
         raise TypeError(f"serve_linear: a {weight.dtype} weight; the service holds fp32, bf16 or fp16 heads")
     client = client or get_default_client()
     vocab, hidden = weight.shape
-    client.load_head(head, seeded=(vocab, hidden, 0, dtypes[weight.dtype]))
-    client.update_weights(weight.cpu().contiguous(), head=head)
+    client.load_head(head, seeded=(vocab, hidden, 0, dtypes[weight.dtype]), bias=linear.bias is not None)
+    client.update_weights(weight.cpu().contiguous(), head=head, bias=linear.bias)
     client.zero_grad(head=head)
     return RemoteLinearCrossEntropy(client, head=head, accumulate_weight_grad=train, **loss_options)
