@@ -43,7 +43,7 @@ void CudaEngine::PlanCall(CallPlan& p) const {
   // it: only rank 0 sees the call's outputs, and their partials are merged.
   p.entropy = config_.collectives != nullptr || p.out.entropy != nullptr ||
               (p.up.mode == GradMode::kGeneric && p.up.grad_entropy != nullptr);
-  const bool epi = UseEpilogueStats();
+  const bool epi = UseEpilogueStats() && o.top_k == 0;  // rankings read the logit tiles
   // Fast loss path (fast_grad.cu): no dA pass; the per-row factors go around the GEMMs. Host rows take
   // it as device rows do (host d_weight through the device in slabs, as on the general path), so that
   // a row's d_hidden is the same computation whatever memory its hidden state came from (README.md,
@@ -121,6 +121,7 @@ absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
     LCE_CUDA_CHECK(cudaMemcpyAsync(class_weight_->data(), p.rows.class_weight, bytes, cudaMemcpyHostToDevice, stream_));
     p.class_weight = reinterpret_cast<const float*>(class_weight_->data());
   }
+  if (p.o.top_k > 0) LCE_CUDA_CHECK(PrepareRankings(p));
   p.targets_pending = !p.rows.targets_checked && !p.host;  // device rows: read with block 0's flags
   if (!p.rows.targets_checked) {
     if (absl::Status st = CheckTargets(p.rows, p.o, s); !st.ok()) return st;

@@ -33,6 +33,11 @@ struct CallPlan {
   LogitTransform tf;
   // PrepareCall.
   const float* class_weight = nullptr;       // [V] on the device (host rows': copied to class_weight_)
+  // Rankings (top_k > 0): a block's candidates [R, rank_slots, k] (this rank's from slot rank_slot0), and
+  // host rows' outputs staged on the device (argmax [R], then top tokens and logprobs [R, k]).
+  float* cand = nullptr;
+  int64_t rank_slots = 0, rank_slot0 = 0;
+  uint8_t* rank_out = nullptr;
   bool targets_pending = false;              // device rows' targets: read with block 0's flags
   unsigned long long* bad_host = nullptr;    // host rows: the flags' copy in pinned memory
 };

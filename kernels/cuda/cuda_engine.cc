@@ -171,6 +171,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     BlockIo b;
     LCE_CUDA_CHECK(StageBlock(p, s, r0, b));
     LCE_CUDA_CHECK(ForwardBlock(p, s, b));  // forward, merge, finalize
+    if (p.o.top_k > 0) LCE_CUDA_CHECK(Rank(p, s, b));
     if (!p.backward) {
       if (b.trace) LCE_CUDA_CHECK(TraceForward(p, b));
       continue;
@@ -230,8 +231,7 @@ absl::Status CudaEngine::Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_
 
 absl::Status CudaEngine::CheckCall(const RowsView& rows, const LceOptions& o, const Upstream& up) const {
   if (absl::Status s = ValidateOptions(o); !s.ok()) return s;
-  // Rankings, and class weights with label smoothing, are the CPU engine's so far (docs/MATH.md).
-  if (o.top_k > 0) return absl::UnimplementedError("argmax / top-k rankings are not on the CUDA engine yet");
+  // Class weights with label smoothing are the CPU engine's so far (docs/MATH.md).
   if (rows.class_weight != nullptr && o.label_smoothing > 0.0f) {
     return absl::UnimplementedError("class weights with label smoothing are not on the CUDA engine yet");
   }

@@ -84,6 +84,9 @@ class CudaEngine final : public LceEngine {
   absl::Status StageBlock(const CallPlan& p, Scratch& s, int64_t r0, BlockIo& b);
   // Forward, merge and finalize, again on the general path where the fast path's exp could overflow.
   absl::Status ForwardBlock(const CallPlan& p, Scratch& s, BlockIo& b);
+  // Rankings of a forwarded block (after Finalize: the rows' m and log S), into the call's outputs.
+  absl::Status PrepareRankings(CallPlan& p);
+  absl::Status Rank(const CallPlan& p, const Scratch& s, const BlockIo& b);
   // Forward: the logit tiles' (or the epilogue GEMM's) segment partials and, for a backward, compact copy.
   absl::Status Forward(const CallPlan& p, Scratch& s, const BlockIo& b);
   absl::Status ForwardTiles(const CallPlan& p, Scratch& s, const BlockIo& b, StoreMode mode, unsigned* overflow);
@@ -200,6 +203,7 @@ class CudaEngine final : public LceEngine {
   void* cublas_ws_ = nullptr;
   std::unique_ptr<DeviceBuffer> weight_, bias_, workspace_;
   std::unique_ptr<DeviceBuffer> class_weight_;  // host rows' class weights, copied once a call
+  std::unique_ptr<DeviceBuffer> rank_buf_;      // rankings' candidates and host rows' staged outputs
   PinnedStaging pinned_;
   int64_t tile_ = 0, lds_ = 0, nseg_ = 0;
   bool batch_invariant_ = false;  // one GEMM algorithm for every row count (GemmSpec::n_invariant)

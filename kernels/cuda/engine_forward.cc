@@ -78,6 +78,7 @@ absl::Status CudaEngine::Forward(const CallPlan& p, Scratch& s, const BlockIo& b
   if (b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[0], stream_));
   LCE_CUDA_CHECK(cudaMemsetAsync(s.packed, 0, b.nr * kPacked * sizeof(float), stream_));
   LCE_CUDA_CHECK(cudaMemsetAsync(s.bad + 1, 0, sizeof(unsigned long long), stream_));
+  if (p.o.top_k > 0) LCE_CUDA_CHECK(LaunchFillRankings(p.cand, b.nr, p.rank_slots, p.o.top_k, stream_));
   unsigned* overflow = reinterpret_cast<unsigned*>(s.bad + 1);
   if (p.layout.epi) {
     const EpiCopy copy = !p.backward ? EpiCopy::kNone : b.fast ? EpiCopy::kExp : EpiCopy::kShifted;
@@ -136,7 +137,57 @@ absl::Status CudaEngine::ForwardTiles(const CallPlan& p, Scratch& s, const Block
                                        mode, s.row_c, overflow, aux_));
       }
     }
+    if (p.o.top_k > 0) {
+      LCE_CUDA_CHECK(LaunchSegmentTopK(s.logits[buf], ldz, nr, v0, nv, p.tf, p.o.top_k, shape_.vocab_begin, p.cand,
+                                       p.rank_slots, p.rank_slot0, aux_));
+    }
     LCE_CUDA_CHECK(cudaEventRecord(events_[kEvStats0 + buf], aux_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::PrepareRankings(CallPlan& p) {
+  const int world = config_.collectives != nullptr ? config_.collectives->world_size() : 1;
+  const int rank = config_.collectives != nullptr ? config_.collectives->rank() : 0;
+  const int64_t k = p.o.top_k;
+  p.rank_slots = RankingSlots(shape_.vocab_size, world);
+  p.rank_slot0 = rank * (p.rank_slots / world);
+  const int64_t cand_bytes = RoundUp(p.R * p.rank_slots * k * 8, 256);
+  const int64_t need = cand_bytes + p.R * (1 + 2 * k) * 4;
+  if (rank_buf_ == nullptr || rank_buf_->size() < need) {
+    LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    rank_buf_.reset();
+    absl::StatusOr<std::unique_ptr<DeviceBuffer>> b = AllocateDeviceBuffer(need, config_.device);
+    if (!b.ok()) return b.status();
+    rank_buf_ = std::move(*b);
+  }
+  p.cand = reinterpret_cast<float*>(rank_buf_->data());
+  p.rank_out = rank_buf_->data() + cand_bytes;
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::Rank(const CallPlan& p, const Scratch& s, const BlockIo& b) {
+  const int64_t nr = b.nr, k = p.o.top_k;
+  if (config_.collectives != nullptr) {
+    LCE_CUDA_CHECK(config_.collectives->AllReduce(p.cand, nr * p.rank_slots * k * 2, ReduceOp::kMax, true, stream_));
+  }
+  int32_t* argmax = p.out.argmax != nullptr ? p.out.argmax + b.r0 : nullptr;
+  int32_t* tokens = p.out.top_tokens != nullptr ? p.out.top_tokens + b.r0 * k : nullptr;
+  float* logprobs = p.out.top_logprobs != nullptr ? p.out.top_logprobs + b.r0 * k : nullptr;
+  int32_t* staged_argmax = reinterpret_cast<int32_t*>(p.rank_out);
+  int32_t* staged_tokens = staged_argmax + p.R;
+  float* staged_logprobs = reinterpret_cast<float*>(staged_tokens + p.R * k);
+  LCE_CUDA_CHECK(LaunchMergeTopK(p.cand, nr, p.rank_slots, static_cast<int>(k), s.info,
+                                 p.host && argmax ? staged_argmax : argmax, p.host && tokens ? staged_tokens : tokens,
+                                 p.host && logprobs ? staged_logprobs : logprobs, stream_));
+  if (p.host) {
+    const std::pair<void*, const void*> copies[] = {{argmax, staged_argmax}, {tokens, staged_tokens},
+                                                    {logprobs, staged_logprobs}};
+    for (int i = 0; i < 3; ++i) {
+      if (copies[i].first == nullptr) continue;
+      const int64_t bytes = (i == 0 ? nr : nr * k) * 4;
+      LCE_CUDA_CHECK(cudaMemcpyAsync(copies[i].first, copies[i].second, bytes, cudaMemcpyDeviceToHost, stream_));
+    }
   }
   return absl::OkStatus();
 }

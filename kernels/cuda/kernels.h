@@ -241,4 +241,20 @@ absl::Status LaunchTileSquaredNorms(const float* x, const TileNormShape& shape, 
 absl::Status LaunchCheckTargets(const int32_t* targets, int64_t rows, int64_t vocab_size,
                                 int32_t ignore_index, unsigned long long* bad_row, cudaStream_t stream);
 
+// rankings.cu (docs/MATH.md, "Rankings"). Candidates are (z, id as float) pairs, −inf in both where a
+// slot holds none: a row has `slots` slots of k, one a segment of kSegment columns (a group's ranks
+// each write theirs at rank · slots/world, then all-reduce them with max). RankingSlots: the slots
+// every rank of a group of `world` agrees on.
+int64_t RankingSlots(int64_t vocab_size, int world);
+absl::Status LaunchFillRankings(float* cand, int64_t rows, int64_t slots, int k, cudaStream_t stream);
+// The k best z of each segment of the fp32 logit tile [rows, nv] (leading dimension ldz) of shard columns
+// [v0, v0 + nv) (v0 a multiple of kSegment), transformed as TileStats does, into slot slot0 + column/kSegment.
+absl::Status LaunchSegmentTopK(const float* logits, int64_t ldz, int64_t rows, int64_t v0, int64_t nv,
+                               const LogitTransform& tf, int k, int64_t vocab_begin, float* cand, int64_t slots,
+                               int64_t slot0, cudaStream_t stream);
+// Each row's k best over its slots, with logprob (z − m) − log S from row_info (kInfoMax, kInfoLogS);
+// any output may be null.
+absl::Status LaunchMergeTopK(const float* cand, int64_t rows, int64_t slots, int k, const float* row_info,
+                             int32_t* argmax, int32_t* top_tokens, float* top_logprobs, cudaStream_t stream);
+
 }  // namespace lce::cuda

@@ -16,7 +16,8 @@ set(LCE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/head_trainer.cc
   ${CMAKE_CURRENT_LIST_DIR}/adamw.cu
   ${CMAKE_CURRENT_LIST_DIR}/grad_commit.cu
-  ${CMAKE_CURRENT_LIST_DIR}/grad_norm.cu)
+  ${CMAKE_CURRENT_LIST_DIR}/grad_norm.cu
+  ${CMAKE_CURRENT_LIST_DIR}/rankings.cu)
 # CMake 3.25 knows no C++20 flag for nvcc and would fall back on CXX_STANDARD (20) for the .cu files:
 # compile them as C++17 (they need nothing newer).
 if(TARGET lce_kernels)

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <functional>
 #include <limits>
 #include <random>
@@ -357,6 +358,69 @@ TEST_F(CudaTest, ClassWeightsAndZLossMatchReference) {
   auto e = MakeCuda(p);
   ASSERT_NE(e, nullptr);
   EXPECT_EQ(RunEngine(*e, p, MemorySpace::kHost, {}).status.code(), absl::StatusCode::kUnimplemented);
+}
+
+// Rankings (argmax, top-k) against a float64 sort, host and device rows, with softcap and temperature:
+// the j-th logprob is the j-th largest and the token named has it (near-equal logits may swap between
+// fp32 and float64, so tokens are checked through their values); argmax is the first.
+TEST_F(CudaTest, RankingsMatchFloat64Sort) {
+  uint64_t seed = 8000;
+  for (int k : {1, 20, 64}) {
+    ProblemSpec sp;
+    sp.mode = GradMode::kNone;
+    sp.rows = 45;
+    sp.h_scale = 2.0;
+    sp.options.top_k = k;
+    sp.options.temperature = 0.8f;
+    sp.options.softcap = 12.0f;
+    Problem p = MakeProblem(sp, ++seed);
+    const RefResult ref = testing::ReferenceLce(p.ref);
+    auto e = MakeCuda(p);
+    ASSERT_NE(e, nullptr);
+    const int64_t N = sp.rows, V = sp.vocab;
+    for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+      std::vector<int32_t> argmax(N, -7), tokens(N * k, -7);
+      std::vector<float> logprobs(N * k, NAN);
+      RowOutputs out;
+      if (space == MemorySpace::kHost) {
+        out.argmax = argmax.data();
+        out.top_tokens = tokens.data();
+        out.top_logprobs = logprobs.data();
+        RowsView rows{p.hidden.data(), p.ref.targets.data(), N, MemorySpace::kHost};
+        ASSERT_TRUE(e->Compute(rows, p.ref.options, Upstream{}, out, GradOutputs{}).ok());
+      } else {
+        uint8_t* d_hidden = ToDevice(p.hidden);
+        int32_t* d_targets = ToDevice(p.ref.targets);
+        int32_t* d_argmax = ToDevice(argmax);
+        int32_t* d_tokens = ToDevice(tokens);
+        float* d_logprobs = ToDevice(logprobs);
+        out.argmax = d_argmax;
+        out.top_tokens = d_tokens;
+        out.top_logprobs = d_logprobs;
+        RowsView rows{d_hidden, d_targets, N, MemorySpace::kDevice};
+        ASSERT_TRUE(e->Compute(rows, p.ref.options, Upstream{}, out, GradOutputs{}).ok());
+        FromDevice(d_argmax, argmax);
+        FromDevice(d_tokens, tokens);
+        FromDevice(d_logprobs, logprobs);
+        for (void* q : {static_cast<void*>(d_hidden), static_cast<void*>(d_targets), static_cast<void*>(d_argmax),
+                        static_cast<void*>(d_tokens), static_cast<void*>(d_logprobs)}) {
+          cudaFree(q);
+        }
+      }
+      for (int64_t i = 0; i < N; ++i) {
+        std::vector<double> row(ref.all_logprob.begin() + i * V, ref.all_logprob.begin() + (i + 1) * V);
+        std::vector<double> sorted = row;
+        std::partial_sort(sorted.begin(), sorted.begin() + k, sorted.end(), std::greater<double>());
+        for (int j = 0; j < k; ++j) {
+          const int32_t t = tokens[i * k + j];
+          ASSERT_TRUE(t >= 0 && t < V) << "k " << k << " row " << i << " rank " << j;
+          EXPECT_NEAR(logprobs[i * k + j], sorted[j], 1e-4 * (1 + std::abs(sorted[j]))) << "row " << i << " rank " << j;
+          EXPECT_NEAR(row[t], sorted[j], 1e-4 * (1 + std::abs(sorted[j]))) << "row " << i << " rank " << j;
+        }
+        EXPECT_EQ(argmax[i], tokens[i * k]) << "row " << i;
+      }
+    }
+  }
 }
 
 TEST_F(CudaTest, OddShapes) {
