@@ -163,6 +163,34 @@ void EpilogueAb(lce::LceEngine& engine, int64_t N, int64_t H, Score score, Train
               row->d_loss, row->d_hidden);
 }
 
+// --top-k K: the score again with each row's top K and argmax (the logit-tile path), its time against
+// the plain score's.
+void TimeRankings(lce::LceEngine& engine, const lce::RowsView& view, float* lp, float* ent, bool logprob_only,
+                  int64_t N, int k, int warmup, int reps, cudaStream_t stream, double score_ms) {
+  int32_t *argmax = nullptr, *tokens = nullptr;
+  float* logprobs = nullptr;
+  CHECK_CUDA(cudaMalloc(&argmax, N * 4));
+  CHECK_CUDA(cudaMalloc(&tokens, N * k * 4));
+  CHECK_CUDA(cudaMalloc(&logprobs, N * k * 4));
+  lce::LceOptions opt;
+  opt.top_k = k;
+  lce::RowOutputs out{lp, logprob_only ? nullptr : ent};
+  out.argmax = argmax;
+  out.top_tokens = tokens;
+  out.top_logprobs = logprobs;
+  auto ranked = [&] {
+    absl::Status st = engine.Compute(view, opt, {}, out, {});
+    if (!st.ok()) {
+      std::fprintf(stderr, "score with rankings: %s\n", st.ToString().c_str());
+      std::exit(1);
+    }
+  };
+  const double ms = MedianMs(ranked, warmup, reps, stream);
+  std::printf("N=%ld: score with top-%d and argmax %.3f ms (x%.3f of the plain score's %.3f ms)\n", N, k, ms,
+              ms / score_ms, score_ms);
+  for (void* p : {static_cast<void*>(argmax), static_cast<void*>(tokens), static_cast<void*>(logprobs)}) cudaFree(p);
+}
+
 // --probe R: times the GEMM shapes the engine runs per row block of R rows (dW chunk, forward tile)
 // with cublasGemmEx (beta 1 / 0, fp32 / bf16 out) and every cuBLASLt heuristic candidate.
 void Probe(int64_t R, int64_t H, int64_t V, cublasHandle_t cublas) {
@@ -242,6 +270,7 @@ int main(int argc, char** argv) {
   std::string shapes = "8192x4096x128256,16384x2048x151936,4096x8192x152064,16384x4096x151936";
   std::string json;
   int reps = 10, warmup = 3;
+  int top_k = 0;  // --top-k K: also a score with the rankings (argmax, top K), its time beside the plain score's
   int64_t probe_rows = 0;
   bool score_ab = false;
   bool logprob_only = false;
@@ -257,6 +286,7 @@ int main(int argc, char** argv) {
     else if (a == "--score-logprob-only") logprob_only = true;
     else if (a == "--score-only") score_only = true;
     else if (a == "--probe") probe_rows = std::atoll(next().c_str());
+    else if (a == "--top-k") top_k = std::atoi(next().c_str());
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;
@@ -377,6 +407,7 @@ int main(int argc, char** argv) {
     mean_loss /= valid;
     const double train_ms = score_only ? 0.0 : MedianMs(train, warmup, reps, stream);
     const double score_ms = MedianMs(score, warmup, reps, stream);
+    if (top_k > 0) TimeRankings(*engine, view, lp, ent, logprob_only, N, top_k, warmup, reps, stream, score_ms);
     const double extra = static_cast<double>(free1 - free2) / (1 << 30);
     Row row{N, H, V, 0, train_ms, score_ms, extra, mean_loss};
     if (score_ab) EpilogueAb(*engine, N, H, score, train, lp, ent, loss, dh, warmup, reps, stream, &row);
