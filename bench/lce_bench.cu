@@ -120,8 +120,8 @@ void SetEpilogueStats(lce::LceEngine& engine, bool on) {
 
 template <class Score, class Train>
 void EpilogueAb(lce::LceEngine& engine, int64_t N, int64_t H, Score score, Train train, const float* lp,
-                const float* ent, const float* loss, const __nv_bfloat16* dh, int warmup, int reps,
-                cudaStream_t stream, Row* row) {
+                const float* ent, const float* loss, const __nv_bfloat16* dh, int warmup, int reps, cudaStream_t stream,
+                Row* row) {
   std::vector<float> s_ms[2], t_ms[2];
   for (int round = 0; round < 2; ++round) {
     for (int on = 0; on < 2; ++on) {
@@ -286,7 +286,8 @@ int main(int argc, char** argv) {
     else if (a == "--score-logprob-only") logprob_only = true;
     else if (a == "--score-only") score_only = true;
     else if (a == "--probe") probe_rows = std::atoll(next().c_str());
-    else if (a == "--top-k") top_k = std::atoi(next().c_str());
+    else if (a == "--top-k")
+      top_k = std::atoi(next().c_str());
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       return 2;

@@ -16,7 +16,11 @@ void PartSummary::Read(const v1::RequestSummary& s) {
 
 AnswerAssembly::AnswerAssembly(int64_t rows, int64_t row_bytes, ForwardBackwardResult* out,
                                absl::Span<uint8_t> d_hidden_out, int32_t top_k)
-    : rows_(rows), row_bytes_(row_bytes), top_k_(top_k), out_(out), d_hidden_out_(d_hidden_out),
+    : rows_(rows),
+      row_bytes_(row_bytes),
+      top_k_(top_k),
+      out_(out),
+      d_hidden_out_(d_hidden_out),
       seen_(static_cast<size_t>(rows), 0) {}
 
 absl::Status AnswerAssembly::Claim(int64_t first, int64_t n) {

@@ -71,8 +71,9 @@ def megatron_layers(args, k):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=k)
     layers = []
     for sp in (False, args.sp and k > 1):
-        cfg = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=k, params_dtype=torch.float32,
-                                use_cpu_initialization=True, tensor_model_parallel_size=k, sequence_parallel=sp)
+        cfg = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=k,
+                                params_dtype=torch.float32, use_cpu_initialization=True,
+                                tensor_model_parallel_size=k, sequence_parallel=sp)
         torch.manual_seed(0)  # the same whole weight on every rank and in both layers; each keeps its shard
         layers.append(tensor_parallel.ColumnParallelLinear(args.hidden, args.vocab, config=cfg, bias=False,
                                                            init_method=torch.nn.init.xavier_normal_))

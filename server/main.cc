@@ -18,17 +18,17 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
-#include "grpc_server.h"
-#include "head_source.h"
-#include "lce/device_memory.h"
-#include "metrics.h"
-#include "memory_trimmer.h"
-#include "metrics_http.h"
-#include "service_metrics.h"
-#include "server_flags.h"
 #include "chunk_staging.h"
 #include "dp_job.h"
 #include "dp_rank.h"
+#include "grpc_server.h"
+#include "head_source.h"
+#include "lce/device_memory.h"
+#include "memory_trimmer.h"
+#include "metrics.h"
+#include "metrics_http.h"
+#include "server_flags.h"
+#include "service_metrics.h"
 #include "status_macros.h"
 #include "tp_communicator.h"
 #include "tp_group.h"
@@ -110,7 +110,8 @@ lce::EngineConfig EngineConfigFrom(const lce::server::ServerFlags& f, lce::Colle
 }
 
 // The service's limits and switches (what the head and the groups bring is added by ServeHead).
-absl::StatusOr<lce::server::ServiceConfig> ServiceConfigFrom(const lce::server::ServerFlags& f, int64_t max_head_bytes) {
+absl::StatusOr<lce::server::ServiceConfig> ServiceConfigFrom(const lce::server::ServerFlags& f,
+                                                             int64_t max_head_bytes) {
   lce::server::ServiceConfig c;
   c.max_message_bytes = f.max_message_bytes;
   c.limits.max_rows_per_request = f.max_rows_per_request;
@@ -171,11 +172,11 @@ struct ServerParts {
   std::unique_ptr<lce::server::ChunkStaging> staging;  // ... and where its operations' data is staged
   std::unique_ptr<lce::server::DpRank> dp_rank;        // this rank's link to the other replicas'
   int64_t max_head_bytes = 0;
-  std::shared_ptr<lce::HeadWeights> weights;           // this rank's shard of the head
-  lce::EngineMaker make_engine;                        // builds the engine of a head version
-  std::shared_ptr<lce::LceEngine> engine;              // this rank's engine of the first version
-  std::shared_ptr<lce::server::TpGroup> group;         // rank 0 of a group: the peers
-  std::shared_ptr<lce::LceEngine> served;              // what answers requests (the group's front under TP)
+  std::shared_ptr<lce::HeadWeights> weights;    // this rank's shard of the head
+  lce::EngineMaker make_engine;                 // builds the engine of a head version
+  std::shared_ptr<lce::LceEngine> engine;       // this rank's engine of the first version
+  std::shared_ptr<lce::server::TpGroup> group;  // rank 0 of a group: the peers
+  std::shared_ptr<lce::LceEngine> served;       // what answers requests (the group's front under TP)
   std::shared_ptr<lce::server::HeadStore> heads;
   lce::server::GrpcServerOptions options;
   std::unique_ptr<lce::server::GrpcServer> server;
@@ -251,8 +252,8 @@ absl::Status LoadHeadAndEngine(const lce::server::ServerFlags& f, lce::Backend b
       lce::server::LoadHead(f.head, f.tp_rank, f.tp_size, p.max_head_bytes);
   if (!weights.ok()) return weights.status();
   p.weights = *std::move(weights);
-  p.make_engine = [backend, config = EngineConfigFrom(f, p.comm.get())](std::shared_ptr<const lce::HeadWeights> w)
-      -> absl::StatusOr<std::shared_ptr<lce::LceEngine>> {
+  p.make_engine = [backend, config = EngineConfigFrom(f, p.comm.get())](
+                      std::shared_ptr<const lce::HeadWeights> w) -> absl::StatusOr<std::shared_ptr<lce::LceEngine>> {
     absl::StatusOr<std::unique_ptr<lce::LceEngine>> e = lce::CreateEngine(backend, std::move(w), config);
     if (!e.ok()) return e.status();
     return std::shared_ptr<lce::LceEngine>(std::move(*e));
@@ -268,8 +269,8 @@ int RunPeer(const lce::server::ServerFlags& f, ServerParts& p) {
   const lce::HeadShape shape = p.engine->shape();
   std::cout << "lce_server: tensor-parallel rank " << f.tp_rank << " of " << f.tp_size << " holds vocab rows ["
             << shape.vocab_begin << ", " << shape.vocab_end() << ")" << std::endl;
-  absl::Status s = lce::server::RunTpPeer({f.head_name, p.weights, p.engine}, p.make_engine, *p.comm, *p.staging,
-                                          p.dp_rank.get());
+  absl::Status s =
+      lce::server::RunTpPeer({f.head_name, p.weights, p.engine}, p.make_engine, *p.comm, *p.staging, p.dp_rank.get());
   if (!s.ok()) {
     std::cerr << "lce_server: rank " << f.tp_rank << ": " << s << std::endl;
     std::_Exit(kExitTpFailure);
@@ -332,8 +333,8 @@ absl::Status StartListeners(const lce::server::ServerFlags& f, ServerParts& p) {
         &p.registry, {f.metrics_host, f.metrics_port, 2, [&p] { return p.serving.load(); }});
     if (!m.ok()) return m.status();
     p.metrics_http = std::move(*m);
-    std::cout << "lce_server: metrics on http://" << (f.metrics_host == "0.0.0.0" ? "127.0.0.1" : f.metrics_host)
-              << ":" << p.metrics_http->port() << "/metrics" << std::endl;
+    std::cout << "lce_server: metrics on http://" << (f.metrics_host == "0.0.0.0" ? "127.0.0.1" : f.metrics_host) << ":"
+              << p.metrics_http->port() << "/metrics" << std::endl;
   }
   if (!f.port_file.empty()) {
     const std::string tmp = f.port_file + ".tmp";
@@ -341,8 +342,8 @@ absl::Status StartListeners(const lce::server::ServerFlags& f, ServerParts& p) {
     std::rename(tmp.c_str(), f.port_file.c_str());  // readers never see a half-written file
   }
   const lce::HeadShape shape = p.engine->shape();
-  std::cout << "lce_server listening on " << (f.host == "0.0.0.0" ? "127.0.0.1" : f.host) << ":" << port
-            << " (backend " << p.served->backend() << ", head '" << f.head_name << "' V=" << shape.vocab_size
+  std::cout << "lce_server listening on " << (f.host == "0.0.0.0" ? "127.0.0.1" : f.host) << ":" << port << " (backend "
+            << p.served->backend() << ", head '" << f.head_name << "' V=" << shape.vocab_size
             << " H=" << shape.hidden_size << " " << lce::DTypeName(shape.dtype) << ", tp " << f.tp_size
             << ", dp replica " << f.dp_rank << " of " << f.dp_size << ")" << std::endl;
   if (p.server->data_port() > 0) std::cout << "lce_server: data plane on port " << p.server->data_port() << std::endl;

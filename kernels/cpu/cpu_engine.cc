@@ -151,26 +151,23 @@ class CpuEngine final : public LceEngine {
   void LoadRows(const RowsView& rows, int64_t r0, int64_t nr, int64_t cols, Workspace& ws) const;
   void LogitTile(const Workspace& ws, int64_t cols, int64_t v0, int64_t nv, const LceOptions& o,
                  float* z_t) const;
-  void TilePartials(const float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
-                    const CallMath& m, std::vector<TilePartial>& parts) const;
-  void TileCandidates(const float* z_t, int64_t nr, int64_t v0, int64_t nv, int k,
-                      std::vector<Candidate>& cands) const;
+  void TilePartials(const float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y, const CallMath& m,
+                    std::vector<TilePartial>& parts) const;
+  void TileCandidates(const float* z_t, int64_t nr, int64_t v0, int64_t nv, int k, std::vector<Candidate>& cands) const;
   absl::Status FoldPartials(std::vector<TilePartial>& parts, int64_t nr,
                             std::vector<RowStats>& stats) const;
-  absl::Status RankRows(std::vector<Candidate>& cands, int64_t r0, int64_t nr, int k,
-                        const std::vector<RowFinal>& fin, const RowOutputs& out) const;
+  absl::Status RankRows(std::vector<Candidate>& cands, int64_t r0, int64_t nr, int k, const std::vector<RowFinal>& fin,
+                        const RowOutputs& out) const;
   absl::Status FinishRows(int64_t r0, int64_t nr, const int32_t* y, const CallMath& m,
-                          const std::vector<RowStats>& stats, const RowOutputs& out,
-                          std::vector<RowFinal>& fin) const;
-  void GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
-                const CallMath& m, const std::vector<RowCoef>& coef,
-                const std::vector<RowFinal>& fin, const std::vector<RowStats>& stats) const;
+                          const std::vector<RowStats>& stats, const RowOutputs& out, std::vector<RowFinal>& fin) const;
+  void GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y, const CallMath& m,
+                const std::vector<RowCoef>& coef, const std::vector<RowFinal>& fin,
+                const std::vector<RowStats>& stats) const;
   absl::Status ForwardBlock(Workspace& ws, const RowsView& rows, int64_t r0, int64_t nr, const CallMath& m,
                             const RowOutputs& out, std::vector<RowStats>& stats, std::vector<RowFinal>& fin);
-  absl::Status BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, const int32_t* y,
-                             const CallMath& m, const std::vector<RowCoef>& coef,
-                             const std::vector<RowFinal>& fin, const std::vector<RowStats>& stats,
-                             const GradOutputs& grads);
+  absl::Status BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, const int32_t* y, const CallMath& m,
+                             const std::vector<RowCoef>& coef, const std::vector<RowFinal>& fin,
+                             const std::vector<RowStats>& stats, const GradOutputs& grads);
   absl::Status CombineDHidden(std::vector<TreeNode> own, int64_t cols, Workspace& ws) const;
 
   int64_t Tile() const { return VocabTile(shape_.vocab_size); }
@@ -244,8 +241,8 @@ void CpuEngine::LogitTile(const Workspace& ws, int64_t cols, int64_t v0, int64_t
 }
 
 // Each row's partials of tile [v0, v0+nv) into parts[row · Tiles() + tile index].
-void CpuEngine::TilePartials(const float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
-                             const CallMath& m, std::vector<TilePartial>& parts) const {
+void CpuEngine::TilePartials(const float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y, const CallMath& m,
+                             std::vector<TilePartial>& parts) const {
   const LceOptions& o = m.o;
   const int64_t tile = TileIndex(v0), tiles = Tiles(), vb = shape_.vocab_begin;
   const float* w = m.WeightedSmoothing() ? m.class_weight + vb + v0 : nullptr;
@@ -281,9 +278,12 @@ void CpuEngine::TilePartials(const float* z_t, int64_t nr, int64_t v0, int64_t n
       const int64_t local = static_cast<int64_t>(y[r0 + r]) - vb - v0;
       const bool has_target = y[r0 + r] != o.ignore_index && local >= 0 && local < nv;
       parts[(r0 + r) * tiles + tile] = {
-          std::isnan(tsum_z[r]) ? std::numeric_limits<float>::infinity() : tmax[r], s[r], q[r],
+          std::isnan(tsum_z[r]) ? std::numeric_limits<float>::infinity() : tmax[r],
+          s[r],
+          q[r],
           tsum_z[r],
-          has_target ? z_t[local * kRowBlock + r0 + r] : -std::numeric_limits<float>::infinity(), wz[r]};
+          has_target ? z_t[local * kRowBlock + r0 + r] : -std::numeric_limits<float>::infinity(),
+          wz[r]};
     }
   }
 }
@@ -293,7 +293,7 @@ void CpuEngine::TileCandidates(const float* z_t, int64_t nr, int64_t v0, int64_t
                                std::vector<Candidate>& cands) const {
   const int64_t tile = TileIndex(v0), tiles = Tiles(), first_id = shape_.vocab_begin + v0;
   const float none = -std::numeric_limits<float>::infinity();
-#pragma omp parallel for schedule(static) num_threads(static_cast<int>(std::min<int64_t>(threads_, nr)))
+#pragma omp parallel for schedule(static) num_threads(static_cast <int>(std::min <int64_t>(threads_, nr)))
   for (int64_t r = 0; r < nr; ++r) {
     Candidate* top = cands.data() + (r * tiles + tile) * k;
     std::fill_n(top, k, Candidate{none, none});
@@ -402,8 +402,7 @@ absl::Status CpuEngine::FinishRows(int64_t r0, int64_t nr, const int32_t* y, con
     if (out.loss != nullptr && ignored) out.loss[r0 + r] = 0.0f;
     if (out.loss != nullptr && !ignored) {
       // w_y·(1−ε)·(lse − z_y) + ε/V·Σ_c w_c·(lse − z_c) + λ·lse² (w = 1 without class weights)
-      const float smooth = m.class_weight == nullptr ? lse - st.sum_z / V
-                                                     : (m.weight_total * lse - st.sum_wz) / V;
+      const float smooth = m.class_weight == nullptr ? lse - st.sum_z / V : (m.weight_total * lse - st.sum_wz) / V;
       out.loss[r0 + r] = -(1.0f - eps) * m.Weight(y[r]) * logprob + eps * smooth + z_loss;
     }
   }
@@ -426,8 +425,9 @@ std::vector<RowCoef> BackwardCoefficients(int64_t r0, int64_t nr, const int32_t*
       if (ignored) continue;
       const float g = up.grad_loss != nullptr ? up.grad_loss[r0 + r] : 1.0f;
       const float w_y = m.Weight(y[r]);
-      c.a = m.class_weight == nullptr ? g * (1.0f + 2.0f * o.z_loss * fin[r].lse)
-                                      : g * ((1.0f - eps) * w_y + eps * m.weight_total / V + 2.0f * o.z_loss * fin[r].lse);
+      c.a = m.class_weight == nullptr
+                ? g * (1.0f + 2.0f * o.z_loss * fin[r].lse)
+                : g * ((1.0f - eps) * w_y + eps * m.weight_total / V + 2.0f * o.z_loss * fin[r].lse);
       c.c = g * (1.0f - eps) * w_y;
       c.d = g * eps / V;
     } else {
@@ -442,9 +442,9 @@ std::vector<RowCoef> BackwardCoefficients(int64_t r0, int64_t nr, const int32_t*
 }
 
 // Turns the transposed logit tile z_t into dL/da in place.
-void CpuEngine::GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y,
-                         const CallMath& m, const std::vector<RowCoef>& coef,
-                         const std::vector<RowFinal>& fin, const std::vector<RowStats>& stats) const {
+void CpuEngine::GradTile(float* z_t, int64_t nr, int64_t v0, int64_t nv, const int32_t* y, const CallMath& m,
+                         const std::vector<RowCoef>& coef, const std::vector<RowFinal>& fin,
+                         const std::vector<RowStats>& stats) const {
   const LceOptions& o = m.o;
   const float inv_t = 1.0f / o.temperature;
   const float* w = m.class_weight != nullptr ? m.class_weight + shape_.vocab_begin + v0 : nullptr;
@@ -548,9 +548,8 @@ absl::Status CpuEngine::CombineDHidden(std::vector<TreeNode> own, int64_t cols, 
 }
 
 // Pass 2 over the shard's vocabulary for one block: d_hidden (written) and dW (accumulated).
-absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, const int32_t* y,
-                                      const CallMath& m, const std::vector<RowCoef>& coef,
-                                      const std::vector<RowFinal>& fin,
+absl::Status CpuEngine::BackwardBlock(Workspace& ws, int64_t r0, int64_t nr, const int32_t* y, const CallMath& m,
+                                      const std::vector<RowCoef>& coef, const std::vector<RowFinal>& fin,
                                       const std::vector<RowStats>& stats, const GradOutputs& grads) {
   const int64_t H = shape_.hidden_size;
   const int64_t cols = BlockColumns(nr);

@@ -58,8 +58,12 @@ void CudaEngine::PlanCall(CallPlan& p) const {
   // path's (RowInfoSlot). Not with d_hidden over the tile tree, whose canonical sum has no place for it.
   // CudaTuning::target_apart false: in the copy (the way before; for comparison).
   p.target_apart = backward && shape_.dtype == DType::kBFloat16 && !tree_dh_ && tuning_.target_apart;
-  ScratchLayout layout{backward, host, host && backward && grads.d_weight != nullptr,
-                       p.fast && grads.d_weight != nullptr, p.target_apart && grads.d_weight != nullptr, tree_dh_};
+  ScratchLayout layout{backward,
+                       host,
+                       host && backward && grads.d_weight != nullptr,
+                       p.fast && grads.d_weight != nullptr,
+                       p.target_apart && grads.d_weight != nullptr,
+                       tree_dh_};
   layout.epi = epi;
   layout.stage = epi && !host && reinterpret_cast<uintptr_t>(p.rows.hidden) % 16 != 0;
   // CudaTuning::dh_beside false: one after the other (bench/NOTES.md, e10). dW is the same bits either way:

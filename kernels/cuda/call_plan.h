@@ -21,33 +21,33 @@ struct CallPlan {
   // ZeroFreshDWeight: the first row block's dW products write d_weight (beta 0).
   bool dw_fresh = false;
   // PlanCall.
-  bool host = false;       // rows in host memory: staged through pinned memory and s.hidden
-  bool backward = false;   // a gradient is wanted and has somewhere to go
-  bool entropy = false;    // the epilogue GEMM computes Q (the entropy's statistic)
-  bool fast = false;       // the fast loss path (fast_grad.cu), unless a block's logits overflow it
+  bool host = false;          // rows in host memory: staged through pinned memory and s.hidden
+  bool backward = false;      // a gradient is wanted and has somewhere to go
+  bool entropy = false;       // the epilogue GEMM computes Q (the entropy's statistic)
+  bool fast = false;          // the fast loss path (fast_grad.cu), unless a block's logits overflow it
   bool target_apart = false;  // bf16 general path: the target's term kept out of the bf16 dA
   ScratchLayout layout;
-  int64_t R = 0;           // rows a block
+  int64_t R = 0;              // rows a block
   int64_t tile = 0, ldz = 0;  // logit tile columns and their leading dimension
-  int debug_skip = 0;      // CudaTuning::debug_skip
+  int debug_skip = 0;         // CudaTuning::debug_skip
   LogitTransform tf;
   // PrepareCall.
-  const float* class_weight = nullptr;       // [V] on the device (host rows': copied to class_weight_)
+  const float* class_weight = nullptr;  // [V] on the device (host rows': copied to class_weight_)
   // Rankings (top_k > 0): a block's candidates [R, rank_slots, k] (this rank's from slot rank_slot0), and
   // host rows' outputs staged on the device (argmax [R], then top tokens and logprobs [R, k]).
   float* cand = nullptr;
   int64_t rank_slots = 0, rank_slot0 = 0;
   uint8_t* rank_out = nullptr;
-  bool targets_pending = false;              // device rows' targets: read with block 0's flags
-  unsigned long long* bad_host = nullptr;    // host rows: the flags' copy in pinned memory
+  bool targets_pending = false;            // device rows' targets: read with block 0's flags
+  unsigned long long* bad_host = nullptr;  // host rows: the flags' copy in pinned memory
 };
 
 // One row block's inputs and outputs, on the device (host rows: their staged copies).
 struct BlockIo {
   int64_t r0 = 0, nr = 0;
-  float dw_beta = 1.0f;    // 0 where the block writes a fresh d_weight
-  bool trace = false;      // CudaTuning::trace, first block
-  bool fast = false;       // this block on the fast loss path
+  float dw_beta = 1.0f;  // 0 where the block writes a fresh d_weight
+  bool trace = false;    // CudaTuning::trace, first block
+  bool fast = false;     // this block on the fast loss path
   const void* h = nullptr;
   const int32_t* y = nullptr;
   const float* gl = nullptr;

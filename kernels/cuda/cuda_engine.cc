@@ -86,8 +86,7 @@ absl::Status CudaEngine::Init() {
       AllocateDeviceBuffer(static_cast<int64_t>(weights_->weight.size()), config_.device);
   if (!weight.ok()) return weight.status();
   weight_ = std::move(*weight);
-  LCE_CUDA_CHECK(cudaMemcpy(weight_->data(), weights_->weight.data(), weights_->weight.size(),
-                            cudaMemcpyHostToDevice));
+  LCE_CUDA_CHECK(cudaMemcpy(weight_->data(), weights_->weight.data(), weights_->weight.size(), cudaMemcpyHostToDevice));
   if (shape_.has_bias) {
     absl::StatusOr<std::unique_ptr<DeviceBuffer>> bias =
         AllocateDeviceBuffer(static_cast<int64_t>(weights_->bias.size() * sizeof(float)), config_.device);
@@ -147,15 +146,15 @@ absl::Status CudaEngine::Retune(const CudaTuning& tuning) {
 EngineInvariance CudaEngine::invariance() const {
   // The epilogue GEMM's forward is batch invariant by construction; d_hidden's product is only with
   // batch-invariant GEMMs.
-  if (!batch_invariant_) return UseEpilogueStats() ? EngineInvariance{{"logprob", "entropy", "lse", "loss"}, {}}
-                                                   : EngineInvariance{};
+  if (!batch_invariant_)
+    return UseEpilogueStats() ? EngineInvariance{{"logprob", "entropy", "lse", "loss"}, {}} : EngineInvariance{};
   EngineInvariance inv{{"logprob", "entropy", "lse", "loss", "d_hidden"}, {}};
   if (tree_dh_) inv.across_tp_sizes = {"logprob", "entropy", "lse", "loss", "d_hidden"};
   return inv;
 }
 
-absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, const Upstream& up,
-                                 const RowOutputs& out, const GradOutputs& grads) {
+absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, const Upstream& up, const RowOutputs& out,
+                                 const GradOutputs& grads) {
   if (absl::Status s = CheckCall(rows, o, up); !s.ok()) return s;
   if (grads.d_bias != nullptr) return absl::UnimplementedError("training a head's bias is not on the CUDA engine yet");
   if (absl::Status s = ValidateOutputs(o, out); !s.ok()) return s;
@@ -189,8 +188,7 @@ absl::Status CudaEngine::Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_
                               const GemmPlace& place) {
   const float alpha = 1.0f;
   const cublasComputeType_t compute =
-      shape_.dtype == DType::kFloat32 ? (tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F)
-                                      : CUBLAS_COMPUTE_32F;
+      shape_.dtype == DType::kFloat32 ? (tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F) : CUBLAS_COMPUTE_32F;
   for (int64_t v : {m, n, k, lda, ldb, ldc}) {
     if (v > INT_MAX) return absl::InvalidArgumentError("GEMM dimension exceeds int32");
   }
@@ -223,8 +221,8 @@ absl::Status CudaEngine::Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_
   }
   if (place.prepare_only) return absl::OkStatus();
   if (place.stream != nullptr) return absl::InternalError("cublasGemmEx runs on stream_ only");
-  LCE_CUDA_CHECK(cublasGemmEx(cublas_, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                              &alpha, A, at, static_cast<int>(lda), B, bt, static_cast<int>(ldb), &beta, C, ct,
+  LCE_CUDA_CHECK(cublasGemmEx(cublas_, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha, A,
+                              at, static_cast<int>(lda), B, bt, static_cast<int>(ldb), &beta, C, ct,
                               static_cast<int>(ldc), compute, CUBLAS_GEMM_DEFAULT));
   return absl::OkStatus();
 }

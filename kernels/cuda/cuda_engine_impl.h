@@ -26,7 +26,7 @@ namespace lce::cuda {
 inline constexpr int64_t kMiB = int64_t{1} << 20;
 inline constexpr int64_t kCublasWorkspace = 32 * kMiB;
 inline constexpr int64_t kHostDwSlabBytes = 64 * kMiB;
-inline constexpr int64_t kMaxRowsPerBlock = 32768;  // grid.y limit is 65535
+inline constexpr int64_t kMaxRowsPerBlock = 32768;              // grid.y limit is 65535
 inline constexpr int64_t kWideLogitBytes = int64_t{256} << 20;  // small blocks' logit tiles (WideTile)
 // The epilogue GEMM's first pass, whose max sets the fast path's c_row: a row's first 1024 columns, four
 // 256-column tiles a 128-row tile, so that a block of up to 4224 rows is one wave on 132 SMs (2048
@@ -140,9 +140,9 @@ class CudaEngine final : public LceEngine {
   // C (fp32, column-major) = op(A)·op(B) + beta·C. Through cuBLASLt with a tuned algorithm (GemmRunner;
   // c_is_scratch says C may be overwritten while tuning), cublasGemmEx with CudaTuning::gemm_ex.
   absl::Status Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void* A,
-                    cudaDataType_t at, int64_t lda, const void* B, cudaDataType_t bt, int64_t ldb, float beta,
-                    void* C, cudaDataType_t ct, int64_t ldc, bool tf32, bool c_is_scratch = false,
-                    int sm_target = 0, bool rows_in_n = false, bool cols_in_m = false, const GemmPlace& place = {});
+                    cudaDataType_t at, int64_t lda, const void* B, cudaDataType_t bt, int64_t ldb, float beta, void* C,
+                    cudaDataType_t ct, int64_t ldc, bool tf32, bool c_is_scratch = false, int sm_target = 0,
+                    bool rows_in_n = false, bool cols_in_m = false, const GemmPlace& place = {});
 
   // --- Scratch sizes (workspace.cc).
   // Lays out the scratch of R rows (base null: only counts); returns the bytes.

@@ -99,8 +99,8 @@ absl::Status CudaEngine::WriteGradAndDWeight(const CallPlan& p, Scratch& s, cons
     const int64_t nc = std::min(chunk, Vs - v0);
     if (!(p.debug_skip & 2)) {
       LCE_CUDA_CHECK(LaunchWriteGrad(shape_.dtype, s.store, lds_, nr, v0, nc, p.layout.epi ? s.tile_part : s.part,
-                                     p.layout.epi ? EpiTiles() : nseg_, p.layout.epi ? EpiTileCols() : kSegment,
-                                     s.info, b.y, p.o.ignore_index, shape_.vocab_begin, p.o.softcap, p.o.temperature,
+                                     p.layout.epi ? EpiTiles() : nseg_, p.layout.epi ? EpiTileCols() : kSegment, s.info,
+                                     b.y, p.o.ignore_index, shape_.vocab_begin, p.o.softcap, p.o.temperature,
                                      p.target_apart, aux_));
     }
     LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], aux_));
@@ -113,8 +113,8 @@ absl::Status CudaEngine::WriteGradAndDWeight(const CallPlan& p, Scratch& s, cons
   }
   LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvHandoff], 0));
   if (dw_device && p.target_apart) {
-    LCE_CUDA_CHECK(LaunchScatterTargetDW(grads.d_weight, nr, H, s.info, b.h, b.y, p.o.ignore_index,
-                                         shape_.vocab_begin, Vs, s.target_order, s.target_order_bytes, stream_));
+    LCE_CUDA_CHECK(LaunchScatterTargetDW(grads.d_weight, nr, H, s.info, b.h, b.y, p.o.ignore_index, shape_.vocab_begin,
+                                         Vs, s.target_order, s.target_order_bytes, stream_));
   }
   return absl::OkStatus();
 }
@@ -128,11 +128,10 @@ absl::Status CudaEngine::GeneralDHidden(const CallPlan& p, Scratch& s, const Blo
   const bool tf32 = p.o.allow_tf32;
   if (tree_dh_) return DHiddenByTiles(s, nr, w, tf32);
   // dh[nr, H] = dA[nr, Vs] · W[Vs, H]   (column-major: [H, nr] = W · dA)
-  LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F, H,
-                      tf32, /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
+  LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F, H, tf32,
+                      /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
   if (p.target_apart) {
-    LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, b.y, p.o.ignore_index, shape_.vocab_begin, Vs,
-                                       stream_));
+    LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, b.y, p.o.ignore_index, shape_.vocab_begin, Vs, stream_));
   }
   if (config_.collectives != nullptr) {
     LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
@@ -173,12 +172,11 @@ absl::Status CudaEngine::HostDWeightSlabs(const CallPlan& p, Scratch& s, const B
     const int64_t nv = std::min(slab, Vs - v0);
     float* host_dw = p.grads.d_weight + v0 * H;
     LCE_CUDA_CHECK(cudaMemcpyAsync(s.dw_slab, host_dw, nv * H * sizeof(float), cudaMemcpyHostToDevice, stream_));
-    LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, nv, nr, x, dt, H, static_cast<uint8_t*>(s.store) + v0 * sesz,
-                        dt, lds_, 1.0f, s.dw_slab, CUDA_R_32F, H, p.o.allow_tf32));
+    LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, nv, nr, x, dt, H, static_cast<uint8_t*>(s.store) + v0 * sesz, dt,
+                        lds_, 1.0f, s.dw_slab, CUDA_R_32F, H, p.o.allow_tf32));
     if (fast_targets) {
       LCE_CUDA_CHECK(LaunchScatterTargetDW(s.dw_slab, nr, H, s.info, b.h, b.y, p.o.ignore_index,
-                                           shape_.vocab_begin + v0, nv, s.target_order, s.target_order_bytes,
-                                           stream_));
+                                           shape_.vocab_begin + v0, nv, s.target_order, s.target_order_bytes, stream_));
     }
     LCE_CUDA_CHECK(cudaMemcpyAsync(host_dw, s.dw_slab, nv * H * sizeof(float), cudaMemcpyDeviceToHost, stream_));
     LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -202,9 +200,8 @@ absl::Status CudaEngine::FastDHidden(Scratch& s, int64_t nr, const int32_t* y, i
 // each on the multiprocessors the other leaves idle (d_hidden's last wave of tiles, dW's fp32 read-modify-write:
 // bench/NOTES.md, e10). Both only read s.store, s.info, h and W. dW's algorithm is chosen before d_hidden's
 // product is queued: its timing runs write s.dh (tune_scratch_) and must run alone.
-absl::Status CudaEngine::FastGradsBeside(Scratch& s, const void* h, int64_t nr, const int32_t* y,
-                                         int32_t ignore_index, float* d_weight, float dw_beta, bool tf32,
-                                         bool trace) {
+absl::Status CudaEngine::FastGradsBeside(Scratch& s, const void* h, int64_t nr, const int32_t* y, int32_t ignore_index,
+                                         float* d_weight, float dw_beta, bool tf32, bool trace) {
   const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows;
   const cudaDataType_t dt = CudaType(shape_.dtype);
   LCE_CUDA_CHECK(LaunchScaleRows(h, nr, H, s.info, s.h_scaled, stream_));
@@ -261,8 +258,8 @@ absl::Status CudaEngine::DHiddenByTiles(Scratch& s, int64_t nr, const uint8_t* w
     if (slot == nullptr) return absl::InternalError("d_hidden tile tree: out of node slots");
     // [H, nr] = W[v0:v0+nv, H]ᵀ-major · dA[nr, v0:v0+nv]   (column-major, as the one-GEMM path)
     LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, nv, w + v0 * H * esz, dt, H,
-                        static_cast<const uint8_t*>(s.store) + v0 * sesz, dt, lds_, 0.0f, slot, CUDA_R_32F, H,
-                        tf32, /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
+                        static_cast<const uint8_t*>(s.store) + v0 * sesz, dt, lds_, 0.0f, slot, CUDA_R_32F, H, tf32,
+                        /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
     PushTreeNode(stack, Node{0, t, slot}, [&](Node& left, Node& right) {
       if (status.ok()) status = LaunchAddFloats(left.value, left.value, right.value, n, stream_);
       free_slots.push_back(right.value);
@@ -272,8 +269,8 @@ absl::Status CudaEngine::DHiddenByTiles(Scratch& s, int64_t nr, const uint8_t* w
   std::vector<Node> held = stack;
   if (config_.collectives != nullptr) {
     const int world = config_.collectives->world_size(), me = config_.collectives->rank();
-    LCE_CUDA_CHECK(LaunchFillFloats(s.tree_gathered, -std::numeric_limits<float>::infinity(), GatheredNodes() * n,
-                                    stream_));
+    LCE_CUDA_CHECK(
+        LaunchFillFloats(s.tree_gathered, -std::numeric_limits<float>::infinity(), GatheredNodes() * n, stream_));
     held.clear();
     for (int r = 0; r < world; ++r) {
       const std::vector<TileTreeNode> subtrees = RankSubtrees(shape_.vocab_size, r, world);

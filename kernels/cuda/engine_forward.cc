@@ -119,18 +119,18 @@ absl::Status CudaEngine::ForwardTiles(const CallPlan& p, Scratch& s, const Block
                           /*rows_in_n=*/true, /*cols_in_m=*/true));
     }
     if (whole < nv) {
-      LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, nv - whole, nr, H, w + (v0 + whole) * H * esz, dt, H, b.h, dt,
-                          H, 0.0f, s.logits[buf] + whole, CUDA_R_32F, ldz, tf32, /*c_is_scratch=*/true,
-                          fwd_sm_target_, /*rows_in_n=*/true));
+      LCE_CUDA_CHECK(Gemm(CUBLAS_OP_T, CUBLAS_OP_N, nv - whole, nr, H, w + (v0 + whole) * H * esz, dt, H, b.h, dt, H,
+                          0.0f, s.logits[buf] + whole, CUDA_R_32F, ldz, tf32, /*c_is_scratch=*/true, fwd_sm_target_,
+                          /*rows_in_n=*/true));
     }
     LCE_CUDA_CHECK(cudaEventRecord(events_[kEvGemm0 + buf], stream_));
     LCE_CUDA_CHECK(cudaStreamWaitEvent(aux_, events_[kEvGemm0 + buf], 0));
     if (!(p.debug_skip & 1)) {
       // The fast path's first segment sets c_row before the rest of the shard is stored.
       const int64_t first = (b.fast && v0 == 0) ? std::min<int64_t>(nv, kSegment) : nv;
-      LCE_CUDA_CHECK(LaunchTileStats(s.logits[buf], ldz, nr, v0, first, p.tf, b.y, p.o.ignore_index,
-                                     shape_.vocab_begin, s.part, nseg_, s.packed, p.backward ? s.store : nullptr,
-                                     lds_, mode, s.row_c, overflow, aux_));
+      LCE_CUDA_CHECK(LaunchTileStats(s.logits[buf], ldz, nr, v0, first, p.tf, b.y, p.o.ignore_index, shape_.vocab_begin,
+                                     s.part, nseg_, s.packed, p.backward ? s.store : nullptr, lds_, mode, s.row_c,
+                                     overflow, aux_));
       if (first < nv) {
         LCE_CUDA_CHECK(LaunchTileStats(s.logits[buf] + first, ldz, nr, v0 + first, nv - first, p.tf, b.y,
                                        p.o.ignore_index, shape_.vocab_begin, s.part, nseg_, s.packed, s.store, lds_,
@@ -181,8 +181,8 @@ absl::Status CudaEngine::Rank(const CallPlan& p, const Scratch& s, const BlockIo
                                  p.host && argmax ? staged_argmax : argmax, p.host && tokens ? staged_tokens : tokens,
                                  p.host && logprobs ? staged_logprobs : logprobs, stream_));
   if (p.host) {
-    const std::pair<void*, const void*> copies[] = {{argmax, staged_argmax}, {tokens, staged_tokens},
-                                                    {logprobs, staged_logprobs}};
+    const std::pair<void*, const void*> copies[] = {
+        {argmax, staged_argmax}, {tokens, staged_tokens}, {logprobs, staged_logprobs}};
     for (int i = 0; i < 3; ++i) {
       if (copies[i].first == nullptr) continue;
       const int64_t bytes = (i == 0 ? nr : nr * k) * 4;
@@ -197,16 +197,15 @@ absl::Status CudaEngine::Merge(const CallPlan& p, Scratch& s, const BlockIo& b) 
   const int64_t nr = b.nr;
   if (tp) {
     // Every rank takes part (and retries together), whatever path it is on.
-    LCE_CUDA_CHECK(config_.collectives->AllReduce(reinterpret_cast<float*>(s.bad + 1), 1, ReduceOp::kMax, true,
-                                                  stream_));
+    LCE_CUDA_CHECK(
+        config_.collectives->AllReduce(reinterpret_cast<float*>(s.bad + 1), 1, ReduceOp::kMax, true, stream_));
   }
   if (tp && tp_invariant_) {
     // Every rank gathers every segment's partials and folds them in global order, as one GPU does.
-    LCE_CUDA_CHECK(LaunchSpreadPartials(s.part, nseg_, shape_.vocab_begin / kSegment, s.packed, b.y,
-                                        p.o.ignore_index, shape_.vocab_begin, shape_.vocab_end(), nr, s.part_global,
-                                        nseg_global_, s.zy, stream_));
-    LCE_CUDA_CHECK(config_.collectives->AllReduce(s.part_global, nr * nseg_global_ * 4, ReduceOp::kMax, true,
-                                                  stream_));
+    LCE_CUDA_CHECK(LaunchSpreadPartials(s.part, nseg_, shape_.vocab_begin / kSegment, s.packed, b.y, p.o.ignore_index,
+                                        shape_.vocab_begin, shape_.vocab_end(), nr, s.part_global, nseg_global_, s.zy,
+                                        stream_));
+    LCE_CUDA_CHECK(config_.collectives->AllReduce(s.part_global, nr * nseg_global_ * 4, ReduceOp::kMax, true, stream_));
     LCE_CUDA_CHECK(config_.collectives->AllReduce(s.zy, nr, ReduceOp::kMax, true, stream_));
     LCE_CUDA_CHECK(LaunchMergeSegments(s.part_global, nseg_global_, nr, s.m_local, s.m, s.packed, stream_));
     LCE_CUDA_CHECK(LaunchTakeGatheredTargets(s.zy, nr, s.packed, stream_));
@@ -261,8 +260,9 @@ absl::StatusOr<bool> CudaEngine::Finalize(const CallPlan& p, Scratch& s, const B
   if (p.targets_pending && b.r0 == 0 && flags[2] != ULLONG_MAX) return BadTarget(p.rows, p.o, flags[2]);
   const unsigned long long bad = flags[0];
   if (bad != ULLONG_MAX && p.debug_skip == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("row ", b.r0 + static_cast<int64_t>(bad),
-                                                   ": non-finite logits (NaN or Inf in the hidden states, or overflow)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("row ", b.r0 + static_cast<int64_t>(bad),
+                     ": non-finite logits (NaN or Inf in the hidden states, or overflow)"));
   }
   return flags[1] != 0 && p.debug_skip == 0;
 }

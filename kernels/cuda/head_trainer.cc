@@ -77,8 +77,8 @@ class CudaHeadTrainer final : public HeadTrainer {
     a.bc2_sqrt = c.bc2_sqrt;
     a.eps = p.eps;
     a.step_size = c.step_size;
-    LCE_CUDA_CHECK(LaunchAdamW(Master(), Master() + Stride(), Master() + 2 * Stride(), grad_data(),
-                               shape_.dtype, serving_.weight, weight_elements(), a, stream_));
+    LCE_CUDA_CHECK(LaunchAdamW(Master(), Master() + Stride(), Master() + 2 * Stride(), grad_data(), shape_.dtype,
+                               serving_.weight, weight_elements(), a, stream_));
     LCE_CUDA_CHECK(Sync());
     ++steps_;
     host_current_ = false;

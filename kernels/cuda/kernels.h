@@ -157,7 +157,7 @@ struct FinalizeArgs {
   float* logprob = nullptr;
   float* entropy = nullptr;
   float* loss = nullptr;
-  float* z_loss_out = nullptr;           // [rows] z_loss·lse² (0 for ignored rows), or null
+  float* z_loss_out = nullptr;  // [rows] z_loss·lse² (0 for ignored rows), or null
   // [V] class weights (global ids) or null: the loss and its coefficients take w_y (docs/MATH.md,
   // "Class weights"; not with label smoothing, which the engine refuses with them).
   const float* class_weight = nullptr;

@@ -63,8 +63,8 @@ __device__ void SelectTopK(const float* z, const float* ids, float first_id, int
 
 // One block a (row, segment of the tile): z of the segment into shared memory, then its top k.
 __global__ void SegmentTopKKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int64_t nv,
-                                  LogitTransform tf, int k, int64_t vocab_begin, Cand* __restrict__ cand,
-                                  int64_t slots, int64_t slot0) {
+                                  LogitTransform tf, int k, int64_t vocab_begin, Cand* __restrict__ cand, int64_t slots,
+                                  int64_t slot0) {
   __shared__ float z[kSegment];
   __shared__ Cand shared[kThreads / 32 + 1];
   const int64_t r = blockIdx.y, seg = blockIdx.x;
@@ -148,8 +148,8 @@ absl::Status LaunchMergeTopK(const float* cand, int64_t rows, int64_t slots, int
   const size_t smem = static_cast<size_t>(slots * k) * 2 * sizeof(float);
   if (smem > 200 * 1024) return absl::InvalidArgumentError(absl::StrCat("LaunchMergeTopK: ", slots, " slots of ", k));
   if (smem > 48 * 1024) {
-    LCE_CUDA_CHECK(cudaFuncSetAttribute(MergeTopKKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
+    LCE_CUDA_CHECK(
+        cudaFuncSetAttribute(MergeTopKKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
   MergeTopKKernel<<<static_cast<unsigned>(rows), kThreads, smem, stream>>>(
       reinterpret_cast<const Cand*>(cand), slots, k, row_info, argmax, top_tokens, top_logprobs);

@@ -91,9 +91,9 @@ __global__ void FinalizeKernel(FinalizeArgs a, const float* __restrict__ m, cons
   const float z_loss = ignored ? 0.0f : a.z_loss * lse * lse;
   if (a.z_loss_out != nullptr) a.z_loss_out[r] = z_loss;
   if (a.loss != nullptr) {
-    a.loss[r] = ignored ? 0.0f
-                        : -(1.0f - eps) * w_y * logprob + eps * (lse - sum_z / static_cast<float>(a.vocab_size)) +
-                              z_loss;
+    a.loss[r] = ignored
+                    ? 0.0f
+                    : -(1.0f - eps) * w_y * logprob + eps * (lse - sum_z / static_cast<float>(a.vocab_size)) + z_loss;
   }
   float A = 0.0f, B = 0.0f, C = 0.0f, D = 0.0f;
   if (a.grad == GradKind::kLoss) {

@@ -72,7 +72,10 @@ int64_t CudaEngine::RowsPerBlock(const ScratchLayout& l, int64_t want) const {
   if (const int64_t cap = tuning_.max_rows; cap > 0) hi = std::min(hi, cap);
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (Bytes(l, mid) <= config_.workspace_bytes) lo = mid; else hi = mid - 1;
+    if (Bytes(l, mid) <= config_.workspace_bytes)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }

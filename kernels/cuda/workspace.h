@@ -18,45 +18,45 @@ struct ScratchLayout {
   bool backward = false;
   bool host = false;
   bool host_dw = false;
-  bool fast = false;  // fast loss path with d_weight: needs the scaled copy of h
+  bool fast = false;       // fast loss path with d_weight: needs the scaled copy of h
   bool target_dw = false;  // the general path's target term scattered into d_weight (target_order scratch)
-  bool tree = false;  // d_hidden over the canonical tile tree (tree_dh_)
-  int64_t tile = 0;   // logit tile columns (0: the engine's default, tile_)
-  bool epi = false;   // forward through the epilogue-statistics GEMM: no logit tiles
-  bool stage = false; // device rows not 16-byte aligned, copied to s.hidden for the epilogue GEMM's TMA
-  bool side = false;  // fast path, device rows: d_hidden's product on aux_ beside dW's (FastGradsBeside)
+  bool tree = false;       // d_hidden over the canonical tile tree (tree_dh_)
+  int64_t tile = 0;        // logit tile columns (0: the engine's default, tile_)
+  bool epi = false;        // forward through the epilogue-statistics GEMM: no logit tiles
+  bool stage = false;      // device rows not 16-byte aligned, copied to s.hidden for the epilogue GEMM's TMA
+  bool side = false;       // fast path, device rows: d_hidden's product on aux_ beside dW's (FastGradsBeside)
 };
 
 // Scratch of one row block of R rows.
 struct Scratch {
   void* cublas_ws = nullptr;
   float* logits[2] = {nullptr, nullptr};  // [R, ldz] fp32 logit tiles (double-buffered)
-  float* tile_part = nullptr;     // [R, ntile, 4] epilogue-statistics GEMM's per-tile partials (ScratchLayout::epi)
-  void* store = nullptr;          // [R, lds] compact z − m_seg, then dA (backward only)
-  float* part = nullptr;          // [R, nseg, 4]
-  float* part_global = nullptr;   // [R, nseg_global, 4] (tensor parallel, tp_invariant_)
-  float* zy = nullptr;            // [R] target logits gathered over the ranks (likewise)
-  float* packed = nullptr;        // [R, 4]
-  float* m_local = nullptr;       // [R]
-  float* m = nullptr;             // [R]
-  float* info = nullptr;          // [R, kRowInfo]
-  float* dh = nullptr;            // [R, H] fp32 (backward only; may alias the logit tiles)
-  float* tree = nullptr;          // [TreeSlots(), R, H] fp32: d_hidden's tile tree (tree_dh_)
-  float* tree_gathered = nullptr; // [GatheredNodes(), R, H] fp32: every rank's subtrees (tree_dh_, TP)
+  float* tile_part = nullptr;      // [R, ntile, 4] epilogue-statistics GEMM's per-tile partials (ScratchLayout::epi)
+  void* store = nullptr;           // [R, lds] compact z − m_seg, then dA (backward only)
+  float* part = nullptr;           // [R, nseg, 4]
+  float* part_global = nullptr;    // [R, nseg_global, 4] (tensor parallel, tp_invariant_)
+  float* zy = nullptr;             // [R] target logits gathered over the ranks (likewise)
+  float* packed = nullptr;         // [R, 4]
+  float* m_local = nullptr;        // [R]
+  float* m = nullptr;              // [R]
+  float* info = nullptr;           // [R, kRowInfo]
+  float* dh = nullptr;             // [R, H] fp32 (backward only; may alias the logit tiles)
+  float* tree = nullptr;           // [TreeSlots(), R, H] fp32: d_hidden's tile tree (tree_dh_)
+  float* tree_gathered = nullptr;  // [GatheredNodes(), R, H] fp32: every rank's subtrees (tree_dh_, TP)
   // [3]: the first non-finite row; [1] the overflow flag (float bits); [2] the first bad target (device rows)
   unsigned long long* bad = nullptr;
-  float* row_c = nullptr;         // [R] fast path: c_row
-  void* h_scaled = nullptr;       // [R, H] bf16, fast path with d_weight
-  void* target_order = nullptr;   // the target scatter's sort (TargetOrderBytes(R)), fast path with d_weight
+  float* row_c = nullptr;        // [R] fast path: c_row
+  void* h_scaled = nullptr;      // [R, H] bf16, fast path with d_weight
+  void* target_order = nullptr;  // the target scatter's sort (TargetOrderBytes(R)), fast path with d_weight
   int64_t target_order_bytes = 0;
-  void* side_ws = nullptr;        // cuBLAS workspace of d_hidden's product on aux_ (ScratchLayout::side)
+  void* side_ws = nullptr;  // cuBLAS workspace of d_hidden's product on aux_ (ScratchLayout::side)
   // kHost staging on the device.
-  void* hidden = nullptr;         // [R, H] head dtype
-  int32_t* targets = nullptr;     // [R]
-  float* up[3] = {nullptr, nullptr, nullptr};   // grad_loss, grad_logprob, grad_entropy [R]
+  void* hidden = nullptr;                                         // [R, H] head dtype
+  int32_t* targets = nullptr;                                     // [R]
+  float* up[3] = {nullptr, nullptr, nullptr};                     // grad_loss, grad_logprob, grad_entropy [R]
   float* out[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};  // logprob, entropy, lse, loss, z_loss [R]
-  void* d_hidden = nullptr;       // [R, H] head dtype
-  float* dw_slab = nullptr;       // [slab_rows, H] fp32 (kHost with d_weight)
+  void* d_hidden = nullptr;                                       // [R, H] head dtype
+  float* dw_slab = nullptr;                                       // [slab_rows, H] fp32 (kHost with d_weight)
 };
 
 // Carves aligned pieces out of one allocation (base null: only counts).
@@ -88,7 +88,7 @@ class PinnedStaging {
   struct Free {
     void operator()(uint8_t* p) const;
   };
-  std::unique_ptr<uint8_t, Free> bytes_;      // declared first: unpinned (pin_) before it is freed
+  std::unique_ptr<uint8_t, Free> bytes_;  // declared first: unpinned (pin_) before it is freed
   std::unique_ptr<PinnedHostRange> pin_;
   int64_t size_ = 0;
 };

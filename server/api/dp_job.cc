@@ -258,8 +258,7 @@ absl::Status DpJob::Sequence(grpc::ServerContext* ctx, DpCallKind kind, int orig
   for (size_t i = 0; i < replicas.size(); ++i) {
     calls.emplace_back([&, i] {
       answers[i] = CallFront(replicas[i], ctx, marks, call, contexts[i]);
-      answers[i].dropped =
-          dropping && !answers[i].reached && answers[i].status.code() == absl::StatusCode::kCancelled;
+      answers[i].dropped = dropping && !answers[i].reached && answers[i].status.code() == absl::StatusCode::kCancelled;
       // A lost replica fails the call: the others are not waited for (a hung one would hold the
       // answer until its deadline). Their handlers run on, and change nothing without the lost one.
       if (answers[i].lost() && !dropping.exchange(true)) {

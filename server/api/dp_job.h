@@ -94,11 +94,13 @@ class DpJob {
 
  private:
   struct Answer {
-    absl::Status status;  // the front's answer (FromGrpcStatus), or why it could not be called
+    absl::Status status;   // the front's answer (FromGrpcStatus), or why it could not be called
     bool reached = false;  // the front's handler answered (not the transport)
     bool dropped = false;  // cancelled by the sequencer once another replica was lost
     // A front that did not answer, or whose replica (links or group) is down.
-    bool lost() const { return !status.ok() && !dropped && (!reached || status.code() == absl::StatusCode::kUnavailable); }
+    bool lost() const {
+      return !status.ok() && !dropped && (!reached || status.code() == absl::StatusCode::kUnavailable);
+    }
   };
   using Marks = std::map<std::string, std::string>;
   DpJob(DpJobOptions options, DpRank* front_rank, std::unique_ptr<TpCommunicator> control)

@@ -8,11 +8,11 @@
 #include "absl/strings/str_cat.h"
 #include "grpc/grpc.h"
 #include "grpc_status.h"
+#include "lce/training.h"
 #include "one_message_stream.h"
 #include "status_macros.h"
 #include "streamed_request.h"
 #include "wire_types.h"
-#include "lce/training.h"
 
 namespace lce::server {
 
@@ -97,9 +97,9 @@ void CountStaging(std::chrono::steady_clock::time_point start, double RequestWor
 
 absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& st, const RowsView& rows,
                                                                  bool hidden_on_device, int64_t row_bytes,
-                                                                 int64_t vocab_size, int32_t top_k,
-                                                                 const Upstream& up, const RowOutputs& out,
-                                                                 const GradOutputs& grads, bool d_hidden_on_device) {
+                                                                 int64_t vocab_size, int32_t top_k, const Upstream& up,
+                                                                 const RowOutputs& out, const GradOutputs& grads,
+                                                                 bool d_hidden_on_device) {
   const int64_t n = rows.rows;
   // Slots: 0 targets; 1-3 grad_loss, grad_logprob, grad_entropy; 4-7 logprob, entropy, lse, loss;
   // 8 d_hidden; 9 hidden; 10 class weights; 11-14 z_loss, argmax, top_tokens, top_logprobs. Copies
@@ -125,7 +125,11 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
   StagedCall call;
   call.outs = out;  // every output pointer replaced by its device buffer below
   const int64_t k = std::max<int32_t>(top_k, 1);
-  struct Out { int slot; void** ptr; int64_t bytes; };
+  struct Out {
+    int slot;
+    void** ptr;
+    int64_t bytes;
+  };
   for (Out o : {Out{4, reinterpret_cast<void**>(&call.outs.logprob), n * 4},
                 Out{5, reinterpret_cast<void**>(&call.outs.entropy), n * 4},
                 Out{6, reinterpret_cast<void**>(&call.outs.lse), n * 4},
@@ -211,7 +215,8 @@ grpc::Status LceService::GetInfo(grpc::ServerContext* ctx, const v1::GetInfoRequ
   return Recorded("GetInfo", ctx, [&] { return GetInfoBody(ctx, req, resp); });
 }
 
-absl::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req, v1::GetInfoResponse* resp) {
+absl::Status LceService::GetInfoBody(grpc::ServerContext* ctx, const v1::GetInfoRequest* req,
+                                     v1::GetInfoResponse* resp) {
   LCE_RETURN_IF_ERROR(Authenticate(ctx, Access::kScoring));
   absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
   if (!head.ok()) return head.status();
@@ -285,9 +290,9 @@ grpc::Status LceService::ServeCall(grpc::ServerContext* ctx,
       return s;
     });
   }
-  return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("CallRequest.method ", req.method(),
-                                                              " is not a computation (set CALL_SCORE, CALL_FORWARD_BACKWARD, ",
-                                                              "CALL_BACKWARD or CALL_POLICY_LOSS)")));
+  return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+      "CallRequest.method ", req.method(), " is not a computation (set CALL_SCORE, CALL_FORWARD_BACKWARD, ",
+      "CALL_BACKWARD or CALL_POLICY_LOSS)")));
 }
 
 void LceService::RecountRegions() {
@@ -313,7 +318,8 @@ absl::Status LceService::OpenSessionBody(grpc::ServerContext* ctx,
       client_sessions_.Acquire(ctx->peer(), ClientToken(ctx), config_.max_sessions_per_peer);
   if (share.ticket == 0) {
     if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"sessions_per_peer"}).Increment();
-    return absl::ResourceExhaustedError(absl::StrCat("client ", share.client, " already holds ", config_.max_sessions_per_peer,
+    return absl::ResourceExhaustedError(absl::StrCat("client ", share.client, " already holds ",
+                                                     config_.max_sessions_per_peer,
                                                      " sessions, the most one client may (--max-sessions-per-peer)"));
   }
   absl::Cleanup end_share = [this, &share] { client_sessions_.Release(share.ticket); };
@@ -404,7 +410,8 @@ absl::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx, Reque
   v1::StreamRequest msg;
   bool got = false;
   const auto t0 = std::chrono::steady_clock::now();
-  absl::Status g = WithinLimit(ctx, *stream, HeaderWait(), [&] { return stream->Read(&msg); }, &got);
+  absl::Status g = WithinLimit(
+      ctx, *stream, HeaderWait(), [&] { return stream->Read(&msg); }, &got);
   if (RequestWork* work = RequestWork::Current(); work != nullptr) {
     work->read_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -424,8 +431,7 @@ absl::Status LceService::ReadHeader(RpcKind rpc, grpc::ServerContext* ctx, Reque
   return absl::OkStatus();
 }
 
-absl::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream,
-                                   bool one_message) {
+absl::Status LceService::RunStream(RpcKind rpc, grpc::ServerContext* ctx, RequestStream* stream, bool one_message) {
   LCE_RETURN_IF_ERROR(Authenticate(ctx, Access::kScoring));
   StreamedRequest request(*this, rpc, ctx, stream, one_message);
   return request.Run();

@@ -16,15 +16,15 @@
 #include "dynamic_batcher.h"
 #include "grpc_status.h"
 #include "head_store.h"
-#include "region_registry.h"
 #include "lce/v1/lce.grpc.pb.h"
+#include "region_registry.h"
 #include "request_authenticator.h"
 #include "request_log.h"
 #include "request_stream.h"
+#include "request_validator.h"
 #include "service_metrics.h"
 #include "stream_watchdog.h"
 #include "tp_group.h"
-#include "request_validator.h"
 
 namespace lce::server {
 
@@ -205,8 +205,8 @@ class LceService final : public v1::LceService::Service {
     int64_t d_hidden_bytes = 0;
   };
   absl::StatusOr<StagedCall> StageOnDevice(ChunkStaging& st, const RowsView& rows, bool hidden_on_device,
-                                           int64_t row_bytes, int64_t vocab_size, int32_t top_k, const Upstream& up, const RowOutputs& out,
-                                           const GradOutputs& grads, bool d_hidden_on_device);
+                                           int64_t row_bytes, int64_t vocab_size, int32_t top_k, const Upstream& up,
+                                           const RowOutputs& out, const GradOutputs& grads, bool d_hidden_on_device);
   absl::Status UnstageFromDevice(ChunkStaging& st, const StagedCall& call);
   // Device staging for one stream, reused across streams (allocation is slow, pinned or not).
   absl::StatusOr<std::unique_ptr<ChunkStaging>> TakeStaging();

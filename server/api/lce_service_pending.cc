@@ -96,9 +96,9 @@ grpc::Status LceService::CommitGrad(grpc::ServerContext* ctx, const v1::CommitGr
     resp->set_head_version(entry->version);
     if (entry->version != h.version) {
       ReleaseContributions(h, {{req->pending_grad_id(), PendingGrads::Drop::kStale}});
-      return absl::FailedPreconditionError(
-          absl::StrCat("pending weight gradient ", req->pending_grad_id(), " was made on version ", entry->version,
-                       " of head '", h.name, "', which is now at version ", h.version, "; it is dropped"));
+      return absl::FailedPreconditionError(absl::StrCat("pending weight gradient ", req->pending_grad_id(),
+                                                        " was made on version ", entry->version, " of head '", h.name,
+                                                        "', which is now at version ", h.version, "; it is dropped"));
     }
     if (req->discard()) {
       ReleaseContributions(h, {{req->pending_grad_id(), PendingGrads::Drop::kReleased}});

@@ -87,7 +87,8 @@ absl::StatusOr<std::vector<float>> NewBias(const v1::UpdateWeightsHeader& header
   }
   for (int i = 0; i < header.bias_size(); ++i) {
     if (!std::isfinite(header.bias(i))) {
-      return absl::InvalidArgumentError(absl::StrCat("UpdateWeights: header.bias[", i, "] is not finite; nothing changed"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("UpdateWeights: header.bias[", i, "] is not finite; nothing changed"));
     }
   }
   return std::vector<float>(header.bias().begin(), header.bias().end());
@@ -308,8 +309,8 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
     if (pending != 0) {
       const PendingGrads::Entry* e = (*head)->training->pending.Find(pending);
       if (e == nullptr || e->filling) {
-        return absl::NotFoundError(absl::StrCat("no finished pending weight gradient ", pending,
-                                                " on head '", (*head)->name, "'"));
+        return absl::NotFoundError(
+            absl::StrCat("no finished pending weight gradient ", pending, " on head '", (*head)->name, "'"));
       }
     }
     v1::TensorChunk chunk;
@@ -400,7 +401,9 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
     const UpdateReader next = [&](v1::UpdateWeightsRequest* m) -> absl::StatusOr<bool> {
       bool got = false;
       const ClientWait wait = read == 0 ? HeaderWait() : IdleWait(absl::StrCat("UpdateWeights' message ", read + 1));
-      if (absl::Status g = WithinLimit(ctx, kClientStream, wait, [&] { return reader->Read(m); }, &got); !g.ok()) {
+      if (absl::Status g = WithinLimit(
+              ctx, kClientStream, wait, [&] { return reader->Read(m); }, &got);
+          !g.ok()) {
         return absl::DeadlineExceededError(g.message());
       }
       if (!got || read++ > 0) return got;
@@ -433,11 +436,12 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
     if (!head.ok()) return head.status();
     const ServedHead& h = **head;
     if (header.expected_version() != 0 && header.expected_version() != h.version) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "head '", h.name, "' is at version ", h.version, ", the update expected version ", header.expected_version()));
+      return absl::FailedPreconditionError(absl::StrCat("head '", h.name, "' is at version ", h.version,
+                                                        ", the update expected version ", header.expected_version()));
     }
     const HeadShape& now = h.weights->shape;
-    if (now.vocab_size != full.shape.vocab_size || now.hidden_size != full.shape.hidden_size || now.dtype != full.shape.dtype) {
+    if (now.vocab_size != full.shape.vocab_size || now.hidden_size != full.shape.hidden_size ||
+        now.dtype != full.shape.dtype) {
       return absl::FailedPreconditionError(
           absl::StrCat("head '", h.name, "' was replaced by another shape while the update was sent"));
     }
@@ -449,7 +453,8 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
       if (e.ok()) engine = *std::move(e);
       return e.status();
     };
-    absl::Status s = config_.tp_group != nullptr ? config_.tp_group->Update(h.name, h.version + 1, full, serve_own) : serve_own();
+    absl::Status s =
+        config_.tp_group != nullptr ? config_.tp_group->Update(h.name, h.version + 1, full, serve_own) : serve_own();
     if (!s.ok()) return s;
     absl::StatusOr<std::shared_ptr<const ServedHead>> put =
         heads_->Put(h.name, Serve(h.name, h.version + 1, engine, shard, h.training), h.version);

@@ -27,9 +27,8 @@ absl::StatusOr<std::shared_ptr<const ServedHead>> HeadOf(const v1::RequestHeader
   const ServedHead& served = **head;
   const HeadShape& shape = served.engine->shape();
   if (h.head_version() != 0 && h.head_version() != served.version) {
-    return absl::FailedPreconditionError(absl::StrCat("head '", served.name, "' is at version ",
-                                                      served.version, ", request pins version ",
-                                                      h.head_version()));
+    return absl::FailedPreconditionError(absl::StrCat("head '", served.name, "' is at version ", served.version,
+                                                      ", request pins version ", h.head_version()));
   }
   if (h.hidden_size() != shape.hidden_size) {
     return absl::InvalidArgumentError(absl::StrCat("header.hidden_size is ", h.hidden_size(), " but head '",
@@ -38,8 +37,8 @@ absl::StatusOr<std::shared_ptr<const ServedHead>> HeadOf(const v1::RequestHeader
   absl::StatusOr<DType> dtype = FromWire(h.dtype());
   if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat("header.", dtype.status().message()));
   if (*dtype != shape.dtype) {
-    return absl::InvalidArgumentError(absl::StrCat("header.dtype is ", DTypeName(*dtype), " but head '",
-                                                   served.name, "' is ", DTypeName(shape.dtype),
+    return absl::InvalidArgumentError(absl::StrCat("header.dtype is ", DTypeName(*dtype), " but head '", served.name,
+                                                   "' is ", DTypeName(shape.dtype),
                                                    ": send hidden states in the head's dtype"));
   }
   return head;
@@ -49,8 +48,8 @@ absl::StatusOr<std::shared_ptr<const ServedHead>> HeadOf(const v1::RequestHeader
 // sequences' valid-token counts.
 absl::Status ReadPolicy(const v1::PolicyLossOptions& p, RequestPlan& plan) {
   if (!(p.clip_low() > 0.0f && p.clip_low() < 1.0f) || !(p.clip_high() > 0.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("policy.clip_low must be in (0, 1) and clip_high > 0, got ",
-                                                   p.clip_low(), ", ", p.clip_high()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.clip_low must be in (0, 1) and clip_high > 0, got ", p.clip_low(), ", ", p.clip_high()));
   }
   if (p.dual_clip() != 0.0f && !(p.dual_clip() > 1.0f)) {
     return absl::InvalidArgumentError(absl::StrCat("policy.dual_clip must be > 1 (or 0 = off), got ", p.dual_clip()));
@@ -63,8 +62,8 @@ absl::Status ReadPolicy(const v1::PolicyLossOptions& p, RequestPlan& plan) {
         "policy.sequence_valid_tokens is required: the non-ignored token count of each sequence of the request "
         "(one entry when every row is in sequence 0; the client libraries fill it in)");
   }
-  plan.policy = {p.clip_low(), p.clip_high(), p.dual_clip(), p.entropy_coef(), p.kl_coef(),
-                 p.kl_estimator() == v1::KL_ESTIMATOR_K3 ? KlKind::kK3 : KlKind::kK1};
+  plan.policy = {p.clip_low(),     p.clip_high(), p.dual_clip(),
+                 p.entropy_coef(), p.kl_coef(),   p.kl_estimator() == v1::KL_ESTIMATOR_K3 ? KlKind::kK3 : KlKind::kK1};
   switch (p.aggregation()) {
     case v1::AGGREGATION_UNSPECIFIED:
     case v1::AGGREGATION_TOKEN_MEAN: plan.aggregation = AggregationKind::kTokenMean; break;
@@ -169,7 +168,8 @@ absl::Status StreamRequestValidator::ValidateOutputs(const v1::RequestHeader& h,
     return absl::InvalidArgumentError("OUTPUT_ARGMAX and OUTPUT_TOP_K are Score, ForwardBackward and Backward outputs");
   }
   if (plan.want_top_k != (h.top_k() != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("header.top_k (", h.top_k(), ") goes with OUTPUT_TOP_K: set both or neither"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.top_k (", h.top_k(), ") goes with OUTPUT_TOP_K: set both or neither"));
   }
   if (plan.want_top_k && (h.top_k() < 1 || h.top_k() > kMaxTopK)) {
     return absl::InvalidArgumentError(absl::StrCat("header.top_k must be in [1, ", kMaxTopK, "], got ", h.top_k()));
@@ -180,7 +180,8 @@ absl::Status StreamRequestValidator::ValidateOutputs(const v1::RequestHeader& h,
 
 absl::Status StreamRequestValidator::ValidateClassWeights(const v1::RequestHeader& h, RequestPlan& plan) const {
   if (h.class_weights().empty()) return absl::OkStatus();
-  if (rpc_ != RpcKind::kForwardBackward) return absl::InvalidArgumentError("class_weights apply to ForwardBackward only");
+  if (rpc_ != RpcKind::kForwardBackward)
+    return absl::InvalidArgumentError("class_weights apply to ForwardBackward only");
   if (plan.reduction == v1::REDUCTION_MEAN) {
     return absl::InvalidArgumentError(
         "class_weights with REDUCTION_MEAN: the mean's denominator is the sum of the targets' weights; ask for "

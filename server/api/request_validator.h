@@ -29,10 +29,10 @@ struct RequestPlan {
   bool want_logprobs = false;
   bool want_entropy = false;
   bool want_loss = false;
-  bool want_z_loss = false;   // ForwardBackward
-  bool want_argmax = false;   // options.top_k >= 1 then
-  bool want_top_k = false;    // options.top_k tokens a row
-  std::vector<float> class_weights;  // ForwardBackward: empty or [vocab_size]
+  bool want_z_loss = false;                      // ForwardBackward
+  bool want_argmax = false;                      // options.top_k >= 1 then
+  bool want_top_k = false;                       // options.top_k tokens a row
+  std::vector<float> class_weights;              // ForwardBackward: empty or [vocab_size]
   v1::Reduction reduction = v1::REDUCTION_MEAN;  // ForwardBackward
   int64_t declared_valid_tokens = -1;            // REDUCTION_MEAN
   bool accumulate_weight_grad = false;           // ForwardBackward, PolicyLoss

@@ -156,7 +156,8 @@ absl::Status StreamedRequest::Receive(bool* more) {
     return absl::CancelledError("client cancelled");
   }
   if (msg_.has_header()) {
-    return absl::InvalidArgumentError(absl::StrCat("repeated header (message ", chunk_index_ + 1, "): a request has exactly one"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("repeated header (message ", chunk_index_ + 1, "): a request has exactly one"));
   }
   if (!msg_.has_chunk()) {
     return absl::InvalidArgumentError(absl::StrCat("message ", chunk_index_ + 1, " is neither a header nor a chunk"));
@@ -183,7 +184,8 @@ absl::Status StreamedRequest::Accept(InFlightChunk& c) {
   bytes_seen_ += c.rows * row_bytes_;
   if (config_.max_request_bytes > 0 && bytes_seen_ > config_.max_request_bytes) {
     if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"request_bytes"}).Increment();
-    return absl::ResourceExhaustedError(absl::StrCat("chunk ", chunk_index_, ": request exceeds ", config_.max_request_bytes,
+    return absl::ResourceExhaustedError(absl::StrCat("chunk ", chunk_index_, ": request exceeds ",
+                                                     config_.max_request_bytes,
                                                      " bytes of hidden states, the server's limit per request"));
   }
   return absl::OkStatus();
@@ -316,8 +318,8 @@ absl::Status StreamedRequest::Prepare(InFlightChunk& c) {
 }
 
 absl::Status StreamedRequest::ChunkError(const InFlightChunk& c, const absl::Status& s) const {
-  return absl::Status(s.code(), absl::StrCat("chunk ", c.index, " (rows ", c.first_row, "..",
-                                                    c.first_row + c.rows - 1, "): ", s.message()));
+  return absl::Status(s.code(), absl::StrCat("chunk ", c.index, " (rows ", c.first_row, "..", c.first_row + c.rows - 1,
+                                             "): ", s.message()));
 }
 
 // Pipelined: the chunk is staged now (its uploads overlap the previous chunk's compute) and its call
@@ -487,10 +489,13 @@ absl::Status StreamedRequest::Answer(InFlightChunk& c) {
   c.dh_slice = {};
   const bool last = !SummaryFollows() && c.index == last_chunk_.load();
   bool written = false;
-  absl::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read an answer"), [&] {
-    return Timed(&RequestWork::write_wait_seconds,
-                 [&] { return last ? writer_->PushLast(std::move(c.resp)) : writer_->Push(std::move(c.resp)); });
-  }, &written);
+  absl::Status g = service_.WithinLimit(
+      ctx_, *stream_, service_.IdleWait("the client to read an answer"),
+      [&] {
+        return Timed(&RequestWork::write_wait_seconds,
+                     [&] { return last ? writer_->PushLast(std::move(c.resp)) : writer_->Push(std::move(c.resp)); });
+      },
+      &written);
   if (!g.ok()) return g;
   if (!written) return absl::CancelledError("client went away");
   c.resp = v1::StreamResponse();
@@ -513,9 +518,9 @@ absl::Status StreamedRequest::Finish() {
   LCE_RETURN_IF_ERROR(EndContribution());
   LCE_RETURN_IF_ERROR(SendSummary());
   bool drained = false;
-  absl::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read the last answers"), [&] {
-    return Timed(&RequestWork::drain_seconds, [&] { return writer_->Finish(); });
-  }, &drained);
+  absl::Status g = service_.WithinLimit(
+      ctx_, *stream_, service_.IdleWait("the client to read the last answers"),
+      [&] { return Timed(&RequestWork::drain_seconds, [&] { return writer_->Finish(); }); }, &drained);
   if (!g.ok()) return g;
   if (!drained) return absl::CancelledError("client went away");
   return absl::OkStatus();
@@ -533,9 +538,9 @@ absl::Status StreamedRequest::CheckDeclaredCounts() const {
   if (!is_pl_) return absl::OkStatus();
   for (int64_t q = 0; q < num_seq_; ++q) {
     if (seq_seen_[q] != plan_->sequence_valid_tokens[q]) {
-      return absl::InvalidArgumentError(absl::StrCat("policy.sequence_valid_tokens[", q, "] declared ", plan_->sequence_valid_tokens[q],
-                                                     " but the request has ", seq_seen_[q],
-                                                     " non-ignored rows in that sequence; discard the returned d_hidden"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.sequence_valid_tokens[", q, "] declared ", plan_->sequence_valid_tokens[q], " but the request has ",
+          seq_seen_[q], " non-ignored rows in that sequence; discard the returned d_hidden"));
     }
   }
   return absl::OkStatus();
@@ -577,8 +582,9 @@ absl::Status StreamedRequest::SendSummary() {
     sum->set_mean_kl(policy_sums_.kl / t);
   }
   bool written = false;
-  absl::Status g = service_.WithinLimit(ctx_, *stream_, service_.IdleWait("the client to read an answer"),
-                                        [&] { return writer_->PushLast(std::move(resp)); }, &written);
+  absl::Status g = service_.WithinLimit(
+      ctx_, *stream_, service_.IdleWait("the client to read an answer"),
+      [&] { return writer_->PushLast(std::move(resp)); }, &written);
   if (!g.ok()) return g;
   if (!written) return absl::CancelledError("client went away");
   return absl::OkStatus();

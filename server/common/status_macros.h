@@ -9,11 +9,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-#define LCE_RETURN_IF_ERROR(expr)                                      \
-  do {                                                                 \
-    if (::absl::Status lce_status_ = (expr); !lce_status_.ok()) {      \
-      return lce_status_;                                              \
-    }                                                                  \
+#define LCE_RETURN_IF_ERROR(expr)                                 \
+  do {                                                            \
+    if (::absl::Status lce_status_ = (expr); !lce_status_.ok()) { \
+      return lce_status_;                                         \
+    }                                                             \
   } while (0)
 
 // `lhs` may declare a variable (it stays in scope after the macro) or name an existing one.

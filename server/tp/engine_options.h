@@ -57,8 +57,9 @@ using OptionBytes = std::array<unsigned char, options_detail::EncodedSize<option
 inline OptionBytes EncodeOptions(const LceOptions& o) {
   OptionBytes bytes{};
   size_t at = 0;
-  std::apply([&](const auto&... field) { ((std::memcpy(bytes.data() + at, &field, sizeof field), at += sizeof field), ...); },
-             OptionFields(o));
+  std::apply(
+      [&](const auto&... field) { ((std::memcpy(bytes.data() + at, &field, sizeof field), at += sizeof field), ...); },
+      OptionFields(o));
   return bytes;
 }
 

@@ -18,11 +18,34 @@ enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kS
 namespace {
 
 constexpr uint32_t kMagic = 0x4c434535;  // "LCE5": this layout of the control block
-enum Flags : uint32_t { kGradLoss = 1, kGradLogprob = 2, kGradEntropy = 4, kAccumulateWeightGrad = 8, kFreshWeightGrad = 16,
-                        kClassWeights = 32 };
-enum Slot : int { kControl, kHidden, kTargets, kGradLossSlot, kGradLogprobSlot, kGradEntropySlot,
-                  kOutLogprob, kOutEntropy, kOutLse, kOutLoss, kOutDHidden, kScalars, kPiece, kClassWeightSlot,
-                  kOutZLoss, kOutArgmax, kOutTopTokens, kOutTopLogprobs };
+enum Flags : uint32_t {
+  kGradLoss = 1,
+  kGradLogprob = 2,
+  kGradEntropy = 4,
+  kAccumulateWeightGrad = 8,
+  kFreshWeightGrad = 16,
+  kClassWeights = 32
+};
+enum Slot : int {
+  kControl,
+  kHidden,
+  kTargets,
+  kGradLossSlot,
+  kGradLogprobSlot,
+  kGradEntropySlot,
+  kOutLogprob,
+  kOutEntropy,
+  kOutLse,
+  kOutLoss,
+  kOutDHidden,
+  kScalars,
+  kPiece,
+  kClassWeightSlot,
+  kOutZLoss,
+  kOutArgmax,
+  kOutTopTokens,
+  kOutTopLogprobs
+};
 enum class SourceKind : uint32_t { kFile = 1, kSeeded = 2, kClone = 3 };
 // Shards move between ranks in pieces of at most this many bytes (a bounded staging buffer).
 constexpr int64_t kPieceBytes = int64_t{64} << 20;
@@ -215,9 +238,9 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   c.version = version;
   c.rows = rows.rows;
   c.mode = static_cast<uint32_t>(up.mode);
-  c.flags = (up.grad_loss ? kGradLoss : 0) | (up.grad_logprob ? kGradLogprob : 0) | (up.grad_entropy ? kGradEntropy : 0) |
-            (grads.d_weight ? kAccumulateWeightGrad : 0) | (grads.d_weight && grads.d_weight_fresh ? kFreshWeightGrad : 0) |
-            (rows.class_weight ? kClassWeights : 0);
+  c.flags = (up.grad_loss ? kGradLoss : 0) | (up.grad_logprob ? kGradLogprob : 0) |
+            (up.grad_entropy ? kGradEntropy : 0) | (grads.d_weight ? kAccumulateWeightGrad : 0) |
+            (grads.d_weight && grads.d_weight_fresh ? kFreshWeightGrad : 0) | (rows.class_weight ? kClassWeights : 0);
   c.pending = grads.d_weight_pending;
   c.options = EncodeOptions(o);
   LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
@@ -252,7 +275,11 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   // (the front's trainer's) is device memory already.
   RowOutputs dev_out = outputs;
   const int64_t k = std::max<int32_t>(o.top_k, 1);
-  struct Out { int slot; void** dst; int64_t bytes; };
+  struct Out {
+    int slot;
+    void** dst;
+    int64_t bytes;
+  };
   std::vector<std::pair<void*, Out>> back;  // host destination, device buffer
   for (Out x : {Out{kOutLogprob, reinterpret_cast<void**>(&dev_out.logprob), n * 4},
                 Out{kOutEntropy, reinterpret_cast<void**>(&dev_out.entropy), n * 4},

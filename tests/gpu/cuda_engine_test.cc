@@ -3,17 +3,17 @@
 // Every test skips (GTEST_SKIP, with a message) where no CUDA device is visible.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <barrier>
-#include <chrono>
-#include <iostream>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
 #include <functional>
+#include <iostream>
 #include <limits>
 #include <random>
 #include <string>
@@ -165,10 +165,10 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
     up.grad_entropy = p.grad_entropy.empty() ? nullptr : p.grad_entropy.data();
     RowsView rows{hidden.data(), targets.data(), N, MemorySpace::kHost};
     rows.class_weight = p.class_weight.empty() ? nullptr : p.class_weight.data();
-    a.status = e.Compute(rows, p.ref.options, up,
-                         {a.logprob.data(), want_entropy ? a.entropy.data() : nullptr, a.lse.data(), a.loss.data(),
-                          a.z_loss.data()},
-                         {grad ? dh.data() : nullptr, grad && !dw_init.empty() ? a.d_weight.data() : nullptr});
+    a.status = e.Compute(
+        rows, p.ref.options, up,
+        {a.logprob.data(), want_entropy ? a.entropy.data() : nullptr, a.lse.data(), a.loss.data(), a.z_loss.data()},
+        {grad ? dh.data() : nullptr, grad && !dw_init.empty() ? a.d_weight.data() : nullptr});
   } else {
     uint8_t* d_hidden = ToDevice(hidden);
     int32_t* d_targets = ToDevice(targets);

@@ -28,7 +28,10 @@ class ScopedTuningEnv {
   }
   ~ScopedTuningEnv() {
     for (const Saved& s : saved_) {
-      if (s.had) setenv(s.name.c_str(), s.value.c_str(), 1); else unsetenv(s.name.c_str());
+      if (s.had)
+        setenv(s.name.c_str(), s.value.c_str(), 1);
+      else
+        unsetenv(s.name.c_str());
     }
   }
 
@@ -57,13 +60,25 @@ TEST(CudaTuningTest, UnsetOrEmptyVariablesKeepTheDefaults) {
 }
 
 TEST(CudaTuningTest, EachVariableSetsItsField) {
-  ScopedTuningEnv env({{"LCE_CUDA_VOCAB_TILE", "4096"}, {"LCE_CUDA_MAX_ROWS", "7"}, {"LCE_CUDA_BWD_CHUNK", "2048"},
-                       {"LCE_CUDA_STATS_SMS", "16"}, {"LCE_CUDA_NO_FAST", "1"}, {"LCE_CUDA_TARGET_APART", "0"},
-                       {"LCE_CUDA_DH_BESIDE", "0"}, {"LCE_CUDA_GEMMEX", "1"}, {"LCE_CUDA_NO_GEMM_TUNE", "1"},
-                       {"LCE_CUDA_EPILOGUE_STATS", "0"}, {"LCE_CUDA_EPI_KERNEL", "2"},
-                       {"LCE_CUDA_EPI_SMALL_ROWS", "64"}, {"LCE_CUDA_EPI_LARGE", "3"}, {"LCE_CUDA_EPI_SWIZZLE", "8"},
-                       {"LCE_CUDA_EPI_RASTER", "1"}, {"LCE_CUDA_DEBUG_SKIP", "5"}, {"LCE_CUDA_TRACE", "1"},
-                       {"LCE_CUDA_BATCH_INVARIANT", "1"}, {"LCE_CUDA_TP_INVARIANT", "0"}});
+  ScopedTuningEnv env({{"LCE_CUDA_VOCAB_TILE", "4096"},
+                       {"LCE_CUDA_MAX_ROWS", "7"},
+                       {"LCE_CUDA_BWD_CHUNK", "2048"},
+                       {"LCE_CUDA_STATS_SMS", "16"},
+                       {"LCE_CUDA_NO_FAST", "1"},
+                       {"LCE_CUDA_TARGET_APART", "0"},
+                       {"LCE_CUDA_DH_BESIDE", "0"},
+                       {"LCE_CUDA_GEMMEX", "1"},
+                       {"LCE_CUDA_NO_GEMM_TUNE", "1"},
+                       {"LCE_CUDA_EPILOGUE_STATS", "0"},
+                       {"LCE_CUDA_EPI_KERNEL", "2"},
+                       {"LCE_CUDA_EPI_SMALL_ROWS", "64"},
+                       {"LCE_CUDA_EPI_LARGE", "3"},
+                       {"LCE_CUDA_EPI_SWIZZLE", "8"},
+                       {"LCE_CUDA_EPI_RASTER", "1"},
+                       {"LCE_CUDA_DEBUG_SKIP", "5"},
+                       {"LCE_CUDA_TRACE", "1"},
+                       {"LCE_CUDA_BATCH_INVARIANT", "1"},
+                       {"LCE_CUDA_TP_INVARIANT", "0"}});
   const CudaTuning t = CudaTuningFromEnv();
   EXPECT_EQ(t.vocab_tile, 4096);
   EXPECT_EQ(t.max_rows, 7);

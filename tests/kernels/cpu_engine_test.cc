@@ -1,10 +1,10 @@
 // CPU engine against the float64 reference (tests/kernels/reference.h) on fresh random inputs.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
-#include <algorithm>
-#include <functional>
 #include <set>
 #include <tuple>
 
@@ -161,8 +161,12 @@ LceOptions OptionSet(int k) {
     case 3: o.label_smoothing = 0.1f; break;
     case 4: o.z_loss = 1e-2f; break;
     case 5: o.temperature = 0.9f; o.softcap = 5.0f; o.label_smoothing = 0.05f; o.z_loss = 1e-3f; o.ignore_index = 3; break;
-    case 6: o.label_smoothing = 0.1f; o.z_loss = 1e-2f; o.softcap = 4.0f; break;  // with class weights
-    case 7: break;                                                                 // with class weights
+    case 6:
+      o.label_smoothing = 0.1f;
+      o.z_loss = 1e-2f;
+      o.softcap = 4.0f;
+      break;        // with class weights
+    case 7: break;  // with class weights
   }
   return o;
 }

@@ -65,8 +65,8 @@ RefResult ReferenceLce(const RefProblem& p) {
       if (p.mode == GradMode::kLoss) {
         if (!ignored) {
           const double g = p.grad_loss.empty() ? 1.0 : p.grad_loss[i];
-          d = g * ((1 - eps) * wy * (pr[j] - (j == y ? 1 : 0)) + eps / V * (W * pr[j] - weight(j)) +
-                   2 * lam * lse * pr[j]);
+          d = g *
+              ((1 - eps) * wy * (pr[j] - (j == y ? 1 : 0)) + eps / V * (W * pr[j] - weight(j)) + 2 * lam * lse * pr[j]);
         }
       } else {
         const double u = (ignored || p.grad_logprob.empty()) ? 0.0 : p.grad_logprob[i];

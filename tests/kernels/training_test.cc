@@ -177,7 +177,8 @@ TEST(HeadTrainer, BiasIsTrainedBesideTheWeight) {
   const RowsView rows{hidden.data(), targets.data(), N, MemorySpace::kHost};
   const Upstream up{GradMode::kLoss, nullptr, nullptr, nullptr};
   std::vector<float> want(static_cast<size_t>(V * H + V), 0.0f);  // [dW | dB] made directly, scaled by 0.5
-  ASSERT_TRUE((*engine)->Compute(rows, LceOptions{}, up, {}, {nullptr, want.data(), 0, false, want.data() + V * H}).ok());
+  ASSERT_TRUE(
+      (*engine)->Compute(rows, LceOptions{}, up, {}, {nullptr, want.data(), 0, false, want.data() + V * H}).ok());
   for (float& x : want) x *= 0.5f;
   absl::StatusOr<float*> pending = trainer.AcquirePending(7, /*zeroed=*/false);
   ASSERT_TRUE(pending.ok());
@@ -208,8 +209,8 @@ TEST(HeadTrainer, BiasIsTrainedBesideTheWeight) {
   ConvertFromFloat(master.data(), V * H, DType::kBFloat16, rounded.data());
   EXPECT_EQ((*now)->weight, rounded);
   // Without a bias there is none to copy.
-  absl::StatusOr<std::unique_ptr<HeadTrainer>> plain = CreateHeadTrainer(*MakeCpuEngine(RandomHead(V, H, 1)),
-                                                                         RandomHead(V, H, 1), MakeCpuEngine);
+  absl::StatusOr<std::unique_ptr<HeadTrainer>> plain =
+      CreateHeadTrainer(*MakeCpuEngine(RandomHead(V, H, 1)), RandomHead(V, H, 1), MakeCpuEngine);
   ASSERT_TRUE(plain.ok());
   EXPECT_EQ((*plain)->CopyBiasGrad(db.data()).code(), absl::StatusCode::kFailedPrecondition);
 }

@@ -154,7 +154,8 @@ TEST(ServerFlags, OperatingDocTableIsTheFlags) {
   std::stringstream text;
   text << std::ifstream(path).rdbuf();
   std::string doc = text.str();
-  const std::string begin = "<!-- server flags: generated from server/ops/server_flags.cc, see tests/server/server_flags_test.cc -->\n";
+  const std::string begin =
+      "<!-- server flags: generated from server/ops/server_flags.cc, see tests/server/server_flags_test.cc -->\n";
   const std::string end = "<!-- end of server flags -->";
   const size_t b = doc.find(begin), e = doc.find(end);
   ASSERT_TRUE(b != std::string::npos && e != std::string::npos && b < e) << path << " has no flag table markers";
@@ -165,7 +166,8 @@ TEST(ServerFlags, OperatingDocTableIsTheFlags) {
     return;
   }
   EXPECT_EQ(doc.substr(b + begin.size(), e - b - begin.size()), want)
-      << path << "'s flag table differs from the flags; regenerate it: LCE_UPDATE_DOCS=1 " << "build/bin/server_test "
+      << path << "'s flag table differs from the flags; regenerate it: LCE_UPDATE_DOCS=1 "
+      << "build/bin/server_test "
       << "--gtest_filter='ServerFlags.OperatingDoc*'";
 }
 

@@ -332,7 +332,8 @@ class Client(_ClientBase):
                 req.scale = float(scale)
             self._unary("CommitGrad", req, self._front.stub)
 
-    def get_grad(self, head: Optional[str] = None, pending_grad: Optional[int] = None, bias: bool = False) -> np.ndarray:
+    def get_grad(self, head: Optional[str] = None, pending_grad: Optional[int] = None,
+                 bias: bool = False) -> np.ndarray:
         """The head's accumulated fp32 gradient dW [vocab, hidden] as numpy; with `pending_grad`, that
         pending contribution's instead (it stays pending: commit or discard it after); with `bias`, the
         bias's gradient dB [vocab] (a head with a bias)."""

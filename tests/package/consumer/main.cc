@@ -30,8 +30,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   const v1::HeadDescription& head = info->head();
-  std::cout << "client " << lce::client::Version() << ", server " << info->server_version() << ", head '"
-            << head.name() << "' " << head.vocab_size() << "x" << head.hidden_size() << "\n";
+  std::cout << "client " << lce::client::Version() << ", server " << info->server_version() << ", head '" << head.name()
+            << "' " << head.vocab_size() << "x" << head.hidden_size() << "\n";
 
   // fp32 rows of N(0, 1), sent in the head's dtype: bf16 keeps an fp32's upper half.
   std::mt19937 gen(1);
@@ -54,8 +54,8 @@ int main(int argc, char** argv) {
   }
   for (int32_t& t : targets) t = token(gen);
 
-  lce::client::HiddenBatch batch{.dtype = head.dtype(), .rows = rows, .hidden_size = head.hidden_size(),
-                                 .hidden = hidden, .targets = targets};
+  lce::client::HiddenBatch batch{
+      .dtype = head.dtype(), .rows = rows, .hidden_size = head.hidden_size(), .hidden = hidden, .targets = targets};
   v1::RequestHeader header;
   header.set_head(head.name());
   absl::StatusOr<lce::client::ScoreResult> scored = (*client)->Score(batch, header);
