@@ -271,8 +271,15 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
                 staging_->device() ? MemorySpace::kDevice : MemorySpace::kHost};
   view.class_weight = static_cast<const float*>(class_weight);
   if (!staging_->device()) return local.Compute(view, o, staged_up, outputs, grads);
-  // Device staging: outputs land in device buffers, then come back to the caller's host memory; dW
-  // (the front's trainer's) is device memory already.
+  return ComputeStaged(local, view, o, staged_up, outputs, grads);
+}
+
+// Device staging: outputs land in device buffers, then come back to the caller's host memory; dW
+// (the front's trainer's) is device memory already.
+absl::Status TpGroup::ComputeStaged(LceEngine& local, const RowsView& view, const LceOptions& o, const Upstream& up,
+                                    const RowOutputs& outputs, const GradOutputs& grads) {
+  const int64_t n = view.rows;
+  const int64_t row_bytes = local.shape().hidden_size * DTypeSize(local.shape().dtype);
   RowOutputs dev_out = outputs;
   const int64_t k = std::max<int32_t>(o.top_k, 1);
   struct Out {
@@ -304,7 +311,7 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
     if (!p.ok()) return p.status();
     dev_grads.d_hidden = *p;
   }
-  LCE_RETURN_IF_ERROR(local.Compute(view, o, staged_up, dev_out, dev_grads));
+  LCE_RETURN_IF_ERROR(local.Compute(view, o, up, dev_out, dev_grads));
   for (const auto& [host, x] : back) {
     LCE_RETURN_IF_ERROR(staging_->Download(host, *x.dst, x.bytes));
   }

@@ -117,6 +117,8 @@ class TpGroup {
   T Locked(F&& op);
   absl::Status ComputeLocked(const std::string& head, int64_t version, LceEngine& local, const RowsView& rows,
                              const LceOptions& o, const Upstream& up, const RowOutputs& outputs, const GradOutputs& grads);
+  absl::Status ComputeStaged(LceEngine& local, const RowsView& view, const LceOptions& o, const Upstream& up,
+                             const RowOutputs& outputs, const GradOutputs& grads);
   absl::Status Fail(absl::Status s);
   // An operation on the peers' dW of `head` (ZeroGrad, CommitPending, ReleasePending).
   absl::Status GradOp(const std::string& head, TpOp op, uint64_t pending = 0, float scale = 1);
