@@ -15,6 +15,8 @@ namespace lce::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kWarps = 4;     // warps a block of the merge kernel
+constexpr int kSegWarps = 2;  // ...of the segment kernel: a warp's list of kSegment candidates in shared memory
 
 struct Cand {
   float z;
@@ -23,62 +25,65 @@ struct Cand {
 
 __device__ __forceinline__ bool Before(Cand a, Cand b) { return a.z > b.z || (a.z == b.z && a.id < b.id); }
 
-// The block's best of each thread's `mine` (all threads call it); the result in every thread.
-__device__ Cand BlockBest(Cand mine, Cand* shared) {
+__device__ __forceinline__ Cand WarpBest(Cand c) {
   for (int off = 16; off > 0; off /= 2) {
-    Cand o{__shfl_down_sync(0xffffffffu, mine.z, off), __shfl_down_sync(0xffffffffu, mine.id, off)};
-    if (Before(o, mine)) mine = o;
+    const Cand o{__shfl_xor_sync(0xffffffffu, c.z, off), __shfl_xor_sync(0xffffffffu, c.id, off)};
+    if (Before(o, c)) c = o;
   }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) shared[warp] = mine;
-  __syncthreads();
-  if (warp == 0) {
-    mine = lane < kThreads / 32 ? shared[lane] : Cand{-INFINITY, -INFINITY};
-    for (int off = 16; off > 0; off /= 2) {
-      Cand o{__shfl_down_sync(0xffffffffu, mine.z, off), __shfl_down_sync(0xffffffffu, mine.id, off)};
-      if (Before(o, mine)) mine = o;
-    }
-    if (lane == 0) shared[kThreads / 32] = mine;
+  return c;
+}
+
+// A lane's best of its strided share of list[0, n) (taken entries hold id −inf).
+__device__ __forceinline__ Cand LaneBest(const Cand* list, int n, int lane) {
+  Cand best{-INFINITY, -INFINITY};
+  for (int i = lane; i < n; i += 32) {
+    const Cand c = list[i];
+    if (c.id >= 0.0f && Before(c, best)) best = c;
   }
-  __syncthreads();
-  const Cand best = shared[kThreads / 32];
-  __syncthreads();  // shared is reused by the next round
   return best;
 }
 
-// k rounds over n values of `z` (ids first_id + i, or ids[i]): out[j] = the j-th in ranking order.
-__device__ void SelectTopK(const float* z, const float* ids, float first_id, int n, int k, Cand* out, Cand* shared) {
-  Cand prev{INFINITY, -INFINITY};  // everything ranks after it
+// One warp picks the k best of list[0, n) in order into out[0, k) (lane 0 writes): each lane keeps its
+// share's best; a round takes the warp's best and only its lane looks again. `list` is the warp's own
+// (its picks are marked taken in place).
+__device__ void WarpTopK(Cand* list, int n, int k, Cand* out) {
+  const int lane = threadIdx.x % 32;
+  Cand mine = LaneBest(list, n, lane);
   for (int j = 0; j < k; ++j) {
-    Cand mine{-INFINITY, -INFINITY};
-    for (int i = threadIdx.x; i < n; i += kThreads) {
-      const Cand c{z[i], ids != nullptr ? ids[i] : first_id + static_cast<float>(i)};
-      if (c.id < 0.0f || !Before(prev, c)) continue;  // no candidate, or already picked
-      if (Before(c, mine)) mine = c;
+    const Cand best = WarpBest(mine);
+    if (lane == 0) out[j] = best;
+    if (best.id < 0.0f) continue;  // fewer than k candidates: the rest stay −inf
+    if (mine.z == best.z && mine.id == best.id) {  // this lane held it
+      for (int i = lane; i < n; i += 32) {
+        if (list[i].id == best.id) list[i].id = -INFINITY;
+      }
+      mine = LaneBest(list, n, lane);
     }
-    prev = BlockBest(mine, shared);
-    if (threadIdx.x == 0) out[j] = prev;
+    __syncwarp();
   }
 }
 
-// One block a (row, segment of the tile): z of the segment into shared memory, then its top k.
-__global__ void SegmentTopKKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int64_t nv,
-                                  LogitTransform tf, int k, int64_t vocab_begin, Cand* __restrict__ cand, int64_t slots,
-                                  int64_t slot0) {
-  __shared__ float z[kSegment];
-  __shared__ Cand shared[kThreads / 32 + 1];
-  const int64_t r = blockIdx.y, seg = blockIdx.x;
-  const int64_t c0 = seg * kSegment;
+// One warp a (row, segment of the tile): the segment's z into the warp's shared list, then its top k.
+__global__ void SegmentTopKKernel(const float* __restrict__ logits, int64_t ldz, int64_t rows, int64_t v0,
+                                  int64_t nv, LogitTransform tf, int k, int64_t vocab_begin, Cand* __restrict__ cand,
+                                  int64_t slots, int64_t slot0) {
+  __shared__ Cand lists[kSegWarps][kSegment];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t nseg = (nv + kSegment - 1) / kSegment;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kSegWarps + warp;  // (row, segment)
+  if (item >= rows * nseg) return;
+  const int64_t r = item / nseg, seg = item % nseg, c0 = seg * kSegment;
   const int n = static_cast<int>(nv - c0 < kSegment ? nv - c0 : kSegment);
   const float inv_t = 1.0f / tf.temperature;
-  for (int i = threadIdx.x; i < n; i += kThreads) {
+  const float first_id = static_cast<float>(vocab_begin + v0 + c0);
+  Cand* list = lists[warp];
+  for (int i = lane; i < n; i += 32) {
     float a = logits[r * ldz + c0 + i] + (tf.bias != nullptr ? tf.bias[v0 + c0 + i] : 0.0f);
     if (tf.softcap > 0.0f) a = tf.softcap * tanhf(a / tf.softcap);
-    z[i] = a * inv_t;
+    list[i] = Cand{a * inv_t, first_id + static_cast<float>(i)};
   }
-  __syncthreads();
-  Cand* out = cand + (r * slots + slot0 + (v0 + c0) / kSegment) * k;
-  SelectTopK(z, nullptr, static_cast<float>(vocab_begin + v0 + c0), n, k, out, shared);
+  __syncwarp();
+  WarpTopK(list, n, k, cand + (r * slots + slot0 + (v0 + c0) / kSegment) * k);
 }
 
 __global__ void FillKernel(Cand* __restrict__ cand, int64_t n) {
@@ -86,25 +91,20 @@ __global__ void FillKernel(Cand* __restrict__ cand, int64_t n) {
   if (i < n) cand[i] = Cand{-INFINITY, -INFINITY};
 }
 
-// One block a row: its slots' candidates merged; logprob = (z − m) − log S.
-__global__ void MergeTopKKernel(const Cand* __restrict__ cand, int64_t slots, int k, const float* __restrict__ info,
-                                int32_t* argmax, int32_t* top_tokens, float* top_logprobs) {
-  extern __shared__ float buf[];  // z then ids of the row's slots · k candidates
-  __shared__ Cand shared[kThreads / 32 + 1];
-  __shared__ Cand picked[kMaxTopK];
-  const int64_t r = blockIdx.x;
-  const int n = static_cast<int>(slots * k);
-  for (int i = threadIdx.x; i < n; i += kThreads) {
-    const Cand c = cand[r * slots * k + i];
-    buf[i] = c.z;
-    buf[n + i] = c.id;
-  }
-  __syncthreads();
-  SelectTopK(buf, buf + n, 0.0f, n, k, picked, shared);
-  __syncthreads();
+// One warp a row: its slots' candidates (in place in `cand`, which it marks) merged; logprob =
+// (z − m) − log S.
+__global__ void MergeTopKKernel(Cand* __restrict__ cand, int64_t rows, int64_t slots, int k,
+                                const float* __restrict__ info, int32_t* argmax, int32_t* top_tokens,
+                                float* top_logprobs) {
+  __shared__ Cand picked[kWarps][kMaxTopK];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (r >= rows) return;
+  WarpTopK(cand + r * slots * k, static_cast<int>(slots * k), k, picked[warp]);
+  __syncwarp();
   const float m = info[r * kRowInfo + kInfoMax], log_s = info[r * kRowInfo + kInfoLogS];
-  for (int j = threadIdx.x; j < k; j += kThreads) {
-    const Cand c = picked[j];
+  for (int j = lane; j < k; j += 32) {
+    const Cand c = picked[warp][j];
     if (top_tokens != nullptr) top_tokens[r * k + j] = static_cast<int32_t>(c.id);
     if (top_logprobs != nullptr) top_logprobs[r * k + j] = (c.z - m) - log_s;
     if (j == 0 && argmax != nullptr) argmax[r] = static_cast<int32_t>(c.id);
@@ -134,25 +134,19 @@ absl::Status LaunchSegmentTopK(const float* logits, int64_t ldz, int64_t rows, i
     return absl::InvalidArgumentError(absl::StrCat("LaunchSegmentTopK: k ", k, ", v0 ", v0, ", rows ", rows));
   }
   if (rows == 0 || nv == 0) return absl::OkStatus();
-  const dim3 grid(static_cast<unsigned>((nv + kSegment - 1) / kSegment), static_cast<unsigned>(rows));
-  SegmentTopKKernel<<<grid, kThreads, 0, stream>>>(logits, ldz, v0, nv, tf, k, vocab_begin,
-                                                   reinterpret_cast<Cand*>(cand), slots, slot0);
+  const int64_t items = rows * ((nv + kSegment - 1) / kSegment);
+  SegmentTopKKernel<<<static_cast<unsigned>((items + kSegWarps - 1) / kSegWarps), kSegWarps * 32, 0, stream>>>(
+      logits, ldz, rows, v0, nv, tf, k, vocab_begin, reinterpret_cast<Cand*>(cand), slots, slot0);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
 
-absl::Status LaunchMergeTopK(const float* cand, int64_t rows, int64_t slots, int k, const float* row_info,
+absl::Status LaunchMergeTopK(float* cand, int64_t rows, int64_t slots, int k, const float* row_info,
                              int32_t* argmax, int32_t* top_tokens, float* top_logprobs, cudaStream_t stream) {
   if (k < 1 || k > kMaxTopK) return absl::InvalidArgumentError(absl::StrCat("LaunchMergeTopK: k ", k));
   if (rows == 0) return absl::OkStatus();
-  const size_t smem = static_cast<size_t>(slots * k) * 2 * sizeof(float);
-  if (smem > 200 * 1024) return absl::InvalidArgumentError(absl::StrCat("LaunchMergeTopK: ", slots, " slots of ", k));
-  if (smem > 48 * 1024) {
-    LCE_CUDA_CHECK(
-        cudaFuncSetAttribute(MergeTopKKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  }
-  MergeTopKKernel<<<static_cast<unsigned>(rows), kThreads, smem, stream>>>(
-      reinterpret_cast<const Cand*>(cand), slots, k, row_info, argmax, top_tokens, top_logprobs);
+  MergeTopKKernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
+      reinterpret_cast<Cand*>(cand), rows, slots, k, row_info, argmax, top_tokens, top_logprobs);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
