@@ -254,7 +254,7 @@ absl::Status LaunchSegmentTopK(const float* logits, int64_t ldz, int64_t rows, i
                                int64_t slot0, cudaStream_t stream);
 // Each row's k best over its slots, with logprob (z − m) − log S from row_info (kInfoMax, kInfoLogS);
 // any output may be null. Marks the candidates it takes (cand is scratch afterwards).
-absl::Status LaunchMergeTopK(float* cand, int64_t rows, int64_t slots, int k, const float* row_info,
-                             int32_t* argmax, int32_t* top_tokens, float* top_logprobs, cudaStream_t stream);
+absl::Status LaunchMergeTopK(float* cand, int64_t rows, int64_t slots, int k, const float* row_info, int32_t* argmax,
+                             int32_t* top_tokens, float* top_logprobs, cudaStream_t stream);
 
 }  // namespace lce::cuda

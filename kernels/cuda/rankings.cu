@@ -52,7 +52,7 @@ __device__ void WarpTopK(Cand* list, int n, int k, Cand* out) {
   for (int j = 0; j < k; ++j) {
     const Cand best = WarpBest(mine);
     if (lane == 0) out[j] = best;
-    if (best.id < 0.0f) continue;  // fewer than k candidates: the rest stay −inf
+    if (best.id < 0.0f) continue;                  // fewer than k candidates: the rest stay −inf
     if (mine.z == best.z && mine.id == best.id) {  // this lane held it
       for (int i = lane; i < n; i += 32) {
         if (list[i].id == best.id) list[i].id = -INFINITY;
@@ -64,9 +64,9 @@ __device__ void WarpTopK(Cand* list, int n, int k, Cand* out) {
 }
 
 // One warp a (row, segment of the tile): the segment's z into the warp's shared list, then its top k.
-__global__ void SegmentTopKKernel(const float* __restrict__ logits, int64_t ldz, int64_t rows, int64_t v0,
-                                  int64_t nv, LogitTransform tf, int k, int64_t vocab_begin, Cand* __restrict__ cand,
-                                  int64_t slots, int64_t slot0) {
+__global__ void SegmentTopKKernel(const float* __restrict__ logits, int64_t ldz, int64_t rows, int64_t v0, int64_t nv,
+                                  LogitTransform tf, int k, int64_t vocab_begin, Cand* __restrict__ cand, int64_t slots,
+                                  int64_t slot0) {
   __shared__ Cand lists[kSegWarps][kSegment];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t nseg = (nv + kSegment - 1) / kSegment;
@@ -141,8 +141,8 @@ absl::Status LaunchSegmentTopK(const float* logits, int64_t ldz, int64_t rows, i
   return absl::OkStatus();
 }
 
-absl::Status LaunchMergeTopK(float* cand, int64_t rows, int64_t slots, int k, const float* row_info,
-                             int32_t* argmax, int32_t* top_tokens, float* top_logprobs, cudaStream_t stream) {
+absl::Status LaunchMergeTopK(float* cand, int64_t rows, int64_t slots, int k, const float* row_info, int32_t* argmax,
+                             int32_t* top_tokens, float* top_logprobs, cudaStream_t stream) {
   if (k < 1 || k > kMaxTopK) return absl::InvalidArgumentError(absl::StrCat("LaunchMergeTopK: k ", k));
   if (rows == 0) return absl::OkStatus();
   MergeTopKKernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
