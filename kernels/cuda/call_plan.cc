@@ -31,7 +31,7 @@ absl::Status CudaEngine::ZeroFreshDWeight(CallPlan& p) {
   return absl::OkStatus();
 }
 
-void CudaEngine::PlanCall(CallPlan& p) const {
+absl::Status CudaEngine::PlanCall(CallPlan& p) {
   const LceOptions& o = p.o;
   const GradOutputs& grads = p.grads;
   const bool host = p.rows.space == MemorySpace::kHost;
@@ -73,7 +73,9 @@ void CudaEngine::PlanCall(CallPlan& p) const {
 
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t N = p.rows.rows;
-  const int64_t r_max = RowsPerBlock(layout, N);
+  absl::StatusOr<int64_t> group_r_max = GroupRowsPerBlock(RowsPerBlock(layout, N));
+  if (!group_r_max.ok()) return group_r_max.status();
+  const int64_t r_max = *group_r_max;
   const int64_t nblocks = (N + r_max - 1) / r_max;
   int64_t R = (N + nblocks - 1) / nblocks;
   if (nblocks > 1 && RoundUp(R, 128) <= r_max) R = RoundUp(R, 128);
@@ -91,6 +93,24 @@ void CudaEngine::PlanCall(CallPlan& p) const {
   p.debug_skip = tuning_.debug_skip;
   p.tf = LogitTransform{shape_.has_bias ? reinterpret_cast<const float*>(bias_->data()) : nullptr, o.softcap,
                         o.temperature};
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> CudaEngine::GroupRowsPerBlock(int64_t r_max) {
+  if (config_.collectives == nullptr || config_.collectives->world_size() < 2) return r_max;
+  if (agree_ == nullptr) {
+    absl::StatusOr<std::unique_ptr<DeviceBuffer>> b = AllocateDeviceBuffer(sizeof(float), config_.device);
+    if (!b.ok()) return b.status();
+    agree_ = std::move(*b);
+  }
+  // −r_max under a max all-reduce is the group's smallest; exact as a float (r_max < 2^24).
+  float v = -static_cast<float>(r_max);
+  float* d = reinterpret_cast<float*>(agree_->data());
+  LCE_CUDA_CHECK(cudaMemcpyAsync(d, &v, sizeof(v), cudaMemcpyHostToDevice, stream_));
+  LCE_CUDA_CHECK(config_.collectives->AllReduce(d, 1, ReduceOp::kMax, true, stream_));
+  LCE_CUDA_CHECK(cudaMemcpyAsync(&v, d, sizeof(v), cudaMemcpyDeviceToHost, stream_));
+  LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return static_cast<int64_t>(-v);
 }
 
 absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {

@@ -163,7 +163,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   CallPlan p{rows, o, up, out, grads};
   LCE_CUDA_CHECK(ZeroFreshDWeight(p));
   if (rows.rows == 0) return absl::OkStatus();
-  PlanCall(p);
+  LCE_CUDA_CHECK(PlanCall(p));
   Scratch s;
   LCE_CUDA_CHECK(PrepareCall(p, s));
   for (int64_t r0 = 0; r0 < rows.rows; r0 += p.R) {

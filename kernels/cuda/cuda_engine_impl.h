@@ -77,7 +77,10 @@ class CudaEngine final : public LceEngine {
   // Zeroes a fresh d_weight that no device product of this call will write; sets p.dw_fresh.
   absl::Status ZeroFreshDWeight(CallPlan& p);
   // Plan: the paths, the scratch layout, the block size and tile width (host only).
-  void PlanCall(CallPlan& p) const;
+  absl::Status PlanCall(CallPlan& p);
+  // The smallest of a group's ranks' largest row blocks (their workspaces differ with their shards),
+  // so that every rank splits a call into the same blocks: each block's merge is a collective.
+  absl::StatusOr<int64_t> GroupRowsPerBlock(int64_t r_max);
   // The workspace grown to the plan's and carved; pinned staging; the targets checked.
   absl::Status PrepareCall(CallPlan& p, Scratch& s);
   // Stage: block r0's inputs on the device (host rows copied; unaligned device rows for the epilogue GEMM).
@@ -204,6 +207,7 @@ class CudaEngine final : public LceEngine {
   std::unique_ptr<DeviceBuffer> weight_, bias_, workspace_;
   std::unique_ptr<DeviceBuffer> class_weight_;  // host rows' class weights, copied once a call
   std::unique_ptr<DeviceBuffer> rank_buf_;      // rankings' candidates and host rows' staged outputs
+  std::unique_ptr<DeviceBuffer> agree_;         // GroupRowsPerBlock's one float
   PinnedStaging pinned_;
   int64_t tile_ = 0, lds_ = 0, nseg_ = 0;
   bool batch_invariant_ = false;  // one GEMM algorithm for every row count (GemmSpec::n_invariant)
