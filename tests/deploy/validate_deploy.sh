@@ -92,6 +92,11 @@ if [ -f "$DF" ]; then
   grep -A2 '^HEALTHCHECK' "$DF" | grep -q 'lce_cli", "health", "--target=127.0.0.1:50051' \
     && PASS "Dockerfile: HEALTHCHECK through lce_cli health" || FAIL "Dockerfile: HEALTHCHECK through lce_cli health"
   [ "$(grep -c '^FROM ' "$DF")" -ge 2 ] && PASS "Dockerfile: multi-stage" || FAIL "Dockerfile: multi-stage"
+  project_version=$(sed -n 's/^project(lce_serve VERSION \([0-9.]*\).*/\1/p' CMakeLists.txt)
+  grep -q "^ARG LCE_VERSION=${project_version}\$" "$DF" \
+    && grep -q 'org.opencontainers.image.version="${LCE_VERSION}"' "$DF" \
+    && PASS "Dockerfile: the image's version label is the project's (${project_version})" \
+    || FAIL "Dockerfile: LCE_VERSION and the image's version label must be CMakeLists.txt's project VERSION (${project_version})"
   # Every file COPY'd from the build context exists.
   for src in $(awk '/^COPY/ && !/--from/ {for (i = 2; i < NF; i++) print $i}' "$DF"); do
     [ "$src" = . ] && continue
