@@ -238,19 +238,9 @@ def torch_dtype(wire: int):
 
 
 def to_caller_rows(arr: np.ndarray, like: HostArray):
-    """Per-row fp32 outputs in the caller's kind: numpy, or a torch fp32 tensor on the caller's device."""
-    arr = arr.reshape(like.lead_shape)
-    if like.kind == "torch":
-        import torch
-
-        t = torch.from_numpy(arr)
-        return t.to(like.device) if like.device is not None and like.device.type != "cpu" else t
-    return arr
-
-
-def to_caller_topk(arr: np.ndarray, like: HostArray):
-    """[rows, k] outputs (top-k tokens or logprobs) as [..., k] in the caller's kind."""
-    arr = arr.reshape(tuple(like.lead_shape) + (arr.shape[-1],))
+    """Per-row outputs ([rows] or [rows, k]) in the caller's kind and row shape ([...] or [..., k]): numpy, or a
+    torch tensor on the caller's device."""
+    arr = arr.reshape(tuple(like.lead_shape) + arr.shape[1:])
     if like.kind == "torch":
         import torch
 

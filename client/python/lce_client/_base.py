@@ -137,7 +137,7 @@ def _rankings(res: dict, h, top_k: int):
     am = A.to_caller_rows(res["argmax"], h)
     if not top_k:
         return am, None, None
-    return am, A.to_caller_topk(res["top_tokens"], h), A.to_caller_topk(res["top_logprobs"], h)
+    return am, A.to_caller_rows(res["top_tokens"], h), A.to_caller_rows(res["top_logprobs"], h)
 
 
 @dataclass
