@@ -36,7 +36,8 @@ cd "$WORK"   # nothing of the source tree on sys.path: the script's folder is th
 cd - >/dev/null
 start_server "$BUILD/bin/lce_server" --backend=cpu --cpu-threads=1 --head-file="$WORK/head.safetensors"
 cd "$WORK"
-reported=$("$WORK/venv/bin/python" wheel_smoke.py score "$TARGET" | tee /dev/stderr | tail -n 1)
+# tee -a: /dev/stderr opened without O_APPEND truncates a log file that stderr is (CI run into a file).
+reported=$("$WORK/venv/bin/python" wheel_smoke.py score "$TARGET" | tee -a /dev/stderr | tail -n 1)
 cd - >/dev/null
 expect_version "the wheel's lce_client.__version__" "$reported"
 echo "check_wheel: ok"
