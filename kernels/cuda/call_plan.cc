@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "cuda/cuda_check.h"
@@ -43,7 +44,9 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
   // it: only rank 0 sees the call's outputs, and their partials are merged.
   p.entropy = config_.collectives != nullptr || p.out.entropy != nullptr ||
               (p.up.mode == GradMode::kGeneric && p.up.grad_entropy != nullptr);
-  const bool epi = UseEpilogueStats() && o.top_k == 0;  // rankings read the logit tiles
+  // Rankings take the epilogue GEMM with 256-column tiles (its candidates' kernels); with 128-column
+  // tiles they read the logit tiles.
+  const bool epi = UseEpilogueStats() && (o.top_k == 0 || EpiTileCols() == kRankTileCols);
   // Fast loss path (fast_grad.cu): no dA pass; the per-row factors go around the GEMMs. Host rows take
   // it as device rows do (host d_weight through the device in slabs, as on the general path), so that
   // a row's d_hidden is the same computation whatever memory its hidden state came from (README.md,
@@ -73,7 +76,9 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
 
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t N = p.rows.rows;
-  absl::StatusOr<int64_t> group_r_max = GroupRowsPerBlock(RowsPerBlock(layout, N));
+  int64_t want = RowsPerBlock(layout, N);
+  if (epi && o.top_k > 0) want = std::min(want, kRankRowsPerBlock);
+  absl::StatusOr<int64_t> group_r_max = GroupRowsPerBlock(want);
   if (!group_r_max.ok()) return group_r_max.status();
   const int64_t r_max = *group_r_max;
   const int64_t nblocks = (N + r_max - 1) / r_max;

@@ -11,6 +11,18 @@
 
 namespace lce::cuda {
 
+// Rankings on the epilogue GEMM's path (engine_rankings.cc): each row's list of candidates [cap] of
+// (v, id) with its count, the threshold a first pass over `sample` columns set, and the rows whose
+// lists overflowed (taken by the fallback).
+struct RankLists {
+  float* list = nullptr;
+  unsigned* count = nullptr;
+  float* thr = nullptr;
+  uint8_t* overflowed = nullptr;
+  int64_t cap = 0;
+  int64_t sample = 0;
+};
+
 struct CallPlan {
   // The call's arguments.
   const RowsView& rows;
@@ -38,6 +50,7 @@ struct CallPlan {
   float* cand = nullptr;
   int64_t rank_slots = 0, rank_slot0 = 0;
   uint8_t* rank_out = nullptr;
+  RankLists ranks;                         // the epilogue GEMM's path
   bool targets_pending = false;            // device rows' targets: read with block 0's flags
   unsigned long long* bad_host = nullptr;  // host rows: the flags' copy in pinned memory
 };

@@ -1,6 +1,6 @@
 // Internal: the CUDA engine's class, whose methods live in cuda_engine.cc (set-up and the call's loop),
-// call_plan.cc (plan), workspace.cc (scratch), engine_forward.cc (stage, forward, merge, finalize) and
-// engine_backward.cc (backward, copy out). Design: the comment atop cuda_engine.cc.
+// call_plan.cc (plan), workspace.cc (scratch), engine_forward.cc (stage, forward, merge, finalize), engine_rankings.cc
+// (rankings) and engine_backward.cc (backward, copy out). Design: the comment atop cuda_engine.cc.
 #pragma once
 
 #include <cublas_v2.h>
@@ -33,6 +33,14 @@ inline constexpr int64_t kWideLogitBytes = int64_t{256} << 20;  // small blocks'
 // columns, two waves at 2816 rows, took 2.7% of the forward for 1.3% of its products). Fixed, not
 // chosen by the block: c_row must depend on the row alone.
 inline constexpr int64_t kFirstPassCols = 1024;
+// Rankings on the epilogue GEMM's path: a row's candidate list holds kRankCap (v, id) pairs; blocks of
+// at most kRankRowsPerBlock rows keep the lists at 256 MiB; overflowed rows are redone kRankDumpRows
+// at a time. (4096 places in 8192-row blocks measured no faster, and at k = 64 with V = 201088 its
+// lists overflowed: 3.2x the plain score.)
+inline constexpr int64_t kRankCap = 8192;
+inline constexpr int64_t kRankRowsPerBlock = 4096;
+inline constexpr int64_t kRankDumpRows = 64;
+inline constexpr int kRankTileCols = 256;  // the epilogue GEMM's configurations with candidates (1, 2, 3)
 
 // Where a product goes (CudaEngine::Gemm): stream_ and its cuBLAS workspace unless another stream is named,
 // with a workspace of its own (two products running at once must not share one); prepare_only chooses
@@ -87,9 +95,14 @@ class CudaEngine final : public LceEngine {
   absl::Status StageBlock(const CallPlan& p, Scratch& s, int64_t r0, BlockIo& b);
   // Forward, merge and finalize, again on the general path where the fast path's exp could overflow.
   absl::Status ForwardBlock(const CallPlan& p, Scratch& s, BlockIo& b);
-  // Rankings of a forwarded block (after Finalize: the rows' m and log S), into the call's outputs.
+  // Rankings (engine_rankings.cc). The buffers; on the epilogue GEMM's path the threshold before the
+  // block's forward and the candidates' selection after it; then, after Finalize (the rows' m and
+  // log S), the fallback for rows whose lists overflowed and the merge into the call's outputs.
   absl::Status PrepareRankings(CallPlan& p);
-  absl::Status Rank(const CallPlan& p, const Scratch& s, const BlockIo& b);
+  absl::Status RankThreshold(const CallPlan& p, Scratch& s, const BlockIo& b);
+  absl::Status RankSelect(const CallPlan& p, const BlockIo& b);
+  absl::Status RankOverflowedRows(const CallPlan& p, Scratch& s, const BlockIo& b);
+  absl::Status Rank(const CallPlan& p, Scratch& s, const BlockIo& b);
   // Forward: the logit tiles' (or the epilogue GEMM's) segment partials and, for a backward, compact copy.
   absl::Status Forward(const CallPlan& p, Scratch& s, const BlockIo& b);
   absl::Status ForwardTiles(const CallPlan& p, Scratch& s, const BlockIo& b, StoreMode mode, unsigned* overflow);
@@ -119,7 +132,11 @@ class CudaEngine final : public LceEngine {
   // copy into s.store (kExp: c_row into s.row_c, the overflow flag as TileStats raises it).
   enum class EpiCopy { kNone, kShifted, kExp };
   absl::Status EpilogueStatsForward(Scratch& s, const void* h, int64_t nr, const int32_t* y, int32_t ignore_index,
-                                    const LogitTransform& tf, EpiCopy copy, bool entropy, unsigned* overflow);
+                                    const LogitTransform& tf, EpiCopy copy, bool entropy, unsigned* overflow,
+                                    const RankLists* ranks);
+  // The epilogue GEMM's arguments for the block's rows h [nr, H] over the whole shard.
+  EpilogueStatsArgs EpiArgs(Scratch& s, const void* h, int64_t nr, const int32_t* y, int32_t ignore_index,
+                            const LogitTransform& tf) const;
   // Host rows: checked here. Device rows: a kernel writes the first bad row into s.bad[2], read with the
   // first block's flags (BadTarget), before anything touches d_weight: no synchronization of its own.
   absl::Status CheckTargets(const RowsView& rows, const LceOptions& o, Scratch& s);
@@ -207,6 +224,7 @@ class CudaEngine final : public LceEngine {
   std::unique_ptr<DeviceBuffer> weight_, bias_, workspace_;
   std::unique_ptr<DeviceBuffer> class_weight_;  // host rows' class weights, copied once a call
   std::unique_ptr<DeviceBuffer> rank_buf_;      // rankings' candidates and host rows' staged outputs
+  std::unique_ptr<DeviceBuffer> rank_dump_;     // the rankings' fallback: a few rows' v over the shard
   std::unique_ptr<DeviceBuffer> agree_;         // GroupRowsPerBlock's one float
   PinnedStaging pinned_;
   int64_t tile_ = 0, lds_ = 0, nseg_ = 0;

@@ -82,10 +82,14 @@ absl::Status CudaEngine::Forward(const CallPlan& p, Scratch& s, const BlockIo& b
   unsigned* overflow = reinterpret_cast<unsigned*>(s.bad + 1);
   if (p.layout.epi) {
     const EpiCopy copy = !p.backward ? EpiCopy::kNone : b.fast ? EpiCopy::kExp : EpiCopy::kShifted;
-    if (absl::Status st = EpilogueStatsForward(s, b.h, b.nr, b.y, p.o.ignore_index, p.tf, copy, p.entropy, overflow);
+    const bool ranked = p.o.top_k > 0;
+    if (ranked) LCE_CUDA_CHECK(RankThreshold(p, s, b));
+    if (absl::Status st = EpilogueStatsForward(s, b.h, b.nr, b.y, p.o.ignore_index, p.tf, copy, p.entropy, overflow,
+                                               ranked ? &p.ranks : nullptr);
         !st.ok()) {
       return st;
     }
+    if (ranked) LCE_CUDA_CHECK(RankSelect(p, b));
   }
   LCE_CUDA_CHECK(ForwardTiles(p, s, b, mode, overflow));
   LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], aux_));
@@ -142,52 +146,6 @@ absl::Status CudaEngine::ForwardTiles(const CallPlan& p, Scratch& s, const Block
                                        p.rank_slots, p.rank_slot0, aux_));
     }
     LCE_CUDA_CHECK(cudaEventRecord(events_[kEvStats0 + buf], aux_));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CudaEngine::PrepareRankings(CallPlan& p) {
-  const int world = config_.collectives != nullptr ? config_.collectives->world_size() : 1;
-  const int rank = config_.collectives != nullptr ? config_.collectives->rank() : 0;
-  const int64_t k = p.o.top_k;
-  p.rank_slots = RankingSlots(shape_.vocab_size, world);
-  p.rank_slot0 = rank * (p.rank_slots / world);
-  const int64_t cand_bytes = RoundUp(p.R * p.rank_slots * k * 8, 256);
-  const int64_t need = cand_bytes + p.R * (1 + 2 * k) * 4;
-  if (rank_buf_ == nullptr || rank_buf_->size() < need) {
-    LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    rank_buf_.reset();
-    absl::StatusOr<std::unique_ptr<DeviceBuffer>> b = AllocateDeviceBuffer(need, config_.device);
-    if (!b.ok()) return b.status();
-    rank_buf_ = std::move(*b);
-  }
-  p.cand = reinterpret_cast<float*>(rank_buf_->data());
-  p.rank_out = rank_buf_->data() + cand_bytes;
-  return absl::OkStatus();
-}
-
-absl::Status CudaEngine::Rank(const CallPlan& p, const Scratch& s, const BlockIo& b) {
-  const int64_t nr = b.nr, k = p.o.top_k;
-  if (config_.collectives != nullptr) {
-    LCE_CUDA_CHECK(config_.collectives->AllReduce(p.cand, nr * p.rank_slots * k * 2, ReduceOp::kMax, true, stream_));
-  }
-  int32_t* argmax = p.out.argmax != nullptr ? p.out.argmax + b.r0 : nullptr;
-  int32_t* tokens = p.out.top_tokens != nullptr ? p.out.top_tokens + b.r0 * k : nullptr;
-  float* logprobs = p.out.top_logprobs != nullptr ? p.out.top_logprobs + b.r0 * k : nullptr;
-  int32_t* staged_argmax = reinterpret_cast<int32_t*>(p.rank_out);
-  int32_t* staged_tokens = staged_argmax + p.R;
-  float* staged_logprobs = reinterpret_cast<float*>(staged_tokens + p.R * k);
-  LCE_CUDA_CHECK(LaunchMergeTopK(p.cand, nr, p.rank_slots, static_cast<int>(k), s.info,
-                                 p.host && argmax ? staged_argmax : argmax, p.host && tokens ? staged_tokens : tokens,
-                                 p.host && logprobs ? staged_logprobs : logprobs, stream_));
-  if (p.host) {
-    const std::pair<void*, const void*> copies[] = {
-        {argmax, staged_argmax}, {tokens, staged_tokens}, {logprobs, staged_logprobs}};
-    for (int i = 0; i < 3; ++i) {
-      if (copies[i].first == nullptr) continue;
-      const int64_t bytes = (i == 0 ? nr : nr * k) * 4;
-      LCE_CUDA_CHECK(cudaMemcpyAsync(copies[i].first, copies[i].second, bytes, cudaMemcpyDeviceToHost, stream_));
-    }
   }
   return absl::OkStatus();
 }
@@ -275,10 +233,8 @@ absl::Status CudaEngine::TraceForward(const CallPlan& p, const BlockIo& b) {
   return absl::OkStatus();
 }
 
-absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t nr, const int32_t* y,
-                                              int32_t ignore_index, const LogitTransform& tf, EpiCopy copy,
-                                              bool entropy, unsigned* overflow) {
-#if defined(LCE_WITH_CUTLASS)
+EpilogueStatsArgs CudaEngine::EpiArgs(Scratch& s, const void* h, int64_t nr, const int32_t* y, int32_t ignore_index,
+                                      const LogitTransform& tf) const {
   EpilogueStatsArgs a;
   a.hidden = h;
   a.weight = weight_->data();
@@ -297,8 +253,16 @@ absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t
   a.large_config = tuning_.epi_large;
   a.swizzle = tuning_.epi_swizzle;
   a.raster = tuning_.epi_raster;
-  a.entropy = entropy;
   a.timing_skip = (tuning_.debug_skip & 4) != 0;
+  return a;
+}
+
+absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t nr, const int32_t* y,
+                                              int32_t ignore_index, const LogitTransform& tf, EpiCopy copy,
+                                              bool entropy, unsigned* overflow, const RankLists* ranks) {
+#if defined(LCE_WITH_CUTLASS)
+  EpilogueStatsArgs a = EpiArgs(s, h, nr, y, ignore_index, tf);
+  a.entropy = entropy;
   if (copy == EpiCopy::kExp) {
     // First pass over the first kFirstPassCols columns: their max per row (into s.part, one segment a
     // row, overwritten by the whole shard's fold below) sets c_row before any exp is stored.
@@ -314,10 +278,17 @@ absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t
   }
   a.store = copy != EpiCopy::kNone ? s.store : nullptr;
   a.lds = lds_;
+  if (ranks != nullptr) {
+    a.rank_list = ranks->list;
+    a.rank_count = ranks->count;
+    a.rank_thr = ranks->thr;
+    a.rank_cap = ranks->cap;
+  }
   LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(a, stream_));
   return LaunchFoldTilePartials(s.tile_part, a.ntile, EpiTileCols(), nr, s.part, nseg_, stream_);
 #else
-  (void)s, (void)h, (void)nr, (void)y, (void)ignore_index, (void)tf, (void)copy, (void)entropy, (void)overflow;
+  (void)s, (void)h, (void)nr, (void)y, (void)ignore_index, (void)tf, (void)copy, (void)entropy, (void)overflow,
+      (void)ranks;
   return absl::InternalError("built without CUTLASS: no epilogue-statistics GEMM");
 #endif
 }

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <bitset>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
@@ -61,6 +62,13 @@ struct StatsParams {
   unsigned* overflow = nullptr;  // exp mode: set to 1.0f when a tile's max passes c_row by kExpHeadroom
   bool entropy = true;           // Q (the entropy's Σ e·(z − m)); false: Q = 0, a multiply-add a logit saved
   bool timing_skip = false;      // timing aid only: the epilogue does nothing (the mainloop alone)
+  // Rankings (the kernels instantiated with kRank; EpilogueStatsArgs says what each holds).
+  float* rank_list = nullptr;
+  unsigned* rank_count = nullptr;
+  const float* rank_thr = nullptr;
+  int64_t rank_cap = 0;
+  float* dump = nullptr;
+  int64_t ld_dump = 0;
 };
 
 // The wgmma accumulator fragment ((2, 2, V), MMA_M, MMA_N) viewed as (rows, columns) of this thread:
@@ -87,7 +95,10 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
 }
 
 // An epilogue with the interface of cutlass::epilogue::collective::DefaultEpilogue (wrapped by
-// detail::Sm90TmaWarpSpecializedAdapter), which reduces the tile instead of storing it.
+// detail::Sm90TmaWarpSpecializedAdapter), which reduces the tile instead of storing it. kRank: also
+// the rankings' candidates (a kernel of its own, so that the registers they take never weigh on calls
+// without rankings).
+template <bool kRank>
 class RowStatsEpilogue {
  public:
   using EpilogueSchedule = cutlass::gemm::EpilogueDefault;
@@ -157,6 +168,9 @@ class RowStatsEpilogue {
     auto& frg = const_cast<cute::Tensor<FrgEngine, FrgLayout>&>(acc);
     Tensor a = make_tensor(frg.data(), RowColView(frg.layout()));
     Tensor c = make_tensor(coords.data(), RowColView(coords.layout()));
+    if constexpr (kRank) {
+      if (p_.dump != nullptr) return Dump(a, c, M, N, m0, n0);
+    }
     const bool plain = p_.bias == nullptr && p_.softcap <= 0.0f;
     uint32_t* slice = reinterpret_cast<SharedStorage*>(smem)->slice[threadIdx.x / 32 - kProducerWarps];
     if (n0 + kBN <= N) {
@@ -194,12 +208,22 @@ class RowStatsEpilogue {
     const bool exp_copy = p_.store != nullptr && p_.first != nullptr;
     int row[kRows];
     int32_t y[kRows];
+    // Rankings: a column of row i is a candidate where v >= thr[i] (thr: −FLT_MAX in the first pass,
+    // which takes every finite v; +inf past the batch), loaded beside the target. n[i] counts them in
+    // the first loop; the candidates themselves are found again where they are written, so that no
+    // mask lives on (the accumulators leave no registers to spare).
+    float thr[kRows];
+    unsigned n[kRows];
     bool any_live = false;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       row[i] = m0 + static_cast<int>(get<0>(c(i, 0)));
       any_live |= row[i] < M;
       y[i] = row[i] < M ? __ldg(p_.targets + row[i]) : p_.ignore_index;
+      if constexpr (kRank) {
+        n[i] = 0;
+        thr[i] = row[i] >= M ? INFINITY : p_.rank_thr != nullptr ? __ldg(p_.rank_thr + row[i]) : -FLT_MAX;
+      }
     }
     if (!__any_sync(0xffffffffu, any_live)) return;  // the warp's rows all past the batch (a few-row tile)
     float mx[kRows], mx_odd[kRows], sum_v[kRows];
@@ -216,6 +240,7 @@ class RowStatsEpilogue {
           if (p_.bias != nullptr && valid) x += __ldg(p_.bias + col);
           if (p_.softcap > 0.0f) x = p_.softcap * tanhf(x * p_.inv_softcap);
         }
+        if constexpr (kRank) n[i] += (valid && x >= thr[i]) ? 1u : 0u;
         if (valid) {
           sum_v[i] += x;
         } else {
@@ -225,9 +250,22 @@ class RowStatsEpilogue {
         if (j % 2 == 0) mx[i] = fmaxf(mx[i], x); else mx_odd[i] = fmaxf(mx_odd[i], x);  // exact in any order
       }
     }
+    // The candidates' places, taken before the max's shuffles, and the candidates written before the
+    // exponentials (which overwrite v for the training copy). Written after them, the emission's code
+    // got interleaved with theirs and spilled (~18 KB a thread of spill loads). One atomic a row's quad
+    // instead of a lane's measured slower (2%, the shuffles' registers).
+    unsigned at[kRows];
+    if constexpr (kRank) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) at[i] = n[i] > 0 && row[i] < M ? atomicAdd(p_.rank_count + row[i], n[i]) : 0u;
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) mx[i] = QuadMax(fmaxf(mx[i], mx_odd[i]));
     if (exp_copy) TargetLogit<kBN>(a, c, row, y, M, n0, N);
+    if constexpr (kRank) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) EmitCandidates<kRagged>(a, c, i, row[i], M, N, n0, n[i], at[i]);
+    }
     float s[kRows], q[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) s[i] = q[i] = 0.0f;
@@ -261,6 +299,39 @@ class RowStatsEpilogue {
       if (row[i] < M && lead) {
         *reinterpret_cast<float4*>(p_.tile_part + (static_cast<int64_t>(row[i]) * p_.ntile + n_tile) * 4) =
             make_float4(mx[i] * p_.inv_temp, s[i], q[i] * p_.inv_temp, sum_v[i] * p_.inv_temp);
+      }
+    }
+  }
+  // Row i's n candidates (v still in a) as (v, id) pairs at its list's places [at, at + n); none where
+  // they pass rank_cap (the count, past the cap, says the row overflowed). The id goes as int bits.
+  template <bool kRagged, class TA, class TC>
+  CUTLASS_DEVICE void EmitCandidates(TA const& a, TC const& c, int i, int row, int M, int N, int n0, unsigned n,
+                                     unsigned at) const {
+    if (n == 0 || row >= M || at + n > p_.rank_cap) return;
+    const float thr = p_.rank_thr != nullptr ? __ldg(p_.rank_thr + row) : -FLT_MAX;
+    float2* out = reinterpret_cast<float2*>(p_.rank_list) + static_cast<int64_t>(row) * p_.rank_cap + at;
+    const int id0 = static_cast<int>(p_.vocab_begin) + n0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < decltype(size<1>(a))::value; ++j) {
+      const int col = static_cast<int>(get<1>(c(i, j)));
+      if ((!kRagged || n0 + col < N) && a(i, j) >= thr) *out++ = make_float2(a(i, j), __int_as_float(id0 + col));
+    }
+  }
+  // The rankings' fallback for rows whose candidates overflowed: every v of the tile into dump.
+  template <class TA, class TC>
+  CUTLASS_DEVICE void Dump(TA const& a, TC const& c, int M, int N, int m0, int n0) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < decltype(size<0>(a))::value; ++i) {
+      const int row = m0 + static_cast<int>(get<0>(c(i, 0)));
+      if (row >= M) continue;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < decltype(size<1>(a))::value; ++j) {
+        const int col = n0 + static_cast<int>(get<1>(c(i, j)));
+        if (col >= N) continue;
+        float x = a(i, j);
+        if (p_.bias != nullptr) x += __ldg(p_.bias + col);
+        if (p_.softcap > 0.0f) x = p_.softcap * tanhf(x * p_.inv_softcap);
+        p_.dump[static_cast<int64_t>(row) * p_.ld_dump + col] = x;
       }
     }
   }
@@ -340,13 +411,14 @@ class RowStatsEpilogue {
 };
 
 // One kernel configuration: tile, cluster and schedule, everything else fixed.
-template <class TileShape, class ClusterShape, class Schedule>
+template <class TileShape, class ClusterShape, class Schedule, bool kRank = false>
 struct StatsGemm {
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<kRank>>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t, cutlass::layout::RowMajor, 8,
       cutlass::bfloat16_t, cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(RowStatsEpilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename RowStatsEpilogue<kRank>::SharedStorage))>,
       Schedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
@@ -365,6 +437,12 @@ using Cooperative256 =
 using PingPong64x256 = StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
 using Cooperative256RowPairs =
     StatsGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+// With the rankings' candidates: 1 and 2 only (3 gives 1's bits; 0 has other tiles and keeps the
+// logit-tile path for rankings).
+using Cooperative256Ranked =
+    StatsGemm<Shape<_128, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative, true>;
+using PingPong64x256Ranked =
+    StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong, true>;
 
 // Lets Kernel use its shared memory (over the 48 KB default) on `device`, once per device.
 template <class Kernel>
@@ -426,7 +504,9 @@ absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t
 
 int EpilogueStatsTileCols(int config) {
   static_assert(Cooperative256::kTileCols == PingPong64x256::kTileCols &&
-                Cooperative256::kTileCols == Cooperative256RowPairs::kTileCols);
+                Cooperative256::kTileCols == Cooperative256RowPairs::kTileCols &&
+                Cooperative256::kTileCols == Cooperative256Ranked::kTileCols &&
+                Cooperative256::kTileCols == PingPong64x256Ranked::kTileCols);
   return config == 0 ? PingPong128::kTileCols : Cooperative256::kTileCols;
 }
 
@@ -438,7 +518,9 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
       misaligned(a.hidden) || misaligned(a.weight) || misaligned(a.tile_part) || a.targets == nullptr ||
       (a.store != nullptr && (misaligned(a.store) || a.lds % 8 != 0 || a.lds < a.cols)) ||
       (a.first != nullptr && (a.store == nullptr || a.row_c == nullptr || a.overflow == nullptr)) ||
-      a.packed == nullptr || a.ntile != (a.cols + tile_cols - 1) / tile_cols || a.tf.temperature <= 0.0f) {
+      (a.rank_list != nullptr && (a.rank_count == nullptr || a.rank_cap <= 0 || a.dump != nullptr)) ||
+      (a.dump != nullptr && a.ld_dump < a.cols) || a.packed == nullptr ||
+      a.ntile != (a.cols + tile_cols - 1) / tile_cols || a.tf.temperature <= 0.0f) {
     return absl::InternalError(absl::StrCat("LaunchEpilogueStatsGemm: bad shape rows=", a.rows, " cols=", a.cols,
                                             " hidden=", a.hidden_size, " ntile=", a.ntile));
   }
@@ -460,8 +542,18 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   sp.overflow = a.overflow;
   sp.entropy = a.entropy;
   sp.timing_skip = a.timing_skip;
+  sp.rank_list = a.rank_list;
+  sp.rank_count = a.rank_count;
+  sp.rank_thr = a.rank_thr;
+  sp.rank_cap = a.rank_cap;
+  sp.dump = a.dump;
+  sp.ld_dump = a.ld_dump;
   // Automatic: a few rows (bound by reading W) through 64-row tiles, more through 128-row tiles.
   const int config = a.config >= 0 ? a.config : a.rows <= a.small_rows ? 2 : a.large_config;
+  if (a.rank_list != nullptr || a.dump != nullptr) {
+    if (config == 0) return absl::InternalError("LaunchEpilogueStatsGemm: no rankings with 128-column tiles");
+    return config == 2 ? Run<PingPong64x256Ranked>(a, sp, stream) : Run<Cooperative256Ranked>(a, sp, stream);
+  }
   switch (config) {
     case 0: return Run<PingPong128>(a, sp, stream);
     case 2: return Run<PingPong64x256>(a, sp, stream);

@@ -102,6 +102,17 @@ struct EpilogueStatsArgs {
   // Q is then 0, m and S the same bits).
   bool entropy = true;
   bool timing_skip = false;  // timing aid only (results are wrong): the epilogue does nothing
+  // Rankings (rankings.cu): every column of row r whose v = softcap(logit + bias) is >= rank_thr[r]
+  // (with rank_thr null: every column) is appended to the row's list rank_list[r · rank_cap ...] as the
+  // pair (v, id as int bits) at places counted by rank_count[r] (which counts on past rank_cap: the row
+  // overflowed, and its candidates were dropped).
+  float* rank_list = nullptr;
+  unsigned* rank_count = nullptr;
+  const float* rank_thr = nullptr;
+  int64_t rank_cap = 0;
+  // The rankings' fallback: the GEMM writes every v into dump [rows, ld_dump] (fp32) and nothing else.
+  float* dump = nullptr;
+  int64_t ld_dump = 0;
   // Kernel configuration (epilogue_stats_gemm.cu): 0 ping-pong 128×128 tiles, 1 cooperative 128×256,
   // 2 ping-pong 64×256, 3 as 1 with W's tiles multicast; −1 (automatic): 2 for rows <= small_rows, else
   // large_config. 1, 2 and 3 give a row the same bits.
@@ -252,8 +263,19 @@ absl::Status LaunchFillRankings(float* cand, int64_t rows, int64_t slots, int k,
 absl::Status LaunchSegmentTopK(const float* logits, int64_t ldz, int64_t rows, int64_t v0, int64_t nv,
                                const LogitTransform& tf, int k, int64_t vocab_begin, float* cand, int64_t slots,
                                int64_t slot0, cudaStream_t stream);
+// The epilogue GEMM's path (EpilogueStatsArgs::rank_list): from the lists of (v, id) a first pass over
+// a sample of each row's columns wrote, thr[r] = the smallest v whose z = v / T reaches the sample's
+// k-th best z (−inf where the sample has fewer than k): every column of the shard's k best is at or
+// above it.
+absl::Status LaunchRankThreshold(float* list, const unsigned* count, int64_t cap, int64_t rows, int k,
+                                 float temperature, float* thr, cudaStream_t stream);
+// After the main pass: each row's k best of its list (z = v / T) into slot slot0 of cand [rows, slots, k];
+// overflowed[r] = 1 where the row's count passed cap (its slot left as it was).
+absl::Status LaunchRankSelect(float* list, const unsigned* count, int64_t cap, int64_t rows, int k, float temperature,
+                              float* cand, int64_t slots, int64_t slot0, unsigned char* overflowed,
+                              cudaStream_t stream);
 // Each row's k best over its slots, with logprob (z − m) − log S from row_info (kInfoMax, kInfoLogS);
-// any output may be null. Marks the candidates it takes (cand is scratch afterwards).
+// any output may be null.
 absl::Status LaunchMergeTopK(float* cand, int64_t rows, int64_t slots, int k, const float* row_info, int32_t* argmax,
                              int32_t* top_tokens, float* top_logprobs, cudaStream_t stream);
 

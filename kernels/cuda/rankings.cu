@@ -1,7 +1,8 @@
-// Per-row rankings (argmax, top-k): each segment of a logit tile keeps its k best z (larger first, equal
-// z: lower id first, a total order), and a row's segment lists are merged into its k best over the
-// whole vocabulary (docs/MATH.md, "Rankings"). Selection, k rounds of a block-wide max over what ranks
-// after the previous pick: k <= 64 and a segment of 2048 columns keep it cheap beside the GEMM.
+// Per-row rankings (argmax, top-k), larger z first, equal z: lower id first (a total order), over the
+// whole vocabulary (docs/MATH.md, "Rankings"). On the logit-tile path each segment of a tile keeps its
+// k best; on the epilogue GEMM's path each row's candidates (the columns at or above a threshold set
+// by a first pass over a sample of columns) keep theirs. Then a row's lists are merged into its k
+// best. Selection: k rounds of a warp-wide max over what ranks after the previous pick.
 #include <cuda_runtime.h>
 
 #include <cfloat>
@@ -15,7 +16,7 @@ namespace lce::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = 4;     // warps a block of the merge kernel
+constexpr int kWarps = 4;     // warps a block of the lists' selections (a warp a row)
 constexpr int kSegWarps = 2;  // ...of the segment kernel: a warp's list of kSegment candidates in shared memory
 
 struct Cand {
@@ -33,31 +34,68 @@ __device__ __forceinline__ Cand WarpBest(Cand c) {
   return c;
 }
 
-// A lane's best of its strided share of list[0, n) (taken entries hold id −inf).
-__device__ __forceinline__ Cand LaneBest(const Cand* list, int n, int lane) {
-  Cand best{-INFINITY, -INFINITY};
-  for (int i = lane; i < n; i += 32) {
-    const Cand c = list[i];
-    if (c.id >= 0.0f && Before(c, best)) best = c;
+// A lane's kKeep best of its strided share of list[0, n) among the entries that rank after `after`
+// (placeholders, id −inf, are never taken), best first, and whether its share has more. Eight loads in
+// flight at a time: the lists are in global memory (the epilogue GEMM's candidates, the merge's slots),
+// where one load after another would wait out the latency each time. raw: the epilogue GEMM's
+// (v, id as int bits) pairs, read as z = v / T and a float id.
+constexpr int kKeep = 4;
+struct LaneBest {
+  Cand c[kKeep];
+  bool more = false;
+};
+__device__ __forceinline__ Cand AsCand(Cand c, bool raw, float inv_t) {
+  return raw ? Cand{c.z * inv_t, static_cast<float>(__float_as_int(c.id))} : c;
+}
+__device__ __forceinline__ void Keep(LaneBest& l, Cand x, Cand after, int& qualifying) {
+  if (!(x.id >= 0.0f) || !Before(after, x)) return;
+  ++qualifying;
+  if (!Before(x, l.c[kKeep - 1])) return;
+  l.c[kKeep - 1] = x;
+#pragma unroll
+  for (int u = kKeep - 1; u > 0; --u) {
+    if (Before(l.c[u], l.c[u - 1])) {
+      const Cand t = l.c[u];
+      l.c[u] = l.c[u - 1];
+      l.c[u - 1] = t;
+    }
   }
-  return best;
+}
+__device__ LaneBest LaneBestAfter(const Cand* list, int n, Cand after, bool raw, float inv_t) {
+  constexpr int kBatch = 8;
+  LaneBest l;
+#pragma unroll
+  for (int u = 0; u < kKeep; ++u) l.c[u] = Cand{-INFINITY, -INFINITY};
+  int qualifying = 0;
+  int i = threadIdx.x % 32;
+  for (; i + 32 * (kBatch - 1) < n; i += 32 * kBatch) {
+    Cand c[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) c[u] = list[i + 32 * u];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) Keep(l, AsCand(c[u], raw, inv_t), after, qualifying);
+  }
+  for (; i < n; i += 32) Keep(l, AsCand(list[i], raw, inv_t), after, qualifying);
+  l.more = qualifying > kKeep;
+  return l;
 }
 
-// One warp picks the k best of list[0, n) in order into out[0, k) (lane 0 writes): each lane keeps its
-// share's best; a round takes the warp's best and only its lane looks again. `list` is the warp's own
-// (its picks are marked taken in place).
-__device__ void WarpTopK(Cand* list, int n, int k, Cand* out) {
-  const int lane = threadIdx.x % 32;
-  Cand mine = LaneBest(list, n, lane);
+// One warp picks the k best of list[0, n) in order into out[0, k) (lane 0 writes): each lane keeps
+// its share's kKeep best; a round takes the warp's best from the lanes' heads, the lane that held it
+// moves on to its next, and looks at its share again (for what ranks after its last pick) only when
+// its kept ones run out and its share has more: the list is read about once, never written.
+__device__ void WarpTopK(const Cand* list, int n, int k, Cand* out, bool raw = false, float inv_t = 1.0f) {
+  const Cand first{INFINITY, -INFINITY};  // ranks before every entry
+  LaneBest mine = LaneBestAfter(list, n, first, raw, inv_t);
   for (int j = 0; j < k; ++j) {
-    const Cand best = WarpBest(mine);
-    if (lane == 0) out[j] = best;
-    if (best.id < 0.0f) continue;                  // fewer than k candidates: the rest stay −inf
-    if (mine.z == best.z && mine.id == best.id) {  // this lane held it
-      for (int i = lane; i < n; i += 32) {
-        if (list[i].id == best.id) list[i].id = -INFINITY;
-      }
-      mine = LaneBest(list, n, lane);
+    const Cand best = WarpBest(mine.c[0]);
+    if (threadIdx.x % 32 == 0) out[j] = best;
+    if (best.id < 0.0f) continue;                            // fewer than k candidates: the rest stay −inf
+    if (mine.c[0].z == best.z && mine.c[0].id == best.id) {  // this lane held it
+#pragma unroll
+      for (int u = 0; u + 1 < kKeep; ++u) mine.c[u] = mine.c[u + 1];
+      mine.c[kKeep - 1] = Cand{-INFINITY, -INFINITY};
+      if (mine.c[0].id < 0.0f && mine.more) mine = LaneBestAfter(list, n, best, raw, inv_t);
     }
     __syncwarp();
   }
@@ -84,6 +122,43 @@ __global__ void SegmentTopKKernel(const float* __restrict__ logits, int64_t ldz,
   }
   __syncwarp();
   WarpTopK(list, n, k, cand + (r * slots + slot0 + (v0 + c0) / kSegment) * k);
+}
+
+// The smallest v with v · inv_t >= z (fp32 products round monotonically): the threshold on v that
+// keeps every column whose z reaches z.
+__device__ float SmallestVReaching(float z, float inv_t) {
+  float t = z / inv_t;
+  for (int step = 0; step < 64 && t * inv_t < z; ++step) t = nextafterf(t, INFINITY);
+  for (int step = 0; step < 64 && nextafterf(t, -INFINITY) * inv_t >= z; ++step) t = nextafterf(t, -INFINITY);
+  return t;
+}
+
+// One warp a row: the k-th best z of the row's sample (the first pass's columns) gives a threshold
+// below the k-th best of the whole shard (k columns reach it); fewer than k in the sample: −inf.
+__global__ void ThresholdKernel(Cand* __restrict__ list, const unsigned* __restrict__ count, int64_t cap, int64_t rows,
+                                int k, float inv_t, float* __restrict__ thr) {
+  __shared__ Cand picked[kWarps][kMaxTopK];
+  const int warp = threadIdx.x / 32;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (r >= rows) return;
+  const int n = static_cast<int>(count[r] < cap ? count[r] : cap);
+  WarpTopK(list + r * cap, n, k, picked[warp], true, inv_t);
+  __syncwarp();
+  const Cand kth = picked[warp][k - 1];
+  if (threadIdx.x % 32 == 0) thr[r] = kth.id < 0.0f ? -INFINITY : SmallestVReaching(kth.z, inv_t);
+}
+
+// One warp a row: its list's k best into this rank's slot; a row whose list overflowed is marked in
+// `overflowed` (its slot stays −inf) for the fallback.
+__global__ void SelectKernel(Cand* __restrict__ list, const unsigned* __restrict__ count, int64_t cap, int64_t rows,
+                             int k, float inv_t, Cand* __restrict__ cand, int64_t slots, int64_t slot0,
+                             unsigned char* __restrict__ overflowed) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (r >= rows) return;
+  const bool over = count[r] > cap;
+  if (threadIdx.x % 32 == 0) overflowed[r] = over ? 1 : 0;
+  if (over) return;
+  WarpTopK(list + r * cap, static_cast<int>(count[r]), k, cand + (r * slots + slot0) * k, true, inv_t);
 }
 
 __global__ void FillKernel(Cand* __restrict__ cand, int64_t n) {
@@ -137,6 +212,32 @@ absl::Status LaunchSegmentTopK(const float* logits, int64_t ldz, int64_t rows, i
   const int64_t items = rows * ((nv + kSegment - 1) / kSegment);
   SegmentTopKKernel<<<static_cast<unsigned>((items + kSegWarps - 1) / kSegWarps), kSegWarps * 32, 0, stream>>>(
       logits, ldz, rows, v0, nv, tf, k, vocab_begin, reinterpret_cast<Cand*>(cand), slots, slot0);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LaunchRankThreshold(float* list, const unsigned* count, int64_t cap, int64_t rows, int k,
+                                 float temperature, float* thr, cudaStream_t stream) {
+  if (k < 1 || k > kMaxTopK || cap < 1 || !(temperature > 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("LaunchRankThreshold: k ", k, ", cap ", cap));
+  }
+  if (rows == 0) return absl::OkStatus();
+  ThresholdKernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
+      reinterpret_cast<Cand*>(list), count, cap, rows, k, 1.0f / temperature, thr);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LaunchRankSelect(float* list, const unsigned* count, int64_t cap, int64_t rows, int k, float temperature,
+                              float* cand, int64_t slots, int64_t slot0, unsigned char* overflowed,
+                              cudaStream_t stream) {
+  if (k < 1 || k > kMaxTopK || cap < 1 || slot0 < 0 || slot0 >= slots || !(temperature > 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("LaunchRankSelect: k ", k, ", cap ", cap, ", slot ", slot0));
+  }
+  if (rows == 0) return absl::OkStatus();
+  SelectKernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
+      reinterpret_cast<Cand*>(list), count, cap, rows, k, 1.0f / temperature, reinterpret_cast<Cand*>(cand), slots,
+      slot0, overflowed);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }

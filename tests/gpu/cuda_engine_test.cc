@@ -122,6 +122,8 @@ Problem MakeProblem(const ProblemSpec& sp, uint64_t seed) {
 struct Answers {
   absl::Status status;
   std::vector<float> logprob, entropy, lse, loss, z_loss, d_hidden, d_weight;
+  std::vector<int32_t> argmax, top_tokens;  // rankings, where the options ask top_k
+  std::vector<float> top_logprobs;
 };
 
 template <typename T>
@@ -157,6 +159,10 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
   a.z_loss.assign(N, nan);
   std::vector<uint8_t> dh(grad ? N * H * DTypeSize(p.dtype) : 0, 0xff);  // NaN in every dtype
   a.d_weight = dw_init;
+  const int64_t k = p.ref.options.top_k;
+  a.argmax.assign(k > 0 ? N : 0, -7);
+  a.top_tokens.assign(N * k, -7);
+  a.top_logprobs.assign(N * k, nan);
   Upstream up;
   up.mode = p.ref.mode;
   if (space == MemorySpace::kHost) {
@@ -165,10 +171,15 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
     up.grad_entropy = p.grad_entropy.empty() ? nullptr : p.grad_entropy.data();
     RowsView rows{hidden.data(), targets.data(), N, MemorySpace::kHost};
     rows.class_weight = p.class_weight.empty() ? nullptr : p.class_weight.data();
-    a.status = e.Compute(
-        rows, p.ref.options, up,
-        {a.logprob.data(), want_entropy ? a.entropy.data() : nullptr, a.lse.data(), a.loss.data(), a.z_loss.data()},
-        {grad ? dh.data() : nullptr, grad && !dw_init.empty() ? a.d_weight.data() : nullptr});
+    RowOutputs out{a.logprob.data(), want_entropy ? a.entropy.data() : nullptr, a.lse.data(), a.loss.data(),
+                   a.z_loss.data()};
+    if (k > 0) {
+      out.argmax = a.argmax.data();
+      out.top_tokens = a.top_tokens.data();
+      out.top_logprobs = a.top_logprobs.data();
+    }
+    a.status = e.Compute(rows, p.ref.options, up, out,
+                         {grad ? dh.data() : nullptr, grad && !dw_init.empty() ? a.d_weight.data() : nullptr});
   } else {
     uint8_t* d_hidden = ToDevice(hidden);
     int32_t* d_targets = ToDevice(targets);
@@ -185,8 +196,22 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
     up.grad_entropy = d_ge;
     RowsView rows{d_hidden, d_targets, N, MemorySpace::kDevice};
     rows.class_weight = d_cw;
-    a.status = e.Compute(rows, p.ref.options, up,
-                         {d_out[0], want_entropy ? d_out[1] : nullptr, d_out[2], d_out[3], d_out[4]}, {d_dh, d_dw});
+    int32_t* d_argmax = ToDevice(a.argmax);
+    int32_t* d_tokens = ToDevice(a.top_tokens);
+    float* d_top_lp = ToDevice(a.top_logprobs);
+    RowOutputs out{d_out[0], want_entropy ? d_out[1] : nullptr, d_out[2], d_out[3], d_out[4]};
+    out.argmax = d_argmax;
+    out.top_tokens = d_tokens;
+    out.top_logprobs = d_top_lp;
+    a.status = e.Compute(rows, p.ref.options, up, out, {d_dh, d_dw});
+    if (k > 0) {
+      FromDevice(d_argmax, a.argmax);
+      FromDevice(d_tokens, a.top_tokens);
+      FromDevice(d_top_lp, a.top_logprobs);
+      for (void* q : {static_cast<void*>(d_argmax), static_cast<void*>(d_tokens), static_cast<void*>(d_top_lp)}) {
+        cudaFree(q);
+      }
+    }
     FromDevice(d_out[0], a.logprob);
     FromDevice(d_out[1], a.entropy);
     FromDevice(d_out[2], a.lse);
@@ -225,6 +250,27 @@ std::unique_ptr<LceEngine> MakeCuda(const Problem& p, EngineConfig cfg = {}) {
   auto e = CreateEngine(Backend::kCuda, p.head, cfg);
   EXPECT_TRUE(e.ok()) << e.status();
   return e.ok() ? std::move(*e) : nullptr;
+}
+
+// Rankings against a float64 sort of the reference's logprobs: each rank's token holds that rank's
+// logprob, the reported logprob is it, argmax is the first token.
+void ExpectRankingsMatchSort(const Answers& a, const Problem& p, const std::string& what) {
+  ASSERT_TRUE(a.status.ok()) << what << ": " << a.status;
+  const RefResult ref = testing::ReferenceLce(p.ref);
+  const int64_t N = p.ref.rows, V = p.ref.vocab, k = p.ref.options.top_k;
+  for (int64_t i = 0; i < N; ++i) {
+    std::vector<double> row(ref.all_logprob.begin() + i * V, ref.all_logprob.begin() + (i + 1) * V);
+    std::vector<double> sorted = row;
+    std::partial_sort(sorted.begin(), sorted.begin() + k, sorted.end(), std::greater<double>());
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t t = a.top_tokens[i * k + j];
+      ASSERT_TRUE(t >= 0 && t < V) << what << " row " << i << " rank " << j << " token " << t;
+      const double tol = 1e-4 * (1 + std::abs(sorted[j]));
+      EXPECT_NEAR(a.top_logprobs[i * k + j], sorted[j], tol) << what << " row " << i << " rank " << j;
+      EXPECT_NEAR(row[t], sorted[j], tol) << what << " row " << i << " rank " << j;
+    }
+    EXPECT_EQ(a.argmax[i], a.top_tokens[i * k]) << what << " row " << i;
+  }
 }
 
 std::vector<float> RandomVec(int64_t n, uint64_t seed) {
@@ -374,51 +420,10 @@ TEST_F(CudaTest, RankingsMatchFloat64Sort) {
     sp.options.temperature = 0.8f;
     sp.options.softcap = 12.0f;
     Problem p = MakeProblem(sp, ++seed);
-    const RefResult ref = testing::ReferenceLce(p.ref);
     auto e = MakeCuda(p);
     ASSERT_NE(e, nullptr);
-    const int64_t N = sp.rows, V = sp.vocab;
     for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
-      std::vector<int32_t> argmax(N, -7), tokens(N * k, -7);
-      std::vector<float> logprobs(N * k, NAN);
-      RowOutputs out;
-      if (space == MemorySpace::kHost) {
-        out.argmax = argmax.data();
-        out.top_tokens = tokens.data();
-        out.top_logprobs = logprobs.data();
-        RowsView rows{p.hidden.data(), p.ref.targets.data(), N, MemorySpace::kHost};
-        ASSERT_TRUE(e->Compute(rows, p.ref.options, Upstream{}, out, GradOutputs{}).ok());
-      } else {
-        uint8_t* d_hidden = ToDevice(p.hidden);
-        int32_t* d_targets = ToDevice(p.ref.targets);
-        int32_t* d_argmax = ToDevice(argmax);
-        int32_t* d_tokens = ToDevice(tokens);
-        float* d_logprobs = ToDevice(logprobs);
-        out.argmax = d_argmax;
-        out.top_tokens = d_tokens;
-        out.top_logprobs = d_logprobs;
-        RowsView rows{d_hidden, d_targets, N, MemorySpace::kDevice};
-        ASSERT_TRUE(e->Compute(rows, p.ref.options, Upstream{}, out, GradOutputs{}).ok());
-        FromDevice(d_argmax, argmax);
-        FromDevice(d_tokens, tokens);
-        FromDevice(d_logprobs, logprobs);
-        for (void* q : {static_cast<void*>(d_hidden), static_cast<void*>(d_targets), static_cast<void*>(d_argmax),
-                        static_cast<void*>(d_tokens), static_cast<void*>(d_logprobs)}) {
-          cudaFree(q);
-        }
-      }
-      for (int64_t i = 0; i < N; ++i) {
-        std::vector<double> row(ref.all_logprob.begin() + i * V, ref.all_logprob.begin() + (i + 1) * V);
-        std::vector<double> sorted = row;
-        std::partial_sort(sorted.begin(), sorted.begin() + k, sorted.end(), std::greater<double>());
-        for (int j = 0; j < k; ++j) {
-          const int32_t t = tokens[i * k + j];
-          ASSERT_TRUE(t >= 0 && t < V) << "k " << k << " row " << i << " rank " << j;
-          EXPECT_NEAR(logprobs[i * k + j], sorted[j], 1e-4 * (1 + std::abs(sorted[j]))) << "row " << i << " rank " << j;
-          EXPECT_NEAR(row[t], sorted[j], 1e-4 * (1 + std::abs(sorted[j]))) << "row " << i << " rank " << j;
-        }
-        EXPECT_EQ(argmax[i], tokens[i * k]) << "row " << i;
-      }
+      ExpectRankingsMatchSort(RunEngine(*e, p, space, {}), p, absl::StrCat("k ", k, " space ", int(space)));
     }
   }
 }
@@ -1370,6 +1375,108 @@ TEST_F(EpilogueStatsTest, VocabParallelStatisticsBitForBit) {
       for (int64_t i = 0; i < sp.rows; ++i) {
         ExpectRowSameBits(want, got[r], i, 0, 0, absl::StrCat("k=", k, " rank ", r, " row ", i));
       }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace lce
+
+namespace lce {
+namespace {
+
+// Rankings on the epilogue GEMM's path (engine_rankings.cc): its candidates against a float64 sort, and
+// the logit-tile path's, over ragged shapes (a shard smaller than the first pass's sample, one tile, K
+// tails), k = 1 / 20 / 64, bias, softcap and temperature, host and device rows.
+TEST_F(EpilogueStatsTest, RankingsMatchFloat64SortOnBothPaths) {
+  struct S {
+    int64_t rows, hidden, vocab;
+  };
+  uint64_t seed = 5800;
+  for (S s : {S{300, 64, 20001}, S{37, 72, 9001}, S{5, 24, 300}, S{130, 136, 4096}}) {
+    for (int k : {1, 20, 64}) {
+      for (int variant = 0; variant < 3; ++variant) {
+        ProblemSpec sp = ScoreSpec(s.rows, s.hidden, s.vocab);
+        sp.options.top_k = k;
+        sp.bias = variant > 0;
+        if (variant == 1) sp.options.temperature = 0.8f;
+        if (variant == 2) sp.options.softcap = 12.0f;
+        const Problem p = MakeProblem(sp, ++seed);
+        auto e = MakeCuda(p, Epi());
+        ASSERT_NE(e, nullptr);
+        const std::string what = absl::StrCat(s.rows, "x", s.hidden, "x", s.vocab, " k ", k, " variant ", variant);
+        for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+          ExpectRankingsMatchSort(RunEngine(*e, p, space, {}), p, absl::StrCat(what, " space ", int(space)));
+        }
+        ExpectRankingsMatchSort(Without(*e, p), p, what + " logit tiles");
+      }
+    }
+  }
+}
+
+// Rows whose candidate lists overflow go through the fallback: rows of zeros (every logit equal: the k
+// lowest ids, in order) and rows whose first columns (the threshold's sample) sit far below the rest.
+Problem OverflowingRankings(int64_t rows, int64_t vocab, int k, uint64_t seed) {
+  ProblemSpec sp = ScoreSpec(rows, 64, vocab);
+  sp.options.top_k = k;
+  sp.bias = true;
+  Problem p = MakeProblem(sp, seed);
+  for (int64_t j = 0; j < std::min<int64_t>(vocab, 4096); ++j) p.head->bias[j] = -30.0f, p.ref.bias[j] = -30.0;
+  const int64_t esz = DTypeSize(p.dtype), H = sp.hidden;
+  for (int64_t i = 0; i < rows; i += 5) {
+    std::fill(p.hidden.begin() + i * H * esz, p.hidden.begin() + (i + 1) * H * esz, uint8_t{0});
+    std::fill(p.ref.h.begin() + i * H, p.ref.h.begin() + (i + 1) * H, 0.0);
+  }
+  return p;
+}
+
+TEST_F(EpilogueStatsTest, RankingsOverflowedRowsAreExact) {
+  for (int k : {1, 20}) {
+    Problem p = OverflowingRankings(200, 20001, k, 5900 + k);
+    for (int64_t j = 4096; j < 20001; ++j) p.head->bias[j] = 0.0f, p.ref.bias[j] = 0.0;  // zero rows: a tail of ties
+    auto e = MakeCuda(p, Epi());
+    ASSERT_NE(e, nullptr);
+    for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
+      const Answers a = RunEngine(*e, p, space, {});
+      ExpectRankingsMatchSort(a, p, absl::StrCat("k ", k, " space ", int(space)));
+      for (int64_t i = 0; i < 200; i += 5) {
+        for (int j = 0; j < k; ++j) {
+          ASSERT_EQ(a.top_tokens[i * k + j], 4096 + j) << "zero row " << i << " rank " << j << ": lowest ids first";
+        }
+      }
+    }
+  }
+}
+
+// The same bits for a row alone or in a batch, and over groups of 2 and 3 (one GPU's ranks, in threads)
+// with the fallback taken on one rank only (the low sample is in rank 0's shard).
+TEST_F(EpilogueStatsTest, RankingsSameBitsAcrossBatchesAndGroups) {
+  EngineConfig cfg;
+  cfg.batch_invariant = cfg.tp_invariant = true;
+  const Problem full = OverflowingRankings(300, 140001, 20, 5950);
+  auto one = MakeCuda(full, Epi(cfg));
+  ASSERT_NE(one, nullptr);
+  const Answers want = RunEngine(*one, full, MemorySpace::kDevice, {});
+  ExpectRankingsMatchSort(want, full, "one GPU");
+  const int64_t k = 20;
+  Problem few = full;
+  few.ref.rows = 7;
+  few.ref.targets.resize(7);
+  few.ref.h.resize(7 * full.ref.hidden);
+  few.hidden.resize(7 * full.ref.hidden * DTypeSize(full.dtype));
+  const Answers alone = RunEngine(*one, few, MemorySpace::kDevice, {});
+  ASSERT_TRUE(alone.status.ok()) << alone.status;
+  EXPECT_EQ(std::memcmp(alone.top_tokens.data(), want.top_tokens.data(), 7 * k * 4), 0) << "tokens, 7 rows";
+  EXPECT_EQ(std::memcmp(alone.top_logprobs.data(), want.top_logprobs.data(), 7 * k * 4), 0) << "logprobs, 7 rows";
+  for (int g : {2, 3}) {
+    const std::vector<Answers> got = RunSharded(full, g, {}, Epi(cfg));
+    for (int r = 0; r < g; ++r) {
+      ASSERT_TRUE(got[r].status.ok()) << "group " << g << " rank " << r << ": " << got[r].status;
+      if (r != 0) continue;  // the rankings are rank 0's answer
+      EXPECT_EQ(got[r].top_tokens, want.top_tokens) << "group " << g;
+      EXPECT_EQ(std::memcmp(got[r].top_logprobs.data(), want.top_logprobs.data(), want.top_logprobs.size() * 4), 0)
+          << "group " << g;
+      EXPECT_EQ(got[r].argmax, want.argmax) << "group " << g;
     }
   }
 }

@@ -1,0 +1,154 @@
+// The CUDA engine's rankings (argmax, top-k; docs/MATH.md, "Rankings").
+//
+// On the logit-tile path each segment of a tile keeps its k best (ForwardTiles). On the epilogue GEMM's
+// path nothing holds the logits, so the GEMM writes candidates: a first pass over each row's first
+// `sample` columns (their logits, the same bits the whole pass gives them) sets the row's threshold at
+// the sample's k-th best, which the shard's k best all reach; the whole pass then appends every
+// column at or above it to the row's list (~k · shard / sample of them), and a warp a row picks the k
+// best. A row whose list overflows (a sample far below the rest of its row; many equal logits) is
+// redone exactly from its logits written out in full, a few rows at a time. Either way a rank's slot
+// holds its shard's exact k best, so groups merge them as before, the same bits for any group size.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_engine_impl.h"
+
+namespace lce::cuda {
+
+absl::Status CudaEngine::PrepareRankings(CallPlan& p) {
+  const int world = config_.collectives != nullptr ? config_.collectives->world_size() : 1;
+  const int rank = config_.collectives != nullptr ? config_.collectives->rank() : 0;
+  const int64_t k = p.o.top_k, R = p.R;
+  p.rank_slots = RankingSlots(shape_.vocab_size, world);
+  p.rank_slot0 = rank * (p.rank_slots / world);
+  const int64_t cand_bytes = RoundUp(R * p.rank_slots * k * 8, 256);
+  const int64_t out_bytes = RoundUp(R * (1 + 2 * k) * 4, 256);
+  const bool lists = p.layout.epi;
+  const int64_t list_bytes = lists ? R * kRankCap * 8 + RoundUp(R * 9, 256) : 0;  // + count, thr, overflowed
+  const int64_t need = cand_bytes + out_bytes + list_bytes;
+  if (rank_buf_ == nullptr || rank_buf_->size() < need) {
+    LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    rank_buf_.reset();
+    absl::StatusOr<std::unique_ptr<DeviceBuffer>> b = AllocateDeviceBuffer(need, config_.device);
+    if (!b.ok()) return b.status();
+    rank_buf_ = std::move(*b);
+  }
+  uint8_t* base = rank_buf_->data();
+  p.cand = reinterpret_cast<float*>(base);
+  p.rank_out = base + cand_bytes;
+  if (!lists) return absl::OkStatus();
+  RankLists& l = p.ranks;
+  l.list = reinterpret_cast<float*>(base + cand_bytes + out_bytes);
+  l.count = reinterpret_cast<unsigned*>(l.list + R * kRankCap * 2);
+  l.thr = reinterpret_cast<float*>(l.count + R);
+  l.overflowed = reinterpret_cast<uint8_t*>(l.thr + R);
+  l.cap = kRankCap;
+  // A sample of 3 · k · shard / cap columns leaves ~cap / 3 candidates a row; at least 1024 columns, at
+  // most a list's worth (a sample that overflows the first pass would still give a valid threshold,
+  // from the columns that fit: any k columns' k-th best is below the shard's).
+  const int64_t want = RoundUp(3 * k * shape_.shard_rows / kRankCap + 1, kRankTileCols);
+  l.sample = std::min({std::max<int64_t>(want, 1024), kRankCap, shape_.shard_rows});
+  return absl::OkStatus();
+}
+
+// The first pass: every column of the sample into the lists, their k-th best the threshold.
+absl::Status CudaEngine::RankThreshold(const CallPlan& p, Scratch& s, const BlockIo& b) {
+#if defined(LCE_WITH_CUTLASS)
+  const RankLists& l = p.ranks;
+  LCE_CUDA_CHECK(cudaMemsetAsync(l.count, 0, b.nr * sizeof(unsigned), stream_));
+  EpilogueStatsArgs a = EpiArgs(s, b.h, b.nr, b.y, p.o.ignore_index, p.tf);
+  a.cols = l.sample;
+  a.ntile = (a.cols + EpiTileCols() - 1) / EpiTileCols();
+  a.entropy = false;
+  a.rank_list = l.list;
+  a.rank_count = l.count;
+  a.rank_cap = l.cap;
+  // Its tile partials are overwritten by the whole pass; its target logits are the whole pass's bits.
+  LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(a, stream_));
+  LCE_CUDA_CHECK(
+      LaunchRankThreshold(l.list, l.count, l.cap, b.nr, static_cast<int>(p.o.top_k), p.tf.temperature, l.thr, stream_));
+  LCE_CUDA_CHECK(cudaMemsetAsync(l.count, 0, b.nr * sizeof(unsigned), stream_));
+  return absl::OkStatus();
+#else
+  (void)p, (void)s, (void)b;
+  return absl::InternalError("built without CUTLASS: no epilogue-statistics GEMM");
+#endif
+}
+
+absl::Status CudaEngine::RankSelect(const CallPlan& p, const BlockIo& b) {
+  const RankLists& l = p.ranks;
+  return LaunchRankSelect(l.list, l.count, l.cap, b.nr, static_cast<int>(p.o.top_k), p.tf.temperature, p.cand,
+                          p.rank_slots, p.rank_slot0, l.overflowed, stream_);
+}
+
+// Rows whose lists overflowed, kRankDumpRows at a time: their v over the whole shard written out by the
+// same GEMM (the same bits), each segment's k best into this rank's segment slots, as the logit-tile path.
+absl::Status CudaEngine::RankOverflowedRows(const CallPlan& p, Scratch& s, const BlockIo& b) {
+#if defined(LCE_WITH_CUTLASS)
+  std::vector<uint8_t> over(static_cast<size_t>(b.nr));
+  LCE_CUDA_CHECK(cudaMemcpyAsync(over.data(), p.ranks.overflowed, b.nr, cudaMemcpyDeviceToHost, stream_));
+  LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const int64_t Vs = shape_.shard_rows, ld = RoundUp(Vs, 4), k = p.o.top_k;
+  const int64_t esz = DTypeSize(shape_.dtype), H = shape_.hidden_size;
+  for (int64_t r0 = 0; r0 < b.nr; r0 += kRankDumpRows) {
+    const int64_t nc = std::min(kRankDumpRows, b.nr - r0);
+    if (std::none_of(over.begin() + r0, over.begin() + r0 + nc, [](uint8_t o) { return o != 0; })) continue;
+    const int64_t bytes = kRankDumpRows * ld * 4;
+    if (rank_dump_ == nullptr || rank_dump_->size() < bytes) {
+      LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      rank_dump_.reset();
+      absl::StatusOr<std::unique_ptr<DeviceBuffer>> d = AllocateDeviceBuffer(bytes, config_.device);
+      if (!d.ok()) return d.status();
+      rank_dump_ = std::move(*d);
+    }
+    float* dump = reinterpret_cast<float*>(rank_dump_->data());
+    EpilogueStatsArgs a =
+        EpiArgs(s, static_cast<const uint8_t*>(b.h) + r0 * H * esz, nc, b.y + r0, p.o.ignore_index, p.tf);
+    a.dump = dump;
+    a.ld_dump = ld;
+    LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(a, stream_));
+    float* cand = p.cand + r0 * p.rank_slots * k * 2;
+    LCE_CUDA_CHECK(LaunchFillRankings(cand, nc, p.rank_slots, static_cast<int>(k), stream_));
+    const LogitTransform as_is{nullptr, 0.0f, p.tf.temperature};  // dump holds v: bias and softcap applied
+    LCE_CUDA_CHECK(LaunchSegmentTopK(dump, ld, nc, 0, Vs, as_is, static_cast<int>(k), shape_.vocab_begin, cand,
+                                     p.rank_slots, p.rank_slot0, stream_));
+  }
+  return absl::OkStatus();
+#else
+  (void)p, (void)s, (void)b;
+  return absl::InternalError("built without CUTLASS: no epilogue-statistics GEMM");
+#endif
+}
+
+absl::Status CudaEngine::Rank(const CallPlan& p, Scratch& s, const BlockIo& b) {
+  const int64_t nr = b.nr, k = p.o.top_k;
+  if (p.layout.epi) LCE_CUDA_CHECK(RankOverflowedRows(p, s, b));
+  if (config_.collectives != nullptr) {
+    LCE_CUDA_CHECK(config_.collectives->AllReduce(p.cand, nr * p.rank_slots * k * 2, ReduceOp::kMax, true, stream_));
+  }
+  int32_t* argmax = p.out.argmax != nullptr ? p.out.argmax + b.r0 : nullptr;
+  int32_t* tokens = p.out.top_tokens != nullptr ? p.out.top_tokens + b.r0 * k : nullptr;
+  float* logprobs = p.out.top_logprobs != nullptr ? p.out.top_logprobs + b.r0 * k : nullptr;
+  int32_t* staged_argmax = reinterpret_cast<int32_t*>(p.rank_out);
+  int32_t* staged_tokens = staged_argmax + p.R;
+  float* staged_logprobs = reinterpret_cast<float*>(staged_tokens + p.R * k);
+  LCE_CUDA_CHECK(LaunchMergeTopK(p.cand, nr, p.rank_slots, static_cast<int>(k), s.info,
+                                 p.host && argmax ? staged_argmax : argmax, p.host && tokens ? staged_tokens : tokens,
+                                 p.host && logprobs ? staged_logprobs : logprobs, stream_));
+  if (p.host) {
+    const std::pair<void*, const void*> copies[] = {
+        {argmax, staged_argmax}, {tokens, staged_tokens}, {logprobs, staged_logprobs}};
+    for (int i = 0; i < 3; ++i) {
+      if (copies[i].first == nullptr) continue;
+      const int64_t bytes = (i == 0 ? nr : nr * k) * 4;
+      LCE_CUDA_CHECK(cudaMemcpyAsync(copies[i].first, copies[i].second, bytes, cudaMemcpyDeviceToHost, stream_));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace lce::cuda
