@@ -7,6 +7,8 @@
   at ead96b61), reductions mean / sum / none;
 - the z-loss as its own output (Liger's return_z_loss);
 and the bad inputs around them get INVALID_ARGUMENT naming the problem."""
+import re
+
 import grpc
 import numpy as np
 import pytest
@@ -176,6 +178,44 @@ def test_weighted_mean_same_on_both_paths(served, zero_weights):
     scale = float(h64.grad.abs().max())
     np.testing.assert_allclose(r.d_hidden, h64.grad.numpy(), rtol=0, atol=2e-5 * scale)
     np.testing.assert_allclose(ht.grad.numpy(), h64.grad.numpy(), rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cli_class_weights_and_z_loss_match_pytorch(served, tmp_path, reduction):
+    """lce_cli forward-backward --class-weights-file (a 1-D .npy) --z-loss: the loss, its z-loss part and
+    the rows' losses and z-losses it prints, and the dW it adds, against float64 PyTorch; a mean by the
+    same convention as the Python client's (the cross-entropy over the weights' sum, the z-loss over
+    the valid count)."""
+    from helpers import cli
+
+    c, w = served
+    h, y = rows(31)
+    cw = np.random.default_rng(7).uniform(0.0, 0.5, VOCAB).astype(np.float32)
+    h.tofile(tmp_path / "h.raw")
+    y.astype(np.int32).tofile(tmp_path / "y.raw")
+    np.save(tmp_path / "cw.npy", cw)
+    c.zero_grad()
+    out = cli("forward-backward", f"--target={c.target}", f"--hidden-file={tmp_path / 'h.raw'}",
+              f"--targets-file={tmp_path / 'y.raw'}", f"--reduction={reduction}",
+              f"--class-weights-file={tmp_path / 'cw.npy'}", "--z-loss=0.01", "--label-smoothing=0.1",
+              "--accumulate-weight-grad=1", f"--show={ROWS}")
+    h64, W, per_row, zl, total = weighted_ce64(w, h, y, cw.astype(np.float64), reduction, 0.1, 1e-2)
+    total.backward()
+    n = int(np.count_nonzero(y != -100))
+    z_want = float(zl.detach().sum()) / (n if reduction == "mean" else 1)
+    assert float(re.search(r"z-loss part \(\w+\) (\S+)", out).group(1)) == pytest.approx(z_want, rel=5e-6), out
+    if reduction != "none":
+        got = float(re.search(r"loss \(\w+\) (\S+)", out).group(1))
+        assert got == pytest.approx(float(total.detach()), rel=5e-6), out
+    if reduction == "mean":
+        d = float(re.search(r"sum of the targets' weights (\S+)", out).group(1))
+        assert d == pytest.approx(float(cw[y[y != -100]].astype(np.float64).sum()), rel=1e-6)
+    table = np.array([line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+-?\d+\s+\S+\s+\S+$", line)],
+                     dtype=np.float64)
+    np.testing.assert_array_equal(table[:, 1], y)
+    np.testing.assert_allclose(table[:, 2], per_row.detach().numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(table[:, 3], zl.detach().numpy(), rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(c.get_grad(), W.grad.numpy(), rtol=0, atol=2e-5 * float(W.grad.abs().max()))
 
 
 def test_forward_backward_rankings_and_z_loss(served):
