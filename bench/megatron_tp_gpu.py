@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 import warnings
 
@@ -164,26 +163,12 @@ def bench(rank, k, target, args):
 
 
 def main():
-    args = parse()
-    if "RANK" in os.environ:  # torchrun
-        if not args.target:
-            raise SystemExit("under torchrun, pass --target")
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args.target, args)
-        return
-    server = None
-    if not args.target:
-        if args.device != "cpu":
-            raise SystemExit("--device cuda needs --target (a running server)")
-        from lce_client.local import LocalServer
+    from lce_client.local import run_on_ranks
 
-        server = LocalServer(["--seed-head=8x8", "--cpu-threads=1"])
-    try:
-        init = f"file://{tempfile.mkdtemp(prefix='megatron_bench_')}/store"
-        torch.multiprocessing.spawn(run, args=(args.tp, init, args.target or server.target, args), nprocs=args.tp,
-                                    join=True)
-    finally:
-        if server is not None:
-            server.stop()
+    args = parse()
+    if not args.target and args.device != "cpu" and "RANK" not in os.environ:
+        raise SystemExit("--device cuda needs --target (a running server)")
+    run_on_ranks(run, args.tp, args.target, (args,))
 
 
 if __name__ == "__main__":

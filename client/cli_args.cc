@@ -64,7 +64,12 @@ ABSL_FLAG(int32_t, top_k, 0,
           "accuracy (argmax = target), 0 to 64 (0: none)");
 ABSL_FLAG(std::string, reduction, "mean", "none, sum or mean");
 ABSL_FLAG(double, label_smoothing, 0, "in [0, 1)");
-ABSL_FLAG(double, z_loss, 0, "z-loss coefficient");
+ABSL_FLAG(double, z_loss, 0, "z-loss coefficient; its part of each row's loss (lambda * lse^2) is printed too");
+ABSL_FLAG(std::string, class_weights_file, "",
+          "class weights, one per vocabulary id (PyTorch's CrossEntropyLoss(weight=)): .npy or\n"
+          ".safetensors [vocab] (fp32, fp16, bf16) or raw little-endian fp32 (.raw); a mean divides\n"
+          "the cross-entropy by the valid targets' weights and the z-loss by their count, as\n"
+          "Liger-Kernel (docs/MATH.md, \"Class weights\")");
 ABSL_FLAG(bool, accumulate_weight_grad, false, "also add dW into the head's gradient buffer (on the front)");
 ABSL_FLAG(std::string, op, "score",
           "score, or train: ForwardBackward with REDUCTION_SUM, or wire: the data plane's sockets alone, no engine (the batch's hidden bytes written to server memory and read back over --data-plane-sockets sockets, plain or TLS)");
@@ -78,6 +83,12 @@ ABSL_FLAG(std::optional<std::string>, tensor, std::nullopt,
 ABSL_FLAG(std::string, clone_of, "", "a copy of another head's current weight (e.g. a frozen reference)");
 ABSL_FLAG(std::string, seeded, "", "a seeded random head, VOCABxHIDDEN (e.g. 32000x512)");
 ABSL_FLAG(std::optional<std::string>, dtype, std::nullopt, "the seeded head's dtype: bf16, fp16 or fp32 (unset: bf16)");
+ABSL_FLAG(bool, bias, false,
+          "load-head: the --seeded head has an fp32 bias, zeros (update-weights --bias-file sets it);\n"
+          "get-grad: the bias's gradient dB [vocab, 1] instead of dW");
+ABSL_FLAG(std::string, bias_file, "",
+          "the head's new bias [vocab] (a head with a bias): .npy or .safetensors (fp32, fp16, bf16)\n"
+          "or raw little-endian fp32 (.raw) (unset: the bias is kept)");
 ABSL_FLAG(std::string, output, "",
           "also write it there: .npy, .safetensors, or raw little-endian fp32 (.raw)");
 ABSL_FLAG(std::string, format, "", "npy, safetensors or raw: the file's format when its name does not say");
@@ -200,8 +211,9 @@ const std::vector<Command>& Commands() {
        true},
       {"forward-backward",
        "cross-entropy loss, per-token losses and the norm of d_hidden of a batch",
-       "lce_cli forward-backward: reduced loss, valid tokens, per-token loss of the first rows, |d_hidden|",
-       {"reduction", "label_smoothing", "z_loss", "accumulate_weight_grad", "show"},
+       "lce_cli forward-backward: reduced loss, valid tokens, per-token loss (and z-loss, with --z-loss) of\n"
+       "the first rows, |d_hidden|",
+       {"reduction", "label_smoothing", "z_loss", "class_weights_file", "accumulate_weight_grad", "show"},
        true},
       {"bench",
        "throughput of repeated score or train (forward-backward) requests",
@@ -212,8 +224,9 @@ const std::vector<Command>& Commands() {
       {"load-head",
        "add or replace a head: from a safetensors file, a clone, or a seed",
        "lce_cli load-head --head=NAME SOURCE: adds or replaces a head (version + 1 when it exists);\n"
-       "SOURCE is one of --safetensors-file (with --tensor), --clone-of, --seeded (with --seed, --dtype)",
-       {"head", "safetensors_file", "tensor", "clone_of", "seeded", "seed", "dtype"},
+       "SOURCE is one of --safetensors-file (with --tensor), --clone-of, --seeded (with --seed, --dtype,\n"
+       "--bias)",
+       {"head", "safetensors_file", "tensor", "clone_of", "seeded", "seed", "dtype", "bias"},
        false,
        true},
       {"zero-grad",
@@ -224,8 +237,9 @@ const std::vector<Command>& Commands() {
        true},
       {"get-grad",
        "the accumulated gradient dW: its norm, and written to .npy / .safetensors / raw",
-       "lce_cli get-grad: the head's accumulated fp32 gradient dW [vocab, hidden]; prints its norm",
-       {"head", "output", "format", "tensor"},
+       "lce_cli get-grad: the head's accumulated fp32 gradient dW [vocab, hidden] (or --bias: dB [vocab, 1]);\n"
+       "prints its norm",
+       {"head", "bias", "output", "format", "tensor"},
        false,
        true},
       {"step",
@@ -236,8 +250,9 @@ const std::vector<Command>& Commands() {
        true},
       {"update-weights",
        "replace the head's weight with one from a file",
-       "lce_cli update-weights --weight-file=PATH: replaces the head's weight (version + 1)",
-       {"head", "weight_file", "format", "tensor", "expected_version"},
+       "lce_cli update-weights --weight-file=PATH: replaces the head's weight, and with --bias-file its\n"
+       "bias (version + 1)",
+       {"head", "weight_file", "bias_file", "format", "tensor", "expected_version"},
        false,
        true},
       {"save-head",

@@ -44,6 +44,7 @@ absl::StatusOr<v1::SeededHead> ParseSeeded() {
   s.set_hidden_size(hidden);
   s.set_seed(static_cast<uint64_t>(seed));
   s.set_dtype(*dtype);
+  s.set_bias(absl::GetFlag(FLAGS_bias));
   return s;
 }
 
@@ -56,6 +57,9 @@ absl::StatusOr<v1::LoadHeadRequest> LoadHeadRequest() {
   }
   if (!seeded && absl::GetFlag(FLAGS_seed)) return absl::InvalidArgumentError("--seed goes with --seeded");
   if (!seeded && absl::GetFlag(FLAGS_dtype)) return absl::InvalidArgumentError("--dtype goes with --seeded");
+  if (!seeded && absl::GetFlag(FLAGS_bias)) {
+    return absl::InvalidArgumentError("--bias goes with --seeded (a file's head has the bias the file holds)");
+  }
   if (file.empty() && absl::GetFlag(FLAGS_tensor)) {
     return absl::InvalidArgumentError("--tensor goes with --safetensors-file");
   }
@@ -100,12 +104,13 @@ std::string HeadName() {
 }
 
 Outcome GetGrad(LceClient& c) {
-  absl::StatusOr<Gradient> g = c.GetGrad(absl::GetFlag(FLAGS_head));
+  const bool bias = absl::GetFlag(FLAGS_bias);
+  absl::StatusOr<Gradient> g = c.GetGrad(absl::GetFlag(FLAGS_head), bias);
   if (!g.ok()) return CallFailed(g.status());
   double norm = 0;
   for (float x : g->values) norm += static_cast<double>(x) * x;
-  std::printf("gradient of head '%s': %lld x %lld fp32, |dW| %.9e\n", HeadName().c_str(),
-              static_cast<long long>(g->rows), static_cast<long long>(g->cols), std::sqrt(norm));
+  std::printf("%s of head '%s': %lld x %lld fp32, |%s| %.9e\n", bias ? "bias gradient" : "gradient", HeadName().c_str(),
+              static_cast<long long>(g->rows), static_cast<long long>(g->cols), bias ? "dB" : "dW", std::sqrt(norm));
   const std::string output = absl::GetFlag(FLAGS_output);
   if (output.empty()) return {};
   const TensorFormat format = *FileFormat("output", output);  // checked by CheckTrainingFlags
@@ -141,10 +146,13 @@ Outcome UpdateWeights(LceClient& c) {
   absl::StatusOr<Tensor2D> w = WeightFile(info->head());
   if (!w.ok()) return absl::IsNotFound(w.status()) || absl::IsInvalidArgument(w.status()) ? UsageError(w.status())
                                                                                              : CallFailed(w.status());
-  absl::StatusOr<v1::HeadDescription> head =
-      c.UpdateWeights(absl::GetFlag(FLAGS_head), WeightTensor{w->dtype, w->rows, w->cols,
-                                                              absl::MakeConstSpan(w->bytes)},
-                      absl::GetFlag(FLAGS_expected_version));
+  const std::string bias_file = absl::GetFlag(FLAGS_bias_file);
+  absl::StatusOr<std::vector<float>> bias = bias_file.empty() ? std::vector<float>{} : ReadVectorFile(bias_file);
+  if (!bias.ok()) return UsageError(bias.status());  // a bias of the wrong size is the server's INVALID_ARGUMENT
+  absl::StatusOr<v1::HeadDescription> head = c.UpdateWeights(
+      absl::GetFlag(FLAGS_head),
+      WeightTensor{w->dtype, w->rows, w->cols, absl::MakeConstSpan(w->bytes), absl::MakeConstSpan(*bias)},
+      absl::GetFlag(FLAGS_expected_version));
   if (!head.ok()) return CallFailed(head.status());
   std::cout << "updated " << DescribeHead(*head) << std::endl;
   return {};

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -241,33 +242,97 @@ int Score(LceClient& c, const BatchCall& b) {
   return 0;
 }
 
+// A class-weighted mean as one pass computes it, the Python client's convention (lce_client/
+// _weighted_mean.py; docs/MATH.md, "Class weights"): the rows' sum (REDUCTION_NONE) with upstream
+// gradient 1 / divisor each and the z-loss coefficient λ / z_scale, where divisor = Σ w_y over the valid
+// rows (their count where that is 0; 1 with none) and z_scale = valid / divisor: the cross-entropy is
+// divided by Σ w_y (PyTorch), the z-loss by the valid count (Liger-Kernel).
+struct WeightedMean {
+  double divisor = 1, z_scale = 1;
+};
+
+WeightedMean WeightedMeanOf(const std::vector<float>& weights, const BatchCall& b) {
+  if (b.valid == 0) return {};
+  double total = 0;  // targets out of [0, vocab) are the server's INVALID_ARGUMENT
+  for (int32_t y : b.batch.targets) {
+    if (y != b.ignore_index && y >= 0 && y < static_cast<int64_t>(weights.size())) total += weights[y];
+  }
+  const double divisor = total != 0 ? total : static_cast<double>(b.valid);
+  return {divisor, static_cast<double>(b.valid) / divisor};
+}
+
+// forward-backward's header from its flags: reduction, label smoothing, z-loss (and its output), class
+// weights; a mean with class weights is asked as `wm` says (grad_loss: its rows' upstream gradients).
+v1::RequestHeader ForwardBackwardHeader(const BatchCall& b, const std::vector<float>& weights,
+                                        std::optional<WeightedMean>& wm, std::vector<float>& grad_loss) {
+  v1::RequestHeader h = b.header;
+  const std::string red = absl::GetFlag(FLAGS_reduction);  // none, sum or mean (CheckCommandFlags)
+  h.set_reduction(red == "none" ? v1::REDUCTION_NONE : red == "sum" ? v1::REDUCTION_SUM : v1::REDUCTION_MEAN);
+  const double z_loss = absl::GetFlag(FLAGS_z_loss);
+  h.set_label_smoothing(static_cast<float>(absl::GetFlag(FLAGS_label_smoothing)));
+  h.set_z_loss(static_cast<float>(z_loss));
+  h.set_accumulate_weight_grad(absl::GetFlag(FLAGS_accumulate_weight_grad));
+  if (z_loss != 0) {
+    h.add_outputs(v1::OUTPUT_LOSS);
+    h.add_outputs(v1::OUTPUT_Z_LOSS);
+  }
+  h.mutable_class_weights()->Add(weights.begin(), weights.end());
+  if (!weights.empty() && red == "mean") {
+    wm = WeightedMeanOf(weights, b);
+    h.set_reduction(v1::REDUCTION_NONE);
+    h.set_z_loss(static_cast<float>(z_loss / wm->z_scale));
+    grad_loss.assign(static_cast<size_t>(b.batch.view.rows), static_cast<float>(1.0 / wm->divisor));
+  }
+  return h;
+}
+
+// A weighted mean's answer as the caller's options define it: the rows' z-loss (and so their loss)
+// with the coefficient given, and the reduced loss.
+void UnscaleWeightedMean(const WeightedMean& wm, lce::client::ForwardBackwardResult& r) {
+  double sum = 0;
+  for (size_t i = 0; i < r.loss.size(); ++i) {
+    sum += r.loss[i];
+    if (r.z_loss.empty()) continue;
+    const double z = r.z_loss[i] * wm.z_scale;
+    r.loss[i] = static_cast<float>(r.loss[i] - r.z_loss[i] + z);
+    r.z_loss[i] = static_cast<float>(z);
+  }
+  r.reduced_loss = sum / wm.divisor;
+}
+
 int ForwardBackward(LceClient& c, const BatchCall& b) {
   const HiddenBatch& view = b.batch.view;
-  v1::RequestHeader h = b.header;
-  const std::string red = absl::GetFlag(FLAGS_reduction);
-  if (red == "none") {
-    h.set_reduction(v1::REDUCTION_NONE);
-  } else if (red == "sum") {
-    h.set_reduction(v1::REDUCTION_SUM);
-  } else {
-    h.set_reduction(v1::REDUCTION_MEAN);  // the only other value CheckCommandFlags lets through
-  }
-  h.set_label_smoothing(static_cast<float>(absl::GetFlag(FLAGS_label_smoothing)));
-  h.set_z_loss(static_cast<float>(absl::GetFlag(FLAGS_z_loss)));
-  h.set_accumulate_weight_grad(absl::GetFlag(FLAGS_accumulate_weight_grad));
-  absl::StatusOr<lce::client::ForwardBackwardResult> r = c.ForwardBackward(view, h);
+  const std::string weights_file = absl::GetFlag(FLAGS_class_weights_file);
+  absl::StatusOr<std::vector<float>> weights =
+      weights_file.empty() ? std::vector<float>{} : lce::client::ReadVectorFile(weights_file);
+  if (!weights.ok()) return Usage(weights.status());
+  std::optional<WeightedMean> wm;
+  std::vector<float> grad_loss;
+  const v1::RequestHeader h = ForwardBackwardHeader(b, *weights, wm, grad_loss);
+  absl::StatusOr<lce::client::ForwardBackwardResult> r = c.ForwardBackward(view, h, grad_loss);
   if (!r.ok()) return Failed(r.status());
+  if (wm) UnscaleWeightedMean(*wm, *r);
   const int64_t dh_count = static_cast<int64_t>(r->d_hidden.size()) / lce::client::WireDTypeSize(view.dtype);
   const std::vector<float> dh = lce::client::DecodeFloats(r->d_hidden.data(), dh_count, view.dtype);
   double norm = 0;
   for (float x : dh) norm += static_cast<double>(x) * x;
+  const std::string red = absl::GetFlag(FLAGS_reduction);
   std::printf("loss (%s) %.6f over %lld valid tokens of %lld rows; |d_hidden| %.6e; head '%s' version %lld\n",
               red.c_str(), r->reduced_loss, static_cast<long long>(r->valid_tokens), static_cast<long long>(view.rows),
               std::sqrt(norm), b.head.name().c_str(), static_cast<long long>(r->head_version));
+  if (wm) std::printf("class-weighted mean: cross-entropy over sum of the targets' weights %.6f\n", wm->divisor);
+  const bool has_z = !r->z_loss.empty();
+  if (has_z) {
+    double z = 0;
+    for (float x : r->z_loss) z += x;
+    std::printf("z-loss part (%s) %.6f\n", red.c_str(), red == "mean" && b.valid ? z / b.valid : z);
+  }
   if (!r->loss.empty()) {
-    std::printf("%8s %8s %12s\n", "row", "target", "loss");
+    std::printf("%8s %8s %12s%s\n", "row", "target", "loss", has_z ? "       z_loss" : "");
     for (int64_t i = 0; i < b.show; ++i) {
-      std::printf("%8lld %8d %12.5f\n", static_cast<long long>(i), b.batch.targets[i], r->loss[i]);
+      std::printf("%8lld %8d %12.5f", static_cast<long long>(i), b.batch.targets[i], r->loss[i]);
+      if (has_z) std::printf(" %12.5e", r->z_loss[i]);
+      std::printf("\n");
     }
   }
   return 0;

@@ -59,11 +59,12 @@ absl::Status LceClient::CommitGrad(const std::string& head, uint64_t pending_gra
   return Unary(&v1::LceService::Stub::CommitGrad, *front_->stub, ctx, req).status();
 }
 
-absl::StatusOr<Gradient> LceClient::GetGrad(const std::string& head) {
+absl::StatusOr<Gradient> LceClient::GetGrad(const std::string& head, bool bias) {
   grpc::ClientContext ctx;
   Prepare(&ctx, /*admin=*/true);
   v1::GetGradRequest req;
   req.set_head(head);
+  req.set_bias(bias);
   std::unique_ptr<grpc::ClientReader<v1::TensorChunk>> reader = front_->stub->GetGrad(&ctx, req);
   Gradient g;
   int64_t covered = 0;
@@ -117,6 +118,7 @@ absl::StatusOr<v1::HeadDescription> LceClient::UpdateWeights(const std::string& 
   v1::UpdateWeightsRequest msg;
   msg.mutable_header()->set_head(head);
   msg.mutable_header()->set_expected_version(expected_version);
+  msg.mutable_header()->mutable_bias()->Add(weight.bias.begin(), weight.bias.end());
   bool open = writer->Write(msg);
   const int64_t step = std::max<int64_t>(1, options_.chunk_bytes / row_bytes);
   for (int64_t r = 0; open && r < weight.rows; r += step) {

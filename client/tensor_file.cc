@@ -5,13 +5,14 @@
 #include <map>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/ascii.h"
 #include "lce/client/lce_client.h"
 #include "nlohmann/json.hpp"
+#include "wire_codec.h"
 
 namespace lce::client {
 namespace {
@@ -101,9 +102,10 @@ absl::StatusOr<Tensor2D> ParseNpy(const std::string& path, const std::string& fi
   if (!dtype.ok()) return dtype.status();
   const std::string shape = NpyField(dict, "shape", '(', ')');
   std::vector<std::string> dims = absl::StrSplit(shape, ',', absl::SkipWhitespace());
-  Tensor2D t{*dtype, 0, 0, {}};
-  if (dims.size() != 2 || !absl::SimpleAtoi(dims[0], &t.rows) || !absl::SimpleAtoi(dims[1], &t.cols)) {
-    return bad(absl::StrCat("shape (", shape, ") is not 2-D"));
+  Tensor2D t{*dtype, 0, 1, {}};  // 1-D: n x 1
+  if (dims.empty() || dims.size() > 2 || !absl::SimpleAtoi(dims[0], &t.rows) ||
+      (dims.size() == 2 && !absl::SimpleAtoi(dims[1], &t.cols))) {
+    return bad(absl::StrCat("shape (", shape, ") is not 1-D or 2-D"));
   }
   if (static_cast<int64_t>(file.size() - data_at) != t.rows * t.cols * WireDTypeSize(t.dtype)) {
     return bad(absl::StrCat("holds ", file.size() - data_at, " data bytes for a ", t.rows, " x ", t.cols, " ", descr,
@@ -133,12 +135,13 @@ absl::StatusOr<Tensor2D> ParseSafetensors(const std::string& path, const std::st
   }
   if (!j.contains(key)) return bad(absl::StrCat("has no tensor '", key, "'"));
   const nlohmann::json& m = j[key];
-  if (!m.contains("dtype") || !m.contains("shape") || !m.contains("data_offsets") || m["shape"].size() != 2) {
-    return bad(absl::StrCat("tensor '", key, "' is not 2-D"));
+  if (!m.contains("dtype") || !m.contains("shape") || !m.contains("data_offsets") || m["shape"].empty() ||
+      m["shape"].size() > 2) {
+    return bad(absl::StrCat("tensor '", key, "' is not 1-D or 2-D"));
   }
   absl::StatusOr<v1::DType> dtype = DTypeNamed(SafetensorsDtype(), m["dtype"].get<std::string>(), path);
   if (!dtype.ok()) return dtype.status();
-  Tensor2D t{*dtype, m["shape"][0].get<int64_t>(), m["shape"][1].get<int64_t>(), {}};
+  Tensor2D t{*dtype, m["shape"][0].get<int64_t>(), m["shape"].size() == 2 ? m["shape"][1].get<int64_t>() : 1, {}};
   const uint64_t lo = m["data_offsets"][0].get<uint64_t>(), hi = m["data_offsets"][1].get<uint64_t>();
   const uint64_t data = 8 + n;
   if (lo > hi || hi > file.size() - data ||
@@ -200,6 +203,20 @@ absl::StatusOr<Tensor2D> ReadTensorFile(const std::string& path, TensorFormat fo
   }
   return Tensor2D{raw_dtype, static_cast<int64_t>(file->size()) / row_bytes, raw_cols,
                   std::vector<uint8_t>(file->begin(), file->end())};
+}
+
+absl::StatusOr<std::vector<float>> ReadVectorFile(const std::string& path) {
+  absl::StatusOr<TensorFormat> format = ParseTensorFormat("", path);
+  if (!format.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot tell the format of '", path, "' from its name: .npy, .safetensors or .raw (fp32)"));
+  }
+  absl::StatusOr<Tensor2D> t = ReadTensorFile(path, *format, "", v1::DTYPE_FLOAT32, 1);
+  if (!t.ok()) return t.status();
+  if (t->cols != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": a ", t->rows, " x ", t->cols, " tensor, not a vector"));
+  }
+  return DecodeFloats(t->bytes.data(), t->rows, t->dtype);
 }
 
 }  // namespace lce::client

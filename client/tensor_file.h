@@ -31,10 +31,16 @@ struct Tensor2D {
 absl::Status WriteTensorFile(const std::string& path, TensorFormat format, const std::string& name, v1::DType dtype,
                              int64_t rows, int64_t cols, absl::Span<const uint8_t> bytes);
 
-// Reads a 2-D tensor. safetensors: tensor `name`, or with "" the file's only tensor. raw: elements
-// of `raw_dtype`, `raw_cols` a row. INVALID_ARGUMENT for a file that is not what it says;
-// NOT_FOUND for one that cannot be opened.
+// Reads a 2-D tensor, or a 1-D one [n] as n x 1 (a bias, class weights). safetensors: tensor `name`,
+// or with "" the file's only tensor. raw: elements of `raw_dtype`, `raw_cols` a row.
+// INVALID_ARGUMENT for a file that is not what it says; NOT_FOUND for one that cannot be opened.
 absl::StatusOr<Tensor2D> ReadTensorFile(const std::string& path, TensorFormat format, const std::string& name,
                                         v1::DType raw_dtype, int64_t raw_cols);
+
+// A vector [n] (or n x 1) of values from `path`, its format told by its name (.npy; .safetensors: the
+// file's only tensor; .raw: little-endian fp32), fp16 and bf16 widened: a bias, class weights.
+// INVALID_ARGUMENT naming the file for one that is not such a vector; NOT_FOUND for one that cannot
+// be opened.
+absl::StatusOr<std::vector<float>> ReadVectorFile(const std::string& path);
 
 }  // namespace lce::client

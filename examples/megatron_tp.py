@@ -34,8 +34,6 @@ lce_client.megatron.logprobs_output_processor in place of AReaL's gather_logprob
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import warnings
 
 import torch
@@ -214,25 +212,11 @@ def run(rank, k, init, target, args):
 
 
 def main():
-    args = parse()
-    if "RANK" in os.environ:  # under torchrun
-        if not args.target:
-            raise SystemExit("under torchrun, pass --target (a running lce_server)")
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args.target, args)
-        return
-    server = None
-    if not args.target:
-        from lce_client.local import LocalServer
+    from lce_client.local import run_on_ranks
 
-        server = LocalServer(["--seed-head=8x8", "--head-dtype=fp32", "--cpu-threads=1"])
-        print(f"started lce_server at {server.target} (CPU engine)")
-    try:
-        init = f"file://{tempfile.mkdtemp(prefix='megatron_tp_')}/store"
-        torch.multiprocessing.spawn(run, args=(args.tp, init, args.target or server.target, args), nprocs=args.tp,
-                                    join=True)
-    finally:
-        if server is not None:
-            server.stop()
+    args = parse()
+    server_args = ["--seed-head=8x8", "--head-dtype=fp32", "--cpu-threads=1"]
+    run_on_ranks(run, args.tp, args.target, (args,), server_args=server_args)
 
 
 if __name__ == "__main__":

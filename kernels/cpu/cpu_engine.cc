@@ -296,18 +296,9 @@ void CpuEngine::TileCandidates(const float* z_t, int64_t nr, int64_t v0, int64_t
 #pragma omp parallel for schedule(static) num_threads(static_cast <int>(std::min <int64_t>(threads_, nr)))
   for (int64_t r = 0; r < nr; ++r) {
     Candidate* top = cands.data() + (r * tiles + tile) * k;
+    // Every finite logit ranks before an empty (−inf, −inf) slot, so Offer alone fills the list.
     std::fill_n(top, k, Candidate{none, none});
-    int held = 0;  // the first k columns fill the list; later ones must beat its last
-    for (int64_t v = 0; v < nv; ++v) {
-      const Candidate c{z_t[v * kRowBlock + r], static_cast<float>(first_id + v)};
-      if (held < k) {
-        int j = held++;
-        for (; j > 0 && Before(c, top[j - 1]); --j) top[j] = top[j - 1];
-        top[j] = c;
-      } else {
-        Offer(top, k, c);
-      }
-    }
+    for (int64_t v = 0; v < nv; ++v) Offer(top, k, Candidate{z_t[v * kRowBlock + r], static_cast<float>(first_id + v)});
   }
 }
 

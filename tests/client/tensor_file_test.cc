@@ -96,9 +96,55 @@ TEST(TensorFile, FilesThatAreNotWhatTheySayAreRefused) {
   std::string three_d = *file;
   three_d.replace(three_d.find("(2, 3)"), 6, "(2,3,1)");
   WriteText(path, three_d);
-  EXPECT_NE(read(TensorFormat::kNpy).message().find("not 2-D"), std::string::npos) << read(TensorFormat::kNpy);
+  EXPECT_NE(read(TensorFormat::kNpy).message().find("not 1-D or 2-D"), std::string::npos) << read(TensorFormat::kNpy);
+  std::string scalar = *file;
+  scalar.replace(scalar.find("(2, 3)"), 6, "()    ");
+  WriteText(path, scalar);
+  EXPECT_NE(read(TensorFormat::kNpy).message().find("not 1-D or 2-D"), std::string::npos) << read(TensorFormat::kNpy);
   std::remove(path.c_str());
   EXPECT_TRUE(absl::IsNotFound(read(TensorFormat::kNpy)));
+}
+
+// A bias or class weights as PyTorch and NumPy write them, [n]: read as n x 1.
+TEST(TensorFile, OneDimensionalTensorsReadAsAColumn) {
+  const std::vector<uint8_t> bytes = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  const std::string npy = TempPath("v.npy");
+  ASSERT_TRUE(WriteTensorFile(npy, TensorFormat::kNpy, "", v1::DTYPE_FLOAT32, 3, 1, bytes).ok());
+  std::string file = *ReadWholeFile(npy);
+  file.replace(file.find("(3, 1)"), 6, "(3,)  ");  // numpy's header of np.save(path, np.zeros(3, "<f4"))
+  WriteText(npy, file);
+  const std::string st = TempPath("v.safetensors");
+  const std::string header = R"({"lm_head.bias":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}})";
+  WriteText(st, std::string(1, static_cast<char>(header.size())) + std::string(7, '\0') + header +
+                    std::string(bytes.begin(), bytes.end()));
+  for (auto [path, format] : {std::pair{npy, TensorFormat::kNpy}, std::pair{st, TensorFormat::kSafetensors}}) {
+    absl::StatusOr<Tensor2D> t = ReadTensorFile(path, format, "", v1::DTYPE_FLOAT32, 1);
+    ASSERT_TRUE(t.ok()) << path << ": " << t.status();
+    EXPECT_EQ(t->rows, 3) << path;
+    EXPECT_EQ(t->cols, 1) << path;
+    EXPECT_EQ(t->bytes, bytes) << path;
+    std::remove(path.c_str());
+  }
+}
+
+TEST(TensorFile, VectorFilesAreWidenedToFloats) {
+  const std::vector<float> want = {0.5f, -2.0f, 3.25f};
+  const auto* f32 = reinterpret_cast<const uint8_t*>(want.data());
+  const std::vector<uint8_t> bf16 = {0x00, 0x3f, 0x00, 0xc0, 0x50, 0x40};  // the same values' bf16 bits
+  const std::string raw = TempPath("w.raw"), npy = TempPath("w.npy"), bad = TempPath("w.txt");
+  ASSERT_TRUE(WriteTensorFile(raw, TensorFormat::kRaw, "", v1::DTYPE_FLOAT32, 3, 1, absl::MakeConstSpan(f32, 12)).ok());
+  ASSERT_TRUE(WriteTensorFile(npy, TensorFormat::kNpy, "", v1::DTYPE_BFLOAT16, 3, 1, bf16).ok());
+  for (const std::string& path : {raw, npy}) {
+    absl::StatusOr<std::vector<float>> v = ReadVectorFile(path);
+    ASSERT_TRUE(v.ok()) << path << ": " << v.status();
+    EXPECT_EQ(*v, want) << path;
+  }
+  ASSERT_TRUE(WriteTensorFile(npy, TensorFormat::kNpy, "", v1::DTYPE_FLOAT32, 1, 3, absl::MakeConstSpan(f32, 12)).ok());
+  EXPECT_NE(ReadVectorFile(npy).status().message().find("not a vector"), std::string::npos);
+  EXPECT_NE(ReadVectorFile(bad).status().message().find(".npy, .safetensors or .raw"), std::string::npos);
+  EXPECT_TRUE(absl::IsNotFound(ReadVectorFile(TempPath("none.npy")).status()));
+  std::remove(raw.c_str());
+  std::remove(npy.c_str());
 }
 
 TEST(TensorFile, FormatIsToldByNameOrFlag) {

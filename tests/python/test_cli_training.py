@@ -1,10 +1,12 @@
 """lce_cli's training commands end to end against the real lce_server (CPU engine): a seeded head loaded,
 its gradient zeroed, accumulated by a forward-backward with --accumulate-weight-grad, read with get-grad
-(.npy, safetensors, raw), stepped, saved and loaded back, and its weight replaced from a file; each step
-checked against a twin head driven the same way by the Python client (the CPU engine is deterministic,
-so the answers are equal bit for bit), and the admin token."""
+(.npy, safetensors, raw), stepped, saved and loaded back, and its weight replaced from a file; a head with
+a bias (load-head --bias, update-weights --bias-file, get-grad --bias); each step checked against a twin
+head driven the same way by the Python client (the CPU engine is deterministic, so the answers are equal
+bit for bit), and the admin token."""
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -116,6 +118,55 @@ def test_cli_update_weights_from_files(server, tmp_path):
     assert "INVALID_ARGUMENT" in cli("update-weights", t, "--head=a", f"--weight-file={tmp_path / 'small.npy'}", code=1)
     (tmp_path / "junk.npy").write_bytes(b"not numpy")
     assert "not a .npy file" in cli("update-weights", t, "--head=a", f"--weight-file={tmp_path / 'junk.npy'}", code=2)
+
+
+def test_cli_trains_a_bias_like_the_python_client(server, tmp_path):
+    t = f"--target={server.target}"
+    c = lce_client.Client(server.target, timeout=60)
+    out = cli("load-head", t, "--head=pb", f"--seeded={VOCAB}x{HIDDEN}", "--seed=3", "--dtype=fp32", "--bias=1")
+    assert f"head 'pb' version 1: vocab {VOCAB} x hidden {HIDDEN} DTYPE_FLOAT32 with bias" in out, out
+    c.load_head("twin", seeded=(VOCAB, HIDDEN, 3, "fp32"), bias=True)
+    rng = np.random.default_rng(8)
+    w = (rng.standard_normal((VOCAB, HIDDEN)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(VOCAB).astype(np.float32)
+    np.save(tmp_path / "w.npy", w)
+    np.save(tmp_path / "b.npy", b)  # 1-D, as PyTorch's bias
+    out = cli("update-weights", t, "--head=pb", f"--weight-file={tmp_path / 'w.npy'}",
+              f"--bias-file={tmp_path / 'b.npy'}")
+    assert "head 'pb' version 2" in out, out
+    c.update_weights(w, head="twin", bias=b)
+    h, y = batch(13, seed=9)
+    np.testing.assert_array_equal(c.score(h, y, head="pb")[0], c.score(h, y, head="twin")[0])
+    assert np.asarray(c.score(h, y, head="pb")[0]).any()
+    # dB accumulated by the CLI's forward-backward, read back with get-grad --bias.
+    h.tofile(tmp_path / "h.raw")
+    y.tofile(tmp_path / "y.raw")
+    cli("zero-grad", t, "--head=pb")
+    c.zero_grad("twin")
+    cli("forward-backward", t, "--head=pb", f"--hidden-file={tmp_path / 'h.raw'}",
+        f"--targets-file={tmp_path / 'y.raw'}", "--reduction=mean", "--accumulate-weight-grad=1")
+    c.forward_backward(h, y, head="twin", accumulate_weight_grad=True)
+    want = c.get_grad("twin", bias=True)
+    assert np.abs(want).max() > 0
+    out = cli("get-grad", t, "--head=pb", "--bias=1", f"--output={tmp_path / 'db.npy'}")
+    norm = math.sqrt(sum(float(x) * float(x) for x in want))  # summed in row order, as lce_cli does
+    assert f"bias gradient of head 'pb': {VOCAB} x 1 fp32, |dB| {norm:.9e}" in out, out
+    np.testing.assert_array_equal(np.load(tmp_path / "db.npy").reshape(-1), want)
+    np.testing.assert_array_equal(c.get_grad("pb"), c.get_grad("twin"))
+    # A raw fp32 bias file; the wrong length is the server's INVALID_ARGUMENT, a bias on a head without
+    # one too; --bias without --seeded is a usage error.
+    b2 = b[::-1].copy()
+    b2.tofile(tmp_path / "b2.raw")
+    cli("update-weights", t, "--head=pb", f"--weight-file={tmp_path / 'w.npy'}", f"--bias-file={tmp_path / 'b2.raw'}")
+    c.update_weights(w, head="twin", bias=b2)
+    np.testing.assert_array_equal(c.score(h, y, head="pb")[0], c.score(h, y, head="twin")[0])
+    b[:5].tofile(tmp_path / "short.raw")
+    assert "INVALID_ARGUMENT" in cli("update-weights", t, "--head=pb", f"--weight-file={tmp_path / 'w.npy'}",
+                                     f"--bias-file={tmp_path / 'short.raw'}", code=1)
+    c.load_head("plain", seeded=(VOCAB, HIDDEN, 3, "fp32"))
+    assert "INVALID_ARGUMENT" in cli("update-weights", t, "--head=plain", f"--weight-file={tmp_path / 'w.npy'}",
+                                     f"--bias-file={tmp_path / 'b.npy'}", code=1)
+    assert "--bias goes with --seeded" in cli("load-head", t, "--head=x", "--clone-of=pb", "--bias=1", code=2)
 
 
 def test_cli_training_commands_use_the_admin_token(server_factory, tmp_path):

@@ -7,6 +7,8 @@
   at ead96b61), reductions mean / sum / none;
 - the z-loss as its own output (Liger's return_z_loss);
 and the bad inputs around them get INVALID_ARGUMENT naming the problem."""
+import re
+
 import grpc
 import numpy as np
 import pytest
@@ -98,8 +100,10 @@ def test_argmax_token_accuracy_and_no_targets(served):
 
 
 def weighted_ce64(w, h, y, cw, reduction, label_smoothing=0.0, z_loss=0.0):
-    """PyTorch's cross_entropy(weight=cw) in float64 plus the z-loss (unweighted, Liger's), with the
-    hidden states a leaf for autograd."""
+    """PyTorch's cross_entropy(weight=cw) in float64 plus the z-loss, unweighted and for a mean divided by
+    the valid rows' count (Liger-Kernel's liger_cross_entropy_kernel, src/liger_kernel/ops/cross_entropy.py
+    at ead96b61: `loss / sum_non_ignore_weight`, `z_loss / n_non_ignore`), with the hidden states a leaf
+    for autograd."""
     h64 = torch.tensor(h, dtype=torch.float64, requires_grad=True)
     W = torch.tensor(w, dtype=torch.float64, requires_grad=True)
     z = h64 @ W.T
@@ -110,19 +114,21 @@ def weighted_ce64(w, h, y, cw, reduction, label_smoothing=0.0, z_loss=0.0):
     zl = torch.where(valid, z_loss * torch.logsumexp(z, -1) ** 2, torch.zeros(()))
     per_row = ce + zl
     if reduction == "mean":
-        total = per_row.sum() / torch.tensor(cw, dtype=torch.float64)[yt[valid]].sum()
+        total = ce.sum() / torch.tensor(cw, dtype=torch.float64)[yt[valid]].sum() + zl.sum() / valid.sum()
     else:
         total = per_row.sum()
     return h64, W, per_row, zl, total
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("label_smoothing, z_loss", [(0.0, 0.0), (0.1, 1e-3)])
+@pytest.mark.parametrize("label_smoothing, z_loss", [(0.0, 0.0), (0.1, 1e-2)])
 def test_class_weights_match_pytorch(served, reduction, label_smoothing, z_loss):
     c, w = served
     h, y = rows(17)
     rng = np.random.default_rng(4)
-    cw = rng.uniform(0.0, 2.0, VOCAB).astype(np.float32)
+    # Weights well below 1 (their sum ~ N_valid / 4): a z-loss divided by the weights' sum instead of by
+    # N_valid is then ~4x off.
+    cw = rng.uniform(0.0, 0.5, VOCAB).astype(np.float32)
     cw[::13] = 0.0
     g = rng.standard_normal(ROWS).astype(np.float32) if reduction == "none" else None
     c.zero_grad()
@@ -139,6 +145,77 @@ def test_class_weights_match_pytorch(served, reduction, label_smoothing, z_loss)
     np.testing.assert_allclose(r.d_hidden, h64.grad.numpy(), rtol=0, atol=2e-5 * scale)
     dw = c.get_grad()
     np.testing.assert_allclose(dw, W.grad.numpy(), rtol=0, atol=2e-5 * float(W.grad.abs().max()))
+
+
+@pytest.mark.parametrize("zero_weights", [False, True])
+def test_weighted_mean_same_on_both_paths(served, zero_weights):
+    """Client.forward_backward(class_weights=, reduction="mean") and the torch op's ce_weight (Liger's
+    option) share one convention (lce_client._weighted_mean): the same loss, z-loss and d_hidden, equal
+    to float64's. Where the valid targets' weights sum to 0 (PyTorch: nan) both divide by N_valid."""
+    from lce_client.torch import remote_linear_cross_entropy
+
+    c, w = served
+    h, y = rows(29)
+    cw = np.random.default_rng(6).uniform(0.0, 0.5, VOCAB).astype(np.float32)
+    if zero_weights:
+        cw[y[y != -100]] = 0.0
+    r = c.forward_backward(h, y, class_weights=cw, z_loss=1e-2, label_smoothing=0.1, return_z_loss=True)
+    ht = torch.tensor(h, requires_grad=True)
+    out = remote_linear_cross_entropy(ht, torch.as_tensor(y), c, ce_weight=torch.tensor(cw), z_loss=1e-2,
+                                      label_smoothing=0.1, return_z_loss=True)
+    out.loss.backward()
+    h64, _, per_row, zl, total = weighted_ce64(w, h, y, cw.astype(np.float64), "mean", 0.1, 1e-2)
+    valid = torch.as_tensor(y != -100)
+    if zero_weights:  # the cross-entropy part over N_valid too
+        total = (per_row - zl).sum() / valid.sum() + zl.sum() / valid.sum()
+    total.backward()
+    total = float(total.detach())
+    assert r.loss == pytest.approx(total, rel=1e-5)
+    assert float(out.loss.detach()) == pytest.approx(total, rel=1e-5)
+    assert float(out.z_loss) == pytest.approx(float(zl.detach().sum() / valid.sum()), rel=1e-5)
+    np.testing.assert_allclose(r.z_loss, zl.detach().numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(r.per_token_loss, per_row.detach().numpy(), rtol=1e-5, atol=1e-6)
+    scale = float(h64.grad.abs().max())
+    np.testing.assert_allclose(r.d_hidden, h64.grad.numpy(), rtol=0, atol=2e-5 * scale)
+    np.testing.assert_allclose(ht.grad.numpy(), h64.grad.numpy(), rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cli_class_weights_and_z_loss_match_pytorch(served, tmp_path, reduction):
+    """lce_cli forward-backward --class-weights-file (a 1-D .npy) --z-loss: the loss, its z-loss part and
+    the rows' losses and z-losses it prints, and the dW it adds, against float64 PyTorch; a mean by the
+    same convention as the Python client's (the cross-entropy over the weights' sum, the z-loss over
+    the valid count)."""
+    from helpers import cli
+
+    c, w = served
+    h, y = rows(31)
+    cw = np.random.default_rng(7).uniform(0.0, 0.5, VOCAB).astype(np.float32)
+    h.tofile(tmp_path / "h.raw")
+    y.astype(np.int32).tofile(tmp_path / "y.raw")
+    np.save(tmp_path / "cw.npy", cw)
+    c.zero_grad()
+    out = cli("forward-backward", f"--target={c.target}", f"--hidden-file={tmp_path / 'h.raw'}",
+              f"--targets-file={tmp_path / 'y.raw'}", f"--reduction={reduction}",
+              f"--class-weights-file={tmp_path / 'cw.npy'}", "--z-loss=0.01", "--label-smoothing=0.1",
+              "--accumulate-weight-grad=1", f"--show={ROWS}")
+    h64, W, per_row, zl, total = weighted_ce64(w, h, y, cw.astype(np.float64), reduction, 0.1, 1e-2)
+    total.backward()
+    n = int(np.count_nonzero(y != -100))
+    z_want = float(zl.detach().sum()) / (n if reduction == "mean" else 1)
+    assert float(re.search(r"z-loss part \(\w+\) (\S+)", out).group(1)) == pytest.approx(z_want, rel=5e-6), out
+    if reduction != "none":
+        got = float(re.search(r"loss \(\w+\) (\S+)", out).group(1))
+        assert got == pytest.approx(float(total.detach()), rel=5e-6), out
+    if reduction == "mean":
+        d = float(re.search(r"sum of the targets' weights (\S+)", out).group(1))
+        assert d == pytest.approx(float(cw[y[y != -100]].astype(np.float64).sum()), rel=1e-6)
+    table = np.array([line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+-?\d+\s+\S+\s+\S+$", line)],
+                     dtype=np.float64)
+    np.testing.assert_array_equal(table[:, 1], y)
+    np.testing.assert_allclose(table[:, 2], per_row.detach().numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(table[:, 3], zl.detach().numpy(), rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(c.get_grad(), W.grad.numpy(), rtol=0, atol=2e-5 * float(W.grad.abs().max()))
 
 
 def test_forward_backward_rankings_and_z_loss(served):

@@ -7,6 +7,8 @@ server gets dW once, not k times. With sequence parallelism each rank sends its 
 (k requests that together hold each row once) and gets its rows' d_hidden and the group's loss."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -130,3 +132,37 @@ def test_a_tp_group_makes_one_request_and_every_rank_gets_its_answers(workdir, t
         assert calls.get("GetGrad") == k + 3, calls
     finally:
         srv.stop()
+
+
+def _meet(rank, k, init, target, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=k)
+    try:
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)
+        vocab = lce_client.Client(target, timeout=30).head_info().vocab_size
+        (out / f"rank{rank}.json").write_text(json.dumps({"world": k, "sum": float(total), "vocab": vocab}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_run_on_ranks_spawns_a_group_against_a_local_server(tmp_path, monkeypatch):
+    """lce_client.local.run_on_ranks (the Megatron example's and benchmark's launcher): without a target
+    it starts a server with the flags given and runs every rank against it; under torchrun (RANK set) it
+    runs this process's rank once, and needs a target."""
+    from conftest import server_binary
+    from lce_client.local import run_on_ranks
+
+    monkeypatch.setenv("LCE_SERVER_BIN", str(server_binary()))
+    monkeypatch.delenv("RANK", raising=False)
+    run_on_ranks(_meet, 2, None, (tmp_path,), server_args=["--seed-head=24x8", "--cpu-threads=1"])
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert got == [{"world": 2, "sum": 3.0, "vocab": 24}] * 2
+    calls = []
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    run_on_ranks(lambda *a: calls.append(a), 4, "host:1", ("x",))
+    assert calls == [(1, 4, "env://", "host:1", "x")]
+    with pytest.raises(SystemExit, match="--target"):
+        run_on_ranks(lambda *a: calls.append(a), 4, None)

@@ -16,6 +16,7 @@ from ._options import ClientOptions
 from ._proto import lce_pb2 as pb
 from ._data_plane import UploadState
 from ._shm import Region
+from ._weighted_mean import WeightedMean, weighted_mean
 
 ProgressFn = Callable[[int, int], None]
 # Replies carry d_hidden of a whole request chunk; let them be as large as the server allows.
@@ -117,19 +118,32 @@ def _ranking_outputs(argmax: bool, top_k: int) -> list:
     return ([pb.OUTPUT_ARGMAX] if argmax or top_k else []) + ([pb.OUTPUT_TOP_K] if top_k else [])
 
 
-def _class_weighted(hdr: pb.RequestHeader, t: np.ndarray, class_weights, reduction: str,
-                    ignore_index: int) -> Tuple[str, Optional[float]]:
-    """Puts class_weights into the header. A weighted mean divides by the non-ignored targets' weights
-    (PyTorch): it is asked as a sum and divided here. Returns the reduction to ask for and, for a
-    weighted mean, that sum of weights (None otherwise)."""
+def _class_weighted(hdr: pb.RequestHeader, t: np.ndarray, class_weights, reduction: str, ignore_index: int,
+                    z_loss: float) -> Optional[WeightedMean]:
+    """Puts class_weights and the z-loss coefficient into the header. The server takes no weighted mean:
+    one is asked as the rows' sum (see _weighted_mean); returns its WeightedMean, None for no weights or
+    another reduction."""
+    hdr.z_loss = z_loss
     if class_weights is None:
-        return reduction, None
+        return None
     cw = np.ascontiguousarray(_as_numpy(class_weights), dtype=np.float32).reshape(-1)
     hdr.class_weights.extend(cw.tolist())
     if reduction != "mean":
-        return reduction, None
-    valid_t = t[t != ignore_index]
-    return "sum", float(cw[valid_t].astype(np.float64).sum()) if valid_t.size else 0.0
+        return None
+    wm = weighted_mean(cw, t, ignore_index, z_loss)
+    hdr.z_loss = wm.z_loss
+    return wm
+
+
+def _unscaled_rows(res: dict, wm: Optional[WeightedMean]):
+    """(per-row loss, per-row z-loss) as the caller's options define them: a weighted mean's rows came
+    back with the rescaled z-loss coefficient, brought back here (loss_i of docs/MATH.md)."""
+    loss, z = res["loss"], res["z_loss"]
+    if wm is None or wm.z_scale == 1.0:
+        return loss, z
+    z_srv = np.asarray(z, dtype=np.float64)
+    z = (z_srv * wm.z_scale).astype(np.float32)
+    return (np.asarray(loss, dtype=np.float64) - z_srv + z).astype(np.float32), z
 
 
 def _rankings(res: dict, h, top_k: int):
@@ -281,25 +295,29 @@ class _ClientBase:
         with defer_weight_grad, keep it pending instead (result.pending_grads) until commit_grad adds it
         scaled by the upstream gradient the loss receives, or discards it (docs/MATH.md).
         class_weights: [V] per-class weights (PyTorch's CrossEntropyLoss(weight=)); reduction "mean" then
-        divides by the sum of the non-ignored targets' weights, as PyTorch does. return_z_loss: also the
-        z-loss part of each row's loss; argmax / top_k: rank each row's tokens (as score does)."""
+        divides the cross-entropy by the sum of the non-ignored targets' weights, as PyTorch does, and the
+        z-loss by their count, as Liger-Kernel does (docs/MATH.md, "Class weights"). return_z_loss: also
+        the z-loss part of each row's loss; argmax / top_k: rank each row's tokens (as score does)."""
         if defer_weight_grad and not accumulate_weight_grad:
             raise ValueError("defer_weight_grad needs accumulate_weight_grad=True")
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(_REDUCTIONS)}, got {reduction!r}")
         if grad_loss is not None and reduction != "none":
             raise ValueError("grad_loss applies to reduction='none' only")
+        # A weighted mean with a z-loss needs the rows' z-loss to give their loss_i (_unscaled_rows).
+        want_z = return_z_loss or (class_weights is not None and reduction == "mean" and z_loss != 0)
         outputs = [pb.OUTPUT_LOSS] + _ranking_outputs(argmax, top_k) + \
             [o for o, asked in ((pb.OUTPUT_LOGPROBS, return_logprobs), (pb.OUTPUT_ENTROPY, return_entropy),
-                                (pb.OUTPUT_Z_LOSS, return_z_loss)) if asked]
+                                (pb.OUTPUT_Z_LOSS, want_z)) if asked]
         h = self._hidden(hidden, dtype, hidden_region)
         t = A.host_rows(targets, h.rows, "targets", np.int32, h.lead_shape)
         hdr = self._header(h, head, head_version, temperature, softcap, ignore_index, outputs, allow_tf32)
         hdr.top_k = top_k
-        reduction, weight_sum = _class_weighted(hdr, t, class_weights, reduction, ignore_index)
+        wm = _class_weighted(hdr, t, class_weights, reduction, ignore_index, z_loss)
+        if wm is not None:
+            reduction = "sum"
         hdr.reduction = _REDUCTIONS[reduction]
         hdr.label_smoothing = label_smoothing
-        hdr.z_loss = z_loss
         hdr.accumulate_weight_grad = accumulate_weight_grad
         hdr.defer_weight_grad = defer_weight_grad
         valid = int(np.count_nonzero(t != ignore_index)) if reduction == "mean" else None
@@ -308,10 +326,10 @@ class _ClientBase:
         per_row = {}
         if grad_loss is not None:
             per_row["grad_loss"] = A.host_rows(grad_loss, h.rows, "grad_loss", np.float32, h.lead_shape)
-        elif weight_sum is not None:
-            # d_hidden and dW of sum_i loss_i / W: every row's upstream gradient 1 / W (REDUCTION_NONE).
+        elif wm is not None:
+            # d_hidden and dW of sum_i loss_i / divisor: every row's upstream gradient 1 / divisor.
             hdr.reduction = pb.REDUCTION_NONE
-            g = np.full(h.lead_shape, (1.0 / weight_sum) if weight_sum else 0.0, dtype=np.float32)
+            g = np.full(h.lead_shape, 1.0 / wm.divisor, dtype=np.float32)
             per_row["grad_loss"] = A.host_rows(g, h.rows, "grad_loss", np.float32, h.lead_shape)
         def finish(res):
             s = res["summary"]
@@ -320,17 +338,18 @@ class _ClientBase:
                                "ForwardBackward")
             ranks = _rankings(res, h, top_k) if (argmax or top_k) else (None, None, None)
             loss = float(s.loss)
-            if weight_sum is not None:  # the summary's loss is the plain sum of loss_i (REDUCTION_NONE)
-                loss = float(np.asarray(res["loss"], dtype=np.float64).sum() / weight_sum) if weight_sum else 0.0
+            if wm is not None:  # the summary's loss is the plain sum of the rows' (REDUCTION_NONE)
+                loss = float(np.asarray(res["loss"], dtype=np.float64).sum() / wm.divisor)
+            row_loss, row_z = _unscaled_rows(res, wm)
             return ForwardBackwardResult(
                 loss=loss,
-                per_token_loss=A.to_caller_rows(res["loss"], h),
+                per_token_loss=A.to_caller_rows(row_loss, h),
                 d_hidden=A.to_caller_hidden(res["d_hidden"], h),
                 valid_tokens=int(s.valid_tokens), rows=int(s.rows), head_version=int(s.head_version),
                 logprobs=A.to_caller_rows(res["logprobs"], h) if return_logprobs else None,
                 entropy=A.to_caller_rows(res["entropy"], h) if return_entropy else None,
                 pending_grads=tuple(int(i) for i in s.pending_grad_ids),
-                z_loss=A.to_caller_rows(res["z_loss"], h) if return_z_loss else None,
+                z_loss=A.to_caller_rows(row_z, h) if return_z_loss else None,
                 argmax=ranks[0], top_tokens=ranks[1], top_logprobs=ranks[2],
             )
 

@@ -1,5 +1,5 @@
-"""Helpers for running an lce_server next to the caller (examples, tests, notebooks) and for writing
-heads as safetensors files.
+"""Helpers for running an lce_server next to the caller (examples, tests, notebooks), a group of ranks
+against one (run_on_ranks), and for writing heads as safetensors files.
 
     with LocalServer(["--seed-head=32000x512", "--head-dtype=bf16"]) as srv:
         client = Client(srv.target)
@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -82,6 +82,32 @@ class LocalServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def run_on_ranks(fn: Callable, world_size: int, target: Optional[str] = None, args: tuple = (),
+                 server_args: Sequence[str] = ("--seed-head=8x8", "--cpu-threads=1")) -> None:
+    """Runs fn(rank, world_size, init_method, target, *args) on every rank of a torch.distributed group
+    (the tensor-parallel examples and benchmarks). Under torchrun (RANK in the environment) this process
+    is one rank: fn runs once with init "env://", and `target` (a running server) is required. Otherwise
+    fn runs in `world_size` spawned processes meeting through a file:// store, against `target`, or with
+    none against a LocalServer(server_args) started here and stopped when they end."""
+    if "RANK" in os.environ:
+        if not target:
+            raise SystemExit("under torchrun, pass --target (a running lce_server)")
+        fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", target, *args)
+        return
+    import torch.multiprocessing
+
+    with tempfile.TemporaryDirectory(prefix="lce_ranks_") as tmp:
+        server = None if target else LocalServer(server_args)
+        try:
+            if server is not None:
+                print(f"started lce_server at {server.target} (CPU engine)", file=sys.stderr)
+            torch.multiprocessing.spawn(fn, args=(world_size, f"file://{tmp}/store", target or server.target, *args),
+                                        nprocs=world_size, join=True)
+        finally:
+            if server is not None:
+                server.stop()
 
 
 def write_safetensors(path: str, tensors: dict) -> None:

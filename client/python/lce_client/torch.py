@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from ._client import Client
+from ._weighted_mean import weighted_mean
 
 __all__ = ["RemoteLinearCrossEntropy", "remote_logprobs", "remote_linear_cross_entropy", "serve_linear",
            "set_default_client", "get_default_client", "CrossEntropyOutput"]
@@ -347,9 +348,8 @@ class CrossEntropyOutput:
 
 @dataclass
 class _ClassWeights:
-    """ce_weight as the op sends it: the values, and for a mean the sum over the valid targets' weights as
-    the divisor (PyTorch's), with the z-loss coefficient rescaled so that the z-loss is still divided by
-    the valid tokens' count (Liger's), and z_scale to bring its per-row output back."""
+    """ce_weight as the op sends it: the values, and for a mean the WeightedMean's divisor, rescaled
+    z-loss coefficient and z_scale (the one convention of both client paths: lce_client._weighted_mean)."""
 
     values: object = None
     divisor: Optional[float] = None
@@ -364,12 +364,8 @@ class _ClassWeights:
         w = torch.as_tensor(ce_weight).detach().to("cpu", torch.float32).reshape(-1).numpy()
         if reduction != "mean":
             return cls(values=w)
-        y = targets.detach().to("cpu").reshape(-1)
-        y = y[y != ignore_index].numpy()
-        n, total = len(y), float(w[y].astype("float64").sum()) if len(y) else 0.0
-        if total == 0.0:  # nothing to divide by (PyTorch gives nan): the sum
-            return cls(values=w, divisor=1.0, z_loss=z_loss, original_reduction="mean")
-        return cls(values=w, divisor=total, z_loss=z_loss * total / n, z_scale=n / total, original_reduction="mean")
+        wm = weighted_mean(w, targets.detach().to("cpu").numpy(), ignore_index, z_loss)
+        return cls(values=w, divisor=wm.divisor, z_loss=wm.z_loss, z_scale=wm.z_scale, original_reduction="mean")
 
 
 def _sequence_parallel_loss(hidden, targets, client, process_group, *, reduction, divisor, ignore_index, **kw):

@@ -281,6 +281,7 @@ struct WeightTensor {
   v1::DType dtype = v1::DTYPE_BFLOAT16;
   int64_t rows = 0, cols = 0;
   absl::Span<const uint8_t> bytes;  // rows * cols elements of dtype, little-endian, row-major
+  absl::Span<const float> bias;     // a head with a bias: its new bias (rows values); empty keeps it
 };
 
 class LceClient {
@@ -309,8 +310,9 @@ class LceClient {
   // Adds a deferred request's pending weight gradient (ForwardBackwardResult.pending_grads) times
   // `scale` (its loss's upstream gradient) to the head's dW, or drops it (`discard`). Scoring token.
   absl::Status CommitGrad(const std::string& head, uint64_t pending_grad, float scale = 1.0f, bool discard = false);
-  // The gradient accumulated by requests with accumulate_weight_grad, all shards in row order.
-  absl::StatusOr<Gradient> GetGrad(const std::string& head = "");
+  // The gradient accumulated by requests with accumulate_weight_grad, all shards in row order; with
+  // `bias`, the bias's gradient dB [vocab, 1] instead of dW (a head with a bias).
+  absl::StatusOr<Gradient> GetGrad(const std::string& head = "", bool bias = false);
   // One AdamW step (zero hyper-parameters take the server's defaults: OptimizerStepRequest).
   absl::StatusOr<v1::OptimizerStepResponse> OptimizerStep(const v1::OptimizerStepRequest& request);
   // Replaces the head's weight, streamed in blocks of about chunk_bytes; expected_version != 0
