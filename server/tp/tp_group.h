@@ -91,12 +91,12 @@ class TpGroup {
   absl::StatusOr<ShardStep> Step(const std::string& head, int64_t version, int64_t vocab_size,
                                  absl::StatusOr<HeadTrainer*> front, const AdamWParams& params, float max_grad_norm,
                                  GradReducer* dp = nullptr);
-  // The peers' dW shards (or of pending contribution `pending`), in rank order, to sink(first_row, rows,
-  // data) in pieces. A sink error stops
-  // the sinking, not the transfer (the peers finish theirs), and is returned.
+  // The peers' dW shards (or of pending contribution `pending`; with `bias`, their dB shards: one float
+  // a row), in rank order, to sink(first_row, rows, data) in pieces. A sink error stops the sinking,
+  // not the transfer (the peers finish theirs), and is returned.
   absl::Status GatherPeerGrads(const std::string& head, const HeadShape& shape,
                                const std::function<absl::Status(int64_t, int64_t, const float*)>& sink,
-                               uint64_t pending = 0);
+                               uint64_t pending = 0, bool bias = false);
   // Every rank writes its shard of `head`'s current weight, at `version`, into `dir` (head_source.h,
   // WriteHeadShard).
   absl::Status Save(const std::string& head, int64_t version, const std::string& dir,
@@ -105,8 +105,9 @@ class TpGroup {
   // could (the front's part loads the front's shard).
   absl::Status Load(const std::string& head, int64_t version, const TpHeadSource& source,
                     const std::function<absl::Status()>& front_part);
-  // Every rank serves its rows of `full` (the whole [vocab, hidden] weight, host memory) as `head`'s
-  // `version` (the front's part serves the front's rows).
+  // Every rank serves its rows of `full` (the whole [vocab, hidden] weight, host memory, and the whole
+  // [vocab] bias unless empty: then each rank keeps its own) as `head`'s `version` (the front's part
+  // serves the front's rows).
   absl::Status Update(const std::string& head, int64_t version, const HeadWeights& full,
                       const std::function<absl::Status()>& front_part);
 
