@@ -50,8 +50,6 @@ enum Slot : int {
   kOutTopLogprobs
 };
 enum class SourceKind : uint32_t { kFile = 1, kSeeded = 2, kClone = 3 };
-// Shards move between ranks in pieces of at most this many bytes (a bounded staging buffer).
-constexpr int64_t kPieceBytes = int64_t{64} << 20;
 
 // Fixed-size control block broadcast before each operation's data.
 struct TpControl {
@@ -146,87 +144,90 @@ absl::Status AgreeOnOutcome(TpCommunicator& comm, ChunkStaging& staging, const a
                       absl::StrCat("rank ", absl::StrJoin(ranks, ", rank "), " could not ", what, " (its log says why)"));
 }
 
-// Calls f(first_row, rows) for the pieces of `rows` rows of `row_bytes` each, in order.
+// Calls f(first_row, rows) for the pieces of `rows` rows of `row_bytes` each (at most piece_bytes a
+// piece, one row at least), in order.
 template <typename F>
-absl::Status ForEachPiece(int64_t rows, int64_t row_bytes, F&& f) {
-  const int64_t per = std::max<int64_t>(1, kPieceBytes / row_bytes);
+absl::Status ForEachPiece(int64_t rows, int64_t row_bytes, int64_t piece_bytes, F&& f) {
+  const int64_t per = std::max<int64_t>(1, piece_bytes / row_bytes);
   for (int64_t r0 = 0; r0 < rows; r0 += per) {
     LCE_RETURN_IF_ERROR(f(r0, std::min(per, rows - r0)));
   }
   return absl::OkStatus();
 }
 
-// The front's part of a scatter: each peer's rows of `all` (every row of the head, `row_bytes` each),
-// in rank order and in pieces.
+}  // namespace
+
 absl::Status ScatterRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, const uint8_t* all,
-                         int64_t row_bytes) {
+                         int64_t row_bytes, int64_t piece_bytes) {
   for (int r = 1; r < comm.world_size(); ++r) {
     const VocabRange range = VocabShard(vocab_size, r, comm.world_size());
-    absl::Status s = ForEachPiece(range.end - range.begin, row_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
-      return Share(comm, staging, kPiece, all + (range.begin + r0) * row_bytes, n * row_bytes).status();
-    });
+    absl::Status s =
+        ForEachPiece(range.end - range.begin, row_bytes, piece_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
+          return Share(comm, staging, kPiece, all + (range.begin + r0) * row_bytes, n * row_bytes).status();
+        });
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
-// A peer's part of ScatterRows: every peer's rows go by; this rank's land in `mine` (its shard's rows).
 absl::Status ReceiveRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, uint8_t* mine,
-                         int64_t row_bytes) {
+                         int64_t row_bytes, int64_t piece_bytes) {
   for (int r = 1; r < comm.world_size(); ++r) {
     const VocabRange range = VocabShard(vocab_size, r, comm.world_size());
-    absl::Status s = ForEachPiece(range.end - range.begin, row_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
-      absl::StatusOr<void*> buf = Share(comm, staging, kPiece, nullptr, n * row_bytes);
-      if (!buf.ok() || r != comm.rank()) return buf.status();
-      return staging.Download(mine + r0 * row_bytes, *buf, n * row_bytes);
-    });
+    absl::Status s =
+        ForEachPiece(range.end - range.begin, row_bytes, piece_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
+          absl::StatusOr<void*> buf = Share(comm, staging, kPiece, nullptr, n * row_bytes);
+          if (!buf.ok() || r != comm.rank()) return buf.status();
+          return staging.Download(mine + r0 * row_bytes, *buf, n * row_bytes);
+        });
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
-// The front's part of a gather: each peer's rows (`cols` floats each) in rank order and in pieces, to
-// sink(first_row, rows, data); the first sink error stops the sinking, not the transfer.
 absl::Status GatherRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, int64_t cols,
-                        const std::function<absl::Status(int64_t, int64_t, const float*)>& sink) {
+                        const std::function<absl::Status(int64_t, int64_t, const float*)>& sink, int64_t piece_bytes) {
   absl::Status sunk;
   std::vector<float> host;
   for (int r = 1; r < comm.world_size(); ++r) {
     const VocabRange range = VocabShard(vocab_size, r, comm.world_size());
-    absl::Status s = ForEachPiece(range.end - range.begin, cols * 4, [&](int64_t r0, int64_t n) -> absl::Status {
-      absl::StatusOr<void*> buf = staging.Buffer(kPiece, n * cols * 4);
-      if (!buf.ok()) return buf.status();
-      LCE_RETURN_IF_ERROR(comm.Broadcast(*buf, n * cols * 4, staging.device(), staging.stream(), r));
-      host.resize(static_cast<size_t>(n * cols));
-      LCE_RETURN_IF_ERROR(staging.Download(host.data(), *buf, n * cols * 4));
-      if (sunk.ok()) sunk = sink(range.begin + r0, n, host.data());  // the peers go on regardless
-      return absl::OkStatus();
-    });
+    absl::Status s =
+        ForEachPiece(range.end - range.begin, cols * 4, piece_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
+          absl::StatusOr<void*> buf = staging.Buffer(kPiece, n * cols * 4);
+          if (!buf.ok()) return buf.status();
+          LCE_RETURN_IF_ERROR(comm.Broadcast(*buf, n * cols * 4, staging.device(), staging.stream(), r));
+          host.resize(static_cast<size_t>(n * cols));
+          LCE_RETURN_IF_ERROR(staging.Download(host.data(), *buf, n * cols * 4));
+          if (sunk.ok()) sunk = sink(range.begin + r0, n, host.data());  // the peers go on regardless
+          return absl::OkStatus();
+        });
     if (!s.ok()) return s;
   }
   return sunk;
 }
 
-// A peer's part of GatherRows: `mine` (its shard's rows, `cols` floats each, in the staging's memory
-// space) broadcast in its turn; the other peers' go by.
-absl::Status SendRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, int64_t cols, float* mine) {
+absl::Status SendRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, int64_t cols, float* mine,
+                      int64_t piece_bytes) {
   for (int r = 1; r < comm.world_size(); ++r) {
     const VocabRange range = VocabShard(vocab_size, r, comm.world_size());
-    absl::Status s = ForEachPiece(range.end - range.begin, cols * 4, [&](int64_t r0, int64_t n) -> absl::Status {
-      void* data = nullptr;
-      if (r == comm.rank()) {
-        data = mine + r0 * cols;
-      } else {
-        absl::StatusOr<void*> buf = staging.Buffer(kPiece, n * cols * 4);
-        if (!buf.ok()) return buf.status();
-        data = *buf;
-      }
-      return comm.Broadcast(data, n * cols * 4, staging.device(), staging.stream(), r);
-    });
+    absl::Status s =
+        ForEachPiece(range.end - range.begin, cols * 4, piece_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
+          void* data = nullptr;
+          if (r == comm.rank()) {
+            data = mine + r0 * cols;
+          } else {
+            absl::StatusOr<void*> buf = staging.Buffer(kPiece, n * cols * 4);
+            if (!buf.ok()) return buf.status();
+            data = *buf;
+          }
+          return comm.Broadcast(data, n * cols * 4, staging.device(), staging.stream(), r);
+        });
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 absl::Status StatusOf(const absl::Status& s) { return s; }
 template <typename T>

@@ -62,6 +62,26 @@ absl::StatusOr<std::shared_ptr<const HeadWeights>> LoadShard(
     const std::function<absl::StatusOr<std::shared_ptr<const HeadWeights>>(const std::string&)>& clone,
     int64_t max_shard_bytes = 0);
 
+// Rows of a tensor split by vocabulary over a group (VocabShard: a weight, a bias, their gradients),
+// moved between the front (rank 0) and its peers in rank order, in pieces of at most piece_bytes (a
+// bounded staging buffer; a row at least), each broadcast by its owner. Every rank calls its part
+// with the same sizes.
+constexpr int64_t kShardPieceBytes = int64_t{64} << 20;
+// Scatter: the front sends each peer its rows of `all` (every row, `row_bytes` each); each peer's
+// ReceiveRows puts its own into `mine` (its shard's rows) while the others' go by.
+absl::Status ScatterRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, const uint8_t* all,
+                         int64_t row_bytes, int64_t piece_bytes = kShardPieceBytes);
+absl::Status ReceiveRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, uint8_t* mine,
+                         int64_t row_bytes, int64_t piece_bytes = kShardPieceBytes);
+// Gather: each peer's SendRows broadcasts `mine` (its shard's rows, `cols` floats each, in the
+// staging's memory space) in its turn; the front's GatherRows hands each piece to sink(first_row,
+// rows, data). The first sink error stops the sinking, not the transfer, and is returned.
+absl::Status GatherRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, int64_t cols,
+                        const std::function<absl::Status(int64_t, int64_t, const float*)>& sink,
+                        int64_t piece_bytes = kShardPieceBytes);
+absl::Status SendRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, int64_t cols, float* mine,
+                      int64_t piece_bytes = kShardPieceBytes);
+
 // The group as rank 0 drives it: one operation at a time across the whole group. The front's own
 // part of each operation is the caller's (`front_part`), run between the control block and the
 // group's agreement on the outcome. `on_failure` runs once, on the first failure that leaves the
