@@ -77,10 +77,10 @@ std::shared_ptr<HeadWeights> ShardOf(const HeadWeights& full, const HeadWeights&
 }
 
 // UpdateWeightsHeader.bias for a head of `shape`: empty (the bias stays), or the new one, checked.
-absl::StatusOr<std::vector<float>> NewBias(const v1::UpdateWeightsHeader& header, const HeadShape& shape, bool tp) {
+// (On a tensor-parallel group, the whole bias: TpGroup::Update gives each rank its rows.)
+absl::StatusOr<std::vector<float>> NewBias(const v1::UpdateWeightsHeader& header, const HeadShape& shape) {
   if (header.bias().empty()) return std::vector<float>();
   if (!shape.has_bias) return absl::InvalidArgumentError("UpdateWeights: header.bias given, but the head has no bias");
-  if (tp) return absl::UnimplementedError("UpdateWeights: a bias on a tensor-parallel group is not supported yet");
   if (header.bias_size() != shape.vocab_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("UpdateWeights: header.bias has ", header.bias_size(), " values for ", shape.vocab_size, " rows"));
@@ -269,23 +269,20 @@ grpc::Status LceService::ZeroGrad(grpc::ServerContext* ctx, const v1::ZeroGradRe
 
 namespace {
 
-// GetGrad(bias): dB [vocab, 1] in one message (a head with a bias, one rank, not a pending contribution).
-absl::Status SendBiasGrad(HeadTrainer& trainer, const HeadShape& shape, uint64_t pending, bool tp,
-                          grpc::ServerWriter<v1::TensorChunk>* writer) {
+// GetGrad(bias) asks for dB [vocab, 1]: of a head with a bias, not of a pending contribution.
+absl::Status CheckBiasGrad(const HeadShape& shape, uint64_t pending) {
   if (!shape.has_bias) return absl::FailedPreconditionError("GetGrad(bias): the head has no bias");
   if (pending != 0) return absl::InvalidArgumentError("GetGrad: bias and pending_grad_id go separately");
-  if (tp) return absl::UnimplementedError("GetGrad(bias) on a tensor-parallel group is not supported yet");
-  std::vector<float> d_bias(static_cast<size_t>(shape.shard_rows));
-  LCE_RETURN_IF_ERROR(trainer.CopyBiasGrad(d_bias.data()));
-  v1::TensorChunk chunk;
-  chunk.set_first_row(0);
-  chunk.set_rows(shape.shard_rows);
-  chunk.set_cols(1);
-  chunk.set_rows_total(shape.vocab_size);
-  chunk.set_dtype(v1::DTYPE_FLOAT32);
-  chunk.set_data(reinterpret_cast<const char*>(d_bias.data()), d_bias.size() * sizeof(float));
-  if (!writer->Write(chunk)) return absl::CancelledError("client went away");
   return absl::OkStatus();
+}
+
+// This shard's rows [r0, r0 + n) of dW (of pending contribution `pending` when non-zero), or with
+// `bias` all of its dB (r0 = 0, n = shard_rows), into `out`.
+absl::Status CopyShardGrad(HeadTrainer& trainer, uint64_t pending, bool bias, int64_t r0, int64_t n,
+                           std::vector<float>& out) {
+  out.resize(static_cast<size_t>(n * (bias ? 1 : trainer.shape().hidden_size)));
+  if (bias) return trainer.CopyBiasGrad(out.data());
+  return pending != 0 ? trainer.CopyPending(pending, r0, n, out.data()) : trainer.CopyGrad(r0, n, out.data());
 }
 
 }  // namespace
@@ -299,10 +296,12 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
     absl::StatusOr<std::shared_ptr<const ServedHead>> head = heads_->Get(req->head());
     if (!head.ok()) return head.status();
     const HeadShape& shape = (*head)->shard_engine->shape();
-    const int64_t H = shape.hidden_size;
+    const bool bias = req->bias();
+    if (bias) LCE_RETURN_IF_ERROR(CheckBiasGrad(shape, pending));
+    const int64_t cols = bias ? 1 : shape.hidden_size;  // dB: [vocab, 1]
     // Messages within any gRPC client's default receive limit (4 MiB) as well as the server's.
     const int64_t chunk_bytes = std::min<int64_t>(config_.max_message_bytes / 2, int64_t{2} << 20);
-    const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_bytes / (H * 4));
+    const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_bytes / (cols * 4));
     std::lock_guard<std::mutex> lock((*head)->training->mu);
     absl::StatusOr<HeadTrainer*> trainer = TrainerOf(**head);
     if (!trainer.ok()) return trainer.status();
@@ -314,35 +313,31 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
       }
     }
     v1::TensorChunk chunk;
-    chunk.set_cols(H);
+    chunk.set_cols(cols);
     chunk.set_rows_total(shape.vocab_size);
     chunk.set_dtype(v1::DTYPE_FLOAT32);
-    // Rows [first, first + rows) of dW, in messages of rows_per_chunk rows.
+    // Rows [first, first + rows) of dW (dB), in messages of rows_per_chunk rows.
     auto send = [&](int64_t first, int64_t rows, const float* data) -> absl::Status {
       for (int64_t r0 = 0; r0 < rows; r0 += rows_per_chunk) {
         if (ctx->IsCancelled()) return absl::CancelledError("client cancelled");
         const int64_t n = std::min(rows_per_chunk, rows - r0);
         chunk.set_first_row(first + r0);
         chunk.set_rows(n);
-        chunk.set_data(reinterpret_cast<const char*>(data + r0 * H), static_cast<size_t>(n * H * 4));
+        chunk.set_data(reinterpret_cast<const char*>(data + r0 * cols), static_cast<size_t>(n * cols * 4));
         if (!writer->Write(chunk)) return absl::CancelledError("client went away");
       }
       return absl::OkStatus();
     };
-    if (req->bias()) return SendBiasGrad(**trainer, shape, pending, config_.tp_group != nullptr, writer);
+    // This rank's shard first (dB whole: one float a row), then the peers' shards, in rank order.
+    const int64_t copy_rows = bias ? shape.shard_rows : rows_per_chunk;
     std::vector<float> piece;
-    for (int64_t r0 = 0; r0 < shape.shard_rows; r0 += rows_per_chunk) {  // this rank's shard first
-      const int64_t n = std::min(rows_per_chunk, shape.shard_rows - r0);
-      piece.resize(static_cast<size_t>(n * H));
-      absl::Status s = pending != 0 ? (*trainer)->CopyPending(pending, r0, n, piece.data())
-                                    : (*trainer)->CopyGrad(r0, n, piece.data());
-      if (!s.ok()) return s;
+    for (int64_t r0 = 0; r0 < shape.shard_rows; r0 += copy_rows) {
+      const int64_t n = std::min(copy_rows, shape.shard_rows - r0);
+      LCE_RETURN_IF_ERROR(CopyShardGrad(**trainer, pending, bias, r0, n, piece));
       LCE_RETURN_IF_ERROR(send(shape.vocab_begin + r0, n, piece.data()));
     }
-    if (config_.tp_group != nullptr) {  // then the peers' shards, in rank order
-      return config_.tp_group->GatherPeerGrads((*head)->name, shape, send, pending);
-    }
-    return absl::OkStatus();
+    if (config_.tp_group == nullptr) return absl::OkStatus();
+    return config_.tp_group->GatherPeerGrads((*head)->name, shape, send, pending, bias);
   });
 }
 
@@ -427,7 +422,7 @@ grpc::Status LceService::UpdateWeights(grpc::ServerContext* ctx, grpc::ServerRea
     if (!named.ok()) return named.status();
     // The whole weight first (no request waits for the client's upload), then the change.
     const HeadShape& named_shape = (*named)->shard_engine->shape();
-    LCE_ASSIGN_OR_RETURN(std::vector<float> bias, NewBias(header, named_shape, config_.tp_group != nullptr));
+    LCE_ASSIGN_OR_RETURN(std::vector<float> bias, NewBias(header, named_shape));
     LCE_ASSIGN_OR_RETURN(HeadWeights full, ReadWholeWeight(next, named_shape));
     full.bias = std::move(bias);
     absl::StatusOr<HeadStore::Change> change = BeginWeightChange(ctx, (*named)->name);

@@ -17,14 +17,17 @@ enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kS
 
 namespace {
 
-constexpr uint32_t kMagic = 0x4c434535;  // "LCE5": this layout of the control block
+constexpr uint32_t kMagic = 0x4c434536;  // "LCE6": this layout of the control block and these flags
 enum Flags : uint32_t {
+  // kCompute
   kGradLoss = 1,
   kGradLogprob = 2,
   kGradEntropy = 4,
   kAccumulateWeightGrad = 8,
   kFreshWeightGrad = 16,
-  kClassWeights = 32
+  kClassWeights = 32,
+  // kGetGrad: dB instead of dW; kUpdate: a new bias follows the weight
+  kBiasPart = 64
 };
 enum Slot : int {
   kControl,
@@ -47,8 +50,6 @@ enum Slot : int {
   kOutTopLogprobs
 };
 enum class SourceKind : uint32_t { kFile = 1, kSeeded = 2, kClone = 3 };
-// Shards move between ranks in pieces of at most this many bytes (a bounded staging buffer).
-constexpr int64_t kPieceBytes = int64_t{64} << 20;
 
 // Fixed-size control block broadcast before each operation's data.
 struct TpControl {
@@ -59,7 +60,7 @@ struct TpControl {
   // kCompute
   int64_t rows = 0;
   uint32_t mode = 0;
-  uint32_t flags = 0;
+  uint32_t flags = 0;  // kCompute, kGetGrad, kUpdate: Flags
   OptionBytes options = EncodeOptions(LceOptions{});
   // kCompute with kAccumulateWeightGrad, kCommitPending, kReleasePending: the pending contribution
   // (HeadTrainer::AcquirePending; 0: dW itself), and kCommitPending's scale
@@ -143,15 +144,90 @@ absl::Status AgreeOnOutcome(TpCommunicator& comm, ChunkStaging& staging, const a
                       absl::StrCat("rank ", absl::StrJoin(ranks, ", rank "), " could not ", what, " (its log says why)"));
 }
 
-// Calls f(first_row, rows) for the pieces of `rows` rows of `row_bytes` each, in order.
+// Calls f(first_row, rows) for the pieces of `rows` rows of `row_bytes` each (at most piece_bytes a
+// piece, one row at least), in order.
 template <typename F>
-absl::Status ForEachPiece(int64_t rows, int64_t row_bytes, F&& f) {
-  const int64_t per = std::max<int64_t>(1, kPieceBytes / row_bytes);
+absl::Status ForEachPiece(int64_t rows, int64_t row_bytes, int64_t piece_bytes, F&& f) {
+  const int64_t per = std::max<int64_t>(1, piece_bytes / row_bytes);
   for (int64_t r0 = 0; r0 < rows; r0 += per) {
     LCE_RETURN_IF_ERROR(f(r0, std::min(per, rows - r0)));
   }
   return absl::OkStatus();
 }
+
+}  // namespace
+
+absl::Status ScatterRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, const uint8_t* all,
+                         int64_t row_bytes, int64_t piece_bytes) {
+  for (int r = 1; r < comm.world_size(); ++r) {
+    const VocabRange range = VocabShard(vocab_size, r, comm.world_size());
+    absl::Status s =
+        ForEachPiece(range.end - range.begin, row_bytes, piece_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
+          return Share(comm, staging, kPiece, all + (range.begin + r0) * row_bytes, n * row_bytes).status();
+        });
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReceiveRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, uint8_t* mine,
+                         int64_t row_bytes, int64_t piece_bytes) {
+  for (int r = 1; r < comm.world_size(); ++r) {
+    const VocabRange range = VocabShard(vocab_size, r, comm.world_size());
+    absl::Status s =
+        ForEachPiece(range.end - range.begin, row_bytes, piece_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
+          absl::StatusOr<void*> buf = Share(comm, staging, kPiece, nullptr, n * row_bytes);
+          if (!buf.ok() || r != comm.rank()) return buf.status();
+          return staging.Download(mine + r0 * row_bytes, *buf, n * row_bytes);
+        });
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GatherRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, int64_t cols,
+                        const std::function<absl::Status(int64_t, int64_t, const float*)>& sink, int64_t piece_bytes) {
+  absl::Status sunk;
+  std::vector<float> host;
+  for (int r = 1; r < comm.world_size(); ++r) {
+    const VocabRange range = VocabShard(vocab_size, r, comm.world_size());
+    absl::Status s =
+        ForEachPiece(range.end - range.begin, cols * 4, piece_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
+          absl::StatusOr<void*> buf = staging.Buffer(kPiece, n * cols * 4);
+          if (!buf.ok()) return buf.status();
+          LCE_RETURN_IF_ERROR(comm.Broadcast(*buf, n * cols * 4, staging.device(), staging.stream(), r));
+          host.resize(static_cast<size_t>(n * cols));
+          LCE_RETURN_IF_ERROR(staging.Download(host.data(), *buf, n * cols * 4));
+          if (sunk.ok()) sunk = sink(range.begin + r0, n, host.data());  // the peers go on regardless
+          return absl::OkStatus();
+        });
+    if (!s.ok()) return s;
+  }
+  return sunk;
+}
+
+absl::Status SendRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, int64_t cols, float* mine,
+                      int64_t piece_bytes) {
+  for (int r = 1; r < comm.world_size(); ++r) {
+    const VocabRange range = VocabShard(vocab_size, r, comm.world_size());
+    absl::Status s =
+        ForEachPiece(range.end - range.begin, cols * 4, piece_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
+          void* data = nullptr;
+          if (r == comm.rank()) {
+            data = mine + r0 * cols;
+          } else {
+            absl::StatusOr<void*> buf = staging.Buffer(kPiece, n * cols * 4);
+            if (!buf.ok()) return buf.status();
+            data = *buf;
+          }
+          return comm.Broadcast(data, n * cols * 4, staging.device(), staging.stream(), r);
+        });
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+namespace {
 
 absl::Status StatusOf(const absl::Status& s) { return s; }
 template <typename T>
@@ -372,30 +448,15 @@ absl::StatusOr<ShardStep> TpGroup::Step(const std::string& head, int64_t version
 
 absl::Status TpGroup::GatherPeerGrads(const std::string& head, const HeadShape& shape,
                                       const std::function<absl::Status(int64_t, int64_t, const float*)>& sink,
-                                      uint64_t pending) {
+                                      uint64_t pending, bool bias) {
   return Locked<absl::Status>([&]() -> absl::Status {
     TpControl c;
     c.op = TpOp::kGetGrad;
     c.pending = pending;
+    c.flags = bias ? kBiasPart : 0;
     LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
     LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
-    const int64_t H = shape.hidden_size;
-    absl::Status sunk;
-    std::vector<float> host;
-    for (int r = 1; r < comm_->world_size(); ++r) {
-      const VocabRange range = VocabShard(shape.vocab_size, r, comm_->world_size());
-      absl::Status s = ForEachPiece(range.end - range.begin, H * 4, [&](int64_t r0, int64_t n) -> absl::Status {
-        absl::StatusOr<void*> buf = staging_->Buffer(kPiece, n * H * 4);
-        if (!buf.ok()) return buf.status();
-        LCE_RETURN_IF_ERROR(comm_->Broadcast(*buf, n * H * 4, staging_->device(), staging_->stream(), r));
-        host.resize(static_cast<size_t>(n * H));
-        LCE_RETURN_IF_ERROR(staging_->Download(host.data(), *buf, n * H * 4));
-        if (sunk.ok()) sunk = sink(range.begin + r0, n, host.data());  // the peers go on regardless
-        return absl::OkStatus();
-      });
-      if (!s.ok()) return s;
-    }
-    return sunk;
+    return GatherRows(*comm_, *staging_, shape.vocab_size, bias ? 1 : shape.hidden_size, sink);
   });
 }
 
@@ -441,15 +502,15 @@ absl::Status TpGroup::Update(const std::string& head, int64_t version, const Hea
     TpControl c;
     c.op = TpOp::kUpdate;
     c.version = version;
+    c.flags = full.bias.empty() ? 0 : kBiasPart;
     LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
     LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
-    const int64_t row_bytes = full.shape.hidden_size * DTypeSize(full.shape.dtype);
-    for (int r = 1; r < comm_->world_size(); ++r) {  // each peer's rows, in pieces
-      const VocabRange range = VocabShard(full.shape.vocab_size, r, comm_->world_size());
-      absl::Status s = ForEachPiece(range.end - range.begin, row_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
-        return Share(*comm_, *staging_, kPiece, full.weight.data() + (range.begin + r0) * row_bytes, n * row_bytes).status();
-      });
-      if (!s.ok()) return s;
+    const int64_t vocab = full.shape.vocab_size;
+    LCE_RETURN_IF_ERROR(ScatterRows(*comm_, *staging_, vocab, full.weight.data(),
+                                    full.shape.hidden_size * DTypeSize(full.shape.dtype)));
+    if (!full.bias.empty()) {
+      LCE_RETURN_IF_ERROR(
+          ScatterRows(*comm_, *staging_, vocab, reinterpret_cast<const uint8_t*>(full.bias.data()), sizeof(float)));
     }
     absl::Status all = AgreeOnOutcome(*comm_, *staging_, front_part(), "serve its rows of the new weight");
     if (all.ok() || all.code() == absl::StatusCode::kUnavailable) return all;
@@ -633,26 +694,13 @@ absl::Status TpPeer::OnGetGrad(const TpControl& c) {
   absl::StatusOr<HeadTrainer*> trainer = Trainer(**found);
   if (!trainer.ok()) return trainer.status();
   const HeadShape& shape = (*trainer)->shape();
-  const int64_t H = shape.hidden_size;
   // dW, or a pending contribution the front found in its book (every rank holds its shard of it).
   absl::StatusOr<float*> source = c.pending != 0 ? (*trainer)->FindPending(c.pending) : (*trainer)->grad();
   if (!source.ok()) return source.status();  // this rank no longer follows the front
-  for (int r = 1; r < comm_.world_size(); ++r) {  // every peer's turn; ours broadcasts our dW in place
-    const VocabRange range = VocabShard(shape.vocab_size, r, comm_.world_size());
-    absl::Status s = ForEachPiece(range.end - range.begin, H * 4, [&](int64_t r0, int64_t n) -> absl::Status {
-      void* data = nullptr;
-      if (r == comm_.rank()) {
-        data = *source + r0 * H;
-      } else {
-        absl::StatusOr<void*> buf = staging_.Buffer(kPiece, n * H * 4);
-        if (!buf.ok()) return buf.status();
-        data = *buf;
-      }
-      return comm_.Broadcast(data, n * H * 4, staging_.device(), staging_.stream(), r);
-    });
-    if (!s.ok()) return s;
-  }
-  return absl::OkStatus();
+  const bool bias = (c.flags & kBiasPart) != 0;
+  float* mine = bias ? (*trainer)->BiasPart(*source) : *source;  // dB follows dW in the buffer
+  if (mine == nullptr) return absl::DataLossError(absl::StrCat("rank ", comm_.rank(), " holds no bias to send"));
+  return SendRows(comm_, staging_, shape.vocab_size, bias ? 1 : shape.hidden_size, mine);
 }
 
 absl::Status TpPeer::OnSave(const TpControl& c) {
@@ -704,16 +752,15 @@ absl::Status TpPeer::OnUpdate(const TpControl& c) {
   const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
   auto next = std::make_shared<HeadWeights>();
   next->shape = shape;
-  next->bias = head.weights->bias;
+  next->bias = head.weights->bias;  // kept unless a new one follows
   next->weight.resize(head.weights->weight.size());
-  for (int r = 1; r < comm_.world_size(); ++r) {  // every peer's rows go by; ours are kept
-    const VocabRange range = VocabShard(shape.vocab_size, r, comm_.world_size());
-    absl::Status s = ForEachPiece(range.end - range.begin, row_bytes, [&](int64_t r0, int64_t n) -> absl::Status {
-      absl::StatusOr<void*> buf = Share(comm_, staging_, kPiece, nullptr, n * row_bytes);
-      if (!buf.ok() || r != comm_.rank()) return buf.status();
-      return staging_.Download(next->weight.data() + r0 * row_bytes, *buf, n * row_bytes);
-    });
-    if (!s.ok()) return s;
+  LCE_RETURN_IF_ERROR(ReceiveRows(comm_, staging_, shape.vocab_size, next->weight.data(), row_bytes));
+  if (c.flags & kBiasPart) {
+    // The front sends a bias only for a head with one; a rank whose shard has none no longer follows.
+    if (!shape.has_bias) return absl::DataLossError(absl::StrCat("rank ", comm_.rank(), " holds no bias to update"));
+    next->bias.resize(static_cast<size_t>(shape.shard_rows));
+    LCE_RETURN_IF_ERROR(
+        ReceiveRows(comm_, staging_, shape.vocab_size, reinterpret_cast<uint8_t*>(next->bias.data()), sizeof(float)));
   }
   absl::StatusOr<std::shared_ptr<LceEngine>> engine = ReplaceWeight(head.trainer.get(), next, make_);
   if (engine.ok()) {

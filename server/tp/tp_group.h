@@ -62,6 +62,26 @@ absl::StatusOr<std::shared_ptr<const HeadWeights>> LoadShard(
     const std::function<absl::StatusOr<std::shared_ptr<const HeadWeights>>(const std::string&)>& clone,
     int64_t max_shard_bytes = 0);
 
+// Rows of a tensor split by vocabulary over a group (VocabShard: a weight, a bias, their gradients),
+// moved between the front (rank 0) and its peers in rank order, in pieces of at most piece_bytes (a
+// bounded staging buffer; a row at least), each broadcast by its owner. Every rank calls its part
+// with the same sizes.
+constexpr int64_t kShardPieceBytes = int64_t{64} << 20;
+// Scatter: the front sends each peer its rows of `all` (every row, `row_bytes` each); each peer's
+// ReceiveRows puts its own into `mine` (its shard's rows) while the others' go by.
+absl::Status ScatterRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, const uint8_t* all,
+                         int64_t row_bytes, int64_t piece_bytes = kShardPieceBytes);
+absl::Status ReceiveRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, uint8_t* mine,
+                         int64_t row_bytes, int64_t piece_bytes = kShardPieceBytes);
+// Gather: each peer's SendRows broadcasts `mine` (its shard's rows, `cols` floats each, in the
+// staging's memory space) in its turn; the front's GatherRows hands each piece to sink(first_row,
+// rows, data). The first sink error stops the sinking, not the transfer, and is returned.
+absl::Status GatherRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, int64_t cols,
+                        const std::function<absl::Status(int64_t, int64_t, const float*)>& sink,
+                        int64_t piece_bytes = kShardPieceBytes);
+absl::Status SendRows(TpCommunicator& comm, ChunkStaging& staging, int64_t vocab_size, int64_t cols, float* mine,
+                      int64_t piece_bytes = kShardPieceBytes);
+
 // The group as rank 0 drives it: one operation at a time across the whole group. The front's own
 // part of each operation is the caller's (`front_part`), run between the control block and the
 // group's agreement on the outcome. `on_failure` runs once, on the first failure that leaves the
@@ -91,12 +111,12 @@ class TpGroup {
   absl::StatusOr<ShardStep> Step(const std::string& head, int64_t version, int64_t vocab_size,
                                  absl::StatusOr<HeadTrainer*> front, const AdamWParams& params, float max_grad_norm,
                                  GradReducer* dp = nullptr);
-  // The peers' dW shards (or of pending contribution `pending`), in rank order, to sink(first_row, rows,
-  // data) in pieces. A sink error stops
-  // the sinking, not the transfer (the peers finish theirs), and is returned.
+  // The peers' dW shards (or of pending contribution `pending`; with `bias`, their dB shards: one float
+  // a row), in rank order, to sink(first_row, rows, data) in pieces. A sink error stops the sinking,
+  // not the transfer (the peers finish theirs), and is returned.
   absl::Status GatherPeerGrads(const std::string& head, const HeadShape& shape,
                                const std::function<absl::Status(int64_t, int64_t, const float*)>& sink,
-                               uint64_t pending = 0);
+                               uint64_t pending = 0, bool bias = false);
   // Every rank writes its shard of `head`'s current weight, at `version`, into `dir` (head_source.h,
   // WriteHeadShard).
   absl::Status Save(const std::string& head, int64_t version, const std::string& dir,
@@ -105,8 +125,9 @@ class TpGroup {
   // could (the front's part loads the front's shard).
   absl::Status Load(const std::string& head, int64_t version, const TpHeadSource& source,
                     const std::function<absl::Status()>& front_part);
-  // Every rank serves its rows of `full` (the whole [vocab, hidden] weight, host memory) as `head`'s
-  // `version` (the front's part serves the front's rows).
+  // Every rank serves its rows of `full` (the whole [vocab, hidden] weight, host memory, and the whole
+  // [vocab] bias unless empty: then each rank keeps its own) as `head`'s `version` (the front's part
+  // serves the front's rows).
   absl::Status Update(const std::string& head, int64_t version, const HeadWeights& full,
                       const std::function<absl::Status()>& front_part);
 

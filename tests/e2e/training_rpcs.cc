@@ -32,12 +32,13 @@ grpc::Status RunOneChunk(v1::LceService::Stub& stub, const std::string& rpc, con
 }
 
 grpc::Status UpdateWeightsRpc(v1::LceService::Stub& stub, const std::string& head, const std::vector<float>& weight,
-                              int64_t expected_version, v1::HeadDescription* out) {
+                              int64_t expected_version, v1::HeadDescription* out, const std::vector<float>& bias) {
   grpc::ClientContext ctx;
   auto writer = stub.UpdateWeights(&ctx, out);
   v1::UpdateWeightsRequest m;
   m.mutable_header()->set_head(head);
   m.mutable_header()->set_expected_version(expected_version);
+  m.mutable_header()->mutable_bias()->Assign(bias.begin(), bias.end());
   writer->Write(m);
   for (int64_t r0 = 0; r0 < kVocab; r0 += 700) {
     const int64_t n = std::min<int64_t>(700, kVocab - r0);
@@ -55,19 +56,25 @@ grpc::Status UpdateWeightsRpc(v1::LceService::Stub& stub, const std::string& hea
   return writer->Finish();
 }
 
-std::vector<float> GradOf(v1::LceService::Stub& stub, const std::string& head, uint64_t pending) {
+std::vector<float> GradOf(v1::LceService::Stub& stub, const std::string& head, uint64_t pending, bool bias) {
   grpc::ClientContext ctx;
   v1::GetGradRequest req;
   req.set_head(head);
   req.set_pending_grad_id(pending);
+  req.set_bias(bias);
   auto reader = stub.GetGrad(&ctx, req);
-  std::vector<float> g(kVocab * kHidden, std::nanf(""));
+  const int64_t cols = bias ? 1 : kHidden;
+  std::vector<float> g(kVocab * cols, std::nanf(""));
   int64_t next = 0;
   v1::TensorChunk c;
   while (reader->Read(&c)) {
     EXPECT_EQ(c.first_row(), next) << "GetGrad sends the rows in order";
+    EXPECT_EQ(c.cols(), cols);
+    EXPECT_EQ(static_cast<int64_t>(c.data().size()), c.rows() * cols * 4);
+    if (c.cols() != cols || c.first_row() + c.rows() > kVocab || c.data().size() != size_t(c.rows() * cols * 4))
+      continue;
     next = c.first_row() + c.rows();
-    std::memcpy(g.data() + c.first_row() * kHidden, c.data().data(), c.data().size());
+    std::memcpy(g.data() + c.first_row() * cols, c.data().data(), c.data().size());
   }
   grpc::Status st = reader->Finish();
   EXPECT_TRUE(st.ok()) << st.error_message();

@@ -18,13 +18,13 @@ namespace lce::e2e {
 grpc::Status RunOneChunk(v1::LceService::Stub& stub, const std::string& rpc, const v1::RequestHeader& header,
                          const Batch& b, std::vector<v1::StreamResponse>* out);
 
-// UpdateWeights of `head` with `weight`, in blocks of 700 rows.
+// UpdateWeights of `head` with `weight`, in blocks of 700 rows, and `bias` unless empty.
 grpc::Status UpdateWeightsRpc(v1::LceService::Stub& stub, const std::string& head, const std::vector<float>& weight,
-                              int64_t expected_version, v1::HeadDescription* out);
+                              int64_t expected_version, v1::HeadDescription* out, const std::vector<float>& bias = {});
 
-// `head`'s whole dW from GetGrad (NaN where no row came), or its pending contribution `pending`; the
-// rows must come in order.
-std::vector<float> GradOf(v1::LceService::Stub& stub, const std::string& head, uint64_t pending = 0);
+// `head`'s whole dW from GetGrad (NaN where no row came), or its pending contribution `pending`, or
+// with `bias` its dB [kVocab]; the rows must come in order.
+std::vector<float> GradOf(v1::LceService::Stub& stub, const std::string& head, uint64_t pending = 0, bool bias = false);
 
 // Logprobs of `b` from a CPU engine over `weight`.
 std::vector<float> CpuEngineLogprobs(const std::vector<float>& weight, const Batch& b);

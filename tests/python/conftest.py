@@ -116,6 +116,46 @@ class Server:
         self.log.close()
 
 
+class TpGroup:
+    """A tensor-parallel group of k lce_server ranks (Gloo over loopback, CPU engine, one thread each),
+    every rank started with `args`; `front` is rank 0's Server (k = 1: a plain server)."""
+
+    def __init__(self, args, workdir: Path, name: str, k: int):
+        tp = []
+        self.peers = []
+        if k > 1:
+            rdv = workdir / f"{name}_rdv"
+            rdv.mkdir(exist_ok=True)
+            tp = [f"--tp-size={k}", f"--tp-rendezvous={rdv}"]
+        try:
+            for r in range(1, k):
+                log = open(workdir / f"{name}_r{r}.log", "w")
+                self.peers.append((subprocess.Popen([str(server_binary()), "--backend=cpu", "--cpu-threads=1",
+                                                     "--host=127.0.0.1", "--port=0", *args, *tp, f"--tp-rank={r}"],
+                                                    stdout=log, stderr=subprocess.STDOUT), log))
+            self.front = Server([*args, *tp, *(["--tp-rank=0"] if k > 1 else [])], workdir, name)
+        except Exception:
+            self._stop_peers(kill=True)
+            raise
+        self.target = self.front.target
+
+    def stop(self):
+        """The front stops its peers as it shuts down."""
+        self.front.stop()
+        self._stop_peers(kill=False)
+
+    def _stop_peers(self, kill: bool):
+        for p, log in self.peers:
+            if kill:
+                p.kill()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            log.close()
+
+
 class Head:
     """A head served by its own lce_server, with its exact weight for the reference."""
 

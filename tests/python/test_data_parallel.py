@@ -220,6 +220,47 @@ def test_training_calls_act_on_the_whole_job(dp_job, single, tmp_path):
     assert a.optimizer_step("t", **STEP)[1].version == 5
 
 
+def saved_bias(c: lce_client.Client, directory: Path, head: str) -> np.ndarray:
+    files, _ = c.save_head(str(directory), head=head)
+    return np.concatenate([read_safetensors(f)["lm_head.bias"] for f in files])
+
+
+def test_replicas_of_groups_train_a_bias_as_one_server(dp_job, single, tmp_path):
+    """A head with a bias on 2 replicas of 2-rank groups: UpdateWeights(bias) on one replica reaches every
+    rank of both; a step sums [dW | dB] over the replicas (replica 0 keeps the sum with zero_grad=False),
+    clips by its norm and moves the bias of both replicas alike, as one server trained on the union."""
+    job = dp_job(2, 2)
+    a, b = (r.client() for r in job.replicas)
+    ref = lce_client.Client(single.target, timeout=60)
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((VOCAB, HIDDEN)) * 0.2).astype(np.float32)
+    bias = (rng.standard_normal(VOCAB) * 3).astype(np.float32)
+    for c in (b, ref):
+        c.load_head("bz", seeded=(VOCAB, HIDDEN, 3, "fp32"), bias=True)
+        c.update_weights(w, head="bz", bias=bias)
+    for d, c in enumerate((a, b)):
+        np.testing.assert_array_equal(saved_bias(c, tmp_path / f"up-{d}", "bz"), bias, err_msg=f"replica {d}")
+    for s in range(3):
+        for d, c in enumerate((a, b)):
+            h, y = batch(s, d)
+            c.forward_backward(h, y, reduction="sum", head="bz", accumulate_weight_grad=True)
+            ref.forward_backward(h, y, reduction="sum", head="bz", accumulate_weight_grad=True)
+        want_db = ref.get_grad(head="bz", bias=True)
+        norm, _, _ = ref.optimizer_step("bz", zero_grad=False, **STEP)
+        job_norm, _, _ = (a, b)[s % 2].optimizer_step("bz", zero_grad=False, **STEP)
+        assert abs(job_norm - norm) <= 1e-5 * norm and norm > STEP["max_grad_norm"], (s, job_norm, norm)
+        np.testing.assert_allclose(a.get_grad(head="bz", bias=True), want_db, rtol=1e-5, atol=1e-6)
+        assert not b.get_grad(head="bz", bias=True).any(), "replica 1 keeps none of the sum"
+        for c in (a, b, ref):
+            c.zero_grad("bz")
+    got = [saved_bias(c, tmp_path / f"b-{d}", "bz") for d, c in enumerate((a, b))]
+    assert np.array_equal(got[0], got[1]), "the replicas stepped the bias differently"
+    want = saved_bias(ref, tmp_path / "b-ref", "bz")
+    assert np.abs(want - bias).max() > 1e-2, "the steps moved the bias"
+    # (Within AdamW's rounding, as above: the replicas' sum adds the batches in another order.)
+    np.testing.assert_allclose(got[0], want, rtol=0, atol=1e-4)
+
+
 def hold_head(target: str, head: str):
     """Opens a Score stream on `head` and sends only its header: the request holds the head's version
     (a weight change waits for it) until the returned function ends the stream."""

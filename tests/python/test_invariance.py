@@ -4,13 +4,11 @@ streams, through shared memory and the data plane, and on tensor-parallel groups
 ranks (Gloo). Compared with ==, never a tolerance."""
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
 
 import lce_client
-from conftest import HIDDEN, VOCAB, Server, server_binary, to_storage, write_safetensors
+from conftest import HIDDEN, VOCAB, Server, TpGroup, to_storage, write_safetensors
 
 ROWS = 300
 PICKED = (0, 1, 150, 298, 299)  # rows checked alone and in 7-row batches around them
@@ -28,25 +26,16 @@ def setup(workdir):
     y = rng.integers(0, VOCAB, ROWS).astype(np.int64)
     y[::9] = -100
     head_args = [f"--head-file={path}", "--head-tensor=lm_head.weight", "--data-port=0"]
-    servers, peers = {1: Server(head_args, workdir, "inv_k1")}, []
+    servers, groups = {1: Server(head_args, workdir, "inv_k1")}, []
     try:
         for k in (2, 3):
-            rdv = workdir / f"inv_rdv{k}"
-            rdv.mkdir(exist_ok=True)
-            tp = [f"--tp-size={k}", f"--tp-rendezvous={rdv}"]
-            for r in range(1, k):
-                log = open(workdir / f"inv_k{k}_r{r}.log", "w")
-                peers.append((subprocess.Popen([str(server_binary()), "--backend=cpu", "--cpu-threads=1",
-                                                "--host=127.0.0.1", "--port=0", *head_args[:2], *tp,
-                                                f"--tp-rank={r}"], stdout=log, stderr=subprocess.STDOUT), log))
-            servers[k] = Server(head_args[:2] + tp + ["--tp-rank=0"], workdir, f"inv_k{k}")
+            groups.append(TpGroup(head_args[:2], workdir, f"inv_k{k}", k))
+            servers[k] = groups[-1].front
         yield h, y, servers
     finally:
-        for s in servers.values():
-            s.stop()
-        for p, log in peers:
-            p.wait(timeout=30)
-            log.close()
+        servers[1].stop()
+        for g in groups:
+            g.stop()
 
 
 def answers(client, h, y, **kw):
