@@ -87,6 +87,10 @@ class CudaHeadTrainer final : public HeadTrainer {
 
   absl::StatusOr<std::shared_ptr<LceEngine>> SetWeight(std::shared_ptr<const HeadWeights> w) override {
     if (w->weight.size() != weights_->weight.size()) return absl::InvalidArgumentError("new weight has another shape");
+    // The serving engine keeps the bias it was made with: a new one would be reported but not served.
+    if (w->bias != weights_->bias) {
+      return absl::UnimplementedError("changing a head's bias (UpdateWeights with a bias) is not on the CUDA engine yet");
+    }
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     LCE_CUDA_CHECK(cudaMemcpyAsync(serving_.weight, w->weight.data(), w->weight.size(), cudaMemcpyHostToDevice, stream_));
     if (master_ != nullptr) {
