@@ -89,7 +89,8 @@ class CudaHeadTrainer final : public HeadTrainer {
     if (w->weight.size() != weights_->weight.size()) return absl::InvalidArgumentError("new weight has another shape");
     // The serving engine keeps the bias it was made with: a new one would be reported but not served.
     if (w->bias != weights_->bias) {
-      return absl::UnimplementedError("changing a head's bias (UpdateWeights with a bias) is not on the CUDA engine yet");
+      return absl::UnimplementedError(
+          "changing a head's bias (UpdateWeights with a bias) is not on the CUDA engine yet");
     }
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     LCE_CUDA_CHECK(cudaMemcpyAsync(serving_.weight, w->weight.data(), w->weight.size(), cudaMemcpyHostToDevice, stream_));
