@@ -9,7 +9,12 @@ the gradient returned into the rank's weight shard; logprobs and entropy (verl's
 a float64 reference; verl's Megatron actor's sequence-parallel path through lce_client.rl. The server's
 request log shows one request's work per group: without sequence
 parallelism one request a group, with it one a rank, each of its own rows; the hidden-state bytes the
-server received are printed beside k copies'."""
+server received are printed beside k copies'. Pipeline parallelism (TP 2 x PP 2, world 4, Megatron's
+parallel_state with both sizes): the first stage's ranks send their hidden states to the last stage
+with torch.distributed p2p, as Megatron's schedule does; the last stage's group runs Megatron's layer
+and ours on them, sends both d_hiddens back (checked on the first stage too, and backpropagated into
+its parameter), and the request log, tagged by rank, shows the last stage's group making one group's
+requests and the first stage none."""
 from __future__ import annotations
 
 import json
@@ -123,12 +128,20 @@ def _train(k, sp, train_head, client, group):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         want_dh = _shard(x_ref.grad, k, rank) if sp and k > 1 else x_ref.grad
         torch.testing.assert_close(x.grad, want_dh, atol=1e-6, rtol=1e-5)
+    _check_head_grad(k, ref, ours, train_head, client, group)
+
+
+def _check_head_grad(k, ref, ours, train_head, client, group):
+    """After the micro-batches: the weight shard's accumulated gradient (local) or the server's dW (the
+    group's shards of Megatron's, gathered; then zeroed) equal Megatron's."""
+    import torch.distributed as dist
+
     if train_head == "local":
         torch.testing.assert_close(ours.weight.grad, ref.weight.grad, atol=1e-6, rtol=1e-5)
     else:
         parts = [torch.empty_like(ref.weight.grad) for _ in range(k)]
         dist.all_gather(parts, ref.weight.grad, group=group)
-        if rank == 0:
+        if dist.get_rank(group) == 0:
             np.testing.assert_allclose(client.get_grad(head="mg"), torch.cat(parts).numpy(), rtol=1e-5, atol=1e-7)
             client.zero_grad(head="mg")
     dist.barrier(group=group)
@@ -274,5 +287,143 @@ def test_megatron_output_layer_matches_megatrons_own_with_one_request_per_group(
         print(f"\nTP {k}: one Score of [{S * B}, {H}] fp32 hidden states: the group sent {group_bytes:.0f} bytes, "
               f"k copies {copies_bytes:.0f}")
         assert group_bytes >= S * B * H * 4 and copies_bytes == k * group_bytes
+    finally:
+        srv.stop()
+
+
+# Pipeline parallelism: TP 2 x PP 2 (world 4). Megatron's rank order puts TP innermost: ranks 0-1 are the
+# first stage's TP group, 2-3 the last stage's, and pipeline peers are TP ranks alike (0-2, 1-3).
+PP_TP, PP = 2, 2
+
+
+def _tag(client, rid):
+    """Sends x-request-id `rid` with all the client's calls, so the server's request log names the
+    sender (rank and phase); the training RPCs use the admin metadata, tagged too."""
+    client._metadata = client._admin_metadata = (("x-request-id", rid),)
+
+
+def _first_stage_param():
+    """The first stage's stand-in body, hidden = tanh(raw @ proj): proj is replicated over the TP group
+    (as a norm's weight is) and gets the d_hidden the last stage sends back."""
+    g = torch.Generator().manual_seed(11)
+    return torch.empty((H, H)).uniform_(-0.5, 0.5, generator=g).requires_grad_()
+
+
+def _pp_first(sp, peer, rank):
+    """The first stage, as Megatron's schedule runs it: each micro-batch's hidden states [s, b, h] (with
+    sequence parallelism the rank's shard) sent to the last stage, the d_hidden of ours and of Megatron's
+    layer received back, equal, and backpropagated into the stage's parameter: its gradients after
+    the micro-batches equal."""
+    import torch.distributed as dist
+
+    proj, grads = _first_stage_param(), {"ours": 0, "megatron": 0}
+    for step in range(MICRO):
+        raw, _, _ = _batch(step, PP_TP)
+        out = torch.tanh(raw @ proj)
+        if sp:
+            out = _shard(out, PP_TP, rank)
+        dist.send(out.detach().contiguous(), peer)
+        got = {name: torch.empty_like(out) for name in grads}
+        for name in grads:
+            dist.recv(got[name], peer)
+        torch.testing.assert_close(got["ours"], got["megatron"], atol=1e-6, rtol=1e-5)
+        for name in grads:
+            grads[name] = grads[name] + torch.autograd.grad(out, proj, got[name], retain_graph=True)[0]
+    torch.testing.assert_close(grads["ours"], grads["megatron"], atol=1e-6, rtol=1e-5)
+
+
+def _pp_last(sp, train_head, client, group, peer):
+    """The last stage: the hidden states received from the first stage through Megatron's layer and ours
+    (with sequence parallelism Megatron's layer gathers the shards: here gather_shards, whose backward
+    slices the all-reduced d_hidden as the SP layer's reduce-scatter would), the per-token loss and
+    d_hidden equal, both d_hiddens sent back; after the micro-batches the head's dW equal."""
+    import torch.distributed as dist
+
+    from lce_client.megatron import gather_shards
+
+    ref, ours = _layers(PP_TP, sp, train_head, client)
+    for step in range(MICRO):
+        _, labels, mask = _batch(step, PP_TP)
+        received = torch.empty((S // PP_TP if sp else S, B, H))
+        dist.recv(received, peer)
+        x_ref, x = received.clone().requires_grad_(), received.clone().requires_grad_()
+        want = _megatron_loss(ref, gather_shards(x_ref, group) if sp else x_ref, labels)
+        ((want * mask).sum() / mask.sum() / MICRO).backward()
+        got = ours(x, output_cross_entropy_loss=True, labels=labels)
+        ((got * mask).sum() / mask.sum() / MICRO).backward()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-6, rtol=1e-5)
+        for d in (x.grad, x_ref.grad):
+            dist.send(d.contiguous(), peer)
+    _check_head_grad(PP_TP, ref, ours, train_head, client, group)
+
+
+def _pp_rank(rank, store, target):
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=PP_TP * PP)
+    try:
+        from megatron.core import parallel_state as ps
+
+        from lce_client.megatron import serve_megatron_weight
+
+        ps.initialize_model_parallel(tensor_model_parallel_size=PP_TP, pipeline_model_parallel_size=PP)
+        last, tp = ps.is_pipeline_last_stage(), ps.get_tensor_model_parallel_rank()
+        stage, group = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+        assert (stage, tp) == divmod(rank, PP_TP)  # the layout the comment above PP_TP describes
+        client = lce_client.Client(target, timeout=60)  # every rank has one; only the last stage's call
+        if last:  # only the last stage (post_process) has an output layer
+            _tag(client, f"s{stage}-tp{tp}-load")
+            serve_megatron_weight(_layers(PP_TP, False, None, client)[1], client, "mg")
+        for sp in (False, True):
+            for train_head in ("server", "local"):
+                _tag(client, f"s{stage}-tp{tp}-sp{int(sp)}-{train_head}")
+                if last:
+                    _pp_last(sp, train_head, client, group, ps.get_pipeline_model_parallel_prev_rank())
+                else:
+                    _pp_first(sp, ps.get_pipeline_model_parallel_next_rank(), tp)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _requests_by_tag(srv) -> dict:
+    """{x-request-id: {method: count}} of the request log's lines that a _tag named."""
+    out = {}
+    for line in srv.log_path.read_text().splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            if d.get("request_id", "").startswith("s"):
+                by_method = out.setdefault(d["request_id"], {})
+                by_method[d["method"]] = by_method.get(d["method"], 0) + 1
+    return out
+
+
+def test_megatron_output_layer_under_pipeline_parallelism_only_the_last_stage_calls(workdir, tmp_path):
+    srv = Server(["--seed-head=8x8", "--head-dtype=fp32", "--log-requests=true"], workdir, "megatron_pp")
+    try:
+        with lce_client.Client(srv.target, timeout=60) as c:
+            serve_weight(c, _weight(), "mg")
+        torch.multiprocessing.spawn(_pp_rank, args=(str(tmp_path / "store"), srv.target), nprocs=PP_TP * PP,
+                                    join=True)
+        calls = _requests_by_tag(srv)
+        print("\nrequests by rank and phase:", json.dumps(calls, sort_keys=True))
+        assert not [t for t in calls if t.startswith("s0-")], calls  # the first stage: none
+        # The last stage's TP group, as test_megatron_output_layer_matches_megatrons_own_with_one_request_
+        # per_group counts for one group: without sequence parallelism its first rank sends (the
+        # server-trained head: a ForwardBackward a micro-batch, one more for the masked one, a commit or
+        # discard each; the local weight: a Score, a Backward and a discard each) and the other rank only
+        # reads its pending dW; with it each rank sends its own shard; rank 0 reads the server's dW. A
+        # client's first computation asks GetInfo once (the data-plane port).
+        fb = {"ForwardBackward": MICRO + 1, "CommitGrad": MICRO}
+        local = {"Score": MICRO, "Backward": MICRO, "GetGrad": MICRO, "CommitGrad": MICRO}
+        read = {"GetGrad": 1, "ZeroGrad": 1}
+        want = {"s1-tp0-load": {"UpdateWeights": 1},
+                "s1-tp0-sp0-server": {"GetInfo": 1, **fb, **read}, "s1-tp0-sp0-local": local,
+                "s1-tp1-sp0-local": {"GetGrad": MICRO},
+                "s1-tp0-sp1-server": {**fb, **read}, "s1-tp1-sp1-server": {"GetInfo": 1, **fb},
+                "s1-tp0-sp1-local": local, "s1-tp1-sp1-local": local}
+        assert calls == want
     finally:
         srv.stop()
