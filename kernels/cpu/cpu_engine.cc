@@ -139,7 +139,8 @@ class CpuEngine final : public LceEngine {
   }
 
   EngineInvariance invariance() const override {
-    const std::vector<std::string> all = {"logprob", "entropy", "lse", "loss", "d_hidden", "d_weight"};
+    const std::vector<std::string> all = {"logprob",  "entropy", "lse",        "loss",        "d_hidden",
+                                          "d_weight", "argmax",  "top_tokens", "top_logprobs"};
     return {all, all};  // docs/MATH.md, "Order of reductions"
   }
 

@@ -73,7 +73,8 @@ TEST_F(Service, InfoAndHealth) {
                                        info->invariance().across_batches().end());
   const std::vector<std::string> tp(info->invariance().across_tp_sizes().begin(),
                                     info->invariance().across_tp_sizes().end());
-  const std::vector<std::string> all = {"logprob", "entropy", "lse", "loss", "d_hidden", "d_weight"};
+  const std::vector<std::string> all = {"logprob",  "entropy", "lse",        "loss",        "d_hidden",
+                                        "d_weight", "argmax",  "top_tokens", "top_logprobs"};
   if (TestBackend() == Backend::kCuda) {
     // --batch-invariant is off by default: the forward's outputs where the epilogue-statistics GEMM
     // serves the head (bf16, sm_90, built with CUTLASS), nothing otherwise.

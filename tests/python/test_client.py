@@ -39,7 +39,8 @@ def test_info(heads):
         assert info.backend == "cpu" and info.tp_size == 1
         assert info.max_message_bytes > 0 and info.server_version
         assert [h.name for h in info.heads] == [info.head.name]
-        every_output = ["logprob", "entropy", "lse", "loss", "d_hidden", "d_weight"]
+        every_output = ["logprob", "entropy", "lse", "loss", "d_hidden", "d_weight", "argmax", "top_tokens",
+                        "top_logprobs"]
         assert info.invariant_across_batches == every_output  # the CPU engine's guarantees
         assert info.invariant_across_tp_sizes == every_output
 

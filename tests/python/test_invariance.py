@@ -1,7 +1,7 @@
-"""DESIGN.md's invariance guarantee end to end (CPU engine): a row's logprob, entropy, per-row loss and
-d_hidden are the same bits alone, in batches of 7 and 300, under three chunkings, over 1 and 3
-streams, through shared memory and the data plane, and on tensor-parallel groups of 1, 2 and 3
-ranks (Gloo). Compared with ==, never a tolerance."""
+"""DESIGN.md's invariance guarantee end to end (CPU engine): a row's logprob, entropy, rankings (argmax,
+top-k tokens and logprobs), per-row loss and d_hidden are the same bits alone, in batches of 7 and 300,
+under three chunkings, over 1 and 3 streams, through shared memory and the data plane, and on
+tensor-parallel groups of 1, 2 and 3 ranks (Gloo). Compared with ==, never a tolerance."""
 from __future__ import annotations
 
 import numpy as np
@@ -39,13 +39,15 @@ def setup(workdir):
 
 
 def answers(client, h, y, **kw):
-    """Every per-row output of one score and one forward_backward (reduction "sum": a row's gradient is
-    its own loss's, whatever the batch), as raw bits."""
-    lp, ent = client.score(h, y, temperature=OPTIONS["temperature"], softcap=OPTIONS["softcap"],
-                           hidden_region=kw.get("hidden_region"))
+    """Every per-row output of one score (with the rankings: argmax and the top 8) and one
+    forward_backward (reduction "sum": a row's gradient is its own loss's, whatever the batch), as raw bits."""
+    s = client.score(h, y, temperature=OPTIONS["temperature"], softcap=OPTIONS["softcap"], top_k=8, argmax=True,
+                     hidden_region=kw.get("hidden_region"))
     r = client.forward_backward(h, y, reduction="sum", **OPTIONS, **kw)
     as_bits = lambda a: np.asarray(a).view(np.uint32 if np.asarray(a).dtype.itemsize == 4 else np.uint16)
-    return {"logprob": as_bits(lp), "entropy": as_bits(ent), "loss": as_bits(r.per_token_loss),
+    return {"logprob": as_bits(s.logprobs), "entropy": as_bits(s.entropy), "argmax": np.asarray(s.argmax),
+            "top_tokens": np.asarray(s.top_tokens), "top_logprobs": as_bits(s.top_logprobs),
+            "loss": as_bits(r.per_token_loss),
             "d_hidden": np.asarray(r.d_hidden).view(np.uint16).reshape(len(y), HIDDEN)}
 
 
