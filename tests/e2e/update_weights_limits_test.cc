@@ -1,6 +1,7 @@
 // UpdateWeights under the rules every stream has (issue 35, item 14): a weight with a NaN or an
 // infinity is refused (naming its first row) and the head keeps serving; a client that stops
 // sending is ended at the header or idle timeout; a stream holds an admission slot from its header.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <thread>
@@ -94,21 +95,29 @@ TEST(UpdateWeightsLimits, AnUpdateHoldsAnAdmissionSlot) {
     o.service.stream_idle_timeout_seconds = 60;
   });
   auto stub = RawStub(ts->target);
-  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientContext> ctx;
   v1::HeadDescription d;
-  std::unique_ptr<Writer> holder = stub->UpdateWeights(&ctx, &d);
-  ASSERT_TRUE(holder->Write(Header()));
+  std::unique_ptr<Writer> holder;
   grpc::Status score;
-  for (int i = 0; i < 1500; ++i) {  // until the server has read the header (slow under sanitizers and load)
+  // The probing Score must not hold the one slot when the server reads the update's header (the
+  // update would then be the one refused, and every later Score admitted: CI saw it under load):
+  // the header is sent, time given, then one probe; a probe that got in first ends, and the update
+  // starts again.
+  for (int attempt = 1; attempt <= 60; ++attempt) {
+    ctx = std::make_unique<grpc::ClientContext>();
+    holder = stub->UpdateWeights(ctx.get(), &d);
+    ASSERT_TRUE(holder->Write(Header()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(25 * attempt, 500)));
     score = ScoreWide(*stub);
     if (score.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    ctx->TryCancel();
+    holder->Finish();
   }
   EXPECT_EQ(score.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << score.error_message();
   v1::HeadDescription d2;
   grpc::Status second = UpdateWeightsRpc(*stub, "wide", WideWeight(*ts), 0, &d2);
   EXPECT_EQ(second.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << second.error_message();
-  ctx.TryCancel();
+  ctx->TryCancel();
   holder->Finish();
   for (int i = 0; i < 1500; ++i) {  // the handler ends after the cancel
     score = ScoreWide(*stub);
