@@ -122,13 +122,7 @@ absl::StatusOr<int64_t> CudaEngine::GroupRowsPerBlock(int64_t r_max) {
 absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
   const int64_t R = p.R, H = shape_.hidden_size, esz = DTypeSize(shape_.dtype);
   const int64_t need = Bytes(p.layout, R);
-  if (workspace_ == nullptr || workspace_->size() < need) {
-    LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    workspace_.reset();  // freed before the larger one is taken
-    absl::StatusOr<std::unique_ptr<DeviceBuffer>> grown = AllocateDeviceBuffer(need, config_.device);
-    if (!grown.ok()) return grown.status();
-    workspace_ = std::move(*grown);
-  }
+  LCE_CUDA_CHECK(GrowDeviceBuffer(workspace_, need));
   Carve(p.layout, R, workspace_->data(), &s);
   LCE_CUDA_CHECK(cublasSetWorkspace(cublas_, s.cublas_ws, kCublasWorkspace));
   cublas_ws_ = s.cublas_ws;

@@ -168,6 +168,8 @@ class CudaEngine final : public LceEngine {
   // Lays out the scratch of R rows (base null: only counts); returns the bytes.
   int64_t Carve(const ScratchLayout& l, int64_t R, uint8_t* base, Scratch* s) const;
   int64_t Bytes(const ScratchLayout& l, int64_t R) const;
+  // buf holds at least `bytes` (grown after stream_ has finished with the old one).
+  absl::Status GrowDeviceBuffer(std::unique_ptr<DeviceBuffer>& buf, int64_t bytes);
   // Largest R that fits the budget (at least 1: Init checked), at most `want`.
   int64_t RowsPerBlock(const ScratchLayout& l, int64_t want) const;
   // Logit tile columns for blocks of R rows: the default for large blocks; for a few rows as many as

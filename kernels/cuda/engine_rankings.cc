@@ -30,13 +30,7 @@ absl::Status CudaEngine::PrepareRankings(CallPlan& p) {
   const bool lists = p.layout.epi;
   const int64_t list_bytes = lists ? R * kRankCap * 8 + RoundUp(R * 9, 256) : 0;  // + count, thr, overflowed
   const int64_t need = cand_bytes + out_bytes + list_bytes;
-  if (rank_buf_ == nullptr || rank_buf_->size() < need) {
-    LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    rank_buf_.reset();
-    absl::StatusOr<std::unique_ptr<DeviceBuffer>> b = AllocateDeviceBuffer(need, config_.device);
-    if (!b.ok()) return b.status();
-    rank_buf_ = std::move(*b);
-  }
+  LCE_CUDA_CHECK(GrowDeviceBuffer(rank_buf_, need));
   uint8_t* base = rank_buf_->data();
   p.cand = reinterpret_cast<float*>(base);
   p.rank_out = base + cand_bytes;
@@ -97,14 +91,7 @@ absl::Status CudaEngine::RankOverflowedRows(const CallPlan& p, Scratch& s, const
   for (int64_t r0 = 0; r0 < b.nr; r0 += kRankDumpRows) {
     const int64_t nc = std::min(kRankDumpRows, b.nr - r0);
     if (std::none_of(over.begin() + r0, over.begin() + r0 + nc, [](uint8_t o) { return o != 0; })) continue;
-    const int64_t bytes = kRankDumpRows * ld * 4;
-    if (rank_dump_ == nullptr || rank_dump_->size() < bytes) {
-      LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      rank_dump_.reset();
-      absl::StatusOr<std::unique_ptr<DeviceBuffer>> d = AllocateDeviceBuffer(bytes, config_.device);
-      if (!d.ok()) return d.status();
-      rank_dump_ = std::move(*d);
-    }
+    LCE_CUDA_CHECK(GrowDeviceBuffer(rank_dump_, kRankDumpRows * ld * 4));
     float* dump = reinterpret_cast<float*>(rank_dump_->data());
     EpilogueStatsArgs a =
         EpiArgs(s, static_cast<const uint8_t*>(b.h) + r0 * H * esz, nc, b.y + r0, p.o.ignore_index, p.tf);

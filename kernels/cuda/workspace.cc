@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 
+#include "cuda/cuda_check.h"
 #include "cuda/cuda_engine_impl.h"
 
 namespace lce::cuda {
@@ -65,6 +66,16 @@ int64_t CudaEngine::WideTile(int64_t R) const {
 int64_t CudaEngine::Bytes(const ScratchLayout& l, int64_t R) const {
   Scratch s;
   return Carve(l, R, nullptr, &s);
+}
+
+absl::Status CudaEngine::GrowDeviceBuffer(std::unique_ptr<DeviceBuffer>& buf, int64_t bytes) {
+  if (buf != nullptr && buf->size() >= bytes) return absl::OkStatus();
+  LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the stream may still use the old one
+  buf.reset();                                     // freed before the larger one is taken
+  absl::StatusOr<std::unique_ptr<DeviceBuffer>> grown = AllocateDeviceBuffer(bytes, config_.device);
+  if (!grown.ok()) return grown.status();
+  buf = std::move(*grown);
+  return absl::OkStatus();
 }
 
 int64_t CudaEngine::RowsPerBlock(const ScratchLayout& l, int64_t want) const {
