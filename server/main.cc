@@ -302,7 +302,8 @@ absl::Status ServeHead(const lce::server::ServerFlags& f, ServerParts& p) {
   p.options.service.metrics = &p.service_metrics;
   if (f.batch_max_rows > 1 && p.engine->invariance().across_batches.empty()) {
     std::cerr << "lce_server: dynamic batching off: this engine's rows are not the same bits in every batch "
-                 "(CUDA: start with --batch-invariant=true to batch small calls)" << std::endl;
+                 "(a CUDA engine without its epilogue GEMM: start with --batch-invariant=true to batch small calls)"
+              << std::endl;
   }
   p.options.service.make_engine = p.make_engine;
   p.options.service.tp_group = p.group;

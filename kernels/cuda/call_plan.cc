@@ -69,6 +69,7 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
                        p.target_apart && grads.d_weight != nullptr,
                        tree_dh_};
   layout.epi = epi;
+  layout.dh_chunks = backward && grads.d_hidden != nullptr && !tree_dh_ && DHiddenChunked();
   layout.stage = epi && !host && reinterpret_cast<uintptr_t>(p.rows.hidden) % 16 != 0;
   // CudaTuning::dh_beside false: one after the other (bench/NOTES.md, e10). dW is the same bits either way:
   // the target scatter's order is fixed (LaunchScatterTargetDW), not the GPU's schedule.
@@ -124,6 +125,13 @@ absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
   const int64_t need = Bytes(p.layout, R);
   LCE_CUDA_CHECK(GrowDeviceBuffer(workspace_, need));
   Carve(p.layout, R, workspace_->data(), &s);
+  // d_hidden's chunk partials, outside the workspace: taken from its budget they cost a training call a
+  // row block more at 16384×4096×151936 (bench/RESULTS.md). Blocks that accumulate the chunks in place
+  // need none.
+  if (p.layout.dh_chunks && !(tuning_.dh_inplace_rows > 0 && R >= tuning_.dh_inplace_rows)) {
+    LCE_CUDA_CHECK(GrowDeviceBuffer(dh_parts_, dh_chunks_ * std::min(R, DhSliceRows()) * H * 4));
+    s.dh_parts = reinterpret_cast<float*>(dh_parts_->data());
+  }
   LCE_CUDA_CHECK(cublasSetWorkspace(cublas_, s.cublas_ws, kCublasWorkspace));
   cublas_ws_ = s.cublas_ws;
   // GEMMs are tuned on scratch free while they run: the logit tiles, or d_hidden's accumulator (written

@@ -82,11 +82,17 @@ absl::Status CudaEngine::Init() {
   LCE_CUDA_CHECK(cublasSetStream(cublas_, stream_));
   LCE_CUDA_CHECK(cublasSetPointerMode(cublas_, CUBLAS_POINTER_MODE_HOST));
   LCE_CUDA_CHECK(gemm_.Init());
+  // W's rows up to d_hidden's last chunk's end, the padding zero (DHiddenProduct).
+  dh_chunks_ = std::max<int64_t>(1, (shape_.shard_rows + kDhChunkCols - 1) / kDhChunkCols);
+  dh_chunk_ = RoundUp((shape_.shard_rows + dh_chunks_ - 1) / dh_chunks_, 64);
+  const int64_t w_bytes = static_cast<int64_t>(weights_->weight.size());
+  const int64_t padded_bytes = dh_chunks_ * dh_chunk_ * shape_.hidden_size * DTypeSize(shape_.dtype);
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> weight =
-      AllocateDeviceBuffer(static_cast<int64_t>(weights_->weight.size()), config_.device);
+      AllocateDeviceBuffer(std::max(w_bytes, padded_bytes), config_.device);
   if (!weight.ok()) return weight.status();
   weight_ = std::move(*weight);
-  LCE_CUDA_CHECK(cudaMemcpy(weight_->data(), weights_->weight.data(), weights_->weight.size(), cudaMemcpyHostToDevice));
+  LCE_CUDA_CHECK(cudaMemcpy(weight_->data(), weights_->weight.data(), w_bytes, cudaMemcpyHostToDevice));
+  if (padded_bytes > w_bytes) LCE_CUDA_CHECK(cudaMemset(weight_->data() + w_bytes, 0, padded_bytes - w_bytes));
   if (shape_.has_bias) {
     absl::StatusOr<std::unique_ptr<DeviceBuffer>> bias =
         AllocateDeviceBuffer(static_cast<int64_t>(weights_->bias.size() * sizeof(float)), config_.device);
@@ -114,7 +120,7 @@ absl::Status CudaEngine::ApplyTuning(const CudaTuning& tuning) {
   tp_invariant_option_ = batch_invariant_ && tuning_.tp_invariant.value_or(config_.tp_invariant);
   tile_ = RoundUp(std::max<int64_t>(tuning_.vocab_tile, kSegment), kSegment);
   tile_ = std::min(tile_, RoundUp(shape_.shard_rows, kSegment));
-  lds_ = RoundUp(shape_.shard_rows, 8);
+  lds_ = std::max(RoundUp(shape_.shard_rows, 8), DHiddenChunked() ? dh_chunks_ * dh_chunk_ : 0);
   nseg_ = (shape_.shard_rows + kSegment - 1) / kSegment;
   // Segments at fixed global offsets (VocabTile(V) == kSegment: V >= 131072, and shards of whole
   // tiles): a group folds every segment in global order, as one GPU does (docs/MATH.md).
@@ -144,10 +150,13 @@ absl::Status CudaEngine::Retune(const CudaTuning& tuning) {
 // GEMMs (EngineConfig::batch_invariant) the logit and d_hidden products use one algorithm without
 // split-K for every row count (docs/MATH.md). Without, cuBLAS's tuned choice varies with N.
 EngineInvariance CudaEngine::invariance() const {
-  // The epilogue GEMM's forward is batch invariant by construction; d_hidden's product is only with
-  // batch-invariant GEMMs.
-  if (!batch_invariant_)
-    return UseEpilogueStats() ? EngineInvariance{{"logprob", "entropy", "lse", "loss"}, {}} : EngineInvariance{};
+  // The epilogue GEMM's forward is batch invariant by construction, and so is d_hidden's product in fixed
+  // chunks (DHiddenProduct) over it; with the logit tiles, only with batch-invariant GEMMs.
+  if (!batch_invariant_) {
+    if (!UseEpilogueStats()) return EngineInvariance{};
+    if (DHiddenChunked() && !tree_dh_) return EngineInvariance{{"logprob", "entropy", "lse", "loss", "d_hidden"}, {}};
+    return EngineInvariance{{"logprob", "entropy", "lse", "loss"}, {}};
+  }
   EngineInvariance inv{{"logprob", "entropy", "lse", "loss", "d_hidden"}, {}};
   if (tree_dh_) inv.across_tp_sizes = {"logprob", "entropy", "lse", "loss", "d_hidden"};
   return inv;
@@ -212,12 +221,7 @@ absl::Status CudaEngine::Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_
     g.sm_target = sm_target;
     g.n_invariant = rows_in_n && batch_invariant_;
     g.m_invariant = cols_in_m && g.n_invariant && tp_invariant_option_;
-    cudaStream_t stream = place.stream != nullptr ? place.stream : stream_;
-    void* ws = place.workspace != nullptr ? place.workspace : cublas_ws_;
-    if (place.prepare_only) {
-      return gemm_.Prepare(g, c_is_scratch, tune_scratch_, tune_floats_, ws, kCublasWorkspace, stream);
-    }
-    return gemm_.Run(g, c_is_scratch, tune_scratch_, tune_floats_, ws, kCublasWorkspace, stream);
+    return RunGemm(g, c_is_scratch, place);
   }
   if (place.prepare_only) return absl::OkStatus();
   if (place.stream != nullptr) return absl::InternalError("cublasGemmEx runs on stream_ only");
@@ -225,6 +229,15 @@ absl::Status CudaEngine::Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_
                               at, static_cast<int>(lda), B, bt, static_cast<int>(ldb), &beta, C, ct,
                               static_cast<int>(ldc), compute, CUBLAS_GEMM_DEFAULT));
   return absl::OkStatus();
+}
+
+absl::Status CudaEngine::RunGemm(const GemmSpec& g, bool c_is_scratch, const GemmPlace& place) {
+  cudaStream_t stream = place.stream != nullptr ? place.stream : stream_;
+  void* ws = place.workspace != nullptr ? place.workspace : cublas_ws_;
+  if (place.prepare_only) {
+    return gemm_.Prepare(g, c_is_scratch, tune_scratch_, tune_floats_, ws, kCublasWorkspace, stream);
+  }
+  return gemm_.Run(g, c_is_scratch, tune_scratch_, tune_floats_, ws, kCublasWorkspace, stream);
 }
 
 absl::Status CudaEngine::CheckCall(const RowsView& rows, const LceOptions& o, const Upstream& up) const {

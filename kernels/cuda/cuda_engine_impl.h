@@ -41,6 +41,12 @@ inline constexpr int64_t kRankCap = 8192;
 inline constexpr int64_t kRankRowsPerBlock = 4096;
 inline constexpr int64_t kRankDumpRows = 64;
 inline constexpr int kRankTileCols = 256;  // the epilogue GEMM's configurations with candidates (1, 2, 3)
+// d_hidden's product in fixed vocabulary chunks (DHiddenProduct): ceil(V_shard / kDhChunkCols) chunks of
+// equal width (a multiple of 64, the last zero-padded), summed in chunk order whatever the row count; rows in
+// slices of at most kDhSliceRows, their partials at most kDhPartBytes.
+inline constexpr int64_t kDhChunkCols = 32768;
+inline constexpr int64_t kDhSliceRows = 1024;
+inline constexpr int64_t kDhPartBytes = 128 * kMiB;
 
 // Where a product goes (CudaEngine::Gemm): stream_ and its cuBLAS workspace unless another stream is named,
 // with a workspace of its own (two products running at once must not share one); prepare_only chooses
@@ -152,6 +158,19 @@ class CudaEngine final : public LceEngine {
   }
   int64_t GatheredNodes() const;
   absl::Status DHiddenByTiles(Scratch& s, int64_t nr, const uint8_t* w, bool tf32);
+  // s.dh [nr, H] = dA (s.store) · W on place's stream: over the shard's fixed chunks, each row's sum in
+  // chunk order whatever nr (CudaTuning::dh_fixed_order; else one product, cuBLAS's choice for nr).
+  absl::Status DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const GemmPlace& place);
+  // Where it buys batch invariance: after the epilogue GEMM's forward, or with batch-invariant GEMMs. (Its
+  // partials' batch stride, H·rows floats, stays 16-byte aligned for H a multiple of 4.)
+  bool DHiddenChunked() const {
+    return tuning_.dh_fixed_order && !tuning_.gemm_ex && shape_.hidden_size % 4 == 0 &&
+           (UseEpilogueStats() || batch_invariant_);
+  }
+  int64_t DhSliceRows() const {  // whole 128-row tiles where it holds one
+    const int64_t rows = std::clamp<int64_t>(kDhPartBytes / (dh_chunks_ * shape_.hidden_size * 4), 1, kDhSliceRows);
+    return rows >= 128 ? rows / 128 * 128 : rows;
+  }
   // The fast loss path's d_hidden before its all-reduce: s.dh = s ⊙ (q · W) − t ⊙ W[y], on place's stream.
   absl::Status FastDHidden(Scratch& s, int64_t nr, const int32_t* y, int32_t ignore_index, bool tf32,
                            const GemmPlace& place);
@@ -163,6 +182,8 @@ class CudaEngine final : public LceEngine {
                     cudaDataType_t at, int64_t lda, const void* B, cudaDataType_t bt, int64_t ldb, float beta, void* C,
                     cudaDataType_t ct, int64_t ldc, bool tf32, bool c_is_scratch = false, int sm_target = 0,
                     bool rows_in_n = false, bool cols_in_m = false, const GemmPlace& place = {});
+  // g through the GemmRunner on place's stream and workspace (Gemm's route; not with CudaTuning::gemm_ex).
+  absl::Status RunGemm(const GemmSpec& g, bool c_is_scratch, const GemmPlace& place);
 
   // --- Scratch sizes (workspace.cc).
   // Lays out the scratch of R rows (base null: only counts); returns the bytes.
@@ -228,8 +249,12 @@ class CudaEngine final : public LceEngine {
   std::unique_ptr<DeviceBuffer> rank_buf_;      // rankings' candidates and host rows' staged outputs
   std::unique_ptr<DeviceBuffer> rank_dump_;     // the rankings' fallback: a few rows' v over the shard
   std::unique_ptr<DeviceBuffer> agree_;         // GroupRowsPerBlock's one float
+  std::unique_ptr<DeviceBuffer> dh_parts_;      // d_hidden's chunk partials (DHiddenProduct)
   PinnedStaging pinned_;
   int64_t tile_ = 0, lds_ = 0, nseg_ = 0;
+  // d_hidden's fixed chunks (kDhChunkCols): dh_chunks_ of dh_chunk_ columns; W's device copy has zero rows
+  // up to dh_chunks_ · dh_chunk_, and the store as many columns (its padding zeroed a block).
+  int64_t dh_chunks_ = 1, dh_chunk_ = 0;
   bool batch_invariant_ = false;  // one GEMM algorithm for every row count (GemmSpec::n_invariant)
   // EngineConfig::tp_invariant: one logit GEMM algorithm for every tile length too, and under TP the
   // forward's statistics gathered and folded in global segment order, so that groups of any size

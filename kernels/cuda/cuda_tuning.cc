@@ -23,6 +23,14 @@ const std::vector<CudaTuningVariable>& CudaTuningVariables() {
       {"LCE_CUDA_DH_BESIDE", "0/1", "1",
        "fast path, device rows: d_hidden's product beside dW's (0: one after the other)",
        [](CudaTuning& t, int64_t v) { t.dh_beside = v != 0; }},
+      {"LCE_CUDA_DH_FIXED_ORDER", "0/1", "1",
+       "d_hidden's product in fixed vocabulary chunks, a row's bits the same in any batch (0: one product, "
+       "cuBLAS's choice for the row count)",
+       [](CudaTuning& t, int64_t v) { t.dh_fixed_order = v != 0; }},
+      {"LCE_CUDA_DH_INPLACE_ROWS", "int", "0",
+       "blocks of this many rows or more accumulate d_hidden's chunks in place, one product a chunk (0: never; "
+       "the same bits)",
+       [](CudaTuning& t, int64_t v) { t.dh_inplace_rows = v; }},
       {"LCE_CUDA_GEMMEX", "0/1", "0", "1: cublasGemmEx instead of tuned cuBLASLt (comparison only)",
        [](CudaTuning& t, int64_t v) { t.gemm_ex = v != 0; }},
       {"LCE_CUDA_NO_GEMM_TUNE", "0/1", "0", "1: cuBLASLt's first heuristic algorithm, untimed",

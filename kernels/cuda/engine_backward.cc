@@ -127,9 +127,7 @@ absl::Status CudaEngine::GeneralDHidden(const CallPlan& p, Scratch& s, const Blo
   const uint8_t* w = weight_->data();
   const bool tf32 = p.o.allow_tf32;
   if (tree_dh_) return DHiddenByTiles(s, nr, w, tf32);
-  // dh[nr, H] = dA[nr, Vs] · W[Vs, H]   (column-major: [H, nr] = W · dA)
-  LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F, H, tf32,
-                      /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
+  LCE_CUDA_CHECK(DHiddenProduct(s, nr, tf32, GemmPlace{}));
   if (p.target_apart) {
     LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, b.y, p.o.ignore_index, shape_.vocab_begin, Vs, stream_));
   }
@@ -188,11 +186,69 @@ absl::Status CudaEngine::FastDHidden(Scratch& s, int64_t nr, const int32_t* y, i
                                      const GemmPlace& place) {
   const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows;
   const uint8_t* w = weight_->data();
-  const cudaDataType_t dt = CudaType(shape_.dtype);
-  LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F, H, tf32,
-                      /*c_is_scratch=*/true, 0, /*rows_in_n=*/true, false, place));
+  LCE_CUDA_CHECK(DHiddenProduct(s, nr, tf32, place));
   cudaStream_t stream = place.stream != nullptr ? place.stream : stream_;
   LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, y, ignore_index, shape_.vocab_begin, Vs, stream));
+  return absl::OkStatus();
+}
+
+// dh[nr, H] = dA[nr, Vs] · W[Vs, H] (column-major: [H, nr] = W · dA). In fixed chunks: per slice of rows, one
+// strided-batched GEMM writes every chunk's partial and an ordered sum adds them in chunk order. Each chunk is
+// summed in one order by whichever algorithm is timed fastest for the slice (GemmSpec::fixed_k_order), so a
+// row's bits depend on neither the row count nor the slicing; the batch gives a few rows the parallelism that
+// split-K would (bench/RESULTS.md). W's rows and the store's columns past the shard, up to the last chunk's
+// end, are zero.
+absl::Status CudaEngine::DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const GemmPlace& place) {
+  const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows, sesz = StoreBytes();
+  const uint8_t* w = weight_->data();
+  const cudaDataType_t dt = CudaType(shape_.dtype);
+  if (!DHiddenChunked()) {
+    return Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F, H, tf32,
+                /*c_is_scratch=*/true, 0, /*rows_in_n=*/true, false, place);
+  }
+  cudaStream_t stream = place.stream != nullptr ? place.stream : stream_;
+  uint8_t* store = static_cast<uint8_t*>(s.store);
+  if (const int64_t pad = dh_chunks_ * dh_chunk_ - Vs; pad > 0) {
+    LCE_CUDA_CHECK(cudaMemset2DAsync(store + Vs * sesz, lds_ * sesz, 0, pad * sesz, nr, stream));
+  }
+  GemmSpec g;
+  g.m = H;
+  g.k = dh_chunk_;
+  g.a = w;
+  g.lda = H;
+  g.ldb = lds_;
+  g.c = s.dh_parts;
+  g.ldc = H;
+  g.ab_type = dt;
+  g.c_type = CUDA_R_32F;
+  g.compute = shape_.dtype == DType::kFloat32 && tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  g.fixed_k_order = true;
+  if (s.dh_parts == nullptr || (tuning_.dh_inplace_rows > 0 && nr >= tuning_.dh_inplace_rows)) {
+    // In place: a product a chunk over all nr rows, each added to the last (beta 1) in chunk order, as the
+    // ordered sum adds them; the same family of algorithms, so the same bits.
+    // Every chunk's algorithm is chosen (timed on s.dh) before the first product writes it.
+    const int64_t esz = DTypeSize(shape_.dtype);
+    g.n = nr;
+    g.c = s.dh;
+    const GemmPlace prepare{place.stream, place.workspace, /*prepare_only=*/true};
+    for (const GemmPlace& run : {prepare, place}) {
+      for (int64_t c = 0; c < dh_chunks_; ++c) {
+        g.a = w + c * dh_chunk_ * H * esz;
+        g.b = store + c * dh_chunk_ * sesz;
+        g.beta = c == 0 ? 0.0f : 1.0f;
+        LCE_CUDA_CHECK(RunGemm(g, /*c_is_scratch=*/true, run));
+      }
+    }
+    return absl::OkStatus();
+  }
+  g.k_chunks = static_cast<int>(dh_chunks_);
+  const int64_t slice = DhSliceRows();
+  for (int64_t r0 = 0; r0 < nr; r0 += slice) {
+    g.n = std::min(slice, nr - r0);
+    g.b = store + r0 * lds_ * sesz;
+    LCE_CUDA_CHECK(RunGemm(g, /*c_is_scratch=*/true, place));
+    LCE_CUDA_CHECK(LaunchOrderedSum(s.dh + r0 * H, s.dh_parts, g.k_chunks, g.n * H, stream));
+  }
   return absl::OkStatus();
 }
 

@@ -96,6 +96,110 @@ absl::Status GemmRunner::MakePlan(const GemmSpec& g, int64_t n, Plan* p) const {
   LCE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->la, g.ab_type, ta ? g.k : g.m, ta ? g.m : g.k, g.lda));
   LCE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->lb, g.ab_type, tb ? n : g.k, tb ? g.k : n, g.ldb));
   LCE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->lc, g.c_type, g.m, n, g.ldc));
+  if (g.k_chunks > 1) {
+    // Chunk s: A's and B's s-th k-chunk (columns of A or rows of Aᵀ-major storage; likewise B), C + s·ldc·n.
+    const int32_t count = g.k_chunks;
+    const int64_t strides[3] = {ta ? g.k : g.k * g.lda, tb ? g.k * g.ldb : g.k, g.ldc * n};
+    const cublasLtMatrixLayout_t layouts[3] = {p->la, p->lb, p->lc};
+    for (int i = 0; i < 3; ++i) {
+      LCE_CUDA_CHECK(
+          cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      LCE_CUDA_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                      &strides[i], sizeof(strides[i])));
+    }
+  }
+  return absl::OkStatus();
+}
+
+GemmRunner::Key GemmRunner::KeyOf(const GemmSpec& g, int64_t m, int64_t n, int64_t k, bool beta_nonzero) {
+  const int modes = (g.n_invariant ? 1 : 0) | (g.m_invariant ? 2 : 0) | (g.fixed_k_order ? 4 : 0);
+  return Key{g.ta,
+             g.tb,
+             m,
+             n,
+             k,
+             g.lda,
+             g.ldb,
+             g.ldc,
+             g.ab_type,
+             g.c_type,
+             g.compute,
+             beta_nonzero,
+             static_cast<int>(Alignment(g.a)),
+             static_cast<int>(Alignment(g.b)),
+             static_cast<int>(Alignment(g.c)),
+             g.sm_target,
+             modes,
+             g.k_chunks};
+}
+
+absl::StatusOr<cublasLtMatmulAlgo_t> GemmRunner::FixedOrderFamily(const GemmSpec& g, size_t workspace_bytes) {
+  // One family for a chunk's product however it runs: batched or not, written or accumulated (beta).
+  GemmSpec plain = g;
+  plain.k_chunks = 1;
+  plain.beta = 0.0f;
+  const Key key = KeyOf(plain, g.m, 0, g.k, false);
+  if (auto it = families_.find(key); it != families_.end()) return it->second;
+  Plan canon;
+  absl::Status s = MakePlan(plain, kCanonicalN, &canon);
+  cublasLtMatmulHeuristicResult_t first{};
+  int found = 0;
+  if (s.ok()) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    LCE_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint32_t no_split_k = CUBLASLT_REDUCTION_SCHEME_NONE;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
+                                         sizeof(workspace_bytes));
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split_k,
+                                         sizeof(no_split_k));
+    SetAlignments(pref, Alignment(g.a), Alignment(g.b), Alignment(g.c));
+    s = ToStatus(cublasLtMatmulAlgoGetHeuristic(lt_, canon.desc, canon.la, canon.lb, canon.lc, canon.lc, pref, 1,
+                                                &first, &found),
+                 "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
+    cublasLtMatmulPreferenceDestroy(pref);
+  }
+  FreePlan(&canon);
+  if (!s.ok()) return s;
+  if (found == 0) return absl::NotFoundError("no cuBLASLt algorithm without split-K at n = 8192");
+  families_.emplace(key, first.algo);
+  return first.algo;
+}
+
+absl::Status GemmRunner::KeepFixedOrder(const GemmSpec& g, size_t workspace_bytes, const Plan& plan,
+                                        cublasLtMatmulHeuristicResult_t* res, int* found) {
+  absl::StatusOr<cublasLtMatmulAlgo_t> family = FixedOrderFamily(g, workspace_bytes);
+  if (!family.ok() && !absl::IsNotFound(family.status())) return family.status();
+  int32_t family_id = -1;
+  size_t written = 0;
+  if (family.ok()) {
+    LCE_CUDA_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&*family, CUBLASLT_ALGO_CONFIG_ID, &family_id,
+                                                        sizeof(family_id), &written));
+  }
+  int kept = 0;
+  for (int i = 0; family.ok() && i < *found; ++i) {
+    int32_t id = -1, split_k = 0, reduction = -1;
+    cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &written);
+    cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split_k, sizeof(split_k),
+                                         &written);
+    cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction,
+                                         sizeof(reduction), &written);
+    if (id == family_id && split_k <= 1 && reduction == CUBLASLT_REDUCTION_SCHEME_NONE) res[kept++] = res[i];
+  }
+  cublasLtMatmulHeuristicResult_t check{};
+  if (kept == 0 && family.ok() &&
+      cublasLtMatmulAlgoCheck(lt_, plan.desc, plan.la, plan.lb, plan.lc, plan.lc, &*family, &check) ==
+          CUBLAS_STATUS_SUCCESS &&
+      check.workspaceSize <= workspace_bytes) {
+    res[0].algo = *family;  // none of the heuristic's few: the family's own, untimed
+    kept = 1;
+  }
+  if (kept == 0) {
+    // Served, but this product's sums may then change order with the row count (its last bits).
+    std::fprintf(stderr, "lce: no fixed-order GEMM algorithm for m=%ld n=%ld k=%ld (x%d); using the heuristic's\n",
+                 static_cast<long>(g.m), static_cast<long>(g.n), static_cast<long>(g.k), g.k_chunks);
+    return absl::OkStatus();
+  }
+  *found = kept;
   return absl::OkStatus();
 }
 
@@ -105,10 +209,15 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
   // Candidates for the real problem.
   cublasLtMatmulPreference_t pref = nullptr;
   LCE_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  LCE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                      &workspace_bytes, sizeof(workspace_bytes)));
+  LCE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
+                                                      sizeof(workspace_bytes)));
   const uint32_t al_tc = c_is_scratch ? al_c : std::min<uint32_t>(al_c, Alignment(tune_scratch));
   SetAlignments(pref, al_a, al_b, al_tc);
+  if (g.fixed_k_order) {
+    const uint32_t no_split_k = CUBLASLT_REDUCTION_SCHEME_NONE;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split_k,
+                                         sizeof(no_split_k));
+  }
   constexpr int kMaxCandidates = 8;
   cublasLtMatmulHeuristicResult_t res[kMaxCandidates];
   int found = 0;
@@ -117,6 +226,7 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
   cublasLtMatmulPreferenceDestroy(pref);
   LCE_CUDA_CHECK(hs);
   if (found == 0) return absl::InternalError("cuBLASLt found no algorithm for a GEMM");
+  if (g.fixed_k_order) LCE_CUDA_CHECK(KeepFixedOrder(g, workspace_bytes, *p, res, &found));
   p->algo = res[0].algo;
   p->has_algo = true;
   if (found > 1 && tune_) {
@@ -136,16 +246,15 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
       float best = std::numeric_limits<float>::infinity();
       for (int i = 0; ms.ok() && i < found; ++i) {
         cublasLtMatmulHeuristicResult_t check{};
-        if (tn != g.n &&
-            cublasLtMatmulAlgoCheck(lt_, p->desc, p->la, p->lb, p->lc, p->lc, &res[i].algo, &check) !=
-                CUBLAS_STATUS_SUCCESS) {
+        if (tn != g.n && cublasLtMatmulAlgoCheck(lt_, p->desc, p->la, p->lb, p->lc, p->lc, &res[i].algo, &check) !=
+                             CUBLAS_STATUS_SUCCESS) {
           continue;  // not valid for the real problem
         }
         float t_min = std::numeric_limits<float>::infinity();
         for (int rep = 0; rep < 3; ++rep) {
           LCE_CUDA_CHECK(cudaEventRecord(ev_[0], stream));
-          const cublasStatus_t rs = cublasLtMatmul(lt_, tp.desc, &alpha, g.a, tp.la, g.b, tp.lb, &g.beta, tc, tp.lc,
-                                                   tc, tp.lc, &res[i].algo, workspace, workspace_bytes, stream);
+          const cublasStatus_t rs = cublasLtMatmul(lt_, tp.desc, &alpha, g.a, tp.la, g.b, tp.lb, &g.beta, tc, tp.lc, tc,
+                                                   tp.lc, &res[i].algo, workspace, workspace_bytes, stream);
           if (rs != CUBLAS_STATUS_SUCCESS) break;
           LCE_CUDA_CHECK(cudaEventRecord(ev_[1], stream));
           LCE_CUDA_CHECK(cudaEventSynchronize(ev_[1]));
@@ -165,8 +274,7 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
   return absl::OkStatus();
 }
 
-absl::Status GemmRunner::CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes,
-                                       cublasLtMatmulAlgo_t* algo) const {
+absl::Status GemmRunner::CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes, cublasLtMatmulAlgo_t* algo) const {
   const std::vector<int64_t> ms = ProbeMs(g);
   if (ms.empty()) return absl::NotFoundError("no probe m fits ldc");
   GemmSpec canon_spec = g;
@@ -202,8 +310,8 @@ absl::Status GemmRunner::CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes
         Plan probe;
         cublasLtMatmulHeuristicResult_t check{};
         fits = MakePlan(gm, n, &probe).ok() &&
-               cublasLtMatmulAlgoCheck(lt_, probe.desc, probe.la, probe.lb, probe.lc, probe.lc, &res[i].algo,
-                                       &check) == CUBLAS_STATUS_SUCCESS &&
+               cublasLtMatmulAlgoCheck(lt_, probe.desc, probe.la, probe.lb, probe.lc, probe.lc, &res[i].algo, &check) ==
+                   CUBLAS_STATUS_SUCCESS &&
                check.workspaceSize <= workspace_bytes;
         FreePlan(&probe);
         if (!fits) break;
@@ -219,10 +327,10 @@ absl::Status GemmRunner::CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes
   for (int64_t n : kProbeNs) {  // what the first candidate lacks, for the log
     Plan probe;
     cublasLtMatmulHeuristicResult_t check{};
-    const cublasStatus_t cs = found == 0 || !MakePlan(g, n, &probe).ok()
-                                  ? CUBLAS_STATUS_NOT_SUPPORTED
-                                  : cublasLtMatmulAlgoCheck(lt_, probe.desc, probe.la, probe.lb, probe.lc, probe.lc,
-                                                            &res[0].algo, &check);
+    const cublasStatus_t cs =
+        found == 0 || !MakePlan(g, n, &probe).ok()
+            ? CUBLAS_STATUS_NOT_SUPPORTED
+            : cublasLtMatmulAlgoCheck(lt_, probe.desc, probe.la, probe.lb, probe.lc, probe.lc, &res[0].algo, &check);
     FreePlan(&probe);
     if (cs != CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_bytes) {
       absl::StrAppend(&why, " n=", n, ":", static_cast<int>(cs), "/ws", check.workspaceSize);
@@ -235,10 +343,9 @@ absl::Status GemmRunner::CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes
 absl::Status GemmRunner::ChooseAlgo(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
                                     void* workspace, size_t workspace_bytes, cudaStream_t stream, Plan* plan) {
   // n_invariant problems: exact m and k (fixed by the head's shape, so few), one entry for every n.
-  Key size_class{g.ta, g.tb, g.m_invariant ? 0 : g.n_invariant ? g.m : SizeClass(g.m), g.n_invariant ? 0 : SizeClass(g.n),
-                 g.n_invariant ? g.k : SizeClass(g.k), g.lda, g.ldb,
-                 g.ldc, g.ab_type, g.c_type, g.compute, g.beta != 0.0f, static_cast<int>(Alignment(g.a)),
-                 static_cast<int>(Alignment(g.b)), static_cast<int>(Alignment(g.c)), g.sm_target};
+  const int64_t m_class = g.m_invariant ? 0 : g.n_invariant ? g.m : SizeClass(g.m);
+  const Key size_class =
+      KeyOf(g, m_class, g.n_invariant ? 0 : SizeClass(g.n), g.n_invariant ? g.k : SizeClass(g.k), g.beta != 0.0f);
   auto tuned = algos_.find(size_class);
   if (tuned == algos_.end() && g.n_invariant) {
     cublasLtMatmulAlgo_t algo;
@@ -272,9 +379,7 @@ absl::Status GemmRunner::ChooseAlgo(const GemmSpec& g, bool c_is_scratch, float*
 
 absl::Status GemmRunner::FindPlan(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
                                   void* workspace, size_t workspace_bytes, cudaStream_t stream, const Plan** out) {
-  const Key key{g.ta, g.tb, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.ab_type, g.c_type, g.compute, g.beta != 0.0f,
-                static_cast<int>(Alignment(g.a)), static_cast<int>(Alignment(g.b)), static_cast<int>(Alignment(g.c)),
-                g.sm_target * 4 + (g.n_invariant ? 1 : 0) + (g.m_invariant ? 2 : 0)};
+  const Key key = KeyOf(g, g.m, g.n, g.k, g.beta != 0.0f);
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     if (plans_.size() >= kMaxPlans) {  // many row counts seen: start over (their algorithms stay)
@@ -311,8 +416,8 @@ absl::Status GemmRunner::Run(const GemmSpec& g, bool c_is_scratch, float* tune_s
     return s;
   }
   const float alpha = 1.0f;
-  LCE_CUDA_CHECK(cublasLtMatmul(lt_, p->desc, &alpha, g.a, p->la, g.b, p->lb, &g.beta, g.c, p->lc, g.c, p->lc,
-                                &p->algo, workspace, workspace_bytes, stream));
+  LCE_CUDA_CHECK(cublasLtMatmul(lt_, p->desc, &alpha, g.a, p->la, g.b, p->lb, &g.beta, g.c, p->lc, g.c, p->lc, &p->algo,
+                                workspace, workspace_bytes, stream));
   return absl::OkStatus();
 }
 

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace lce::cuda {
 
@@ -36,6 +37,14 @@ struct GemmSpec {
   // With n_invariant: each row of C the same bits whatever m too — one algorithm for every m that is
   // a multiple of 2048 (up to ldc) and every n.
   bool m_invariant = false;
+  // > 1: the product over k_chunks consecutive chunks of k (k each), one strided-batched GEMM: chunk s
+  // takes A's and B's s-th k-chunk and writes C + s·ldc·n.
+  int k_chunks = 1;
+  // Timed among the candidates without split-K of one cuBLASLt algorithm (the heuristic's first
+  // without split-K at n = 8192): each column of C is then summed over k in one order whatever n and
+  // whichever candidate is fastest (every such candidate gave the same bits on H200 with cuBLAS 13:
+  // bench/gemm_order_probe.cu), at the tuned speed of every n.
+  bool fixed_k_order = false;
 };
 
 class GemmRunner {
@@ -54,8 +63,8 @@ class GemmRunner {
                    size_t workspace_bytes, cudaStream_t stream);
   // Chooses g's algorithm as Run does (on first sight: times the candidates, waiting for them) without
   // running g: for a product whose timing must not overlap kernels already queued on another stream.
-  absl::Status Prepare(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
-                       void* workspace, size_t workspace_bytes, cudaStream_t stream);
+  absl::Status Prepare(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
+                       size_t workspace_bytes, cudaStream_t stream);
 
  private:
   struct Plan {
@@ -64,26 +73,36 @@ class GemmRunner {
     cublasLtMatmulAlgo_t algo{};
     bool has_algo = false;
   };
-  using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, int, int, int, int>;
+  using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, int, int,
+                         int, int, int, int>;
+  // g's cache key with m, n and k as given (exact, a size class, or 0 for any) and its beta's zeroness.
+  static Key KeyOf(const GemmSpec& g, int64_t m, int64_t n, int64_t k, bool beta_nonzero);
   absl::Status MakePlan(const GemmSpec& g, int64_t n, Plan* plan) const;
   // Picks plan->algo among cuBLASLt's heuristic candidates by timing them (Run's scratch rules).
   absl::Status Tune(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream, Plan* plan);
+  // fixed_k_order problems: the algorithm whose cuBLASLt algorithm id their candidates must share.
+  absl::StatusOr<cublasLtMatmulAlgo_t> FixedOrderFamily(const GemmSpec& g, size_t workspace_bytes);
+  // Drops res[0, *found) that fixed_k_order excludes (split-K, another algorithm id); none left: the
+  // family's own algorithm where `plan` can run it.
+  absl::Status KeepFixedOrder(const GemmSpec& g, size_t workspace_bytes, const Plan& plan,
+                              cublasLtMatmulHeuristicResult_t* res, int* found);
   // n_invariant problems: the heuristic's first algorithm without split-K for n = kCanonicalN.
   absl::Status CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes, cublasLtMatmulAlgo_t* algo) const;
   // The algorithm to run `plan` with: the size class's, tuned or canonical as g asks.
   absl::Status ChooseAlgo(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
                           void* workspace, size_t workspace_bytes, cudaStream_t stream, Plan* plan);
   // The cached plan of g's exact problem, made (its algorithm chosen) on first sight.
-  absl::Status FindPlan(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
-                        void* workspace, size_t workspace_bytes, cudaStream_t stream, const Plan** plan);
+  absl::Status FindPlan(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
+                        size_t workspace_bytes, cudaStream_t stream, const Plan** plan);
   static void FreePlan(Plan* plan);
 
   cublasLtHandle_t lt_ = nullptr;
   bool tune_ = true;
   cudaEvent_t ev_[2] = {nullptr, nullptr};
-  std::map<Key, Plan> plans_;                    // by exact problem, bounded
-  std::map<Key, cublasLtMatmulAlgo_t> algos_;   // tuned, by size class of m, n, k (SizeClass in gemm.cc)
+  std::map<Key, Plan> plans_;                     // by exact problem, bounded
+  std::map<Key, cublasLtMatmulAlgo_t> algos_;     // tuned, by size class of m, n, k (SizeClass in gemm.cc)
+  std::map<Key, cublasLtMatmulAlgo_t> families_;  // fixed_k_order: the family's algorithm, by problem without n
 };
 
 }  // namespace lce::cuda

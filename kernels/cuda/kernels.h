@@ -212,6 +212,9 @@ absl::Status LaunchScatterTargetDW(float* d_weight, int64_t rows, int64_t hidden
 
 // tree_sum.cu. dst[i] = a[i] + b[i] (rounded to nearest, never fused) for n floats; dst may be a.
 absl::Status LaunchAddFloats(float* dst, const float* a, const float* b, int64_t n, cudaStream_t stream);
+// tree_sum.cu. dst[i] = parts[i] + parts[n + i] + ... + parts[(count − 1)·n + i], left to right (each sum
+// rounded on its own), for n floats.
+absl::Status LaunchOrderedSum(float* dst, const float* parts, int count, int64_t n, cudaStream_t stream);
 // tree_sum.cu. dst[i] = value for n floats.
 absl::Status LaunchFillFloats(float* dst, float value, int64_t n, cudaStream_t stream);
 

@@ -1,6 +1,7 @@
-// Elementwise steps of d_hidden's canonical tile tree (cuda_engine.cc, DHiddenByTiles): a node's
-// value is left + right, and a gathered node buffer starts at −inf so that a max all-reduce copies
-// each rank's nodes into every rank's buffer.
+// Elementwise steps of d_hidden's fixed-order sums: the canonical tile tree's (engine_backward.cc,
+// DHiddenByTiles: a node's value is left + right, and a gathered node buffer starts at −inf so that a
+// max all-reduce copies each rank's nodes into every rank's buffer) and the chunked product's ordered
+// sum of its partials (DHiddenProduct).
 #include <algorithm>
 
 #include "cuda/cuda_check.h"
@@ -12,6 +13,14 @@ namespace {
 __global__ void AddFloatsKernel(float* dst, const float* a, const float* b, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     dst[i] = __fadd_rn(a[i], b[i]);  // never contracted: the tree's bits
+  }
+}
+
+__global__ void OrderedSumKernel(float* dst, const float* parts, int count, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    float acc = parts[i];
+    for (int s = 1; s < count; ++s) acc = __fadd_rn(acc, parts[s * n + i]);  // left to right, never contracted
+    dst[i] = acc;
   }
 }
 
@@ -28,6 +37,14 @@ unsigned Blocks(int64_t n) { return static_cast<unsigned>(std::min<int64_t>((n +
 absl::Status LaunchAddFloats(float* dst, const float* a, const float* b, int64_t n, cudaStream_t stream) {
   if (n <= 0) return absl::OkStatus();
   AddFloatsKernel<<<Blocks(n), 256, 0, stream>>>(dst, a, b, n);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LaunchOrderedSum(float* dst, const float* parts, int count, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return absl::OkStatus();
+  if (count < 1) return absl::InternalError("ordered sum of no partials");
+  OrderedSumKernel<<<Blocks(n), 256, 0, stream>>>(dst, parts, count, n);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }

@@ -2,6 +2,7 @@
 // block size the budget allows, and host rows' pinned staging.
 #include "cuda/workspace.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "cuda/cuda_check.h"

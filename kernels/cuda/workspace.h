@@ -25,6 +25,7 @@ struct ScratchLayout {
   bool epi = false;        // forward through the epilogue-statistics GEMM: no logit tiles
   bool stage = false;      // device rows not 16-byte aligned, copied to s.hidden for the epilogue GEMM's TMA
   bool side = false;       // fast path, device rows: d_hidden's product on aux_ beside dW's (FastGradsBeside)
+  bool dh_chunks = false;  // d_hidden's product in fixed chunks (DHiddenProduct): its partials (dh_parts_)
 };
 
 // Scratch of one row block of R rows.
@@ -41,6 +42,7 @@ struct Scratch {
   float* m = nullptr;              // [R]
   float* info = nullptr;           // [R, kRowInfo]
   float* dh = nullptr;             // [R, H] fp32 (backward only; may alias the logit tiles)
+  float* dh_parts = nullptr;       // [chunks, slice, H] fp32: d_hidden's chunk partials (dh_parts_, not the workspace)
   float* tree = nullptr;           // [TreeSlots(), R, H] fp32: d_hidden's tile tree (tree_dh_)
   float* tree_gathered = nullptr;  // [GatheredNodes(), R, H] fp32: every rank's subtrees (tree_dh_, TP)
   // [3]: the first non-finite row; [1] the overflow flag (float bits); [2] the first bad target (device rows)

@@ -133,11 +133,13 @@ LCE_SERVER_FLAG(bool, log_requests, log_requests, true,
 LCE_SERVER_FLAG(bool, pipeline_chunks, pipeline_chunks, true,
                 "GPU engines, for clients that send ahead (RequestHeader.sends_ahead): compute a chunk while the next "
                 "is read and staged, answer from another thread");
-LCE_SERVER_FLAG(int64_t, batch_max_rows, batch_max_rows, 256,
-                "dynamic batching: concurrent small Calls (Score; ForwardBackward and Backward without "
-                "accumulate_weight_grad) of the same head version and options are merged into one engine call of at "
-                "most N rows; a request of more rows runs alone (0 or 1: off). Only on engines whose rows are the same "
-                "bits in any batch (the CPU engine; CUDA with --batch-invariant=true); others run every call alone");
+LCE_SERVER_FLAG(
+    int64_t, batch_max_rows, batch_max_rows, 256,
+    "dynamic batching: concurrent small Calls (Score; ForwardBackward and Backward without "
+    "accumulate_weight_grad) of the same head version and options are merged into one engine call of at "
+    "most N rows; a request of more rows runs alone (0 or 1: off). Only on engines whose rows are the same "
+    "bits in any batch (the CPU engine; CUDA with its epilogue GEMM, or --batch-invariant=true); others run "
+    "every call alone");
 LCE_SERVER_FLAG(int64_t, batch_max_delay_us, batch_max_delay_us, 0,
                 "how long a batch waits for more requests before it launches, in microseconds, at most 1000000 (0: at "
                 "once when the engine is free; requests queue only while it is busy)");
@@ -169,8 +171,10 @@ LCE_SERVER_FLAG(std::string, admin_token_file, admin_token_file, "",
 LCE_SERVER_FLAG(int64_t, workspace_bytes, workspace_bytes, int64_t{1} << 30, "engine scratch budget");
 LCE_SERVER_FLAG(int32_t, cpu_threads, cpu_threads, 0, "CPU engine threads (0: all cores)");
 LCE_SERVER_FLAG(bool, batch_invariant, batch_invariant, false,
-                "CUDA engine: a row's results the same bits in any batch (one GEMM algorithm for every row count; "
-                "costs 5-13% at some train shapes, more on small calls; the CPU engine always is)");
+                "CUDA engine's logit-tile path (no epilogue GEMM: fp32 heads, builds without CUTLASS, training calls "
+                "with rankings): a row's results the same bits in any batch (one GEMM algorithm for every row count; "
+                "cost 5-13% at some train shapes, more on small calls). The epilogue GEMM's path and the CPU engine "
+                "always are");
 LCE_SERVER_FLAG(bool, tp_invariant, tp_invariant, false,
                 "CUDA engine, with --batch-invariant: logprob, entropy, loss and d_hidden the same bits for any TP "
                 "group size, V >= 131072; costs 31-44% of a train step");

@@ -1318,9 +1318,9 @@ TEST_F(EpilogueStatsTest, TrainingMatchesReferenceEveryOption) {
   }
 }
 
-// Through the epilogue GEMM, a training row's logprob, entropy, lse and loss are the same bits alone
-// and in batches of 7, 300 and 4096 (d_hidden too with batch-invariant GEMMs, whose d_hidden product
-// is fixed), on the fast loss path, the general path (label smoothing) and the generic backward; and a
+// Through the epilogue GEMM, a training row's logprob, entropy, lse, loss and d_hidden are the same bits
+// alone and in batches of 7, 300 and 4096, with and without batch-invariant GEMMs for the other paths, on
+// the fast loss path, the general path (label smoothing) and the generic backward; and a
 // row's logprob, entropy and lse are the same bits in a score call and a training call (both take the
 // same GEMM): no train/inference mismatch from the loss head.
 TEST_F(EpilogueStatsTest, TrainingBatchInvarianceAndScoreAgreement) {
@@ -1336,8 +1336,7 @@ TEST_F(EpilogueStatsTest, TrainingBatchInvarianceAndScoreAgreement) {
     const Problem p = MakeProblem(sp, 5800 + variant);
     auto e = MakeCuda(p, Epi(cfg));
     ASSERT_NE(e, nullptr);
-    const Answers whole =
-        ExpectBatchInvariant(*e, p, cfg.batch_invariant ? sp.hidden : 0, absl::StrCat("variant ", variant));
+    const Answers whole = ExpectBatchInvariant(*e, p, sp.hidden, absl::StrCat("variant ", variant));
     ASSERT_TRUE(whole.status.ok()) << whole.status;
     Problem score = p;
     score.ref.mode = GradMode::kNone;
@@ -1351,6 +1350,44 @@ TEST_F(EpilogueStatsTest, TrainingBatchInvarianceAndScoreAgreement) {
       ASSERT_EQ(std::memcmp(&scored.entropy[i], &whole.entropy[i], 4), 0) << "variant " << variant << " row " << i;
       ASSERT_EQ(std::memcmp(&scored.lse[i], &whole.lse[i], 4), 0) << "variant " << variant << " row " << i;
     }
+  }
+}
+
+// d_hidden is the same bits alone and in batches of 7, 300 and 4096 rows with the default configuration:
+// its product in fixed vocabulary chunks (100003 columns: four, the last padded; 4096 rows: four slices),
+// on the fast loss path (beside dW's product and after it), the general path and the generic backward,
+// and with blocks of 300 rows or more accumulating the chunks in place (the others batched); GetInfo's
+// list says so. The chunked product is as close to float64 as the one product it replaces.
+TEST_F(EpilogueStatsTest, DHiddenBatchInvariantByDefault) {
+  for (int variant = 0; variant < 5; ++variant) {
+    ProblemSpec sp;
+    sp.rows = 4096;
+    sp.hidden = 256;
+    sp.vocab = 100003;
+    sp.mode = variant == 3 ? GradMode::kGeneric : GradMode::kLoss;
+    if (variant == 2) sp.options.label_smoothing = 0.1f;
+    const Problem p = MakeProblem(sp, 6100 + variant);
+    const CudaTuning chunked = EpiTuning([&](CudaTuning& t) {
+      t.dh_beside = variant != 1;
+      if (variant == 4) t.dh_inplace_rows = 300;
+    });
+    auto e = MakeCuda(p, WithTuning(chunked));
+    ASSERT_NE(e, nullptr);
+    const std::string what = absl::StrCat("variant ", variant);
+    const std::vector<std::string> inv = e->invariance().across_batches;
+    EXPECT_NE(std::find(inv.begin(), inv.end(), "d_hidden"), inv.end()) << what;
+    ExpectBatchInvariant(*e, p, sp.hidden, what);
+    // Accuracy on 128 rows (a float64 reference of 4096 would take minutes): chunked against one product.
+    const Problem few = Slice(p, 1000, 128);
+    const Answers a = RunEngine(*e, few, MemorySpace::kDevice, {});
+    ASSERT_TRUE(SetCudaTuning(*e, TuningWith([](CudaTuning& t) { t.dh_fixed_order = false; }, chunked)).ok());
+    const Answers one = RunEngine(*e, few, MemorySpace::kDevice, {});
+    ASSERT_TRUE(a.status.ok() && one.status.ok()) << what << ": " << a.status << " / " << one.status;
+    const RefResult ref = testing::ReferenceLce(few.ref);
+    const double err = RelErr(a.d_hidden, ref.d_hidden, sp.hidden),
+                 err_one = RelErr(one.d_hidden, ref.d_hidden, sp.hidden);
+    EXPECT_LE(err, std::max(2e-3, 1.25 * err_one))
+        << what << " d_hidden: chunked " << err << ", one product " << err_one;
   }
 }
 
