@@ -21,10 +21,13 @@ absl::Status CudaEngine::ZeroFreshDWeight(CallPlan& p) {
   const bool dw_products = rows.rows > 0 && p.up.mode != GradMode::kNone && rows.space == MemorySpace::kDevice;
   if (dw_fresh_in && !dw_products) {
     const size_t dw_bytes = static_cast<size_t>(shape_.shard_rows * shape_.hidden_size) * sizeof(float);
+    const size_t db_bytes = static_cast<size_t>(shape_.shard_rows) * sizeof(float);
     if (rows.space == MemorySpace::kHost) {
       std::memset(p.grads.d_weight, 0, dw_bytes);
+      if (p.grads.d_bias != nullptr) std::memset(p.grads.d_bias, 0, db_bytes);
     } else {
       LCE_CUDA_CHECK(cudaMemsetAsync(p.grads.d_weight, 0, dw_bytes, stream_));
+      if (p.grads.d_bias != nullptr) LCE_CUDA_CHECK(cudaMemsetAsync(p.grads.d_bias, 0, db_bytes, stream_));
       LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
     }
   }
@@ -153,11 +156,33 @@ absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
     LCE_CUDA_CHECK(cudaMemcpyAsync(class_weight_->data(), p.rows.class_weight, bytes, cudaMemcpyHostToDevice, stream_));
     p.class_weight = reinterpret_cast<const float*>(class_weight_->data());
   }
+  if (p.grads.d_bias != nullptr && p.backward) LCE_CUDA_CHECK(PrepareBiasGrad(p));
   if (p.o.top_k > 0) LCE_CUDA_CHECK(PrepareRankings(p));
   p.targets_pending = !p.rows.targets_checked && !p.host;  // device rows: read with block 0's flags
   if (!p.rows.targets_checked) {
     if (absl::Status st = CheckTargets(p.rows, p.o, s); !st.ok()) return st;
   }
+  return absl::OkStatus();
+}
+
+// dB where the blocks add to it: the caller's on device rows; for host rows a device copy of theirs (zeroed
+// by ZeroFreshDWeight when fresh), copied back by CopyOutBiasGrad.
+absl::Status CudaEngine::PrepareBiasGrad(CallPlan& p) {
+  if (!p.host) {
+    p.d_bias = p.grads.d_bias;
+    return absl::OkStatus();
+  }
+  const int64_t bytes = shape_.shard_rows * static_cast<int64_t>(sizeof(float));
+  LCE_CUDA_CHECK(GrowDeviceBuffer(bias_grad_, bytes));
+  p.d_bias = reinterpret_cast<float*>(bias_grad_->data());
+  LCE_CUDA_CHECK(cudaMemcpyAsync(p.d_bias, p.grads.d_bias, bytes, cudaMemcpyHostToDevice, stream_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::CopyOutBiasGrad(const CallPlan& p) {
+  const int64_t bytes = shape_.shard_rows * static_cast<int64_t>(sizeof(float));
+  LCE_CUDA_CHECK(cudaMemcpyAsync(p.grads.d_bias, p.d_bias, bytes, cudaMemcpyDeviceToHost, stream_));
+  LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return absl::OkStatus();
 }
 

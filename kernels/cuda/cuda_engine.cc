@@ -165,7 +165,9 @@ EngineInvariance CudaEngine::invariance() const {
 absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, const Upstream& up, const RowOutputs& out,
                                  const GradOutputs& grads) {
   if (absl::Status s = CheckCall(rows, o, up); !s.ok()) return s;
-  if (grads.d_bias != nullptr) return absl::UnimplementedError("training a head's bias is not on the CUDA engine yet");
+  if (grads.d_bias != nullptr && (!shape_.has_bias || grads.d_weight == nullptr)) {
+    return absl::InvalidArgumentError("d_bias goes with d_weight, for a head with a bias");
+  }
   if (absl::Status s = ValidateOutputs(o, out); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(mu_);
   LCE_CUDA_CHECK(cudaSetDevice(config_.device));
@@ -187,6 +189,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
     LCE_CUDA_CHECK(b.fast ? BackwardFast(p, s, b) : BackwardGeneral(p, s, b));  // and copy out
   }
   LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (p.host && p.d_bias != nullptr) LCE_CUDA_CHECK(CopyOutBiasGrad(p));
   return absl::OkStatus();
 }
 

@@ -23,6 +23,7 @@ absl::StatusOr<std::unique_ptr<LceEngine>> CreateCudaEngine(std::shared_ptr<cons
 struct EngineWeightOnDevice {
   void* weight = nullptr;
   int device = 0;
+  float* bias = nullptr;  // [shard_rows] fp32, for a head with a bias
 };
 // INVALID_ARGUMENT when `engine` is not a CUDA engine.
 absl::StatusOr<EngineWeightOnDevice> WeightOnDevice(LceEngine& engine);

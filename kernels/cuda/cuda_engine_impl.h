@@ -80,7 +80,9 @@ class CudaEngine final : public LceEngine {
   std::string_view backend() const override { return "cuda"; }
   EngineInvariance invariance() const override;
   const HeadShape& shape() const override { return shape_; }
-  EngineWeightOnDevice weight_on_device() const { return {weight_->data(), config_.device}; }
+  EngineWeightOnDevice weight_on_device() const {
+    return {weight_->data(), config_.device, bias_ != nullptr ? reinterpret_cast<float*>(bias_->data()) : nullptr};
+  }
 
   absl::Status Compute(const RowsView& rows, const LceOptions& options, const Upstream& upstream,
                        const RowOutputs& outputs, const GradOutputs& grads) override;
@@ -131,6 +133,11 @@ class CudaEngine final : public LceEngine {
   // Host d_weight, slab by slab through the device: host += a[nr, slab]ᵀ · x, with x = h and a = dA
   // (general path), or x = s ⊙ h and a = q, then the target rows −= t ⊙ h (fast_targets).
   absl::Status HostDWeightSlabs(const CallPlan& p, Scratch& s, const BlockIo& b, const void* x, bool fast_targets);
+  // A head's bias: dB (p.d_bias) += the block's column sums of dL/da (bias_grad.cu); host rows' dB on the device,
+  // copied in (PrepareCall) and out (after the last block).
+  absl::Status PrepareBiasGrad(CallPlan& p);
+  absl::Status BiasGrad(const CallPlan& p, const Scratch& s, const BlockIo& b, bool fast);
+  absl::Status CopyOutBiasGrad(const CallPlan& p);
 
   // --- Pieces of the phases.
   // The forward of a row block through the epilogue-statistics GEMM: segment partials into s.part and
@@ -250,6 +257,7 @@ class CudaEngine final : public LceEngine {
   std::unique_ptr<DeviceBuffer> rank_dump_;     // the rankings' fallback: a few rows' v over the shard
   std::unique_ptr<DeviceBuffer> agree_;         // GroupRowsPerBlock's one float
   std::unique_ptr<DeviceBuffer> dh_parts_;      // d_hidden's chunk partials (DHiddenProduct)
+  std::unique_ptr<DeviceBuffer> bias_grad_;     // host rows' dB, on the device during a call
   PinnedStaging pinned_;
   int64_t tile_ = 0, lds_ = 0, nseg_ = 0;
   // d_hidden's fixed chunks (kDhChunkCols): dh_chunks_ of dh_chunk_ columns; W's device copy has zero rows

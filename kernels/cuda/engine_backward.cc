@@ -40,6 +40,7 @@ absl::Status CudaEngine::BackwardFast(const CallPlan& p, Scratch& s, const Block
     if (b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
     if (grads.d_hidden != nullptr) LCE_CUDA_CHECK(FastDHidden(s, nr, b.y, p.o.ignore_index, tf32, GemmPlace{}));
   }
+  if (p.d_bias != nullptr) LCE_CUDA_CHECK(BiasGrad(p, s, b, /*fast=*/true));
   if (grads.d_hidden != nullptr) {
     if (config_.collectives != nullptr) {
       LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
@@ -73,6 +74,7 @@ absl::Status CudaEngine::TraceFast(const CallPlan& p, const BlockIo& b) {
 absl::Status CudaEngine::BackwardGeneral(const CallPlan& p, Scratch& s, const BlockIo& b) {
   if (b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[2], stream_));
   LCE_CUDA_CHECK(WriteGradAndDWeight(p, s, b));
+  if (p.d_bias != nullptr) LCE_CUDA_CHECK(BiasGrad(p, s, b, /*fast=*/false));
   if (b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
   if (p.grads.d_hidden != nullptr) {
     LCE_CUDA_CHECK(GeneralDHidden(p, s, b));
@@ -146,6 +148,14 @@ absl::Status CudaEngine::TraceGeneral(const CallPlan& p, const BlockIo& b) {
   std::fprintf(stderr, "lce trace: rows %ld/%ld (R=%ld) tiles fwd %.3f ms | dA+dW %.3f ms | dh %.3f ms\n",
                static_cast<long>(b.nr), static_cast<long>(p.rows.rows), static_cast<long>(p.R), ms[0], ms[1], ms[2]);
   return absl::OkStatus();
+}
+
+// Fast path: dL/da = s_r·q − t_r·1[y_r]; general path: the copy is dL/da, its target term apart where
+// p.target_apart. Host rows add to their device copy of dB (beta 1: a fresh one was zeroed).
+absl::Status CudaEngine::BiasGrad(const CallPlan& p, const Scratch& s, const BlockIo& b, bool fast) {
+  return LaunchBiasGrad(p.d_bias, p.host ? 1.0f : b.dw_beta, s.store, shape_.dtype, lds_, b.nr, shape_.shard_rows,
+                        s.info, /*scale=*/fast, /*target=*/fast || p.target_apart, b.y, p.o.ignore_index,
+                        shape_.vocab_begin, stream_);
 }
 
 absl::Status CudaEngine::CopyOutDHidden(const CallPlan& p, Scratch& s, const BlockIo& b) {

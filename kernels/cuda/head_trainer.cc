@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_engine.h"
@@ -52,13 +54,21 @@ class CudaHeadTrainer final : public HeadTrainer {
     LCE_CUDA_CHECK(LaunchTileSquaredNorms(grad_data(), norm_shape_, scratch, sums, stream_));
     TileSquaredNorms out{norm_shape_.first_tile, std::vector<double>(static_cast<size_t>(norm_shape_.tiles))};
     LCE_CUDA_CHECK(cudaMemcpyAsync(out.sums.data(), sums, out.sums.size() * 8, cudaMemcpyDeviceToHost, stream_));
+    std::vector<float> d_bias(shape_.has_bias ? shape_.shard_rows : 0);
+    if (shape_.has_bias) {
+      LCE_CUDA_CHECK(
+          cudaMemcpyAsync(d_bias.data(), BiasPart(grad_data()), d_bias.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    }
     LCE_CUDA_CHECK(Sync());
+    // A tile's rows of dW, then of dB (in float64 on the host: a few floats a row), as the CPU trainer.
+    const ShardTiles tiles = TilesOf(shape_);
+    for (int64_t i = 0; shape_.has_bias && i < tiles.count; ++i) {
+      out.sums[i] += SquaredNorm(d_bias.data() + tiles.RowBegin(i), tiles.RowEnd(i) - tiles.RowBegin(i));
+    }
     return out;
   }
 
   absl::Status PrepareStep() override {
-    // Its engine trains no bias (CudaEngine::Compute refuses d_bias): a step would leave it behind.
-    if (shape_.has_bias) return absl::UnimplementedError("stepping a head with a bias is not on the CUDA engine yet");
     if (master_ != nullptr) return absl::OkStatus();
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     return MakeMasters();
@@ -79,6 +89,14 @@ class CudaHeadTrainer final : public HeadTrainer {
     a.step_size = c.step_size;
     LCE_CUDA_CHECK(LaunchAdamW(Master(), Master() + Stride(), Master() + 2 * Stride(), grad_data(), shape_.dtype,
                                serving_.weight, weight_elements(), a, stream_));
+    if (shape_.has_bias) {
+      // dB follows dW in the gradient buffer, not 16-byte aligned in general: the kernel reads an aligned copy.
+      float* db = reinterpret_cast<float*>(bias_grad_->data());
+      const int64_t b0 = BiasOffset(), n = shape_.shard_rows;
+      LCE_CUDA_CHECK(cudaMemcpyAsync(db, BiasPart(grad_data()), n * 4, cudaMemcpyDeviceToDevice, stream_));
+      LCE_CUDA_CHECK(LaunchAdamW(Master() + b0, Master() + Stride() + b0, Master() + 2 * Stride() + b0, db,
+                                 DType::kFloat32, serving_.bias, n, a, stream_));
+    }
     LCE_CUDA_CHECK(Sync());
     ++steps_;
     host_current_ = false;
@@ -87,15 +105,19 @@ class CudaHeadTrainer final : public HeadTrainer {
 
   absl::StatusOr<std::shared_ptr<LceEngine>> SetWeight(std::shared_ptr<const HeadWeights> w) override {
     if (w->weight.size() != weights_->weight.size()) return absl::InvalidArgumentError("new weight has another shape");
-    // The serving engine keeps the bias it was made with: a new one would be reported but not served.
-    if (w->bias != weights_->bias) {
-      return absl::UnimplementedError(
-          "changing a head's bias (UpdateWeights with a bias) is not on the CUDA engine yet");
-    }
+    if (w->bias.size() != weights_->bias.size()) return absl::InvalidArgumentError("new bias has another shape");
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     LCE_CUDA_CHECK(cudaMemcpyAsync(serving_.weight, w->weight.data(), w->weight.size(), cudaMemcpyHostToDevice, stream_));
+    if (shape_.has_bias) {
+      LCE_CUDA_CHECK(
+          cudaMemcpyAsync(serving_.bias, w->bias.data(), w->bias.size() * 4, cudaMemcpyHostToDevice, stream_));
+    }
     if (master_ != nullptr) {
       LCE_CUDA_CHECK(LaunchDTypeToFloat(serving_.weight, shape_.dtype, Master(), weight_elements(), stream_));
+      if (shape_.has_bias) {
+        LCE_CUDA_CHECK(cudaMemcpyAsync(Master() + BiasOffset(), serving_.bias, shape_.shard_rows * 4,
+                                       cudaMemcpyDeviceToDevice, stream_));
+      }
     }
     LCE_CUDA_CHECK(Sync());
     weights_ = std::move(w);
@@ -107,10 +129,14 @@ class CudaHeadTrainer final : public HeadTrainer {
     if (host_current_) return weights_;
     auto w = std::make_shared<HeadWeights>();
     w->shape = shape_;
-    w->bias = weights_->bias;
+    w->bias.resize(weights_->bias.size());
     w->weight.resize(weights_->weight.size());
     LCE_CUDA_CHECK(cudaSetDevice(serving_.device));
     LCE_CUDA_CHECK(cudaMemcpyAsync(w->weight.data(), serving_.weight, w->weight.size(), cudaMemcpyDeviceToHost, stream_));
+    if (shape_.has_bias) {
+      LCE_CUDA_CHECK(
+          cudaMemcpyAsync(w->bias.data(), serving_.bias, w->bias.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    }
     LCE_CUDA_CHECK(Sync());
     weights_ = std::move(w);
     host_current_ = true;
@@ -162,15 +188,23 @@ class CudaHeadTrainer final : public HeadTrainer {
     return absl::OkStatus();
   }
   // master, exp_avg and exp_avg_sq: one allocation of three fp32 shards, each Stride() floats apart
-  // (a multiple of 64, for the kernel's 16-byte vectors).
+  // (a multiple of 64, for the kernel's 16-byte vectors); a bias's part of each from BiasOffset().
   float* Master() { return reinterpret_cast<float*>(master_->data()); }
-  int64_t Stride() const { return (grad_elements() + 63) / 64 * 64; }
+  int64_t BiasOffset() const { return (weight_elements() + 63) / 64 * 64; }
+  int64_t Stride() const { return (BiasOffset() + (shape_.has_bias ? shape_.shard_rows : 0) + 63) / 64 * 64; }
   // At the first step: masters from the serving weight, zero moments.
   absl::Status MakeMasters() {
     absl::StatusOr<std::unique_ptr<DeviceBuffer>> m = AllocateDeviceBuffer(3 * Stride() * 4, serving_.device);
     if (!m.ok()) return m.status();
     float* master = reinterpret_cast<float*>((*m)->data());
     LCE_CUDA_CHECK(LaunchDTypeToFloat(serving_.weight, shape_.dtype, master, weight_elements(), stream_));
+    if (shape_.has_bias) {
+      absl::StatusOr<std::unique_ptr<DeviceBuffer>> db = AllocateDeviceBuffer(shape_.shard_rows * 4, serving_.device);
+      if (!db.ok()) return db.status();
+      bias_grad_ = std::move(*db);
+      LCE_CUDA_CHECK(cudaMemcpyAsync(master + BiasOffset(), serving_.bias, shape_.shard_rows * 4,
+                                     cudaMemcpyDeviceToDevice, stream_));
+    }
     LCE_CUDA_CHECK(cudaMemsetAsync(master + Stride(), 0, static_cast<size_t>(2 * Stride()) * 4, stream_));
     LCE_CUDA_CHECK(Sync());
     master_ = std::move(*m);  // only once complete: a failure leaves no half-made state
@@ -183,6 +217,7 @@ class CudaHeadTrainer final : public HeadTrainer {
   EngineWeightOnDevice serving_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<DeviceBuffer> norm_scratch_, master_;
+  std::unique_ptr<DeviceBuffer> bias_grad_;  // Step's aligned copy of dB (a head with a bias)
   TileNormShape norm_shape_;
 };
 

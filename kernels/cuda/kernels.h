@@ -210,6 +210,14 @@ absl::Status LaunchScatterTargetDW(float* d_weight, int64_t rows, int64_t hidden
                                    int64_t vocab_begin, int64_t shard_rows, void* scratch, int64_t scratch_bytes,
                                    cudaStream_t stream);
 
+// bias_grad.cu. d_bias[j] = beta·d_bias[j] + Σ_r (s_r·stored[r, j] − t_r·1[j = y_r]) over the shard's columns j,
+// the rows r in order (each product and sum rounded on its own); beta 0 reads nothing of d_bias. stored
+// [rows, lds] in dtype: dA, or the fast path's q; s_r (kInfoScale) with `scale`, else 1; the target's term
+// t_r (kInfoTarget) with `target` (kept apart from the copy), else none.
+absl::Status LaunchBiasGrad(float* d_bias, float beta, const void* stored, DType dtype, int64_t lds, int64_t rows,
+                            int64_t shard_rows, const float* row_info, bool scale, bool target, const int32_t* targets,
+                            int32_t ignore_index, int64_t vocab_begin, cudaStream_t stream);
+
 // tree_sum.cu. dst[i] = a[i] + b[i] (rounded to nearest, never fused) for n floats; dst may be a.
 absl::Status LaunchAddFloats(float* dst, const float* a, const float* b, int64_t n, cudaStream_t stream);
 // tree_sum.cu. dst[i] = parts[i] + parts[n + i] + ... + parts[(count − 1)·n + i], left to right (each sum

@@ -11,6 +11,7 @@ set(LCE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/row_finalize.cu
   ${CMAKE_CURRENT_LIST_DIR}/write_grad.cu
   ${CMAKE_CURRENT_LIST_DIR}/fast_grad.cu
+  ${CMAKE_CURRENT_LIST_DIR}/bias_grad.cu
   ${CMAKE_CURRENT_LIST_DIR}/convert.cu
   ${CMAKE_CURRENT_LIST_DIR}/tree_sum.cu
   ${CMAKE_CURRENT_LIST_DIR}/validate.cu

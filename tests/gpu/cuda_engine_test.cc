@@ -122,6 +122,7 @@ Problem MakeProblem(const ProblemSpec& sp, uint64_t seed) {
 struct Answers {
   absl::Status status;
   std::vector<float> logprob, entropy, lse, loss, z_loss, d_hidden, d_weight;
+  std::vector<float> d_bias;                // where RunEngine is given a start for it
   std::vector<int32_t> argmax, top_tokens;  // rankings, where the options ask top_k
   std::vector<float> top_logprobs;
 };
@@ -144,8 +145,9 @@ void FromDevice(const T* d, std::vector<T>& v) {
 // Runs one Compute. Row outputs and d_hidden are poisoned with NaN; d_weight starts at dw_init.
 // want_entropy false: the call asks no entropy (the answer's entropy stays NaN).
 Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::vector<float>& dw_init,
-            const std::vector<uint8_t>* hidden_override = nullptr, const std::vector<int32_t>* targets_override = nullptr,
-            bool want_entropy = true) {
+                  const std::vector<uint8_t>* hidden_override = nullptr,
+                  const std::vector<int32_t>* targets_override = nullptr, bool want_entropy = true,
+                  const std::vector<float>* db_init = nullptr) {
   const int64_t N = p.ref.rows, H = p.ref.hidden;
   const std::vector<uint8_t>& hidden = hidden_override ? *hidden_override : p.hidden;
   const std::vector<int32_t>& targets = targets_override ? *targets_override : p.ref.targets;
@@ -159,6 +161,8 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
   a.z_loss.assign(N, nan);
   std::vector<uint8_t> dh(grad ? N * H * DTypeSize(p.dtype) : 0, 0xff);  // NaN in every dtype
   a.d_weight = dw_init;
+  const bool want_db = grad && !dw_init.empty() && db_init != nullptr;
+  if (want_db) a.d_bias = *db_init;
   const int64_t k = p.ref.options.top_k;
   a.argmax.assign(k > 0 ? N : 0, -7);
   a.top_tokens.assign(N * k, -7);
@@ -178,8 +182,9 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
       out.top_tokens = a.top_tokens.data();
       out.top_logprobs = a.top_logprobs.data();
     }
-    a.status = e.Compute(rows, p.ref.options, up, out,
-                         {grad ? dh.data() : nullptr, grad && !dw_init.empty() ? a.d_weight.data() : nullptr});
+    GradOutputs grads{grad ? dh.data() : nullptr, grad && !dw_init.empty() ? a.d_weight.data() : nullptr};
+    grads.d_bias = want_db ? a.d_bias.data() : nullptr;
+    a.status = e.Compute(rows, p.ref.options, up, out, grads);
   } else {
     uint8_t* d_hidden = ToDevice(hidden);
     int32_t* d_targets = ToDevice(targets);
@@ -203,7 +208,14 @@ Answers RunEngine(LceEngine& e, const Problem& p, MemorySpace space, const std::
     out.argmax = d_argmax;
     out.top_tokens = d_tokens;
     out.top_logprobs = d_top_lp;
-    a.status = e.Compute(rows, p.ref.options, up, out, {d_dh, d_dw});
+    float* d_db = want_db ? ToDevice(a.d_bias) : nullptr;
+    GradOutputs grads{d_dh, d_dw};
+    grads.d_bias = d_db;
+    a.status = e.Compute(rows, p.ref.options, up, out, grads);
+    if (d_db != nullptr) {
+      FromDevice(d_db, a.d_bias);
+      cudaFree(d_db);
+    }
     if (k > 0) {
       FromDevice(d_argmax, a.argmax);
       FromDevice(d_tokens, a.top_tokens);
@@ -1048,6 +1060,66 @@ Answers ExpectBatchInvariant(LceEngine& e, const Problem& p, int64_t H, const st
     }
   }
   return whole;
+}
+
+// A head's bias trained on the GPU (issue 34): dB against float64 (the reference's Σ_r dL/da) on the fast
+// loss path, the general path (label smoothing, softcap) and the generic backward, bf16 and fp32, device and
+// host rows, accumulated onto a random start; the same bits every run; refused without d_weight.
+TEST_F(CudaTest, BiasGradMatchesReference) {
+  uint64_t seed = 6400;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      ProblemSpec sp;
+      sp.rows = 300;
+      sp.hidden = 64;
+      sp.vocab = 20001;
+      sp.dtype = dtype;
+      sp.bias = true;
+      sp.mode = variant == 2 ? GradMode::kGeneric : GradMode::kLoss;
+      sp.grad_loss = variant == 0;
+      if (variant == 1) {
+        sp.options.label_smoothing = 0.1f;
+        sp.options.softcap = 20.0f;
+      }
+      const Problem p = MakeProblem(sp, ++seed);
+      auto e = MakeCuda(p);
+      ASSERT_NE(e, nullptr);
+      const RefResult ref = testing::ReferenceLce(p.ref);
+      const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, seed), db0 = RandomVec(sp.vocab, seed + 1);
+      const std::string what = absl::StrCat(DTypeName(dtype), " variant ", variant);
+      const double tol = dtype == DType::kFloat32 ? 1e-5 : 1e-2;
+      std::vector<float> first;
+      for (MemorySpace space : {MemorySpace::kDevice, MemorySpace::kHost, MemorySpace::kDevice}) {
+        const Answers a = RunEngine(*e, p, space, dw0, nullptr, nullptr, true, &db0);
+        ASSERT_TRUE(a.status.ok()) << what << ": " << a.status;
+        ASSERT_EQ(a.d_bias.size(), static_cast<size_t>(sp.vocab));
+        double num = 0, den = 0;
+        for (int64_t j = 0; j < sp.vocab; ++j) {
+          const double d = static_cast<double>(a.d_bias[j]) - (static_cast<double>(db0[j]) + ref.d_bias[j]);
+          num += d * d;
+          den += ref.d_bias[j] * ref.d_bias[j];
+        }
+        EXPECT_LE(std::sqrt(num / den), tol)
+            << what << (space == MemorySpace::kHost ? " host" : " device") << " d_bias";
+        if (space == MemorySpace::kDevice && first.empty()) {
+          first = a.d_bias;
+        } else if (space == MemorySpace::kDevice) {
+          EXPECT_EQ(std::memcmp(first.data(), a.d_bias.data(), first.size() * 4), 0) << what << ": bits changed";
+        }
+      }
+    }
+  }
+  ProblemSpec biased;
+  biased.bias = true;
+  const Problem p = MakeProblem(biased, 6499);
+  auto e = MakeCuda(p);
+  ASSERT_NE(e, nullptr);
+  std::vector<float> db(p.ref.vocab, 0.0f), dh(p.ref.rows * p.ref.hidden * 2);
+  const RowsView rows{p.hidden.data(), p.ref.targets.data(), p.ref.rows, MemorySpace::kHost};
+  GradOutputs grads{dh.data(), nullptr};
+  grads.d_bias = db.data();
+  const absl::Status st = e->Compute(rows, p.ref.options, Upstream{GradMode::kLoss}, RowOutputs{}, grads);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;  // dB goes with dW
 }
 
 TEST_F(CudaTest, BatchInvarianceBitForBit) {
