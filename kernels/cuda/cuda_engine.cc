@@ -13,11 +13,13 @@
 //             the backward coefficients. One host sync per block: a non-finite row stops the call
 //             before d_weight is touched.
 //   backward  general path: WriteGrad turns the compact copy into dL/da in the head dtype in place
-//             (aux_, chunk by chunk, each chunk's dW product on stream_ behind it), then ONE GEMM
-//             d_hidden = dA[R, V_shard] · W (fp32, all-reduced across ranks, converted).
+//             (aux_, chunk by chunk, each chunk's dW product on stream_ behind it), then
+//             d_hidden = dA[R, V_shard] · W (fp32, all-reduced across ranks, converted), summed in fixed
+//             vocabulary chunks so that a row's bits do not depend on R (DHiddenProduct).
 //             fast loss path (bf16, kLoss, no softcap, no label smoothing): no dA pass at all;
 //             dW += qᵀ·(s ⊙ h) − scatter(t ⊙ h) and d_hidden = s ⊙ (q·W) − t ⊙ W[y] (fast_grad.cu); on
 //             device rows the two products run at once, d_hidden's on aux_ (FastGradsBeside).
+//             A head's bias: dB += the column sums of dL/da from the same copy (bias_grad.cu).
 // So a train step costs three GEMMs of N·H·V_shard (the floor) plus elementwise passes.
 // Epilogue statistics (bf16, sm_90, built with CUTLASS; LCE_CUDA_EPILOGUE_STATS=0 turns them off): the
 // forward is one GEMM over the whole shard whose epilogue writes per-(row, 256-column tile) partials
