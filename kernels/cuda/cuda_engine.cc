@@ -152,6 +152,10 @@ absl::Status CudaEngine::Retune(const CudaTuning& tuning) {
 // GEMMs (EngineConfig::batch_invariant) the logit and d_hidden products use one algorithm without
 // split-K for every row count (docs/MATH.md). Without, cuBLAS's tuned choice varies with N.
 EngineInvariance CudaEngine::invariance() const {
+  // A group of three or more sums its ranks' partials and d_hidden through NCCL, whose order for an element
+  // changes with the message's size (the row count): nothing per row holds unless the partials are
+  // gathered and folded in one order (tp_invariant_). Two ranks' a + b is the same bits either way.
+  if (config_.collectives != nullptr && config_.collectives->world_size() > 2 && !tp_invariant_) return {};
   // The epilogue GEMM's forward is batch invariant by construction, and so is d_hidden's product in fixed
   // chunks (DHiddenProduct) over it; with the logit tiles, only with batch-invariant GEMMs.
   if (!batch_invariant_) {
