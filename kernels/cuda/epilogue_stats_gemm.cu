@@ -227,6 +227,51 @@ class RowStatsEpilogue {
     }
     if (!__any_sync(0xffffffffu, any_live)) return;  // the warp's rows all past the batch (a few-row tile)
     float mx[kRows], mx_odd[kRows], sum_v[kRows];
+    Transform<kRagged, kPlain>(a, c, N, n0, thr, n, mx, mx_odd, sum_v);
+    // The candidates' places, taken before the max's shuffles, and the candidates written before the
+    // exponentials (which overwrite v for the training copy). Written after them, the emission's code
+    // got interleaved with theirs and spilled (~18 KB a thread of spill loads). One atomic a row's quad
+    // instead of a lane's measured slower (2%, the shuffles' registers).
+    unsigned at[kRows];
+    if constexpr (kRank) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) at[i] = n[i] > 0 && row[i] < M ? atomicAdd(p_.rank_count + row[i], n[i]) : 0u;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) mx[i] = QuadMax(fmaxf(mx[i], mx_odd[i]));
+    if (exp_copy) TargetLogit<kBN>(a, c, row, y, M, n0, N);
+    if constexpr (kRank) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) EmitCandidates<kRagged>(a, c, i, row[i], M, N, n0, n[i], at[i]);
+    }
+    float s[kRows], q[kRows];
+    Exponentials<kRagged, kQ>(a, mx, scale, exp_copy, s, q);
+    if (!exp_copy) TargetLogit<kBN>(a, c, row, y, M, n0, N);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      s[i] = QuadSum(s[i]);
+      if constexpr (kQ) q[i] = QuadSum(q[i]);
+      sum_v[i] = QuadSum(sum_v[i]);
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      if (exp_copy) {  // every lane of the warp: the copy is staged
+        StoreCopy<kRagged, true, kCols>(a, c, i, row[i], M, n0, N, mx[i], n_tile == 0 && lead, slice);
+      } else if (p_.store != nullptr) {
+        StoreCopy<kRagged, false, kCols>(a, c, i, row[i], M, n0, N, mx[i], false, slice);
+      }
+      if (row[i] < M && lead) {
+        *reinterpret_cast<float4*>(p_.tile_part + (static_cast<int64_t>(row[i]) * p_.ntile + n_tile) * 4) =
+            make_float4(mx[i] * p_.inv_temp, s[i], q[i] * p_.inv_temp, sum_v[i] * p_.inv_temp);
+      }
+    }
+  }
+  // Reduce's first pass: v = softcap(logit + bias) in place (−inf past N), each row's Σv, its maxima over
+  // the even and the odd columns, and (rankings) its count of columns at or above thr.
+  template <bool kRagged, bool kPlain, class TA, class TC, int kRows>
+  CUTLASS_DEVICE void Transform(TA& a, TC const& c, int N, int n0, const float (&thr)[kRows], unsigned (&n)[kRows],
+                                float (&mx)[kRows], float (&mx_odd)[kRows], float (&sum_v)[kRows]) const {
+    constexpr int kCols = decltype(size<1>(a))::value;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) mx[i] = mx_odd[i] = -INFINITY, sum_v[i] = 0.0f;
     CUTLASS_PRAGMA_UNROLL
@@ -250,23 +295,12 @@ class RowStatsEpilogue {
         if (j % 2 == 0) mx[i] = fmaxf(mx[i], x); else mx_odd[i] = fmaxf(mx_odd[i], x);  // exact in any order
       }
     }
-    // The candidates' places, taken before the max's shuffles, and the candidates written before the
-    // exponentials (which overwrite v for the training copy). Written after them, the emission's code
-    // got interleaved with theirs and spilled (~18 KB a thread of spill loads). One atomic a row's quad
-    // instead of a lane's measured slower (2%, the shuffles' registers).
-    unsigned at[kRows];
-    if constexpr (kRank) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kRows; ++i) at[i] = n[i] > 0 && row[i] < M ? atomicAdd(p_.rank_count + row[i], n[i]) : 0u;
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) mx[i] = QuadMax(fmaxf(mx[i], mx_odd[i]));
-    if (exp_copy) TargetLogit<kBN>(a, c, row, y, M, n0, N);
-    if constexpr (kRank) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kRows; ++i) EmitCandidates<kRagged>(a, c, i, row[i], M, N, n0, n[i], at[i]);
-    }
-    float s[kRows], q[kRows];
+  }
+  // Reduce's exponentials: each row's S and (kQ) Q over its columns; with exp_copy, v becomes e.
+  template <bool kRagged, bool kQ, class TA, int kRows>
+  CUTLASS_DEVICE void Exponentials(TA& a, const float (&mx)[kRows], float scale, bool exp_copy, float (&s)[kRows],
+                                   float (&q)[kRows]) const {
+    constexpr int kCols = decltype(size<1>(a))::value;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) s[i] = q[i] = 0.0f;
     CUTLASS_PRAGMA_UNROLL
@@ -280,25 +314,6 @@ class RowStatsEpilogue {
           q[i] += (kRagged && e == 0.0f) ? 0.0f : e * u;  // a masked column: 0 · (−inf) must not be NaN
         }
         if (exp_copy) a(i, j) = e;
-      }
-    }
-    if (!exp_copy) TargetLogit<kBN>(a, c, row, y, M, n0, N);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      s[i] = QuadSum(s[i]);
-      if constexpr (kQ) q[i] = QuadSum(q[i]);
-      sum_v[i] = QuadSum(sum_v[i]);
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      if (exp_copy) {  // every lane of the warp: the copy is staged
-        StoreCopy<kRagged, true, kCols>(a, c, i, row[i], M, n0, N, mx[i], n_tile == 0 && lead, slice);
-      } else if (p_.store != nullptr) {
-        StoreCopy<kRagged, false, kCols>(a, c, i, row[i], M, n0, N, mx[i], false, slice);
-      }
-      if (row[i] < M && lead) {
-        *reinterpret_cast<float4*>(p_.tile_part + (static_cast<int64_t>(row[i]) * p_.ntile + n_tile) * 4) =
-            make_float4(mx[i] * p_.inv_temp, s[i], q[i] * p_.inv_temp, sum_v[i] * p_.inv_temp);
       }
     }
   }

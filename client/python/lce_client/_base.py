@@ -135,6 +135,29 @@ def _class_weighted(hdr: pb.RequestHeader, t: np.ndarray, class_weights, reducti
     return wm
 
 
+def _forward_backward_result(res, h, wm, top_k, return_logprobs, return_entropy, return_z_loss):
+    """A ForwardBackward's answers as the caller's result (top_k None: no rankings asked)."""
+    s = res["summary"]
+    if s is None:
+        raise LceError(grpc.StatusCode.INTERNAL, "server ended ForwardBackward without a summary", "ForwardBackward")
+    ranks = _rankings(res, h, top_k) if top_k is not None else (None, None, None)
+    loss = float(s.loss)
+    if wm is not None:  # the summary's loss is the plain sum of the rows' (REDUCTION_NONE)
+        loss = float(np.asarray(res["loss"], dtype=np.float64).sum() / wm.divisor)
+    row_loss, row_z = _unscaled_rows(res, wm)
+    return ForwardBackwardResult(
+        loss=loss,
+        per_token_loss=A.to_caller_rows(row_loss, h),
+        d_hidden=A.to_caller_hidden(res["d_hidden"], h),
+        valid_tokens=int(s.valid_tokens), rows=int(s.rows), head_version=int(s.head_version),
+        logprobs=A.to_caller_rows(res["logprobs"], h) if return_logprobs else None,
+        entropy=A.to_caller_rows(res["entropy"], h) if return_entropy else None,
+        pending_grads=tuple(int(i) for i in s.pending_grad_ids),
+        z_loss=A.to_caller_rows(row_z, h) if return_z_loss else None,
+        argmax=ranks[0], top_tokens=ranks[1], top_logprobs=ranks[2],
+    )
+
+
 def _unscaled_rows(res: dict, wm: Optional[WeightedMean]):
     """(per-row loss, per-row z-loss) as the caller's options define them: a weighted mean's rows came
     back with the rescaled z-loss coefficient, brought back here (loss_i of docs/MATH.md)."""
@@ -332,26 +355,8 @@ class _ClientBase:
             g = np.full(h.lead_shape, 1.0 / wm.divisor, dtype=np.float32)
             per_row["grad_loss"] = A.host_rows(g, h.rows, "grad_loss", np.float32, h.lead_shape)
         def finish(res):
-            s = res["summary"]
-            if s is None:
-                raise LceError(grpc.StatusCode.INTERNAL, "server ended ForwardBackward without a summary",
-                               "ForwardBackward")
-            ranks = _rankings(res, h, top_k) if (argmax or top_k) else (None, None, None)
-            loss = float(s.loss)
-            if wm is not None:  # the summary's loss is the plain sum of the rows' (REDUCTION_NONE)
-                loss = float(np.asarray(res["loss"], dtype=np.float64).sum() / wm.divisor)
-            row_loss, row_z = _unscaled_rows(res, wm)
-            return ForwardBackwardResult(
-                loss=loss,
-                per_token_loss=A.to_caller_rows(row_loss, h),
-                d_hidden=A.to_caller_hidden(res["d_hidden"], h),
-                valid_tokens=int(s.valid_tokens), rows=int(s.rows), head_version=int(s.head_version),
-                logprobs=A.to_caller_rows(res["logprobs"], h) if return_logprobs else None,
-                entropy=A.to_caller_rows(res["entropy"], h) if return_entropy else None,
-                pending_grads=tuple(int(i) for i in s.pending_grad_ids),
-                z_loss=A.to_caller_rows(row_z, h) if return_z_loss else None,
-                argmax=ranks[0], top_tokens=ranks[1], top_logprobs=ranks[2],
-            )
+            return _forward_backward_result(res, h, wm, top_k if (argmax or top_k) else None,
+                                            return_logprobs, return_entropy, return_z_loss)
 
         return self._run("ForwardBackward", h, t, hdr, per_row, finish, want_dhidden=True, progress=progress,
                          use_tqdm=tqdm, hidden_region=hidden_region, d_hidden_region=d_hidden_region,
