@@ -50,21 +50,13 @@ __device__ __forceinline__ void StoreShifted(float* dst, const float* v, int n_v
   }
 }
 
-// S: storage element; kExp: store exp(z − c_row) instead of z − m_segment.
-template <typename S, bool kExp>
-__global__ void __launch_bounds__(kThreads)
-TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int nv, const float* __restrict__ bias,
-                float softcap, float inv_temp, const int32_t* __restrict__ targets, int32_t ignore_index,
-                int64_t vocab_begin, float* __restrict__ part, int64_t nseg, float* __restrict__ packed,
-                S* __restrict__ store, int64_t lds, float* __restrict__ row_c, unsigned* overflow) {
-  const int64_t r = blockIdx.y;
-  const int c_seg = blockIdx.x * kSegment;  // first tile column of this segment
-  const float* row = logits + r * ldz;
-  const int tid = threadIdx.x;
+// The kernel's phases (TileStatsKernel), each inlined: a thread's kSteps × kVec columns of the segment.
+using SegmentZ = float[kSteps][kVec];
 
-  float z[kSteps][kVec];
-  float tmax = -INFINITY;
-  float tsum_z = 0.0f;
+// z = softcap(logit + bias) / T of the thread's columns (−inf past nv), their max and their sum.
+__device__ __forceinline__ void LoadSegment(const float* __restrict__ row, int c_seg, int64_t v0, int nv,
+                                            const float* __restrict__ bias, float softcap, float inv_temp, int tid,
+                                            SegmentZ& z, float& tmax, float& tsum_z) {
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     const int c = c_seg + k * (kThreads * kVec) + tid * kVec;
@@ -85,10 +77,11 @@ TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int n
       }
     }
   }
+}
 
-  __shared__ float red[3][kThreads / 32];
-  __shared__ float seg_max;
-  const int warp = tid / 32, lane = tid % 32;
+// The segment's max over the block's threads.
+__device__ __forceinline__ float BlockMax(float tmax, float (&red)[3][kThreads / 32], float& seg_max) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float wm = WarpMax(tmax);
   if (lane == 0) red[0][warp] = wm;
   __syncthreads();
@@ -98,27 +91,31 @@ TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int n
     if (lane == 0) seg_max = v;
   }
   __syncthreads();
-  const float m = seg_max;
+  return seg_max;
+}
 
-  // Target logit, written by the one thread that holds its column.
-  const int32_t y = targets[r];
-  if (y != ignore_index) {
-    const int64_t local = static_cast<int64_t>(y) - vocab_begin - v0 - c_seg;
-    if (local >= 0 && local < kSegment && c_seg + local < nv) {
-      const int within = static_cast<int>(local % (kThreads * kVec));
-      if (within / kVec == tid) {
-        const int k = static_cast<int>(local / (kThreads * kVec));
-        const int j = within % kVec;
+// Row r's target logit into packed, by the one thread that holds its column.
+__device__ __forceinline__ void WriteTargetLogit(const SegmentZ& z, int32_t y, int32_t ignore_index,
+                                                 int64_t vocab_begin, int64_t v0, int c_seg, int nv, int tid,
+                                                 float* __restrict__ packed, int64_t r) {
+  if (y == ignore_index) return;
+  const int64_t local = static_cast<int64_t>(y) - vocab_begin - v0 - c_seg;
+  if (local >= 0 && local < kSegment && c_seg + local < nv) {
+    const int within = static_cast<int>(local % (kThreads * kVec));
+    if (within / kVec == tid) {
+      const int k = static_cast<int>(local / (kThreads * kVec));
+      const int j = within % kVec;
 #pragma unroll
-        for (int kk = 0; kk < kSteps; ++kk)
+      for (int kk = 0; kk < kSteps; ++kk)
 #pragma unroll
-          for (int jj = 0; jj < kVec; ++jj)
-            if (kk == k && jj == j) packed[r * kPacked + 3] = z[kk][jj];
-      }
+        for (int jj = 0; jj < kVec; ++jj)
+          if (kk == k && jj == j) packed[r * kPacked + 3] = z[kk][jj];
     }
   }
+}
 
-  float s = 0.0f, q = 0.0f;
+// Σ e and Σ e·(z − m) of the thread's columns, e = exp(z − m); z becomes z − m.
+__device__ __forceinline__ void ExpSums(SegmentZ& z, float m, float& s, float& q) {
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
 #pragma unroll
@@ -130,9 +127,15 @@ TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int n
       z[k][j] = d;
     }
   }
+}
 
-  if (kExp && store != nullptr) {
-    // c_row: this segment's max for the row's first segment, else what that segment wrote.
+// The compact copy of the thread's columns (d = z − m): exp(z − c_row) (kExp; c_row from the row's first
+// segment, the overflow flag raised where it leaves no headroom), else z − m_segment.
+template <typename S, bool kExp>
+__device__ __forceinline__ void StoreCompact(const SegmentZ& d, float m, int64_t r, int c_seg, int64_t v0, int nv,
+                                             int tid, S* __restrict__ store, int64_t lds, float* __restrict__ row_c,
+                                             unsigned* overflow) {
+  if (kExp) {
     const bool first = v0 + c_seg == 0;
     const float c = first ? m + kExpLift : row_c[r];
     if (first && tid == 0) row_c[r] = c;
@@ -142,19 +145,25 @@ TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int n
     for (int k = 0; k < kSteps; ++k) {
       float e[kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) e[j] = expf(z[k][j] + shift);
+      for (int j = 0; j < kVec; ++j) e[j] = expf(d[k][j] + shift);
       const int cc = c_seg + k * (kThreads * kVec) + tid * kVec;
       if (cc < nv) StoreShifted(store + r * lds + v0 + cc, e, min(kVec, nv - cc));
     }
-  } else if (store != nullptr) {
+  } else {
     S* dst = store + r * lds + v0;
 #pragma unroll
     for (int k = 0; k < kSteps; ++k) {
       const int c = c_seg + k * (kThreads * kVec) + tid * kVec;
-      if (c < nv) StoreShifted(dst + c, z[k], min(kVec, nv - c));
+      if (c < nv) StoreShifted(dst + c, d[k], min(kVec, nv - c));
     }
   }
+}
 
+// The block's sums of s, q and Σz, written with m as partials [index] (4 floats).
+__device__ __forceinline__ void WriteSegmentPartials(float m, float s, float q, float tsum_z,
+                                                     float (&red)[3][kThreads / 32], float* __restrict__ part,
+                                                     int64_t index) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   s = WarpSum(s);
   q = WarpSum(q);
   tsum_z = WarpSum(tsum_z);
@@ -173,13 +182,36 @@ TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int n
     b = WarpSum(b);
     c = WarpSum(c);
     if (lane == 0) {
-      float* p = part + (r * nseg + v0 / kSegment + blockIdx.x) * 4;
+      float* p = part + index * 4;
       p[0] = m;
       p[1] = a;
       p[2] = b;
       p[3] = c;
     }
   }
+}
+
+// S: storage element; kExp: store exp(z − c_row) instead of z − m_segment. One block a (row, segment).
+template <typename S, bool kExp>
+__global__ void __launch_bounds__(kThreads)
+    TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int nv, const float* __restrict__ bias,
+                    float softcap, float inv_temp, const int32_t* __restrict__ targets, int32_t ignore_index,
+                    int64_t vocab_begin, float* __restrict__ part, int64_t nseg, float* __restrict__ packed,
+                    S* __restrict__ store, int64_t lds, float* __restrict__ row_c, unsigned* overflow) {
+  const int64_t r = blockIdx.y;
+  const int c_seg = blockIdx.x * kSegment;  // first tile column of this segment
+  const int tid = threadIdx.x;
+  __shared__ float red[3][kThreads / 32];
+  __shared__ float seg_max;
+  float z[kSteps][kVec];
+  float tmax = -INFINITY, tsum_z = 0.0f;
+  LoadSegment(logits + r * ldz, c_seg, v0, nv, bias, softcap, inv_temp, tid, z, tmax, tsum_z);
+  const float m = BlockMax(tmax, red, seg_max);
+  WriteTargetLogit(z, targets[r], ignore_index, vocab_begin, v0, c_seg, nv, tid, packed, r);
+  float s = 0.0f, q = 0.0f;
+  ExpSums(z, m, s, q);
+  if (store != nullptr) StoreCompact<S, kExp>(z, m, r, c_seg, v0, nv, tid, store, lds, row_c, overflow);
+  WriteSegmentPartials(m, s, q, tsum_z, red, part, r * nseg + v0 / kSegment + blockIdx.x);
 }
 
 }  // namespace
