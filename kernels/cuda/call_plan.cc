@@ -65,6 +65,7 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
   // path's (RowInfoSlot). Not with d_hidden over the tile tree, whose canonical sum has no place for it.
   // CudaTuning::target_apart false: in the copy (the way before; for comparison).
   p.target_apart = backward && shape_.dtype == DType::kBFloat16 && !tree_dh_ && tuning_.target_apart;
+  p.dh_chunks = backward && grads.d_hidden != nullptr && !tree_dh_ && DHiddenChunked();
   ScratchLayout layout{backward,
                        host,
                        host && backward && grads.d_weight != nullptr,
@@ -72,7 +73,6 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
                        p.target_apart && grads.d_weight != nullptr,
                        tree_dh_};
   layout.epi = epi;
-  layout.dh_chunks = backward && grads.d_hidden != nullptr && !tree_dh_ && DHiddenChunked();
   layout.stage = epi && !host && reinterpret_cast<uintptr_t>(p.rows.hidden) % 16 != 0;
   // CudaTuning::dh_beside false: one after the other (bench/NOTES.md, e10). dW is the same bits either way:
   // the target scatter's order is fixed (LaunchScatterTargetDW), not the GPU's schedule.
@@ -131,7 +131,7 @@ absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
   // d_hidden's chunk partials, outside the workspace: taken from its budget they cost a training call a
   // row block more at 16384×4096×151936 (bench/RESULTS.md). Blocks that accumulate the chunks in place
   // need none.
-  if (p.layout.dh_chunks && !(tuning_.dh_inplace_rows > 0 && R >= tuning_.dh_inplace_rows)) {
+  if (p.dh_chunks && !DHiddenInPlace(R)) {
     LCE_CUDA_CHECK(GrowDeviceBuffer(dh_parts_, dh_chunks_ * std::min(R, DhSliceRows()) * H * 4));
     s.dh_parts = reinterpret_cast<float*>(dh_parts_->data());
   }

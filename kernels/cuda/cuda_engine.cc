@@ -205,8 +205,7 @@ absl::Status CudaEngine::Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_
                               bool c_is_scratch, int sm_target, bool rows_in_n, bool cols_in_m,
                               const GemmPlace& place) {
   const float alpha = 1.0f;
-  const cublasComputeType_t compute =
-      shape_.dtype == DType::kFloat32 ? (tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F) : CUBLAS_COMPUTE_32F;
+  const cublasComputeType_t compute = ComputeType(tf32);
   for (int64_t v : {m, n, k, lda, ldb, ldc}) {
     if (v > INT_MAX) return absl::InvalidArgumentError("GEMM dimension exceeds int32");
   }

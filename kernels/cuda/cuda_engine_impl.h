@@ -174,6 +174,8 @@ class CudaEngine final : public LceEngine {
     return tuning_.dh_fixed_order && !tuning_.gemm_ex && shape_.hidden_size % 4 == 0 &&
            (UseEpilogueStats() || batch_invariant_);
   }
+  // Blocks of this many rows accumulate the chunks in place, without partials (CudaTuning::dh_inplace_rows).
+  bool DHiddenInPlace(int64_t rows) const { return tuning_.dh_inplace_rows > 0 && rows >= tuning_.dh_inplace_rows; }
   int64_t DhSliceRows() const {  // whole 128-row tiles where it holds one
     const int64_t rows = std::clamp<int64_t>(kDhPartBytes / (dh_chunks_ * shape_.hidden_size * 4), 1, kDhSliceRows);
     return rows >= 128 ? rows / 128 * 128 : rows;
@@ -189,6 +191,10 @@ class CudaEngine final : public LceEngine {
                     cudaDataType_t at, int64_t lda, const void* B, cudaDataType_t bt, int64_t ldb, float beta, void* C,
                     cudaDataType_t ct, int64_t ldc, bool tf32, bool c_is_scratch = false, int sm_target = 0,
                     bool rows_in_n = false, bool cols_in_m = false, const GemmPlace& place = {});
+  // The products' compute type: fp32, TF32 for an fp32 head where the call allows it.
+  cublasComputeType_t ComputeType(bool tf32) const {
+    return shape_.dtype == DType::kFloat32 && tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  }
   // g through the GemmRunner on place's stream and workspace (Gemm's route; not with CudaTuning::gemm_ex).
   absl::Status RunGemm(const GemmSpec& g, bool c_is_scratch, const GemmPlace& place);
 

@@ -231,9 +231,9 @@ absl::Status CudaEngine::DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const
   g.ldc = H;
   g.ab_type = dt;
   g.c_type = CUDA_R_32F;
-  g.compute = shape_.dtype == DType::kFloat32 && tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  g.compute = ComputeType(tf32);
   g.fixed_k_order = true;
-  if (s.dh_parts == nullptr || (tuning_.dh_inplace_rows > 0 && nr >= tuning_.dh_inplace_rows)) {
+  if (s.dh_parts == nullptr || DHiddenInPlace(nr)) {
     // In place: a product a chunk over all nr rows, each added to the last (beta 1) in chunk order, as the
     // ordered sum adds them; the same family of algorithms, so the same bits.
     // Every chunk's algorithm is chosen (timed on s.dh) before the first product writes it.

@@ -111,6 +111,27 @@ absl::Status GemmRunner::MakePlan(const GemmSpec& g, int64_t n, Plan* p) const {
   return absl::OkStatus();
 }
 
+absl::Status GemmRunner::Heuristic(const Plan& plan, size_t workspace_bytes, uint32_t al_a, uint32_t al_b,
+                                   uint32_t al_c, bool no_split_k, int cap, cublasLtMatmulHeuristicResult_t* res,
+                                   int* found) const {
+  *found = 0;
+  cublasLtMatmulPreference_t pref = nullptr;
+  LCE_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                           &workspace_bytes, sizeof(workspace_bytes));
+  SetAlignments(pref, al_a, al_b, al_c);
+  if (no_split_k) {
+    const uint32_t none = CUBLASLT_REDUCTION_SCHEME_NONE;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &none, sizeof(none));
+  }
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = cublasLtMatmulAlgoGetHeuristic(lt_, plan.desc, plan.la, plan.lb, plan.lc, plan.lc, pref, cap, res, found);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  LCE_CUDA_CHECK(st);
+  return absl::OkStatus();
+}
+
 GemmRunner::Key GemmRunner::KeyOf(const GemmSpec& g, int64_t m, int64_t n, int64_t k, bool beta_nonzero) {
   const int modes = (g.n_invariant ? 1 : 0) | (g.m_invariant ? 2 : 0) | (g.fixed_k_order ? 4 : 0);
   return Key{g.ta,
@@ -145,18 +166,8 @@ absl::StatusOr<cublasLtMatmulAlgo_t> GemmRunner::FixedOrderFamily(const GemmSpec
   cublasLtMatmulHeuristicResult_t first{};
   int found = 0;
   if (s.ok()) {
-    cublasLtMatmulPreference_t pref = nullptr;
-    LCE_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint32_t no_split_k = CUBLASLT_REDUCTION_SCHEME_NONE;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
-                                         sizeof(workspace_bytes));
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split_k,
-                                         sizeof(no_split_k));
-    SetAlignments(pref, Alignment(g.a), Alignment(g.b), Alignment(g.c));
-    s = ToStatus(cublasLtMatmulAlgoGetHeuristic(lt_, canon.desc, canon.la, canon.lb, canon.lc, canon.lc, pref, 1,
-                                                &first, &found),
-                 "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
-    cublasLtMatmulPreferenceDestroy(pref);
+    s = Heuristic(canon, workspace_bytes, Alignment(g.a), Alignment(g.b), Alignment(g.c), /*no_split_k=*/true, 1,
+                  &first, &found);
   }
   FreePlan(&canon);
   if (!s.ok()) return s;
@@ -205,26 +216,14 @@ absl::Status GemmRunner::KeepFixedOrder(const GemmSpec& g, size_t workspace_byte
 
 absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats,
                               void* workspace, size_t workspace_bytes, cudaStream_t stream, Plan* p) {
-  const uint32_t al_a = Alignment(g.a), al_b = Alignment(g.b), al_c = Alignment(g.c);
   // Candidates for the real problem.
-  cublasLtMatmulPreference_t pref = nullptr;
-  LCE_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  LCE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
-                                                      sizeof(workspace_bytes)));
+  const uint32_t al_c = Alignment(g.c);
   const uint32_t al_tc = c_is_scratch ? al_c : std::min<uint32_t>(al_c, Alignment(tune_scratch));
-  SetAlignments(pref, al_a, al_b, al_tc);
-  if (g.fixed_k_order) {
-    const uint32_t no_split_k = CUBLASLT_REDUCTION_SCHEME_NONE;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split_k,
-                                         sizeof(no_split_k));
-  }
   constexpr int kMaxCandidates = 8;
   cublasLtMatmulHeuristicResult_t res[kMaxCandidates];
   int found = 0;
-  const cublasStatus_t hs =
-      cublasLtMatmulAlgoGetHeuristic(lt_, p->desc, p->la, p->lb, p->lc, p->lc, pref, kMaxCandidates, res, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  LCE_CUDA_CHECK(hs);
+  LCE_CUDA_CHECK(Heuristic(*p, workspace_bytes, Alignment(g.a), Alignment(g.b), al_tc, g.fixed_k_order, kMaxCandidates,
+                           res, &found));
   if (found == 0) return absl::InternalError("cuBLASLt found no algorithm for a GEMM");
   if (g.fixed_k_order) LCE_CUDA_CHECK(KeepFixedOrder(g, workspace_bytes, *p, res, &found));
   p->algo = res[0].algo;
@@ -284,22 +283,13 @@ absl::Status GemmRunner::CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes
     FreePlan(&canon);
     return s;
   }
-  cublasLtMatmulPreference_t pref = nullptr;
-  LCE_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint32_t no_split_k = CUBLASLT_REDUCTION_SCHEME_NONE;
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes,
-                                       sizeof(workspace_bytes));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &no_split_k,
-                                       sizeof(no_split_k));
-  SetAlignments(pref, Alignment(g.a), Alignment(g.b), Alignment(g.c));
   constexpr int kMaxCandidates = 16;
   cublasLtMatmulHeuristicResult_t res[kMaxCandidates];
   int found = 0;
-  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt_, canon.desc, canon.la, canon.lb, canon.lc, canon.lc,
-                                                           pref, kMaxCandidates, res, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
+  const absl::Status hs = Heuristic(canon, workspace_bytes, Alignment(g.a), Alignment(g.b), Alignment(g.c),
+                                    /*no_split_k=*/true, kMaxCandidates, res, &found);
   FreePlan(&canon);
-  LCE_CUDA_CHECK(hs);
+  if (!hs.ok()) return hs;
   // The first candidate valid for every probe row count (and m, when m_invariant).
   for (int i = 0; i < found; ++i) {
     bool fits = true;

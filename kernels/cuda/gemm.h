@@ -78,6 +78,10 @@ class GemmRunner {
   // g's cache key with m, n and k as given (exact, a size class, or 0 for any) and its beta's zeroness.
   static Key KeyOf(const GemmSpec& g, int64_t m, int64_t n, int64_t k, bool beta_nonzero);
   absl::Status MakePlan(const GemmSpec& g, int64_t n, Plan* plan) const;
+  // cuBLASLt's heuristic candidates for `plan` (at most cap) within workspace_bytes, for operands of these
+  // alignments, without split-K where asked.
+  absl::Status Heuristic(const Plan& plan, size_t workspace_bytes, uint32_t al_a, uint32_t al_b, uint32_t al_c,
+                         bool no_split_k, int cap, cublasLtMatmulHeuristicResult_t* res, int* found) const;
   // Picks plan->algo among cuBLASLt's heuristic candidates by timing them (Run's scratch rules).
   absl::Status Tune(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream, Plan* plan);

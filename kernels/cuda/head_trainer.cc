@@ -112,13 +112,7 @@ class CudaHeadTrainer final : public HeadTrainer {
       LCE_CUDA_CHECK(
           cudaMemcpyAsync(serving_.bias, w->bias.data(), w->bias.size() * 4, cudaMemcpyHostToDevice, stream_));
     }
-    if (master_ != nullptr) {
-      LCE_CUDA_CHECK(LaunchDTypeToFloat(serving_.weight, shape_.dtype, Master(), weight_elements(), stream_));
-      if (shape_.has_bias) {
-        LCE_CUDA_CHECK(cudaMemcpyAsync(Master() + BiasOffset(), serving_.bias, shape_.shard_rows * 4,
-                                       cudaMemcpyDeviceToDevice, stream_));
-      }
-    }
+    if (master_ != nullptr) LCE_CUDA_CHECK(MastersFromServing(Master()));
     LCE_CUDA_CHECK(Sync());
     weights_ = std::move(w);
     host_current_ = true;
@@ -192,19 +186,26 @@ class CudaHeadTrainer final : public HeadTrainer {
   float* Master() { return reinterpret_cast<float*>(master_->data()); }
   int64_t BiasOffset() const { return (weight_elements() + 63) / 64 * 64; }
   int64_t Stride() const { return (BiasOffset() + (shape_.has_bias ? shape_.shard_rows : 0) + 63) / 64 * 64; }
+  // master [Stride()] := the serving weight in fp32, then its bias (on stream_).
+  absl::Status MastersFromServing(float* master) {
+    LCE_CUDA_CHECK(LaunchDTypeToFloat(serving_.weight, shape_.dtype, master, weight_elements(), stream_));
+    if (shape_.has_bias) {
+      LCE_CUDA_CHECK(cudaMemcpyAsync(master + BiasOffset(), serving_.bias, shape_.shard_rows * 4,
+                                     cudaMemcpyDeviceToDevice, stream_));
+    }
+    return absl::OkStatus();
+  }
   // At the first step: masters from the serving weight, zero moments.
   absl::Status MakeMasters() {
     absl::StatusOr<std::unique_ptr<DeviceBuffer>> m = AllocateDeviceBuffer(3 * Stride() * 4, serving_.device);
     if (!m.ok()) return m.status();
     float* master = reinterpret_cast<float*>((*m)->data());
-    LCE_CUDA_CHECK(LaunchDTypeToFloat(serving_.weight, shape_.dtype, master, weight_elements(), stream_));
     if (shape_.has_bias) {
       absl::StatusOr<std::unique_ptr<DeviceBuffer>> db = AllocateDeviceBuffer(shape_.shard_rows * 4, serving_.device);
       if (!db.ok()) return db.status();
       bias_grad_ = std::move(*db);
-      LCE_CUDA_CHECK(cudaMemcpyAsync(master + BiasOffset(), serving_.bias, shape_.shard_rows * 4,
-                                     cudaMemcpyDeviceToDevice, stream_));
     }
+    LCE_CUDA_CHECK(MastersFromServing(master));
     LCE_CUDA_CHECK(cudaMemsetAsync(master + Stride(), 0, static_cast<size_t>(2 * Stride()) * 4, stream_));
     LCE_CUDA_CHECK(Sync());
     master_ = std::move(*m);  // only once complete: a failure leaves no half-made state

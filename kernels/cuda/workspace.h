@@ -25,7 +25,6 @@ struct ScratchLayout {
   bool epi = false;        // forward through the epilogue-statistics GEMM: no logit tiles
   bool stage = false;      // device rows not 16-byte aligned, copied to s.hidden for the epilogue GEMM's TMA
   bool side = false;       // fast path, device rows: d_hidden's product on aux_ beside dW's (FastGradsBeside)
-  bool dh_chunks = false;  // d_hidden's product in fixed chunks (DHiddenProduct): its partials (dh_parts_)
 };
 
 // Scratch of one row block of R rows.

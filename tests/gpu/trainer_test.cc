@@ -52,6 +52,25 @@ Trained CudaTrainer(std::shared_ptr<HeadWeights> w) {
   return t;
 }
 
+// trainer.grad() := a seeded random gradient 0.05·N(0, 1) of n floats, kept in *grad too; landed when it
+// returns (a pageable copy may return before it lands, and neither the trainer's nor the engine's stream
+// waits for it).
+void UploadRandomGrad(HeadTrainer& trainer, int64_t n, uint32_t seed, std::vector<float>* grad) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  grad->resize(static_cast<size_t>(n));
+  for (float& g : *grad) g = 0.05f * normal(rng);
+  ASSERT_EQ(cudaMemcpy(trainer.grad(), grad->data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// Σ g² in float64, in order.
+double SquaredNormOf(const std::vector<float>& grad) {
+  double sum = 0;
+  for (float g : grad) sum += static_cast<double>(g) * g;
+  return sum;
+}
+
 TEST(CudaTrainer, AdamWKernelGivesTheHostLoopsBits) {
   SKIP_WITHOUT_GPU();
   // An odd element count: the kernel's vector loop and its tail both run.
@@ -63,18 +82,11 @@ TEST(CudaTrainer, AdamWKernelGivesTheHostLoopsBits) {
     ASSERT_NE(t.trainer, nullptr);
     HeadTrainer& trainer = *t.trainer;
     EXPECT_EQ(trainer.grad_space(), MemorySpace::kDevice);
-    std::mt19937 rng(12);
-    std::normal_distribution<float> normal;
-    std::vector<float> grad(static_cast<size_t>(n));
-    for (float& g : grad) g = 0.05f * normal(rng);
-    ASSERT_EQ(cudaMemcpy(trainer.grad(), grad.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    // A pageable copy (or a memset) may return before it lands; the trainer's and the engine's streams
-    // do not wait for it.
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<float> grad;
+    ASSERT_NO_FATAL_FAILURE(UploadRandomGrad(trainer, n, 12, &grad));
     absl::StatusOr<double> sq = trainer.GradSquaredNorm();
     ASSERT_TRUE(sq.ok()) << sq.status();
-    double want = 0;
-    for (float g : grad) want += static_cast<double>(g) * g;
+    const double want = SquaredNormOf(grad);
     EXPECT_NEAR(*sq, want, 1e-12 * want);
     EXPECT_EQ(*sq, *trainer.GradSquaredNorm()) << "a fixed summation order";
     std::vector<float> slice(3 * H);
@@ -133,16 +145,11 @@ TEST(CudaTrainer, BiasStepsWithTheWeight) {
     ASSERT_NE(t.trainer, nullptr);
     HeadTrainer& trainer = *t.trainer;
     ASSERT_EQ(trainer.grad_elements(), n);
-    std::mt19937 rng(22);
-    std::normal_distribution<float> normal;
-    std::vector<float> grad(static_cast<size_t>(n));
-    for (float& g : grad) g = 0.05f * normal(rng);
-    ASSERT_EQ(cudaMemcpy(trainer.grad(), grad.data(), n * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<float> grad;
+    ASSERT_NO_FATAL_FAILURE(UploadRandomGrad(trainer, n, 22, &grad));
     absl::StatusOr<double> sq = trainer.GradSquaredNorm();
     ASSERT_TRUE(sq.ok()) << sq.status();
-    double want = 0;
-    for (float g : grad) want += static_cast<double>(g) * g;
+    const double want = SquaredNormOf(grad);
     EXPECT_NEAR(*sq, want, 1e-12 * want) << "‖[dW | dB]‖²";
     std::vector<float> db(V);
     ASSERT_TRUE(trainer.CopyBiasGrad(db.data()).ok());
