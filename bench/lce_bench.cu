@@ -12,8 +12,11 @@
 // Median of --reps timed calls after --warmup, CUDA events. Extra memory = device memory the engine
 // takes beyond its weight copy (cudaMemGetInfo around the first calls; outputs are the caller's).
 //
+// Options of the loss (train and score): --bias (the head has a bias ~ 0.1·N(0,1); train also returns dB),
+// --label-smoothing E, --class-weights (w_j = 0.5 + (j mod 101)/100).
+//
 // Usage: lce_bench [--shapes 8192x4096x128256,...] [--reps 10] [--warmup 3] [--json FILE] [--epi-ab]
-//                  [--score-logprob-only]
+//                  [--score-logprob-only] [--bias] [--label-smoothing E] [--class-weights]
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -25,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -275,6 +279,8 @@ int main(int argc, char** argv) {
   bool score_ab = false;
   bool logprob_only = false;
   bool score_only = false;  // times the score alone (train reported as 0)
+  bool with_bias = false, class_weights = false;
+  float label_smoothing = 0.0f;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -286,6 +292,9 @@ int main(int argc, char** argv) {
     else if (a == "--score-logprob-only") logprob_only = true;
     else if (a == "--score-only") score_only = true;
     else if (a == "--probe") probe_rows = std::atoll(next().c_str());
+    else if (a == "--bias") with_bias = true;
+    else if (a == "--class-weights") class_weights = true;
+    else if (a == "--label-smoothing") label_smoothing = std::strtof(next().c_str(), nullptr);
     else if (a == "--top-k")
       top_k = std::atoi(next().c_str());
     else {
@@ -295,8 +304,10 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s (%d SMs)  score: %s  LCE_CUDA_VOCAB_TILE=%s LCE_CUDA_MAX_ROWS=%s\n", prop.name,
-              prop.multiProcessorCount, logprob_only ? "logprob only" : "logprob + entropy",
+  std::printf("device: %s (%d SMs)  score: %s  bias %d, class weights %d, label smoothing %g  "
+              "LCE_CUDA_VOCAB_TILE=%s LCE_CUDA_MAX_ROWS=%s\n", prop.name,
+              prop.multiProcessorCount, logprob_only ? "logprob only" : "logprob + entropy", with_bias ? 1 : 0,
+              class_weights ? 1 : 0, label_smoothing,
               std::getenv("LCE_CUDA_VOCAB_TILE") ? std::getenv("LCE_CUDA_VOCAB_TILE") : "-",
               std::getenv("LCE_CUDA_MAX_ROWS") ? std::getenv("LCE_CUDA_MAX_ROWS") : "-");
   cudaStream_t stream = nullptr;  // legacy default stream: orders with the engine's syncs
@@ -362,6 +373,21 @@ int main(int argc, char** argv) {
     head->shape.shard_rows = V;
     head->weight.resize(V * H * 2);
     CHECK_CUDA(cudaMemcpy(head->weight.data(), w, V * H * 2, cudaMemcpyDeviceToHost));
+    float *db = nullptr, *cw = nullptr;
+    if (with_bias) {
+      head->shape.has_bias = true;
+      std::mt19937 rng(5);
+      std::normal_distribution<float> normal(0.0f, 0.1f);
+      for (int64_t j = 0; j < V; ++j) head->bias.push_back(normal(rng));
+      CHECK_CUDA(cudaMalloc(&db, V * 4));
+      CHECK_CUDA(cudaMemset(db, 0, V * 4));
+    }
+    if (class_weights) {
+      std::vector<float> host_cw(V);
+      for (int64_t j = 0; j < V; ++j) host_cw[j] = 0.5f + static_cast<float>(j % 101) / 100.0f;
+      CHECK_CUDA(cudaMalloc(&cw, V * 4));
+      CHECK_CUDA(cudaMemcpy(cw, host_cw.data(), V * 4, cudaMemcpyHostToDevice));
+    }
     CHECK_CUDA(cudaMalloc(&dh, N * H * 2));
     CHECK_CUDA(cudaMalloc(&dw, V * H * 4));
     CHECK_CUDA(cudaMemset(dw, 0, V * H * 4));
@@ -379,12 +405,16 @@ int main(int argc, char** argv) {
     head.reset();
     const int64_t free1 = FreeBytes();
     lce::RowsView view{h, t, N, lce::MemorySpace::kDevice};
+    view.class_weight = cw;
     lce::LceOptions opt;
+    opt.label_smoothing = label_smoothing;
     lce::Upstream train_up;
     train_up.mode = lce::GradMode::kLoss;
     train_up.grad_loss = g;
     auto train = [&] {
-      absl::Status st = engine->Compute(view, opt, train_up, {nullptr, nullptr, nullptr, loss}, {dh, dw});
+      lce::GradOutputs grads{dh, dw};
+      grads.d_bias = db;
+      absl::Status st = engine->Compute(view, opt, train_up, {nullptr, nullptr, nullptr, loss}, grads);
       if (!st.ok()) {
         std::fprintf(stderr, "train: %s\n", st.ToString().c_str());
         std::exit(1);
@@ -428,7 +458,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     for (void* p : {static_cast<void*>(h), static_cast<void*>(w), static_cast<void*>(t), static_cast<void*>(g),
                     static_cast<void*>(dh), static_cast<void*>(dw), static_cast<void*>(lp), static_cast<void*>(ent),
-                    static_cast<void*>(loss)}) {
+                    static_cast<void*>(loss), static_cast<void*>(db), static_cast<void*>(cw)}) {
       CHECK_CUDA(cudaFree(p));
     }
   }

@@ -156,12 +156,34 @@ absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
     LCE_CUDA_CHECK(cudaMemcpyAsync(class_weight_->data(), p.rows.class_weight, bytes, cudaMemcpyHostToDevice, stream_));
     p.class_weight = reinterpret_cast<const float*>(class_weight_->data());
   }
+  const bool loss_wanted = p.out.loss != nullptr || (p.backward && p.up.mode == GradMode::kLoss);
+  if (p.class_weight != nullptr && p.o.label_smoothing > 0.0f && loss_wanted) LCE_CUDA_CHECK(PrepareSmoothingSums(p));
   if (p.grads.d_bias != nullptr && p.backward) LCE_CUDA_CHECK(PrepareBiasGrad(p));
   if (p.o.top_k > 0) LCE_CUDA_CHECK(PrepareRankings(p));
   p.targets_pending = !p.rows.targets_checked && !p.host;  // device rows: read with block 0's flags
   if (!p.rows.targets_checked) {
     if (absl::Status st = CheckTargets(p.rows, p.o, s); !st.ok()) return st;
   }
+  return absl::OkStatus();
+}
+
+// Class weights with label smoothing: u = Σ_j w_j·[W_j | b_j | 1] over the whole vocabulary for
+// LaunchSmoothingRowSums, the same bits on every rank and for any group size: each global segment's sum
+// comes from the one rank that holds it (the others add zeros), then the segments are summed in order.
+absl::Status CudaEngine::PrepareSmoothingSums(CallPlan& p) {
+  const int64_t width = shape_.hidden_size + 2;
+  LCE_CUDA_CHECK(GrowDeviceBuffer(smoothing_sums_, (nseg_global_ + 1) * width * static_cast<int64_t>(sizeof(float))));
+  float* segs = reinterpret_cast<float*>(smoothing_sums_->data());
+  float* u = segs + nseg_global_ * width;
+  const float* bias = bias_ != nullptr ? reinterpret_cast<const float*>(bias_->data()) : nullptr;
+  LCE_CUDA_CHECK(cudaMemsetAsync(segs, 0, nseg_global_ * width * sizeof(float), stream_));
+  LCE_CUDA_CHECK(LaunchSmoothingSegmentSums(weight_->data(), shape_.dtype, shape_.hidden_size, bias, p.class_weight,
+                                            shape_.vocab_begin, shape_.shard_rows, segs, stream_));
+  if (config_.collectives != nullptr) {
+    LCE_CUDA_CHECK(config_.collectives->AllReduce(segs, nseg_global_ * width, ReduceOp::kSum, true, stream_));
+  }
+  LCE_CUDA_CHECK(LaunchOrderedSum(u, segs, static_cast<int>(nseg_global_), width, stream_));
+  p.smoothing_u = u;
   return absl::OkStatus();
 }
 

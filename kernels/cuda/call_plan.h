@@ -46,6 +46,7 @@ struct CallPlan {
   LogitTransform tf;
   // PrepareCall.
   const float* class_weight = nullptr;  // [V] on the device (host rows': copied to class_weight_)
+  const float* smoothing_u = nullptr;   // class weights with label smoothing: [Σ w_j W_j | Σ w_j b_j | Σ w_j]
   float* d_bias = nullptr;              // dB on the device: the caller's, or host rows' copy in bias_grad_
   // Rankings (top_k > 0): a block's candidates [R, rank_slots, k] (this rank's from slot rank_slot0), and
   // host rows' outputs staged on the device (argmax [R], then top tokens and logprobs [R, k]).

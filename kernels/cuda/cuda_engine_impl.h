@@ -136,6 +136,7 @@ class CudaEngine final : public LceEngine {
   // A head's bias: dB (p.d_bias) += the block's column sums of dL/da (bias_grad.cu); host rows' dB on the device,
   // copied in (PrepareCall) and out (after the last block).
   absl::Status PrepareBiasGrad(CallPlan& p);
+  absl::Status PrepareSmoothingSums(CallPlan& p);
   absl::Status BiasGrad(const CallPlan& p, const Scratch& s, const BlockIo& b, bool fast);
   absl::Status CopyOutBiasGrad(const CallPlan& p);
 
@@ -259,6 +260,7 @@ class CudaEngine final : public LceEngine {
   void* cublas_ws_ = nullptr;
   std::unique_ptr<DeviceBuffer> weight_, bias_, workspace_;
   std::unique_ptr<DeviceBuffer> class_weight_;  // host rows' class weights, copied once a call
+  std::unique_ptr<DeviceBuffer> smoothing_sums_;  // PrepareSmoothingSums: segment sums [nseg_global_, H + 2], then u
   std::unique_ptr<DeviceBuffer> rank_buf_;      // rankings' candidates and host rows' staged outputs
   std::unique_ptr<DeviceBuffer> rank_dump_;     // the rankings' fallback: a few rows' v over the shard
   std::unique_ptr<DeviceBuffer> agree_;         // GroupRowsPerBlock's one float

@@ -175,6 +175,10 @@ absl::Status CudaEngine::Merge(const CallPlan& p, Scratch& s, const BlockIo& b) 
       LCE_CUDA_CHECK(config_.collectives->AllReduce(s.packed, nr * kPacked, ReduceOp::kSum, true, stream_));
     }
   }
+  if (p.smoothing_u != nullptr) {  // Σz becomes Σ_j w_j z_j (class weights with label smoothing)
+    LCE_CUDA_CHECK(LaunchSmoothingRowSums(b.h, shape_.dtype, nr, shape_.hidden_size, p.smoothing_u, p.o.temperature,
+                                          s.packed, stream_));
+  }
   return absl::OkStatus();
 }
 
@@ -197,6 +201,7 @@ absl::StatusOr<bool> CudaEngine::Finalize(const CallPlan& p, Scratch& s, const B
   fa.loss = b.o_loss;
   fa.z_loss_out = b.o_z_loss;
   fa.class_weight = p.class_weight;
+  fa.class_weight_sum = p.smoothing_u != nullptr ? p.smoothing_u + shape_.hidden_size + 1 : nullptr;
   fa.row_c = b.fast ? s.row_c : nullptr;
   fa.temperature = p.o.temperature;
   fa.softcap = p.o.softcap;

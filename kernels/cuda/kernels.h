@@ -170,8 +170,10 @@ struct FinalizeArgs {
   float* loss = nullptr;
   float* z_loss_out = nullptr;  // [rows] z_loss·lse² (0 for ignored rows), or null
   // [V] class weights (global ids) or null: the loss and its coefficients take w_y (docs/MATH.md,
-  // "Class weights"; not with label smoothing, which the engine refuses with them).
+  // "Class weights"); with label smoothing packed's Σz is Σ_j w_j z_j (LaunchSmoothingRowSums) and
+  // class_weight_sum points at Σ_j w_j.
   const float* class_weight = nullptr;
+  const float* class_weight_sum = nullptr;
   const float* row_c = nullptr;          // fast loss path: c_i (else null)
   float temperature = 1.0f;
   float softcap = 0.0f;
@@ -187,11 +189,13 @@ absl::Status LaunchFinalizeRows(const FinalizeArgs& args, const float* m, const 
 // fp32 heads) [rows, lds] (lds a multiple of 8, v0 a multiple of kSegment) into dL/da in the head's
 // dtype, in place. m_group is the m of part [rows, ngroup, 4], the partials of groups of group_cols
 // columns: kSegment (LaunchTileStats's segments) or the epilogue GEMM's column tiles. target_apart: the
-// target's −C term is left out (added in fp32 by LaunchFinishDHidden and LaunchScatterTargetDW).
+// target's −C term is left out (added in fp32 by LaunchFinishDHidden and LaunchScatterTargetDW). class_weight:
+// [V] (global ids) or null; label smoothing's term −D becomes −D·w_j.
 absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows, int64_t v0, int64_t nc,
                              const float* part, int64_t ngroup, int group_cols, const float* row_info,
                              const int32_t* targets, int32_t ignore_index, int64_t vocab_begin,
-                             float softcap, float temperature, bool target_apart, cudaStream_t stream);
+                             const float* class_weight, float softcap, float temperature, bool target_apart,
+                             cudaStream_t stream);
 
 // fast_grad.cu (fast loss path, bf16 heads). h_scaled[r, :] = bf16(s_r · h[r, :]).
 absl::Status LaunchScaleRows(const void* h, int64_t rows, int64_t hidden, const float* row_info, void* h_scaled,
@@ -217,6 +221,18 @@ absl::Status LaunchScatterTargetDW(float* d_weight, int64_t rows, int64_t hidden
 absl::Status LaunchBiasGrad(float* d_bias, float beta, const void* stored, DType dtype, int64_t lds, int64_t rows,
                             int64_t shard_rows, const float* row_info, bool scale, bool target, const int32_t* targets,
                             int32_t ignore_index, int64_t vocab_begin, cudaStream_t stream);
+
+// weighted_smoothing.cu (class weights with label smoothing, no softcap). seg_sums [⌈V/kSegment⌉, H + 2]:
+// the rows of this shard's global segments get Σ_j w_j·[W_j | b_j | 1] over the segment's rows in the shard,
+// in order (others untouched: the caller zeroes them; bias may be null). An ordered sum over the segments
+// gives u = [Σ w_j W_j | Σ w_j b_j | Σ w_j].
+absl::Status LaunchSmoothingSegmentSums(const void* w, DType dtype, int64_t hidden, const float* bias,
+                                        const float* class_weight, int64_t vocab_begin, int64_t shard_rows,
+                                        float* seg_sums, cudaStream_t stream);
+// weighted_smoothing.cu. packed[r, 2] = (h_r · u[0:H] + u[H]) / temperature = Σ_j w_j z_rj for every row,
+// replacing the merged Σz (the loss's smoothing term with class weights).
+absl::Status LaunchSmoothingRowSums(const void* h, DType dtype, int64_t rows, int64_t hidden, const float* u,
+                                    float temperature, float* packed, cudaStream_t stream);
 
 // tree_sum.cu. dst[i] = a[i] + b[i] (rounded to nearest, never fused) for n floats; dst may be a.
 absl::Status LaunchAddFloats(float* dst, const float* a, const float* b, int64_t n, cudaStream_t stream);

@@ -90,17 +90,23 @@ __global__ void FinalizeKernel(FinalizeArgs a, const float* __restrict__ m, cons
   const float w_y = (a.class_weight != nullptr && !ignored) ? a.class_weight[y] : 1.0f;
   const float z_loss = ignored ? 0.0f : a.z_loss * lse * lse;
   if (a.z_loss_out != nullptr) a.z_loss_out[r] = z_loss;
+  // With class weights and smoothing, sum_z is Σ_j w_j z_j and the smoothing term (ε/V)·Σ_j w_j·(lse − z_j).
+  const bool weighted_smoothing = a.class_weight_sum != nullptr && eps > 0.0f;
+  const float w_sum = weighted_smoothing ? *a.class_weight_sum : 0.0f;
+  const float inv_v = 1.0f / static_cast<float>(a.vocab_size);
   if (a.loss != nullptr) {
-    a.loss[r] = ignored
-                    ? 0.0f
-                    : -(1.0f - eps) * w_y * logprob + eps * (lse - sum_z / static_cast<float>(a.vocab_size)) + z_loss;
+    const float smooth = weighted_smoothing ? eps * inv_v * (w_sum * lse - sum_z)
+                                            : eps * (lse - sum_z / static_cast<float>(a.vocab_size));
+    a.loss[r] = ignored ? 0.0f : -(1.0f - eps) * w_y * logprob + smooth + z_loss;
   }
   float A = 0.0f, B = 0.0f, C = 0.0f, D = 0.0f;
   if (a.grad == GradKind::kLoss) {
     if (!ignored) {
       const float g = a.grad_loss != nullptr ? a.grad_loss[r] : 1.0f;
-      // (1−ε)·w_y + ε·W/V with W = V: class weights come without label smoothing here.
-      A = a.class_weight != nullptr ? g * (w_y + 2.0f * a.z_loss * lse) : g * (1.0f + 2.0f * a.z_loss * lse);
+      // (1−ε)·w_y + ε·W/V with W = Σ_j w_j (V without class weights); D·w_j in LaunchWriteGrad.
+      A = weighted_smoothing          ? g * ((1.0f - eps) * w_y + eps * w_sum * inv_v + 2.0f * a.z_loss * lse)
+          : a.class_weight != nullptr ? g * (w_y + 2.0f * a.z_loss * lse)
+                                      : g * (1.0f + 2.0f * a.z_loss * lse);
       C = g * (1.0f - eps) * w_y;
       D = g * eps / static_cast<float>(a.vocab_size);
     }

@@ -17,7 +17,8 @@ template <typename T, typename S>
 __global__ void __launch_bounds__(kThreads)
 WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__ part, int64_t ngroup,
                 int group_cols, const float* __restrict__ info, const int32_t* __restrict__ targets, int32_t ignore_index,
-                int64_t vocab_begin, float softcap, float temperature, bool target_apart) {
+                int64_t vocab_begin, const float* __restrict__ class_weight, float softcap, float temperature,
+                bool target_apart) {
   constexpr int kVec = 16 / sizeof(S);
   static_assert(sizeof(T) == sizeof(S));
   static_assert(kSegment % kVec == 0);  // and group_cols % kVec == 0 (checked at launch): one group a vector
@@ -54,7 +55,8 @@ WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__
     // z − m and p from the stored z − m_group without forming z or lse (kernels.h, RowInfoSlot).
     const float zm = group_shift + ToFloat(vin.s[j]);
     const float p = expf(zm - log_s);
-    float dz = A * p + B * p * zm - D;
+    // Label smoothing's −(ε/V)·w_j (w_j = 1 without class weights).
+    float dz = A * p + B * p * zm - (class_weight != nullptr ? D * class_weight[vocab_begin + c0 + j] : D);
     if (c0 + j == ylocal) dz -= C;
     float da = dz * inv_temp;
     if (softcap > 0.0f) {
@@ -74,9 +76,9 @@ WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__
 
 absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows, int64_t v0, int64_t nc,
                              const float* part, int64_t ngroup, int group_cols, const float* row_info,
-                             const int32_t* targets,
-                             int32_t ignore_index, int64_t vocab_begin, float softcap, float temperature,
-                             bool target_apart, cudaStream_t stream) {
+                             const int32_t* targets, int32_t ignore_index, int64_t vocab_begin,
+                             const float* class_weight, float softcap, float temperature, bool target_apart,
+                             cudaStream_t stream) {
   if (rows <= 0 || nc <= 0) return absl::OkStatus();
   const int64_t nv = v0 + nc;  // columns [v0, nv) are processed
   if (lds % 8 != 0 || lds < nv || rows > 65535 || v0 % kSegment != 0 || group_cols <= 0 || group_cols % 8 != 0 ||
@@ -92,7 +94,8 @@ absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows
                     static_cast<unsigned>(rows));
     WriteGradKernel<T, S><<<grid, kThreads, 0, stream>>>(static_cast<S*>(store), lds, static_cast<int>(v0), static_cast<int>(nv), part,
                                                          ngroup, group_cols, row_info, targets, ignore_index,
-                                                         vocab_begin, softcap, temperature, target_apart);
+                                                         vocab_begin, class_weight, softcap, temperature,
+                                                         target_apart);
     LCE_CUDA_CHECK(cudaGetLastError());
     return absl::OkStatus();
   });

@@ -382,18 +382,22 @@ TEST_F(CudaTest, MatchesReferenceEveryDtypeSpaceOption) {
   }
 }
 
-// Class weights (PyTorch's CrossEntropyLoss(weight=), without label smoothing on this engine) and the
-// z-loss output, host and device rows, the fast loss path (bf16, no softcap) and the general one.
+// Class weights (PyTorch's CrossEntropyLoss(weight=)) and the z-loss output, host and device rows, the fast
+// loss path (bf16, no softcap) and the general one; with label smoothing (Σ_j w_j z_j through u = Σ_j w_j W_j,
+// weighted_smoothing.cu) with a bias and a temperature; refused, said so, with a softcap as well.
 TEST_F(CudaTest, ClassWeightsAndZLossMatchReference) {
   uint64_t seed = 7000;
   for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
-    for (float softcap : {0.0f, 8.0f}) {
+    for (const auto& [softcap, smoothing] : {std::pair{0.0f, 0.0f}, std::pair{8.0f, 0.0f}, std::pair{0.0f, 0.1f}}) {
       ProblemSpec sp;
       sp.dtype = dt;
       sp.grad_loss = true;
       sp.h_scale = 2.0;
+      sp.bias = smoothing > 0.0f;
       sp.options.z_loss = 1e-3f;
       sp.options.softcap = softcap;
+      sp.options.label_smoothing = smoothing;
+      if (smoothing > 0.0f) sp.options.temperature = 0.8f;
       Problem p = MakeProblem(sp, ++seed);
       for (int64_t j = 0; j < sp.vocab; ++j) p.class_weight.push_back(0.25f + 0.1f * static_cast<float>(j % 13));
       p.ref.class_weight.assign(p.class_weight.begin(), p.class_weight.end());
@@ -401,15 +405,16 @@ TEST_F(CudaTest, ClassWeightsAndZLossMatchReference) {
       ASSERT_NE(e, nullptr);
       const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, ++seed);
       for (MemorySpace space : {MemorySpace::kHost, MemorySpace::kDevice}) {
-        const std::string what = std::string(DTypeName(dt)) + "/softcap " + std::to_string(softcap) +
-                                 (space == MemorySpace::kHost ? "/host" : "/device");
+        const std::string what = absl::StrCat(DTypeName(dt), "/softcap ", softcap, "/smoothing ", smoothing,
+                                              space == MemorySpace::kHost ? "/host" : "/device");
         ExpectMatches(RunEngine(*e, p, space, dw0), p, dw0, what);
       }
     }
   }
-  // With label smoothing: not on this engine yet, said so.
+  // With label smoothing and a softcap: not on this engine (z is not linear in h), said so.
   ProblemSpec sp;
   sp.options.label_smoothing = 0.1f;
+  sp.options.softcap = 8.0f;
   Problem p = MakeProblem(sp, ++seed);
   p.class_weight.assign(sp.vocab, 1.0f);
   p.ref.class_weight.assign(sp.vocab, 1.0);
@@ -932,7 +937,7 @@ std::vector<Answers> RunSharded(const Problem& full, int k, const std::vector<fl
 
 TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
   const int k = 3;
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     const GradMode mode = variant == 1 ? GradMode::kGeneric : GradMode::kLoss;
     ProblemSpec sp;
     sp.rows = 29;
@@ -946,7 +951,12 @@ TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
       sp.options.softcap = 12.0f;
       sp.options.label_smoothing = 0.1f;
     }
-    const Problem full = MakeProblem(sp, 101 + variant);
+    if (variant == 3) sp.options.label_smoothing = 0.2f;  // with class weights: u summed over the ranks
+    Problem full = MakeProblem(sp, 101 + variant);
+    if (variant == 3) {
+      for (int64_t j = 0; j < sp.vocab; ++j) full.class_weight.push_back(0.2f + 0.05f * static_cast<float>(j % 31));
+      full.ref.class_weight.assign(full.class_weight.begin(), full.class_weight.end());
+    }
     const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 7);
     const std::vector<Answers> answers = RunSharded(full, k, dw0);
     Answers merged = answers[0];
@@ -970,7 +980,7 @@ TEST_F(CudaTest, VocabParallelStatisticsBitForBit) {
   // reference's tolerance.
   EngineConfig cfg;
   cfg.batch_invariant = cfg.tp_invariant = true;
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     ProblemSpec sp;
     sp.rows = 300;
     sp.hidden = 64;
@@ -980,7 +990,14 @@ TEST_F(CudaTest, VocabParallelStatisticsBitForBit) {
       sp.options.softcap = 12.0f;
       sp.options.label_smoothing = 0.1f;
     }
-    const Problem full = MakeProblem(sp, 301 + variant);
+    // Variant 3: class weights with label smoothing and a bias (u's segments each from one rank).
+    sp.bias = variant == 3;
+    if (variant == 3) sp.options.label_smoothing = 0.1f;
+    Problem full = MakeProblem(sp, 301 + variant);
+    if (variant == 3) {
+      for (int64_t j = 0; j < sp.vocab; ++j) full.class_weight.push_back(0.5f + 0.01f * static_cast<float>(j % 97));
+      full.ref.class_weight.assign(full.class_weight.begin(), full.class_weight.end());
+    }
     auto one = MakeCuda(full, cfg);
     ASSERT_NE(one, nullptr);
     const Answers want = RunEngine(*one, full, MemorySpace::kDevice, {});
