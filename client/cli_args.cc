@@ -71,6 +71,9 @@ ABSL_FLAG(std::string, class_weights_file, "",
           "the cross-entropy by the valid targets' weights and the z-loss by their count, as\n"
           "Liger-Kernel (docs/MATH.md, \"Class weights\")");
 ABSL_FLAG(bool, accumulate_weight_grad, false, "also add dW into the head's gradient buffer (on the front)");
+ABSL_FLAG(bool, defer_weight_grad, false,
+          "bench --op=train with --accumulate-weight-grad: dW waits on the server (pending) and each\n"
+          "request's is committed by CommitGrad, inside the timed request (a PyTorch trainer's road)");
 ABSL_FLAG(std::string, op, "score",
           "score, or train: ForwardBackward with REDUCTION_SUM, or wire: the data plane's sockets alone, no engine (the batch's hidden bytes written to server memory and read back over --data-plane-sockets sockets, plain or TLS)");
 ABSL_FLAG(int64_t, iterations, 5, "timed requests, >= 1");
@@ -120,6 +123,17 @@ const std::vector<std::string> kBatchFlags = {"head",         "hidden_file", "ta
                                               "grow_chunks"};
 
 std::string Dashed(absl::string_view name) { return absl::StrReplaceAll(name, {{"_", "-"}}); }
+
+// `--name` alone sets a boolean flag (`--name value` still takes true/false and the like after it).
+bool IsBoolFlag(const std::string& dashed) {
+  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(absl::StrReplaceAll(dashed, {{"-", "_"}}));
+  return flag != nullptr && flag->IsOfType<bool>();
+}
+bool IsBoolWord(absl::string_view w) {
+  const std::string s = absl::AsciiStrToLower(w);
+  return s == "true" || s == "false" || s == "1" || s == "0" || s == "yes" || s == "no" || s == "t" || s == "f" ||
+         s == "y" || s == "n";
+}
 
 // "--name (default: D)" and its help, indented; flags whose default is empty say in their help
 // what unset means.
@@ -219,7 +233,7 @@ const std::vector<Command>& Commands() {
        "throughput of repeated score or train (forward-backward) requests",
        "lce_cli bench: throughput of repeated requests on one batch; prints ms per request, rows/s and\n"
        "GB/s each way (hidden + targets up; logprob + entropy, or d_hidden + loss, down)",
-       {"op", "iterations", "warmup"},
+       {"op", "iterations", "warmup", "accumulate_weight_grad", "defer_weight_grad"},
        true},
       {"load-head",
        "add or replace a head: from a safetensors file, a clone, or a seed",
@@ -308,6 +322,8 @@ absl::StatusOr<Args> Parse(const std::vector<std::string>& given) {
       if (const size_t eq = name.find('='); eq != std::string::npos) {
         value = name.substr(eq + 1);
         name.resize(eq);
+      } else if (IsBoolFlag(name) && (i + 1 == words.size() || !IsBoolWord(words[i + 1]))) {
+        value = "true";  // a bare boolean
       } else if (i + 1 < words.size()) {
         value = words[++i];
       } else {

@@ -343,9 +343,19 @@ int Bench(LceClient& c, const BatchCall& b) {
   const bool train = absl::GetFlag(FLAGS_op) == "train";
   const int64_t iters = absl::GetFlag(FLAGS_iterations), warmup = absl::GetFlag(FLAGS_warmup);
   v1::RequestHeader h = b.header;
-  if (train) h.set_reduction(v1::REDUCTION_SUM);
+  if (train) {
+    h.set_reduction(v1::REDUCTION_SUM);
+    h.set_accumulate_weight_grad(absl::GetFlag(FLAGS_accumulate_weight_grad));
+    h.set_defer_weight_grad(absl::GetFlag(FLAGS_defer_weight_grad));
+  }
   auto once = [&]() -> absl::Status {
-    return train ? c.ForwardBackward(view, h).status() : c.Score(view, h).status();
+    if (!train) return c.Score(view, h).status();
+    absl::StatusOr<lce::client::ForwardBackwardResult> r = c.ForwardBackward(view, h);
+    if (!r.ok()) return r.status();
+    for (uint64_t id : r->pending_grads) {  // as a trainer's backward would, with an upstream gradient of 1
+      if (absl::Status s = c.CommitGrad(h.head(), id, 1.0f); !s.ok()) return s;
+    }
+    return absl::OkStatus();
   };
   for (int64_t i = 0; i < warmup; ++i) {
     if (absl::Status s = once(); !s.ok()) return Failed(s);

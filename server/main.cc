@@ -130,6 +130,7 @@ absl::StatusOr<lce::server::ServiceConfig> ServiceConfigFrom(const lce::server::
   c.auth = *auth;
   c.log_requests = f.log_requests;
   c.pipeline_chunks = f.pipeline_chunks;
+  c.merge_chunk_rows = f.merge_chunk_rows;
   c.batching = {f.batch_max_rows, f.batch_max_delay_us};
   return c;
 }

@@ -51,6 +51,7 @@ absl::StatusOr<std::unique_ptr<ChunkStaging>> LceService::TakeStaging() {
       return s;
     }
   }
+  if (config_.cuda_device < 0) return CreateHostStaging();
 #ifdef LCE_WITH_CUDA
   return CreateDeviceStaging(config_.cuda_device);
 #else
@@ -99,26 +100,33 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
                                                                  bool hidden_on_device, int64_t row_bytes,
                                                                  int64_t vocab_size, int32_t top_k, const Upstream& up,
                                                                  const RowOutputs& out, const GradOutputs& grads,
-                                                                 bool d_hidden_on_device) {
+                                                                 bool d_hidden_on_device, StagingPlace place) {
   const int64_t n = rows.rows;
+  const int64_t r0 = place.row0, cap = std::max(place.capacity, r0 + n);
   // Slots: 0 targets; 1-3 grad_loss, grad_logprob, grad_entropy; 4-7 logprob, entropy, lse, loss;
   // 8 d_hidden; 9 hidden; 10 class weights; 11-14 z_loss, argmax, top_tokens, top_logprobs. Copies
   // are queued, then waited for once (each wait is a GPU bubble).
   const auto start = std::chrono::steady_clock::now();
-  auto up_array = [&](int slot, const void* host, int64_t bytes) -> absl::StatusOr<void*> {
-    if (host == nullptr) return nullptr;
-    absl::StatusOr<void*> d = st.Buffer(slot, bytes);
+  // A per-row buffer of `per_row` bytes a row at row r0 of `cap`; (per_row 0: `bytes` as they are).
+  auto place_in = [&](int slot, int64_t per_row, int64_t bytes = 0) -> absl::StatusOr<uint8_t*> {
+    absl::StatusOr<void*> d = st.Buffer(slot, per_row > 0 ? cap * per_row : bytes);
     if (!d.ok()) return d.status();
-    LCE_RETURN_IF_ERROR(st.UploadAsync(*d, host, bytes));
-    return *d;
+    return static_cast<uint8_t*>(*d) + r0 * per_row;
   };
-  absl::StatusOr<void*> hidden = hidden_on_device ? absl::StatusOr<void*>(const_cast<void*>(rows.hidden))
-                                                  : up_array(9, rows.hidden, n * row_bytes);
-  absl::StatusOr<void*> targets = up_array(0, rows.targets, n * 4);
-  absl::StatusOr<void*> gl = up_array(1, up.grad_loss, n * 4);
-  absl::StatusOr<void*> glp = up_array(2, up.grad_logprob, n * 4);
-  absl::StatusOr<void*> gen = up_array(3, up.grad_entropy, n * 4);
-  absl::StatusOr<void*> cw = up_array(10, rows.class_weight, rows.class_weight != nullptr ? vocab_size * 4 : 0);
+  auto up_array = [&](int slot, const void* host, int64_t per_row, int64_t bytes = 0) -> absl::StatusOr<void*> {
+    if (host == nullptr) return nullptr;
+    absl::StatusOr<uint8_t*> d = place_in(slot, per_row, bytes);
+    if (!d.ok()) return d.status();
+    LCE_RETURN_IF_ERROR(st.UploadAsync(*d, host, per_row > 0 ? n * per_row : bytes));
+    return static_cast<void*>(*d);
+  };
+  absl::StatusOr<void*> hidden =
+      hidden_on_device ? absl::StatusOr<void*>(const_cast<void*>(rows.hidden)) : up_array(9, rows.hidden, row_bytes);
+  absl::StatusOr<void*> targets = up_array(0, rows.targets, 4);
+  absl::StatusOr<void*> gl = up_array(1, up.grad_loss, 4);
+  absl::StatusOr<void*> glp = up_array(2, up.grad_logprob, 4);
+  absl::StatusOr<void*> gen = up_array(3, up.grad_entropy, 4);
+  absl::StatusOr<void*> cw = up_array(10, rows.class_weight, 0, rows.class_weight != nullptr ? vocab_size * 4 : 0);
   for (const auto* r : {&hidden, &targets, &gl, &glp, &gen, &cw}) {
     if (!r->ok()) return r->status();
   }
@@ -128,20 +136,19 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
   struct Out {
     int slot;
     void** ptr;
-    int64_t bytes;
+    int64_t per_row;
   };
-  for (Out o : {Out{4, reinterpret_cast<void**>(&call.outs.logprob), n * 4},
-                Out{5, reinterpret_cast<void**>(&call.outs.entropy), n * 4},
-                Out{6, reinterpret_cast<void**>(&call.outs.lse), n * 4},
-                Out{7, reinterpret_cast<void**>(&call.outs.loss), n * 4},
-                Out{11, reinterpret_cast<void**>(&call.outs.z_loss), n * 4},
-                Out{12, reinterpret_cast<void**>(&call.outs.argmax), n * 4},
-                Out{13, reinterpret_cast<void**>(&call.outs.top_tokens), n * k * 4},
-                Out{14, reinterpret_cast<void**>(&call.outs.top_logprobs), n * k * 4}}) {
+  for (Out o :
+       {Out{4, reinterpret_cast<void**>(&call.outs.logprob), 4},
+        Out{5, reinterpret_cast<void**>(&call.outs.entropy), 4}, Out{6, reinterpret_cast<void**>(&call.outs.lse), 4},
+        Out{7, reinterpret_cast<void**>(&call.outs.loss), 4}, Out{11, reinterpret_cast<void**>(&call.outs.z_loss), 4},
+        Out{12, reinterpret_cast<void**>(&call.outs.argmax), 4},
+        Out{13, reinterpret_cast<void**>(&call.outs.top_tokens), k * 4},
+        Out{14, reinterpret_cast<void**>(&call.outs.top_logprobs), k * 4}}) {
     if (*o.ptr == nullptr) continue;
-    absl::StatusOr<void*> d = st.Buffer(o.slot, o.bytes);
+    absl::StatusOr<uint8_t*> d = place_in(o.slot, o.per_row);
     if (!d.ok()) return d.status();
-    call.downloads.push_back({*o.ptr, *d, o.bytes});
+    call.downloads.push_back({*o.ptr, *d, n * o.per_row});
     *o.ptr = *d;
   }
   call.grads.d_weight = grads.d_weight;  // the request's pending dW (the trainer's): device memory already
@@ -152,14 +159,15 @@ absl::StatusOr<LceService::StagedCall> LceService::StageOnDevice(ChunkStaging& s
     if (d_hidden_on_device) {
       call.grads.d_hidden = grads.d_hidden;
     } else {
-      absl::StatusOr<void*> d = st.Buffer(8, n * row_bytes);
+      absl::StatusOr<uint8_t*> d = place_in(8, row_bytes);
       if (!d.ok()) return d.status();
       call.grads.d_hidden = *d;
       call.host_d_hidden = grads.d_hidden;
       call.d_hidden_bytes = n * row_bytes;
     }
   }
-  call.rows = RowsView{*hidden, static_cast<const int32_t*>(*targets), n, MemorySpace::kDevice, rows.targets_checked};
+  call.rows = RowsView{*hidden, static_cast<const int32_t*>(*targets), n,
+                       st.device() ? MemorySpace::kDevice : MemorySpace::kHost, rows.targets_checked};
   call.rows.class_weight = static_cast<const float*>(*cw);
   call.up = Upstream{up.mode, static_cast<const float*>(*gl), static_cast<const float*>(*glp),
                      static_cast<const float*>(*gen)};

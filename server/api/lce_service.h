@@ -68,6 +68,11 @@ struct ServiceConfig {
   // for a 1024-row score on two cores. The in-process test server turns it on, so that CI covers the
   // pipelined stream.
   bool pipeline_chunks_on_cpu = false;
+  // A pipelined stream's consecutive chunks go to the engine together, in calls of up to this many rows
+  // (and kMaxGroupChunks chunks), staged side by side: at the clients' 512-row chunks each call would
+  // re-read and re-write the request's fp32 dW (H200, 16384×4096×151936: 119 ms of engine time in 32
+  // calls, 80 ms in 8; bench/RESULTS.md). 0 or 1: one call a chunk.
+  int64_t merge_chunk_rows = 2048;
   // Dynamic batching of small Calls (dynamic_batcher.h; --batch-max-rows, --batch-max-delay-us):
   // Scores, and ForwardBackwards and Backwards that do not accumulate dW, of at most max_rows rows
   // whose hidden states are in the message, on engines that give a row the same bits in any batch.
@@ -204,11 +209,19 @@ class LceService final : public v1::LceService::Service {
     void* host_d_hidden = nullptr;  // null when d_hidden is written in place on the device
     int64_t d_hidden_bytes = 0;
   };
+  // `place`: the call's rows go at row `row0` of buffers sized for `capacity` rows (0: the call's own), so
+  // that consecutive chunks staged side by side make one call (StreamedRequest's chunk groups); a group's
+  // later chunks must give the same capacity, which keeps the buffers where they are.
+  struct StagingPlace {
+    int64_t row0, capacity;
+  };
   absl::StatusOr<StagedCall> StageOnDevice(ChunkStaging& st, const RowsView& rows, bool hidden_on_device,
                                            int64_t row_bytes, int64_t vocab_size, int32_t top_k, const Upstream& up,
-                                           const RowOutputs& out, const GradOutputs& grads, bool d_hidden_on_device);
+                                           const RowOutputs& out, const GradOutputs& grads, bool d_hidden_on_device,
+                                           StagingPlace place = {0, 0});
   absl::Status UnstageFromDevice(ChunkStaging& st, const StagedCall& call);
-  // Device staging for one stream, reused across streams (allocation is slow, pinned or not).
+  // Staging for one stream, reused across streams (allocation is slow, pinned or not): device memory,
+  // or host memory on a server without a GPU engine (a CPU engine's merged chunks).
   absl::StatusOr<std::unique_ptr<ChunkStaging>> TakeStaging();
   void ReturnStaging(std::unique_ptr<ChunkStaging> staging);
   // Training (lce_service_training.cc). The header's plan, with the request's hold on its head's

@@ -74,15 +74,13 @@ absl::Status StreamedRequest::Stages() {
     bool more = false;
     LCE_RETURN_IF_ERROR(Receive(&more));
     if (!more) break;
-    // The slot's last chunk (two back) must be done before this one takes its place.
-    if (pipeline_ != nullptr && pipeline_->outstanding() > 1) {
-      LCE_RETURN_IF_ERROR(WaitOldest());
-    }
-    InFlightChunk& c = chunks_[chunk_index_ % 2];
+    // A chunk that will open a group takes the place of one two groups back: done first.
+    if (pipelined_ && group_.chunks.empty()) LCE_RETURN_IF_ERROR(WaitForSlot());
+    InFlightChunk& c = ChunkAt(chunk_index_);
     c.msg.Swap(&msg_);
     LCE_RETURN_IF_ERROR(Accept(c));
     LCE_RETURN_IF_ERROR(Prepare(c));
-    LCE_RETURN_IF_ERROR(pipelined_ ? Submit(c) : Compute(c));
+    LCE_RETURN_IF_ERROR(pipelined_ ? Group(c) : Compute(c));
   }
   return Finish();
 }
@@ -109,6 +107,7 @@ absl::Status StreamedRequest::Admit() {
     if (p.ok()) pipeline_ = *std::move(p);
     pipelined_ = p.ok();
   }
+  merging_ = pipelined_ && config_.merge_chunk_rows > 1;
   // Answers leave from their own thread while the next chunk computes (two in flight at most; on
   // this thread where it cannot start); a pipelined stream's finish thread writes them itself, a
   // Call's handler into its response.
@@ -287,12 +286,13 @@ absl::Status StreamedRequest::Prepare(InFlightChunk& c) {
   c.view = RowsView{c.hidden, chunk.targets().data(), n, MemorySpace::kHost, /*targets_checked=*/true};
   c.view.class_weight = plan_->class_weights.empty() ? nullptr : plan_->class_weights.data();
   // A GPU engine of one rank gets every chunk in device memory, copied on this stream's thread
-  // (outside the engine's lock); its dW lives on the device too.
+  // (outside the engine's lock); its dW lives on the device too. Merged chunks are staged side by
+  // side, in host memory for a CPU engine.
   c.device_path = c.hidden_slice.device || config_.cuda_device >= 0;
   rows_seen_ += n;
   valid_seen_ += valid;
   ++chunk_index_;
-  if (c.device_path) {
+  if (c.device_path || merging_) {
     for (int k = 0; k < (pipelined_ ? 2 : 1); ++k) {
       if (staging_.held[k] != nullptr) continue;
       absl::StatusOr<std::unique_ptr<ChunkStaging>> st = service_.TakeStaging();
@@ -322,39 +322,10 @@ absl::Status StreamedRequest::ChunkError(const InFlightChunk& c, const absl::Sta
                                              "): ", s.message()));
 }
 
-// Pipelined: the chunk is staged now (its uploads overlap the previous chunk's compute) and its call
-// queued; its outputs come back and its answer leaves on the pipeline's second thread.
-absl::Status StreamedRequest::Submit(InFlightChunk& c) {
-  const int slot = static_cast<int>(c.index % 2);
-  if (c.device_path) {
-    absl::StatusOr<LceService::StagedCall> staged = service_.StageOnDevice(
-        *staging_.held[slot], c.view, c.hidden_slice.device, row_bytes_, plan_->head->engine->shape().vocab_size,
-        plan_->options.top_k, c.up, c.outs, c.grads, c.dh_slice.device);
-    if (!staged.ok()) return ChunkError(c, staged.status());
-    c.staged = *staged;
-  } else {
-    c.staged = LceService::StagedCall{c.view, c.up, c.outs, c.grads};
-  }
-  ChunkStaging* st = c.device_path ? staging_.held[slot].get() : nullptr;
-  pipeline_->Submit(
-      [this, &c] {
-        return service_.RunEngine(method_, op_, *plan_->head->engine, c.staged.rows, plan_->options, c.staged.up,
-                                  c.staged.outs, c.staged.grads);
-      },
-      [this, st, &c]() -> absl::Status {
-        if (st != nullptr) {
-          LCE_RETURN_IF_ERROR(service_.UnstageFromDevice(*st, c.staged));
-        }
-        return Answer(c);
-      });
-  return absl::OkStatus();
-}
-
-// Waits for the oldest pipelined chunk to be computed and answered.
+// Waits for the oldest pipelined chunk to be computed and answered (its error names it already).
 absl::Status StreamedRequest::WaitOldest() {
-  const InFlightChunk& c = chunks_[(chunk_index_ - pipeline_->outstanding()) % 2];
-  absl::Status s = pipeline_->WaitOldest();
-  return s.ok() ? absl::OkStatus() : ChunkError(c, s);
+  submitted_.pop_front();
+  return pipeline_->WaitOldest();
 }
 
 absl::Status StreamedRequest::CallEngine(InFlightChunk& c, const char* what, const Upstream& up,

@@ -6,13 +6,15 @@
 //     Receive  the next message within the idle timeout
 //     Accept   the chunk checked, its shared-memory slices resolved, the request's byte budget
 //     Prepare  where its outputs go, its upstream gradients, its device staging
-//     Compute  the engine call here and Answer; or Submit: staged now, computed and answered on
-//              the pipeline's threads while the next chunk is read (RequestHeader.sends_ahead)
+//     Compute  the engine call here and Answer; or Group: staged now beside the chunks before it,
+//              and the group's one engine call computed and its chunks answered on the pipeline's
+//              threads while the next chunks are read (RequestHeader.sends_ahead; streamed_request_groups.cc)
 //   Finish   the pipeline drained, the declared counts checked, the summary, the last answers out
 // The serial and the pipelined paths share every stage but the engine call's place.
 #pragma once
 
 #include <atomic>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -84,6 +86,19 @@ class StreamedRequest {
     ClientShares* shares_ = nullptr;
     ClientShares::Grant client_;
   };
+  // A pipelined stream's consecutive chunks staged side by side, so that those queued behind a busy
+  // engine make one call (Group): up to ServiceConfig::merge_chunk_rows rows and kMaxGroupChunks chunks,
+  // in staging slot `slot`.
+  static constexpr int64_t kMaxGroupChunks = 64;
+  struct ChunkGroup {
+    int slot = 0;
+    int64_t rows = 0, capacity = 0;
+    std::vector<InFlightChunk*> chunks;
+  };
+  // A chunk submitted to the pipeline and not yet waited for, and its group's number.
+  struct Submitted {
+    int64_t group = 0, chunk = 0;
+  };
   // The stream's device stagings (two when pipelined), back to the service's pool at the end.
   struct StagingLease {
     LceService* service;
@@ -101,7 +116,18 @@ class StreamedRequest {
   absl::Status Accept(InFlightChunk& c);
   absl::Status ResolveRegions(InFlightChunk& c);
   absl::Status Prepare(InFlightChunk& c);
-  absl::Status Submit(InFlightChunk& c);
+  // Chunk groups (streamed_request_groups.cc): the chunk staged into the open group, which goes to the
+  // pipeline when full; the wait for a staging slot; whether a chunk may share a call.
+  absl::Status Group(InFlightChunk& c);
+  // `group` > 0: the pipeline may merge its call with the group's chunks queued behind it (0: alone).
+  absl::Status SubmitChunk(InFlightChunk& c, int64_t group, ChunkStaging* st);
+  absl::Status WaitForSlot();
+  // A call's error, named after the chunk whose row failed (the call computed `jobs` chunks from `first`).
+  absl::Status CallError(int64_t first, int64_t jobs, const absl::Status& s);
+  bool Mergeable(const InFlightChunk& c) const;
+  bool JoinsGroup(const InFlightChunk& c) const;
+  // The ring of in-flight chunks: two groups' worth (a chunk's place is free once the group two back is done).
+  InFlightChunk& ChunkAt(int64_t index);
   absl::Status Compute(InFlightChunk& c);
   // Dynamic batching (dynamic_batcher.h): may the chunk's call be merged with other requests'; the
   // call through the batcher.
@@ -144,6 +170,7 @@ class StreamedRequest {
   std::optional<StreamRequestValidator> validator_;
   int64_t row_bytes_ = 0, num_seq_ = 0;
   bool pipelined_ = false;
+  bool merging_ = false;  // pipelined, with ServiceConfig::merge_chunk_rows > 1
 
   StagingLease staging_{&service_, {}};
   std::optional<StreamAnswerWriter<v1::StreamResponse>> writer_;
@@ -154,7 +181,10 @@ class StreamedRequest {
   std::vector<int64_t> seq_seen_;
   std::vector<float> lp_buf_, ent_buf_, u_buf_, e_buf_, w_buf_;
   std::unique_ptr<bool[]> valid_buf_;
-  InFlightChunk chunks_[2];
+  std::vector<std::unique_ptr<InFlightChunk>> ring_;
+  ChunkGroup group_;                 // the open group (no chunks: none)
+  std::deque<Submitted> submitted_;  // oldest first
+  int64_t groups_ = 0;               // groups opened (the open one's number)
   // A request that accumulates dW: its pending contribution while it runs (id 0: none), and the id
   // it leaves for CommitGrad when deferred.
   LceService::Contribution contribution_;

@@ -133,6 +133,10 @@ LCE_SERVER_FLAG(bool, log_requests, log_requests, true,
 LCE_SERVER_FLAG(bool, pipeline_chunks, pipeline_chunks, true,
                 "GPU engines, for clients that send ahead (RequestHeader.sends_ahead): compute a chunk while the next "
                 "is read and staged, answer from another thread");
+LCE_SERVER_FLAG(int64_t, merge_chunk_rows, merge_chunk_rows, 2048,
+                "pipelined streams: consecutive chunks go to the engine together, in calls of up to N rows (or 64 "
+                "chunks), so that the clients' small chunks (4 MiB: 512 rows at H 4096) do not each re-read and "
+                "re-write dW (0 or 1: one call a chunk)");
 LCE_SERVER_FLAG(
     int64_t, batch_max_rows, batch_max_rows, 256,
     "dynamic batching: concurrent small Calls (Score; ForwardBackward and Backward without "
@@ -368,6 +372,9 @@ absl::Status CheckServingFlags(const ServerFlags& f) {
   if (f.max_pending_grads < 1) return absl::InvalidArgumentError("--max-pending-grads must be >= 1");
   if (!(f.pending_grad_ttl_seconds > 0)) return absl::InvalidArgumentError("--pending-grad-ttl-seconds must be > 0");
   if (f.batch_max_rows < 0) return absl::InvalidArgumentError("--batch-max-rows must be >= 0");
+  if (f.merge_chunk_rows < 0 || f.merge_chunk_rows > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError("--merge-chunk-rows must be in [0, 1048576]");
+  }
   if (f.batch_max_delay_us < 0 || f.batch_max_delay_us > 1000000) {
     return absl::InvalidArgumentError("--batch-max-delay-us must be in [0, 1000000]");
   }

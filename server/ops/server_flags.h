@@ -47,6 +47,7 @@ struct ServerFlags {
   // Dynamic batching (ServiceConfig.batching): rows of a merged engine call at most (<= 1: off),
   // and how long a batch waits for more rows (0: it launches as soon as the engine is free).
   int64_t batch_max_rows{};
+  int64_t merge_chunk_rows{};  // ServiceConfig.merge_chunk_rows
   int64_t batch_max_delay_us{};
   int metrics_port{};  // -1: no metrics endpoint; 0: pick a free port
   std::string metrics_host;

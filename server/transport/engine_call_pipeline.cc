@@ -38,8 +38,32 @@ void EngineCallPipeline::Submit(Step call, Step finish) {
     std::lock_guard<std::mutex> lock(mu_);
     to_call_.push_back(Job{std::move(call), std::move(finish), submitted_++, absl::OkStatus()});
     ++outstanding_;
+    ++calls_pending_;
   }
   cv_.notify_all();
+}
+
+void EngineCallPipeline::SubmitMergeable(int64_t group, int64_t rows, MergeableCall call, Step finish) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Job job{nullptr, std::move(finish), submitted_++, absl::OkStatus(), std::move(call), group, rows};
+    to_call_.push_back(std::move(job));
+    ++outstanding_;
+    ++calls_pending_;
+  }
+  cv_.notify_all();
+}
+
+std::vector<EngineCallPipeline::Job> EngineCallPipeline::TakeCall() {
+  std::vector<Job> jobs;
+  jobs.push_back(std::move(to_call_.front()));
+  to_call_.pop_front();
+  const int64_t group = jobs.front().group;
+  while (group > 0 && !to_call_.empty() && to_call_.front().group == group) {
+    jobs.push_back(std::move(to_call_.front()));
+    to_call_.pop_front();
+  }
+  return jobs;
 }
 
 absl::Status EngineCallPipeline::WaitOldest() {
@@ -56,10 +80,15 @@ int64_t EngineCallPipeline::outstanding() const {
   return outstanding_;
 }
 
+int64_t EngineCallPipeline::calls_pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return calls_pending_;
+}
+
 void EngineCallPipeline::RunCalls() {
   RequestWork::Scope scope(work_);
   for (;;) {
-    Job job;
+    std::vector<Job> jobs;
     bool skip = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -69,15 +98,23 @@ void EngineCallPipeline::RunCalls() {
         cv_.notify_all();
         return;
       }
-      job = std::move(to_call_.front());
-      to_call_.pop_front();
-      skip = job.seq > first_failed_;
+      jobs = TakeCall();
+      skip = jobs.front().seq > first_failed_;
     }
-    job.status = skip ? absl::AbortedError("an earlier chunk of the stream failed") : job.call();
+    int64_t rows = 0;
+    for (const Job& j : jobs) rows += j.rows;
+    Job& first = jobs.front();
+    const absl::Status status = skip                      ? absl::AbortedError("an earlier chunk of the stream failed")
+                                : first.merged != nullptr ? first.merged(rows, static_cast<int64_t>(jobs.size()))
+                                                          : first.call();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!job.status.ok()) first_failed_ = std::min(first_failed_, job.seq);
-      to_finish_.push_back(std::move(job));
+      if (!status.ok()) first_failed_ = std::min(first_failed_, first.seq);
+      for (Job& j : jobs) {
+        j.status = status;
+        --calls_pending_;
+        to_finish_.push_back(std::move(j));
+      }
     }
     cv_.notify_all();
   }

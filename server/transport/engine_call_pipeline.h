@@ -5,13 +5,14 @@
 // an H100 before: ≈0.19 ms idle between a request's calls; bench/RESULTS.md).
 #pragma once
 
+#include <climits>
 #include <condition_variable>
 #include <cstdint>
-#include <climits>
 #include <deque>
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include <memory>
 
@@ -23,6 +24,8 @@ namespace lce::server {
 class EngineCallPipeline {
  public:
   using Step = std::function<absl::Status()>;
+  // A call that may run for several jobs at once: `rows` in all, `jobs` of them (SubmitMergeable).
+  using MergeableCall = std::function<absl::Status(int64_t rows, int64_t jobs)>;
   // Calls and finishes count in `work`'s accounting (null: none), as on the handler's thread.
   // RESOURCE_EXHAUSTED when its threads cannot start (a task limit): the caller runs serially.
   static absl::StatusOr<std::unique_ptr<EngineCallPipeline>> Start(RequestWork* work);
@@ -34,12 +37,19 @@ class EngineCallPipeline {
   // Queues `call`, and `finish` to run once `call` has returned OK; returns at once. After a step
   // has failed, later submissions run neither step (their status: ABORTED). Not after Close.
   void Submit(Step call, Step finish);
+  // As Submit, for a job of `rows` rows whose call may also compute the jobs of the same `group` (> 0)
+  // queued right behind it when the caller thread takes it (they arrived while the engine was busy):
+  // the first's `call(rows of them all, how many)` runs once, and each job's finish after it, with its
+  // status. Group 0: alone. The caller must have laid a group's rows out one after the other.
+  void SubmitMergeable(int64_t group, int64_t rows, MergeableCall call, Step finish);
   // Waits for the oldest submission not yet waited for to be done (both steps, or the failed one)
   // and returns its status. Only then may the caller touch that submission's buffers again. Must
   // not be called with nothing outstanding.
   absl::Status WaitOldest();
   // Submissions not yet waited for.
   int64_t outstanding() const;
+  // Submissions whose call has not returned yet (queued or running): the engine is busy with this stream.
+  int64_t calls_pending() const;
   // No more submissions: the threads end on their own once the last job is done (the destructor
   // then has nothing left to wait for).
   void Close();
@@ -49,7 +59,11 @@ class EngineCallPipeline {
     Step call, finish;
     int64_t seq = 0;
     absl::Status status;
+    MergeableCall merged;  // set by SubmitMergeable (call is then unset)
+    int64_t group = 0, rows = 0;
   };
+  // The job at the front, and those of its group queued right behind it; `mu_` held.
+  std::vector<Job> TakeCall();
   explicit EngineCallPipeline(RequestWork* work) : work_(work) {}
   void RunCalls();
   void RunFinishes();
@@ -59,7 +73,7 @@ class EngineCallPipeline {
   std::condition_variable cv_;
   std::deque<Job> to_call_, to_finish_;
   std::deque<absl::Status> done_;
-  int64_t outstanding_ = 0, submitted_ = 0;
+  int64_t outstanding_ = 0, submitted_ = 0, calls_pending_ = 0;
   int64_t first_failed_ = INT64_MAX;  // the earliest job whose step failed: later ones are skipped
   bool stop_calls_ = false, calls_done_ = false;
   std::thread caller_, finisher_;

@@ -45,6 +45,22 @@ TEST(CliArgs, BothFlagFormsAndTheCommand) {
   EXPECT_EQ(absl::GetFlag(FLAGS_seed), std::nullopt);
 }
 
+// `--name` alone sets a boolean (before another flag, a command or at the end); `--name false` still reads
+// its value.
+TEST(CliArgs, BareBooleans) {
+  ASSERT_TRUE(Set({"bench", "--accumulate-weight-grad", "--defer-weight-grad", "--op=train"}).ok());
+  EXPECT_TRUE(absl::GetFlag(FLAGS_accumulate_weight_grad));
+  EXPECT_TRUE(absl::GetFlag(FLAGS_defer_weight_grad));
+  EXPECT_EQ(absl::GetFlag(FLAGS_op), "train");
+  ASSERT_TRUE(Set({"--data-plane", "score", "--grow-chunks"}).ok());
+  EXPECT_TRUE(absl::GetFlag(FLAGS_data_plane));
+  EXPECT_TRUE(absl::GetFlag(FLAGS_grow_chunks));
+  ASSERT_TRUE(Set({"bench", "--accumulate-weight-grad", "false", "--defer-weight-grad", "TRUE"}).ok());
+  EXPECT_FALSE(absl::GetFlag(FLAGS_accumulate_weight_grad));
+  EXPECT_TRUE(absl::GetFlag(FLAGS_defer_weight_grad));
+  EXPECT_FALSE(Set({"score", "--rows"}).ok());  // a value flag still needs its value
+}
+
 TEST(ClientLibrary, VersionIsTheProjects) { EXPECT_EQ(lce::client::Version(), PROJECT_VERSION_FOR_TEST); }
 
 TEST(CliArgs, VersionIsNoCommandOrFlag) {

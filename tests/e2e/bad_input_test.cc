@@ -221,8 +221,10 @@ TEST_F(BadInput, NonFiniteHidden) {
 
 TEST_F(BadInput, NonFiniteHiddenInAPipelinedStream) {
   // A client that sends ahead (header.sends_ahead) gets the pipelined server: chunk k computes while
-  // chunk k+1 is read. A failing middle chunk still ends the stream with its own error, after the
-  // answer of the chunk before it and without the answers of those after it.
+  // chunk k+1 is read, and chunks queued behind a busy engine share one call (--merge-chunk-rows). A
+  // failing middle chunk still ends the stream with its own error, named as a call of that chunk alone
+  // would name it, after the answers of the calls before its own (how many chunks those held depends on
+  // the threads' timing) and without the answers of those after it.
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     v1::StreamRequest h = Header(v1::DTYPE_FLOAT32);
     h.mutable_header()->set_head("wide");
@@ -236,10 +238,11 @@ TEST_F(BadInput, NonFiniteHiddenInAPipelinedStream) {
     std::vector<v1::StreamResponse> answers;
     ExpectError(Run(kScore, msgs, &answers), grpc::StatusCode::INVALID_ARGUMENT,
                 "chunk 2 (rows 16..23): row 5: non-finite logits");
-    ASSERT_EQ(answers.size(), 2u);
-    EXPECT_EQ(answers[0].chunk().first_row(), 0);
-    EXPECT_EQ(answers[1].chunk().first_row(), 8);
-    EXPECT_EQ(answers[1].chunk().logprobs_size(), 8);
+    ASSERT_LE(answers.size(), 2u);  // chunks 0 and 1, where they did not share chunk 2's call
+    for (size_t k = 0; k < answers.size(); ++k) {
+      EXPECT_EQ(answers[k].chunk().first_row(), static_cast<int64_t>(8 * k));
+      EXPECT_EQ(answers[k].chunk().logprobs_size(), 8);
+    }
   }
   ExpectStillServing();
 }
