@@ -59,9 +59,9 @@ struct ServiceConfig {
   RequestAuthenticator auth;
   // One JSON line per finished RPC on stderr (request_log.h).
   bool log_requests = false;
-  // On a GPU engine (cuda_device >= 0), streams whose client sends ahead (RequestHeader.sends_ahead)
-  // run their engine calls on an EngineCallPipeline: chunk k computes while chunk k+1 is read and
-  // staged and chunk k-1 answered.
+  // On a GPU engine (cuda_device >= 0, or a CUDA tensor-parallel group's front), streams whose client
+  // sends ahead (RequestHeader.sends_ahead) run their engine calls on an EngineCallPipeline: chunk k
+  // computes while chunk k+1 is read and staged and chunk k-1 answered.
   bool pipeline_chunks = true;
   // The same on CPU engines. Off in servers: the CPU engine computes on the cores that would do the
   // host work, and its OpenMP teams, made anew for each stream's pipeline thread, measured 5 -> 72 ms

@@ -95,11 +95,12 @@ absl::Status StreamedRequest::Admit() {
   row_bytes_ = shape.hidden_size * DTypeSize(shape.dtype);
   num_seq_ = static_cast<int64_t>(plan_->sequence_valid_tokens.size());
   seq_seen_.assign(static_cast<size_t>(num_seq_), 0);
-  // Pipelined streams: calls and answers on threads of their own, on GPU engines where the client
+  // Pipelined streams: calls and answers on threads of their own, on GPU engines (one GPU, or a
+  // tensor-parallel group's front, whose merged chunks are staged in host memory) where the client
   // sends ahead (a client waiting for an answer before it sends more would wait for ever on a server
   // reading ahead), except PolicyLoss's (host work between its two calls).
-  pipelined_ = (config_.cuda_device >= 0 ? config_.pipeline_chunks : config_.pipeline_chunks_on_cpu) &&
-               plan_->sends_ahead && !is_pl_;
+  const bool gpu = config_.cuda_device >= 0 || plan_->head->engine->backend() == "cuda";
+  pipelined_ = (gpu ? config_.pipeline_chunks : config_.pipeline_chunks_on_cpu) && plan_->sends_ahead && !is_pl_;
   // Its threads start now, while the first chunk is on its way. Where they cannot (a task limit),
   // the stream is served serially on this thread: slower, never an abort (issue 35, item 4).
   if (pipelined_) {

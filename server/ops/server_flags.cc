@@ -131,8 +131,9 @@ LCE_SERVER_FLAG(int64_t, max_rows_per_request, max_rows_per_request, int64_t{1} 
 LCE_SERVER_FLAG(bool, log_requests, log_requests, true,
                 "one JSON line per finished RPC on stderr, with its request id");
 LCE_SERVER_FLAG(bool, pipeline_chunks, pipeline_chunks, true,
-                "GPU engines, for clients that send ahead (RequestHeader.sends_ahead): compute a chunk while the next "
-                "is read and staged, answer from another thread");
+                "GPU engines (one GPU or a tensor-parallel group's front), for clients that send ahead "
+                "(RequestHeader.sends_ahead): compute a chunk while the next is read and staged, answer from another "
+                "thread");
 LCE_SERVER_FLAG(int64_t, merge_chunk_rows, merge_chunk_rows, 2048,
                 "pipelined streams: consecutive chunks go to the engine together, in calls of up to N rows (or 64 "
                 "chunks), so that the clients' small chunks (4 MiB: 512 rows at H 4096) do not each re-read and "
