@@ -12,19 +12,14 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// S: storage type (half for 16-bit heads, float for fp32); T: output type; VEC elements = 16 bytes.
-template <typename T, typename S>
-__global__ void __launch_bounds__(kThreads)
-WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__ part, int64_t ngroup,
-                int group_cols, const float* __restrict__ info, const int32_t* __restrict__ targets, int32_t ignore_index,
-                int64_t vocab_begin, const float* __restrict__ class_weight, float softcap, float temperature,
-                bool target_apart) {
-  constexpr int kVec = 16 / sizeof(S);
-  static_assert(sizeof(T) == sizeof(S));
-  static_assert(kSegment % kVec == 0);  // and group_cols % kVec == 0 (checked at launch): one group a vector
-  const int64_t r = blockIdx.y;
-  const int c0 = v0 + (blockIdx.x * kThreads + threadIdx.x) * kVec;
-  if (c0 >= nv) return;
+// One row's kVec columns from c0 (n of them in range): dz from the stored z − m_group, in place. w: label
+// smoothing's per-column weights (class weights), or null (all 1).
+template <typename T, typename S, int kVec>
+__device__ __forceinline__ void WriteGradVector(S* store, int64_t lds, int64_t r, int c0, int n,
+                                                const float* __restrict__ part, int64_t ngroup, int group_cols,
+                                                const float* __restrict__ info, const int32_t* __restrict__ targets,
+                                                int32_t ignore_index, int64_t vocab_begin, const float* w,
+                                                float softcap, float temperature, bool target_apart) {
   const float* in = info + r * kRowInfo;
   const float m = in[kInfoMax], log_s = in[kInfoLogS], A = in[kInfoA], B = in[kInfoB], C = in[kInfoC],
               D = in[kInfoD];
@@ -44,7 +39,6 @@ WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__
     uint4 u;
     T t[kVec];
   } vout;
-  const int n = min(kVec, nv - c0);
   if (n == kVec) {
     vin.u = *reinterpret_cast<const uint4*>(src);
   } else {
@@ -56,7 +50,7 @@ WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__
     const float zm = group_shift + ToFloat(vin.s[j]);
     const float p = expf(zm - log_s);
     // Label smoothing's −(ε/V)·w_j (w_j = 1 without class weights).
-    float dz = A * p + B * p * zm - (class_weight != nullptr ? D * class_weight[vocab_begin + c0 + j] : D);
+    float dz = A * p + B * p * zm - (w != nullptr ? D * w[j] : D);
     if (c0 + j == ylocal) dz -= C;
     float da = dz * inv_temp;
     if (softcap > 0.0f) {
@@ -69,6 +63,33 @@ WriteGradKernel(S* store, int64_t lds, int v0, int nv, const float* __restrict__
     *reinterpret_cast<uint4*>(dst) = vout.u;
   } else {
     for (int j = 0; j < n; ++j) dst[j] = vout.t[j];
+  }
+}
+
+// S: storage type (half for 16-bit heads, float for fp32); T: output type; VEC elements = 16 bytes. A block
+// row covers one row, or with class weights (kWeighted) four: their columns' weights read once for the four.
+template <typename T, typename S, bool kWeighted>
+__global__ void __launch_bounds__(kThreads)
+    WriteGradKernel(S* store, int64_t lds, int64_t rows, int v0, int nv, const float* __restrict__ part, int64_t ngroup,
+                    int group_cols, const float* __restrict__ info, const int32_t* __restrict__ targets,
+                    int32_t ignore_index, int64_t vocab_begin, const float* __restrict__ class_weight, float softcap,
+                    float temperature, bool target_apart) {
+  constexpr int kVec = 16 / sizeof(S);
+  static_assert(sizeof(T) == sizeof(S));
+  static_assert(kSegment % kVec == 0);  // and group_cols % kVec == 0 (checked at launch): one group a vector
+  const int c0 = v0 + (blockIdx.x * kThreads + threadIdx.x) * kVec;
+  if (c0 >= nv) return;
+  const int n = min(kVec, nv - c0);
+  constexpr int kRows = kWeighted ? 4 : 1;
+  float w[kVec];
+  if constexpr (kWeighted) {
+    for (int j = 0; j < kVec; ++j) w[j] = j < n ? class_weight[vocab_begin + c0 + j] : 0.0f;
+  }
+  for (int k = 0; k < kRows; ++k) {
+    const int64_t r = static_cast<int64_t>(blockIdx.y) * kRows + k;
+    if (r >= rows) return;
+    WriteGradVector<T, S, kVec>(store, lds, r, c0, n, part, ngroup, group_cols, info, targets, ignore_index,
+                                vocab_begin, kWeighted ? w : nullptr, softcap, temperature, target_apart);
   }
 }
 
@@ -90,12 +111,16 @@ absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows
     using T = typename decltype(tag)::type;
     using S = std::conditional_t<sizeof(T) == 4, float, __half>;
     constexpr int kVec = 16 / sizeof(S);
-    const dim3 grid(static_cast<unsigned>((nc + kThreads * kVec - 1) / (kThreads * kVec)),
-                    static_cast<unsigned>(rows));
-    WriteGradKernel<T, S><<<grid, kThreads, 0, stream>>>(static_cast<S*>(store), lds, static_cast<int>(v0), static_cast<int>(nv), part,
-                                                         ngroup, group_cols, row_info, targets, ignore_index,
-                                                         vocab_begin, class_weight, softcap, temperature,
-                                                         target_apart);
+    const unsigned col_blocks = static_cast<unsigned>((nc + kThreads * kVec - 1) / (kThreads * kVec));
+    if (class_weight == nullptr) {
+      WriteGradKernel<T, S, false><<<dim3(col_blocks, static_cast<unsigned>(rows)), kThreads, 0, stream>>>(
+          static_cast<S*>(store), lds, rows, static_cast<int>(v0), static_cast<int>(nv), part, ngroup, group_cols,
+          row_info, targets, ignore_index, vocab_begin, nullptr, softcap, temperature, target_apart);
+    } else {
+      WriteGradKernel<T, S, true><<<dim3(col_blocks, static_cast<unsigned>((rows + 3) / 4)), kThreads, 0, stream>>>(
+          static_cast<S*>(store), lds, rows, static_cast<int>(v0), static_cast<int>(nv), part, ngroup, group_cols,
+          row_info, targets, ignore_index, vocab_begin, class_weight, softcap, temperature, target_apart);
+    }
     LCE_CUDA_CHECK(cudaGetLastError());
     return absl::OkStatus();
   });
