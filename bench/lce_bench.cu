@@ -292,9 +292,12 @@ int main(int argc, char** argv) {
     else if (a == "--score-logprob-only") logprob_only = true;
     else if (a == "--score-only") score_only = true;
     else if (a == "--probe") probe_rows = std::atoll(next().c_str());
-    else if (a == "--bias") with_bias = true;
-    else if (a == "--class-weights") class_weights = true;
-    else if (a == "--label-smoothing") label_smoothing = std::strtof(next().c_str(), nullptr);
+    else if (a == "--bias")
+      with_bias = true;
+    else if (a == "--class-weights")
+      class_weights = true;
+    else if (a == "--label-smoothing")
+      label_smoothing = std::strtof(next().c_str(), nullptr);
     else if (a == "--top-k")
       top_k = std::atoi(next().c_str());
     else {
@@ -304,12 +307,13 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s (%d SMs)  score: %s  bias %d, class weights %d, label smoothing %g  "
-              "LCE_CUDA_VOCAB_TILE=%s LCE_CUDA_MAX_ROWS=%s\n", prop.name,
-              prop.multiProcessorCount, logprob_only ? "logprob only" : "logprob + entropy", with_bias ? 1 : 0,
-              class_weights ? 1 : 0, label_smoothing,
-              std::getenv("LCE_CUDA_VOCAB_TILE") ? std::getenv("LCE_CUDA_VOCAB_TILE") : "-",
-              std::getenv("LCE_CUDA_MAX_ROWS") ? std::getenv("LCE_CUDA_MAX_ROWS") : "-");
+  std::printf(
+      "device: %s (%d SMs)  score: %s  bias %d, class weights %d, label smoothing %g  "
+      "LCE_CUDA_VOCAB_TILE=%s LCE_CUDA_MAX_ROWS=%s\n",
+      prop.name, prop.multiProcessorCount, logprob_only ? "logprob only" : "logprob + entropy", with_bias ? 1 : 0,
+      class_weights ? 1 : 0, label_smoothing,
+      std::getenv("LCE_CUDA_VOCAB_TILE") ? std::getenv("LCE_CUDA_VOCAB_TILE") : "-",
+      std::getenv("LCE_CUDA_MAX_ROWS") ? std::getenv("LCE_CUDA_MAX_ROWS") : "-");
   cudaStream_t stream = nullptr;  // legacy default stream: orders with the engine's syncs
   cublasHandle_t cublas;
   CHECK_CUBLAS(cublasCreate(&cublas));

@@ -102,8 +102,9 @@ absl::Status CudaEngine::WriteGradAndDWeight(const CallPlan& p, Scratch& s, cons
     if (!(p.debug_skip & 2)) {
       LCE_CUDA_CHECK(LaunchWriteGrad(shape_.dtype, s.store, lds_, nr, v0, nc, p.layout.epi ? s.tile_part : s.part,
                                      p.layout.epi ? EpiTiles() : nseg_, p.layout.epi ? EpiTileCols() : kSegment, s.info,
-                                     b.y, p.o.ignore_index, shape_.vocab_begin, p.smoothing_u != nullptr ? p.class_weight : nullptr, p.o.softcap,
-                                     p.o.temperature, p.target_apart, aux_));
+                                     b.y, p.o.ignore_index, shape_.vocab_begin,
+                                     p.smoothing_u != nullptr ? p.class_weight : nullptr, p.o.softcap, p.o.temperature,
+                                     p.target_apart, aux_));
     }
     LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], aux_));
     if (dw_device) {

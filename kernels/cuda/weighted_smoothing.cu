@@ -70,8 +70,8 @@ absl::Status LaunchSmoothingSegmentSums(const void* w, DType dtype, int64_t hidd
   const int64_t seg0 = vocab_begin / kSegment;
   const int64_t nseg = (vocab_begin + shard_rows - 1) / kSegment - seg0 + 1;
   if (hidden <= 0 || nseg > 65535) {
-    return absl::InternalError(absl::StrCat("LaunchSmoothingSegmentSums: bad shape hidden=", hidden, " rows=",
-                                            shard_rows));
+    return absl::InternalError(
+        absl::StrCat("LaunchSmoothingSegmentSums: bad shape hidden=", hidden, " rows=", shard_rows));
   }
   const dim3 grid(static_cast<unsigned>((hidden + 2 + kThreads - 1) / kThreads), static_cast<unsigned>(nseg));
   return DispatchDType(dtype, [&](auto tag) -> absl::Status {
