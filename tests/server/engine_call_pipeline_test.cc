@@ -222,5 +222,59 @@ TEST(EngineCallPipelineTest, AThreadThatCannotStartIsResourceExhausted) {
   EXPECT_TRUE((*p)->WaitOldest().ok());
 }
 
+// Mergeable jobs (SubmitMergeable): the jobs of one group queued behind a busy call run as one call —
+// the first's, with all their rows — and each is finished after it with its status; other groups and
+// group 0 run alone; a merged call's failure is each of its jobs', and later jobs are skipped.
+TEST(EngineCallPipelineTest, AGroupsJobsQueuedBehindABusyCallRunAsOne) {
+  for (const bool fail : {false, true}) {
+    SCOPED_TRACE(fail);
+    Log log;
+    std::atomic<bool> started{false}, release{false};
+    std::unique_ptr<EngineCallPipeline> p = *EngineCallPipeline::Start(nullptr);
+    auto finish = [&](std::string name) {
+      return [&log, name] {
+        log.Add("finish " + name);
+        return absl::OkStatus();
+      };
+    };
+    auto call = [&](std::string name) {
+      return [&log, &started, &release, name, fail](int64_t rows, int64_t jobs) {
+        started = true;
+        while (name == "A" && !release) std::this_thread::sleep_for(milliseconds(1));
+        log.Add(absl::StrCat("call ", name, " ", rows, " ", jobs));
+        return fail && name == "B" ? absl::InternalError("B's call failed") : absl::OkStatus();
+      };
+    };
+    p->SubmitMergeable(1, 2, call("A"), finish("A"));  // group 1, running alone: the engine is busy with it
+    while (!started) std::this_thread::sleep_for(milliseconds(1));
+    p->SubmitMergeable(2, 3, call("B"), finish("B"));
+    p->SubmitMergeable(2, 5, call("C"), finish("C"));
+    p->SubmitMergeable(3, 7, call("D"), finish("D"));
+    p->SubmitMergeable(0, 1, call("E"), finish("E"));
+    p->SubmitMergeable(0, 4, call("F"), finish("F"));
+    EXPECT_EQ(p->calls_pending(), 6);
+    release = true;
+    std::vector<absl::Status> got;
+    for (int i = 0; i < 6; ++i) got.push_back(p->WaitOldest());
+    EXPECT_EQ(p->calls_pending(), 0);
+    EXPECT_TRUE(got[0].ok());
+    std::vector<std::string> calls, finishes;  // each thread's order (the two interleave)
+    for (const auto& e : log.events) (e.rfind("call", 0) == 0 ? calls : finishes).push_back(e);
+    if (!fail) {
+      for (const absl::Status& s : got) EXPECT_TRUE(s.ok()) << s;
+      EXPECT_EQ(calls,
+                (std::vector<std::string>{"call A 2 1", "call B 8 2", "call D 7 1", "call E 1 1", "call F 4 1"}));
+      EXPECT_EQ(finishes,
+                (std::vector<std::string>{"finish A", "finish B", "finish C", "finish D", "finish E", "finish F"}));
+    } else {
+      EXPECT_EQ(got[1].message(), "B's call failed");  // B's and C's, computed together
+      EXPECT_EQ(got[2].message(), "B's call failed");
+      for (int i = 3; i < 6; ++i) EXPECT_EQ(got[i].code(), absl::StatusCode::kAborted) << got[i];
+      EXPECT_EQ(calls, (std::vector<std::string>{"call A 2 1", "call B 8 2"}));
+      EXPECT_EQ(finishes, (std::vector<std::string>{"finish A"}));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace lce::server
