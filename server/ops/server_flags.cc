@@ -135,9 +135,10 @@ LCE_SERVER_FLAG(bool, pipeline_chunks, pipeline_chunks, true,
                 "(RequestHeader.sends_ahead): compute a chunk while the next is read and staged, answer from another "
                 "thread");
 LCE_SERVER_FLAG(int64_t, merge_chunk_rows, merge_chunk_rows, 2048,
-                "pipelined streams: consecutive chunks go to the engine together, in calls of up to N rows (or 64 "
-                "chunks), so that the clients' small chunks (4 MiB: 512 rows at H 4096) do not each re-read and "
-                "re-write dW (0 or 1: one call a chunk)");
+                "pipelined streams: chunks that queue up behind a busy engine go to it together, in calls of up to N "
+                "rows (or 64 chunks), so that the clients' small chunks (4 MiB: 512 rows at H 4096) do not each "
+                "re-read and re-write dW; a stream's staging holds 2 x N rows (64 MiB at H 4096, bf16) (0 or 1: one "
+                "call a chunk)");
 LCE_SERVER_FLAG(
     int64_t, batch_max_rows, batch_max_rows, 256,
     "dynamic batching: concurrent small Calls (Score; ForwardBackward and Backward without "
