@@ -68,8 +68,8 @@ struct ServiceConfig {
   // for a 1024-row score on two cores. The in-process test server turns it on, so that CI covers the
   // pipelined stream.
   bool pipeline_chunks_on_cpu = false;
-  // A pipelined stream's consecutive chunks go to the engine together, in calls of up to this many rows
-  // (and kMaxGroupChunks chunks), staged side by side: at the clients' 512-row chunks each call would
+  // A pipelined stream's chunks that queue up behind a busy engine go to it together, in calls of up to
+  // this many rows (and 64 chunks), staged side by side: at the clients' 512-row chunks each call would
   // re-read and re-write the request's fp32 dW (H200, 16384×4096×151936: 119 ms of engine time in 32
   // calls, 80 ms in 8; bench/RESULTS.md). 0 or 1: one call a chunk.
   int64_t merge_chunk_rows = 2048;

@@ -293,7 +293,7 @@ absl::Status StreamedRequest::Prepare(InFlightChunk& c) {
   rows_seen_ += n;
   valid_seen_ += valid;
   ++chunk_index_;
-  if (c.device_path || merging_) {
+  if (Staged(c)) {
     for (int k = 0; k < (pipelined_ ? 2 : 1); ++k) {
       if (staging_.held[k] != nullptr) continue;
       absl::StatusOr<std::unique_ptr<ChunkStaging>> st = service_.TakeStaging();

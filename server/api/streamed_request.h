@@ -95,10 +95,6 @@ class StreamedRequest {
     int64_t rows = 0, capacity = 0;
     std::vector<InFlightChunk*> chunks;
   };
-  // A chunk submitted to the pipeline and not yet waited for, and its group's number.
-  struct Submitted {
-    int64_t group = 0, chunk = 0;
-  };
   // The stream's device stagings (two when pipelined), back to the service's pool at the end.
   struct StagingLease {
     LceService* service;
@@ -116,15 +112,19 @@ class StreamedRequest {
   absl::Status Accept(InFlightChunk& c);
   absl::Status ResolveRegions(InFlightChunk& c);
   absl::Status Prepare(InFlightChunk& c);
-  // Chunk groups (streamed_request_groups.cc): the chunk staged into the open group, which goes to the
-  // pipeline when full; the wait for a staging slot; whether a chunk may share a call.
+  // Chunk groups (streamed_request_groups.cc): the chunk staged after the open group's rows and submitted
+  // at once; the wait for a staging slot; whether a chunk is staged, may share a call, fits the group.
   absl::Status Group(InFlightChunk& c);
   // `group` > 0: the pipeline may merge its call with the group's chunks queued behind it (0: alone).
   absl::Status SubmitChunk(InFlightChunk& c, int64_t group, ChunkStaging* st);
   absl::Status WaitForSlot();
   // A call's error, named after the chunk whose row failed (the call computed `jobs` chunks from `first`).
   absl::Status CallError(int64_t first, int64_t jobs, const absl::Status& s);
+  bool Staged(const InFlightChunk& c) const { return c.device_path || merging_; }
   bool Mergeable(const InFlightChunk& c) const;
+  bool Fits(int64_t rows) const {
+    return group_.rows + rows <= group_.capacity && static_cast<int64_t>(group_.chunks.size()) < kMaxGroupChunks;
+  }
   bool JoinsGroup(const InFlightChunk& c) const;
   // The ring of in-flight chunks: two groups' worth (a chunk's place is free once the group two back is done).
   InFlightChunk& ChunkAt(int64_t index);
@@ -183,7 +183,7 @@ class StreamedRequest {
   std::unique_ptr<bool[]> valid_buf_;
   std::vector<std::unique_ptr<InFlightChunk>> ring_;
   ChunkGroup group_;                 // the open group (no chunks: none)
-  std::deque<Submitted> submitted_;  // oldest first
+  std::deque<int64_t> submitted_;    // the group of each chunk in the pipeline not yet waited for, oldest first
   int64_t groups_ = 0;               // groups opened (the open one's number)
   // A request that accumulates dW: its pending contribution while it runs (id 0: none), and the id
   // it leaves for CommitGrad when deferred.

@@ -26,7 +26,7 @@ StreamedRequest::InFlightChunk& StreamedRequest::ChunkAt(int64_t index) {
 // The group that opens next takes the staging slot (and its chunks the places in the ring) of the group
 // two back: every chunk of that one must be done.
 absl::Status StreamedRequest::WaitForSlot() {
-  while (!submitted_.empty() && submitted_.front().group + 2 <= groups_ + 1) LCE_RETURN_IF_ERROR(WaitOldest());
+  while (!submitted_.empty() && submitted_.front() + 2 <= groups_ + 1) LCE_RETURN_IF_ERROR(WaitOldest());
   return absl::OkStatus();
 }
 
@@ -41,10 +41,7 @@ bool StreamedRequest::Mergeable(const InFlightChunk& c) const {
 bool StreamedRequest::JoinsGroup(const InFlightChunk& c) const {
   if (group_.chunks.empty()) return false;
   const InFlightChunk& f = *group_.chunks.front();
-  if (!Mergeable(c) || !Mergeable(f) || group_.rows + c.rows > group_.capacity ||
-      static_cast<int64_t>(group_.chunks.size()) >= kMaxGroupChunks) {
-    return false;
-  }
+  if (!Mergeable(c) || !Mergeable(f) || !Fits(c.rows)) return false;
   auto same = [](const void* a, const void* b) { return (a == nullptr) == (b == nullptr); };
   return same(c.up.grad_loss, f.up.grad_loss) && same(c.up.grad_logprob, f.up.grad_logprob) &&
          same(c.up.grad_entropy, f.up.grad_entropy) && same(c.grads.d_hidden, f.grads.d_hidden);
@@ -62,7 +59,7 @@ absl::Status StreamedRequest::Group(InFlightChunk& c) {
     group_.slot = static_cast<int>(groups_ % 2);
     group_.capacity = Mergeable(c) ? std::max(config_.merge_chunk_rows, c.rows) : c.rows;
   }
-  if (c.device_path || merging_) {
+  if (Staged(c)) {
     absl::StatusOr<LceService::StagedCall> staged = service_.StageOnDevice(
         *staging_.held[group_.slot], c.view, c.hidden_slice.device, row_bytes_, plan_->head->engine->shape().vocab_size,
         plan_->options.top_k, c.up, c.outs, c.grads, c.dh_slice.device, {group_.rows, group_.capacity});
@@ -73,20 +70,17 @@ absl::Status StreamedRequest::Group(InFlightChunk& c) {
   }
   group_.chunks.push_back(&c);
   group_.rows += c.rows;
-  ChunkStaging* st = c.device_path || merging_ ? staging_.held[group_.slot].get() : nullptr;
+  ChunkStaging* st = Staged(c) ? staging_.held[group_.slot].get() : nullptr;
   // Closed once a chunk of this size would not fit: the next chunk then waits for its slot before it
   // takes a place in the ring.
-  if (!Mergeable(c) || group_.rows + c.rows > group_.capacity ||
-      static_cast<int64_t>(group_.chunks.size()) >= kMaxGroupChunks) {
-    group_ = ChunkGroup{};
-  }
+  if (!Mergeable(c) || !Fits(c.rows)) group_ = ChunkGroup{};
   return SubmitChunk(c, Mergeable(c) ? groups_ : 0, st);
 }
 
 // The chunk's call (with the chunks of its group queued behind it: its views over all their rows, dW fresh
 // where its own is), then its outputs back and its answer, on the pipeline's threads.
 absl::Status StreamedRequest::SubmitChunk(InFlightChunk& c, int64_t group, ChunkStaging* st) {
-  submitted_.push_back({groups_, c.index});
+  submitted_.push_back(groups_);
   pipeline_->SubmitMergeable(
       group, c.rows,
       [this, call = c.staged, first = c.index](int64_t rows, int64_t jobs) -> absl::Status {

@@ -34,22 +34,15 @@ void EngineCallPipeline::Close() {
 }
 
 void EngineCallPipeline::Submit(Step call, Step finish) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    to_call_.push_back(Job{std::move(call), std::move(finish), submitted_++, absl::OkStatus()});
-    ++outstanding_;
-    ++calls_pending_;
-  }
-  cv_.notify_all();
+  SubmitMergeable(
+      0, 0, [call = std::move(call)](int64_t, int64_t) { return call(); }, std::move(finish));
 }
 
 void EngineCallPipeline::SubmitMergeable(int64_t group, int64_t rows, MergeableCall call, Step finish) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Job job{nullptr, std::move(finish), submitted_++, absl::OkStatus(), std::move(call), group, rows};
-    to_call_.push_back(std::move(job));
+    to_call_.push_back(Job{std::move(call), std::move(finish), submitted_++, absl::OkStatus(), group, rows});
     ++outstanding_;
-    ++calls_pending_;
   }
   cv_.notify_all();
 }
@@ -80,11 +73,6 @@ int64_t EngineCallPipeline::outstanding() const {
   return outstanding_;
 }
 
-int64_t EngineCallPipeline::calls_pending() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return calls_pending_;
-}
-
 void EngineCallPipeline::RunCalls() {
   RequestWork::Scope scope(work_);
   for (;;) {
@@ -104,15 +92,13 @@ void EngineCallPipeline::RunCalls() {
     int64_t rows = 0;
     for (const Job& j : jobs) rows += j.rows;
     Job& first = jobs.front();
-    const absl::Status status = skip                      ? absl::AbortedError("an earlier chunk of the stream failed")
-                                : first.merged != nullptr ? first.merged(rows, static_cast<int64_t>(jobs.size()))
-                                                          : first.call();
+    const absl::Status status = skip ? absl::AbortedError("an earlier chunk of the stream failed")
+                                     : first.call(rows, static_cast<int64_t>(jobs.size()));
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!status.ok()) first_failed_ = std::min(first_failed_, first.seq);
       for (Job& j : jobs) {
         j.status = status;
-        --calls_pending_;
         to_finish_.push_back(std::move(j));
       }
     }

@@ -48,18 +48,16 @@ class EngineCallPipeline {
   absl::Status WaitOldest();
   // Submissions not yet waited for.
   int64_t outstanding() const;
-  // Submissions whose call has not returned yet (queued or running): the engine is busy with this stream.
-  int64_t calls_pending() const;
   // No more submissions: the threads end on their own once the last job is done (the destructor
   // then has nothing left to wait for).
   void Close();
 
  private:
   struct Job {
-    Step call, finish;
+    MergeableCall call;  // Submit's call: alone (group 0), its arguments unused
+    Step finish;
     int64_t seq = 0;
     absl::Status status;
-    MergeableCall merged;  // set by SubmitMergeable (call is then unset)
     int64_t group = 0, rows = 0;
   };
   // The job at the front, and those of its group queued right behind it; `mu_` held.
@@ -73,7 +71,7 @@ class EngineCallPipeline {
   std::condition_variable cv_;
   std::deque<Job> to_call_, to_finish_;
   std::deque<absl::Status> done_;
-  int64_t outstanding_ = 0, submitted_ = 0, calls_pending_ = 0;
+  int64_t outstanding_ = 0, submitted_ = 0;
   int64_t first_failed_ = INT64_MAX;  // the earliest job whose step failed: later ones are skipped
   bool stop_calls_ = false, calls_done_ = false;
   std::thread caller_, finisher_;

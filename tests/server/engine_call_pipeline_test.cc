@@ -252,11 +252,11 @@ TEST(EngineCallPipelineTest, AGroupsJobsQueuedBehindABusyCallRunAsOne) {
     p->SubmitMergeable(3, 7, call("D"), finish("D"));
     p->SubmitMergeable(0, 1, call("E"), finish("E"));
     p->SubmitMergeable(0, 4, call("F"), finish("F"));
-    EXPECT_EQ(p->calls_pending(), 6);
+    EXPECT_EQ(p->outstanding(), 6);
     release = true;
     std::vector<absl::Status> got;
     for (int i = 0; i < 6; ++i) got.push_back(p->WaitOldest());
-    EXPECT_EQ(p->calls_pending(), 0);
+    EXPECT_EQ(p->outstanding(), 0);
     EXPECT_TRUE(got[0].ok());
     std::vector<std::string> calls, finishes;  // each thread's order (the two interleave)
     for (const auto& e : log.events) (e.rfind("call", 0) == 0 ? calls : finishes).push_back(e);
