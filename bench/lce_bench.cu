@@ -13,10 +13,10 @@
 // takes beyond its weight copy (cudaMemGetInfo around the first calls; outputs are the caller's).
 //
 // Options of the loss (train and score): --bias (the head has a bias ~ 0.1·N(0,1); train also returns dB),
-// --label-smoothing E, --class-weights (w_j = 0.5 + (j mod 101)/100).
+// --label-smoothing E, --class-weights (w_j = 0.5 + (j mod 101)/100), --softcap S.
 //
 // Usage: lce_bench [--shapes 8192x4096x128256,...] [--reps 10] [--warmup 3] [--json FILE] [--epi-ab]
-//                  [--score-logprob-only] [--bias] [--label-smoothing E] [--class-weights]
+//                  [--score-logprob-only] [--bias] [--label-smoothing E] [--class-weights] [--softcap S]
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -280,7 +280,7 @@ int main(int argc, char** argv) {
   bool logprob_only = false;
   bool score_only = false;  // times the score alone (train reported as 0)
   bool with_bias = false, class_weights = false;
-  float label_smoothing = 0.0f;
+  float label_smoothing = 0.0f, softcap = 0.0f;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -298,6 +298,8 @@ int main(int argc, char** argv) {
       class_weights = true;
     else if (a == "--label-smoothing")
       label_smoothing = std::strtof(next().c_str(), nullptr);
+    else if (a == "--softcap")
+      softcap = std::strtof(next().c_str(), nullptr);
     else if (a == "--top-k")
       top_k = std::atoi(next().c_str());
     else {
@@ -308,10 +310,10 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf(
-      "device: %s (%d SMs)  score: %s  bias %d, class weights %d, label smoothing %g  "
+      "device: %s (%d SMs)  score: %s  bias %d, class weights %d, label smoothing %g, softcap %g  "
       "LCE_CUDA_VOCAB_TILE=%s LCE_CUDA_MAX_ROWS=%s\n",
       prop.name, prop.multiProcessorCount, logprob_only ? "logprob only" : "logprob + entropy", with_bias ? 1 : 0,
-      class_weights ? 1 : 0, label_smoothing,
+      class_weights ? 1 : 0, label_smoothing, softcap,
       std::getenv("LCE_CUDA_VOCAB_TILE") ? std::getenv("LCE_CUDA_VOCAB_TILE") : "-",
       std::getenv("LCE_CUDA_MAX_ROWS") ? std::getenv("LCE_CUDA_MAX_ROWS") : "-");
   cudaStream_t stream = nullptr;  // legacy default stream: orders with the engine's syncs
@@ -412,6 +414,7 @@ int main(int argc, char** argv) {
     view.class_weight = cw;
     lce::LceOptions opt;
     opt.label_smoothing = label_smoothing;
+    opt.softcap = softcap;
     lce::Upstream train_up;
     train_up.mode = lce::GradMode::kLoss;
     train_up.grad_loss = g;

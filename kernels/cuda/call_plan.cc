@@ -157,7 +157,11 @@ absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
     p.class_weight = reinterpret_cast<const float*>(class_weight_->data());
   }
   const bool loss_wanted = p.out.loss != nullptr || (p.backward && p.up.mode == GradMode::kLoss);
-  if (p.class_weight != nullptr && p.o.label_smoothing > 0.0f && loss_wanted) LCE_CUDA_CHECK(PrepareSmoothingSums(p));
+  if (p.class_weight != nullptr && p.o.label_smoothing > 0.0f && loss_wanted) {
+    LCE_CUDA_CHECK(PrepareSmoothingSums(p));
+    // With a softcap z is not linear in h: the tiles weight their own Σz (u still gives Σ_j w_j).
+    if (p.o.softcap > 0.0f) p.tf.sum_weight = p.class_weight + shape_.vocab_begin;
+  }
   if (p.grads.d_bias != nullptr && p.backward) LCE_CUDA_CHECK(PrepareBiasGrad(p));
   if (p.o.top_k > 0) LCE_CUDA_CHECK(PrepareRankings(p));
   p.targets_pending = !p.rows.targets_checked && !p.host;  // device rows: read with block 0's flags

@@ -250,11 +250,6 @@ absl::Status CudaEngine::RunGemm(const GemmSpec& g, bool c_is_scratch, const Gem
 
 absl::Status CudaEngine::CheckCall(const RowsView& rows, const LceOptions& o, const Upstream& up) const {
   if (absl::Status s = ValidateOptions(o); !s.ok()) return s;
-  // Class weights with label smoothing take Σ_j w_j z_j through z's linearity in h (weighted_smoothing.cu):
-  // not with a softcap (docs/MATH.md).
-  if (rows.class_weight != nullptr && o.label_smoothing > 0.0f && o.softcap > 0.0f) {
-    return absl::UnimplementedError("class weights with label smoothing and a softcap are not on the CUDA engine");
-  }
   if (rows.rows < 0) return absl::InvalidArgumentError("negative row count");
   if (rows.rows > 0 && (rows.hidden == nullptr || rows.targets == nullptr)) {
     return absl::InvalidArgumentError("hidden and targets must be given");

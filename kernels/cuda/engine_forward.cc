@@ -175,7 +175,8 @@ absl::Status CudaEngine::Merge(const CallPlan& p, Scratch& s, const BlockIo& b) 
       LCE_CUDA_CHECK(config_.collectives->AllReduce(s.packed, nr * kPacked, ReduceOp::kSum, true, stream_));
     }
   }
-  if (p.smoothing_u != nullptr) {  // Σz becomes Σ_j w_j z_j (class weights with label smoothing)
+  // Σz becomes Σ_j w_j z_j (class weights with label smoothing; with a softcap the tiles weighted it).
+  if (p.smoothing_u != nullptr && p.tf.sum_weight == nullptr) {
     LCE_CUDA_CHECK(LaunchSmoothingRowSums(b.h, shape_.dtype, nr, shape_.hidden_size, p.smoothing_u, p.o.temperature,
                                           s.packed, stream_));
   }

@@ -47,6 +47,7 @@ constexpr int kMaxDevices = 64;  // AllowSharedMemory remembers devices below th
 struct StatsParams {
   const int32_t* targets = nullptr;
   const float* bias = nullptr;  // indexed by shard column, or null
+  const float* sum_weight = nullptr;  // indexed by shard column, or null: Σz becomes Σ_j w_j z_j
   float softcap = 0.0f;
   float inv_softcap = 0.0f;
   float inv_temp = 1.0f;
@@ -171,33 +172,49 @@ class RowStatsEpilogue {
     if constexpr (kRank) {
       if (p_.dump != nullptr) return Dump(a, c, M, N, m0, n0);
     }
-    const bool plain = p_.bias == nullptr && p_.softcap <= 0.0f;
+    // sum_weight is set only with a softcap (LogitTransform).
+    const int tf = p_.sum_weight != nullptr ? kWeighted
+                   : p_.softcap > 0.0f      ? kCapped
+                   : p_.bias != nullptr     ? kBias
+                                            : kPlain;
     uint32_t* slice = reinterpret_cast<SharedStorage*>(smem)->slice[threadIdx.x / 32 - kProducerWarps];
     if (n0 + kBN <= N) {
-      if (!plain) Reduce<false, false, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-      else if (p_.entropy) Reduce<false, true, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-      else Reduce<false, true, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      ReduceAs<false, kBN>(tf, a, c, M, N, m0, n0, n_tile, slice);
     } else {
-      if (!plain) Reduce<true, false, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-      else if (p_.entropy) Reduce<true, true, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-      else Reduce<true, true, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      ReduceAs<true, kBN>(tf, a, c, M, N, m0, n0, n_tile, slice);
     }
   }
 
  private:
-  // kRagged: the tile runs past the last column (masked to −inf, left out of Σz). kPlain: no bias
-  // and no softcap. kQ: Q computed (else 0: the call returns no entropy). The reduction runs on
-  // v = softcap(logit + bias), z = v / T: with c = log2(e) / T, m = max(v) / T,
-  // S = Σ 2^(v·c − max v·c) (one multiply-add a logit, the same with or without Q, so that S and the
-  // logprob are the same bits either way), Q = Σ e·(z − m) = (Σ e·(v − max v)) / T, Σz = (Σ v) / T (also
-  // what makes a row with an infinite logit non-finite).
-  // The epilogue does not overlap the products in the cooperative schedule, and with two warps a
-  // scheduler its time is latency: the thread's rows therefore go through each phase together, without
-  // a branch between them (their dependent chains interleave; a warp none of whose rows is in the
-  // batch skips the tile), and the target's load is used only after the exponentials where the call
-  // keeps v (score), before them where they overwrite it (the training copy). v lives in the
-  // accumulator fragment. Each row's sums keep their column order: the same bits as row by row.
-  template <bool kRagged, bool kPlain, bool kQ, int kBN, class TA, class TC>
+  // The logit transform a Reduce is compiled for: kPlain, none; kBias, a bias and no softcap; kCapped, a
+  // softcap (and a bias if set); kWeighted, as kCapped with Σz weighted by sum_weight (class weights with
+  // label smoothing and a softcap: z is not linear in h, so Σ_j w_j z_j comes from the tile itself). Each
+  // its own code: a run-time softcap test a logit (the one general path that kBias and kCapped replace)
+  // cost a score with a bias +9–11% (H200, 2026-11-27), its branches splitting the rows' chains.
+  static constexpr int kPlain = 0, kBias = 1, kCapped = 2, kWeighted = 3;
+  template <bool kRagged, int kBN, class TA, class TC>
+  CUTLASS_DEVICE void ReduceAs(int tf, TA& a, TC const& c, int M, int N, int m0, int n0, int n_tile,
+                               uint32_t* slice) const {
+    switch (tf) {
+      case kWeighted: return Reduce<kRagged, kWeighted, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      case kCapped: return Reduce<kRagged, kCapped, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      case kBias: return Reduce<kRagged, kBias, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      default:
+        if (p_.entropy) return Reduce<kRagged, kPlain, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+        return Reduce<kRagged, kPlain, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+    }
+  }
+  // kRagged: the tile runs past the last column (masked to −inf, left out of Σz). kTf: the transform. kQ: Q computed
+  // (else 0: the call returns no entropy). The reduction runs on v = softcap(logit + bias), z = v / T: with c = log2(e)
+  // / T, m = max(v) / T, S = Σ 2^(v·c − max v·c) (one multiply-add a logit, the same with or without Q, so that S and
+  // the logprob are the same bits either way), Q = Σ e·(z − m) = (Σ e·(v − max v)) / T, Σz = (Σ v) / T (also what makes
+  // a row with an infinite logit non-finite). The epilogue does not overlap the products in the cooperative schedule,
+  // and with two warps a scheduler its time is latency: the thread's rows therefore go through each phase together,
+  // without a branch between them (their dependent chains interleave; a warp none of whose rows is in the batch skips
+  // the tile), and the target's load is used only after the exponentials where the call keeps v (score), before them
+  // where they overwrite it (the training copy). v lives in the accumulator fragment. Each row's sums keep their column
+  // order: the same bits as row by row.
+  template <bool kRagged, int kTf, bool kQ, int kBN, class TA, class TC>
   CUTLASS_DEVICE void Reduce(TA& a, TC const& c, int M, int N, int m0, int n0, int n_tile, uint32_t* slice) const {
     constexpr int kRows = decltype(size<0>(a))::value;
     constexpr int kCols = decltype(size<1>(a))::value;
@@ -227,7 +244,9 @@ class RowStatsEpilogue {
     }
     if (!__any_sync(0xffffffffu, any_live)) return;  // the warp's rows all past the batch (a few-row tile)
     float mx[kRows], mx_odd[kRows], sum_v[kRows];
-    Transform<kRagged, kPlain>(a, c, N, n0, thr, n, mx, mx_odd, sum_v);
+    const float* bias = kTf != kPlain && p_.bias != nullptr ? StageBias<kBN>(n0, N, slice) : nullptr;
+    Transform<kRagged, kTf>(a, c, N, n0, bias, thr, n, mx, mx_odd, sum_v);
+    if (bias != nullptr) __syncwarp();  // every lane's bias read before StoreCopy stages into the slice
     // The candidates' places, taken before the max's shuffles, and the candidates written before the
     // exponentials (which overwrite v for the training copy). Written after them, the emission's code
     // got interleaved with theirs and spilled (~18 KB a thread of spill loads). One atomic a row's quad
@@ -266,11 +285,35 @@ class RowStatsEpilogue {
       }
     }
   }
-  // Reduce's first pass: v = softcap(logit + bias) in place (−inf past N), each row's Σv, its maxima over
-  // the even and the odd columns, and (rankings) its count of columns at or above thr.
-  template <bool kRagged, bool kPlain, class TA, class TC, int kRows>
-  CUTLASS_DEVICE void Transform(TA& a, TC const& c, int N, int n0, const float (&thr)[kRows], unsigned (&n)[kRows],
-                                float (&mx)[kRows], float (&mx_odd)[kRows], float (&sum_v)[kRows]) const {
+  // The tile's bias, kBN values, into the warp's slice (two 16-byte loads a lane; 0 past N) instead of a
+  // scattered 4-byte global load a logit. Alone it measured no faster (the bias's cost was the run-time
+  // softcap test, see ReduceAs); kept as the cheaper of the two.
+  template <int kBN>
+  CUTLASS_DEVICE const float* StageBias(int n0, int N, uint32_t* slice) const {
+    static_assert(kBN <= 8 * kSliceWords && kBN % 128 == 0);
+    float* staged = reinterpret_cast<float*>(slice);
+    __syncwarp();  // the slice's last readers (the previous tile's StoreCopy) are done
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = (threadIdx.x & 31) * 4; k < kBN; k += 128) {
+      const int col = n0 + k;
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (col + 3 < N) {
+        v = __ldg(reinterpret_cast<const float4*>(p_.bias + col));  // the shard's bias is 16-byte aligned
+      } else {
+        float* e = &v.x;
+        for (int t = 0; t < 4 && col + t < N; ++t) e[t] = __ldg(p_.bias + col + t);
+      }
+      *reinterpret_cast<float4*>(staged + k) = v;
+    }
+    __syncwarp();
+    return staged;
+  }
+  // Reduce's first pass: v = softcap(logit + bias) in place (−inf past N), each row's Σv (kWeighted:
+  // Σ w·v), its maxima over the even and the odd columns, and (rankings) its count of columns at or above thr.
+  template <bool kRagged, int kTf, class TA, class TC, int kRows>
+  CUTLASS_DEVICE void Transform(TA& a, TC const& c, int N, int n0, const float* bias, const float (&thr)[kRows],
+                                unsigned (&n)[kRows], float (&mx)[kRows], float (&mx_odd)[kRows],
+                                float (&sum_v)[kRows]) const {
     constexpr int kCols = decltype(size<1>(a))::value;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) mx[i] = mx_odd[i] = -INFINITY, sum_v[i] = 0.0f;
@@ -278,16 +321,21 @@ class RowStatsEpilogue {
     for (int j = 0; j < kCols; ++j) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kRows; ++i) {
-        const int col = n0 + static_cast<int>(get<1>(c(i, j)));
+        const int local = static_cast<int>(get<1>(c(i, j)));
+        const int col = n0 + local;
         const bool valid = !kRagged || col < N;
         float x = a(i, j);
-        if constexpr (!kPlain) {
-          if (p_.bias != nullptr && valid) x += __ldg(p_.bias + col);
-          if (p_.softcap > 0.0f) x = p_.softcap * tanhf(x * p_.inv_softcap);
+        if constexpr (kTf == kBias) x += bias[local];  // 0 past N
+        if constexpr (kTf >= kCapped) {
+          if (bias != nullptr) x += bias[local];
+          x = p_.softcap * tanhf(x * p_.inv_softcap);
         }
         if constexpr (kRank) n[i] += (valid && x >= thr[i]) ? 1u : 0u;
         if (valid) {
-          sum_v[i] += x;
+          if constexpr (kTf == kWeighted)
+            sum_v[i] += x * __ldg(p_.sum_weight + col);
+          else
+            sum_v[i] += x;
         } else {
           x = -INFINITY;
         }
@@ -530,8 +578,8 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   const int64_t tile_cols = EpilogueStatsTileCols(a.config);
   const auto misaligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0; };
   if (a.rows > INT32_MAX || a.cols > INT32_MAX || a.hidden_size <= 0 || a.hidden_size % 8 != 0 ||
-      misaligned(a.hidden) || misaligned(a.weight) || misaligned(a.tile_part) || a.targets == nullptr ||
-      (a.store != nullptr && (misaligned(a.store) || a.lds % 8 != 0 || a.lds < a.cols)) ||
+      misaligned(a.hidden) || misaligned(a.weight) || misaligned(a.tile_part) || misaligned(a.tf.bias) ||
+      a.targets == nullptr || (a.store != nullptr && (misaligned(a.store) || a.lds % 8 != 0 || a.lds < a.cols)) ||
       (a.first != nullptr && (a.store == nullptr || a.row_c == nullptr || a.overflow == nullptr)) ||
       (a.rank_list != nullptr && (a.rank_count == nullptr || a.rank_cap <= 0 || a.dump != nullptr)) ||
       (a.dump != nullptr && a.ld_dump < a.cols) || a.packed == nullptr ||
@@ -542,6 +590,7 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   StatsParams sp;
   sp.targets = a.targets;
   sp.bias = a.tf.bias;
+  sp.sum_weight = a.tf.sum_weight;
   sp.softcap = a.tf.softcap;
   sp.inv_softcap = a.tf.softcap > 0.0f ? 1.0f / a.tf.softcap : 0.0f;
   sp.inv_temp = 1.0f / a.tf.temperature;

@@ -43,6 +43,9 @@ struct LogitTransform {
   const float* bias = nullptr;  // shard bias (indexed by shard column) or null
   float softcap = 0.0f;
   float temperature = 1.0f;
+  // Class weights indexed by shard column, or null. Set, the statistics' Σz is Σ_j w_j z_j: class weights
+  // with label smoothing and a softcap (without one the sum comes from z's linearity in h instead).
+  const float* sum_weight = nullptr;
 };
 
 // What TileStats keeps of z for the backward.

@@ -53,10 +53,13 @@ __device__ __forceinline__ void StoreShifted(float* dst, const float* v, int n_v
 // The kernel's phases (TileStatsKernel), each inlined: a thread's kSteps × kVec columns of the segment.
 using SegmentZ = float[kSteps][kVec];
 
-// z = softcap(logit + bias) / T of the thread's columns (−inf past nv), their max and their sum.
+// z = softcap(logit + bias) / T of the thread's columns (−inf past nv), their max and their sum (weighted
+// by sum_weight where it is set).
 __device__ __forceinline__ void LoadSegment(const float* __restrict__ row, int c_seg, int64_t v0, int nv,
-                                            const float* __restrict__ bias, float softcap, float inv_temp, int tid,
-                                            SegmentZ& z, float& tmax, float& tsum_z) {
+                                            const LogitTransform& tf, float inv_temp, int tid, SegmentZ& z, float& tmax,
+                                            float& tsum_z) {
+  const float* __restrict__ bias = tf.bias;
+  const float softcap = tf.softcap;
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
     const int c = c_seg + k * (kThreads * kVec) + tid * kVec;
@@ -71,7 +74,7 @@ __device__ __forceinline__ void LoadSegment(const float* __restrict__ row, int c
         const float zz = a * inv_temp;
         z[k][j] = zz;
         tmax = fmaxf(tmax, zz);
-        tsum_z += zz;
+        tsum_z += tf.sum_weight != nullptr ? zz * tf.sum_weight[v0 + c + j] : zz;
       } else {
         z[k][j] = -INFINITY;
       }
@@ -194,10 +197,10 @@ __device__ __forceinline__ void WriteSegmentPartials(float m, float s, float q, 
 // S: storage element; kExp: store exp(z − c_row) instead of z − m_segment. One block a (row, segment).
 template <typename S, bool kExp>
 __global__ void __launch_bounds__(kThreads)
-    TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int nv, const float* __restrict__ bias,
-                    float softcap, float inv_temp, const int32_t* __restrict__ targets, int32_t ignore_index,
-                    int64_t vocab_begin, float* __restrict__ part, int64_t nseg, float* __restrict__ packed,
-                    S* __restrict__ store, int64_t lds, float* __restrict__ row_c, unsigned* overflow) {
+    TileStatsKernel(const float* __restrict__ logits, int64_t ldz, int64_t v0, int nv, const LogitTransform tf,
+                    float inv_temp, const int32_t* __restrict__ targets, int32_t ignore_index, int64_t vocab_begin,
+                    float* __restrict__ part, int64_t nseg, float* __restrict__ packed, S* __restrict__ store,
+                    int64_t lds, float* __restrict__ row_c, unsigned* overflow) {
   const int64_t r = blockIdx.y;
   const int c_seg = blockIdx.x * kSegment;  // first tile column of this segment
   const int tid = threadIdx.x;
@@ -205,7 +208,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float seg_max;
   float z[kSteps][kVec];
   float tmax = -INFINITY, tsum_z = 0.0f;
-  LoadSegment(logits + r * ldz, c_seg, v0, nv, bias, softcap, inv_temp, tid, z, tmax, tsum_z);
+  LoadSegment(logits + r * ldz, c_seg, v0, nv, tf, inv_temp, tid, z, tmax, tsum_z);
   const float m = BlockMax(tmax, red, seg_max);
   WriteTargetLogit(z, targets[r], ignore_index, vocab_begin, v0, c_seg, nv, tid, packed, r);
   float s = 0.0f, q = 0.0f;
@@ -233,19 +236,19 @@ absl::Status LaunchTileStats(const float* logits, int64_t ldz, int64_t rows, int
   const int inv = static_cast<int>(nv);
   switch (mode) {
     case StoreMode::kShiftedFloat:
-      TileStatsKernel<float, false><<<grid, kThreads, 0, stream>>>(
-          logits, ldz, v0, inv, tf.bias, tf.softcap, inv_temp, targets, ignore_index, vocab_begin, part, nseg,
-          packed, static_cast<float*>(store), lds, row_c, overflow);
+      TileStatsKernel<float, false><<<grid, kThreads, 0, stream>>>(logits, ldz, v0, inv, tf, inv_temp, targets,
+                                                                   ignore_index, vocab_begin, part, nseg, packed,
+                                                                   static_cast<float*>(store), lds, row_c, overflow);
       break;
     case StoreMode::kShiftedHalf:
-      TileStatsKernel<__half, false><<<grid, kThreads, 0, stream>>>(
-          logits, ldz, v0, inv, tf.bias, tf.softcap, inv_temp, targets, ignore_index, vocab_begin, part, nseg,
-          packed, static_cast<__half*>(store), lds, row_c, overflow);
+      TileStatsKernel<__half, false><<<grid, kThreads, 0, stream>>>(logits, ldz, v0, inv, tf, inv_temp, targets,
+                                                                    ignore_index, vocab_begin, part, nseg, packed,
+                                                                    static_cast<__half*>(store), lds, row_c, overflow);
       break;
     case StoreMode::kExpBf16:
-      TileStatsKernel<__nv_bfloat16, true><<<grid, kThreads, 0, stream>>>(
-          logits, ldz, v0, inv, tf.bias, tf.softcap, inv_temp, targets, ignore_index, vocab_begin, part, nseg,
-          packed, static_cast<__nv_bfloat16*>(store), lds, row_c, overflow);
+      TileStatsKernel<__nv_bfloat16, true>
+          <<<grid, kThreads, 0, stream>>>(logits, ldz, v0, inv, tf, inv_temp, targets, ignore_index, vocab_begin, part,
+                                          nseg, packed, static_cast<__nv_bfloat16*>(store), lds, row_c, overflow);
       break;
   }
   LCE_CUDA_CHECK(cudaGetLastError());

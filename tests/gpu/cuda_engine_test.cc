@@ -384,11 +384,13 @@ TEST_F(CudaTest, MatchesReferenceEveryDtypeSpaceOption) {
 
 // Class weights (PyTorch's CrossEntropyLoss(weight=)) and the z-loss output, host and device rows, the fast
 // loss path (bf16, no softcap) and the general one; with label smoothing (Σ_j w_j z_j through u = Σ_j w_j W_j,
-// weighted_smoothing.cu) with a bias and a temperature; refused, said so, with a softcap as well.
+// weighted_smoothing.cu) with a bias and a temperature; with a softcap as well (the tiles' weighted Σz).
 TEST_F(CudaTest, ClassWeightsAndZLossMatchReference) {
   uint64_t seed = 7000;
   for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
-    for (const auto& [softcap, smoothing] : {std::pair{0.0f, 0.0f}, std::pair{8.0f, 0.0f}, std::pair{0.0f, 0.1f}}) {
+    // The last: label smoothing with a softcap, where Σ_j w_j z_j comes from the tiles, not u.
+    for (const auto& [softcap, smoothing] :
+         {std::pair{0.0f, 0.0f}, std::pair{8.0f, 0.0f}, std::pair{0.0f, 0.1f}, std::pair{8.0f, 0.1f}}) {
       ProblemSpec sp;
       sp.dtype = dt;
       sp.grad_loss = true;
@@ -411,16 +413,6 @@ TEST_F(CudaTest, ClassWeightsAndZLossMatchReference) {
       }
     }
   }
-  // With label smoothing and a softcap: not on this engine (z is not linear in h), said so.
-  ProblemSpec sp;
-  sp.options.label_smoothing = 0.1f;
-  sp.options.softcap = 8.0f;
-  Problem p = MakeProblem(sp, ++seed);
-  p.class_weight.assign(sp.vocab, 1.0f);
-  p.ref.class_weight.assign(sp.vocab, 1.0);
-  auto e = MakeCuda(p);
-  ASSERT_NE(e, nullptr);
-  EXPECT_EQ(RunEngine(*e, p, MemorySpace::kHost, {}).status.code(), absl::StatusCode::kUnimplemented);
 }
 
 // Rankings (argmax, top-k) against a float64 sort, host and device rows, with softcap and temperature:
@@ -937,7 +929,7 @@ std::vector<Answers> RunSharded(const Problem& full, int k, const std::vector<fl
 
 TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
   const int k = 3;
-  for (int variant = 0; variant < 4; ++variant) {
+  for (int variant = 0; variant < 5; ++variant) {
     const GradMode mode = variant == 1 ? GradMode::kGeneric : GradMode::kLoss;
     ProblemSpec sp;
     sp.rows = 29;
@@ -951,9 +943,10 @@ TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
       sp.options.softcap = 12.0f;
       sp.options.label_smoothing = 0.1f;
     }
-    if (variant == 3) sp.options.label_smoothing = 0.2f;  // with class weights: u summed over the ranks
+    if (variant >= 3) sp.options.label_smoothing = 0.2f;  // with class weights: u summed over the ranks
+    if (variant == 4) sp.options.softcap = 12.0f;         // ... and each shard's tiles weighting their Σz
     Problem full = MakeProblem(sp, 101 + variant);
-    if (variant == 3) {
+    if (variant >= 3) {
       for (int64_t j = 0; j < sp.vocab; ++j) full.class_weight.push_back(0.2f + 0.05f * static_cast<float>(j % 31));
       full.ref.class_weight.assign(full.class_weight.begin(), full.class_weight.end());
     }
@@ -980,7 +973,7 @@ TEST_F(CudaTest, VocabParallelStatisticsBitForBit) {
   // reference's tolerance.
   EngineConfig cfg;
   cfg.batch_invariant = cfg.tp_invariant = true;
-  for (int variant = 0; variant < 4; ++variant) {
+  for (int variant = 0; variant < 5; ++variant) {
     ProblemSpec sp;
     sp.rows = 300;
     sp.hidden = 64;
@@ -990,11 +983,13 @@ TEST_F(CudaTest, VocabParallelStatisticsBitForBit) {
       sp.options.softcap = 12.0f;
       sp.options.label_smoothing = 0.1f;
     }
-    // Variant 3: class weights with label smoothing and a bias (u's segments each from one rank).
-    sp.bias = variant == 3;
-    if (variant == 3) sp.options.label_smoothing = 0.1f;
+    // Variant 3: class weights with label smoothing and a bias (u's segments each from one rank); 4: and a
+    // softcap (the tiles' weighted Σz, gathered in global order).
+    sp.bias = variant >= 3;
+    if (variant >= 3) sp.options.label_smoothing = 0.1f;
+    if (variant == 4) sp.options.softcap = 12.0f;
     Problem full = MakeProblem(sp, 301 + variant);
-    if (variant == 3) {
+    if (variant >= 3) {
       for (int64_t j = 0; j < sp.vocab; ++j) full.class_weight.push_back(0.5f + 0.01f * static_cast<float>(j % 97));
       full.ref.class_weight.assign(full.class_weight.begin(), full.class_weight.end());
     }
