@@ -18,6 +18,7 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "chunk_staging.h"
 #include "dp_job.h"
 #include "dp_rank.h"
@@ -363,6 +364,10 @@ int ServeUntilStopped(const lce::server::ServerFlags& f, ServerParts& p) {
     // their UNAVAILABLE, and exit for the launcher to restart every rank.
     p.server->SetServing(false);
     p.server->Shutdown(absl::Seconds(2));
+    // Shutdown returns once the answers are queued, not sent: exiting at once with a client's chunks
+    // still unread resets the connection, and a client still writing then saw "Broken pipe" instead of
+    // the answer naming the failed rank (CI, ASan, a loaded machine). A moment for the last frames.
+    absl::SleepFor(absl::Milliseconds(300));
     std::cerr << "lce_server: exiting for a group restart" << std::endl;
     // No destructors: the device may hold work of the aborted communicator; the launcher restarts us.
     std::_Exit(kExitTpFailure);

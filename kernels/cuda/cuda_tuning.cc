@@ -53,6 +53,10 @@ const std::vector<CudaTuningVariable>& CudaTuningVariables() {
        [](CudaTuning& t, int64_t v) { t.debug_skip = static_cast<int>(v); }},
       {"LCE_CUDA_TRACE", "0/1", "0", "1: phase times of each call's first row block, to stderr",
        [](CudaTuning& t, int64_t v) { t.trace = v != 0; }},
+      {"LCE_CUDA_RANK_SAMPLE", "int", "0",
+       "rankings on the epilogue GEMM: columns of the first pass that sets each row's threshold (0: automatic, "
+       "3·k·shard/8192; at least 1024 and 32·k, at most 8192)",
+       [](CudaTuning& t, int64_t v) { t.rank_sample = v; }},
       {"LCE_CUDA_BATCH_INVARIANT", "0/1", "unset", "overrides EngineConfig::batch_invariant",
        [](CudaTuning& t, int64_t v) { t.batch_invariant = v != 0; }},
       {"LCE_CUDA_TP_INVARIANT", "0/1", "unset", "overrides EngineConfig::tp_invariant (with batch invariance)",

@@ -84,11 +84,13 @@ absl::Status CudaEngine::Forward(const CallPlan& p, Scratch& s, const BlockIo& b
     const EpiCopy copy = !p.backward ? EpiCopy::kNone : b.fast ? EpiCopy::kExp : EpiCopy::kShifted;
     const bool ranked = p.o.top_k > 0;
     if (ranked) LCE_CUDA_CHECK(RankThreshold(p, s, b));
+    if (ranked && b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[2], stream_));
     if (absl::Status st = EpilogueStatsForward(s, b.h, b.nr, b.y, p.o.ignore_index, p.tf, copy, p.entropy, overflow,
                                                ranked ? &p.ranks : nullptr);
         !st.ok()) {
       return st;
     }
+    if (ranked && b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
     if (ranked) LCE_CUDA_CHECK(RankSelect(p, b));
   }
   LCE_CUDA_CHECK(ForwardTiles(p, s, b, mode, overflow));
@@ -236,6 +238,16 @@ absl::Status CudaEngine::TraceForward(const CallPlan& p, const BlockIo& b) {
   LCE_CUDA_CHECK(cudaEventElapsedTime(&ms, trace_[0], trace_[1]));
   std::fprintf(stderr, "lce trace: rows %ld/%ld (R=%ld) tiles fwd %.3f ms\n", static_cast<long>(b.nr),
                static_cast<long>(p.rows.rows), static_cast<long>(p.R), ms);
+  if (p.o.top_k > 0 && p.layout.epi) {  // the rankings' phases (engine_rankings.cc), events 0, 2-6
+    float t[5] = {};
+    LCE_CUDA_CHECK(cudaEventSynchronize(trace_[6]));  // recorded by Rank, after this block's sync
+    const int from[5] = {0, 2, 3, 1, 5}, to[5] = {2, 3, 1, 5, 6};
+    for (int i = 0; i < 5; ++i) LCE_CUDA_CHECK(cudaEventElapsedTime(&t[i], trace_[from[i]], trace_[to[i]]));
+    std::fprintf(stderr,
+                 "lce trace: rankings k=%ld sample %ld: first pass %.3f, main pass %.3f, select %.3f, "
+                 "finalize %.3f, overflowed rows + merge %.3f ms\n",
+                 static_cast<long>(p.o.top_k), static_cast<long>(p.ranks.sample), t[0], t[1], t[2], t[3], t[4]);
+  }
   return absl::OkStatus();
 }
 

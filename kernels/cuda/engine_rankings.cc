@@ -2,8 +2,9 @@
 //
 // On the logit-tile path each segment of a tile keeps its k best (ForwardTiles). On the epilogue GEMM's
 // path nothing holds the logits, so the GEMM writes candidates: a first pass over each row's first
-// `sample` columns (their logits, the same bits the whole pass gives them) sets the row's threshold at
-// the sample's k-th best, which the shard's k best all reach; the whole pass then appends every
+// `sample` columns (their logits, the same bits the whole pass gives them; each lane's two best of
+// them) sets the row's threshold at the k-th best of those, at most the sample's k-th best, which the
+// shard's k best all reach; the whole pass then appends every
 // column at or above it to the row's list (~k · shard / sample of them), and a warp a row picks the k
 // best. A row whose list overflows (a sample far below the rest of its row; many equal logits) is
 // redone exactly from its logits written out in full, a few rows at a time. Either way a rank's slot
@@ -41,15 +42,16 @@ absl::Status CudaEngine::PrepareRankings(CallPlan& p) {
   l.thr = reinterpret_cast<float*>(l.count + R);
   l.overflowed = reinterpret_cast<uint8_t*>(l.thr + R);
   l.cap = kRankCap;
-  // A sample of 3 · k · shard / cap columns leaves ~cap / 3 candidates a row; at least 1024 columns, at
-  // most a list's worth (a sample that overflows the first pass would still give a valid threshold,
-  // from the columns that fit: any k columns' k-th best is below the shard's).
-  const int64_t want = RoundUp(3 * k * shape_.shard_rows / kRankCap + 1, kRankTileCols);
-  l.sample = std::min({std::max<int64_t>(want, 1024), kRankCap, shape_.shard_rows});
+  // A sample of 3 · k · shard / cap columns leaves ~cap / 3 candidates a row; at least 1024 columns and
+  // 32 · k (its lanes' two best a 64 columns: k of them at least), at most a list's worth.
+  const int64_t want = tuning_.rank_sample > 0 ? RoundUp(tuning_.rank_sample, kRankTileCols)
+                                               : RoundUp(3 * k * shape_.shard_rows / kRankCap + 1, kRankTileCols);
+  l.sample = std::min({std::max<int64_t>({want, 1024, RoundUp(32 * k, kRankTileCols)}), kRankCap, shape_.shard_rows});
   return absl::OkStatus();
 }
 
-// The first pass: every column of the sample into the lists, their k-th best the threshold.
+// The first pass: each lane's two best of the sample's columns into the lists (the epilogue GEMM's sampled
+// kernel: no statistics), their k-th best the threshold (−inf where fewer than k: every column a candidate).
 absl::Status CudaEngine::RankThreshold(const CallPlan& p, Scratch& s, const BlockIo& b) {
 #if defined(LCE_WITH_CUTLASS)
   const RankLists& l = p.ranks;
@@ -61,7 +63,7 @@ absl::Status CudaEngine::RankThreshold(const CallPlan& p, Scratch& s, const Bloc
   a.rank_list = l.list;
   a.rank_count = l.count;
   a.rank_cap = l.cap;
-  // Its tile partials are overwritten by the whole pass; its target logits are the whole pass's bits.
+  // It writes the lists only (no tile partials, no target logits).
   LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(a, stream_));
   LCE_CUDA_CHECK(
       LaunchRankThreshold(l.list, l.count, l.cap, b.nr, static_cast<int>(p.o.top_k), p.tf.temperature, l.thr, stream_));
@@ -113,6 +115,7 @@ absl::Status CudaEngine::RankOverflowedRows(const CallPlan& p, Scratch& s, const
 
 absl::Status CudaEngine::Rank(const CallPlan& p, Scratch& s, const BlockIo& b) {
   const int64_t nr = b.nr, k = p.o.top_k;
+  if (b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[5], stream_));
   if (p.layout.epi) LCE_CUDA_CHECK(RankOverflowedRows(p, s, b));
   if (config_.collectives != nullptr) {
     LCE_CUDA_CHECK(config_.collectives->AllReduce(p.cand, nr * p.rank_slots * k * 2, ReduceOp::kMax, true, stream_));
@@ -126,6 +129,7 @@ absl::Status CudaEngine::Rank(const CallPlan& p, Scratch& s, const BlockIo& b) {
   LCE_CUDA_CHECK(LaunchMergeTopK(p.cand, nr, p.rank_slots, static_cast<int>(k), s.info,
                                  p.host && argmax ? staged_argmax : argmax, p.host && tokens ? staged_tokens : tokens,
                                  p.host && logprobs ? staged_logprobs : logprobs, stream_));
+  if (b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[6], stream_));
   if (p.host) {
     const std::pair<void*, const void*> copies[] = {
         {argmax, staged_argmax}, {tokens, staged_tokens}, {logprobs, staged_logprobs}};

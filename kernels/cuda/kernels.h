@@ -105,10 +105,11 @@ struct EpilogueStatsArgs {
   // Q is then 0, m and S the same bits).
   bool entropy = true;
   bool timing_skip = false;  // timing aid only (results are wrong): the epilogue does nothing
-  // Rankings (rankings.cu): every column of row r whose v = softcap(logit + bias) is >= rank_thr[r]
-  // (with rank_thr null: every column) is appended to the row's list rank_list[r · rank_cap ...] as the
-  // pair (v, id as int bits) at places counted by rank_count[r] (which counts on past rank_cap: the row
-  // overflowed, and its candidates were dropped).
+  // Rankings (rankings.cu): every column of row r whose v = softcap(logit + bias) is >= rank_thr[r] is
+  // appended to the row's list rank_list[r · rank_cap ...] as the pair (v, id as int bits) at places
+  // counted by rank_count[r] (which counts on past rank_cap: the row overflowed, and its candidates were
+  // dropped). With rank_thr null (the first pass over a sample of columns) only the lists are written:
+  // each lane's two best v of the row among its columns of the tile, nothing else.
   float* rank_list = nullptr;
   unsigned* rank_count = nullptr;
   const float* rank_thr = nullptr;

@@ -38,6 +38,7 @@ struct CudaTuning {
   int epi_raster = 0;
   int debug_skip = 0;  // timing aid only, results wrong: bits 1 TileStats, 2 WriteGrad, 4 epilogue
   bool trace = false;  // phase times of a call's first row block, to stderr
+  int64_t rank_sample = 0;  // rankings on the epilogue GEMM: the first pass's columns (0: automatic)
   // Overrides of EngineConfig::batch_invariant / tp_invariant; unset: the config's.
   std::optional<bool> batch_invariant;
   std::optional<bool> tp_invariant;
