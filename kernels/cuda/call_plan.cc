@@ -158,9 +158,9 @@ absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
   }
   const bool loss_wanted = p.out.loss != nullptr || (p.backward && p.up.mode == GradMode::kLoss);
   if (p.class_weight != nullptr && p.o.label_smoothing > 0.0f && loss_wanted) {
-    LCE_CUDA_CHECK(PrepareSmoothingSums(p));
-    // With a softcap z is not linear in h: the tiles weight their own Σz (u still gives Σ_j w_j).
+    // With a softcap z is not linear in h: the tiles weight their own Σz (u gives Σ_j w_j alone).
     if (p.o.softcap > 0.0f) p.tf.sum_weight = p.class_weight + shape_.vocab_begin;
+    LCE_CUDA_CHECK(PrepareSmoothingSums(p));
   }
   if (p.grads.d_bias != nullptr && p.backward) LCE_CUDA_CHECK(PrepareBiasGrad(p));
   if (p.o.top_k > 0) LCE_CUDA_CHECK(PrepareRankings(p));
@@ -174,6 +174,7 @@ absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
 // Class weights with label smoothing: u = Σ_j w_j·[W_j | b_j | 1] over the whole vocabulary for
 // LaunchSmoothingRowSums, the same bits on every rank and for any group size: each global segment's sum
 // comes from the one rank that holds it (the others add zeros), then the segments are summed in order.
+// Where the tiles weight their own sums (p.tf.sum_weight) only its last columns, without reading the head.
 absl::Status CudaEngine::PrepareSmoothingSums(CallPlan& p) {
   const int64_t width = shape_.hidden_size + 2;
   LCE_CUDA_CHECK(GrowDeviceBuffer(smoothing_sums_, (nseg_global_ + 1) * width * static_cast<int64_t>(sizeof(float))));
@@ -181,8 +182,9 @@ absl::Status CudaEngine::PrepareSmoothingSums(CallPlan& p) {
   float* u = segs + nseg_global_ * width;
   const float* bias = bias_ != nullptr ? reinterpret_cast<const float*>(bias_->data()) : nullptr;
   LCE_CUDA_CHECK(cudaMemsetAsync(segs, 0, nseg_global_ * width * sizeof(float), stream_));
+  const int64_t first_col = p.tf.sum_weight != nullptr ? shape_.hidden_size : 0;
   LCE_CUDA_CHECK(LaunchSmoothingSegmentSums(weight_->data(), shape_.dtype, shape_.hidden_size, bias, p.class_weight,
-                                            shape_.vocab_begin, shape_.shard_rows, segs, stream_));
+                                            shape_.vocab_begin, shape_.shard_rows, first_col, segs, stream_));
   if (config_.collectives != nullptr) {
     LCE_CUDA_CHECK(config_.collectives->AllReduce(segs, nseg_global_ * width, ReduceOp::kSum, true, stream_));
   }

@@ -174,7 +174,7 @@ class RowStatsEpilogue {
     if constexpr (kRank) {
       if (p_.dump != nullptr) return Dump(a, c, M, N, m0, n0);
     }
-    // sum_weight is set only with a softcap (LogitTransform).
+    // sum_weight comes only with a softcap (checked at launch).
     const int tf = p_.sum_weight != nullptr ? kWeighted
                    : p_.softcap > 0.0f      ? kCapped
                    : p_.bias != nullptr     ? kBias
@@ -626,6 +626,9 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
       a.ntile != (a.cols + tile_cols - 1) / tile_cols || a.tf.temperature <= 0.0f) {
     return absl::InternalError(absl::StrCat("LaunchEpilogueStatsGemm: bad shape rows=", a.rows, " cols=", a.cols,
                                             " hidden=", a.hidden_size, " ntile=", a.ntile));
+  }
+  if (a.tf.sum_weight != nullptr && !(a.tf.softcap > 0.0f)) {  // kWeighted applies the softcap unasked
+    return absl::InternalError("LaunchEpilogueStatsGemm: weighted sums are for a softcap's calls only");
   }
   StatsParams sp;
   sp.targets = a.targets;

@@ -44,7 +44,7 @@ struct LogitTransform {
   float softcap = 0.0f;
   float temperature = 1.0f;
   // Class weights indexed by shard column, or null. Set, the statistics' Σz is Σ_j w_j z_j: class weights
-  // with label smoothing and a softcap (without one the sum comes from z's linearity in h instead).
+  // with label smoothing and a softcap, and only then (without one the sum comes from z's linearity in h).
   const float* sum_weight = nullptr;
 };
 
@@ -226,13 +226,14 @@ absl::Status LaunchBiasGrad(float* d_bias, float beta, const void* stored, DType
                             int64_t shard_rows, const float* row_info, bool scale, bool target, const int32_t* targets,
                             int32_t ignore_index, int64_t vocab_begin, cudaStream_t stream);
 
-// weighted_smoothing.cu (class weights with label smoothing, no softcap). seg_sums [⌈V/kSegment⌉, H + 2]:
-// the rows of this shard's global segments get Σ_j w_j·[W_j | b_j | 1] over the segment's rows in the shard,
-// in order (others untouched: the caller zeroes them; bias may be null). An ordered sum over the segments
-// gives u = [Σ w_j W_j | Σ w_j b_j | Σ w_j].
+// weighted_smoothing.cu (class weights with label smoothing). seg_sums [⌈V/kSegment⌉, H + 2]: the rows of
+// this shard's global segments get Σ_j w_j·[W_j | b_j | 1] over the segment's rows in the shard, in order,
+// in columns [first_col, H + 2) (others untouched: the caller zeroes them; bias may be null). An ordered sum
+// over the segments gives u = [Σ w_j W_j | Σ w_j b_j | Σ w_j]; first_col = H skips the head's read where
+// only Σ w_j is wanted (with a softcap the tiles weight their own sums).
 absl::Status LaunchSmoothingSegmentSums(const void* w, DType dtype, int64_t hidden, const float* bias,
                                         const float* class_weight, int64_t vocab_begin, int64_t shard_rows,
-                                        float* seg_sums, cudaStream_t stream);
+                                        int64_t first_col, float* seg_sums, cudaStream_t stream);
 // weighted_smoothing.cu. packed[r, 2] = (h_r · u[0:H] + u[H]) / temperature = Σ_j w_j z_rj for every row,
 // replacing the merged Σz (the loss's smoothing term with class weights).
 absl::Status LaunchSmoothingRowSums(const void* h, DType dtype, int64_t rows, int64_t hidden, const float* u,

@@ -17,15 +17,15 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRowThreads = 128;
 
-// Block (x, y): columns [x·kThreads, +kThreads) of [W | b | 1] weighted by w over global segment seg0 + y's
-// rows in this shard, in row order.
+// Block (x, y): columns first_col + [x·kThreads, +kThreads) of [W | b | 1] weighted by w over global segment
+// seg0 + y's rows in this shard, in row order.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     SegmentSumsKernel(const T* __restrict__ w, int64_t hidden, const float* __restrict__ bias,
                       const float* __restrict__ class_weight, int64_t vocab_begin, int64_t shard_rows, int64_t seg0,
-                      float* __restrict__ seg_sums) {
+                      int64_t first_col, float* __restrict__ seg_sums) {
   const int64_t width = hidden + 2;
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t k = first_col + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (k >= width) return;
   const int64_t g = seg0 + blockIdx.y;
   const int64_t lo = max(g * kSegment, vocab_begin) - vocab_begin;
@@ -65,19 +65,20 @@ __global__ void __launch_bounds__(kRowThreads)
 
 absl::Status LaunchSmoothingSegmentSums(const void* w, DType dtype, int64_t hidden, const float* bias,
                                         const float* class_weight, int64_t vocab_begin, int64_t shard_rows,
-                                        float* seg_sums, cudaStream_t stream) {
+                                        int64_t first_col, float* seg_sums, cudaStream_t stream) {
   if (shard_rows <= 0) return absl::OkStatus();
   const int64_t seg0 = vocab_begin / kSegment;
   const int64_t nseg = (vocab_begin + shard_rows - 1) / kSegment - seg0 + 1;
-  if (hidden <= 0 || nseg > 65535) {
+  if (hidden <= 0 || nseg > 65535 || first_col < 0 || first_col > hidden) {
     return absl::InternalError(
         absl::StrCat("LaunchSmoothingSegmentSums: bad shape hidden=", hidden, " rows=", shard_rows));
   }
-  const dim3 grid(static_cast<unsigned>((hidden + 2 + kThreads - 1) / kThreads), static_cast<unsigned>(nseg));
+  const dim3 grid(static_cast<unsigned>((hidden + 2 - first_col + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(nseg));
   return DispatchDType(dtype, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
     SegmentSumsKernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(w), hidden, bias, class_weight,
-                                                        vocab_begin, shard_rows, seg0, seg_sums);
+                                                        vocab_begin, shard_rows, seg0, first_col, seg_sums);
     LCE_CUDA_CHECK(cudaGetLastError());
     return absl::OkStatus();
   });

@@ -11,6 +11,7 @@ namespace lce::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kWeightedRows = 4;  // rows a block row covers with class weights (their weights read once)
 
 // One row's kVec columns from c0 (n of them in range): dz from the stored z − m_group, in place. w: label
 // smoothing's per-column weights (class weights), or null (all 1).
@@ -67,7 +68,7 @@ __device__ __forceinline__ void WriteGradVector(S* store, int64_t lds, int64_t r
 }
 
 // S: storage type (half for 16-bit heads, float for fp32); T: output type; VEC elements = 16 bytes. A block
-// row covers one row, or with class weights (kWeighted) four: their columns' weights read once for the four.
+// row covers one row, or with class weights (kWeighted) kWeightedRows: their columns' weights read once for all.
 template <typename T, typename S, bool kWeighted>
 __global__ void __launch_bounds__(kThreads)
     WriteGradKernel(S* store, int64_t lds, int64_t rows, int v0, int nv, const float* __restrict__ part, int64_t ngroup,
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(kThreads)
   const int c0 = v0 + (blockIdx.x * kThreads + threadIdx.x) * kVec;
   if (c0 >= nv) return;
   const int n = min(kVec, nv - c0);
-  constexpr int kRows = kWeighted ? 4 : 1;
+  constexpr int kRows = kWeighted ? kWeightedRows : 1;
   float w[kVec];
   if constexpr (kWeighted) {
     for (int j = 0; j < kVec; ++j) w[j] = j < n ? class_weight[vocab_begin + c0 + j] : 0.0f;
@@ -117,7 +118,8 @@ absl::Status LaunchWriteGrad(DType dtype, void* store, int64_t lds, int64_t rows
           static_cast<S*>(store), lds, rows, static_cast<int>(v0), static_cast<int>(nv), part, ngroup, group_cols,
           row_info, targets, ignore_index, vocab_begin, nullptr, softcap, temperature, target_apart);
     } else {
-      WriteGradKernel<T, S, true><<<dim3(col_blocks, static_cast<unsigned>((rows + 3) / 4)), kThreads, 0, stream>>>(
+      WriteGradKernel<T, S, true><<<dim3(col_blocks, static_cast<unsigned>((rows + kWeightedRows - 1) / kWeightedRows)),
+                                    kThreads, 0, stream>>>(
           static_cast<S*>(store), lds, rows, static_cast<int>(v0), static_cast<int>(nv), part, ngroup, group_cols,
           row_info, targets, ignore_index, vocab_begin, class_weight, softcap, temperature, target_apart);
     }
