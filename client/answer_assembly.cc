@@ -116,7 +116,12 @@ absl::Status AnswerAssembly::Finish(const std::vector<PartSummary>& summaries, c
   for (const PartSummary& p : summaries) {
     out_->reduced_loss += p.loss;
     out_->valid_tokens += p.valid_tokens;
-    out_->pending_grads.insert(out_->pending_grads.end(), p.pending_grads.begin(), p.pending_grads.end());
+    // A split request's parts share one contribution (RequestHeader.split_id): its id once.
+    for (uint64_t id : p.pending_grads) {
+      if (std::find(out_->pending_grads.begin(), out_->pending_grads.end(), id) == out_->pending_grads.end()) {
+        out_->pending_grads.push_back(id);
+      }
+    }
     if (p.head_version != out_->head_version) {
       return absl::AbortedError(absl::StrCat("the head changed version during the request (", out_->head_version,
                                              " and ", p.head_version, "); retry it"));

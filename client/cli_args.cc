@@ -30,7 +30,8 @@ ABSL_FLAG(std::string, tls_ca, "",
           "use TLS, trusting the PEM roots in this file (on the data plane too, where the server serves it over TLS: lce_server --data-plane-tls)");
 ABSL_FLAG(std::string, tls_cert, "", "client certificate for mutual TLS (with --tls-key and --tls-ca)");
 ABSL_FLAG(std::string, tls_key, "", "its private key");
-ABSL_FLAG(int32_t, streams, 1, "split a large request over up to N streams and connections, 1 to 64");
+ABSL_FLAG(int32_t, streams, 4,
+          "split a large request (over 2 * 8 MiB of hidden states) over up to N streams and connections, 1 to 64");
 ABSL_FLAG(bool, data_plane, false,
           "carry hidden states and d_hidden over the server's data plane (plain TCP beside gRPC;\n"
           "the server runs with --data-port)");

@@ -288,6 +288,15 @@ size_t LceClient::PickReplica(size_t start, const std::vector<bool>& failed) {
 
 namespace {
 
+// A split request's id (RequestHeader.split_id): random and non-zero, so that no other request's parts
+// join its weight-gradient contribution.
+uint64_t NewSplitId() {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  uint64_t id = 0;
+  while (id == 0) id = rng();
+  return id;
+}
+
 // INVALID_ARGUMENT where a batch, its regions and its gradients do not fit together.
 absl::Status CheckBatch(const HiddenBatch& batch, const RowGrads& grads) {
   const int64_t row_bytes = batch.hidden_size * WireDTypeSize(batch.dtype);
@@ -357,6 +366,12 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
   if (split) ConnectExtraChannels(replica);
   v1::RequestHeader part_header = header;
   if (split) part_header.set_partial(true);
+  // The parts of a split request that accumulates dW fill one contribution on the server, added only
+  // when every part succeeds (RequestHeader.split_id).
+  if (split && header.accumulate_weight_grad()) {
+    part_header.set_split_id(NewSplitId());
+    part_header.set_split_parts(static_cast<int32_t>(parts.size()));
+  }
   AnswerAssembly assembly(batch.rows, row_bytes, out, batch.d_hidden_out, header.top_k());
   const PartRequest request{rpc, routed, part_header, grads, assembly};
   std::vector<PartSummary> summaries(parts.size());

@@ -235,10 +235,17 @@ class LceService final : public v1::LceService::Service {
     uint64_t id = 0;
     float* d_weight = nullptr;
     float* d_bias = nullptr;  // in the same buffer, after dW (a head with a bias)
+    bool zeroed = false;      // a split request's: every engine call adds to it (none is fresh)
   };
-  enum class ContributionEnd { kCommit, kDefer, kRelease };
-  absl::StatusOr<Contribution> BeginContribution(const ServedHead& head);
-  absl::Status EndContribution(const ServedHead& head, uint64_t id, ContributionEnd end);
+  // `split`, `parts`: RequestHeader.split_id and split_parts (0: a request of its own). The parts of a
+  // split request share one contribution; ABORTED when it failed or is gone.
+  absl::StatusOr<Contribution> BeginContribution(const ServedHead& head, uint64_t split, int parts);
+  // A request's (a split request's part's) end, `ok` or failed: true when the contribution completed
+  // here (committed with scale 1, or, `defer`, waiting for CommitGrad under its id, which this part's
+  // summary reports; also when it was dropped meanwhile, for CommitGrad to say why). ABORTED for a
+  // part that succeeded where another part failed.
+  absl::StatusOr<bool> EndContribution(const ServedHead& head, uint64_t id, bool ok, bool defer);
+  absl::StatusOr<bool> EndPartLocked(const ServedHead& head, uint64_t id, bool ok, bool defer);
   // dW += scale × contribution `id` on every rank. Hold head.training->mu; `id` out of the book.
   absl::Status CommitContribution(const ServedHead& head, uint64_t id, float scale);
   // Frees contributions that left the book (on every rank) and counts them. Hold head.training->mu.

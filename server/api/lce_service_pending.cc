@@ -1,6 +1,6 @@
 // Pending weight-gradient contributions (docs/MATH.md, "When dW is committed"): a request that
-// accumulates dW does so into a buffer of its own; it reaches the head's dW when the request
-// succeeds (scale 1), or, deferred, when its client's backward sends the upstream gradient
+// accumulates dW does so into a buffer of its own (a split request's parts into one together); it reaches the head's dW
+// when the request succeeds (scale 1), or, deferred, when its client's backward sends the upstream gradient
 // (CommitGrad); a failed request's, a discarded one's, an expired or evicted one's, and those left
 // when the head's weight changes are freed without touching dW. Under tensor parallelism every rank
 // holds its shard of each contribution under the same id.
@@ -13,41 +13,69 @@
 
 namespace lce::server {
 
-absl::StatusOr<LceService::Contribution> LceService::BeginContribution(const ServedHead& head) {
+absl::StatusOr<LceService::Contribution> LceService::BeginContribution(const ServedHead& head, uint64_t split,
+                                                                       int parts) {
   HeadTraining& t = *head.training;
   std::lock_guard<std::mutex> lock(t.mu);
   absl::StatusOr<HeadTrainer*> trainer = TrainerOf(head);
   if (!trainer.ok()) return trainer.status();
-  absl::StatusOr<std::vector<PendingGrads::Dropped>> dropped =
-      t.pending.MakeRoom(head.version, absl::Now(), config_.pending_grads);
-  if (!dropped.ok()) {
-    if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"pending_grads"}).Increment();
-    return dropped.status();
+  uint64_t id = 0;
+  if (split != 0) {
+    absl::StatusOr<uint64_t> joined = t.pending.JoinSplit(split, parts, head.version);
+    if (!joined.ok()) return joined.status();
+    id = *joined;
   }
-  ReleaseContributions(head, *dropped);
-  const uint64_t id = t.pending.Begin(head.version);
-  // Unzeroed: the request's first engine call writes it (GradOutputs::d_weight_fresh).
-  absl::StatusOr<float*> buffer = (*trainer)->AcquirePending(id, /*zeroed=*/false);
+  if (id == 0) {
+    absl::StatusOr<std::vector<PendingGrads::Dropped>> dropped =
+        t.pending.MakeRoom(head.version, absl::Now(), config_.pending_grads);
+    if (!dropped.ok()) {
+      if (config_.metrics != nullptr) config_.metrics->rejections.WithLabels({"pending_grads"}).Increment();
+      return dropped.status();
+    }
+    ReleaseContributions(head, *dropped);
+    id = t.pending.Begin(head.version, split, parts);
+  }
+  // One request's comes unzeroed: its first engine call writes it (GradOutputs::d_weight_fresh). A split
+  // request's parts call the engine in any order: theirs is zeroed here, and every call adds to it.
+  absl::StatusOr<float*> buffer = (*trainer)->AcquirePending(id, /*zeroed=*/split != 0);
   if (!buffer.ok()) {
-    t.pending.Take(id).IgnoreError();
+    EndPartLocked(head, id, /*ok=*/false, /*defer=*/false).IgnoreError();
     return buffer.status();
   }
-  return Contribution{id, *buffer, (*trainer)->BiasPart(*buffer)};
+  return Contribution{id, *buffer, (*trainer)->BiasPart(*buffer), /*zeroed=*/split != 0};
 }
 
-absl::Status LceService::EndContribution(const ServedHead& head, uint64_t id, ContributionEnd end) {
-  HeadTraining& t = *head.training;
-  std::lock_guard<std::mutex> lock(t.mu);
-  if (end == ContributionEnd::kDefer) {
-    t.pending.Ready(id, absl::Now() + config_.pending_grads.ttl);
-    return absl::OkStatus();
+absl::StatusOr<bool> LceService::EndContribution(const ServedHead& head, uint64_t id, bool ok, bool defer) {
+  std::lock_guard<std::mutex> lock(head.training->mu);
+  return EndPartLocked(head, id, ok, defer);
+}
+
+absl::StatusOr<bool> LceService::EndPartLocked(const ServedHead& head, uint64_t id, bool ok, bool defer) {
+  PendingGrads& book = head.training->pending;
+  const absl::Time deadline = absl::Now() + config_.pending_grads.ttl;
+  const absl::Status aborted = absl::AbortedError(
+      "another part of this split request failed: nothing of its weight gradient is added; retry the request");
+  switch (book.EndPart(id, ok, deadline)) {
+    case PendingGrads::PartEnd::kGone:  // released with the head's old weight: CommitGrad says so
+      return defer;
+    case PendingGrads::PartEnd::kWaiting: return false;
+    case PendingGrads::PartEnd::kFailed:
+      if (ok) return aborted;
+      return false;
+    case PendingGrads::PartEnd::kAbandoned:
+      book.Take(id).IgnoreError();
+      ReleaseContributions(head, {{id, PendingGrads::Drop::kReleased}});
+      if (ok) return aborted;
+      return false;
+    case PendingGrads::PartEnd::kComplete: break;
   }
-  if (!t.pending.Take(id).ok()) return absl::OkStatus();  // released with the head's old weight already
-  if (end == ContributionEnd::kRelease) {
-    ReleaseContributions(head, {{id, PendingGrads::Drop::kReleased}});
-    return absl::OkStatus();
+  if (defer) {
+    book.Ready(id, deadline);
+    return true;
   }
-  return CommitContribution(head, id, 1.0f);
+  book.Take(id).IgnoreError();
+  LCE_RETURN_IF_ERROR(CommitContribution(head, id, 1.0f));
+  return true;
 }
 
 absl::Status LceService::CommitContribution(const ServedHead& head, uint64_t id, float scale) {
@@ -87,9 +115,10 @@ grpc::Status LceService::CommitGrad(grpc::ServerContext* ctx, const v1::CommitGr
     const ServedHead& h = **head;
     std::lock_guard<std::mutex> lock(h.training->mu);
     const PendingGrads::Entry* found = h.training->pending.Find(req->pending_grad_id());
-    if (found != nullptr && found->filling) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("pending weight gradient ", req->pending_grad_id(), " belongs to a request still running"));
+    if (found != nullptr && (found->filling || !found->complete())) {
+      return absl::FailedPreconditionError(absl::StrCat("pending weight gradient ", req->pending_grad_id(),
+                                                        " belongs to a request still running (or a split request "
+                                                        "whose parts have not all ended)"));
     }
     absl::StatusOr<PendingGrads::Entry> entry = h.training->pending.Take(req->pending_grad_id());
     if (!entry.ok()) return entry.status();

@@ -117,6 +117,19 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
   LCE_RETURN_IF_ERROR(ValidateOptions(o));
 
   plan.partial = h.partial();
+  if (h.split_id() != 0 &&
+      (!h.partial() || !h.accumulate_weight_grad() || h.split_parts() < 2 || h.split_parts() > 64)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("split_id names the parts of a split request that accumulates dW: it "
+                     "needs partial, accumulate_weight_grad and split_parts in [2, 64] "
+                     "(got ",
+                     h.split_parts(), ")"));
+  }
+  if (h.split_id() == 0 && h.split_parts() != 0) {
+    return absl::InvalidArgumentError("split_parts needs split_id");
+  }
+  plan.split_id = h.split_id();
+  plan.split_parts = h.split_parts();
   plan.sends_ahead = h.sends_ahead();
   LCE_RETURN_IF_ERROR(ValidateOutputs(h, plan));
   if (is_fb) {

@@ -38,6 +38,8 @@ struct RequestPlan {
   bool accumulate_weight_grad = false;           // ForwardBackward, PolicyLoss
   bool defer_weight_grad = false;                // ...kept pending for CommitGrad
   bool partial = false;                          // one part of a request split over streams
+  uint64_t split_id = 0;                         // ...whose parts share one dW contribution
+  int split_parts = 0;
   bool sends_ahead = false;                      // the client sends without waiting for answers
   // PolicyLoss
   PolicyLossConfig policy;

@@ -63,7 +63,7 @@ absl::Status StreamedRequest::Run() {
   // last call into it has ended).
   if (contribution_.id != 0) {
     pipeline_.reset();
-    service_.EndContribution(*plan_->head, contribution_.id, LceService::ContributionEnd::kRelease).IgnoreError();
+    service_.EndContribution(*plan_->head, contribution_.id, /*ok=*/false, /*defer=*/false).IgnoreError();
   }
   return g;
 }
@@ -270,18 +270,20 @@ absl::Status StreamedRequest::Prepare(InFlightChunk& c) {
     c.grads.d_hidden = dh->data();
   }
   if (plan_->accumulate_weight_grad) {
-    // dW goes into the request's own pending buffer, made at its first chunk, whose engine call
-    // writes it (the buffer comes unzeroed; engine calls run in chunk order, pipelined or not).
+    // dW goes into the request's own pending buffer (its split request's), taken at its first chunk,
+    // whose engine call writes it (the buffer comes unzeroed; engine calls run in chunk order,
+    // pipelined or not); a split request's comes zeroed, and its parts' calls add to it in any order.
     const bool first = contribution_.id == 0;
     if (first) {
-      absl::StatusOr<LceService::Contribution> made = service_.BeginContribution(*plan_->head);
+      absl::StatusOr<LceService::Contribution> made =
+          service_.BeginContribution(*plan_->head, plan_->split_id, plan_->split_parts);
       if (!made.ok()) return ChunkError(c, made.status());
       contribution_ = *made;
     }
     c.grads.d_weight = contribution_.d_weight;
     c.grads.d_bias = contribution_.d_bias;
     c.grads.d_weight_pending = contribution_.id;
-    c.grads.d_weight_fresh = first;
+    c.grads.d_weight_fresh = first && !contribution_.zeroed;
   }
   // ValidateChunk checked every target: the engine need not check them again.
   c.view = RowsView{c.hidden, chunk.targets().data(), n, MemorySpace::kHost, /*targets_checked=*/true};
@@ -525,9 +527,10 @@ absl::Status StreamedRequest::EndContribution() {
   if (contribution_.id == 0) return absl::OkStatus();
   const uint64_t id = contribution_.id;
   contribution_ = {};
-  const auto end = plan_->defer_weight_grad ? LceService::ContributionEnd::kDefer : LceService::ContributionEnd::kCommit;
-  LCE_RETURN_IF_ERROR(service_.EndContribution(*plan_->head, id, end));
-  if (plan_->defer_weight_grad) deferred_id_ = id;
+  absl::StatusOr<bool> completed = service_.EndContribution(*plan_->head, id, /*ok=*/true, plan_->defer_weight_grad);
+  if (!completed.ok()) return completed.status();
+  // A split request's id is reported once, by the part that completed it.
+  if (plan_->defer_weight_grad && *completed) deferred_id_ = id;
   return absl::OkStatus();
 }
 

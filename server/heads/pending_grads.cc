@@ -30,6 +30,7 @@ absl::StatusOr<std::vector<PendingGrads::Dropped>> PendingGrads::MakeRoom(int64_
     const bool stale = e.version != version && !e.filling;
     if (stale || (!e.filling && now >= e.deadline)) {
       out.push_back({it->first, stale ? Drop::kStale : Drop::kExpired});
+      Dropping(e, out.back().why);
       it = entries_.erase(it);
     } else {
       ++it;
@@ -47,6 +48,7 @@ absl::StatusOr<std::vector<PendingGrads::Dropped>> PendingGrads::MakeRoom(int64_
       ++it;
     } else {
       out.push_back({*it, Drop::kEvicted});
+      Dropping(e->second, Drop::kEvicted);
       entries_.erase(e);
       it = order_.erase(it);
     }
@@ -59,13 +61,55 @@ absl::StatusOr<std::vector<PendingGrads::Dropped>> PendingGrads::MakeRoom(int64_
   return out;
 }
 
-uint64_t PendingGrads::Begin(int64_t version) {
+uint64_t PendingGrads::Begin(int64_t version, uint64_t split, int parts) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
   uint64_t id = 0;
   while (id == 0 || entries_.count(id) != 0 || gone_.count(id) != 0) id = rng();
-  entries_.emplace(id, Entry{version, true, absl::InfiniteFuture()});
+  Entry e;
+  e.version = version;
+  e.split = split;
+  e.parts = std::max(parts, 1);
+  entries_.emplace(id, e);
   order_.push_back(id);
   return id;
+}
+
+absl::StatusOr<uint64_t> PendingGrads::JoinSplit(uint64_t split, int parts, int64_t version) {
+  if (auto g = gone_splits_.find(split); g != gone_splits_.end()) {
+    return absl::AbortedError(
+        absl::StrCat("the weight-gradient contribution of split request ", split, " is gone (", g->second, ")"));
+  }
+  for (auto& [id, e] : entries_) {
+    if (e.split != split) continue;
+    if (e.failed) return absl::AbortedError(absl::StrCat("another part of split request ", split, " failed"));
+    if (e.version != version || e.parts != parts || e.running + e.done >= e.parts) {
+      return absl::AbortedError(absl::StrCat("this part does not belong to split request ", split, " (version ",
+                                             version, " of ", parts, " parts; it has version ", e.version, ", ",
+                                             e.running + e.done, " of ", e.parts, " parts begun)"));
+    }
+    ++e.running;
+    e.filling = true;
+    e.deadline = absl::InfiniteFuture();
+    return id;
+  }
+  return 0;
+}
+
+PendingGrads::PartEnd PendingGrads::EndPart(uint64_t id, bool ok, absl::Time deadline) {
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return PartEnd::kGone;
+  Entry& e = it->second;
+  --e.running;
+  e.filling = e.running > 0;
+  if (ok && !e.failed) ++e.done;
+  if (!ok && !e.failed) {
+    e.failed = true;
+    if (e.split != 0) RememberSplit(e.split, "another part of it failed");
+  }
+  if (e.failed) return e.filling ? PartEnd::kFailed : PartEnd::kAbandoned;
+  if (e.complete()) return PartEnd::kComplete;
+  if (!e.filling) e.deadline = deadline;  // the parts still due may never come
+  return PartEnd::kWaiting;
 }
 
 void PendingGrads::Ready(uint64_t id, absl::Time deadline) {
@@ -94,7 +138,10 @@ absl::StatusOr<PendingGrads::Entry> PendingGrads::Take(uint64_t id) {
 
 std::vector<PendingGrads::Dropped> PendingGrads::TakeAll(Drop why) {
   std::vector<Dropped> out;
-  for (const auto& [id, e] : entries_) out.push_back({id, why});
+  for (const auto& [id, e] : entries_) {
+    out.push_back({id, why});
+    Dropping(e, why);
+  }
   entries_.clear();
   order_.clear();
   for (const Dropped& d : out) Remember(d.id, d.why);
@@ -106,6 +153,14 @@ void PendingGrads::Remember(uint64_t id, Drop why) {
   while (gone_order_.size() > kRememberedDrops) {
     gone_.erase(gone_order_.front());
     gone_order_.pop_front();
+  }
+}
+
+void PendingGrads::RememberSplit(uint64_t split, std::string why) {
+  if (gone_splits_.emplace(split, std::move(why)).second) gone_splits_order_.push_back(split);
+  while (gone_splits_order_.size() > kRememberedDrops) {
+    gone_splits_.erase(gone_splits_order_.front());
+    gone_splits_order_.pop_front();
   }
 }
 

@@ -1,8 +1,9 @@
 // Contributions to a head's weight gradient that wait for their upstream gradient (docs/MATH.md,
 // "When dW is committed"). A request that accumulates dW fills a pending buffer of its own (the
-// trainer's, HeadTrainer::AcquirePending); this book says which ids exist, which request is filling
-// which, on what head version, and until when a finished one waits for CommitGrad. Guarded by the
-// head's training mutex (HeadTraining::mu), as the trainer is.
+// trainer's, HeadTrainer::AcquirePending), the parts of a split request (RequestHeader.split_id) one
+// together; this book says which ids exist, which requests are filling which, on what head version,
+// and until when a finished one waits for CommitGrad. Guarded by the head's training mutex
+// (HeadTraining::mu), as the trainer is.
 #pragma once
 
 #include <cstdint>
@@ -35,18 +36,37 @@ class PendingGrads {
   };
   struct Entry {
     int64_t version = 0;   // the head version the forward ran on
-    bool filling = true;   // its request is still running
+    bool filling = true;   // a request (a part of a split one) is filling it now
     absl::Time deadline = absl::InfiniteFuture();
+    uint64_t split = 0;   // RequestHeader.split_id of the split request whose parts fill it (0: one request)
+    int parts = 1;        // requests that fill it (a split request's parts)
+    int running = 1;      // of them, filling it now
+    int done = 0;         // of them, succeeded
+    bool failed = false;  // one failed: nothing of it is ever added
+    bool complete() const { return done == parts; }
   };
 
   // Room for one more contribution on `version`: the ids to release now (waiting past their
   // deadline, of another version, or the oldest waiting ones over the cap), which leave the book.
   // RESOURCE_EXHAUSTED when the cap is reached by contributions still being filled.
   absl::StatusOr<std::vector<Dropped>> MakeRoom(int64_t version, absl::Time now, const PendingGradLimits& limits);
-  // A new contribution being filled on `version`; its id is random and non-zero (only its client
-  // knows it).
-  uint64_t Begin(int64_t version);
-  // Its request succeeded: it waits for its commit until `deadline`.
+  // A new contribution being filled on `version`, by one request or by the first of split request
+  // `split`'s `parts` parts; its id is random and non-zero (only its client knows it).
+  uint64_t Begin(int64_t version, uint64_t split = 0, int parts = 1);
+  // The contribution that split request `split`'s parts fill, taken up by one more of them; 0 when
+  // none has begun it. ABORTED when a part of it failed, it was dropped, or this part does not match
+  // it (another version or part count, or one part too many).
+  absl::StatusOr<uint64_t> JoinSplit(uint64_t split, int parts, int64_t version);
+  // What a request's end (a part's, of a split one) leaves to do with its contribution.
+  enum class PartEnd {
+    kComplete,   // every part succeeded: commit it, or Ready it for CommitGrad (still in the book)
+    kWaiting,    // more parts are due: nothing yet (it waits until `deadline` for them)
+    kAbandoned,  // a part failed and none is filling it now: Take and release it
+    kFailed,     // a part failed; the ones still filling it release it when they end
+    kGone,       // not in the book (dropped while it was filled)
+  };
+  PartEnd EndPart(uint64_t id, bool ok, absl::Time deadline);
+  // A complete request's contribution waits for its commit until `deadline`.
   void Ready(uint64_t id, absl::Time deadline);
   // Takes `id` out of the book to commit or release it. NOT_FOUND (saying why, where it is known)
   // when it is not there.
@@ -69,6 +89,13 @@ class PendingGrads {
   std::deque<uint64_t> order_;              // ids by age, oldest first (those gone since pruned at MakeRoom)
   std::map<uint64_t, Drop> gone_;           // recently dropped ids and why
   std::deque<uint64_t> gone_order_;
+  // Split requests whose contribution failed or was dropped, and why (for their late parts).
+  std::map<uint64_t, std::string> gone_splits_;
+  std::deque<uint64_t> gone_splits_order_;
+  void RememberSplit(uint64_t split, std::string why);
+  void Dropping(const Entry& e, Drop why) {
+    if (e.split != 0) RememberSplit(e.split, DropName(why));
+  }
 };
 
 }  // namespace lce::server

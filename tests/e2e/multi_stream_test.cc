@@ -1,14 +1,19 @@
 // One request split over several streams on several connections (ClientOptions.streams, the
 // server's RequestHeader.partial) gives the answers of one stream: per-row outputs, d_hidden, the
-// reduced loss for every reduction, and the declared-count check the server skips for parts.
+// reduced loss for every reduction, and the declared-count check the server skips for parts; a split
+// request that accumulates dW fills one contribution (RequestHeader.split_id).
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "lce/client/lce_client.h"
 #include "nlohmann/json.hpp"
 #include "test_server.h"
+#include "training_rpcs.h"
 
 namespace lce::e2e {
 namespace {
@@ -138,6 +143,120 @@ TEST(MultiStream, AnErrorInOnePartFailsTheRequestWithThatError) {
   // The server keeps serving.
   auto ok = four->Score(View(MakeBatch(1000, v1::DTYPE_BFLOAT16, 24)), v1::RequestHeader());
   EXPECT_TRUE(ok.ok()) << ok.status();
+}
+
+void ZeroGrad(v1::LceService::Stub& stub, const std::string& head) {
+  grpc::ClientContext ctx;
+  v1::ZeroGradRequest req;
+  req.set_head(head);
+  v1::ZeroGradResponse resp;
+  ASSERT_TRUE(stub.ZeroGrad(&ctx, req, &resp).ok());
+}
+
+// The parts of a split request that accumulates dW share one contribution: a server that holds one
+// at a time takes all four parts (before split_id, each part was a contribution of its own: those
+// past --max-pending-grads were refused), the head's dW is one stream's, and a deferred request
+// reports one id.
+TEST(MultiStream, ASplitTrainingRequestFillsOneContribution) {
+  auto ts = StartTestServer(8 << 20, false, true,
+                            [](server::GrpcServerOptions& o) { o.service.pending_grads.max_per_head = 1; });
+  auto stub = RawStub(ts->target);
+  const int64_t chunk = 16 * kHidden * 4;
+  auto one = Connect(*ts, 1, chunk);
+  auto four = Connect(*ts, 4, chunk);
+  const Batch b = MakeBatch(1000, v1::DTYPE_FLOAT32, 25);
+  v1::RequestHeader h;
+  h.set_head("wide");
+  h.set_reduction(v1::REDUCTION_SUM);
+  h.set_accumulate_weight_grad(true);
+  ZeroGrad(*stub, "wide");
+  auto r1 = one->ForwardBackward(View(b), h);
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  const std::vector<float> want = GradOf(*stub, "wide");
+  ZeroGrad(*stub, "wide");
+  auto r4 = four->ForwardBackward(View(b), h);
+  ASSERT_TRUE(r4.ok()) << r4.status();
+  EXPECT_TRUE(r4->pending_grads.empty());
+  ExpectElementsNear(GradOf(*stub, "wide"), want, 1e-5, "dW of four parts");
+
+  ZeroGrad(*stub, "wide");
+  h.set_defer_weight_grad(true);
+  auto d4 = four->ForwardBackward(View(b), h);
+  ASSERT_TRUE(d4.ok()) << d4.status();
+  ASSERT_EQ(d4->pending_grads.size(), 1u) << "one contribution, one id";
+  for (float x : GradOf(*stub, "wide")) ASSERT_EQ(x, 0.0f) << "nothing before the commit";
+  {
+    grpc::ClientContext ctx;
+    v1::CommitGradRequest commit;
+    commit.set_head("wide");
+    commit.set_pending_grad_id(d4->pending_grads[0]);
+    v1::CommitGradResponse resp;
+    ASSERT_TRUE(stub->CommitGrad(&ctx, commit, &resp).ok());
+  }
+  ExpectElementsNear(GradOf(*stub, "wide"), want, 1e-5, "the deferred parts' dW, committed");
+}
+
+// A part of a split training request that fails adds nothing of the other parts' dW (each part a
+// contribution of its own added its own before split_id).
+TEST(MultiStream, AFailedPartOfASplitTrainingRequestAddsNothing) {
+  auto ts = StartTestServer();
+  auto stub = RawStub(ts->target);
+  auto four = Connect(*ts, 4, 16 * kHidden * 4);
+  Batch b = MakeBatch(1000, v1::DTYPE_FLOAT32, 27);
+  v1::RequestHeader h;
+  h.set_head("wide");
+  h.set_reduction(v1::REDUCTION_SUM);
+  h.set_accumulate_weight_grad(true);
+  auto r4 = four->ForwardBackward(View(b), h);
+  ASSERT_TRUE(r4.ok()) << r4.status();
+  const std::vector<float> want = GradOf(*stub, "wide");
+  ZeroGrad(*stub, "wide");
+  Batch bad = b;
+  bad.targets[900] = static_cast<int32_t>(kVocab) + 5;  // in the last part
+  auto f4 = four->ForwardBackward(View(bad), h);
+  ASSERT_FALSE(f4.ok());
+  EXPECT_EQ(f4.status().code(), absl::StatusCode::kInvalidArgument) << f4.status();
+  // The other parts may still be ending on the server (the client stopped reading them).
+  std::vector<float> got;
+  for (int i = 0; i < 100; ++i) {
+    got = GradOf(*stub, "wide");
+    if (std::any_of(got.begin(), got.end(), [](float x) { return x != 0.0f; })) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (float x : got) ASSERT_EQ(x, 0.0f) << "a failed split request added dW";
+  auto again = four->ForwardBackward(View(b), h);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ExpectElementsNear(GradOf(*stub, "wide"), want, 1e-5, "dW after a failed split request: the next one's alone");
+}
+
+// A part whose split_id does not fit the request is refused with the reason.
+TEST(MultiStream, SplitIdNeedsAnAccumulatingPart) {
+  auto ts = StartTestServer();
+  auto stub = RawStub(ts->target);
+  const Batch b = MakeBatch(4, v1::DTYPE_FLOAT32, 26);
+  struct Case {
+    bool partial, accumulate;
+    int parts;
+    uint64_t split;
+    const char* says;
+  };
+  for (const Case& c : {Case{false, true, 2, 7, "split_id"}, Case{true, false, 2, 7, "split_id"},
+                        Case{true, true, 1, 7, "split_parts in [2, 64]"}, Case{true, true, 65, 7, "(got 65)"},
+                        Case{true, true, 2, 0, "split_parts needs split_id"}}) {
+    v1::RequestHeader h;
+    h.set_head("wide");
+    h.set_hidden_size(kHidden);
+    h.set_dtype(v1::DTYPE_FLOAT32);
+    h.set_reduction(v1::REDUCTION_SUM);
+    h.set_partial(c.partial);
+    h.set_accumulate_weight_grad(c.accumulate);
+    h.set_split_id(c.split);
+    h.set_split_parts(c.parts);
+    std::vector<v1::StreamResponse> out;
+    grpc::Status s = RunOneChunk(*stub, "fb", h, b, &out);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.says;
+    EXPECT_NE(s.error_message().find(c.says), std::string::npos) << s.error_message();
+  }
 }
 
 }  // namespace

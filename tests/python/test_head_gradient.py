@@ -274,6 +274,32 @@ def test_commit_grad_rpc_contract(srv):
     assert e.value.code == grpc.StatusCode.NOT_FOUND
 
 
+@requires_torch
+@pytest.mark.parametrize("mode", ["scaled", "no_grad"])
+def test_a_forward_split_over_streams_is_one_contribution(server_factory_module, mode):
+    """A forward split over four streams (Client(streams=4)) fills one contribution on the server
+    (RequestHeader.split_id): a server that holds one at a time takes all four parts, the backward commits
+    it once, scaled, and a forward under no_grad leaves nothing."""
+    import torch
+
+    rng = np.random.default_rng(12)
+    w0 = (rng.standard_normal((VOCAB, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)
+    server = server_factory_module(w0, ["--max-pending-grads=1"])
+    rows, rb = 400, HIDDEN * 4
+    c = lce_client.Client(server.target, timeout=60, streams=4, chunk_bytes=16 * rb, min_stream_bytes=40 * rb)
+    assert len(c._plan_parts(rows, rb, 16, None)) == 4
+    c.zero_grad()
+    W = _local(w0)
+    h, y = _rows(13, rows)
+    if mode == "scaled":
+        (_remote(c, h, y) / 4).backward()
+        (_ce(W, h, y) / 4).backward()
+    else:
+        with torch.no_grad():
+            _remote(c, h, y)
+    _check(c, W)
+
+
 def test_pending_contributions_are_bounded(server_factory_module):
     """--max-pending-grads: clients that forward and never commit push out the oldest (evicted, then
     NOT_FOUND for its commit) and the head's dW stays as it was; expired ones go after the TTL."""

@@ -10,6 +10,10 @@ from ._data_plane import MAX_SOCKETS as _MAX_DATA_PLANE_SOCKETS
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_MIN_STREAM_BYTES = 8 << 20
+# Streams (and connections) a large request is split over: one HTTP/2 connection carries ~1-2 GB/s on
+# loopback (bench/RESULTS.md, 2026-11-27 session 6: 4 streams took a 16384-row train request from 178 to
+# 138 ms end to end on one H200, and a TP-4 group's from 172 to 123).
+DEFAULT_STREAMS = 4
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,7 @@ class ClientOptions:
     token: Optional[str] = None
     head: str = ""
     channel_options: Sequence = ()  # extra gRPC channel options (Client's `options=` given a sequence)
-    streams: int = 1
+    streams: int = DEFAULT_STREAMS
     min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES
     data_plane: bool = False
     data_plane_sockets: int = 4
