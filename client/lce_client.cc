@@ -352,9 +352,7 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
                                                     options_.min_stream_bytes);
   const bool split = parts.size() > 1;
   // Over the data plane: the bytes go through server memory, the messages name slices of it.
-  // (Not for weight-gradient accumulation, which a GPU server does not do on its own memory yet.)
-  const bool via_data_plane = options_.data_plane && !hidden_in_region && !batch.d_hidden_region && batch.rows > 0 &&
-                              !header.accumulate_weight_grad();
+  const bool via_data_plane = options_.data_plane && !hidden_in_region && !batch.d_hidden_region && batch.rows > 0;
   // The request then goes out as a region-backed one whose bytes the lanes carry.
   std::unique_lock<std::mutex> data_plane_lock;
   std::vector<DataPlaneLane> lanes;

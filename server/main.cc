@@ -299,8 +299,10 @@ absl::Status ServeHead(const lce::server::ServerFlags& f, ServerParts& p) {
   absl::StatusOr<GrpcServerOptions> options = GrpcServerOptionsFrom(f, p.max_head_bytes);
   if (!options.ok()) return options.status();
   p.options = *std::move(options);
-  // Co-located clients may hand over GPU memory (CUDA IPC) when the engine is one GPU's.
-  if (f.tp_size == 1 && p.engine->backend() == "cuda") p.options.service.cuda_device = f.device;
+  // A GPU engine (one GPU's, or a CUDA group's front): requests stage their chunks on the device on their
+  // own threads, outside the engine's (the group's) lock, and co-located clients may hand over GPU memory
+  // (CUDA IPC).
+  if (p.engine->backend() == "cuda") p.options.service.cuda_device = f.device;
   p.options.service.metrics = &p.service_metrics;
   if (f.batch_max_rows > 1 && p.engine->invariance().across_batches.empty()) {
     std::cerr << "lce_server: dynamic batching off: this engine's rows are not the same bits in every batch "

@@ -53,8 +53,9 @@ struct ServiceConfig {
   // Largest head shard LoadHead builds, in weight bytes (0: the host's memory).
   int64_t max_head_bytes = 0;
   int tp_size = 1;
-  // The GPU of the engine (CUDA backend, one rank): CUDA IPC regions are opened there and requests
-  // that use them run on device memory. -1: no device regions.
+  // The GPU of the engine (CUDA backend: one GPU's, or a tensor-parallel group's front's): requests
+  // stage their chunks there on their own threads, CUDA IPC regions are opened there, and requests
+  // that use them run on device memory. -1: host memory.
   int cuda_device = -1;
   RequestAuthenticator auth;
   // One JSON line per finished RPC on stderr (request_log.h).

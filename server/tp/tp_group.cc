@@ -95,7 +95,14 @@ std::string GetText(const char (&field)[N]) {
 }
 
 // Broadcasts `bytes` at `src` (the root) or into a staging slot (the others); returns the staged pointer.
-absl::StatusOr<void*> Share(TpCommunicator& comm, ChunkStaging& staging, int slot, const void* src, int64_t bytes) {
+// A root's `src` in device memory (a chunk its request staged on the device) is broadcast where it is.
+absl::StatusOr<void*> Share(TpCommunicator& comm, ChunkStaging& staging, int slot, const void* src, int64_t bytes,
+                            bool src_on_device = false) {
+  if (src_on_device) {
+    void* p = const_cast<void*>(src);  // the root's in-place broadcast only reads it
+    LCE_RETURN_IF_ERROR(comm.Broadcast(p, bytes, /*device=*/true, staging.stream()));
+    return p;
+  }
   absl::StatusOr<void*> buf = staging.Buffer(slot, std::max<int64_t>(bytes, 1));
   if (!buf.ok()) return buf.status();
   if (src != nullptr) {
@@ -233,7 +240,12 @@ absl::Status StatusOf(const absl::Status& s) { return s; }
 template <typename T>
 absl::Status StatusOf(const absl::StatusOr<T>& s) { return s.status(); }
 
-absl::Status GroupDown() { return absl::UnavailableError("tensor-parallel group is down; it is being restarted"); }
+// What every operation after the failure gets: its cause too (the parts of a split request that come
+// after the one that met the failure name the lost rank as well).
+absl::Status GroupDown(const absl::Status& cause) {
+  return absl::UnavailableError(
+      absl::StrCat("tensor-parallel group is down (", cause.message(), "); it is being restarted"));
+}
 
 }  // namespace
 
@@ -284,6 +296,7 @@ absl::StatusOr<std::shared_ptr<const HeadWeights>> LoadShard(
 absl::Status TpGroup::Fail(absl::Status s) {
   if (!failed_) {
     failed_ = true;
+    failure_ = s;
     comm_->Abort();
     if (on_failure_) on_failure_(s);
   }
@@ -293,7 +306,7 @@ absl::Status TpGroup::Fail(absl::Status s) {
 template <typename T, typename F>
 T TpGroup::Locked(F&& op) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (failed_) return T(GroupDown());
+  if (failed_) return T(GroupDown(failure_));
   T out = op();
   // The caller gets `out` itself; Fail's copy of the status only marks the group down.
   if (StatusOf(out).code() == absl::StatusCode::kUnavailable) Fail(StatusOf(out)).IgnoreError();
@@ -302,7 +315,9 @@ T TpGroup::Locked(F&& op) {
 
 absl::Status TpGroup::Compute(const std::string& head, int64_t version, LceEngine& local, const RowsView& rows,
                               const LceOptions& o, const Upstream& up, const RowOutputs& outputs, const GradOutputs& grads) {
-  if (rows.space != MemorySpace::kHost) return absl::InvalidArgumentError("tensor-parallel front takes host rows");
+  if (rows.space != MemorySpace::kHost && !staging_->device()) {
+    return absl::InvalidArgumentError("a tensor-parallel group on host memory takes host rows");
+  }
   return Locked<absl::Status>([&] { return ComputeLocked(head, version, local, rows, o, up, outputs, grads); });
 }
 
@@ -323,30 +338,39 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   const HeadShape& shape = local.shape();
   const int64_t n = rows.rows;
   const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
-  absl::StatusOr<void*> hidden = Share(*comm_, *staging_, kHidden, rows.hidden, n * row_bytes);
+  // Rows (and their targets, upstream gradients and class weights) that the request staged on the
+  // device, outside this lock, go to the peers from there; host rows through the staging.
+  const bool dev = rows.space == MemorySpace::kDevice;
+  absl::StatusOr<void*> hidden = Share(*comm_, *staging_, kHidden, rows.hidden, n * row_bytes, dev);
   if (!hidden.ok()) return hidden.status();
-  absl::StatusOr<void*> targets = Share(*comm_, *staging_, kTargets, rows.targets, n * 4);
+  absl::StatusOr<void*> targets = Share(*comm_, *staging_, kTargets, rows.targets, n * 4, dev);
   if (!targets.ok()) return targets.status();
   const void* class_weight = nullptr;
   if (rows.class_weight != nullptr) {
-    absl::StatusOr<void*> p = Share(*comm_, *staging_, kClassWeightSlot, rows.class_weight, shape.vocab_size * 4);
+    absl::StatusOr<void*> p = Share(*comm_, *staging_, kClassWeightSlot, rows.class_weight, shape.vocab_size * 4, dev);
     if (!p.ok()) return p.status();
     class_weight = *p;
   }
   Upstream staged_up = up;
-  struct GradIn { const float* host; int slot; const float** dst; };
+  struct GradIn {
+    const float* src;
+    int slot;
+    const float** dst;
+  };
   for (GradIn g : {GradIn{up.grad_loss, kGradLossSlot, &staged_up.grad_loss},
                    GradIn{up.grad_logprob, kGradLogprobSlot, &staged_up.grad_logprob},
                    GradIn{up.grad_entropy, kGradEntropySlot, &staged_up.grad_entropy}}) {
-    if (g.host == nullptr) continue;
-    absl::StatusOr<void*> p = Share(*comm_, *staging_, g.slot, g.host, n * 4);
+    if (g.src == nullptr) continue;
+    absl::StatusOr<void*> p = Share(*comm_, *staging_, g.slot, g.src, n * 4, dev);
     if (!p.ok()) return p.status();
     *g.dst = static_cast<const float*>(*p);
   }
   RowsView view{*hidden, static_cast<const int32_t*>(*targets), n,
-                staging_->device() ? MemorySpace::kDevice : MemorySpace::kHost};
+                staging_->device() ? MemorySpace::kDevice : MemorySpace::kHost, rows.targets_checked};
   view.class_weight = static_cast<const float*>(class_weight);
-  if (!staging_->device()) return local.Compute(view, o, staged_up, outputs, grads);
+  // Staged rows come with device outputs (LceService::StageOnDevice), which the request downloads
+  // itself after the call.
+  if (!staging_->device() || dev) return local.Compute(view, o, staged_up, outputs, grads);
   return ComputeStaged(local, view, o, staged_up, outputs, grads);
 }
 

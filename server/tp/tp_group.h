@@ -149,6 +149,7 @@ class TpGroup {
   std::function<void(const absl::Status&)> on_failure_;
   std::mutex mu_;  // one operation at a time across the whole group
   bool failed_ = false;
+  absl::Status failure_;  // what made it fail
 };
 
 // Rank 0's engine of one head version, as requests call it: every call runs on the whole group. Its

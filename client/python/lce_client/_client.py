@@ -154,7 +154,7 @@ class Client(_ClientBase):
         when a batch is larger, reused otherwise); each chunk is written before its message is sent and
         its d_hidden read as its answer arrives, so transfer and compute overlap. Calls over the data
         plane take turns. A server without one: LceError FAILED_PRECONDITION. Calls given
-        hidden_region / d_hidden_region, and those that accumulate the weight gradient, do not use it.
+        hidden_region / d_hidden_region do not use it.
         Every transfer shows the session's secret. A server started with --data-plane-tls gets TLS
         sockets, its certificate checked against root_certificates (else the system's roots).
       data_plane_sockets: sockets per direction per stream on the data plane, in [1, 16]: each chunk's
@@ -503,10 +503,9 @@ class Client(_ClientBase):
         _wait_for_cuda_work(hidden_region, d_hidden_region)
         row_bytes = h.hidden_size * h.itemsize
         parts = self._plan_parts(n, row_bytes, self._rows_per_chunk(h), streams)
-        # Over the data plane the bytes go through server memory and the messages name slices of it
-        # (not for weight-gradient accumulation, which a GPU server does not do on its own memory yet).
+        # Over the data plane the bytes go through server memory and the messages name slices of it.
         dp = replica.data_plane
-        if hidden_region is not None or d_hidden_region is not None or header.accumulate_weight_grad:
+        if hidden_region is not None or d_hidden_region is not None:
             dp = None
         prog = _Progress(n, progress, use_tqdm, rpc) if (progress or use_tqdm) else None
         try:

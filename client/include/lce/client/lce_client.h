@@ -122,8 +122,7 @@ struct ClientOptions {
   // as its answer arrives, so transfer and compute overlap. The first such call
   // opens a session holding two server-memory regions sized to the batch (grown when a batch is
   // larger); calls over the data plane take turns. FAILED_PRECONDITION: the server has no data
-  // plane. Batches with hidden_region or d_hidden_region set, and requests that accumulate the weight
-  // gradient, do not use it.
+  // plane. Batches with hidden_region or d_hidden_region set do not use it.
   bool data_plane = false;
   // Sockets per direction per stream on the data plane: each chunk's bytes are split over them and
   // move at once (one loopback socket carries 2.6–4.5 GB/s on an H100 host, four 9–12 GB/s).
