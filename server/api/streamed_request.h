@@ -121,11 +121,12 @@ class StreamedRequest {
   // A call's error, named after the chunk whose row failed (the call computed `jobs` chunks from `first`).
   absl::Status CallError(int64_t first, int64_t jobs, const absl::Status& s);
   bool Staged(const InFlightChunk& c) const { return c.device_path || merging_; }
-  bool Mergeable(const InFlightChunk& c) const;
   bool Fits(int64_t rows) const {
     return group_.rows + rows <= group_.capacity && static_cast<int64_t>(group_.chunks.size()) < kMaxGroupChunks;
   }
   bool JoinsGroup(const InFlightChunk& c) const;
+  // Device-memory hidden states and d_hidden of `c` right after the open group's (first chunk `f`).
+  bool FollowsOnDevice(const InFlightChunk& c, const InFlightChunk& f) const;
   // The ring of in-flight chunks: two groups' worth (a chunk's place is free once the group two back is done).
   InFlightChunk& ChunkAt(int64_t index);
   absl::Status Compute(InFlightChunk& c);

@@ -1,7 +1,8 @@
 // A pipelined stream's chunks in groups: consecutive chunks staged side by side (row offsets in the
 // stream's staging slot), each submitted as it comes; the pipeline's caller runs the chunks of a group
 // that queued up while the engine was busy as one engine call, and each chunk is then unstaged and
-// answered on its own. A chunk never waits for a later one. The clients' 4 MiB chunks are 512 rows at
+// answered on its own (hidden states and d_hidden in GPU memory, which are used where they are, where
+// they are contiguous). A chunk never waits for a later one. The clients' 4 MiB chunks are 512 rows at
 // H = 4096; an engine call per chunk re-reads and re-writes the request's fp32 dW each time
 // (bench/RESULTS.md, "Chunks merged on the server").
 #include <algorithm>
@@ -30,10 +31,16 @@ absl::Status StreamedRequest::WaitForSlot() {
   return absl::OkStatus();
 }
 
-// Hidden states or d_hidden in the client's GPU memory (CUDA IPC) are used where they are: such a
-// chunk is a call of its own.
-bool StreamedRequest::Mergeable(const InFlightChunk& c) const {
-  return merging_ && !c.hidden_slice.device && !c.dh_slice.device;
+// Hidden states or d_hidden in GPU memory (the data plane's server memory on the GPU, the client's
+// CUDA IPC memory) are used where they are: a chunk's join the group's call only where they follow the
+// group's rows in the same region (the data plane's chunks do, in one stream's order).
+bool StreamedRequest::FollowsOnDevice(const InFlightChunk& c, const InFlightChunk& f) const {
+  const int64_t offset = group_.rows * row_bytes_;
+  auto follows = [offset](const RegionRegistry::Slice& next, const RegionRegistry::Slice& first) {
+    if (next.device != first.device) return false;
+    return !next.device || (next.region == first.region && next.bytes.data() == first.bytes.data() + offset);
+  };
+  return follows(c.hidden_slice, f.hidden_slice) && follows(c.dh_slice, f.dh_slice);
 }
 
 // The open group takes the chunk when it fits and gives its call the same arrays (a chunk may leave
@@ -41,7 +48,7 @@ bool StreamedRequest::Mergeable(const InFlightChunk& c) const {
 bool StreamedRequest::JoinsGroup(const InFlightChunk& c) const {
   if (group_.chunks.empty()) return false;
   const InFlightChunk& f = *group_.chunks.front();
-  if (!Mergeable(c) || !Mergeable(f) || !Fits(c.rows)) return false;
+  if (!merging_ || !Fits(c.rows) || !FollowsOnDevice(c, f)) return false;
   auto same = [](const void* a, const void* b) { return (a == nullptr) == (b == nullptr); };
   return same(c.up.grad_loss, f.up.grad_loss) && same(c.up.grad_logprob, f.up.grad_logprob) &&
          same(c.up.grad_entropy, f.up.grad_entropy) && same(c.grads.d_hidden, f.grads.d_hidden);
@@ -57,7 +64,7 @@ absl::Status StreamedRequest::Group(InFlightChunk& c) {
   if (group_.chunks.empty()) {
     ++groups_;
     group_.slot = static_cast<int>(groups_ % 2);
-    group_.capacity = Mergeable(c) ? std::max(config_.merge_chunk_rows, c.rows) : c.rows;
+    group_.capacity = merging_ ? std::max(config_.merge_chunk_rows, c.rows) : c.rows;
   }
   if (Staged(c)) {
     absl::StatusOr<LceService::StagedCall> staged = service_.StageOnDevice(
@@ -73,8 +80,8 @@ absl::Status StreamedRequest::Group(InFlightChunk& c) {
   ChunkStaging* st = Staged(c) ? staging_.held[group_.slot].get() : nullptr;
   // Closed once a chunk of this size would not fit: the next chunk then waits for its slot before it
   // takes a place in the ring.
-  if (!Mergeable(c) || !Fits(c.rows)) group_ = ChunkGroup{};
-  return SubmitChunk(c, Mergeable(c) ? groups_ : 0, st);
+  if (!merging_ || !Fits(c.rows)) group_ = ChunkGroup{};
+  return SubmitChunk(c, merging_ ? groups_ : 0, st);
 }
 
 // The chunk's call (with the chunks of its group queued behind it: its views over all their rows, dW fresh

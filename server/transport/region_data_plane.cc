@@ -287,19 +287,22 @@ bool RegionDataPlane::Transfer(DataPlaneLink& link, const uint8_t* head, uint32_
     }
     return Reply(link, s.status());
   }
-  if (!Move(link, h.op == kOpWrite, *s, transfer)) return false;
-  if (metrics_ != nullptr) {
-    (h.op == kOpWrite ? metrics_->bytes_received : metrics_->bytes_sent).Increment(static_cast<double>(h.length));
-  }
-  return true;
+  return Move(link, h.op == kOpWrite, *s, transfer);
 }
 
 bool RegionDataPlane::Move(DataPlaneLink& link, bool write, const RegionRegistry::Slice& s,
                            std::unique_ptr<DeviceTransfer>& transfer) {
   const int64_t length = static_cast<int64_t>(s.bytes.size());
+  // Counted before the client can see the transfer end (its write's reply, a read's last byte), so that
+  // a client reading the metrics after a transfer finds it there.
+  auto counted = [&] {
+    if (metrics_ != nullptr)
+      (write ? metrics_->bytes_received : metrics_->bytes_sent).Increment(static_cast<double>(length));
+    return true;
+  };
   if (!s.device) {
-    if (write) return link.Recv(s.bytes.data(), s.bytes.size()) && Reply(link, absl::OkStatus());
-    return Reply(link, absl::OkStatus()) && link.Send(s.bytes.data(), s.bytes.size());
+    if (write) return link.Recv(s.bytes.data(), s.bytes.size()) && counted() && Reply(link, absl::OkStatus());
+    return Reply(link, absl::OkStatus()) && counted() && link.Send(s.bytes.data(), s.bytes.size());
   }
   // GPU memory: through this connection's bounce buffers, overlapped with the socket.
   if (transfer == nullptr) {
@@ -313,9 +316,9 @@ bool RegionDataPlane::Move(DataPlaneLink& link, bool write, const RegionRegistry
   if (write) {  // a CUDA failure mid-payload ends the connection
     const absl::Status w =
         transfer->ToDevice(s.bytes.data(), length, [&link](uint8_t* p, size_t n) { return link.Recv(p, n); });
-    return w.ok() && Reply(link, absl::OkStatus());
+    return w.ok() && counted() && Reply(link, absl::OkStatus());
   }
-  if (!Reply(link, absl::OkStatus())) return false;
+  if (!Reply(link, absl::OkStatus()) || !counted()) return false;
   // On a failure the client sees the connection end short of the bytes.
   return transfer->FromDevice(s.bytes.data(), length, [&link](const uint8_t* p, size_t n) { return link.Send(p, n); }).ok();
 }

@@ -1,7 +1,8 @@
 // A pipelined stream's chunks merged into engine calls (--merge-chunk-rows, server/api/
 // streamed_request_groups.cc): the answers are the unmerged server's (the same bits on the CPU engine,
 // whose rows and dW do not depend on how rows are batched), every chunk is answered on its own, and
-// calls do merge while the engine is busy.
+// calls do merge while the engine is busy; over the data plane too (on a GPU server its chunks are
+// slices of device memory, merged where they are contiguous).
 #include <cstring>
 
 #include "gtest/gtest.h"
@@ -14,8 +15,8 @@ namespace {
 
 constexpr int64_t kRows = 600, kChunkRows = 16;  // 38 chunks
 
-std::unique_ptr<TestServer> ServerMerging(int64_t merge_rows, bool log_requests) {
-  return StartTestServer(8 << 20, log_requests, /*data_plane=*/false,
+std::unique_ptr<TestServer> ServerMerging(int64_t merge_rows, bool log_requests, bool data_plane = false) {
+  return StartTestServer(8 << 20, log_requests, data_plane,
                          [merge_rows](server::GrpcServerOptions& o) { o.service.merge_chunk_rows = merge_rows; });
 }
 
@@ -26,9 +27,12 @@ struct Answers {
 
 // A score, a ForwardBackward (per-row upstream gradients, label smoothing) and a Backward, both adding
 // dW, in 16-row chunks; then dW.
-Answers RunRequests(const TestServer& ts, const Batch& b) {
+Answers RunRequests(const TestServer& ts, const Batch& b, bool data_plane = false) {
   Answers a;
-  auto c = ConnectClient(ts.target, kChunkRows * kHidden * 2);
+  auto c = ConnectClient(ts.target, kChunkRows * kHidden * 2, [data_plane](client::ClientOptions& o) {
+    o.data_plane = data_plane;
+    o.data_plane_sockets = 1;
+  });
   EXPECT_TRUE(c->ZeroGrad().ok());
   v1::RequestHeader score;
   score.set_temperature(0.9f);
@@ -60,14 +64,14 @@ Answers RunRequests(const TestServer& ts, const Batch& b) {
   return a;
 }
 
-TEST(ChunkGroups, MergedCallsGiveTheUnmergedAnswers) {
+void ExpectMergedCallsGiveTheUnmergedAnswers(bool data_plane) {
   const Batch b = MakeBatch(kRows, v1::DTYPE_BFLOAT16, 77);
-  auto unmerged = ServerMerging(0, false);
-  const Answers want = RunRequests(*unmerged, b);
+  auto unmerged = ServerMerging(0, false, data_plane);
+  const Answers want = RunRequests(*unmerged, b, data_plane);
   unmerged.reset();
-  auto merged = ServerMerging(128, true);
+  auto merged = ServerMerging(128, true, data_plane);
   ::testing::internal::CaptureStderr();
-  const Answers got = RunRequests(*merged, b);
+  const Answers got = RunRequests(*merged, b, data_plane);
   merged.reset();  // every handler done, its log line written
   const std::string log = ::testing::internal::GetCapturedStderr();
 
@@ -100,6 +104,9 @@ TEST(ChunkGroups, MergedCallsGiveTheUnmergedAnswers) {
   }
   EXPECT_EQ(requests, 3) << log;
 }
+
+TEST(ChunkGroups, MergedCallsGiveTheUnmergedAnswers) { ExpectMergedCallsGiveTheUnmergedAnswers(false); }
+TEST(ChunkGroups, MergedCallsOverTheDataPlaneGiveTheUnmergedAnswers) { ExpectMergedCallsGiveTheUnmergedAnswers(true); }
 
 // A chunk that arrives while the engine is idle computes at once: a client that sends one chunk and
 // waits (within the idle timeout) gets its answer before it sends the next.
