@@ -75,6 +75,9 @@ ABSL_FLAG(bool, accumulate_weight_grad, false, "also add dW into the head's grad
 ABSL_FLAG(bool, defer_weight_grad, false,
           "bench --op=train with --accumulate-weight-grad: dW waits on the server (pending) and each\n"
           "request's is committed by CommitGrad, inside the timed request (a PyTorch trainer's road)");
+ABSL_FLAG(bool, fresh_d_hidden, false,
+          "bench --op=train: each request's d_hidden in a new result buffer (the client allocates and zeroes\n"
+          "it, 128 MiB at 16384 x 4096 bf16) instead of one buffer of the caller's, reused (a trainer's)");
 ABSL_FLAG(std::string, op, "score",
           "score, or train: ForwardBackward with REDUCTION_SUM, or wire: the data plane's sockets alone, no engine (the batch's hidden bytes written to server memory and read back over --data-plane-sockets sockets, plain or TLS)");
 ABSL_FLAG(int64_t, iterations, 5, "timed requests, >= 1");
@@ -234,7 +237,7 @@ const std::vector<Command>& Commands() {
        "throughput of repeated score or train (forward-backward) requests",
        "lce_cli bench: throughput of repeated requests on one batch; prints ms per request, rows/s and\n"
        "GB/s each way (hidden + targets up; logprob + entropy, or d_hidden + loss, down)",
-       {"op", "iterations", "warmup", "accumulate_weight_grad", "defer_weight_grad"},
+       {"op", "iterations", "warmup", "accumulate_weight_grad", "defer_weight_grad", "fresh_d_hidden"},
        true},
       {"load-head",
        "add or replace a head: from a safetensors file, a clone, or a seed",

@@ -53,6 +53,7 @@ ABSL_DECLARE_FLAG(double, z_loss);
 ABSL_DECLARE_FLAG(std::string, class_weights_file);
 ABSL_DECLARE_FLAG(bool, accumulate_weight_grad);
 ABSL_DECLARE_FLAG(bool, defer_weight_grad);
+ABSL_DECLARE_FLAG(bool, fresh_d_hidden);
 ABSL_DECLARE_FLAG(std::string, op);
 ABSL_DECLARE_FLAG(int64_t, iterations);
 ABSL_DECLARE_FLAG(int64_t, warmup);

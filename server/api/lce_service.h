@@ -246,6 +246,7 @@ class LceService final : public v1::LceService::Service {
   // summary reports; also when it was dropped meanwhile, for CommitGrad to say why). ABORTED for a
   // part that succeeded where another part failed.
   absl::StatusOr<bool> EndContribution(const ServedHead& head, uint64_t id, bool ok, bool defer);
+  // EndContribution's work. Hold head.training->mu.
   absl::StatusOr<bool> EndPartLocked(const ServedHead& head, uint64_t id, bool ok, bool defer);
   // dW += scale × contribution `id` on every rank. Hold head.training->mu; `id` out of the book.
   absl::Status CommitContribution(const ServedHead& head, uint64_t id, float scale);
