@@ -1,9 +1,9 @@
 // Pending weight-gradient contributions (docs/MATH.md, "When dW is committed"): a request that
-// accumulates dW does so into a buffer of its own (a split request's parts into one together); it reaches the head's dW
-// when the request succeeds (scale 1), or, deferred, when its client's backward sends the upstream gradient
-// (CommitGrad); a failed request's, a discarded one's, an expired or evicted one's, and those left
-// when the head's weight changes are freed without touching dW. Under tensor parallelism every rank
-// holds its shard of each contribution under the same id.
+// accumulates dW does so into a buffer of its own (a split request's parts into one together); it
+// reaches the head's dW when the request succeeds (scale 1), or, deferred, when its client's backward
+// sends the upstream gradient (CommitGrad); a failed request's, a discarded one's, an expired or
+// evicted one's, and those left when the head's weight changes are freed without touching dW. Under
+// tensor parallelism every rank holds its shard of each contribution under the same id.
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -53,19 +53,21 @@ absl::StatusOr<bool> LceService::EndContribution(const ServedHead& head, uint64_
 absl::StatusOr<bool> LceService::EndPartLocked(const ServedHead& head, uint64_t id, bool ok, bool defer) {
   PendingGrads& book = head.training->pending;
   const absl::Time deadline = absl::Now() + config_.pending_grads.ttl;
-  const absl::Status aborted = absl::AbortedError(
-      "another part of this split request failed: nothing of its weight gradient is added; retry the request");
+  auto aborted = [] {
+    return absl::AbortedError(
+        "another part of this split request failed: nothing of its weight gradient is added; retry the request");
+  };
   switch (book.EndPart(id, ok, deadline)) {
     case PendingGrads::PartEnd::kGone:  // released with the head's old weight: CommitGrad says so
       return defer;
     case PendingGrads::PartEnd::kWaiting: return false;
     case PendingGrads::PartEnd::kFailed:
-      if (ok) return aborted;
+      if (ok) return aborted();
       return false;
     case PendingGrads::PartEnd::kAbandoned:
       book.Take(id).IgnoreError();
       ReleaseContributions(head, {{id, PendingGrads::Drop::kReleased}});
-      if (ok) return aborted;
+      if (ok) return aborted();
       return false;
     case PendingGrads::PartEnd::kComplete: break;
   }
@@ -115,7 +117,7 @@ grpc::Status LceService::CommitGrad(grpc::ServerContext* ctx, const v1::CommitGr
     const ServedHead& h = **head;
     std::lock_guard<std::mutex> lock(h.training->mu);
     const PendingGrads::Entry* found = h.training->pending.Find(req->pending_grad_id());
-    if (found != nullptr && (found->filling || !found->complete())) {
+    if (found != nullptr && !found->complete()) {
       return absl::FailedPreconditionError(absl::StrCat("pending weight gradient ", req->pending_grad_id(),
                                                         " belongs to a request still running (or a split request "
                                                         "whose parts have not all ended)"));

@@ -307,7 +307,7 @@ grpc::Status LceService::GetGrad(grpc::ServerContext* ctx, const v1::GetGradRequ
     if (!trainer.ok()) return trainer.status();
     if (pending != 0) {
       const PendingGrads::Entry* e = (*head)->training->pending.Find(pending);
-      if (e == nullptr || e->filling) {
+      if (e == nullptr || !e->complete()) {
         return absl::NotFoundError(
             absl::StrCat("no finished pending weight gradient ", pending, " on head '", (*head)->name, "'"));
       }

@@ -27,8 +27,8 @@ absl::StatusOr<std::vector<PendingGrads::Dropped>> PendingGrads::MakeRoom(int64_
   std::vector<Dropped> out;
   for (auto it = entries_.begin(); it != entries_.end();) {
     const Entry& e = it->second;
-    const bool stale = e.version != version && !e.filling;
-    if (stale || (!e.filling && now >= e.deadline)) {
+    const bool stale = e.version != version && !e.filling();
+    if (stale || (!e.filling() && now >= e.deadline)) {
       out.push_back({it->first, stale ? Drop::kStale : Drop::kExpired});
       Dropping(e, out.back().why);
       it = entries_.erase(it);
@@ -44,7 +44,7 @@ absl::StatusOr<std::vector<PendingGrads::Dropped>> PendingGrads::MakeRoom(int64_
   const int64_t cap = std::max<int64_t>(1, limits.max_per_head);
   for (auto it = order_.begin(); size() >= cap && it != order_.end();) {
     auto e = entries_.find(*it);
-    if (e->second.filling) {
+    if (e->second.filling()) {
       ++it;
     } else {
       out.push_back({*it, Drop::kEvicted});
@@ -88,7 +88,6 @@ absl::StatusOr<uint64_t> PendingGrads::JoinSplit(uint64_t split, int parts, int6
                                              e.running + e.done, " of ", e.parts, " parts begun)"));
     }
     ++e.running;
-    e.filling = true;
     e.deadline = absl::InfiniteFuture();
     return id;
   }
@@ -100,22 +99,20 @@ PendingGrads::PartEnd PendingGrads::EndPart(uint64_t id, bool ok, absl::Time dea
   if (it == entries_.end()) return PartEnd::kGone;
   Entry& e = it->second;
   --e.running;
-  e.filling = e.running > 0;
   if (ok && !e.failed) ++e.done;
   if (!ok && !e.failed) {
     e.failed = true;
     if (e.split != 0) RememberSplit(e.split, "another part of it failed");
   }
-  if (e.failed) return e.filling ? PartEnd::kFailed : PartEnd::kAbandoned;
+  if (e.failed) return e.filling() ? PartEnd::kFailed : PartEnd::kAbandoned;
   if (e.complete()) return PartEnd::kComplete;
-  if (!e.filling) e.deadline = deadline;  // the parts still due may never come
+  if (!e.filling()) e.deadline = deadline;  // the parts still due may never come
   return PartEnd::kWaiting;
 }
 
 void PendingGrads::Ready(uint64_t id, absl::Time deadline) {
   auto it = entries_.find(id);
   if (it == entries_.end()) return;
-  it->second.filling = false;
   it->second.deadline = deadline;
 }
 

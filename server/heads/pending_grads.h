@@ -35,14 +35,16 @@ class PendingGrads {
     Drop why;
   };
   struct Entry {
-    int64_t version = 0;   // the head version the forward ran on
-    bool filling = true;   // a request (a part of a split one) is filling it now
+    int64_t version = 0;  // the head version the forward ran on
     absl::Time deadline = absl::InfiniteFuture();
     uint64_t split = 0;   // RequestHeader.split_id of the split request whose parts fill it (0: one request)
     int parts = 1;        // requests that fill it (a split request's parts)
     int running = 1;      // of them, filling it now
     int done = 0;         // of them, succeeded
     bool failed = false;  // one failed: nothing of it is ever added
+    // A request (a part of a split one) is filling it now.
+    bool filling() const { return running > 0; }
+    // Every part succeeded (none is filling it then): it may be committed or read.
     bool complete() const { return done == parts; }
   };
 

@@ -34,9 +34,9 @@ TEST(PendingGrads, SplitPartsShareOneContribution) {
   EXPECT_EQ(book.size(), 1);
   // Two parts in; the first ends, then the second: the third is still due.
   EXPECT_EQ(book.EndPart(id, true, kLater), PartEnd::kWaiting);
-  EXPECT_TRUE(book.Find(id)->filling);
+  EXPECT_TRUE(book.Find(id)->filling());
   EXPECT_EQ(book.EndPart(id, true, kLater), PartEnd::kWaiting);
-  EXPECT_FALSE(book.Find(id)->filling);
+  EXPECT_FALSE(book.Find(id)->filling());
   EXPECT_FALSE(book.Find(id)->complete());
   EXPECT_EQ(*book.JoinSplit(split, 3, 5), id);
   EXPECT_EQ(book.Find(id)->deadline, absl::InfiniteFuture()) << "a part filling it again: no deadline";
