@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -167,10 +168,11 @@ void EpilogueAb(lce::LceEngine& engine, int64_t N, int64_t H, Score score, Train
               row->d_loss, row->d_hidden);
 }
 
-// --top-k K: the score again with each row's top K and argmax (the logit-tile path), its time against
-// the plain score's.
+// --top-k K: the score (and, unless --score-only, the training step: `train` given the options and row
+// outputs) again with each row's top K and argmax, its time against the plain call's.
 void TimeRankings(lce::LceEngine& engine, const lce::RowsView& view, float* lp, float* ent, bool logprob_only,
-                  int64_t N, int k, int warmup, int reps, cudaStream_t stream, double score_ms) {
+                  int64_t N, int k, int warmup, int reps, cudaStream_t stream, double score_ms,
+                  const std::function<void(const lce::LceOptions&, const lce::RowOutputs&)>& train, double train_ms) {
   int32_t *argmax = nullptr, *tokens = nullptr;
   float* logprobs = nullptr;
   CHECK_CUDA(cudaMalloc(&argmax, N * 4));
@@ -192,6 +194,15 @@ void TimeRankings(lce::LceEngine& engine, const lce::RowsView& view, float* lp, 
   const double ms = MedianMs(ranked, warmup, reps, stream);
   std::printf("N=%ld: score with top-%d and argmax %.3f ms (x%.3f of the plain score's %.3f ms)\n", N, k, ms,
               ms / score_ms, score_ms);
+  if (train) {
+    lce::RowOutputs train_out;
+    train_out.argmax = argmax;
+    train_out.top_tokens = tokens;
+    train_out.top_logprobs = logprobs;
+    const double t_ms = MedianMs([&] { train(opt, train_out); }, warmup, reps, stream);
+    std::printf("N=%ld: train with top-%d and argmax %.3f ms (x%.3f of the plain train's %.3f ms)\n", N, k, t_ms,
+                t_ms / train_ms, train_ms);
+  }
   for (void* p : {static_cast<void*>(argmax), static_cast<void*>(tokens), static_cast<void*>(logprobs)}) cudaFree(p);
 }
 
@@ -418,15 +429,22 @@ int main(int argc, char** argv) {
     lce::Upstream train_up;
     train_up.mode = lce::GradMode::kLoss;
     train_up.grad_loss = g;
-    auto train = [&] {
+    // The training step with `o` and row outputs `out` (its loss added), as the timed one.
+    auto train_with = [&](const lce::LceOptions& o, const lce::RowOutputs& out) {
       lce::GradOutputs grads{dh, dw};
       grads.d_bias = db;
-      absl::Status st = engine->Compute(view, opt, train_up, {nullptr, nullptr, nullptr, loss}, grads);
+      lce::RowOutputs with_loss = out;
+      with_loss.loss = loss;
+      lce::LceOptions call = o;
+      call.label_smoothing = label_smoothing;
+      call.softcap = softcap;
+      absl::Status st = engine->Compute(view, call, train_up, with_loss, grads);
       if (!st.ok()) {
         std::fprintf(stderr, "train: %s\n", st.ToString().c_str());
         std::exit(1);
       }
     };
+    auto train = [&] { train_with(opt, {}); };
     auto score = [&] {
       absl::Status st = engine->Compute(view, opt, {}, {lp, logprob_only ? nullptr : ent, nullptr, nullptr}, {});
       if (!st.ok()) {
@@ -445,7 +463,12 @@ int main(int argc, char** argv) {
     mean_loss /= valid;
     const double train_ms = score_only ? 0.0 : MedianMs(train, warmup, reps, stream);
     const double score_ms = MedianMs(score, warmup, reps, stream);
-    if (top_k > 0) TimeRankings(*engine, view, lp, ent, logprob_only, N, top_k, warmup, reps, stream, score_ms);
+    if (top_k > 0) {
+      TimeRankings(
+          *engine, view, lp, ent, logprob_only, N, top_k, warmup, reps, stream, score_ms,
+          score_only ? nullptr : std::function<void(const lce::LceOptions&, const lce::RowOutputs&)>(train_with),
+          train_ms);
+    }
     const double extra = static_cast<double>(free1 - free2) / (1 << 30);
     Row row{N, H, V, 0, train_ms, score_ms, extra, mean_loss};
     if (score_ab) EpilogueAb(*engine, N, H, score, train, lp, ent, loss, dh, warmup, reps, stream, &row);

@@ -48,9 +48,11 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
   p.entropy = config_.collectives != nullptr || p.out.entropy != nullptr ||
               (p.up.mode == GradMode::kGeneric && p.up.grad_entropy != nullptr);
   // Rankings take the epilogue GEMM with 256-column tiles (its candidates' kernels) in calls without a
-  // backward; with 128-column tiles, or beside a backward (the candidates beside the training copy are
-  // not yet tested on a GPU), they read the logit tiles.
-  const bool epi = UseEpilogueStats() && (o.top_k == 0 || (EpiTileCols() == kRankTileCols && !backward));
+  // backward, and for k = 1 (the tiles' argmax, no candidates) beside one too; with 128-column tiles, or
+  // k > 1 beside a backward (the candidates beside the training copy are not yet tested on a GPU), they
+  // read the logit tiles.
+  const bool epi =
+      UseEpilogueStats() && (o.top_k == 0 || (EpiTileCols() == kRankTileCols && (!backward || o.top_k == 1)));
   // Fast loss path (fast_grad.cu): no dA pass; the per-row factors go around the GEMMs. Host rows take
   // it as device rows do (host d_weight through the device in slabs, as on the general path), so that
   // a row's d_hidden is the same computation whatever memory its hidden state came from (README.md,
@@ -82,7 +84,7 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t N = p.rows.rows;
   int64_t want = RowsPerBlock(layout, N);
-  if (epi && o.top_k > 0) want = std::min(want, kRankRowsPerBlock);
+  if (epi && o.top_k > 1) want = std::min(want, kRankRowsPerBlock);  // the candidates' lists
   absl::StatusOr<int64_t> group_r_max = GroupRowsPerBlock(want);
   if (!group_r_max.ok()) return group_r_max.status();
   const int64_t r_max = *group_r_max;

@@ -13,8 +13,10 @@ namespace lce::cuda {
 
 // Rankings on the epilogue GEMM's path (engine_rankings.cc): each row's list of candidates [cap] of
 // (v, id) with its count, the threshold a first pass over `sample` columns set, and the rows whose
-// lists overflowed (taken by the fallback).
+// lists overflowed (taken by the fallback). For k = 1 none of these: the GEMM writes each row's argmax
+// of every tile into tile_arg [rows, ntile] instead.
 struct RankLists {
+  int32_t* tile_arg = nullptr;
   float* list = nullptr;
   unsigned* count = nullptr;
   float* thr = nullptr;

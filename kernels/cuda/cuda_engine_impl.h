@@ -108,7 +108,7 @@ class CudaEngine final : public LceEngine {
   // log S), the fallback for rows whose lists overflowed and the merge into the call's outputs.
   absl::Status PrepareRankings(CallPlan& p);
   absl::Status RankThreshold(const CallPlan& p, Scratch& s, const BlockIo& b);
-  absl::Status RankSelect(const CallPlan& p, const BlockIo& b);
+  absl::Status RankSelect(const CallPlan& p, const Scratch& s, const BlockIo& b);
   absl::Status RankOverflowedRows(const CallPlan& p, Scratch& s, const BlockIo& b);
   absl::Status Rank(const CallPlan& p, Scratch& s, const BlockIo& b);
   // Forward: the logit tiles' (or the epilogue GEMM's) segment partials and, for a backward, compact copy.

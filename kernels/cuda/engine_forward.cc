@@ -83,7 +83,7 @@ absl::Status CudaEngine::Forward(const CallPlan& p, Scratch& s, const BlockIo& b
   if (p.layout.epi) {
     const EpiCopy copy = !p.backward ? EpiCopy::kNone : b.fast ? EpiCopy::kExp : EpiCopy::kShifted;
     const bool ranked = p.o.top_k > 0;
-    if (ranked) LCE_CUDA_CHECK(RankThreshold(p, s, b));
+    if (ranked && p.ranks.tile_arg == nullptr) LCE_CUDA_CHECK(RankThreshold(p, s, b));
     if (ranked && b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[2], stream_));
     if (absl::Status st = EpilogueStatsForward(s, b.h, b.nr, b.y, p.o.ignore_index, p.tf, copy, p.entropy, overflow,
                                                ranked ? &p.ranks : nullptr);
@@ -91,7 +91,7 @@ absl::Status CudaEngine::Forward(const CallPlan& p, Scratch& s, const BlockIo& b
       return st;
     }
     if (ranked && b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
-    if (ranked) LCE_CUDA_CHECK(RankSelect(p, b));
+    if (ranked) LCE_CUDA_CHECK(RankSelect(p, s, b));
   }
   LCE_CUDA_CHECK(ForwardTiles(p, s, b, mode, overflow));
   LCE_CUDA_CHECK(cudaEventRecord(events_[kEvHandoff], aux_));
@@ -296,7 +296,9 @@ absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t
   }
   a.store = copy != EpiCopy::kNone ? s.store : nullptr;
   a.lds = lds_;
-  if (ranks != nullptr) {
+  if (ranks != nullptr && ranks->tile_arg != nullptr) {
+    a.tile_arg = ranks->tile_arg;
+  } else if (ranks != nullptr) {
     a.rank_list = ranks->list;
     a.rank_count = ranks->count;
     a.rank_thr = ranks->thr;

@@ -7,8 +7,10 @@
 // shard's k best all reach; the whole pass then appends every
 // column at or above it to the row's list (~k · shard / sample of them), and a warp a row picks the k
 // best. A row whose list overflows (a sample far below the rest of its row; many equal logits) is
-// redone exactly from its logits written out in full, a few rows at a time. Either way a rank's slot
-// holds its shard's exact k best, so groups merge them as before, the same bits for any group size.
+// redone exactly from its logits written out in full, a few rows at a time. For k = 1 (argmax, accuracy)
+// none of this: the GEMM writes each row's first column holding its tile max, and a warp a row picks the
+// best tile (training calls too). Either way a rank's slot holds its shard's exact k best, so groups merge
+// them as before, the same bits for any group size.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,15 +30,19 @@ absl::Status CudaEngine::PrepareRankings(CallPlan& p) {
   p.rank_slot0 = rank * (p.rank_slots / world);
   const int64_t cand_bytes = RoundUp(R * p.rank_slots * k * 8, 256);
   const int64_t out_bytes = RoundUp(R * (1 + 2 * k) * 4, 256);
-  const bool lists = p.layout.epi;
-  const int64_t list_bytes = lists ? R * kRankCap * 8 + RoundUp(R * 9, 256) : 0;  // + count, thr, overflowed
+  const bool argmax = p.layout.epi && k == 1;
+  const bool lists = p.layout.epi && !argmax;
+  const int64_t list_bytes = lists    ? R * kRankCap * 8 + RoundUp(R * 9, 256)  // + count, thr, overflowed
+                             : argmax ? R * EpiTiles() * 4
+                                      : 0;
   const int64_t need = cand_bytes + out_bytes + list_bytes;
   LCE_CUDA_CHECK(GrowDeviceBuffer(rank_buf_, need));
   uint8_t* base = rank_buf_->data();
   p.cand = reinterpret_cast<float*>(base);
   p.rank_out = base + cand_bytes;
-  if (!lists) return absl::OkStatus();
   RankLists& l = p.ranks;
+  if (argmax) l.tile_arg = reinterpret_cast<int32_t*>(base + cand_bytes + out_bytes);
+  if (!lists) return absl::OkStatus();
   l.list = reinterpret_cast<float*>(base + cand_bytes + out_bytes);
   l.count = reinterpret_cast<unsigned*>(l.list + R * kRankCap * 2);
   l.thr = reinterpret_cast<float*>(l.count + R);
@@ -75,8 +81,12 @@ absl::Status CudaEngine::RankThreshold(const CallPlan& p, Scratch& s, const Bloc
 #endif
 }
 
-absl::Status CudaEngine::RankSelect(const CallPlan& p, const BlockIo& b) {
+absl::Status CudaEngine::RankSelect(const CallPlan& p, const Scratch& s, const BlockIo& b) {
   const RankLists& l = p.ranks;
+  if (l.tile_arg != nullptr) {
+    return LaunchTileArgmax(s.tile_part, l.tile_arg, EpiTiles(), kRankTileCols, b.nr, shape_.vocab_begin, p.cand,
+                            p.rank_slots, p.rank_slot0, stream_);
+  }
   return LaunchRankSelect(l.list, l.count, l.cap, b.nr, static_cast<int>(p.o.top_k), p.tf.temperature, p.cand,
                           p.rank_slots, p.rank_slot0, l.overflowed, stream_);
 }
@@ -116,7 +126,7 @@ absl::Status CudaEngine::RankOverflowedRows(const CallPlan& p, Scratch& s, const
 absl::Status CudaEngine::Rank(const CallPlan& p, Scratch& s, const BlockIo& b) {
   const int64_t nr = b.nr, k = p.o.top_k;
   if (b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[5], stream_));
-  if (p.layout.epi) LCE_CUDA_CHECK(RankOverflowedRows(p, s, b));
+  if (p.layout.epi && p.ranks.tile_arg == nullptr) LCE_CUDA_CHECK(RankOverflowedRows(p, s, b));
   if (config_.collectives != nullptr) {
     LCE_CUDA_CHECK(config_.collectives->AllReduce(p.cand, nr * p.rank_slots * k * 2, ReduceOp::kMax, true, stream_));
   }

@@ -63,13 +63,14 @@ struct StatsParams {
   unsigned* overflow = nullptr;  // exp mode: set to 1.0f when a tile's max passes c_row by kExpHeadroom
   bool entropy = true;           // Q (the entropy's Σ e·(z − m)); false: Q = 0, a multiply-add a logit saved
   bool timing_skip = false;      // timing aid only: the epilogue does nothing (the mainloop alone)
-  // Rankings (the kernels instantiated with kRank; EpilogueStatsArgs says what each holds).
+  // Rankings (the kernels instantiated with a Ranking; EpilogueStatsArgs says what each holds).
   float* rank_list = nullptr;
   unsigned* rank_count = nullptr;
   const float* rank_thr = nullptr;
   int64_t rank_cap = 0;
   float* dump = nullptr;
   int64_t ld_dump = 0;
+  int32_t* tile_arg = nullptr;  // kArgmax: [rows, ntile]
 };
 
 // The wgmma accumulator fragment ((2, 2, V), MMA_M, MMA_N) viewed as (rows, columns) of this thread:
@@ -95,13 +96,21 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
   return y;
 }
 
+// What an epilogue kernel computes beside the statistics, each a kernel of its own so that the
+// registers a ranking takes never weigh on calls without it. kCandidates: the rankings' candidates
+// (and, with dump, the fallback's logits); kSample: the rankings' first pass instead, each lane's two
+// best of a row and nothing else (SampleBest); kArgmax: each row's first column holding its tile max
+// (TileArgmax), which is all a ranking of k = 1 needs.
+enum class Ranking { kNone, kCandidates, kSample, kArgmax };
+
 // An epilogue with the interface of cutlass::epilogue::collective::DefaultEpilogue (wrapped by
-// detail::Sm90TmaWarpSpecializedAdapter), which reduces the tile instead of storing it. kRank: also
-// the rankings' candidates (a kernel of its own, so that the registers they take never weigh on calls
-// without rankings). kSample: the rankings' first pass instead, each lane's two best of a row and
-// nothing else (SampleBest).
-template <bool kRank, bool kSample = false>
+// detail::Sm90TmaWarpSpecializedAdapter), which reduces the tile instead of storing it.
+template <Ranking kRanking>
 class RowStatsEpilogue {
+  static constexpr bool kRank = kRanking == Ranking::kCandidates;
+  static constexpr bool kSample = kRanking == Ranking::kSample;
+  static constexpr bool kArgmax = kRanking == Ranking::kArgmax;
+
  public:
   using EpilogueSchedule = cutlass::gemm::EpilogueDefault;
   using DispatchPolicy = EpilogueSchedule;
@@ -260,6 +269,7 @@ class RowStatsEpilogue {
     }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) mx[i] = QuadMax(fmaxf(mx[i], mx_odd[i]));
+    if constexpr (kArgmax) TileArgmax<kBN>(a, c, row, M, mx, n_tile, lead);
     if (exp_copy) TargetLogit<kBN>(a, c, row, y, M, n0, N);
     if constexpr (kRank) {
       CUTLASS_PRAGMA_UNROLL
@@ -380,6 +390,24 @@ class RowStatsEpilogue {
     for (int j = 0; j < decltype(size<1>(a))::value; ++j) {
       const int col = static_cast<int>(get<1>(c(i, j)));
       if ((!kRagged || n0 + col < N) && a(i, j) >= thr) *out++ = make_float2(a(i, j), __int_as_float(id0 + col));
+    }
+  }
+  // Each row's first column in the tile whose v is the tile's max mx (v still in a) into
+  // tile_arg[row · ntile + n_tile], kBN where none is (a row of NaN): the lowest column, so that ties go
+  // to the lowest id as in every ranking. Three instructions a logit, no branch.
+  template <int kBN, class TA, class TC, int kRows>
+  CUTLASS_DEVICE void TileArgmax(TA const& a, TC const& c, const int (&row)[kRows], int M, const float (&mx)[kRows],
+                                 int n_tile, bool lead) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      int at = kBN;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < decltype(size<1>(a))::value; ++j) {
+        if (a(i, j) == mx[i]) at = min(at, static_cast<int>(get<1>(c(i, j))));
+      }
+      at = min(at, __shfl_xor_sync(0xffffffffu, at, 1));
+      at = min(at, __shfl_xor_sync(0xffffffffu, at, 2));
+      if (row[i] < M && lead) p_.tile_arg[static_cast<int64_t>(row[i]) * p_.ntile + n_tile] = at;
     }
   }
   // v = softcap(logit + bias) of one column, on the rankings' side paths (Reduce's Transform is the hot one).
@@ -508,15 +536,14 @@ class RowStatsEpilogue {
 };
 
 // One kernel configuration: tile, cluster and schedule, everything else fixed.
-template <class TileShape, class ClusterShape, class Schedule, bool kRank = false, bool kSample = false>
+template <class TileShape, class ClusterShape, class Schedule, Ranking kRanking = Ranking::kNone>
 struct StatsGemm {
-  using Epilogue =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<kRank, kSample>>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<kRanking>>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t, cutlass::layout::RowMajor, 8,
       cutlass::bfloat16_t, cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename RowStatsEpilogue<kRank, kSample>::SharedStorage))>,
+          sizeof(typename RowStatsEpilogue<kRanking>::SharedStorage))>,
       Schedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
@@ -529,23 +556,27 @@ struct StatsGemm {
 // 2: ping-pong, 64×256 tiles, likewise; 3: as 1 in clusters of two along the rows (W's tile multicast).
 // 1, 2 and 3 run the same m64n256k16 instructions over the same 64-column k-blocks and reduce the same
 // 256-column tiles with the same lanes: one row's partials are the same bits through any of them.
+template <Ranking kRanking = Ranking::kNone>
+using Cooperative256With =
+    StatsGemm<Shape<_128, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative, kRanking>;
+template <Ranking kRanking = Ranking::kNone>
+using PingPong64x256With =
+    StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong, kRanking>;
 using PingPong128 = StatsGemm<Shape<_128, _128, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
-using Cooperative256 =
-    StatsGemm<Shape<_128, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
-using PingPong64x256 = StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+using Cooperative256 = Cooperative256With<>;
+using PingPong64x256 = PingPong64x256With<>;
 using Cooperative256RowPairs =
     StatsGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
 // With the rankings' candidates: 1 and 2 only (3 gives 1's bits; 0 has other tiles and keeps the
 // logit-tile path for rankings).
-using Cooperative256Ranked =
-    StatsGemm<Shape<_128, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative, true>;
-using PingPong64x256Ranked =
-    StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong, true>;
+using Cooperative256Ranked = Cooperative256With<Ranking::kCandidates>;
+using PingPong64x256Ranked = PingPong64x256With<Ranking::kCandidates>;
 // The rankings' first pass (the same products: a sample column's v is the main pass's bits).
-using Cooperative256Sampled = StatsGemm<Shape<_128, _256, _64>, Shape<_1, _2, _1>,
-                                        cutlass::gemm::KernelTmaWarpSpecializedCooperative, true, true>;
-using PingPong64x256Sampled =
-    StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong, true, true>;
+using Cooperative256Sampled = Cooperative256With<Ranking::kSample>;
+using PingPong64x256Sampled = PingPong64x256With<Ranking::kSample>;
+// k = 1: the tiles' argmax beside the statistics (and the training copy), no first pass, no lists.
+using Cooperative256Argmax = Cooperative256With<Ranking::kArgmax>;
+using PingPong64x256Argmax = PingPong64x256With<Ranking::kArgmax>;
 
 // Lets Kernel use its shared memory (over the 48 KB default) on `device`, once per device.
 template <class Kernel>
@@ -609,7 +640,8 @@ int EpilogueStatsTileCols(int config) {
   static_assert(Cooperative256::kTileCols == PingPong64x256::kTileCols &&
                 Cooperative256::kTileCols == Cooperative256RowPairs::kTileCols &&
                 Cooperative256::kTileCols == Cooperative256Ranked::kTileCols &&
-                Cooperative256::kTileCols == PingPong64x256Ranked::kTileCols);
+                Cooperative256::kTileCols == PingPong64x256Ranked::kTileCols &&
+                Cooperative256::kTileCols == Cooperative256Argmax::kTileCols);
   return config == 0 ? PingPong128::kTileCols : Cooperative256::kTileCols;
 }
 
@@ -622,6 +654,7 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
       a.targets == nullptr || (a.store != nullptr && (misaligned(a.store) || a.lds % 8 != 0 || a.lds < a.cols)) ||
       (a.first != nullptr && (a.store == nullptr || a.row_c == nullptr || a.overflow == nullptr)) ||
       (a.rank_list != nullptr && (a.rank_count == nullptr || a.rank_cap <= 0 || a.dump != nullptr)) ||
+      (a.tile_arg != nullptr && (a.rank_list != nullptr || a.dump != nullptr)) ||
       (a.dump != nullptr && a.ld_dump < a.cols) || a.packed == nullptr ||
       a.ntile != (a.cols + tile_cols - 1) / tile_cols || a.tf.temperature <= 0.0f) {
     return absl::InternalError(absl::StrCat("LaunchEpilogueStatsGemm: bad shape rows=", a.rows, " cols=", a.cols,
@@ -655,10 +688,14 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   sp.rank_cap = a.rank_cap;
   sp.dump = a.dump;
   sp.ld_dump = a.ld_dump;
+  sp.tile_arg = a.tile_arg;
   // Automatic: a few rows (bound by reading W) through 64-row tiles, more through 128-row tiles.
   const int config = a.config >= 0 ? a.config : a.rows <= a.small_rows ? 2 : a.large_config;
-  if (a.rank_list != nullptr || a.dump != nullptr) {
+  if (a.rank_list != nullptr || a.dump != nullptr || a.tile_arg != nullptr) {
     if (config == 0) return absl::InternalError("LaunchEpilogueStatsGemm: no rankings with 128-column tiles");
+    if (a.tile_arg != nullptr) {
+      return config == 2 ? Run<PingPong64x256Argmax>(a, sp, stream) : Run<Cooperative256Argmax>(a, sp, stream);
+    }
     if (a.rank_list != nullptr && a.rank_thr == nullptr) {
       return config == 2 ? Run<PingPong64x256Sampled>(a, sp, stream) : Run<Cooperative256Sampled>(a, sp, stream);
     }

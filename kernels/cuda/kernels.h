@@ -117,6 +117,10 @@ struct EpilogueStatsArgs {
   // The rankings' fallback: the GEMM writes every v into dump [rows, ld_dump] (fp32) and nothing else.
   float* dump = nullptr;
   int64_t ld_dump = 0;
+  // A ranking of k = 1 (not with rank_list or dump): tile_arg[r · ntile + t] = the lowest column within tile t
+  // (EpilogueStatsTileCols wide) whose v is row r's max over it (the m of its partials), the tile's width where
+  // none is.
+  int32_t* tile_arg = nullptr;
   // Kernel configuration (epilogue_stats_gemm.cu): 0 ping-pong 128×128 tiles, 1 cooperative 128×256,
   // 2 ping-pong 64×256, 3 as 1 with W's tiles multicast; −1 (automatic): 2 for rows <= small_rows, else
   // large_config. 1, 2 and 3 give a row the same bits.
@@ -305,6 +309,12 @@ absl::Status LaunchRankThreshold(float* list, const unsigned* count, int64_t cap
 // overflowed[r] = 1 where the row's count passed cap (its slot left as it was).
 absl::Status LaunchRankSelect(float* list, const unsigned* count, int64_t cap, int64_t rows, int k, float temperature,
                               float* cand, int64_t slots, int64_t slot0, unsigned char* overflowed,
+                              cudaStream_t stream);
+// k = 1 after an epilogue GEMM with tile_arg: each row's best tile (the largest m of tile_part [rows, ntile, 4],
+// the lowest tile of equal ones) as (m, vocab_begin + t · tile_cols + tile_arg) into slot slot0 of cand
+// [rows, slots, 1]: the (z, id) that LaunchRankSelect gives for k = 1.
+absl::Status LaunchTileArgmax(const float* tile_part, const int32_t* tile_arg, int64_t ntile, int tile_cols,
+                              int64_t rows, int64_t vocab_begin, float* cand, int64_t slots, int64_t slot0,
                               cudaStream_t stream);
 // Each row's k best over its slots, with logprob (z − m) − log S from row_info (kInfoMax, kInfoLogS);
 // any output may be null.

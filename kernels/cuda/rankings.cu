@@ -161,6 +161,23 @@ __global__ void SelectKernel(Cand* __restrict__ list, const unsigned* __restrict
   WarpTopK(list + r * cap, static_cast<int>(count[r]), k, cand + (r * slots + slot0) * k, true, inv_t);
 }
 
+// One warp a row: the best of its tiles' maxima (the lowest tile, hence id, of equal ones) into its slot.
+__global__ void TileArgmaxKernel(const float* __restrict__ tile_part, const int32_t* __restrict__ tile_arg,
+                                 int64_t ntile, int tile_cols, int64_t rows, int64_t vocab_begin,
+                                 Cand* __restrict__ cand, int64_t slots, int64_t slot0) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (r >= rows) return;
+  Cand best{-INFINITY, INFINITY};  // after any tile, even one whose max is −inf
+  for (int64_t t = threadIdx.x % 32; t < ntile; t += 32) {
+    const int32_t col = tile_arg[r * ntile + t];
+    if (col < 0 || col >= tile_cols) continue;  // no column held the max (NaN)
+    const Cand c{tile_part[(r * ntile + t) * 4], static_cast<float>(vocab_begin + t * tile_cols + col)};
+    if (Before(c, best)) best = c;
+  }
+  best = WarpBest(best);
+  if (threadIdx.x % 32 == 0 && best.id != INFINITY) cand[r * slots + slot0] = best;
+}
+
 __global__ void FillKernel(Cand* __restrict__ cand, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) cand[i] = Cand{-INFINITY, -INFINITY};
@@ -238,6 +255,19 @@ absl::Status LaunchRankSelect(float* list, const unsigned* count, int64_t cap, i
   SelectKernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
       reinterpret_cast<Cand*>(list), count, cap, rows, k, 1.0f / temperature, reinterpret_cast<Cand*>(cand), slots,
       slot0, overflowed);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LaunchTileArgmax(const float* tile_part, const int32_t* tile_arg, int64_t ntile, int tile_cols,
+                              int64_t rows, int64_t vocab_begin, float* cand, int64_t slots, int64_t slot0,
+                              cudaStream_t stream) {
+  if (ntile < 1 || tile_cols < 1 || slot0 < 0 || slot0 >= slots || rows < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("LaunchTileArgmax: ntile ", ntile, ", slot ", slot0));
+  }
+  if (rows == 0) return absl::OkStatus();
+  TileArgmaxKernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
+      tile_part, tile_arg, ntile, tile_cols, rows, vocab_begin, reinterpret_cast<Cand*>(cand), slots, slot0);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }

@@ -1569,17 +1569,13 @@ TEST_F(EpilogueStatsTest, RankingsOverflowedRowsAreExact) {
   }
 }
 
-// The same bits for a row alone or in a batch, and over groups of 2 and 3 (one GPU's ranks, in threads)
-// with the fallback taken on one rank only (the low sample is in rank 0's shard).
-TEST_F(EpilogueStatsTest, RankingsSameBitsAcrossBatchesAndGroups) {
-  EngineConfig cfg;
-  cfg.batch_invariant = cfg.tp_invariant = true;
-  const Problem full = OverflowingRankings(300, 140001, 20, 5950);
-  auto one = MakeCuda(full, Epi(cfg));
+// The same bits for a row alone or in a batch (7 of 300) and over groups of 2 and 3.
+void ExpectRankingsSameBitsAcrossBatchesAndGroups(int k, const EngineConfig& cfg) {
+  const Problem full = OverflowingRankings(300, 140001, k, 5950);
+  auto one = MakeCuda(full, cfg);
   ASSERT_NE(one, nullptr);
   const Answers want = RunEngine(*one, full, MemorySpace::kDevice, {});
   ExpectRankingsMatchSort(want, full, "one GPU");
-  const int64_t k = 20;
   Problem few = full;
   few.ref.rows = 7;
   few.ref.targets.resize(7);
@@ -1590,7 +1586,7 @@ TEST_F(EpilogueStatsTest, RankingsSameBitsAcrossBatchesAndGroups) {
   EXPECT_EQ(std::memcmp(alone.top_tokens.data(), want.top_tokens.data(), 7 * k * 4), 0) << "tokens, 7 rows";
   EXPECT_EQ(std::memcmp(alone.top_logprobs.data(), want.top_logprobs.data(), 7 * k * 4), 0) << "logprobs, 7 rows";
   for (int g : {2, 3}) {
-    const std::vector<Answers> got = RunSharded(full, g, {}, Epi(cfg));
+    const std::vector<Answers> got = RunSharded(full, g, {}, cfg);
     for (int r = 0; r < g; ++r) {
       ASSERT_TRUE(got[r].status.ok()) << "group " << g << " rank " << r << ": " << got[r].status;
       if (r != 0) continue;  // the rankings are rank 0's answer
@@ -1598,6 +1594,65 @@ TEST_F(EpilogueStatsTest, RankingsSameBitsAcrossBatchesAndGroups) {
       EXPECT_EQ(std::memcmp(got[r].top_logprobs.data(), want.top_logprobs.data(), want.top_logprobs.size() * 4), 0)
           << "group " << g;
       EXPECT_EQ(got[r].argmax, want.argmax) << "group " << g;
+    }
+  }
+}
+
+// The same bits for a row alone or in a batch, and over groups of 2 and 3 (one GPU's ranks, in threads)
+// with the fallback taken on one rank only (the low sample is in rank 0's shard); k = 1 takes the tiles'
+// argmax instead (no sample, no fallback).
+TEST_F(EpilogueStatsTest, RankingsSameBitsAcrossBatchesAndGroups) {
+  EngineConfig cfg;
+  cfg.batch_invariant = cfg.tp_invariant = true;
+  for (int k : {20, 1}) {
+    SCOPED_TRACE(absl::StrCat("k ", k));
+    ExpectRankingsSameBitsAcrossBatchesAndGroups(k, Epi(cfg));
+  }
+}
+
+// Rankings of k = 1 beside a backward take the epilogue GEMM (the tiles' argmax beside the training
+// copy; without a softcap the fast loss path's, with one the general path's): the argmax and top-1
+// logprob are the score call's bits, and every training output the bits of the same call without the
+// ranking. Every 7th row is zero (all logits equal: the lowest id).
+TEST_F(EpilogueStatsTest, ArgmaxBesideTheBackward) {
+  uint64_t seed = 6100;
+  for (int variant = 0; variant < 2; ++variant) {
+    ProblemSpec sp;  // GradMode::kLoss
+    sp.rows = 300;
+    sp.hidden = 136;
+    sp.vocab = 20001;
+    sp.h_scale = 2.0;
+    sp.options.top_k = 1;
+    if (variant == 1) sp.options.softcap = 15.0f;
+    Problem p = MakeProblem(sp, ++seed);
+    const int64_t esz = DTypeSize(p.dtype), H = sp.hidden;
+    for (int64_t i = 0; i < sp.rows; i += 7) {
+      std::fill(p.hidden.begin() + i * H * esz, p.hidden.begin() + (i + 1) * H * esz, uint8_t{0});
+      std::fill(p.ref.h.begin() + i * H, p.ref.h.begin() + (i + 1) * H, 0.0);
+    }
+    Problem plain = p, score = p;
+    plain.ref.options.top_k = 0;
+    score.ref.mode = GradMode::kNone;
+    auto e = MakeCuda(p, Epi());
+    ASSERT_NE(e, nullptr);
+    const std::vector<float> dw0(static_cast<size_t>(sp.vocab * H), 0.0f);
+    for (MemorySpace space : {MemorySpace::kDevice, MemorySpace::kHost}) {
+      const std::string what = absl::StrCat("variant ", variant, " space ", int(space));
+      const Answers trained = RunEngine(*e, p, space, dw0);
+      const Answers want = RunEngine(*e, plain, space, dw0);
+      const Answers scored = RunEngine(*e, score, space, {});
+      ASSERT_TRUE(trained.status.ok() && want.status.ok() && scored.status.ok()) << what << ": " << trained.status;
+      ExpectRankingsMatchSort(trained, p, what);
+      for (int64_t i = 0; i < sp.rows; i += 7) EXPECT_EQ(trained.argmax[i], 0) << what << " zero row " << i;
+      EXPECT_EQ(trained.argmax, scored.argmax) << what;
+      EXPECT_EQ(std::memcmp(trained.top_logprobs.data(), scored.top_logprobs.data(), sp.rows * 4), 0) << what;
+      for (auto [got, ref, name] :
+           {std::tuple{&trained.loss, &want.loss, "loss"}, std::tuple{&trained.logprob, &want.logprob, "logprob"},
+            std::tuple{&trained.d_hidden, &want.d_hidden, "d_hidden"},
+            std::tuple{&trained.d_weight, &want.d_weight, "d_weight"}}) {
+        ASSERT_EQ(got->size(), ref->size()) << what << " " << name;
+        EXPECT_EQ(std::memcmp(got->data(), ref->data(), got->size() * 4), 0) << what << " " << name;
+      }
     }
   }
 }
