@@ -1,6 +1,8 @@
 #include "answer_assembly.h"
 
 #include <algorithm>
+#include <new>
+#include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -72,9 +74,26 @@ absl::Status AnswerAssembly::PlaceRowValues(const v1::ChunkResult& c, int64_t fi
   return absl::OkStatus();
 }
 
+void AnswerAssembly::SizeDHiddenAhead() {
+  constexpr int64_t kAheadBytes = 8 << 20;  // smaller: sized at the first answer (a thread costs more)
+  if (!d_hidden_out_.empty() || rows_ * row_bytes_ < kAheadBytes) return;
+  std::vector<uint8_t>* d_hidden = &out_->d_hidden;
+  const size_t bytes = static_cast<size_t>(rows_ * row_bytes_);
+  try {
+    sizing_ = std::async(std::launch::async, [d_hidden, bytes] {
+      try {
+        d_hidden->resize(bytes);
+      } catch (const std::bad_alloc&) {  // DHiddenAt sizes it again, as without this
+      }
+    });
+  } catch (const std::system_error&) {  // no thread: DHiddenAt sizes it
+  }
+}
+
 uint8_t* AnswerAssembly::DHiddenAt(int64_t first) {
   if (!d_hidden_out_.empty()) return d_hidden_out_.data() + first * row_bytes_;
   std::lock_guard<std::mutex> lock(mu_);
+  if (sizing_.valid()) sizing_.get();
   if (out_->d_hidden.empty()) out_->d_hidden.resize(static_cast<size_t>(rows_ * row_bytes_));
   return out_->d_hidden.data() + first * row_bytes_;
 }
@@ -107,6 +126,8 @@ absl::Status AnswerAssembly::CheckCovered() const {
 
 absl::Status AnswerAssembly::Finish(const std::vector<PartSummary>& summaries, const v1::RequestHeader& header,
                                     bool split) {
+  if (sizing_.valid()) sizing_.get();
+  if (n_dhidden_ == 0 && d_hidden_out_.empty()) out_->d_hidden = {};  // sized ahead for a d_hidden that did not come
   if (absl::Status s = CheckCovered(); !s.ok()) return s;
   // Parts' losses add up (RequestHeader.partial); so do their valid tokens, which must then match
   // the declared count that every part's mean used.

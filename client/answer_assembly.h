@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <future>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -45,6 +46,12 @@ class AnswerAssembly {
   absl::Status PlaceRowValues(const v1::ChunkResult& c, int64_t first, int64_t n);
   // Places d_hidden bytes that came in the answer at rows [first, first + n).
   absl::Status PlaceDHidden(const std::string& bytes, int64_t first, int64_t n);
+  // A call that returns d_hidden into the result (not into d_hidden_out) sizes it here, before its
+  // first answer: a large one on a thread of its own, so that the pages' first touch (the kernel
+  // zeroes them: ~40-50 ms for 128 MiB on one core) overlaps the upload and the server's compute
+  // instead of holding the first answer while the other streams wait. Finish empties it again if no
+  // d_hidden came.
+  void SizeDHiddenAhead();
   // Where rows [first, ...) of d_hidden go (a data-plane download writes there), and the count of
   // rows written so.
   uint8_t* DHiddenAt(int64_t first);
@@ -68,6 +75,7 @@ class AnswerAssembly {
   ForwardBackwardResult* const out_;
   const absl::Span<uint8_t> d_hidden_out_;
   std::mutex mu_;
+  std::future<void> sizing_;   // SizeDHiddenAhead's; waited for under mu_ (and by the destructor)
   std::vector<uint8_t> seen_;  // rows answered; each part touches only its own range
   std::atomic<int64_t> covered_{0}, n_dhidden_{0};
   std::atomic<int64_t> counts_[7] = {};  // rows answered of each output, in PlaceRowValues' order

@@ -371,6 +371,7 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
     part_header.set_split_parts(static_cast<int32_t>(parts.size()));
   }
   AnswerAssembly assembly(batch.rows, row_bytes, out, batch.d_hidden_out, header.top_k());
+  if (std::string(rpc) != "Score" && !batch.d_hidden_region) assembly.SizeDHiddenAhead();
   const PartRequest request{rpc, routed, part_header, grads, assembly};
   std::vector<PartSummary> summaries(parts.size());
   if (absl::Status s = RunParts(replica, request, parts, lanes, summaries); !s.ok()) {

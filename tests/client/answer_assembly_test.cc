@@ -2,6 +2,8 @@
 // and the checks that turn a server's wrong answer into an error instead of a wrong result.
 #include "answer_assembly.h"
 
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -130,6 +132,36 @@ TEST(AnswerAssembly, DHiddenGoesToTheCallersDestinationWhenGiven) {
   ASSERT_TRUE(a.PlaceDHidden(std::string("\x09\x0a", 2), 1, 1).ok());
   EXPECT_EQ(mine, (std::vector<uint8_t>{0, 0, 9, 10}));
   EXPECT_TRUE(out.d_hidden.empty());
+}
+
+// A large d_hidden is sized ahead of the first answer (on a thread of its own); the streams' answers land
+// at their rows as before, and a call that returned no d_hidden leaves the result's empty.
+TEST(AnswerAssembly, DHiddenSizedAheadHoldsTheAnswersOrNothing) {
+  const int64_t rows = 4096, row_bytes = 4096;  // 16 MiB: over the size sized ahead
+  {
+    ForwardBackwardResult out;
+    AnswerAssembly a(rows, row_bytes, &out, {});
+    a.SizeDHiddenAhead();
+    ASSERT_TRUE(a.Claim(0, rows).ok());
+    const std::string last(static_cast<size_t>(row_bytes), '\x2a');
+    ASSERT_TRUE(a.PlaceDHidden(last, rows - 1, 1).ok());
+    std::memset(a.DHiddenAt(0), 7, static_cast<size_t>((rows - 1) * row_bytes));  // a download's bytes
+    a.CountDHidden(rows - 1);
+    ASSERT_TRUE(a.Finish({{0, 0, 0, {}}}, {}, false).ok());
+    ASSERT_EQ(out.d_hidden.size(), static_cast<size_t>(rows * row_bytes));
+    EXPECT_EQ(out.d_hidden.front(), 7);
+    EXPECT_EQ(out.d_hidden[(rows - 1) * row_bytes - 1], 7);
+    EXPECT_EQ(out.d_hidden[(rows - 1) * row_bytes], 0x2a);
+    EXPECT_EQ(out.d_hidden.back(), 0x2a);
+  }
+  {
+    ForwardBackwardResult out;
+    AnswerAssembly a(rows, row_bytes, &out, {});
+    a.SizeDHiddenAhead();
+    ASSERT_TRUE(a.Claim(0, rows).ok());
+    ASSERT_TRUE(a.Finish({{0, 0, 0, {}}}, {}, false).ok());
+    EXPECT_TRUE(out.d_hidden.empty());
+  }
 }
 
 }  // namespace
