@@ -131,7 +131,9 @@ absl::StatusOr<lce::server::ServiceConfig> ServiceConfigFrom(const lce::server::
   c.auth = *auth;
   c.log_requests = f.log_requests;
   c.pipeline_chunks = f.pipeline_chunks;
-  c.merge_chunk_rows = f.merge_chunk_rows;
+  // Automatic: a group's calls twice one GPU's (2× H200, TP-2: 9 calls of a 16384-row training request over
+  // the data plane took 54.1 ms of engine time, 5 calls 49.8 as one call's 50.1; one GPU: 93.9 against 95.2).
+  c.merge_chunk_rows = f.merge_chunk_rows >= 0 ? f.merge_chunk_rows : f.tp_size > 1 ? 4096 : 2048;
   c.batching = {f.batch_max_rows, f.batch_max_delay_us};
   return c;
 }

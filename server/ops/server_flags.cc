@@ -134,11 +134,13 @@ LCE_SERVER_FLAG(bool, pipeline_chunks, pipeline_chunks, true,
                 "GPU engines (one GPU or a tensor-parallel group's front), for clients that send ahead "
                 "(RequestHeader.sends_ahead): compute a chunk while the next is read and staged, answer from another "
                 "thread");
-LCE_SERVER_FLAG(int64_t, merge_chunk_rows, merge_chunk_rows, 2048,
-                "pipelined streams: chunks that queue up behind a busy engine go to it together, in calls of up to N "
-                "rows (or 64 chunks), so that the clients' small chunks (4 MiB: 512 rows at H 4096) do not each "
-                "re-read and re-write dW; a stream's staging holds 2 x N rows (64 MiB at H 4096, bf16) (0 or 1: one "
-                "call a chunk)");
+LCE_SERVER_FLAG(
+    int64_t, merge_chunk_rows, merge_chunk_rows, -1,
+    "pipelined streams: chunks that queue up behind a busy engine go to it together, in calls of up to N "
+    "rows (or 64 chunks), so that the clients' small chunks (4 MiB: 512 rows at H 4096) do not each "
+    "re-read and re-write dW; a stream's staging holds 2 x N rows (64 MiB at H 4096, bf16 and N 2048) (0 or "
+    "1: one call a chunk; -1: 2048 on one GPU, 4096 for a tensor-parallel group, whose every call also "
+    "pays the group's collectives)");
 LCE_SERVER_FLAG(
     int64_t, batch_max_rows, batch_max_rows, 256,
     "dynamic batching: concurrent small Calls (Score; ForwardBackward and Backward without "
@@ -374,8 +376,8 @@ absl::Status CheckServingFlags(const ServerFlags& f) {
   if (f.max_pending_grads < 1) return absl::InvalidArgumentError("--max-pending-grads must be >= 1");
   if (!(f.pending_grad_ttl_seconds > 0)) return absl::InvalidArgumentError("--pending-grad-ttl-seconds must be > 0");
   if (f.batch_max_rows < 0) return absl::InvalidArgumentError("--batch-max-rows must be >= 0");
-  if (f.merge_chunk_rows < 0 || f.merge_chunk_rows > (int64_t{1} << 20)) {
-    return absl::InvalidArgumentError("--merge-chunk-rows must be in [0, 1048576]");
+  if (f.merge_chunk_rows < -1 || f.merge_chunk_rows > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError("--merge-chunk-rows must be -1 (automatic) or in [0, 1048576]");
   }
   if (f.batch_max_delay_us < 0 || f.batch_max_delay_us > 1000000) {
     return absl::InvalidArgumentError("--batch-max-delay-us must be in [0, 1000000]");
