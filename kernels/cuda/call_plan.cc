@@ -47,12 +47,10 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
   // it: only rank 0 sees the call's outputs, and their partials are merged.
   p.entropy = config_.collectives != nullptr || p.out.entropy != nullptr ||
               (p.up.mode == GradMode::kGeneric && p.up.grad_entropy != nullptr);
-  // Rankings take the epilogue GEMM with 256-column tiles (its candidates' kernels) in calls without a
-  // backward, and for k = 1 (the tiles' argmax, no candidates) beside one too; with 128-column tiles, or
-  // k > 1 beside a backward (the candidates beside the training copy are not yet tested on a GPU), they
-  // read the logit tiles.
-  const bool epi =
-      UseEpilogueStats() && (o.top_k == 0 || (EpiTileCols() == kRankTileCols && (!backward || o.top_k == 1)));
+  // Rankings take the epilogue GEMM with 256-column tiles (the tiles' argmax for k = 1, candidates for
+  // k > 1), in scores and training calls alike (the candidates are written before the exponentials
+  // overwrite v with the training copy's e); with 128-column tiles they read the logit tiles.
+  const bool epi = UseEpilogueStats() && (o.top_k == 0 || EpiTileCols() == kRankTileCols);
   // Fast loss path (fast_grad.cu): no dA pass; the per-row factors go around the GEMMs. Host rows take
   // it as device rows do (host d_weight through the device in slabs, as on the general path), so that
   // a row's d_hidden is the same computation whatever memory its hidden state came from (README.md,

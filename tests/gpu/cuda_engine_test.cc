@@ -1610,48 +1610,53 @@ TEST_F(EpilogueStatsTest, RankingsSameBitsAcrossBatchesAndGroups) {
   }
 }
 
-// Rankings of k = 1 beside a backward take the epilogue GEMM (the tiles' argmax beside the training
-// copy; without a softcap the fast loss path's, with one the general path's): the argmax and top-1
-// logprob are the score call's bits, and every training output the bits of the same call without the
-// ranking. Every 7th row is zero (all logits equal: the lowest id).
-TEST_F(EpilogueStatsTest, ArgmaxBesideTheBackward) {
+// Rankings beside a backward take the epilogue GEMM (k = 1: the tiles' argmax, k = 20: the candidates,
+// beside the training copy; without a softcap the fast loss path's, with one the general path's): the
+// rankings are the score call's bits, and every training output the bits of the same call without the
+// ranking. Every 7th row is zero (all logits equal: the lowest ids).
+TEST_F(EpilogueStatsTest, RankingsBesideTheBackward) {
   uint64_t seed = 6100;
-  for (int variant = 0; variant < 2; ++variant) {
-    ProblemSpec sp;  // GradMode::kLoss
-    sp.rows = 300;
-    sp.hidden = 136;
-    sp.vocab = 20001;
-    sp.h_scale = 2.0;
-    sp.options.top_k = 1;
-    if (variant == 1) sp.options.softcap = 15.0f;
-    Problem p = MakeProblem(sp, ++seed);
-    const int64_t esz = DTypeSize(p.dtype), H = sp.hidden;
-    for (int64_t i = 0; i < sp.rows; i += 7) {
-      std::fill(p.hidden.begin() + i * H * esz, p.hidden.begin() + (i + 1) * H * esz, uint8_t{0});
-      std::fill(p.ref.h.begin() + i * H, p.ref.h.begin() + (i + 1) * H, 0.0);
-    }
-    Problem plain = p, score = p;
-    plain.ref.options.top_k = 0;
-    score.ref.mode = GradMode::kNone;
-    auto e = MakeCuda(p, Epi());
-    ASSERT_NE(e, nullptr);
-    const std::vector<float> dw0(static_cast<size_t>(sp.vocab * H), 0.0f);
-    for (MemorySpace space : {MemorySpace::kDevice, MemorySpace::kHost}) {
-      const std::string what = absl::StrCat("variant ", variant, " space ", int(space));
-      const Answers trained = RunEngine(*e, p, space, dw0);
-      const Answers want = RunEngine(*e, plain, space, dw0);
-      const Answers scored = RunEngine(*e, score, space, {});
-      ASSERT_TRUE(trained.status.ok() && want.status.ok() && scored.status.ok()) << what << ": " << trained.status;
-      ExpectRankingsMatchSort(trained, p, what);
-      for (int64_t i = 0; i < sp.rows; i += 7) EXPECT_EQ(trained.argmax[i], 0) << what << " zero row " << i;
-      EXPECT_EQ(trained.argmax, scored.argmax) << what;
-      EXPECT_EQ(std::memcmp(trained.top_logprobs.data(), scored.top_logprobs.data(), sp.rows * 4), 0) << what;
-      for (auto [got, ref, name] :
-           {std::tuple{&trained.loss, &want.loss, "loss"}, std::tuple{&trained.logprob, &want.logprob, "logprob"},
-            std::tuple{&trained.d_hidden, &want.d_hidden, "d_hidden"},
-            std::tuple{&trained.d_weight, &want.d_weight, "d_weight"}}) {
-        ASSERT_EQ(got->size(), ref->size()) << what << " " << name;
-        EXPECT_EQ(std::memcmp(got->data(), ref->data(), got->size() * 4), 0) << what << " " << name;
+  for (int k : {1, 20}) {
+    for (int variant = 0; variant < 2; ++variant) {
+      ProblemSpec sp;  // GradMode::kLoss
+      sp.rows = 300;
+      sp.hidden = 136;
+      sp.vocab = 20001;
+      sp.h_scale = 2.0;
+      sp.options.top_k = k;
+      if (variant == 1) sp.options.softcap = 15.0f;
+      Problem p = MakeProblem(sp, ++seed);
+      const int64_t esz = DTypeSize(p.dtype), H = sp.hidden;
+      for (int64_t i = 0; i < sp.rows; i += 7) {
+        std::fill(p.hidden.begin() + i * H * esz, p.hidden.begin() + (i + 1) * H * esz, uint8_t{0});
+        std::fill(p.ref.h.begin() + i * H, p.ref.h.begin() + (i + 1) * H, 0.0);
+      }
+      Problem plain = p, score = p;
+      plain.ref.options.top_k = 0;
+      score.ref.mode = GradMode::kNone;
+      auto e = MakeCuda(p, Epi());
+      ASSERT_NE(e, nullptr);
+      const std::vector<float> dw0(static_cast<size_t>(sp.vocab * H), 0.0f);
+      for (MemorySpace space : {MemorySpace::kDevice, MemorySpace::kHost}) {
+        const std::string what = absl::StrCat("k ", k, " variant ", variant, " space ", int(space));
+        const Answers trained = RunEngine(*e, p, space, dw0);
+        const Answers want = RunEngine(*e, plain, space, dw0);
+        const Answers scored = RunEngine(*e, score, space, {});
+        ASSERT_TRUE(trained.status.ok() && want.status.ok() && scored.status.ok()) << what << ": " << trained.status;
+        ExpectRankingsMatchSort(trained, p, what);
+        for (int64_t i = 0; i < sp.rows; i += 7) {
+          for (int j = 0; j < k; ++j) EXPECT_EQ(trained.top_tokens[i * k + j], j) << what << " zero row " << i;
+        }
+        EXPECT_EQ(trained.argmax, scored.argmax) << what;
+        EXPECT_EQ(trained.top_tokens, scored.top_tokens) << what;
+        EXPECT_EQ(std::memcmp(trained.top_logprobs.data(), scored.top_logprobs.data(), sp.rows * k * 4), 0) << what;
+        for (auto [got, ref, name] :
+             {std::tuple{&trained.loss, &want.loss, "loss"}, std::tuple{&trained.logprob, &want.logprob, "logprob"},
+              std::tuple{&trained.d_hidden, &want.d_hidden, "d_hidden"},
+              std::tuple{&trained.d_weight, &want.d_weight, "d_weight"}}) {
+          ASSERT_EQ(got->size(), ref->size()) << what << " " << name;
+          EXPECT_EQ(std::memcmp(got->data(), ref->data(), got->size() * 4), 0) << what << " " << name;
+        }
       }
     }
   }
