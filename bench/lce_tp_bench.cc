@@ -123,6 +123,7 @@ int main(int argc, char** argv) {
     EngineConfig cfg;
     cfg.device = rank;
     cfg.collectives = world > 1 ? comm.get() : nullptr;
+    cfg.rank0_outputs = true;  // as lce_server's groups
     auto engine = CreateEngine(Backend::kCuda, weights, cfg);
     Ok(engine.status(), "engine");
     weights.reset();  // the engine keeps what it needs

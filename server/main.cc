@@ -107,6 +107,7 @@ lce::EngineConfig EngineConfigFrom(const lce::server::ServerFlags& f, lce::Colle
   config.tp_invariant = f.tp_invariant;
   config.device = f.device;
   config.collectives = collectives;
+  config.rank0_outputs = true;  // a group's front answers; the peers' outputs are never read
   return config;
 }
 

@@ -128,6 +128,10 @@ class CudaEngine final : public LceEngine {
   absl::Status WriteGradAndDWeight(const CallPlan& p, Scratch& s, const BlockIo& b);
   absl::Status GeneralDHidden(const CallPlan& p, Scratch& s, const BlockIo& b);
   absl::Status TraceGeneral(const CallPlan& p, const BlockIo& b);
+  // A group's d_hidden summed over its ranks (into rank 0 alone with EngineConfig::rank0_outputs), and
+  // whether this rank's d_hidden is read (copied out).
+  absl::Status SumDHiddenOverRanks(float* dh, int64_t n);
+  bool DHiddenReadHere() const;
   // Copy out: s.dh (fp32, reduced) to the caller's d_hidden in the head dtype.
   absl::Status CopyOutDHidden(const CallPlan& p, Scratch& s, const BlockIo& b);
   // Host d_weight, slab by slab through the device: host += a[nr, slab]ᵀ · x, with x = h and a = dA

@@ -42,10 +42,8 @@ absl::Status CudaEngine::BackwardFast(const CallPlan& p, Scratch& s, const Block
   }
   if (p.d_bias != nullptr) LCE_CUDA_CHECK(BiasGrad(p, s, b, /*fast=*/true));
   if (grads.d_hidden != nullptr) {
-    if (config_.collectives != nullptr) {
-      LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
-    }
-    LCE_CUDA_CHECK(CopyOutDHidden(p, s, b));
+    LCE_CUDA_CHECK(SumDHiddenOverRanks(s.dh, nr * H));
+    if (DHiddenReadHere()) LCE_CUDA_CHECK(CopyOutDHidden(p, s, b));
   }
   if (b.trace) LCE_CUDA_CHECK(TraceFast(p, b));
   return absl::OkStatus();
@@ -78,7 +76,7 @@ absl::Status CudaEngine::BackwardGeneral(const CallPlan& p, Scratch& s, const Bl
   if (b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[3], stream_));
   if (p.grads.d_hidden != nullptr) {
     LCE_CUDA_CHECK(GeneralDHidden(p, s, b));
-    LCE_CUDA_CHECK(CopyOutDHidden(p, s, b));
+    if (DHiddenReadHere()) LCE_CUDA_CHECK(CopyOutDHidden(p, s, b));
   }
   if (b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[4], stream_));
   if (p.grads.d_weight != nullptr && p.host) {
@@ -134,10 +132,19 @@ absl::Status CudaEngine::GeneralDHidden(const CallPlan& p, Scratch& s, const Blo
   if (p.target_apart) {
     LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, b.y, p.o.ignore_index, shape_.vocab_begin, Vs, stream_));
   }
-  if (config_.collectives != nullptr) {
-    LCE_CUDA_CHECK(config_.collectives->AllReduce(s.dh, nr * H, ReduceOp::kSum, true, stream_));
-  }
-  return absl::OkStatus();
+  return SumDHiddenOverRanks(s.dh, nr * H);
+}
+
+// d_hidden's sum over a group's ranks: into rank 0 alone where only its outputs are read
+// (EngineConfig::rank0_outputs; at 4 ranks a reduce moves half an all-reduce's bytes).
+absl::Status CudaEngine::SumDHiddenOverRanks(float* dh, int64_t n) {
+  if (config_.collectives == nullptr) return absl::OkStatus();
+  if (config_.rank0_outputs) return config_.collectives->ReduceSumToRoot(dh, n, true, stream_);
+  return config_.collectives->AllReduce(dh, n, ReduceOp::kSum, true, stream_);
+}
+
+bool CudaEngine::DHiddenReadHere() const {
+  return !config_.rank0_outputs || config_.collectives == nullptr || config_.collectives->rank() == 0;
 }
 
 absl::Status CudaEngine::TraceGeneral(const CallPlan& p, const BlockIo& b) {

@@ -47,6 +47,14 @@ class NcclCommunicator final : public TpCommunicator {
     return Watch(static_cast<cudaStream_t>(stream), "all-reduce");
   }
 
+  absl::Status ReduceSumToRoot(float* data, int64_t count, bool device_memory, void* stream) override {
+    if (!device_memory) return absl::InvalidArgumentError("the NCCL communicator takes device memory only");
+    if (aborted_) return Down();
+    LCE_CUDA_CHECK(ncclReduce(data, data, static_cast<size_t>(count), ncclFloat, ncclSum, /*root=*/0, comm_,
+                              static_cast<cudaStream_t>(stream)));
+    return Watch(static_cast<cudaStream_t>(stream), "reduce");
+  }
+
   absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void* stream, int root) override {
     if (!device_memory) return absl::InvalidArgumentError("the NCCL communicator takes device memory only");
     if (aborted_) return Down();

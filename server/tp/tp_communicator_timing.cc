@@ -19,6 +19,10 @@ class TimedCommunicator final : public TpCommunicator {
     bytes_->Increment(static_cast<double>(count) * sizeof(float));
     return Timed([&] { return inner_->AllReduce(data, count, op, device, stream); });
   }
+  absl::Status ReduceSumToRoot(float* data, int64_t count, bool device, void* stream) override {
+    bytes_->Increment(static_cast<double>(count) * sizeof(float));
+    return Timed([&] { return inner_->ReduceSumToRoot(data, count, device, stream); });
+  }
   absl::Status Broadcast(void* data, int64_t bytes, bool device, void* stream, int root) override {
     bytes_->Increment(static_cast<double>(bytes));
     return Timed([&] { return inner_->Broadcast(data, bytes, device, stream, root); });

@@ -681,7 +681,7 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
     grads.d_weight_fresh = fresh;
   }
   if (up.mode != GradMode::kNone) {
-    // The d_hidden all-reduce inside the engine needs every rank; the front keeps the result.
+    // d_hidden's sum over the ranks needs every rank's part (into the front alone: EngineConfig::rank0_outputs).
     absl::StatusOr<void*> p = staging_.Buffer(kOutDHidden, n * row_bytes);
     if (!p.ok()) return p.status();
     grads.d_hidden = *p;

@@ -834,11 +834,11 @@ TEST_F(CudaTest, AgreesWithCpuEngine) {
   EXPECT_LE(RelErr(a.d_weight, to_d(b.d_weight)), 1e-2);
 }
 
-// All-reduce among k threads of one process, over device memory.
+// All-reduce (or, root_only, a sum into rank 0 alone) among k threads of one process, over device memory.
 class ThreadGroup {
  public:
   explicit ThreadGroup(int k) : k_(k), barrier_(k), slots_(k) {}
-  absl::Status AllReduce(int rank, float* data, int64_t n, ReduceOp op, void* stream) {
+  absl::Status AllReduce(int rank, float* data, int64_t n, ReduceOp op, void* stream, bool root_only = false) {
     std::vector<float> mine(n);
     if (cudaStreamSynchronize(static_cast<cudaStream_t>(stream)) != cudaSuccess ||
         cudaMemcpy(mine.data(), data, n * sizeof(float), cudaMemcpyDeviceToHost) != cudaSuccess) {
@@ -853,6 +853,7 @@ class ThreadGroup {
       for (int64_t i = 0; i < n; ++i) out[i] = op == ReduceOp::kSum ? out[i] + o[i] : std::max(out[i], o[i]);
     }
     barrier_.arrive_and_wait();
+    if (root_only && rank != 0) return absl::OkStatus();  // a reduce leaves the others' data as it was
     // On the caller's stream, as Collectives::AllReduce promises: a plain cudaMemcpy from pageable
     // memory runs on the legacy default stream and may return before its DMA lands, and the engine's
     // streams are non-blocking, so its next kernel could read the buffer as it was before the
@@ -881,6 +882,10 @@ class ThreadCollectives final : public Collectives {
   absl::Status AllReduce(float* data, int64_t count, ReduceOp op, bool device_memory, void* stream) override {
     if (!device_memory) return absl::InternalError("the CUDA engine must reduce device memory");
     return g_->AllReduce(rank_, data, count, op, stream);
+  }
+  absl::Status ReduceSumToRoot(float* data, int64_t count, bool device_memory, void* stream) override {
+    if (!device_memory) return absl::InternalError("the CUDA engine must reduce device memory");
+    return g_->AllReduce(rank_, data, count, ReduceOp::kSum, stream, /*root_only=*/true);
   }
 
  private:
@@ -962,6 +967,37 @@ TEST_F(CudaTest, VocabParallelMatchesUnsharded) {
       EXPECT_LE(RelErr(answers[r].d_hidden, to_d(answers[0].d_hidden)), 1e-6) << "rank " << r;
     }
     ExpectMatches(merged, full, dw0, absl::StrCat("tp3 variant ", variant));
+  }
+}
+
+// EngineConfig::rank0_outputs (a server's group): d_hidden summed into rank 0 alone gives rank 0 the bits
+// of the all-reduce, and the other ranks' d_hidden is left as it was (NaN-poisoned), on the fast loss path
+// and the general path; the other outputs and dW unchanged.
+TEST_F(CudaTest, Rank0OutputsSumDHiddenIntoRankZeroAlone) {
+  for (int variant = 0; variant < 2; ++variant) {
+    ProblemSpec sp;
+    sp.rows = 29;
+    sp.vocab = 9001;
+    if (variant == 1) sp.options.softcap = 12.0f;
+    const Problem full = MakeProblem(sp, 131 + variant);
+    const std::vector<float> dw0 = RandomVec(sp.vocab * sp.hidden, 9);
+    EngineConfig root_only;
+    root_only.rank0_outputs = true;
+    const std::vector<Answers> all = RunSharded(full, 3, dw0);
+    const std::vector<Answers> root = RunSharded(full, 3, dw0, root_only);
+    for (int r = 0; r < 3; ++r) {
+      ASSERT_TRUE(all[r].status.ok() && root[r].status.ok()) << "rank " << r << ": " << root[r].status;
+      EXPECT_EQ(root[r].d_weight, all[r].d_weight) << "variant " << variant << " rank " << r;
+      EXPECT_EQ(std::memcmp(root[r].loss.data(), all[r].loss.data(), sp.rows * 4), 0) << "rank " << r;
+    }
+    ASSERT_EQ(root[0].d_hidden.size(), all[0].d_hidden.size());
+    EXPECT_EQ(std::memcmp(root[0].d_hidden.data(), all[0].d_hidden.data(), root[0].d_hidden.size() * 4), 0)
+        << "variant " << variant;
+    ExpectMatches(root[0], full, {}, absl::StrCat("rank 0, variant ", variant));  // d_hidden against float64
+    for (int r = 1; r < 3; ++r) {
+      EXPECT_TRUE(std::all_of(root[r].d_hidden.begin(), root[r].d_hidden.end(), [](float v) { return std::isnan(v); }))
+          << "variant " << variant << " rank " << r << ": its d_hidden was written";
+    }
   }
 }
 

@@ -19,6 +19,11 @@ class Collectives {
   // `stream` is the cudaStream_t the reduction is ordered on) or host memory (stream unused).
   virtual absl::Status AllReduce(float* data, int64_t count, ReduceOp op, bool device_memory,
                                  void* stream) = 0;
+  // In-place sum of `count` floats into rank 0's `data`; the other ranks' `data` is left unspecified.
+  // This default all-reduces (every rank gets the sum); a reduce moves half an all-reduce's bytes.
+  virtual absl::Status ReduceSumToRoot(float* data, int64_t count, bool device_memory, void* stream) {
+    return AllReduce(data, count, ReduceOp::kSum, device_memory, stream);
+  }
 };
 
 }  // namespace lce

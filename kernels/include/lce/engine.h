@@ -137,6 +137,10 @@ struct EngineConfig {
   // Tensor parallelism: collectives over the ranks that hold the other vocabulary shards. Null
   // when the head is not sharded. Not owned; must outlive the engine.
   Collectives* collectives = nullptr;
+  // Tensor parallelism: only rank 0's row outputs and d_hidden are read (a server's group, whose front
+  // answers). The CUDA engine then sums d_hidden into rank 0 alone (Collectives::ReduceSumToRoot) and
+  // leaves the other ranks' d_hidden as it was.
+  bool rank0_outputs = false;
 };
 
 // Memory an engine holds (device memory for CUDA, host memory for the CPU backend).
