@@ -90,10 +90,14 @@ void AnswerAssembly::SizeDHiddenAhead() {
   }
 }
 
+void AnswerAssembly::AwaitSizing() {
+  if (sizing_.valid()) sizing_.get();
+}
+
 uint8_t* AnswerAssembly::DHiddenAt(int64_t first) {
   if (!d_hidden_out_.empty()) return d_hidden_out_.data() + first * row_bytes_;
   std::lock_guard<std::mutex> lock(mu_);
-  if (sizing_.valid()) sizing_.get();
+  AwaitSizing();
   if (out_->d_hidden.empty()) out_->d_hidden.resize(static_cast<size_t>(rows_ * row_bytes_));
   return out_->d_hidden.data() + first * row_bytes_;
 }
@@ -126,7 +130,7 @@ absl::Status AnswerAssembly::CheckCovered() const {
 
 absl::Status AnswerAssembly::Finish(const std::vector<PartSummary>& summaries, const v1::RequestHeader& header,
                                     bool split) {
-  if (sizing_.valid()) sizing_.get();
+  AwaitSizing();
   if (n_dhidden_ == 0 && d_hidden_out_.empty()) out_->d_hidden = {};  // sized ahead for a d_hidden that did not come
   if (absl::Status s = CheckCovered(); !s.ok()) return s;
   // Parts' losses add up (RequestHeader.partial); so do their valid tokens, which must then match

@@ -70,6 +70,7 @@ class AnswerAssembly {
   void Place(const google::protobuf::RepeatedField<T>& src, int64_t width, std::vector<T>& dst, int64_t first,
              std::atomic<int64_t>& count);
   absl::Status CheckCovered() const;
+  void AwaitSizing();  // SizeDHiddenAhead's thread, if one runs: done, its result in out_->d_hidden
 
   const int64_t rows_, row_bytes_, top_k_;
   ForwardBackwardResult* const out_;

@@ -351,6 +351,7 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
                                                     1 + static_cast<int>(replica.extra_stubs.size()),
                                                     options_.min_stream_bytes);
   const bool split = parts.size() > 1;
+  const bool wants_d_hidden = std::string(rpc) != "Score";
   // Over the data plane: the bytes go through server memory, the messages name slices of it.
   const bool via_data_plane = options_.data_plane && !hidden_in_region && !batch.d_hidden_region && batch.rows > 0;
   // The request then goes out as a region-backed one whose bytes the lanes carry.
@@ -359,7 +360,7 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
   HiddenBatch routed = batch;
   if (via_data_plane) {
     data_plane_lock = std::unique_lock<std::mutex>(replica.data_plane.mu);
-    if (absl::Status s = RouteOverDataPlane(replica, rpc, parts.size(), routed, lanes); !s.ok()) return s;
+    if (absl::Status s = RouteOverDataPlane(replica, wants_d_hidden, parts.size(), routed, lanes); !s.ok()) return s;
   }
   if (split) ConnectExtraChannels(replica);
   v1::RequestHeader part_header = header;
@@ -371,7 +372,7 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
     part_header.set_split_parts(static_cast<int32_t>(parts.size()));
   }
   AnswerAssembly assembly(batch.rows, row_bytes, out, batch.d_hidden_out, header.top_k());
-  if (std::string(rpc) != "Score" && !batch.d_hidden_region) assembly.SizeDHiddenAhead();
+  if (wants_d_hidden && !batch.d_hidden_region) assembly.SizeDHiddenAhead();
   const PartRequest request{rpc, routed, part_header, grads, assembly};
   std::vector<PartSummary> summaries(parts.size());
   if (absl::Status s = RunParts(replica, request, parts, lanes, summaries); !s.ok()) {
@@ -381,10 +382,9 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
   return assembly.Finish(summaries, header, split);
 }
 
-absl::Status LceClient::RouteOverDataPlane(Replica& replica, const char* rpc, size_t parts, HiddenBatch& routed,
+absl::Status LceClient::RouteOverDataPlane(Replica& replica, bool wants_d_hidden, size_t parts, HiddenBatch& routed,
                                            std::vector<DataPlaneLane>& lanes) {
   DataPlane& dp = replica.data_plane;
-  const bool wants_d_hidden = std::string(rpc) != "Score";
   const int64_t hidden_bytes = routed.rows * routed.hidden_size * WireDTypeSize(routed.dtype);
   if (absl::Status s = PrepareDataPlane(replica, parts, hidden_bytes, wants_d_hidden); !s.ok()) {
     dp.Reset();

@@ -128,12 +128,22 @@ absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
   const int64_t need = Bytes(p.layout, R);
   LCE_CUDA_CHECK(GrowDeviceBuffer(workspace_, need));
   Carve(p.layout, R, workspace_->data(), &s);
-  // d_hidden's chunk partials, outside the workspace: taken from its budget they cost a training call a
-  // row block more at 16384×4096×151936 (bench/RESULTS.md). Blocks that accumulate the chunks in place
-  // need none.
+  // d_hidden's chunk partials take what the block's scratch leaves of the budget (sizing the blocks with
+  // them would cost a training call a row block more at 16384×4096×151936, bench/RESULTS.md); with too
+  // little left for one row, and for blocks that accumulate in place, the chunks add up in place instead.
+  s.dh_slice = 0;
+  s.dh_parts = nullptr;
   if (p.dh_chunks && !DHiddenInPlace(R)) {
-    LCE_CUDA_CHECK(GrowDeviceBuffer(dh_parts_, dh_chunks_ * std::min(R, DhSliceRows()) * H * 4));
-    s.dh_parts = reinterpret_cast<float*>(dh_parts_->data());
+    const int64_t row_bytes = dh_chunks_ * H * 4;
+    s.dh_slice = DhSliceRows(std::min(R, (config_.workspace_bytes - workspace_->size()) / row_bytes));
+    if (dh_parts_ != nullptr && dh_parts_->size() > s.dh_slice * row_bytes) {
+      LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));  // a larger one, from a smaller block: over the budget now
+      ReleaseDeviceBuffer(dh_parts_);
+    }
+    if (s.dh_slice > 0) {
+      LCE_CUDA_CHECK(GrowDeviceBuffer(dh_parts_, s.dh_slice * row_bytes));
+      s.dh_parts = reinterpret_cast<float*>(dh_parts_->data());
+    }
   }
   LCE_CUDA_CHECK(cublasSetWorkspace(cublas_, s.cublas_ws, kCublasWorkspace));
   cublas_ws_ = s.cublas_ws;

@@ -93,6 +93,7 @@ absl::Status CudaEngine::Init() {
       AllocateDeviceBuffer(std::max(w_bytes, padded_bytes), config_.device);
   if (!weight.ok()) return weight.status();
   weight_ = std::move(*weight);
+  weights_bytes_ = weight_->size();
   LCE_CUDA_CHECK(cudaMemcpy(weight_->data(), weights_->weight.data(), w_bytes, cudaMemcpyHostToDevice));
   if (padded_bytes > w_bytes) LCE_CUDA_CHECK(cudaMemset(weight_->data() + w_bytes, 0, padded_bytes - w_bytes));
   if (shape_.has_bias) {
@@ -100,6 +101,7 @@ absl::Status CudaEngine::Init() {
         AllocateDeviceBuffer(static_cast<int64_t>(weights_->bias.size() * sizeof(float)), config_.device);
     if (!bias.ok()) return bias.status();
     bias_ = std::move(*bias);
+    weights_bytes_ += bias_->size();
     LCE_CUDA_CHECK(cudaMemcpy(bias_->data(), weights_->bias.data(), weights_->bias.size() * sizeof(float),
                               cudaMemcpyHostToDevice));
   }

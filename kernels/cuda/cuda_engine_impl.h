@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <mutex>
 
@@ -80,6 +81,8 @@ class CudaEngine final : public LceEngine {
   std::string_view backend() const override { return "cuda"; }
   EngineInvariance invariance() const override;
   const HeadShape& shape() const override { return shape_; }
+  // Read while a call runs (the metrics' sampler): the sizes, kept apart from the buffers.
+  EngineMemory memory() const override { return {weights_bytes_.load(), scratch_bytes_.load()}; }
   EngineWeightOnDevice weight_on_device() const {
     return {weight_->data(), config_.device, bias_ != nullptr ? reinterpret_cast<float*>(bias_->data()) : nullptr};
   }
@@ -181,9 +184,11 @@ class CudaEngine final : public LceEngine {
   }
   // Blocks of this many rows accumulate the chunks in place, without partials (CudaTuning::dh_inplace_rows).
   bool DHiddenInPlace(int64_t rows) const { return tuning_.dh_inplace_rows > 0 && rows >= tuning_.dh_inplace_rows; }
-  int64_t DhSliceRows() const {  // whole 128-row tiles where it holds one
+  // The rows of a slice whose partials fit `fits` rows (0: none fits), whole 128-row tiles where it holds one.
+  int64_t DhSliceRows(int64_t fits) const {
     const int64_t rows = std::clamp<int64_t>(kDhPartBytes / (dh_chunks_ * shape_.hidden_size * 4), 1, kDhSliceRows);
-    return rows >= 128 ? rows / 128 * 128 : rows;
+    const int64_t slice = std::min(rows, std::max<int64_t>(fits, 0));
+    return slice >= 128 ? slice / 128 * 128 : slice;
   }
   // The fast loss path's d_hidden before its all-reduce: s.dh = s ⊙ (q · W) − t ⊙ W[y], on place's stream.
   absl::Status FastDHidden(Scratch& s, int64_t nr, const int32_t* y, int32_t ignore_index, bool tf32,
@@ -209,6 +214,7 @@ class CudaEngine final : public LceEngine {
   int64_t Bytes(const ScratchLayout& l, int64_t R) const;
   // buf holds at least `bytes` (grown after stream_ has finished with the old one).
   absl::Status GrowDeviceBuffer(std::unique_ptr<DeviceBuffer>& buf, int64_t bytes);
+  void ReleaseDeviceBuffer(std::unique_ptr<DeviceBuffer>& buf);  // and its bytes out of memory()
   // Largest R that fits the budget (at least 1: Init checked), at most `want`.
   int64_t RowsPerBlock(const ScratchLayout& l, int64_t want) const;
   // Logit tile columns for blocks of R rows: the default for large blocks; for a few rows as many as
@@ -271,6 +277,8 @@ class CudaEngine final : public LceEngine {
   std::unique_ptr<DeviceBuffer> dh_parts_;      // d_hidden's chunk partials (DHiddenProduct)
   std::unique_ptr<DeviceBuffer> bias_grad_;     // host rows' dB, on the device during a call
   PinnedStaging pinned_;
+  // memory(): the head's device copy (and bias), and the buffers GrowDeviceBuffer sizes.
+  std::atomic<int64_t> weights_bytes_{0}, scratch_bytes_{0};
   int64_t tile_ = 0, lds_ = 0, nseg_ = 0;
   // d_hidden's fixed chunks (kDhChunkCols): dh_chunks_ of dh_chunk_ columns; W's device copy has zero rows
   // up to dh_chunks_ · dh_chunk_, and the store as many columns (its padding zeroed a block).

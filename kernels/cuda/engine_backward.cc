@@ -241,7 +241,7 @@ absl::Status CudaEngine::DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const
   g.c_type = CUDA_R_32F;
   g.compute = ComputeType(tf32);
   g.fixed_k_order = true;
-  if (s.dh_parts == nullptr || DHiddenInPlace(nr)) {
+  if (s.dh_parts == nullptr || s.dh_slice == 0 || DHiddenInPlace(nr)) {
     // In place: a product a chunk over all nr rows, each added to the last (beta 1) in chunk order, as the
     // ordered sum adds them; the same family of algorithms, so the same bits.
     // Every chunk's algorithm is chosen (timed on s.dh) before the first product writes it.
@@ -260,7 +260,7 @@ absl::Status CudaEngine::DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const
     return absl::OkStatus();
   }
   g.k_chunks = static_cast<int>(dh_chunks_);
-  const int64_t slice = DhSliceRows();
+  const int64_t slice = s.dh_slice;
   for (int64_t r0 = 0; r0 < nr; r0 += slice) {
     g.n = std::min(slice, nr - r0);
     g.b = store + r0 * lds_ * sesz;

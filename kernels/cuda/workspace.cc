@@ -72,11 +72,17 @@ int64_t CudaEngine::Bytes(const ScratchLayout& l, int64_t R) const {
 absl::Status CudaEngine::GrowDeviceBuffer(std::unique_ptr<DeviceBuffer>& buf, int64_t bytes) {
   if (buf != nullptr && buf->size() >= bytes) return absl::OkStatus();
   LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the stream may still use the old one
-  buf.reset();                                     // freed before the larger one is taken
+  ReleaseDeviceBuffer(buf);                        // freed before the larger one is taken
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> grown = AllocateDeviceBuffer(bytes, config_.device);
   if (!grown.ok()) return grown.status();
   buf = std::move(*grown);
+  scratch_bytes_ += buf->size();
   return absl::OkStatus();
+}
+
+void CudaEngine::ReleaseDeviceBuffer(std::unique_ptr<DeviceBuffer>& buf) {
+  if (buf != nullptr) scratch_bytes_ -= buf->size();
+  buf.reset();
 }
 
 int64_t CudaEngine::RowsPerBlock(const ScratchLayout& l, int64_t want) const {

@@ -68,8 +68,12 @@ absl::Status RegionRegistry::CheckSecret(const std::string& session, const std::
     auto it = sessions_.find(session);
     if (it != sessions_.end()) want = it->second.secret;
   }
-  // An unknown session is compared against a string of the same length, so that timing tells neither
-  // which sessions exist nor how much of a secret was right.
+  return SecretMatches(want, secret);
+}
+
+absl::Status RegionRegistry::SecretMatches(const std::string& want, const std::string& secret) {
+  // An unknown session (want empty) is compared against a string of the same length, so that timing
+  // tells neither which sessions exist nor how much of a secret was right.
   const bool known = !want.empty();
   const bool match = ConstantTimeEquals(known ? want : std::string(secret.size(), '\0'), secret);
   if (known && match) return absl::OkStatus();
@@ -450,22 +454,20 @@ absl::StatusOr<RegionRegistry::Slice> RegionRegistry::Resolve(const std::string&
         " metadata: a request that names regions carries its session's id (lce-session) and secret "
         "(lce-session-secret, SessionResponse.session_secret)"));
   }
-  if (absl::Status s = CheckSecret(session, secret); !s.ok()) {
-    return absl::PermissionDeniedError(absl::StrCat(what, ": lce-session and lce-session-secret: ", s.message()));
-  }
+  // The session's secret and the region are read under one hold of mu_, as ReleaseSession drops a session
+  // and its regions: a session that ends mid-request answers PERMISSION_DENIED, as one that ended before it
+  // (read apart, the soak saw NOT_FOUND once for a session closed mid-request).
+  std::string want;
   std::shared_ptr<const Region> r;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = regions_.find(slice.region_id());
-    if (it != regions_.end()) r = it->second;
+    if (auto s = sessions_.find(session); s != sessions_.end()) want = s->second.secret;
+    if (auto it = regions_.find(slice.region_id()); it != regions_.end()) r = it->second;
+  }
+  if (absl::Status s = SecretMatches(want, secret); !s.ok()) {
+    return absl::PermissionDeniedError(absl::StrCat(what, ": lce-session and lce-session-secret: ", s.message()));
   }
   if (r == nullptr) {
-    // Its session may have ended since the secret was checked (ReleaseSession drops a session and its
-    // regions under one lock): then the answer is an ended session's, as for a request that came after
-    // (the soak saw NOT_FOUND here once, for a session closed mid-request).
-    if (absl::Status s = CheckSecret(session, secret); !s.ok()) {
-      return absl::PermissionDeniedError(absl::StrCat(what, ": lce-session and lce-session-secret: ", s.message()));
-    }
     return absl::NotFoundError(
         absl::StrCat(what, ": region ", slice.region_id(), " is not registered (never, or unregistered)"));
   }

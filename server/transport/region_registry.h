@@ -147,6 +147,8 @@ class RegionRegistry {
                                    int fd, int64_t offset, int64_t byte_size);
   // FAILED_PRECONDITION unless `session` is open (OpenSession, not yet released). Under mu_.
   absl::Status CheckOpenLocked(const std::string& session) const;
+  // CheckSecret's comparison against the session's secret `want` (empty: no such session).
+  static absl::Status SecretMatches(const std::string& want, const std::string& secret);
   absl::StatusOr<uint64_t> Add(const std::string& session, std::shared_ptr<Region> region);
   // RESOURCE_EXHAUSTED when `session` may not hold one more region with `server_bytes` more bytes
   // of server memory and `mapped_bytes` more of mapped client files. Under mu_.

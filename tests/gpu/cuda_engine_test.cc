@@ -1511,6 +1511,41 @@ TEST_F(EpilogueStatsTest, DHiddenBatchInvariantByDefault) {
   }
 }
 
+// d_hidden's chunk partials take what a block's scratch leaves of EngineConfig::workspace_bytes, down to
+// none (the chunks then add up in place): the engine's scratch stays within the budget, and d_hidden is
+// the same bits at every slice the rest allows.
+TEST_F(EpilogueStatsTest, DHiddenPartialsWithinTheBudget) {
+  ProblemSpec sp;
+  sp.rows = 1500;
+  sp.hidden = 256;
+  sp.vocab = 100003;  // 4 chunks: 4 KiB of partials a row
+  sp.mode = GradMode::kLoss;
+  const Problem p = MakeProblem(sp, 6200);
+  auto ref = MakeCuda(p, Epi());
+  ASSERT_NE(ref, nullptr);
+  const Answers want = RunEngine(*ref, p, MemorySpace::kDevice, {});
+  ASSERT_TRUE(want.status.ok()) << want.status;
+  // The block's own scratch: chunks added in place take no partials.
+  auto in_place = MakeCuda(p, WithTuning(EpiTuning([](CudaTuning& t) { t.dh_inplace_rows = 1; })));
+  ASSERT_NE(in_place, nullptr);
+  ASSERT_TRUE(RunEngine(*in_place, p, MemorySpace::kDevice, {}).status.ok());
+  const int64_t block = in_place->memory().workspace_bytes, row = 4 * sp.hidden * 4;
+  ASSERT_GT(block, 0);
+  EXPECT_GE(in_place->memory().weights_bytes, sp.vocab * sp.hidden * 2);  // the bf16 head's device copy
+  for (int64_t spare : {int64_t{0}, row - 1, 100 * row, 200 * row + 7, 4096 * row}) {
+    EngineConfig cfg = Epi();
+    cfg.workspace_bytes = block + spare;
+    auto e = MakeCuda(p, cfg);
+    ASSERT_NE(e, nullptr);
+    const Answers a = RunEngine(*e, p, MemorySpace::kDevice, {});
+    const std::string what = absl::StrCat("spare ", spare, " bytes");
+    ASSERT_TRUE(a.status.ok()) << what << ": " << a.status;
+    EXPECT_LE(e->memory().workspace_bytes, cfg.workspace_bytes) << what;
+    for (int64_t i = 0; i < sp.rows; i += 7)
+      ExpectRowSameBits(want, a, i, 0, sp.hidden, absl::StrCat(what, " row ", i));
+  }
+}
+
 // Vocab-parallel groups of 2 and 3 (segments at global offsets, V >= 131072, tp_invariant) give one
 // GPU's score bits, each rank's shard through its own epilogue-statistics GEMM.
 TEST_F(EpilogueStatsTest, VocabParallelStatisticsBitForBit) {

@@ -352,7 +352,7 @@ class LceClient {
                         const RowGrads& grads, ForwardBackwardResult* out);
   // Prepares the replica's data plane for `parts` streams of `routed` and points `routed` at its
   // server memory (the bytes then travel over `lanes`, one a stream); under DataPlane::mu.
-  absl::Status RouteOverDataPlane(Replica& replica, const char* rpc, size_t parts, HiddenBatch& routed,
+  absl::Status RouteOverDataPlane(Replica& replica, bool wants_d_hidden, size_t parts, HiddenBatch& routed,
                                   std::vector<DataPlaneLane>& lanes);
   void ConnectExtraChannels(Replica& replica);
   // Runs the request's parts at once, one stream each (the first on this thread); the first
