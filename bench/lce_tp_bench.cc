@@ -5,7 +5,7 @@
 //
 //   train  Compute(kLoss, mean over valid rows): d_hidden (bf16, all-reduced) and dW (fp32) of the shard
 //   score  Compute(kNone): logprob + entropy
-//   floor  one bf16 [N,H]x[H,V/k] cuBLAS GEMM on rank 0 (train's per-rank floor is three, score's one)
+//   floor  one bf16 [N,H]x[H,⌈V/k⌉] cuBLAS GEMM on rank 0 (train's per-rank floor is three, score's one)
 //   comm   time inside collectives per train call (all-reduces of partials and of d_hidden)
 //
 // Usage (see `bench/device.sh tp`): lce_tp_bench --rank=R --world=K --rendezvous=DIR
@@ -117,8 +117,11 @@ int main(int argc, char** argv) {
     weights->shape = {V, H, DType::kBFloat16, range.begin, rows, false};
     weights->weight.resize(rows * H * 2);
     NormalBf16(reinterpret_cast<uint16_t*>(weights->weight.data()), rows * H, range.begin * H, 1.0f / std::sqrt(float(H)), 7);
+    // The floor: one GEMM over ⌈V/k⌉ rows (an even share; a shard holds whole tiles, rank 0's may be smaller).
+    const int64_t floor_rows = (V + world - 1) / world;
     void* wdev;  // a device copy for the floor GEMM
-    CHECK(cudaMalloc(&wdev, rows * H * 2));
+    CHECK(cudaMalloc(&wdev, std::max(rows, floor_rows) * H * 2));
+    CHECK(cudaMemset(wdev, 0, std::max(rows, floor_rows) * H * 2));
     CHECK(cudaMemcpy(wdev, weights->weight.data(), rows * H * 2, cudaMemcpyHostToDevice));
     EngineConfig cfg;
     cfg.device = rank;
@@ -139,7 +142,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&ent, N * 4));
     CHECK(cudaMalloc(&loss, N * 4));
     CHECK(cudaMalloc(&dw, rows * H * 4));
-    CHECK(cudaMalloc(&floor_out, N * rows * 2));
+    CHECK(cudaMalloc(&floor_out, N * floor_rows * 2));
     CHECK(cudaMemset(dw, 0, rows * H * 4));
     {
       std::vector<uint16_t> hh(N * H);
@@ -187,15 +190,17 @@ int main(int argc, char** argv) {
     });
     const float alpha = 1.0f, beta = 0.0f;
     const double gemm = time_ms([&] {
-      CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), static_cast<int>(N), static_cast<int>(H),
-                         &alpha, wdev, CUDA_R_16BF, static_cast<int>(H), h, CUDA_R_16BF, static_cast<int>(H), &beta,
-                         floor_out, CUDA_R_16BF, static_cast<int>(rows), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(floor_rows), static_cast<int>(N),
+                         static_cast<int>(H), &alpha, wdev, CUDA_R_16BF, static_cast<int>(H), h, CUDA_R_16BF,
+                         static_cast<int>(H), &beta, floor_out, CUDA_R_16BF, static_cast<int>(floor_rows),
+                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     });
     if (rank == 0) {
-      std::printf("k=%d %ldx%ldx%ld  train %8.2f ms (x%.3f of 3 GEMMs of V/k)  score %8.2f ms (x%.3f)  "
-                  "floor GEMM %7.2f ms (%4.0f TFLOP/s)  in collectives %.2f ms/train (barriers included)\n",
-                  world, N, H, V, train, train / (3 * gemm), score, score / gemm, gemm, 2.0 * N * H * rows / gemm / 1e9,
-                  comm_per_train);
+      std::printf(
+          "k=%d %ldx%ldx%ld  train %8.2f ms (x%.3f of 3 GEMMs of V/k)  score %8.2f ms (x%.3f)  "
+          "floor GEMM %7.2f ms (%4.0f TFLOP/s)  in collectives %.2f ms/train (barriers included)\n",
+          world, N, H, V, train, train / (3 * gemm), score, score / gemm, gemm, 2.0 * N * H * floor_rows / gemm / 1e9,
+          comm_per_train);
       std::fflush(stdout);
     }
     for (void* p : {wdev, h, dh, static_cast<void*>(t),

@@ -69,10 +69,13 @@ VocabRange VocabShard(int64_t vocab_size, int rank, int world) {
   const int64_t tiles = VocabTileCount(vocab_size);
   const int64_t base = tiles / world;
   const int64_t extra = tiles % world;
-  const int64_t first = rank * base + std::min<int64_t>(rank, extra);
+  // The last `extra` ranks take a tile more: the last of them holds the head's short last tile, so that a
+  // group of two with an odd T is within a short tile of even (151936 rows: 75776 / 76160, not 77824 / 74112).
+  const int64_t more_from = world - extra;
+  const int64_t first = rank * base + std::max<int64_t>(0, rank - more_from);
   const int64_t tile = VocabTile(vocab_size);
   const int64_t begin = std::min(vocab_size, first * tile);
-  return {begin, std::min(vocab_size, (first + base + (rank < extra ? 1 : 0)) * tile)};
+  return {begin, std::min(vocab_size, (first + base + (rank >= more_from ? 1 : 0)) * tile)};
 }
 
 }  // namespace lce

@@ -81,7 +81,10 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
 
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t N = p.rows.rows;
-  int64_t want = RowsPerBlock(layout, N);
+  // The blocks leave room for a slice of d_hidden's chunk partials: slices of a few rows, each a product of
+  // its own, doubled a TP-2 training step's d_hidden (bench/RESULTS.md, 2026-11-28).
+  const int64_t reserve = p.dh_chunks ? std::min(N, kDhMinSliceRows) * DhPartRowBytes() : 0;
+  int64_t want = RowsPerBlock(layout, N, config_.workspace_bytes - reserve);
   if (epi && o.top_k > 1) want = std::min(want, kRankRowsPerBlock);  // the candidates' lists
   absl::StatusOr<int64_t> group_r_max = GroupRowsPerBlock(want);
   if (!group_r_max.ok()) return group_r_max.status();
@@ -125,26 +128,16 @@ absl::StatusOr<int64_t> CudaEngine::GroupRowsPerBlock(int64_t r_max) {
 
 absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
   const int64_t R = p.R, H = shape_.hidden_size, esz = DTypeSize(shape_.dtype);
-  const int64_t need = Bytes(p.layout, R);
-  LCE_CUDA_CHECK(GrowDeviceBuffer(workspace_, need));
-  Carve(p.layout, R, workspace_->data(), &s);
-  // d_hidden's chunk partials take what the block's scratch leaves of the budget (sizing the blocks with
-  // them would cost a training call a row block more at 16384×4096×151936, bench/RESULTS.md); with too
-  // little left for one row, and for blocks that accumulate in place, the chunks add up in place instead.
+  const int64_t need = RoundUp(Bytes(p.layout, R), 256);
+  // d_hidden's chunk partials go after the block's scratch, in what it leaves of the budget (PlanCall kept
+  // room for a slice of kDhMinSliceRows); blocks that accumulate in place need none.
   s.dh_slice = 0;
-  s.dh_parts = nullptr;
   if (p.dh_chunks && !DHiddenInPlace(R)) {
-    const int64_t row_bytes = dh_chunks_ * H * 4;
-    s.dh_slice = DhSliceRows(std::min(R, (config_.workspace_bytes - workspace_->size()) / row_bytes));
-    if (dh_parts_ != nullptr && dh_parts_->size() > s.dh_slice * row_bytes) {
-      LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));  // a larger one, from a smaller block: over the budget now
-      ReleaseDeviceBuffer(dh_parts_);
-    }
-    if (s.dh_slice > 0) {
-      LCE_CUDA_CHECK(GrowDeviceBuffer(dh_parts_, s.dh_slice * row_bytes));
-      s.dh_parts = reinterpret_cast<float*>(dh_parts_->data());
-    }
+    s.dh_slice = DhSliceRows(std::min(R, (config_.workspace_bytes - need) / DhPartRowBytes()));
   }
+  LCE_CUDA_CHECK(GrowDeviceBuffer(workspace_, need + s.dh_slice * DhPartRowBytes()));
+  Carve(p.layout, R, workspace_->data(), &s);
+  s.dh_parts = s.dh_slice > 0 ? reinterpret_cast<float*>(workspace_->data() + need) : nullptr;
   LCE_CUDA_CHECK(cublasSetWorkspace(cublas_, s.cublas_ws, kCublasWorkspace));
   cublas_ws_ = s.cublas_ws;
   // GEMMs are tuned on scratch free while they run: the logit tiles, or d_hidden's accumulator (written

@@ -47,6 +47,7 @@ inline constexpr int kRankTileCols = 256;  // the epilogue GEMM's configurations
 // slices of at most kDhSliceRows, their partials at most kDhPartBytes.
 inline constexpr int64_t kDhChunkCols = 32768;
 inline constexpr int64_t kDhSliceRows = 1024;
+inline constexpr int64_t kDhMinSliceRows = 512;  // room a row block leaves for them (PlanCall)
 inline constexpr int64_t kDhPartBytes = 128 * kMiB;
 
 // Where a product goes (CudaEngine::Gemm): stream_ and its cuBLAS workspace unless another stream is named,
@@ -184,6 +185,7 @@ class CudaEngine final : public LceEngine {
   }
   // Blocks of this many rows accumulate the chunks in place, without partials (CudaTuning::dh_inplace_rows).
   bool DHiddenInPlace(int64_t rows) const { return tuning_.dh_inplace_rows > 0 && rows >= tuning_.dh_inplace_rows; }
+  int64_t DhPartRowBytes() const { return dh_chunks_ * shape_.hidden_size * 4; }  // a row's chunk partials
   // The rows of a slice whose partials fit `fits` rows (0: none fits), whole 128-row tiles where it holds one.
   int64_t DhSliceRows(int64_t fits) const {
     const int64_t rows = std::clamp<int64_t>(kDhPartBytes / (dh_chunks_ * shape_.hidden_size * 4), 1, kDhSliceRows);
@@ -214,9 +216,8 @@ class CudaEngine final : public LceEngine {
   int64_t Bytes(const ScratchLayout& l, int64_t R) const;
   // buf holds at least `bytes` (grown after stream_ has finished with the old one).
   absl::Status GrowDeviceBuffer(std::unique_ptr<DeviceBuffer>& buf, int64_t bytes);
-  void ReleaseDeviceBuffer(std::unique_ptr<DeviceBuffer>& buf);  // and its bytes out of memory()
-  // Largest R that fits the budget (at least 1: Init checked), at most `want`.
-  int64_t RowsPerBlock(const ScratchLayout& l, int64_t want) const;
+  // Largest R whose scratch fits `budget` (at least 1), at most `want`.
+  int64_t RowsPerBlock(const ScratchLayout& l, int64_t want, int64_t budget) const;
   // Logit tile columns for blocks of R rows: the default for large blocks; for a few rows as many as
   // kWideLogitBytes of double-buffered fp32 logits hold, up to the whole shard. A GEMM of 8192
   // vocabulary rows by a handful of batch rows keeps too few SMs streaming W; one over the whole
@@ -274,7 +275,6 @@ class CudaEngine final : public LceEngine {
   std::unique_ptr<DeviceBuffer> rank_buf_;      // rankings' candidates and host rows' staged outputs
   std::unique_ptr<DeviceBuffer> rank_dump_;     // the rankings' fallback: a few rows' v over the shard
   std::unique_ptr<DeviceBuffer> agree_;         // GroupRowsPerBlock's one float
-  std::unique_ptr<DeviceBuffer> dh_parts_;      // d_hidden's chunk partials (DHiddenProduct)
   std::unique_ptr<DeviceBuffer> bias_grad_;     // host rows' dB, on the device during a call
   PinnedStaging pinned_;
   // memory(): the head's device copy (and bias), and the buffers GrowDeviceBuffer sizes.

@@ -72,7 +72,8 @@ int64_t CudaEngine::Bytes(const ScratchLayout& l, int64_t R) const {
 absl::Status CudaEngine::GrowDeviceBuffer(std::unique_ptr<DeviceBuffer>& buf, int64_t bytes) {
   if (buf != nullptr && buf->size() >= bytes) return absl::OkStatus();
   LCE_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the stream may still use the old one
-  ReleaseDeviceBuffer(buf);                        // freed before the larger one is taken
+  if (buf != nullptr) scratch_bytes_ -= buf->size();
+  buf.reset();  // freed before the larger one is taken
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> grown = AllocateDeviceBuffer(bytes, config_.device);
   if (!grown.ok()) return grown.status();
   buf = std::move(*grown);
@@ -80,17 +81,12 @@ absl::Status CudaEngine::GrowDeviceBuffer(std::unique_ptr<DeviceBuffer>& buf, in
   return absl::OkStatus();
 }
 
-void CudaEngine::ReleaseDeviceBuffer(std::unique_ptr<DeviceBuffer>& buf) {
-  if (buf != nullptr) scratch_bytes_ -= buf->size();
-  buf.reset();
-}
-
-int64_t CudaEngine::RowsPerBlock(const ScratchLayout& l, int64_t want) const {
+int64_t CudaEngine::RowsPerBlock(const ScratchLayout& l, int64_t want, int64_t budget) const {
   int64_t lo = 1, hi = std::min<int64_t>(want, kMaxRowsPerBlock);
   if (const int64_t cap = tuning_.max_rows; cap > 0) hi = std::min(hi, cap);
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (Bytes(l, mid) <= config_.workspace_bytes)
+    if (Bytes(l, mid) <= budget)
       lo = mid;
     else
       hi = mid - 1;

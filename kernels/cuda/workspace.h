@@ -41,7 +41,7 @@ struct Scratch {
   float* m = nullptr;              // [R]
   float* info = nullptr;           // [R, kRowInfo]
   float* dh = nullptr;             // [R, H] fp32 (backward only; may alias the logit tiles)
-  float* dh_parts = nullptr;       // [chunks, dh_slice, H] fp32: d_hidden's chunk partials (dh_parts_, in the budget)
+  float* dh_parts = nullptr;       // [chunks, dh_slice, H] fp32: d_hidden's chunk partials, after the carved scratch
   int64_t dh_slice = 0;            // rows a slice of them; 0: the chunks accumulate in place
   float* tree = nullptr;           // [TreeSlots(), R, H] fp32: d_hidden's tile tree (tree_dh_)
   float* tree_gathered = nullptr;  // [GatheredNodes(), R, H] fp32: every rank's subtrees (tree_dh_, TP)

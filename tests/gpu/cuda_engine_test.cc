@@ -1511,9 +1511,9 @@ TEST_F(EpilogueStatsTest, DHiddenBatchInvariantByDefault) {
   }
 }
 
-// d_hidden's chunk partials take what a block's scratch leaves of EngineConfig::workspace_bytes, down to
-// none (the chunks then add up in place): the engine's scratch stays within the budget, and d_hidden is
-// the same bits at every slice the rest allows.
+// d_hidden's chunk partials take what a block's scratch leaves of EngineConfig::workspace_bytes (blocks
+// leave room for a slice of 512 rows): the engine's scratch stays within the budget, and d_hidden is the
+// same bits whatever the blocks and slices each budget gives.
 TEST_F(EpilogueStatsTest, DHiddenPartialsWithinTheBudget) {
   ProblemSpec sp;
   sp.rows = 1500;

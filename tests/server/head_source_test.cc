@@ -57,15 +57,15 @@ TEST(HeadSource, ShardedFileLoadReadsItsRows) {
   HeadSource src;
   src.file = path;
   src.bias_tensor = "lm_head.bias";
-  auto shard = LoadHead(src, 1, 3);  // rows [4, 7)
+  auto shard = LoadHead(src, 1, 3);  // rows [3, 6): the last rank holds the fourth tile
   ASSERT_TRUE(shard.ok()) << shard.status();
   EXPECT_EQ((*shard)->shape.vocab_size, 10);
-  EXPECT_EQ((*shard)->shape.vocab_begin, 4);
+  EXPECT_EQ((*shard)->shape.vocab_begin, 3);
   EXPECT_EQ((*shard)->shape.shard_rows, 3);
   const float* got = reinterpret_cast<const float*>((*shard)->weight.data());
-  EXPECT_EQ(got[0], 16.0f);
-  EXPECT_EQ(got[11], 27.0f);
-  EXPECT_EQ((*shard)->bias, (std::vector<float>{-4, -5, -6}));
+  EXPECT_EQ(got[0], 12.0f);
+  EXPECT_EQ(got[11], 23.0f);
+  EXPECT_EQ((*shard)->bias, (std::vector<float>{-3, -4, -5}));
   src.tensor = "nope";
   ExpectError(LoadHead(src, 0, 1).status(), absl::StatusCode::kNotFound, "no tensor named 'nope'");
   src.tensor = "lm_head.weight";

@@ -50,8 +50,8 @@ int64_t VocabTile(int64_t vocab_size);
 int64_t VocabTileCount(int64_t vocab_size);
 
 // Contiguous range [begin, end) of vocabulary rows that rank `rank` of `world` owns: whole tiles,
-// ⌈T/world⌉ of them for the first T % world ranks and ⌊T/world⌋ for the rest (T = VocabTileCount).
-// Empty when the group has more ranks than the head has tiles.
+// ⌈T/world⌉ of them for the last T % world ranks and ⌊T/world⌋ for the rest (T = VocabTileCount), so that
+// the last rank's ⌈T/world⌉ include the short last tile. Empty when the group has more ranks than tiles.
 struct VocabRange {
   int64_t begin;
   int64_t end;
