@@ -1,14 +1,17 @@
 // The engine's vocab-parallel path: k shards in k threads, joined by an in-process Collectives,
 // must give the unsharded engine's answers, the same bits, for every option (docs/MATH.md,
 // "Vocab-parallel" and "Order of reductions").
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "gtest/gtest.h"
 #include "lce/engine.h"
+#include "lce/head.h"
 #include "lce/numeric.h"
 
 namespace lce {
@@ -91,6 +94,40 @@ void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b, co
   for (size_t i = 0; i < a.size(); ++i) {
     ASSERT_EQ(std::memcmp(&a[i], &b[i], sizeof(float)), 0) << what << "[" << i << "]: " << a[i] << " vs " << b[i];
   }
+}
+
+// VocabShard: contiguous whole tiles covering the head, none empty while k <= T, within a tile of one another,
+// the extra tiles on the last ranks so that the short last tile evens a group out (docs/MATH.md,
+// "Vocab-parallel"): the largest shard is never above the ⌈T/k⌉ whole tiles the first ranks took before.
+TEST(VocabParallel, ShardsAreWholeTilesWithinATileOfEven) {
+  for (int64_t V : {10, 103, 300, 1001, 4097, 32000, 50257, 128256, 151936, 152064, 201088, 256000, 262144}) {
+    const int64_t tile = VocabTile(V), tiles = VocabTileCount(V);
+    for (int k = 1; k <= 8 && k <= tiles; ++k) {
+      const std::string what = "V=" + std::to_string(V) + " k=" + std::to_string(k);
+      int64_t end = 0, smallest = V, largest = 0;
+      for (int r = 0; r < k; ++r) {
+        const VocabRange got = VocabShard(V, r, k);
+        EXPECT_EQ(got.begin, end) << what << " rank " << r;
+        EXPECT_EQ(got.begin % tile, 0) << what << " rank " << r;
+        EXPECT_GT(got.end, got.begin) << what << " rank " << r;
+        smallest = std::min(smallest, got.end - got.begin);
+        largest = std::max(largest, got.end - got.begin);
+        end = got.end;
+      }
+      EXPECT_EQ(end, V) << what;
+      EXPECT_LE(largest - smallest, tile) << what;
+      EXPECT_LE(largest, (tiles + k - 1) / k * tile) << what;
+      const VocabRange last = VocabShard(V, k - 1, k);  // among the ranks with a tile more
+      EXPECT_EQ((last.end - last.begin + tile - 1) / tile, (tiles + k - 1) / k) << what;
+    }
+  }
+  // Two ranks over 75 tiles of 2048 (the last 384 rows): 37 and 38 tiles, 75776 and 76160 rows.
+  EXPECT_EQ(VocabShard(151936, 0, 2).end, 75776);
+  EXPECT_EQ(VocabShard(151936, 1, 2).begin, 75776);
+  EXPECT_EQ(VocabShard(151936, 1, 2).end, 151936);
+  // More ranks than tiles: the first ranks are empty.
+  EXPECT_EQ(VocabShard(10, 0, 12).end - VocabShard(10, 0, 12).begin, 0);
+  EXPECT_EQ(VocabShard(10, 11, 12).end, 10);
 }
 
 TEST(VocabParallel, ShardsGiveTheUnshardedAnswersBitForBit) {
