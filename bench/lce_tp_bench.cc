@@ -120,8 +120,9 @@ int main(int argc, char** argv) {
     // The floor: one GEMM over ⌈V/k⌉ rows (an even share; a shard holds whole tiles, rank 0's may be smaller).
     const int64_t floor_rows = (V + world - 1) / world;
     void* wdev;  // a device copy for the floor GEMM
-    CHECK(cudaMalloc(&wdev, std::max(rows, floor_rows) * H * 2));
-    CHECK(cudaMemset(wdev, 0, std::max(rows, floor_rows) * H * 2));
+    const int64_t wdev_bytes = std::max(rows, floor_rows) * H * 2;
+    CHECK(cudaMalloc(&wdev, wdev_bytes));
+    CHECK(cudaMemset(wdev, 0, wdev_bytes));
     CHECK(cudaMemcpy(wdev, weights->weight.data(), rows * H * 2, cudaMemcpyHostToDevice));
     EngineConfig cfg;
     cfg.device = rank;

@@ -188,7 +188,7 @@ class CudaEngine final : public LceEngine {
   int64_t DhPartRowBytes() const { return dh_chunks_ * shape_.hidden_size * 4; }  // a row's chunk partials
   // The rows of a slice whose partials fit `fits` rows (0: none fits), whole 128-row tiles where it holds one.
   int64_t DhSliceRows(int64_t fits) const {
-    const int64_t rows = std::clamp<int64_t>(kDhPartBytes / (dh_chunks_ * shape_.hidden_size * 4), 1, kDhSliceRows);
+    const int64_t rows = std::clamp<int64_t>(kDhPartBytes / DhPartRowBytes(), 1, kDhSliceRows);
     const int64_t slice = std::min(rows, std::max<int64_t>(fits, 0));
     return slice >= 128 ? slice / 128 * 128 : slice;
   }
