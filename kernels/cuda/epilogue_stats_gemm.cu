@@ -103,9 +103,16 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
 // (TileArgmax), which is all a ranking of k = 1 needs.
 enum class Ranking { kNone, kCandidates, kSample, kArgmax };
 
+// Which of Reduce's variants a kernel holds: every one, chosen per call (kAny), or the plain logits' alone,
+// with or without the entropy. The ranked kernels come in all three: with every variant compiled in, ptxas
+// spilled the executed one's transformed logits to local memory and read them back for the candidates
+// (1,948 bytes a thread stored, against 200 with the plain one alone), and a top-20 score took 4-6% longer
+// (H200, bench/RESULTS.md 2026-11-28 session 9).
+enum class Reduction { kAny, kPlainWithEntropy, kPlainLogprobOnly };
+
 // An epilogue with the interface of cutlass::epilogue::collective::DefaultEpilogue (wrapped by
 // detail::Sm90TmaWarpSpecializedAdapter), which reduces the tile instead of storing it.
-template <Ranking kRanking>
+template <Ranking kRanking, Reduction kReduction = Reduction::kAny>
 class RowStatsEpilogue {
   static constexpr bool kRank = kRanking == Ranking::kCandidates;
   static constexpr bool kSample = kRanking == Ranking::kSample;
@@ -206,6 +213,13 @@ class RowStatsEpilogue {
   template <bool kRagged, int kBN, class TA, class TC>
   CUTLASS_DEVICE void ReduceAs(int tf, TA& a, TC const& c, int M, int N, int m0, int n0, int n_tile,
                                uint32_t* slice) const {
+    if constexpr (kReduction == Reduction::kPlainWithEntropy) {
+      (void)tf;
+      return Reduce<kRagged, kPlain, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+    } else if constexpr (kReduction == Reduction::kPlainLogprobOnly) {
+      (void)tf;
+      return Reduce<kRagged, kPlain, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+    }
     switch (tf) {
       case kWeighted: return Reduce<kRagged, kWeighted, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
       case kCapped: return Reduce<kRagged, kCapped, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
@@ -536,14 +550,16 @@ class RowStatsEpilogue {
 };
 
 // One kernel configuration: tile, cluster and schedule, everything else fixed.
-template <class TileShape, class ClusterShape, class Schedule, Ranking kRanking = Ranking::kNone>
+template <class TileShape, class ClusterShape, class Schedule, Ranking kRanking = Ranking::kNone,
+          Reduction kReduction = Reduction::kAny>
 struct StatsGemm {
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<kRanking>>;
+  using Epilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RowStatsEpilogue<kRanking, kReduction>>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t, cutlass::layout::RowMajor, 8,
       cutlass::bfloat16_t, cutlass::layout::ColumnMajor, 8, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename RowStatsEpilogue<kRanking>::SharedStorage))>,
+          sizeof(typename RowStatsEpilogue<kRanking, kReduction>::SharedStorage))>,
       Schedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
@@ -556,21 +572,23 @@ struct StatsGemm {
 // 2: ping-pong, 64×256 tiles, likewise; 3: as 1 in clusters of two along the rows (W's tile multicast).
 // 1, 2 and 3 run the same m64n256k16 instructions over the same 64-column k-blocks and reduce the same
 // 256-column tiles with the same lanes: one row's partials are the same bits through any of them.
-template <Ranking kRanking = Ranking::kNone>
-using Cooperative256With =
-    StatsGemm<Shape<_128, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative, kRanking>;
-template <Ranking kRanking = Ranking::kNone>
-using PingPong64x256With =
-    StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong, kRanking>;
+template <Ranking kRanking = Ranking::kNone, Reduction kReduction = Reduction::kAny>
+using Cooperative256With = StatsGemm<Shape<_128, _256, _64>, Shape<_1, _2, _1>,
+                                     cutlass::gemm::KernelTmaWarpSpecializedCooperative, kRanking, kReduction>;
+template <Ranking kRanking = Ranking::kNone, Reduction kReduction = Reduction::kAny>
+using PingPong64x256With = StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>,
+                                     cutlass::gemm::KernelTmaWarpSpecializedPingpong, kRanking, kReduction>;
 using PingPong128 = StatsGemm<Shape<_128, _128, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
 using Cooperative256 = Cooperative256With<>;
 using PingPong64x256 = PingPong64x256With<>;
 using Cooperative256RowPairs =
     StatsGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
 // With the rankings' candidates: 1 and 2 only (3 gives 1's bits; 0 has other tiles and keeps the
-// logit-tile path for rankings).
-using Cooperative256Ranked = Cooperative256With<Ranking::kCandidates>;
-using PingPong64x256Ranked = PingPong64x256With<Ranking::kCandidates>;
+// logit-tile path for rankings); each with every Reduce variant and with the plain ones alone.
+template <Reduction kReduction = Reduction::kAny>
+using Cooperative256Ranked = Cooperative256With<Ranking::kCandidates, kReduction>;
+template <Reduction kReduction = Reduction::kAny>
+using PingPong64x256Ranked = PingPong64x256With<Ranking::kCandidates, kReduction>;
 // The rankings' first pass (the same products: a sample column's v is the main pass's bits).
 using Cooperative256Sampled = Cooperative256With<Ranking::kSample>;
 using PingPong64x256Sampled = PingPong64x256With<Ranking::kSample>;
@@ -634,13 +652,27 @@ absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t
   return absl::OkStatus();
 }
 
+// The ranked kernel for the call: the one holding the plain logits' reduction alone where the call has
+// no bias, softcap or class weights (the same bits: the same Reduce), else the one holding every variant.
+absl::Status RunRanked(int config, const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
+  const bool plain = a.tf.bias == nullptr && !(a.tf.softcap > 0.0f) && a.tf.sum_weight == nullptr;
+  if (config == 2) {
+    if (!plain) return Run<PingPong64x256Ranked<>>(a, sp, stream);
+    return a.entropy ? Run<PingPong64x256Ranked<Reduction::kPlainWithEntropy>>(a, sp, stream)
+                     : Run<PingPong64x256Ranked<Reduction::kPlainLogprobOnly>>(a, sp, stream);
+  }
+  if (!plain) return Run<Cooperative256Ranked<>>(a, sp, stream);
+  return a.entropy ? Run<Cooperative256Ranked<Reduction::kPlainWithEntropy>>(a, sp, stream)
+                   : Run<Cooperative256Ranked<Reduction::kPlainLogprobOnly>>(a, sp, stream);
+}
+
 }  // namespace
 
 int EpilogueStatsTileCols(int config) {
   static_assert(Cooperative256::kTileCols == PingPong64x256::kTileCols &&
                 Cooperative256::kTileCols == Cooperative256RowPairs::kTileCols &&
-                Cooperative256::kTileCols == Cooperative256Ranked::kTileCols &&
-                Cooperative256::kTileCols == PingPong64x256Ranked::kTileCols &&
+                Cooperative256::kTileCols == Cooperative256Ranked<>::kTileCols &&
+                Cooperative256::kTileCols == PingPong64x256Ranked<>::kTileCols &&
                 Cooperative256::kTileCols == Cooperative256Argmax::kTileCols);
   return config == 0 ? PingPong128::kTileCols : Cooperative256::kTileCols;
 }
@@ -699,7 +731,7 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
     if (a.rank_list != nullptr && a.rank_thr == nullptr) {
       return config == 2 ? Run<PingPong64x256Sampled>(a, sp, stream) : Run<Cooperative256Sampled>(a, sp, stream);
     }
-    return config == 2 ? Run<PingPong64x256Ranked>(a, sp, stream) : Run<Cooperative256Ranked>(a, sp, stream);
+    return RunRanked(config, a, sp, stream);
   }
   switch (config) {
     case 0: return Run<PingPong128>(a, sp, stream);
