@@ -104,11 +104,25 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
 enum class Ranking { kNone, kCandidates, kSample, kArgmax };
 
 // Which of Reduce's variants a kernel holds: every one, chosen per call (kAny), or the plain logits' alone,
-// with or without the entropy. The ranked kernels come in all three: with every variant compiled in, ptxas
-// spilled the executed one's transformed logits to local memory and read them back for the candidates
-// (1,948 bytes a thread stored, against 200 with the plain one alone), and a top-20 score took 4-6% longer
-// (H200, bench/RESULTS.md 2026-11-28 session 9).
+// with or without the entropy. The kernels of configurations 1 and 2 come in all three (RunFor): with every
+// variant compiled in, ptxas spilled the executed one's transformed logits to local memory and read them
+// back for the candidates (1,948 bytes a thread stored, against 200 with the plain one alone), and a top-20
+// score took 4-6% longer (H200, bench/RESULTS.md 2026-11-28 session 9); the statistics alone spilled 44
+// bytes a thread with every variant, none with the plain one alone.
 enum class Reduction { kAny, kPlainWithEntropy, kPlainLogprobOnly };
+
+// The logit transform a Reduce is compiled for: kPlain, none; kBias, a bias and no softcap; kCapped, a
+// softcap (and a bias if set); kWeighted, as kCapped with Σz weighted by sum_weight (class weights with
+// label smoothing and a softcap: z is not linear in h, so Σ_j w_j z_j comes from the tile itself). Each
+// its own code: a run-time softcap test a logit (the one general path that kBias and kCapped replace)
+// cost a score with a bias +9–11% (H200, 2026-11-27), its branches splitting the rows' chains.
+constexpr int kPlain = 0, kBias = 1, kCapped = 2, kWeighted = 3;
+// The call's transform: the epilogue's choice on the device and the launcher's choice of a kernel
+// holding the plain reduction alone on the host, one rule for both. sum_weight comes only with a
+// softcap (checked at launch).
+CUTLASS_HOST_DEVICE int LogitTransform(const StatsParams& p) {
+  return p.sum_weight != nullptr ? kWeighted : p.softcap > 0.0f ? kCapped : p.bias != nullptr ? kBias : kPlain;
+}
 
 // An epilogue with the interface of cutlass::epilogue::collective::DefaultEpilogue (wrapped by
 // detail::Sm90TmaWarpSpecializedAdapter), which reduces the tile instead of storing it.
@@ -190,11 +204,7 @@ class RowStatsEpilogue {
     if constexpr (kRank) {
       if (p_.dump != nullptr) return Dump(a, c, M, N, m0, n0);
     }
-    // sum_weight comes only with a softcap (checked at launch).
-    const int tf = p_.sum_weight != nullptr ? kWeighted
-                   : p_.softcap > 0.0f      ? kCapped
-                   : p_.bias != nullptr     ? kBias
-                                            : kPlain;
+    const int tf = LogitTransform(p_);
     uint32_t* slice = reinterpret_cast<SharedStorage*>(smem)->slice[threadIdx.x / 32 - kProducerWarps];
     if (n0 + kBN <= N) {
       ReduceAs<false, kBN>(tf, a, c, M, N, m0, n0, n_tile, slice);
@@ -204,12 +214,6 @@ class RowStatsEpilogue {
   }
 
  private:
-  // The logit transform a Reduce is compiled for: kPlain, none; kBias, a bias and no softcap; kCapped, a
-  // softcap (and a bias if set); kWeighted, as kCapped with Σz weighted by sum_weight (class weights with
-  // label smoothing and a softcap: z is not linear in h, so Σ_j w_j z_j comes from the tile itself). Each
-  // its own code: a run-time softcap test a logit (the one general path that kBias and kCapped replace)
-  // cost a score with a bias +9–11% (H200, 2026-11-27), its branches splitting the rows' chains.
-  static constexpr int kPlain = 0, kBias = 1, kCapped = 2, kWeighted = 3;
   template <bool kRagged, int kBN, class TA, class TC>
   CUTLASS_DEVICE void ReduceAs(int tf, TA& a, TC const& c, int M, int N, int m0, int n0, int n_tile,
                                uint32_t* slice) const {
@@ -583,18 +587,24 @@ using Cooperative256 = Cooperative256With<>;
 using PingPong64x256 = PingPong64x256With<>;
 using Cooperative256RowPairs =
     StatsGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
-// With the rankings' candidates: 1 and 2 only (3 gives 1's bits; 0 has other tiles and keeps the
-// logit-tile path for rankings); each with every Reduce variant and with the plain ones alone.
-template <Reduction kReduction = Reduction::kAny>
+// 1 and 2 come in families, a kernel per Reduction (RunFor picks): the statistics alone; with the rankings'
+// candidates (3 gives 1's bits; 0 has other tiles and keeps the logit-tile path for rankings); with the
+// tiles' argmax beside the statistics (and the training copy), which is all a ranking of k = 1 needs.
+template <Reduction kReduction>
+using Cooperative256Stats = Cooperative256With<Ranking::kNone, kReduction>;
+template <Reduction kReduction>
+using PingPong64x256Stats = PingPong64x256With<Ranking::kNone, kReduction>;
+template <Reduction kReduction>
 using Cooperative256Ranked = Cooperative256With<Ranking::kCandidates, kReduction>;
-template <Reduction kReduction = Reduction::kAny>
+template <Reduction kReduction>
 using PingPong64x256Ranked = PingPong64x256With<Ranking::kCandidates, kReduction>;
+template <Reduction kReduction>
+using Cooperative256Argmax = Cooperative256With<Ranking::kArgmax, kReduction>;
+template <Reduction kReduction>
+using PingPong64x256Argmax = PingPong64x256With<Ranking::kArgmax, kReduction>;
 // The rankings' first pass (the same products: a sample column's v is the main pass's bits).
 using Cooperative256Sampled = Cooperative256With<Ranking::kSample>;
 using PingPong64x256Sampled = PingPong64x256With<Ranking::kSample>;
-// k = 1: the tiles' argmax beside the statistics (and the training copy), no first pass, no lists.
-using Cooperative256Argmax = Cooperative256With<Ranking::kArgmax>;
-using PingPong64x256Argmax = PingPong64x256With<Ranking::kArgmax>;
 
 // Lets Kernel use its shared memory (over the 48 KB default) on `device`, once per device.
 template <class Kernel>
@@ -652,18 +662,14 @@ absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t
   return absl::OkStatus();
 }
 
-// The ranked kernel for the call: the one holding the plain logits' reduction alone where the call has
-// no bias, softcap or class weights (the same bits: the same Reduce), else the one holding every variant.
-absl::Status RunRanked(int config, const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
-  const bool plain = a.tf.bias == nullptr && !(a.tf.softcap > 0.0f) && a.tf.sum_weight == nullptr;
-  if (config == 2) {
-    if (!plain) return Run<PingPong64x256Ranked<>>(a, sp, stream);
-    return a.entropy ? Run<PingPong64x256Ranked<Reduction::kPlainWithEntropy>>(a, sp, stream)
-                     : Run<PingPong64x256Ranked<Reduction::kPlainLogprobOnly>>(a, sp, stream);
-  }
-  if (!plain) return Run<Cooperative256Ranked<>>(a, sp, stream);
-  return a.entropy ? Run<Cooperative256Ranked<Reduction::kPlainWithEntropy>>(a, sp, stream)
-                   : Run<Cooperative256Ranked<Reduction::kPlainLogprobOnly>>(a, sp, stream);
+// The family's kernel for the call: the one holding the plain logits' reduction alone, with or without
+// the entropy, where the call has no bias, softcap or class weights (the same bits: the same Reduce),
+// else the one holding every variant.
+template <template <Reduction> class Family>
+absl::Status RunFor(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
+  if (LogitTransform(sp) != kPlain) return Run<Family<Reduction::kAny>>(a, sp, stream);
+  return sp.entropy ? Run<Family<Reduction::kPlainWithEntropy>>(a, sp, stream)
+                    : Run<Family<Reduction::kPlainLogprobOnly>>(a, sp, stream);
 }
 
 }  // namespace
@@ -671,9 +677,8 @@ absl::Status RunRanked(int config, const EpilogueStatsArgs& a, const StatsParams
 int EpilogueStatsTileCols(int config) {
   static_assert(Cooperative256::kTileCols == PingPong64x256::kTileCols &&
                 Cooperative256::kTileCols == Cooperative256RowPairs::kTileCols &&
-                Cooperative256::kTileCols == Cooperative256Ranked<>::kTileCols &&
-                Cooperative256::kTileCols == PingPong64x256Ranked<>::kTileCols &&
-                Cooperative256::kTileCols == Cooperative256Argmax::kTileCols);
+                Cooperative256::kTileCols == Cooperative256Sampled::kTileCols &&
+                Cooperative256::kTileCols == PingPong64x256Sampled::kTileCols);
   return config == 0 ? PingPong128::kTileCols : Cooperative256::kTileCols;
 }
 
@@ -726,18 +731,18 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   if (a.rank_list != nullptr || a.dump != nullptr || a.tile_arg != nullptr) {
     if (config == 0) return absl::InternalError("LaunchEpilogueStatsGemm: no rankings with 128-column tiles");
     if (a.tile_arg != nullptr) {
-      return config == 2 ? Run<PingPong64x256Argmax>(a, sp, stream) : Run<Cooperative256Argmax>(a, sp, stream);
+      return config == 2 ? RunFor<PingPong64x256Argmax>(a, sp, stream) : RunFor<Cooperative256Argmax>(a, sp, stream);
     }
     if (a.rank_list != nullptr && a.rank_thr == nullptr) {
       return config == 2 ? Run<PingPong64x256Sampled>(a, sp, stream) : Run<Cooperative256Sampled>(a, sp, stream);
     }
-    return RunRanked(config, a, sp, stream);
+    return config == 2 ? RunFor<PingPong64x256Ranked>(a, sp, stream) : RunFor<Cooperative256Ranked>(a, sp, stream);
   }
   switch (config) {
     case 0: return Run<PingPong128>(a, sp, stream);
-    case 2: return Run<PingPong64x256>(a, sp, stream);
+    case 2: return RunFor<PingPong64x256Stats>(a, sp, stream);
     case 3: return Run<Cooperative256RowPairs>(a, sp, stream);
-    default: return Run<Cooperative256>(a, sp, stream);
+    default: return RunFor<Cooperative256Stats>(a, sp, stream);
   }
 }
 
