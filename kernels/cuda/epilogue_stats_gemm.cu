@@ -217,20 +217,22 @@ class RowStatsEpilogue {
   template <bool kRagged, int kBN, class TA, class TC>
   CUTLASS_DEVICE void ReduceAs(int tf, TA& a, TC const& c, int M, int N, int m0, int n0, int n_tile,
                                uint32_t* slice) const {
+    // The plain kernels instantiate the plain Reduce alone (the switch below is not compiled into them).
     if constexpr (kReduction == Reduction::kPlainWithEntropy) {
       (void)tf;
       return Reduce<kRagged, kPlain, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
     } else if constexpr (kReduction == Reduction::kPlainLogprobOnly) {
       (void)tf;
       return Reduce<kRagged, kPlain, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-    }
-    switch (tf) {
-      case kWeighted: return Reduce<kRagged, kWeighted, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-      case kCapped: return Reduce<kRagged, kCapped, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-      case kBias: return Reduce<kRagged, kBias, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-      default:
-        if (p_.entropy) return Reduce<kRagged, kPlain, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-        return Reduce<kRagged, kPlain, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+    } else {
+      switch (tf) {
+        case kWeighted: return Reduce<kRagged, kWeighted, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+        case kCapped: return Reduce<kRagged, kCapped, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+        case kBias: return Reduce<kRagged, kBias, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+        default:
+          if (p_.entropy) return Reduce<kRagged, kPlain, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+          return Reduce<kRagged, kPlain, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
+      }
     }
   }
   // kRagged: the tile runs past the last column (masked to −inf, left out of Σz). kTf: the transform. kQ: Q computed
@@ -587,21 +589,6 @@ using Cooperative256 = Cooperative256With<>;
 using PingPong64x256 = PingPong64x256With<>;
 using Cooperative256RowPairs =
     StatsGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
-// 1 and 2 come in families, a kernel per Reduction (RunFor picks): the statistics alone; with the rankings'
-// candidates (3 gives 1's bits; 0 has other tiles and keeps the logit-tile path for rankings); with the
-// tiles' argmax beside the statistics (and the training copy), which is all a ranking of k = 1 needs.
-template <Reduction kReduction>
-using Cooperative256Stats = Cooperative256With<Ranking::kNone, kReduction>;
-template <Reduction kReduction>
-using PingPong64x256Stats = PingPong64x256With<Ranking::kNone, kReduction>;
-template <Reduction kReduction>
-using Cooperative256Ranked = Cooperative256With<Ranking::kCandidates, kReduction>;
-template <Reduction kReduction>
-using PingPong64x256Ranked = PingPong64x256With<Ranking::kCandidates, kReduction>;
-template <Reduction kReduction>
-using Cooperative256Argmax = Cooperative256With<Ranking::kArgmax, kReduction>;
-template <Reduction kReduction>
-using PingPong64x256Argmax = PingPong64x256With<Ranking::kArgmax, kReduction>;
 // The rankings' first pass (the same products: a sample column's v is the main pass's bits).
 using Cooperative256Sampled = Cooperative256With<Ranking::kSample>;
 using PingPong64x256Sampled = PingPong64x256With<Ranking::kSample>;
@@ -662,14 +649,22 @@ absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t
   return absl::OkStatus();
 }
 
-// The family's kernel for the call: the one holding the plain logits' reduction alone, with or without
-// the entropy, where the call has no bias, softcap or class weights (the same bits: the same Reduce),
-// else the one holding every variant.
-template <template <Reduction> class Family>
-absl::Status RunFor(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
-  if (LogitTransform(sp) != kPlain) return Run<Family<Reduction::kAny>>(a, sp, stream);
-  return sp.entropy ? Run<Family<Reduction::kPlainWithEntropy>>(a, sp, stream)
-                    : Run<Family<Reduction::kPlainLogprobOnly>>(a, sp, stream);
+// Configuration 1's or 2's kernel with kRanking for the call — the statistics alone (kNone), with the
+// rankings' candidates (kCandidates; 3 gives 1's bits, 0 has other tiles and keeps the logit-tile path for
+// rankings), with the tiles' argmax beside the statistics and the training copy (kArgmax, all a ranking of
+// k = 1 needs) — in a kernel per Reduction: the one holding the plain logits' reduction alone, with or
+// without the entropy, where the call has no bias, softcap or class weights (the same bits: the same
+// Reduce), else the one holding every variant.
+template <template <Ranking, Reduction> class Config, Ranking kRanking>
+absl::Status RunReduction(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
+  if (LogitTransform(sp) != kPlain) return Run<Config<kRanking, Reduction::kAny>>(a, sp, stream);
+  return sp.entropy ? Run<Config<kRanking, Reduction::kPlainWithEntropy>>(a, sp, stream)
+                    : Run<Config<kRanking, Reduction::kPlainLogprobOnly>>(a, sp, stream);
+}
+template <Ranking kRanking>
+absl::Status RunFor(int config, const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
+  return config == 2 ? RunReduction<PingPong64x256With, kRanking>(a, sp, stream)
+                     : RunReduction<Cooperative256With, kRanking>(a, sp, stream);
 }
 
 }  // namespace
@@ -731,18 +726,17 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   if (a.rank_list != nullptr || a.dump != nullptr || a.tile_arg != nullptr) {
     if (config == 0) return absl::InternalError("LaunchEpilogueStatsGemm: no rankings with 128-column tiles");
     if (a.tile_arg != nullptr) {
-      return config == 2 ? RunFor<PingPong64x256Argmax>(a, sp, stream) : RunFor<Cooperative256Argmax>(a, sp, stream);
+      return RunFor<Ranking::kArgmax>(config, a, sp, stream);
     }
     if (a.rank_list != nullptr && a.rank_thr == nullptr) {
       return config == 2 ? Run<PingPong64x256Sampled>(a, sp, stream) : Run<Cooperative256Sampled>(a, sp, stream);
     }
-    return config == 2 ? RunFor<PingPong64x256Ranked>(a, sp, stream) : RunFor<Cooperative256Ranked>(a, sp, stream);
+    return RunFor<Ranking::kCandidates>(config, a, sp, stream);
   }
   switch (config) {
     case 0: return Run<PingPong128>(a, sp, stream);
-    case 2: return RunFor<PingPong64x256Stats>(a, sp, stream);
     case 3: return Run<Cooperative256RowPairs>(a, sp, stream);
-    default: return RunFor<Cooperative256Stats>(a, sp, stream);
+    default: return RunFor<Ranking::kNone>(config, a, sp, stream);  // 1, 2
   }
 }
 
