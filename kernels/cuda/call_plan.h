@@ -14,7 +14,9 @@ namespace lce::cuda {
 // Rankings on the epilogue GEMM's path (engine_rankings.cc): each row's list of candidates [cap] of
 // (v, id) with its count, the threshold a first pass over `sample` columns set, and the rows whose
 // lists overflowed (taken by the fallback). For k = 1 none of these: the GEMM writes each row's argmax
-// of every tile into tile_arg [rows, ntile] instead.
+// of every tile into tile_arg [rows, ntile] instead. Device rows over several blocks take the first pass
+// once for the whole call (call_*: every row's sample list [rows, call_cap] and count, then thresholds);
+// a block then reads its rows' thresholds from call_thr.
 struct RankLists {
   int32_t* tile_arg = nullptr;
   float* list = nullptr;
@@ -23,6 +25,10 @@ struct RankLists {
   uint8_t* overflowed = nullptr;
   int64_t cap = 0;
   int64_t sample = 0;
+  float* call_list = nullptr;
+  unsigned* call_count = nullptr;
+  float* call_thr = nullptr;
+  int64_t call_cap = 0;
 };
 
 struct CallPlan {

@@ -185,6 +185,7 @@ absl::Status CudaEngine::Compute(const RowsView& rows, const LceOptions& o, cons
   LCE_CUDA_CHECK(PlanCall(p));
   Scratch s;
   LCE_CUDA_CHECK(PrepareCall(p, s));
+  if (p.ranks.call_thr != nullptr) LCE_CUDA_CHECK(RankThresholdsForCall(p, s));
   for (int64_t r0 = 0; r0 < rows.rows; r0 += p.R) {
     BlockIo b;
     LCE_CUDA_CHECK(StageBlock(p, s, r0, b));

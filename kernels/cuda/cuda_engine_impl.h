@@ -41,6 +41,7 @@ inline constexpr int64_t kFirstPassCols = 1024;
 inline constexpr int64_t kRankCap = 8192;
 inline constexpr int64_t kRankRowsPerBlock = 4096;
 inline constexpr int64_t kRankDumpRows = 64;
+inline constexpr int64_t kRankCallListBytes = int64_t{64} << 20;  // the call's first pass lists at most
 inline constexpr int kRankTileCols = 256;  // the epilogue GEMM's configurations with candidates (1, 2, 3)
 // d_hidden's product in fixed vocabulary chunks (DHiddenProduct): ceil(V_shard / kDhChunkCols) chunks of
 // equal width (a multiple of 64, the last zero-padded), summed in chunk order whatever the row count; rows in
@@ -112,6 +113,10 @@ class CudaEngine final : public LceEngine {
   // log S), the fallback for rows whose lists overflowed and the merge into the call's outputs.
   absl::Status PrepareRankings(CallPlan& p);
   absl::Status RankThreshold(const CallPlan& p, Scratch& s, const BlockIo& b);
+  absl::Status RankThresholdsForCall(const CallPlan& p, Scratch& s);
+  absl::Status RankSamplePass(const CallPlan& p, Scratch& s, const void* h, const int32_t* y, int64_t n, float* list,
+                              unsigned* count, int64_t cap, float* thr);
+  int64_t RankSample(int64_t k) const;  // the first pass's columns for a top-k
   absl::Status RankSelect(const CallPlan& p, const Scratch& s, const BlockIo& b);
   absl::Status RankOverflowedRows(const CallPlan& p, Scratch& s, const BlockIo& b);
   absl::Status Rank(const CallPlan& p, Scratch& s, const BlockIo& b);
@@ -277,6 +282,7 @@ class CudaEngine final : public LceEngine {
   std::unique_ptr<DeviceBuffer> agree_;         // GroupRowsPerBlock's one float
   std::unique_ptr<DeviceBuffer> bias_grad_;     // host rows' dB, on the device during a call
   PinnedStaging pinned_;
+  PinnedStaging rank_flags_;  // a block's rows whose candidate lists overflowed, read after Finalize's sync
   // memory(): the head's device copy (and bias), and the buffers GrowDeviceBuffer sizes.
   std::atomic<int64_t> weights_bytes_{0}, scratch_bytes_{0};
   int64_t tile_ = 0, lds_ = 0, nseg_ = 0;

@@ -85,8 +85,10 @@ absl::Status CudaEngine::Forward(const CallPlan& p, Scratch& s, const BlockIo& b
     const bool ranked = p.o.top_k > 0;
     if (ranked && p.ranks.tile_arg == nullptr) LCE_CUDA_CHECK(RankThreshold(p, s, b));
     if (ranked && b.trace) LCE_CUDA_CHECK(cudaEventRecord(trace_[2], stream_));
+    RankLists ranks = p.ranks;
+    if (ranks.call_thr != nullptr) ranks.thr = ranks.call_thr + b.r0;  // the call's first pass
     if (absl::Status st = EpilogueStatsForward(s, b.h, b.nr, b.y, p.o.ignore_index, p.tf, copy, p.entropy, overflow,
-                                               ranked ? &p.ranks : nullptr);
+                                               ranked ? &ranks : nullptr);
         !st.ok()) {
       return st;
     }

@@ -290,8 +290,9 @@ absl::Status LaunchCheckTargets(const int32_t* targets, int64_t rows, int64_t vo
 
 // rankings.cu (docs/MATH.md, "Rankings"). Candidates are (z, id as float) pairs, −inf in both where a
 // slot holds none: a row has `slots` slots of k, one a segment of kSegment columns (a group's ranks
-// each write theirs at rank · slots/world, then all-reduce them with max). RankingSlots: the slots
-// every rank of a group of `world` agrees on.
+// each write theirs at rank · slots/world, then all-reduce them with max; on the epilogue GEMM's path
+// one slot a rank, its shard's k best). RankingSlots: the segment slots every rank of a group of
+// `world` agrees on.
 int64_t RankingSlots(int64_t vocab_size, int world);
 absl::Status LaunchFillRankings(float* cand, int64_t rows, int64_t slots, int k, cudaStream_t stream);
 // The k best z of each segment of the fp32 logit tile [rows, nv] (leading dimension ldz) of shard columns
@@ -310,6 +311,9 @@ absl::Status LaunchRankThreshold(float* list, const unsigned* count, int64_t cap
 absl::Status LaunchRankSelect(float* list, const unsigned* count, int64_t cap, int64_t rows, int k, float temperature,
                               float* cand, int64_t slots, int64_t slot0, unsigned char* overflowed,
                               cudaStream_t stream);
+// Each row's k best of its `from` slots of k (src [rows, from, k]) into slot slot0 of cand [rows, slots, k].
+absl::Status LaunchReduceSlots(const float* src, int64_t from, int64_t rows, int k, float* cand, int64_t slots,
+                               int64_t slot0, cudaStream_t stream);
 // k = 1 after an epilogue GEMM with tile_arg: each row's best tile (the largest m of tile_part [rows, ntile, 4],
 // the lowest tile of equal ones) as (m, vocab_begin + t · tile_cols + tile_arg) into slot slot0 of cand
 // [rows, slots, 1]: the (z, id) that LaunchRankSelect gives for k = 1.

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cfloat>
+#include <climits>
 
 #include "absl/strings/str_cat.h"
 #include "cuda_check.h"
@@ -161,6 +162,14 @@ __global__ void SelectKernel(Cand* __restrict__ list, const unsigned* __restrict
   WarpTopK(list + r * cap, static_cast<int>(count[r]), k, cand + (r * slots + slot0) * k, true, inv_t);
 }
 
+// One warp a row: the k best of its `from` slots of k (src [rows, from, k]) into slot slot0 of cand.
+__global__ void ReduceSlotsKernel(const Cand* __restrict__ src, int64_t from, int64_t rows, int k,
+                                  Cand* __restrict__ cand, int64_t slots, int64_t slot0) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (r >= rows) return;
+  WarpTopK(src + r * from * k, static_cast<int>(from * k), k, cand + (r * slots + slot0) * k);
+}
+
 // One warp a row: the best of its tiles' maxima (the lowest tile, hence id, of equal ones) into its slot.
 __global__ void TileArgmaxKernel(const float* __restrict__ tile_part, const int32_t* __restrict__ tile_arg,
                                  int64_t ntile, int tile_cols, int64_t rows, int64_t vocab_begin,
@@ -255,6 +264,18 @@ absl::Status LaunchRankSelect(float* list, const unsigned* count, int64_t cap, i
   SelectKernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
       reinterpret_cast<Cand*>(list), count, cap, rows, k, 1.0f / temperature, reinterpret_cast<Cand*>(cand), slots,
       slot0, overflowed);
+  LCE_CUDA_CHECK(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LaunchReduceSlots(const float* src, int64_t from, int64_t rows, int k, float* cand, int64_t slots,
+                               int64_t slot0, cudaStream_t stream) {
+  if (k < 1 || k > kMaxTopK || from < 1 || from * k > INT_MAX || slot0 < 0 || slot0 >= slots) {
+    return absl::InvalidArgumentError(absl::StrCat("LaunchReduceSlots: k ", k, ", from ", from, ", slot ", slot0));
+  }
+  if (rows == 0) return absl::OkStatus();
+  ReduceSlotsKernel<<<static_cast<unsigned>((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
+      reinterpret_cast<const Cand*>(src), from, rows, k, reinterpret_cast<Cand*>(cand), slots, slot0);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }

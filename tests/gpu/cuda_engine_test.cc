@@ -1656,6 +1656,21 @@ void ExpectRankingsSameBitsAcrossBatchesAndGroups(int k, const EngineConfig& cfg
   ASSERT_TRUE(alone.status.ok()) << alone.status;
   EXPECT_EQ(std::memcmp(alone.top_tokens.data(), want.top_tokens.data(), 7 * k * 4), 0) << "tokens, 7 rows";
   EXPECT_EQ(std::memcmp(alone.top_logprobs.data(), want.top_logprobs.data(), 7 * k * 4), 0) << "logprobs, 7 rows";
+  // Blocks of 64 rows: device rows take one first pass for the whole call, host rows one a block; the
+  // overflowed rows' flags come back with each block's sync.
+  ASSERT_TRUE(cfg.cuda_tuning.has_value());
+  CudaTuning blocks_of_64 = *cfg.cuda_tuning;
+  blocks_of_64.max_rows = 64;
+  ASSERT_TRUE(SetCudaTuning(*one, blocks_of_64).ok());
+  for (MemorySpace space : {MemorySpace::kDevice, MemorySpace::kHost}) {
+    const Answers blocks = RunEngine(*one, full, space, {});
+    ASSERT_TRUE(blocks.status.ok()) << blocks.status;
+    EXPECT_EQ(blocks.top_tokens, want.top_tokens) << "blocks of 64 rows, space " << int(space);
+    EXPECT_EQ(blocks.argmax, want.argmax) << "blocks of 64 rows, space " << int(space);
+    EXPECT_EQ(std::memcmp(blocks.top_logprobs.data(), want.top_logprobs.data(), want.top_logprobs.size() * 4), 0)
+        << "blocks of 64 rows, space " << int(space);
+  }
+  ASSERT_TRUE(SetCudaTuning(*one, *cfg.cuda_tuning).ok());
   for (int g : {2, 3}) {
     const std::vector<Answers> got = RunSharded(full, g, {}, cfg);
     for (int r = 0; r < g; ++r) {
