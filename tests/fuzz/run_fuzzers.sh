@@ -7,7 +7,8 @@
 #
 #   tests/fuzz/run_fuzzers.sh [SECONDS] [TARGET...]
 #   LCE_ASAN_BUILD_DIR (default build-asan), LCE_JOBS (default nproc), LCE_FUZZ_KEEP_CORPUS=DIR (keep
-#   the grown corpora there), LCE_FUZZ_RSS_MB (default 2048).
+#   the grown corpora there), LCE_FUZZ_RSS_MB (default 2048), LCE_FUZZ_PARALLEL (targets at once,
+#   default nproc).
 set -euo pipefail
 # Symbolized reports (llvm-14 installs it; the unversioned name may be missing).
 [ -x /usr/bin/llvm-symbolizer-14 ] && export ASAN_SYMBOLIZER_PATH=${ASAN_SYMBOLIZER_PATH:-/usr/bin/llvm-symbolizer-14}
@@ -35,18 +36,34 @@ mkdir -p "$WORK/tmp"
 export TMPDIR="$WORK/tmp"
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+# One target's run: its log, and a line "rc execs rate corpus" for the summary below.
+run_one() {
+  local t=$1 corpus="$WORK/$1" log="$WORK/$1.log" rc=0
+  mkdir -p "$corpus"
+  "$BUILD/bin/$t" -max_total_time="$SECONDS_EACH" -timeout=10 -rss_limit_mb="${LCE_FUZZ_RSS_MB:-2048}" \
+    -print_final_stats=1 -artifact_prefix="$ART/$t-" "$corpus" "tests/fuzz/corpus/$t" >"$log" 2>&1 || rc=$?
+  echo "$rc $(sed -n 's/^stat::number_of_executed_units: *//p' "$log") $(sed -n 's/^stat::average_exec_per_sec: *//p' "$log") $(ls "$corpus" | wc -l)" >"$WORK/$t.result"
+}
+# Each target is single-threaded: up to LCE_FUZZ_PARALLEL of them at once (default nproc), each its
+# full SECONDS on a core of its own.
+PARALLEL=${LCE_FUZZ_PARALLEL:-$(nproc)}
+running=0
+for t in "${TARGETS[@]}"; do
+  if ((running >= PARALLEL)); then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  run_one "$t" &
+  running=$((running + 1))
+done
+wait
 failed=()
 printf '%-24s %8s %12s %10s %8s\n' target seconds executions exec/s corpus
 for t in "${TARGETS[@]}"; do
   corpus="$WORK/$t"
-  mkdir -p "$corpus"
   log="$WORK/$t.log"
-  rc=0
-  "$BUILD/bin/$t" -max_total_time="$SECONDS_EACH" -timeout=10 -rss_limit_mb="${LCE_FUZZ_RSS_MB:-2048}" \
-    -print_final_stats=1 -artifact_prefix="$ART/$t-" "$corpus" "tests/fuzz/corpus/$t" >"$log" 2>&1 || rc=$?
-  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
-  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log")
-  printf '%-24s %8s %12s %10s %8s\n' "$t" "$SECONDS_EACH" "${execs:-?}" "${rate:-?}" "$(ls "$corpus" | wc -l)"
+  read -r rc execs rate n <"$WORK/$t.result" || rc=1
+  printf '%-24s %8s %12s %10s %8s\n' "$t" "$SECONDS_EACH" "${execs:-?}" "${rate:-?}" "${n:-?}"
   # libFuzzer exits non-zero on a crash, leak, timeout or OOM; UBSan halts on its first report.
   if [ "$rc" != 0 ] || grep -qE 'runtime error:|ERROR: (Address|Leak|UndefinedBehavior)Sanitizer|invariant failed' "$log"; then
     failed+=("$t")
