@@ -59,19 +59,15 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
   // fast path gives 0.0081, bf16 rounding of the exact d_hidden alone 0.0039 (a CPU replica of these
   // kernels' arithmetic, which gives the H200's 0.0168526 to the digit).
   p.fast = backward && shape_.dtype == DType::kBFloat16 && p.up.mode == GradMode::kLoss && o.softcap == 0.0f &&
-           o.label_smoothing == 0.0f && !tree_dh_ && tuning_.fast_loss_path;
+           o.label_smoothing == 0.0f && tuning_.fast_loss_path && (epi || !tp_invariant_option_);
   // So the general path of a bf16 head keeps its target term apart too: out of the bf16 dL/da, added in
   // fp32 to d_hidden (before a group's all-reduce) and scattered into d_weight in a fixed order, as the fast
-  // path's (RowInfoSlot). Not with d_hidden over the tile tree, whose canonical sum has no place for it.
+  // path's (RowInfoSlot).
   // CudaTuning::target_apart false: in the copy (the way before; for comparison).
-  p.target_apart = backward && shape_.dtype == DType::kBFloat16 && !tree_dh_ && tuning_.target_apart;
-  p.dh_chunks = backward && grads.d_hidden != nullptr && !tree_dh_ && DHiddenChunked();
-  ScratchLayout layout{backward,
-                       host,
-                       host && backward && grads.d_weight != nullptr,
-                       p.fast && grads.d_weight != nullptr,
-                       p.target_apart && grads.d_weight != nullptr,
-                       tree_dh_};
+  p.target_apart = backward && shape_.dtype == DType::kBFloat16 && tuning_.target_apart;
+  p.dh_chunks = backward && grads.d_hidden != nullptr && DHiddenChunked();
+  ScratchLayout layout{backward, host, host && backward && grads.d_weight != nullptr,
+                       p.fast && grads.d_weight != nullptr, p.target_apart && grads.d_weight != nullptr};
   layout.epi = epi;
   layout.stage = epi && !host && reinterpret_cast<uintptr_t>(p.rows.hidden) % 16 != 0;
   // CudaTuning::dh_beside false: one after the other (bench/NOTES.md, e10). dW is the same bits either way:
@@ -86,7 +82,7 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
   const int64_t reserve = p.dh_chunks ? std::min(N, kDhMinSliceRows) * DhPartRowBytes() : 0;
   int64_t want = RowsPerBlock(layout, N, config_.workspace_bytes - reserve);
   if (epi && o.top_k > 1) want = std::min(want, kRankRowsPerBlock);  // the candidates' lists
-  absl::StatusOr<int64_t> group_r_max = GroupRowsPerBlock(want);
+  absl::StatusOr<int64_t> group_r_max = GroupMin(want);
   if (!group_r_max.ok()) return group_r_max.status();
   const int64_t r_max = *group_r_max;
   const int64_t nblocks = (N + r_max - 1) / r_max;
@@ -109,15 +105,15 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> CudaEngine::GroupRowsPerBlock(int64_t r_max) {
-  if (config_.collectives == nullptr || config_.collectives->world_size() < 2) return r_max;
+absl::StatusOr<int64_t> CudaEngine::GroupMin(int64_t value) {
+  if (config_.collectives == nullptr || config_.collectives->world_size() < 2) return value;
   if (agree_ == nullptr) {
     absl::StatusOr<std::unique_ptr<DeviceBuffer>> b = AllocateDeviceBuffer(sizeof(float), config_.device);
     if (!b.ok()) return b.status();
     agree_ = std::move(*b);
   }
-  // −r_max under a max all-reduce is the group's smallest; exact as a float (r_max < 2^24).
-  float v = -static_cast<float>(r_max);
+  // −value under a max all-reduce is the group's smallest; exact as a float (value < 2^24).
+  float v = -static_cast<float>(value);
   float* d = reinterpret_cast<float*>(agree_->data());
   LCE_CUDA_CHECK(cudaMemcpyAsync(d, &v, sizeof(v), cudaMemcpyHostToDevice, stream_));
   LCE_CUDA_CHECK(config_.collectives->AllReduce(d, 1, ReduceOp::kMax, true, stream_));
@@ -130,14 +126,24 @@ absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
   const int64_t R = p.R, H = shape_.hidden_size, esz = DTypeSize(shape_.dtype);
   const int64_t need = RoundUp(Bytes(p.layout, R), 256);
   // d_hidden's chunk partials go after the block's scratch, in what it leaves of the budget (PlanCall kept
-  // room for a slice of kDhMinSliceRows); blocks that accumulate in place need none.
+  // room for a slice of kDhMinSliceRows).
   s.dh_slice = 0;
-  if (p.dh_chunks && !DHiddenInPlace(R)) {
+  if (p.dh_chunks) {
     s.dh_slice = DhSliceRows(std::min(R, (config_.workspace_bytes - need) / DhPartRowBytes()));
+    if (DhExactGroup()) {  // a slice is a collective's length: every rank's the same
+      absl::StatusOr<int64_t> slice = GroupMin(s.dh_slice);
+      if (!slice.ok()) return slice.status();
+      s.dh_slice = *slice;
+    }
   }
   LCE_CUDA_CHECK(GrowDeviceBuffer(workspace_, need + s.dh_slice * DhPartRowBytes()));
   Carve(p.layout, R, workspace_->data(), &s);
   s.dh_parts = s.dh_slice > 0 ? reinterpret_cast<float*>(workspace_->data() + need) : nullptr;
+  if (s.dh_parts != nullptr && DhExactGroup()) {
+    const int64_t n = s.dh_slice * shape_.hidden_size;
+    s.dh_fixed = reinterpret_cast<int32_t*>(s.dh_parts + static_cast<int64_t>(dh_leaves_.size()) * n);
+    s.dh_codes = reinterpret_cast<uint8_t*>(s.dh_fixed + n);
+  }
   LCE_CUDA_CHECK(cublasSetWorkspace(cublas_, s.cublas_ws, kCublasWorkspace));
   cublas_ws_ = s.cublas_ws;
   // GEMMs are tuned on scratch free while they run: the logit tiles, or d_hidden's accumulator (written

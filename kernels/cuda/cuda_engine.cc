@@ -48,6 +48,7 @@
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "lce/cuda_tuning.h"
+#include "leaf_plan.h"
 
 namespace lce::cuda {
 
@@ -84,11 +85,11 @@ absl::Status CudaEngine::Init() {
   LCE_CUDA_CHECK(cublasSetStream(cublas_, stream_));
   LCE_CUDA_CHECK(cublasSetPointerMode(cublas_, CUBLAS_POINTER_MODE_HOST));
   LCE_CUDA_CHECK(gemm_.Init());
-  // W's rows up to d_hidden's last chunk's end, the padding zero (DHiddenProduct).
-  dh_chunks_ = std::max<int64_t>(1, (shape_.shard_rows + kDhChunkCols - 1) / kDhChunkCols);
-  dh_chunk_ = RoundUp((shape_.shard_rows + dh_chunks_ - 1) / dh_chunks_, 64);
+  // d_hidden's leaves in this shard, and the terms of an element over the whole head (DHiddenProduct).
+  dh_leaves_ = ShardLeaves(shape_.vocab_size, VocabRange{shape_.vocab_begin, shape_.vocab_end()});
+  dh_terms_ = static_cast<int>(LeafBounds(shape_.vocab_size).size()) - 1 + 1;  // + the target's
   const int64_t w_bytes = static_cast<int64_t>(weights_->weight.size());
-  const int64_t padded_bytes = dh_chunks_ * dh_chunk_ * shape_.hidden_size * DTypeSize(shape_.dtype);
+  const int64_t padded_bytes = w_bytes;
   absl::StatusOr<std::unique_ptr<DeviceBuffer>> weight =
       AllocateDeviceBuffer(std::max(w_bytes, padded_bytes), config_.device);
   if (!weight.ok()) return weight.status();
@@ -121,20 +122,21 @@ absl::Status CudaEngine::ApplyTuning(const CudaTuning& tuning) {
   const int64_t spare = std::clamp<int64_t>(tuning_.stats_sms, 0, sm_count_ / 2);
   fwd_sm_target_ = spare > 0 ? sm_count_ - static_cast<int>(spare) : 0;
   batch_invariant_ = tuning_.batch_invariant.value_or(config_.batch_invariant);
-  tp_invariant_option_ = batch_invariant_ && tuning_.tp_invariant.value_or(config_.tp_invariant);
+  // Wherever a row's results are batch invariant: the epilogue GEMM's path, or batch-invariant GEMMs.
+  tp_invariant_option_ =
+      (batch_invariant_ || UseEpilogueStats()) && tuning_.tp_invariant.value_or(config_.tp_invariant);
   tile_ = RoundUp(std::max<int64_t>(tuning_.vocab_tile, kSegment), kSegment);
   tile_ = std::min(tile_, RoundUp(shape_.shard_rows, kSegment));
-  lds_ = std::max(RoundUp(shape_.shard_rows, 8), DHiddenChunked() ? dh_chunks_ * dh_chunk_ : 0);
+  lds_ = RoundUp(shape_.shard_rows, 8);
   nseg_ = (shape_.shard_rows + kSegment - 1) / kSegment;
   // Segments at fixed global offsets (VocabTile(V) == kSegment: V >= 131072, and shards of whole
   // tiles): a group folds every segment in global order, as one GPU does (docs/MATH.md).
   nseg_global_ = (shape_.vocab_size + kSegment - 1) / kSegment;
   tp_invariant_ = config_.collectives != nullptr && tp_invariant_option_ && SegmentsAreGlobal();
   epi_config_ = tuning_.epi_kernel;
-  tree_dh_ = tp_invariant_option_ && SegmentsAreGlobal();
   gemm_.set_tune(tuning_.gemm_tune);
   // The smallest block must fit the budget.
-  const int64_t smallest = Bytes({true, true, true, true, true, tree_dh_}, 1);
+  const int64_t smallest = Bytes({true, true, true, true, true}, 1);
   if (smallest > config_.workspace_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("workspace_bytes ", config_.workspace_bytes,
                                                    " is too small for one row of this head (needs ", smallest, ")"));
@@ -154,19 +156,25 @@ absl::Status CudaEngine::Retune(const CudaTuning& tuning) {
 // GEMMs (EngineConfig::batch_invariant) the logit and d_hidden products use one algorithm without
 // split-K for every row count (docs/MATH.md). Without, cuBLAS's tuned choice varies with N.
 EngineInvariance CudaEngine::invariance() const {
-  // A group of three or more sums its ranks' partials and d_hidden through NCCL, whose order for an element
-  // changes with the message's size (the row count): nothing per row holds unless the partials are
-  // gathered and folded in one order (tp_invariant_). Two ranks' a + b is the same bits either way.
+  // A group of three or more sums its ranks' partials through NCCL, whose order for an element changes with
+  // the message's size (the row count): nothing per row holds unless the partials are gathered and folded
+  // in one order (tp_invariant_). Two ranks' a + b is the same bits either way.
   if (config_.collectives != nullptr && config_.collectives->world_size() > 2 && !tp_invariant_) return {};
-  // The epilogue GEMM's forward is batch invariant by construction, and so is d_hidden's product in fixed
-  // chunks (DHiddenProduct) over it; with the logit tiles, only with batch-invariant GEMMs.
-  if (!batch_invariant_) {
-    if (!UseEpilogueStats()) return EngineInvariance{};
-    if (DHiddenChunked() && !tree_dh_) return EngineInvariance{{"logprob", "entropy", "lse", "loss", "d_hidden"}, {}};
-    return EngineInvariance{{"logprob", "entropy", "lse", "loss"}, {}};
+  // The epilogue GEMM's forward is batch invariant by construction, and so is d_hidden over the leaves
+  // (DHiddenProduct) after it; on the logit tiles, only with batch-invariant GEMMs.
+  if (!batch_invariant_ && !UseEpilogueStats()) return {};
+  EngineInvariance inv{{"logprob", "entropy", "lse", "loss"}, {}};
+  if (batch_invariant_ || DHiddenChunked()) inv.across_batches.push_back("d_hidden");
+  // Across group sizes: the forward's statistics folded in global segment order, the fast path's c_row from
+  // the head's first columns, d_hidden's leaves summed in fixed point (DHiddenProduct) in groups whose
+  // shards are whole leaves.
+  if (tp_invariant_option_ && SegmentsAreGlobal()) {
+    inv.across_tp_sizes = {"logprob", "entropy", "lse", "loss"};
+    const int world = config_.collectives != nullptr ? config_.collectives->world_size() : 1;
+    const bool leaf_group =
+        std::find(std::begin(kLeafGroupSizes), std::end(kLeafGroupSizes), world) != std::end(kLeafGroupSizes);
+    if (DHiddenChunked() && leaf_group) inv.across_tp_sizes.push_back("d_hidden");
   }
-  EngineInvariance inv{{"logprob", "entropy", "lse", "loss", "d_hidden"}, {}};
-  if (tree_dh_) inv.across_tp_sizes = {"logprob", "entropy", "lse", "loss", "d_hidden"};
   return inv;
 }
 
@@ -291,13 +299,6 @@ absl::Status CudaEngine::BadTarget(const RowsView& rows, const LceOptions& o, un
   int32_t y = 0;
   LCE_CUDA_CHECK(cudaMemcpy(&y, rows.targets + row, sizeof(y), cudaMemcpyDeviceToHost));
   return BadTarget(static_cast<int64_t>(row), y, o);
-}
-
-int64_t CudaEngine::GatheredNodes() const {
-  const int world = config_.collectives->world_size();
-  int64_t nodes = 0;
-  for (int r = 0; r < world; ++r) nodes += static_cast<int64_t>(RankSubtrees(shape_.vocab_size, r, world).size());
-  return nodes;
 }
 
 bool DeviceAvailable() {

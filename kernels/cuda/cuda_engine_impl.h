@@ -20,7 +20,6 @@
 #include "lce/cuda_tuning.h"
 #include "lce/device_memory.h"
 #include "lce/engine.h"
-#include "tile_tree.h"
 
 namespace lce::cuda {
 
@@ -43,11 +42,10 @@ inline constexpr int64_t kRankRowsPerBlock = 4096;
 inline constexpr int64_t kRankDumpRows = 64;
 inline constexpr int64_t kRankCallListBytes = int64_t{64} << 20;  // the call's first pass lists at most
 inline constexpr int kRankTileCols = 256;  // the epilogue GEMM's configurations with candidates (1, 2, 3)
-// d_hidden's product in fixed vocabulary chunks (DHiddenProduct): ceil(V_shard / kDhChunkCols) chunks of
-// equal width (a multiple of 64, the last zero-padded), summed in chunk order whatever the row count; rows in
-// slices of at most kDhSliceRows, their partials at most kDhPartBytes.
-inline constexpr int64_t kDhChunkCols = 32768;
-inline constexpr int64_t kDhSliceRows = 1024;
+// d_hidden's product over the head's canonical leaves (DHiddenProduct, leaf_plan.h), summed exactly
+// whatever the row count and the group; rows in slices of at most kDhSliceRows, their partials at most
+// kDhPartBytes.
+inline constexpr int64_t kDhSliceRows = 2048;
 inline constexpr int64_t kDhMinSliceRows = 512;  // room a row block leaves for them (PlanCall)
 inline constexpr int64_t kDhPartBytes = 128 * kMiB;
 
@@ -99,9 +97,10 @@ class CudaEngine final : public LceEngine {
   absl::Status ZeroFreshDWeight(CallPlan& p);
   // Plan: the paths, the scratch layout, the block size and tile width (host only).
   absl::Status PlanCall(CallPlan& p);
-  // The smallest of a group's ranks' largest row blocks (their workspaces differ with their shards),
-  // so that every rank splits a call into the same blocks: each block's merge is a collective.
-  absl::StatusOr<int64_t> GroupRowsPerBlock(int64_t r_max);
+  // The smallest of the group's ranks' values (the value itself alone): their largest row blocks and d_hidden
+  // slices (their workspaces differ with their shards), so that every rank splits a call the same way: each
+  // block's merge and each slice's exact sum is a collective.
+  absl::StatusOr<int64_t> GroupMin(int64_t value);
   // The workspace grown to the plan's and carved; pinned staging; the targets checked.
   absl::Status PrepareCall(CallPlan& p, Scratch& s);
   // Stage: block r0's inputs on the device (host rows copied; unaligned device rows for the epilogue GEMM).
@@ -170,27 +169,29 @@ class CudaEngine final : public LceEngine {
   // The error of row `row`, whose target is y (host rows) or is read from device rows.
   absl::Status BadTarget(int64_t row, int32_t y, const LceOptions& o) const;
   absl::Status BadTarget(const RowsView& rows, const LceOptions& o, unsigned long long row) const;
-  // d_hidden's tile tree (tree_dh_): the node slots a block needs (a stack of subtrees over the
-  // shard's tiles, and temporaries of the final sum), and the subtrees of every rank together.
-  int64_t TreeSlots() const {
-    int depth = 0;
-    while ((int64_t{1} << depth) < VocabTileCount(shape_.vocab_size)) ++depth;
-    return 2 * (depth + 2);
-  }
-  int64_t GatheredNodes() const;
-  absl::Status DHiddenByTiles(Scratch& s, int64_t nr, const uint8_t* w, bool tf32);
-  // s.dh [nr, H] = dA (s.store) · W on place's stream: over the shard's fixed chunks, each row's sum in
-  // chunk order whatever nr (CudaTuning::dh_fixed_order; else one product, cuBLAS's choice for nr).
-  absl::Status DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const GemmPlace& place);
+  // s.dh [nr, H] = dA (s.store) · W on place's stream: a product a leaf of the shard, their exact sum
+  // (with `finish`, the fast path's s ⊙ · − t ⊙ W[y] inside it) whatever nr (CudaTuning::dh_fixed_order;
+  // else one product, cuBLAS's choice for nr).
+  absl::Status DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const GemmPlace& place,
+                              const DhFinish* finish = nullptr);
+  DhFinish Finish(const Scratch& s, const int32_t* y, int32_t ignore_index) const;  // for a block's rows
   // Where it buys batch invariance: after the epilogue GEMM's forward, or with batch-invariant GEMMs. (Its
   // partials' batch stride, H·rows floats, stays 16-byte aligned for H a multiple of 4.)
   bool DHiddenChunked() const {
     return tuning_.dh_fixed_order && !tuning_.gemm_ex && shape_.hidden_size % 4 == 0 &&
            (UseEpilogueStats() || batch_invariant_);
   }
-  // Blocks of this many rows accumulate the chunks in place, without partials (CudaTuning::dh_inplace_rows).
-  bool DHiddenInPlace(int64_t rows) const { return tuning_.dh_inplace_rows > 0 && rows >= tuning_.dh_inplace_rows; }
-  int64_t DhPartRowBytes() const { return dh_chunks_ * shape_.hidden_size * 4; }  // a row's chunk partials
+  // A group sums d_hidden's leaves exactly over its ranks (GroupLeafSum) rather than all-reducing floats.
+  bool DhExactGroup() const {
+    return DHiddenChunked() && config_.collectives != nullptr && config_.collectives->world_size() > 1;
+  }
+  int64_t DhPartRowBytes() const {  // a row's leaf partials (and in a group its int64 sum and codes)
+    return static_cast<int64_t>(dh_leaves_.size()) * shape_.hidden_size * 4 +
+           (DhExactGroup() ? shape_.hidden_size * 5 : 0);
+  }
+  // A slice's leaves summed over the group into dst (rank 0's alone with rank0_outputs), on `stream`.
+  absl::Status GroupLeafSum(const Scratch& s, float* dst, int leaves, int64_t n, const DhFinish& f,
+                            cudaStream_t stream);
   // The rows of a slice whose partials fit `fits` rows (0: none fits), whole 128-row tiles where it holds one.
   int64_t DhSliceRows(int64_t fits) const {
     const int64_t rows = std::clamp<int64_t>(kDhPartBytes / DhPartRowBytes(), 1, kDhSliceRows);
@@ -279,25 +280,23 @@ class CudaEngine final : public LceEngine {
   std::unique_ptr<DeviceBuffer> smoothing_sums_;  // PrepareSmoothingSums: segment sums [nseg_global_, H + 2], then u
   std::unique_ptr<DeviceBuffer> rank_buf_;      // rankings' candidates and host rows' staged outputs
   std::unique_ptr<DeviceBuffer> rank_dump_;     // the rankings' fallback: a few rows' v over the shard
-  std::unique_ptr<DeviceBuffer> agree_;         // GroupRowsPerBlock's one float
+  std::unique_ptr<DeviceBuffer> agree_;         // GroupMin's one float
   std::unique_ptr<DeviceBuffer> bias_grad_;     // host rows' dB, on the device during a call
   PinnedStaging pinned_;
   PinnedStaging rank_flags_;  // a block's rows whose candidate lists overflowed, read after Finalize's sync
   // memory(): the head's device copy (and bias), and the buffers GrowDeviceBuffer sizes.
   std::atomic<int64_t> weights_bytes_{0}, scratch_bytes_{0};
   int64_t tile_ = 0, lds_ = 0, nseg_ = 0;
-  // d_hidden's fixed chunks (kDhChunkCols): dh_chunks_ of dh_chunk_ columns; W's device copy has zero rows
-  // up to dh_chunks_ · dh_chunk_, and the store as many columns (its padding zeroed a block).
-  int64_t dh_chunks_ = 1, dh_chunk_ = 0;
+  // d_hidden's canonical leaves in this shard (leaf_plan.h, shard-local), and an element's terms over the
+  // whole head (its leaves and the target's): the exact sum's scale, the same in every group.
+  std::vector<VocabRange> dh_leaves_;
+  int dh_terms_ = 0;
   bool batch_invariant_ = false;  // one GEMM algorithm for every row count (GemmSpec::n_invariant)
   // EngineConfig::tp_invariant: one logit GEMM algorithm for every tile length too, and under TP the
   // forward's statistics gathered and folded in global segment order, so that groups of any size
   // give one GPU's bits.
   bool tp_invariant_option_ = false;
   bool tp_invariant_ = false;
-  // d_hidden as the canonical tree over the head's tiles (tp_invariant with global segments): the
-  // same additions in the same order on one GPU and on any group (DHiddenByTiles).
-  bool tree_dh_ = false;
   int64_t nseg_global_ = 0;
   int sm_count_ = 0;
   int fwd_sm_target_ = 0;

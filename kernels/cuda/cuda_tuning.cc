@@ -24,13 +24,9 @@ const std::vector<CudaTuningVariable>& CudaTuningVariables() {
        "fast path, device rows: d_hidden's product beside dW's (0: one after the other)",
        [](CudaTuning& t, int64_t v) { t.dh_beside = v != 0; }},
       {"LCE_CUDA_DH_FIXED_ORDER", "0/1", "1",
-       "d_hidden's product in fixed vocabulary chunks, a row's bits the same in any batch (0: one product, "
-       "cuBLAS's choice for the row count)",
+       "d_hidden's product over fixed vocabulary leaves summed in fixed point, a row's bits the same in any "
+       "batch and TP group of 2 and 4 (0: one product, cuBLAS's choice for the row count)",
        [](CudaTuning& t, int64_t v) { t.dh_fixed_order = v != 0; }},
-      {"LCE_CUDA_DH_INPLACE_ROWS", "int", "0",
-       "blocks of this many rows or more accumulate d_hidden's chunks in place, one product a chunk (0: never; "
-       "the same bits)",
-       [](CudaTuning& t, int64_t v) { t.dh_inplace_rows = v; }},
       {"LCE_CUDA_GEMMEX", "0/1", "0", "1: cublasGemmEx instead of tuned cuBLASLt (comparison only)",
        [](CudaTuning& t, int64_t v) { t.gemm_ex = v != 0; }},
       {"LCE_CUDA_NO_GEMM_TUNE", "0/1", "0", "1: cuBLASLt's first heuristic algorithm, untimed",
@@ -59,7 +55,7 @@ const std::vector<CudaTuningVariable>& CudaTuningVariables() {
        [](CudaTuning& t, int64_t v) { t.rank_sample = v; }},
       {"LCE_CUDA_BATCH_INVARIANT", "0/1", "unset", "overrides EngineConfig::batch_invariant",
        [](CudaTuning& t, int64_t v) { t.batch_invariant = v != 0; }},
-      {"LCE_CUDA_TP_INVARIANT", "0/1", "unset", "overrides EngineConfig::tp_invariant (with batch invariance)",
+      {"LCE_CUDA_TP_INVARIANT", "0/1", "unset", "overrides EngineConfig::tp_invariant (on by default)",
        [](CudaTuning& t, int64_t v) { t.tp_invariant = v != 0; }},
   };
   return table;

@@ -1,6 +1,6 @@
 // The CUDA engine's backward of a row block and its copy out (the design: cuda_engine.cc's opening
 // comment): the fast loss path's two products, or the general path's dA chunks with their dW products
-// and one d_hidden product (or d_hidden's tile tree); host d_weight in slabs through the device.
+// and d_hidden's products over the head's leaves; host d_weight in slabs through the device.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,7 +12,6 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_engine_impl.h"
-#include "tile_tree.h"
 
 namespace lce::cuda {
 
@@ -120,16 +119,17 @@ absl::Status CudaEngine::WriteGradAndDWeight(const CallPlan& p, Scratch& s, cons
   return absl::OkStatus();
 }
 
-// s.dh before its conversion: over the tile tree (tree_dh_), or one product, the target's term and the
-// group's sum.
+// s.dh before its conversion: the leaves' products and their exact sum (the target's term in it), over the
+// group too; or one product, the target's term and the group's float sum.
 absl::Status CudaEngine::GeneralDHidden(const CallPlan& p, Scratch& s, const BlockIo& b) {
   const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows, nr = b.nr;
   const cudaDataType_t dt = CudaType(shape_.dtype);
   const uint8_t* w = weight_->data();
   const bool tf32 = p.o.allow_tf32;
-  if (tree_dh_) return DHiddenByTiles(s, nr, w, tf32);
-  LCE_CUDA_CHECK(DHiddenProduct(s, nr, tf32, GemmPlace{}));
-  if (p.target_apart) {
+  // With the target apart, its term (s_r = 1: RowInfoSlot) goes into the exact sum too.
+  const DhFinish finish = Finish(s, b.y, p.o.ignore_index);
+  LCE_CUDA_CHECK(DHiddenProduct(s, nr, tf32, GemmPlace{}, p.target_apart ? &finish : nullptr));
+  if (p.target_apart && !DHiddenChunked()) {
     LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, b.y, p.o.ignore_index, shape_.vocab_begin, Vs, stream_));
   }
   return SumDHiddenOverRanks(s.dh, nr * H);
@@ -138,7 +138,7 @@ absl::Status CudaEngine::GeneralDHidden(const CallPlan& p, Scratch& s, const Blo
 // d_hidden's sum over a group's ranks: into rank 0 alone where only its outputs are read
 // (EngineConfig::rank0_outputs; at 4 ranks a reduce moves half an all-reduce's bytes).
 absl::Status CudaEngine::SumDHiddenOverRanks(float* dh, int64_t n) {
-  if (config_.collectives == nullptr) return absl::OkStatus();
+  if (config_.collectives == nullptr || DhExactGroup()) return absl::OkStatus();  // GroupLeafSum summed it
   if (config_.rank0_outputs) return config_.collectives->ReduceSumToRoot(dh, n, true, stream_);
   return config_.collectives->AllReduce(dh, n, ReduceOp::kSum, true, stream_);
 }
@@ -204,70 +204,91 @@ absl::Status CudaEngine::FastDHidden(Scratch& s, int64_t nr, const int32_t* y, i
                                      const GemmPlace& place) {
   const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows;
   const uint8_t* w = weight_->data();
-  LCE_CUDA_CHECK(DHiddenProduct(s, nr, tf32, place));
+  const DhFinish finish = Finish(s, y, ignore_index);
+  LCE_CUDA_CHECK(DHiddenProduct(s, nr, tf32, place, &finish));
+  if (DHiddenChunked()) return absl::OkStatus();  // the finish was in the exact sum
   cudaStream_t stream = place.stream != nullptr ? place.stream : stream_;
   LCE_CUDA_CHECK(LaunchFinishDHidden(s.dh, nr, H, s.info, w, y, ignore_index, shape_.vocab_begin, Vs, stream));
   return absl::OkStatus();
 }
 
-// dh[nr, H] = dA[nr, Vs] · W[Vs, H] (column-major: [H, nr] = W · dA). In fixed chunks: per slice of rows, one
-// strided-batched GEMM writes every chunk's partial and an ordered sum adds them in chunk order. Each chunk is
-// summed in one order by whichever algorithm is timed fastest for the slice (GemmSpec::fixed_k_order), so a
-// row's bits depend on neither the row count nor the slicing; the batch gives a few rows the parallelism that
-// split-K would (bench/RESULTS.md). W's rows and the store's columns past the shard, up to the last chunk's
-// end, are zero.
-absl::Status CudaEngine::DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const GemmPlace& place) {
+DhFinish CudaEngine::Finish(const Scratch& s, const int32_t* y, int32_t ignore_index) const {
+  DhFinish f;
+  f.info = s.info;
+  f.targets = y;
+  f.ignore_index = ignore_index;
+  f.weight = weight_->data();
+  f.vocab_begin = shape_.vocab_begin;
+  f.shard_rows = shape_.shard_rows;
+  f.hidden = shape_.hidden_size;
+  return f;
+}
+
+// dh[nr, H] = dA[nr, Vs] · W[Vs, H] (column-major: [H, nr] = W · dA). Over the head's canonical leaves
+// (leaf_plan.h): per slice of rows, a product a leaf of this shard (each summed in one order by whichever
+// algorithm is timed fastest for the slice, GemmSpec::fixed_k_order) into its partial, then their exact
+// sum (exact_sum.cu), rounded once: a row's bits depend on neither the row count, the slicing nor, over a
+// group's leaves, the group size (bench/RESULTS.md).
+absl::Status CudaEngine::DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const GemmPlace& place,
+                                        const DhFinish* finish) {
   const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows, sesz = StoreBytes();
+  const int64_t esz = DTypeSize(shape_.dtype);
   const uint8_t* w = weight_->data();
   const cudaDataType_t dt = CudaType(shape_.dtype);
   if (!DHiddenChunked()) {
     return Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F, H, tf32,
                 /*c_is_scratch=*/true, 0, /*rows_in_n=*/true, false, place);
   }
+  if (s.dh_parts == nullptr || s.dh_slice == 0) return absl::InternalError("d_hidden's leaves: no room for partials");
   cudaStream_t stream = place.stream != nullptr ? place.stream : stream_;
-  uint8_t* store = static_cast<uint8_t*>(s.store);
-  if (const int64_t pad = dh_chunks_ * dh_chunk_ - Vs; pad > 0) {
-    LCE_CUDA_CHECK(cudaMemset2DAsync(store + Vs * sesz, lds_ * sesz, 0, pad * sesz, nr, stream));
-  }
+  const uint8_t* store = static_cast<const uint8_t*>(s.store);
   GemmSpec g;
   g.m = H;
-  g.k = dh_chunk_;
-  g.a = w;
   g.lda = H;
   g.ldb = lds_;
-  g.c = s.dh_parts;
   g.ldc = H;
   g.ab_type = dt;
   g.c_type = CUDA_R_32F;
   g.compute = ComputeType(tf32);
   g.fixed_k_order = true;
-  if (s.dh_parts == nullptr || s.dh_slice == 0 || DHiddenInPlace(nr)) {
-    // In place: a product a chunk over all nr rows, each added to the last (beta 1) in chunk order, as the
-    // ordered sum adds them; the same family of algorithms, so the same bits.
-    // Every chunk's algorithm is chosen (timed on s.dh) before the first product writes it.
-    const int64_t esz = DTypeSize(shape_.dtype);
-    g.n = nr;
-    g.c = s.dh;
-    const GemmPlace prepare{place.stream, place.workspace, /*prepare_only=*/true};
-    for (const GemmPlace& run : {prepare, place}) {
-      for (int64_t c = 0; c < dh_chunks_; ++c) {
-        g.a = w + c * dh_chunk_ * H * esz;
-        g.b = store + c * dh_chunk_ * sesz;
-        g.beta = c == 0 ? 0.0f : 1.0f;
-        LCE_CUDA_CHECK(RunGemm(g, /*c_is_scratch=*/true, run));
-      }
+  const int leaves = static_cast<int>(dh_leaves_.size());
+  for (int64_t r0 = 0; r0 < nr; r0 += s.dh_slice) {
+    g.n = std::min(s.dh_slice, nr - r0);
+    for (int l = 0; l < leaves; ++l) {
+      const VocabRange leaf = dh_leaves_[static_cast<size_t>(l)];
+      g.k = leaf.end - leaf.begin;
+      g.a = w + leaf.begin * H * esz;
+      g.b = store + (r0 * lds_ + leaf.begin) * sesz;
+      g.c = s.dh_parts + l * g.n * H;
+      LCE_CUDA_CHECK(RunGemm(g, /*c_is_scratch=*/true, place));
     }
-    return absl::OkStatus();
-  }
-  g.k_chunks = static_cast<int>(dh_chunks_);
-  const int64_t slice = s.dh_slice;
-  for (int64_t r0 = 0; r0 < nr; r0 += slice) {
-    g.n = std::min(slice, nr - r0);
-    g.b = store + r0 * lds_ * sesz;
-    LCE_CUDA_CHECK(RunGemm(g, /*c_is_scratch=*/true, place));
-    LCE_CUDA_CHECK(LaunchOrderedSum(s.dh + r0 * H, s.dh_parts, g.k_chunks, g.n * H, stream));
+    DhFinish f = finish != nullptr ? *finish : DhFinish{};
+    if (f.info != nullptr) f.info += r0 * kRowInfo, f.targets += r0;
+    if (DhExactGroup()) {
+      LCE_CUDA_CHECK(GroupLeafSum(s, s.dh + r0 * H, leaves, g.n * H, f, stream));
+    } else {
+      LCE_CUDA_CHECK(LaunchExactLeafSum(s.dh + r0 * H, s.dh_parts, leaves, dh_terms_, g.n * H, f, stream));
+    }
   }
   return absl::OkStatus();
+}
+
+// The group's scale an element (the largest code of every rank's terms), every rank's terms at it as
+// integers, their int64 sum (exact: any order, any grouping) and one rounding: one GPU's bits.
+absl::Status CudaEngine::GroupLeafSum(const Scratch& s, float* dst, int leaves, int64_t n, const DhFinish& f,
+                                      cudaStream_t stream) {
+  Collectives& c = *config_.collectives;
+  if (s.dh_fixed == nullptr) return absl::InternalError("d_hidden's group sum: no room for its integers");
+  LCE_CUDA_CHECK(LaunchLeafCodes(s.dh_codes, s.dh_parts, leaves, n, f, stream));
+  LCE_CUDA_CHECK(c.AllReduceMaxBytes(s.dh_codes, n, true, stream));
+  LCE_CUDA_CHECK(LaunchFixedLeafSum(s.dh_fixed, s.dh_codes, s.dh_parts, leaves, dh_terms_, n, f, stream));
+  if (config_.rank0_outputs) {
+    LCE_CUDA_CHECK(c.ReduceSumInt32ToRoot(s.dh_fixed, n, true, stream));
+    if (c.rank() != 0) return absl::OkStatus();
+  } else {
+    LCE_CUDA_CHECK(c.AllReduceSumInt32(s.dh_fixed, n, true, stream));
+  }
+  return LaunchFixedToFloat(dst, s.dh_fixed, s.dh_codes, dh_terms_, n, stream);
 }
 
 // The fast loss path's two backward products at once: d_hidden's (and its finish) on aux_, dW's on stream_,
@@ -301,91 +322,6 @@ absl::Status CudaEngine::FastGradsBeside(Scratch& s, const void* h, int64_t nr, 
   // rewrites s.store, and a later call must not meet aux_ still writing s.dh.
   LCE_CUDA_CHECK(cudaStreamWaitEvent(stream_, events_[kEvDHidden], 0));
   return st;
-}
-
-// d_hidden of a block into s.dh over the canonical tile tree (tile_tree.h): each tile's product
-// dA[:, tile] · W[tile, :] through one GEMM algorithm whatever the row count (rows in n), joined as
-// the tiles come; a group gathers every rank's subtrees (−inf elsewhere: a max all-reduce copies
-// them) and each rank sums the same tree. A GEMM per tile and an add per join, against one GEMM and
-// NCCL's sum (whose order varies with its algorithm): the cost is in bench/RESULTS.md.
-absl::Status CudaEngine::DHiddenByTiles(Scratch& s, int64_t nr, const uint8_t* w, bool tf32) {
-  const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows, n = nr * H;
-  const int64_t esz = DTypeSize(shape_.dtype), sesz = StoreBytes();
-  const cudaDataType_t dt = CudaType(shape_.dtype);
-  struct Node {
-    int level = 0;
-    int64_t index = 0;
-    float* value = nullptr;
-  };
-  std::vector<float*> free_slots;
-  for (int64_t i = TreeSlots() - 1; i >= 0; --i) free_slots.push_back(s.tree + i * n);
-  auto take = [&]() -> float* {
-    float* p = free_slots.empty() ? nullptr : free_slots.back();
-    if (p != nullptr) free_slots.pop_back();
-    return p;
-  };
-  absl::Status status;
-  std::vector<Node> stack;
-  for (int64_t v0 = 0, t = shape_.vocab_begin / kSegment; v0 < Vs; v0 += kSegment, ++t) {
-    const int64_t nv = std::min<int64_t>(kSegment, Vs - v0);
-    float* slot = take();
-    if (slot == nullptr) return absl::InternalError("d_hidden tile tree: out of node slots");
-    // [H, nr] = W[v0:v0+nv, H]ᵀ-major · dA[nr, v0:v0+nv]   (column-major, as the one-GEMM path)
-    LCE_CUDA_CHECK(Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, nv, w + v0 * H * esz, dt, H,
-                        static_cast<const uint8_t*>(s.store) + v0 * sesz, dt, lds_, 0.0f, slot, CUDA_R_32F, H, tf32,
-                        /*c_is_scratch=*/true, 0, /*rows_in_n=*/true));
-    PushTreeNode(stack, Node{0, t, slot}, [&](Node& left, Node& right) {
-      if (status.ok()) status = LaunchAddFloats(left.value, left.value, right.value, n, stream_);
-      free_slots.push_back(right.value);
-    });
-    if (!status.ok()) return status;
-  }
-  std::vector<Node> held = stack;
-  if (config_.collectives != nullptr) {
-    const int world = config_.collectives->world_size(), me = config_.collectives->rank();
-    LCE_CUDA_CHECK(
-        LaunchFillFloats(s.tree_gathered, -std::numeric_limits<float>::infinity(), GatheredNodes() * n, stream_));
-    held.clear();
-    for (int r = 0; r < world; ++r) {
-      const std::vector<TileTreeNode> subtrees = RankSubtrees(shape_.vocab_size, r, world);
-      for (size_t i = 0; i < subtrees.size(); ++i) {
-        float* dst = s.tree_gathered + static_cast<int64_t>(held.size()) * n;
-        if (r == me) {
-          LCE_CUDA_CHECK(cudaMemcpyAsync(dst, stack[i].value, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-          free_slots.push_back(stack[i].value);
-        }
-        held.push_back({subtrees[i].level, subtrees[i].index, dst});
-      }
-    }
-    LCE_CUDA_CHECK(config_.collectives->AllReduce(s.tree_gathered, static_cast<int64_t>(held.size()) * n,
-                                                  ReduceOp::kMax, true, stream_));
-  }
-  // The canonical sum from the held subtrees; a temporary is a slot of ours, a held node is not.
-  const int64_t tiles = VocabTileCount(shape_.vocab_size);
-  struct Value {
-    float* p = nullptr;
-    bool temp = false;
-  };
-  std::function<Value(int, int64_t)> sum = [&](int level, int64_t index) -> Value {
-    if ((index << level) >= tiles || !status.ok()) return {};
-    for (const Node& h : held) {
-      if (h.level == level && h.index == index) return {h.value, false};
-    }
-    Value left = sum(level - 1, 2 * index), right = sum(level - 1, 2 * index + 1);
-    if (right.p == nullptr || !status.ok()) return left;
-    Value out{left.temp ? left.p : take(), true};
-    if (out.p == nullptr) {
-      status = absl::InternalError("d_hidden tile tree: out of node slots");
-      return {};
-    }
-    status = LaunchAddFloats(out.p, left.p, right.p, n, stream_);
-    if (right.temp) free_slots.push_back(right.p);
-    return out;
-  };
-  const Value root = sum(TileTreeRootLevel(tiles), 0);
-  if (!status.ok()) return status;
-  LCE_CUDA_CHECK(cudaMemcpyAsync(s.dh, root.p, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-  return absl::OkStatus();
 }
 
 }  // namespace lce::cuda

@@ -6,6 +6,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
@@ -286,12 +287,20 @@ absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t
   if (copy == EpiCopy::kExp) {
     // First pass over the first kFirstPassCols columns: their max per row (into s.part, one segment a
     // row, overwritten by the whole shard's fold below) sets c_row before any exp is stored.
-    EpilogueStatsArgs first = a;
-    first.cols = std::min<int64_t>(kFirstPassCols, a.cols);
-    first.ntile = (first.cols + EpiTileCols() - 1) / EpiTileCols();
-    first.entropy = false;  // only its max is used
-    LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(first, stream_));
-    LCE_CUDA_CHECK(LaunchFoldTilePartials(s.tile_part, first.ntile, EpiTileCols(), nr, s.part, 1, stream_));
+    // A TP-invariant group takes the head's first columns (rank 0's) for every rank's c_row, as one GPU
+    // does: the others' −inf under a max all-reduce.
+    const bool group = tp_invariant_ && config_.collectives->world_size() > 1;
+    if (!group || config_.collectives->rank() == 0) {
+      EpilogueStatsArgs first = a;
+      first.cols = std::min<int64_t>(kFirstPassCols, a.cols);
+      first.ntile = (first.cols + EpiTileCols() - 1) / EpiTileCols();
+      first.entropy = false;  // only its max is used
+      LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(first, stream_));
+      LCE_CUDA_CHECK(LaunchFoldTilePartials(s.tile_part, first.ntile, EpiTileCols(), nr, s.part, 1, stream_));
+    } else {
+      LCE_CUDA_CHECK(LaunchFillFloats(s.part, -std::numeric_limits<float>::infinity(), nr * 4, stream_));
+    }
+    if (group) LCE_CUDA_CHECK(config_.collectives->AllReduce(s.part, nr * 4, ReduceOp::kMax, true, stream_));
     a.first = s.part;
     a.row_c = s.row_c;
     a.overflow = overflow;

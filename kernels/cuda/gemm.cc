@@ -96,18 +96,6 @@ absl::Status GemmRunner::MakePlan(const GemmSpec& g, int64_t n, Plan* p) const {
   LCE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->la, g.ab_type, ta ? g.k : g.m, ta ? g.m : g.k, g.lda));
   LCE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->lb, g.ab_type, tb ? n : g.k, tb ? g.k : n, g.ldb));
   LCE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->lc, g.c_type, g.m, n, g.ldc));
-  if (g.k_chunks > 1) {
-    // Chunk s: A's and B's s-th k-chunk (columns of A or rows of Aᵀ-major storage; likewise B), C + s·ldc·n.
-    const int32_t count = g.k_chunks;
-    const int64_t strides[3] = {ta ? g.k : g.k * g.lda, tb ? g.k * g.ldb : g.k, g.ldc * n};
-    const cublasLtMatrixLayout_t layouts[3] = {p->la, p->lb, p->lc};
-    for (int i = 0; i < 3; ++i) {
-      LCE_CUDA_CHECK(
-          cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
-      LCE_CUDA_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                                      &strides[i], sizeof(strides[i])));
-    }
-  }
   return absl::OkStatus();
 }
 
@@ -150,14 +138,12 @@ GemmRunner::Key GemmRunner::KeyOf(const GemmSpec& g, int64_t m, int64_t n, int64
              static_cast<int>(Alignment(g.b)),
              static_cast<int>(Alignment(g.c)),
              g.sm_target,
-             modes,
-             g.k_chunks};
+             modes};
 }
 
 absl::StatusOr<cublasLtMatmulAlgo_t> GemmRunner::FixedOrderFamily(const GemmSpec& g, size_t workspace_bytes) {
-  // One family for a chunk's product however it runs: batched or not, written or accumulated (beta).
+  // One family for a leaf's product however it runs: written or accumulated (beta).
   GemmSpec plain = g;
-  plain.k_chunks = 1;
   plain.beta = 0.0f;
   const Key key = KeyOf(plain, g.m, 0, g.k, false);
   if (auto it = families_.find(key); it != families_.end()) return it->second;
@@ -206,8 +192,8 @@ absl::Status GemmRunner::KeepFixedOrder(const GemmSpec& g, size_t workspace_byte
   }
   if (kept == 0) {
     // Served, but this product's sums may then change order with the row count (its last bits).
-    std::fprintf(stderr, "lce: no fixed-order GEMM algorithm for m=%ld n=%ld k=%ld (x%d); using the heuristic's\n",
-                 static_cast<long>(g.m), static_cast<long>(g.n), static_cast<long>(g.k), g.k_chunks);
+    std::fprintf(stderr, "lce: no fixed-order GEMM algorithm for m=%ld n=%ld k=%ld; using the heuristic's\n",
+                 static_cast<long>(g.m), static_cast<long>(g.n), static_cast<long>(g.k));
     return absl::OkStatus();
   }
   *found = kept;

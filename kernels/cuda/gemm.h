@@ -37,9 +37,6 @@ struct GemmSpec {
   // With n_invariant: each row of C the same bits whatever m too — one algorithm for every m that is
   // a multiple of 2048 (up to ldc) and every n.
   bool m_invariant = false;
-  // > 1: the product over k_chunks consecutive chunks of k (k each), one strided-batched GEMM: chunk s
-  // takes A's and B's s-th k-chunk and writes C + s·ldc·n.
-  int k_chunks = 1;
   // Timed among the candidates without split-K of one cuBLASLt algorithm (the heuristic's first
   // without split-K at n = 8192): each column of C is then summed over k in one order whatever n and
   // whichever candidate is fastest (every such candidate gave the same bits on H200 with cuBLAS 13:
@@ -74,7 +71,7 @@ class GemmRunner {
     bool has_algo = false;
   };
   using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, bool, int, int,
-                         int, int, int, int>;
+                         int, int, int>;
   // g's cache key with m, n and k as given (exact, a size class, or 0 for any) and its beta's zeroness.
   static Key KeyOf(const GemmSpec& g, int64_t m, int64_t n, int64_t k, bool beta_nonzero);
   absl::Status MakePlan(const GemmSpec& g, int64_t n, Plan* plan) const;

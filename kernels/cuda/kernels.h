@@ -243,11 +243,30 @@ absl::Status LaunchSmoothingSegmentSums(const void* w, DType dtype, int64_t hidd
 absl::Status LaunchSmoothingRowSums(const void* h, DType dtype, int64_t rows, int64_t hidden, const float* u,
                                     float temperature, float* packed, cudaStream_t stream);
 
-// tree_sum.cu. dst[i] = a[i] + b[i] (rounded to nearest, never fused) for n floats; dst may be a.
-absl::Status LaunchAddFloats(float* dst, const float* a, const float* b, int64_t n, cudaStream_t stream);
 // tree_sum.cu. dst[i] = parts[i] + parts[n + i] + ... + parts[(count − 1)·n + i], left to right (each sum
 // rounded on its own), for n floats.
 absl::Status LaunchOrderedSum(float* dst, const float* parts, int count, int64_t n, cudaStream_t stream);
+// exact_sum.cu: d_hidden's leaves [leaves, n] summed in fixed point (exact_fixed.h). total_terms: the
+// element's terms in every place (the same on one GPU and in any group: it sets the scale).
+// finish (info non-null): the terms are s_r · P_l and −t_r · W[y_r] (y_r in this shard, bf16 W), the fast
+// loss path's LaunchFinishDHidden inside the sum; n is then whole rows of `hidden`.
+struct DhFinish {
+  const float* info = nullptr;
+  const int32_t* targets = nullptr;
+  int32_t ignore_index = 0;
+  const void* weight = nullptr;
+  int64_t vocab_begin = 0, shard_rows = 0, hidden = 0;
+};
+absl::Status LaunchExactLeafSum(float* dst, const float* parts, int leaves, int total_terms, int64_t n,
+                                const DhFinish& finish, cudaStream_t stream);
+// A group's rank: its terms' largest code an element (the group max all-reduces them), then its terms at
+// that scale (the group sums them in int64), then one rounding (LaunchFixedToFloat): one GPU's bits.
+absl::Status LaunchLeafCodes(uint8_t* codes, const float* parts, int leaves, int64_t n, const DhFinish& finish,
+                             cudaStream_t stream);
+absl::Status LaunchFixedLeafSum(int32_t* q, const uint8_t* codes, const float* parts, int leaves, int total_terms,
+                                int64_t n, const DhFinish& finish, cudaStream_t stream);
+absl::Status LaunchFixedToFloat(float* dst, const int32_t* q, const uint8_t* codes, int total_terms, int64_t n,
+                                cudaStream_t stream);
 // tree_sum.cu. dst[i] = value for n floats.
 absl::Status LaunchFillFloats(float* dst, float value, int64_t n, cudaStream_t stream);
 

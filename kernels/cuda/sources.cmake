@@ -14,6 +14,7 @@ set(LCE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/bias_grad.cu
   ${CMAKE_CURRENT_LIST_DIR}/convert.cu
   ${CMAKE_CURRENT_LIST_DIR}/tree_sum.cu
+  ${CMAKE_CURRENT_LIST_DIR}/exact_sum.cu
   ${CMAKE_CURRENT_LIST_DIR}/weighted_smoothing.cu
   ${CMAKE_CURRENT_LIST_DIR}/validate.cu
   ${CMAKE_CURRENT_LIST_DIR}/head_trainer.cc

@@ -1,7 +1,4 @@
-// Elementwise steps of d_hidden's fixed-order sums: the canonical tile tree's (engine_backward.cc,
-// DHiddenByTiles: a node's value is left + right, and a gathered node buffer starts at −inf so that a
-// max all-reduce copies each rank's nodes into every rank's buffer) and the chunked product's ordered
-// sum of its partials (DHiddenProduct).
+// Elementwise fixed-order steps: an ordered sum of partials (the smoothing sums' segments) and a fill.
 #include <algorithm>
 
 #include "cuda/cuda_check.h"
@@ -9,12 +6,6 @@
 
 namespace lce::cuda {
 namespace {
-
-__global__ void AddFloatsKernel(float* dst, const float* a, const float* b, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    dst[i] = __fadd_rn(a[i], b[i]);  // never contracted: the tree's bits
-  }
-}
 
 __global__ void OrderedSumKernel(float* dst, const float* parts, int count, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
@@ -33,13 +24,6 @@ __global__ void FillFloatsKernel(float* dst, float value, int64_t n) {
 unsigned Blocks(int64_t n) { return static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 132 * 16)); }
 
 }  // namespace
-
-absl::Status LaunchAddFloats(float* dst, const float* a, const float* b, int64_t n, cudaStream_t stream) {
-  if (n <= 0) return absl::OkStatus();
-  AddFloatsKernel<<<Blocks(n), 256, 0, stream>>>(dst, a, b, n);
-  LCE_CUDA_CHECK(cudaGetLastError());
-  return absl::OkStatus();
-}
 
 absl::Status LaunchOrderedSum(float* dst, const float* parts, int count, int64_t n, cudaStream_t stream) {
   if (n <= 0) return absl::OkStatus();

@@ -44,10 +44,6 @@ int64_t CudaEngine::Carve(const ScratchLayout& l, int64_t R, uint8_t* base, Scra
     // d_hidden's fp32 accumulator reuses the logit tiles (free by then) where it fits.
     s->dh = !l.epi && H <= 2 * ldz ? s->logits[0] : c.Take<float>(R * H);
   }
-  if (l.backward && l.tree) {
-    s->tree = c.Take<float>(TreeSlots() * R * H);
-    if (config_.collectives != nullptr) s->tree_gathered = c.Take<float>(GatheredNodes() * R * H);
-  }
   if (l.host || l.stage) s->hidden = c.Take<uint8_t>(R * H * esz);
   if (l.host) {
     s->targets = c.Take<int32_t>(R);

@@ -20,7 +20,6 @@ struct ScratchLayout {
   bool host_dw = false;
   bool fast = false;       // fast loss path with d_weight: needs the scaled copy of h
   bool target_dw = false;  // the general path's target term scattered into d_weight (target_order scratch)
-  bool tree = false;       // d_hidden over the canonical tile tree (tree_dh_)
   int64_t tile = 0;        // logit tile columns (0: the engine's default, tile_)
   bool epi = false;        // forward through the epilogue-statistics GEMM: no logit tiles
   bool stage = false;      // device rows not 16-byte aligned, copied to s.hidden for the epilogue GEMM's TMA
@@ -43,8 +42,8 @@ struct Scratch {
   float* dh = nullptr;             // [R, H] fp32 (backward only; may alias the logit tiles)
   float* dh_parts = nullptr;       // [chunks, dh_slice, H] fp32: d_hidden's chunk partials, after the carved scratch
   int64_t dh_slice = 0;            // rows a slice of them; 0: the chunks accumulate in place
-  float* tree = nullptr;           // [TreeSlots(), R, H] fp32: d_hidden's tile tree (tree_dh_)
-  float* tree_gathered = nullptr;  // [GatheredNodes(), R, H] fp32: every rank's subtrees (tree_dh_, TP)
+  int32_t* dh_fixed = nullptr;  // [dh_slice, H] a group's fixed-point sum in int32 (DhExactGroup), after the partials
+  uint8_t* dh_codes = nullptr;  // [dh_slice, H] its elements' scale codes
   // [3]: the first non-finite row; [1] the overflow flag (float bits); [2] the first bad target (device rows)
   unsigned long long* bad = nullptr;
   float* row_c = nullptr;        // [R] fast path: c_row

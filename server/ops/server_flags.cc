@@ -183,9 +183,10 @@ LCE_SERVER_FLAG(bool, batch_invariant, batch_invariant, false,
                 "with rankings): a row's results the same bits in any batch (one GEMM algorithm for every row count; "
                 "cost 5-13% at some train shapes, more on small calls). The epilogue GEMM's path and the CPU engine "
                 "always are");
-LCE_SERVER_FLAG(bool, tp_invariant, tp_invariant, false,
-                "CUDA engine, with --batch-invariant: logprob, entropy, loss and d_hidden the same bits for any TP "
-                "group size, V >= 131072; costs 31-44% of a train step");
+LCE_SERVER_FLAG(bool, tp_invariant, tp_invariant, true,
+                "CUDA engine (the epilogue GEMM's path, or with --batch-invariant): logprob, entropy, loss and "
+                "d_hidden one GPU's bits in TP groups of 2 and 4, V >= 131072; nothing on one GPU, within the "
+                "spread of a TP-2 train step");
 LCE_SERVER_FLAG(int32_t, device, device, 0, "CUDA device ordinal");
 LCE_SERVER_FLAG(double, shutdown_grace_seconds, shutdown_grace_seconds, 30.0,
                 "on SIGTERM, time in-flight streams get to finish");

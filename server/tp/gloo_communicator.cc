@@ -23,6 +23,7 @@ namespace {
 
 class GlooCommunicator final : public TpCommunicator {
  public:
+  using ReduceFn = void (*)(void*, const void*, const void*, size_t);
   GlooCommunicator(TpBootstrap b, std::shared_ptr<gloo::rendezvous::Context> ctx)
       : bootstrap_(std::move(b)), ctx_(std::move(ctx)) {}
 
@@ -30,16 +31,15 @@ class GlooCommunicator final : public TpCommunicator {
   int world_size() const override { return bootstrap_.world_size; }
 
   absl::Status AllReduce(float* data, int64_t count, ReduceOp op, bool device_memory, void*) override {
-    if (device_memory) return absl::InvalidArgumentError("the Gloo communicator takes host memory only");
-    return Guard("all-reduce", [&](const std::shared_ptr<gloo::rendezvous::Context>& ctx) {
-      gloo::AllreduceOptions opts(ctx);
-      opts.setOutput(data, static_cast<size_t>(count));
-      opts.setTag(1);
-      using Fn = void (*)(void*, const void*, const void*, size_t);
-      opts.setReduceFunction(op == ReduceOp::kSum ? static_cast<Fn>(&gloo::sum<float>)
-                                                  : static_cast<Fn>(&gloo::max<float>));
-      gloo::allreduce(opts);
-    });
+    return HostAllReduce(
+        data, count, device_memory,
+        op == ReduceOp::kSum ? static_cast<ReduceFn>(&gloo::sum<float>) : static_cast<ReduceFn>(&gloo::max<float>));
+  }
+  absl::Status AllReduceMaxBytes(uint8_t* data, int64_t count, bool device_memory, void*) override {
+    return HostAllReduce(data, count, device_memory, static_cast<ReduceFn>(&gloo::max<uint8_t>));
+  }
+  absl::Status AllReduceSumInt32(int32_t* data, int64_t count, bool device_memory, void*) override {
+    return HostAllReduce(data, count, device_memory, static_cast<ReduceFn>(&gloo::sum<int32_t>));
   }
 
   absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void*, int root) override {
@@ -62,6 +62,18 @@ class GlooCommunicator final : public TpCommunicator {
   }
 
  private:
+  // A host all-reduce of `count` T with the reduction `fn` (gloo::sum / gloo::max of T).
+  template <typename T>
+  absl::Status HostAllReduce(T* data, int64_t count, bool device_memory, ReduceFn fn) {
+    if (device_memory) return absl::InvalidArgumentError("the Gloo communicator takes host memory only");
+    return Guard("all-reduce", [&](const std::shared_ptr<gloo::rendezvous::Context>& ctx) {
+      gloo::AllreduceOptions opts(ctx);
+      opts.setOutput(data, static_cast<size_t>(count));
+      opts.setTag(1);
+      opts.setReduceFunction(fn);
+      gloo::allreduce(opts);
+    });
+  }
   template <typename F>
   absl::Status Guard(const char* what, F&& f) {
     std::shared_ptr<gloo::rendezvous::Context> ctx = std::atomic_load(&ctx_);

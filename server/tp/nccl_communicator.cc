@@ -55,6 +55,16 @@ class NcclCommunicator final : public TpCommunicator {
     return Watch(static_cast<cudaStream_t>(stream), "reduce");
   }
 
+  absl::Status AllReduceMaxBytes(uint8_t* data, int64_t count, bool device_memory, void* stream) override {
+    return Collective(data, count, ncclUint8, ncclMax, /*root=*/-1, device_memory, stream);
+  }
+  absl::Status AllReduceSumInt32(int32_t* data, int64_t count, bool device_memory, void* stream) override {
+    return Collective(data, count, ncclInt32, ncclSum, /*root=*/-1, device_memory, stream);
+  }
+  absl::Status ReduceSumInt32ToRoot(int32_t* data, int64_t count, bool device_memory, void* stream) override {
+    return Collective(data, count, ncclInt32, ncclSum, /*root=*/0, device_memory, stream);
+  }
+
   absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void* stream, int root) override {
     if (!device_memory) return absl::InvalidArgumentError("the NCCL communicator takes device memory only");
     if (aborted_) return Down();
@@ -69,6 +79,20 @@ class NcclCommunicator final : public TpCommunicator {
   }
 
  private:
+  // An all-reduce (root < 0) or a reduce into root of `count` elements of `type`, watched.
+  absl::Status Collective(void* data, int64_t count, ncclDataType_t type, ncclRedOp_t op, int root, bool device_memory,
+                          void* stream) {
+    if (!device_memory) return absl::InvalidArgumentError("the NCCL communicator takes device memory only");
+    if (aborted_) return Down();
+    const auto s = static_cast<cudaStream_t>(stream);
+    if (root < 0) {
+      LCE_CUDA_CHECK(ncclAllReduce(data, data, static_cast<size_t>(count), type, op, comm_, s));
+      return Watch(s, "all-reduce");
+    }
+    LCE_CUDA_CHECK(ncclReduce(data, data, static_cast<size_t>(count), type, op, root, comm_, s));
+    return Watch(s, "reduce");
+  }
+
   absl::Status Down() const {
     return absl::UnavailableError(absl::StrCat(bootstrap_.group, " group is down (aborted after a peer failure)"));
   }

@@ -23,6 +23,18 @@ class TimedCommunicator final : public TpCommunicator {
     bytes_->Increment(static_cast<double>(count) * sizeof(float));
     return Timed([&] { return inner_->ReduceSumToRoot(data, count, device, stream); });
   }
+  absl::Status AllReduceMaxBytes(uint8_t* data, int64_t count, bool device, void* stream) override {
+    bytes_->Increment(static_cast<double>(count));
+    return Timed([&] { return inner_->AllReduceMaxBytes(data, count, device, stream); });
+  }
+  absl::Status AllReduceSumInt32(int32_t* data, int64_t count, bool device, void* stream) override {
+    bytes_->Increment(static_cast<double>(count) * sizeof(int64_t));
+    return Timed([&] { return inner_->AllReduceSumInt32(data, count, device, stream); });
+  }
+  absl::Status ReduceSumInt32ToRoot(int32_t* data, int64_t count, bool device, void* stream) override {
+    bytes_->Increment(static_cast<double>(count) * sizeof(int64_t));
+    return Timed([&] { return inner_->ReduceSumInt32ToRoot(data, count, device, stream); });
+  }
   absl::Status Broadcast(void* data, int64_t bytes, bool device, void* stream, int root) override {
     bytes_->Increment(static_cast<double>(bytes));
     return Timed([&] { return inner_->Broadcast(data, bytes, device, stream, root); });

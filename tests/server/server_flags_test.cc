@@ -121,10 +121,10 @@ TEST(ServerFlags, DefaultsTypedValuesAndClearErrors) {
 // A boolean flag alone means true (README: --batch-invariant), before another flag or at the end;
 // followed by a value it takes it; --version is no flag to set.
 TEST(ServerFlags, BareBooleansAndVersion) {
-  absl::StatusOr<ServerFlags> f = Parse({"--batch-invariant", "--port=7", "--tp-invariant"});
+  absl::StatusOr<ServerFlags> f = Parse({"--tp-invariant", "false", "--port=7", "--batch-invariant"});
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_TRUE(f->batch_invariant);
-  EXPECT_TRUE(f->tp_invariant);
+  EXPECT_FALSE(f->tp_invariant);  // on by default: the value turns it off
   EXPECT_EQ(f->port, 7);
   f = Parse({"--log-requests", "false", "--version"});
   ASSERT_TRUE(f.ok()) << f.status();

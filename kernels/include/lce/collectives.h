@@ -24,6 +24,21 @@ class Collectives {
   virtual absl::Status ReduceSumToRoot(float* data, int64_t count, bool device_memory, void* stream) {
     return AllReduce(data, count, ReduceOp::kSum, device_memory, stream);
   }
+  // Exact all-reduces for results that must not depend on the group (d_hidden's exact leaf sum): the
+  // element-wise max of `count` bytes, and the sum of `count` int32 (integers: any order, the same sum).
+  // The defaults say the communicator has none.
+  virtual absl::Status AllReduceMaxBytes(uint8_t* data, int64_t count, bool device_memory, void* stream) {
+    (void)data, (void)count, (void)device_memory, (void)stream;
+    return absl::UnimplementedError("this communicator has no byte max all-reduce");
+  }
+  virtual absl::Status AllReduceSumInt32(int32_t* data, int64_t count, bool device_memory, void* stream) {
+    (void)data, (void)count, (void)device_memory, (void)stream;
+    return absl::UnimplementedError("this communicator has no int32 sum all-reduce");
+  }
+  // Into rank 0's `data` alone (the others' left unspecified); this default all-reduces.
+  virtual absl::Status ReduceSumInt32ToRoot(int32_t* data, int64_t count, bool device_memory, void* stream) {
+    return AllReduceSumInt32(data, count, device_memory, stream);
+  }
 };
 
 }  // namespace lce

@@ -24,8 +24,7 @@ struct CudaTuning {
   bool fast_loss_path = true;      // bf16 kLoss without softcap or smoothing skips the dA pass
   bool target_apart = true;        // bf16 general path: the target's term added in fp32, not in the copy
   bool dh_beside = true;           // fast path, device rows: d_hidden's product beside dW's
-  bool dh_fixed_order = true;      // d_hidden's product in fixed vocabulary chunks: batch invariant by default
-  int64_t dh_inplace_rows = 0;     // blocks of this many rows or more accumulate those chunks in place (0: never)
+  bool dh_fixed_order = true;      // d_hidden over fixed vocabulary leaves in fixed point: batch and TP invariant
   bool gemm_ex = false;            // cublasGemmEx instead of tuned cuBLASLt (for comparison)
   bool gemm_tune = true;           // time cuBLASLt's candidates (else its heuristic's first)
   // The epilogue-statistics GEMM (sm_90, bf16, built with CUTLASS) and its kernel choices

@@ -122,16 +122,17 @@ struct EngineConfig {
   int device = 0;
   // Threads of the CPU backend; 0 = hardware concurrency.
   int cpu_threads = 0;
-  // CUDA backend (the CPU backend is invariant by construction). batch_invariant: the logit and
-  // d_hidden GEMMs run one algorithm for every row count, so a row's results are the same bits in
-  // any batch; tp_invariant (with batch_invariant): also one logit algorithm for every tile length,
-  // groups fold their statistics in global segment order and sum d_hidden over the canonical tile
-  // tree (tile_tree.h), so logprob, entropy, lse, loss and d_hidden are the same bits for any group
-  // size (V >= 131072). Off by default: batch_invariant costs 5-13% at some train shapes and up to
-  // 1.7x on 64-row calls, tp_invariant 31-44% more at train (bench/RESULTS.md). CudaTuning's
-  // batch_invariant / tp_invariant (LCE_CUDA_BATCH_INVARIANT / LCE_CUDA_TP_INVARIANT) override them.
+  // CUDA backend (the CPU backend is invariant by construction). batch_invariant: the logit-tile
+  // path's GEMMs run one algorithm for every row count, so a row's results are the same bits in any
+  // batch (the epilogue GEMM's path always is); off by default: 5-13% at some train shapes, up to 1.7x
+  // on 64-row calls. tp_invariant (on the epilogue GEMM's path, or with batch_invariant): groups fold
+  // their statistics in global segment order, take the fast loss path's c_row from the head's first
+  // columns and sum d_hidden's leaves (leaf_plan.h) in fixed point, so logprob, entropy, lse, loss
+  // and d_hidden are one GPU's bits in groups of 2 and 4 (V >= 131072); on by default: nothing on one
+  // GPU, within the spread of a TP-2 train step (bench/RESULTS.md). CudaTuning's batch_invariant / tp_invariant
+  // (LCE_CUDA_BATCH_INVARIANT / LCE_CUDA_TP_INVARIANT) override them.
   bool batch_invariant = false;
-  bool tp_invariant = false;
+  bool tp_invariant = true;
   // CUDA backend's tuning (lce/cuda_tuning.h), taken at Init; unset: CudaTuningFromEnv().
   std::optional<CudaTuning> cuda_tuning;
   // Tensor parallelism: collectives over the ranks that hold the other vocabulary shards. Null
