@@ -125,7 +125,7 @@ absl::StatusOr<int64_t> CudaEngine::GroupMin(int64_t value) {
 absl::Status CudaEngine::PrepareCall(CallPlan& p, Scratch& s) {
   const int64_t R = p.R, H = shape_.hidden_size, esz = DTypeSize(shape_.dtype);
   const int64_t need = RoundUp(Bytes(p.layout, R), 256);
-  // d_hidden's chunk partials go after the block's scratch, in what it leaves of the budget (PlanCall kept
+  // d_hidden's leaf partials go after the block's scratch, in what it leaves of the budget (PlanCall kept
   // room for a slice of kDhMinSliceRows).
   s.dh_slice = 0;
   if (p.dh_chunks) {

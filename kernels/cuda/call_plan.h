@@ -46,7 +46,7 @@ struct CallPlan {
   bool entropy = false;       // the epilogue GEMM computes Q (the entropy's statistic)
   bool fast = false;          // the fast loss path (fast_grad.cu), unless a block's logits overflow it
   bool target_apart = false;  // bf16 general path: the target's term kept out of the bf16 dA
-  bool dh_chunks = false;     // d_hidden's product in fixed chunks (DHiddenProduct), its partials after the scratch
+  bool dh_chunks = false;     // d_hidden's product over the leaves (DHiddenProduct), its partials after the scratch
   ScratchLayout layout;
   int64_t R = 0;              // rows a block
   int64_t tile = 0, ldz = 0;  // logit tile columns and their leading dimension

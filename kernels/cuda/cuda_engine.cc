@@ -87,16 +87,13 @@ absl::Status CudaEngine::Init() {
   LCE_CUDA_CHECK(gemm_.Init());
   // d_hidden's leaves in this shard, and the terms of an element over the whole head (DHiddenProduct).
   dh_leaves_ = ShardLeaves(shape_.vocab_size, VocabRange{shape_.vocab_begin, shape_.vocab_end()});
-  dh_terms_ = static_cast<int>(LeafBounds(shape_.vocab_size).size()) - 1 + 1;  // + the target's
+  dh_terms_ = static_cast<int>(LeafBounds(shape_.vocab_size).size());  // the head's leaves (bounds − 1) + the target's
   const int64_t w_bytes = static_cast<int64_t>(weights_->weight.size());
-  const int64_t padded_bytes = w_bytes;
-  absl::StatusOr<std::unique_ptr<DeviceBuffer>> weight =
-      AllocateDeviceBuffer(std::max(w_bytes, padded_bytes), config_.device);
+  absl::StatusOr<std::unique_ptr<DeviceBuffer>> weight = AllocateDeviceBuffer(w_bytes, config_.device);
   if (!weight.ok()) return weight.status();
   weight_ = std::move(*weight);
   weights_bytes_ = weight_->size();
   LCE_CUDA_CHECK(cudaMemcpy(weight_->data(), weights_->weight.data(), w_bytes, cudaMemcpyHostToDevice));
-  if (padded_bytes > w_bytes) LCE_CUDA_CHECK(cudaMemset(weight_->data() + w_bytes, 0, padded_bytes - w_bytes));
   if (shape_.has_bias) {
     absl::StatusOr<std::unique_ptr<DeviceBuffer>> bias =
         AllocateDeviceBuffer(static_cast<int64_t>(weights_->bias.size() * sizeof(float)), config_.device);

@@ -42,7 +42,7 @@ inline constexpr int64_t kRankRowsPerBlock = 4096;
 inline constexpr int64_t kRankDumpRows = 64;
 inline constexpr int64_t kRankCallListBytes = int64_t{64} << 20;  // the call's first pass lists at most
 inline constexpr int kRankTileCols = 256;  // the epilogue GEMM's configurations with candidates (1, 2, 3)
-// d_hidden's product over the head's canonical leaves (DHiddenProduct, leaf_plan.h), summed exactly
+// d_hidden's product over the head's canonical leaves (DHiddenProduct, leaf_plan.h), summed in fixed point
 // whatever the row count and the group; rows in slices of at most kDhSliceRows, their partials at most
 // kDhPartBytes.
 inline constexpr int64_t kDhSliceRows = 2048;
@@ -181,11 +181,11 @@ class CudaEngine final : public LceEngine {
     return tuning_.dh_fixed_order && !tuning_.gemm_ex && shape_.hidden_size % 4 == 0 &&
            (UseEpilogueStats() || batch_invariant_);
   }
-  // A group sums d_hidden's leaves exactly over its ranks (GroupLeafSum) rather than all-reducing floats.
+  // A group sums d_hidden's leaves in fixed point over its ranks (GroupLeafSum) rather than all-reducing floats.
   bool DhExactGroup() const {
     return DHiddenChunked() && config_.collectives != nullptr && config_.collectives->world_size() > 1;
   }
-  int64_t DhPartRowBytes() const {  // a row's leaf partials (and in a group its int64 sum and codes)
+  int64_t DhPartRowBytes() const {  // a row's leaf partials (and in a group its int32 sum and codes)
     return static_cast<int64_t>(dh_leaves_.size()) * shape_.hidden_size * 4 +
            (DhExactGroup() ? shape_.hidden_size * 5 : 0);
   }

@@ -274,7 +274,7 @@ absl::Status CudaEngine::DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const
 }
 
 // The group's scale an element (the largest code of every rank's terms), every rank's terms at it as
-// integers, their int64 sum (exact: any order, any grouping) and one rounding: one GPU's bits.
+// integers, their int32 sum (exact: any order, any grouping) and one rounding: one GPU's bits.
 absl::Status CudaEngine::GroupLeafSum(const Scratch& s, float* dst, int leaves, int64_t n, const DhFinish& f,
                                       cudaStream_t stream) {
   Collectives& c = *config_.collectives;

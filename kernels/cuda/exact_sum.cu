@@ -15,12 +15,11 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
 #include "cuda/exact_fixed.h"
+#include "cuda/grid_stride.cuh"
 #include "cuda/kernels.h"
 
 namespace lce::cuda {
 namespace {
-
-unsigned Blocks(int64_t n) { return static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 132 * 16)); }
 
 // The fast loss path's (and the general path's, with the target apart) finish as terms of the sum:
 // s_r · P_l for each leaf's partial and −t_r · W[y_r] where the target is in the shard, so that a
@@ -51,24 +50,33 @@ struct Terms {
   }
 };
 
+// An element's code: the largest of its terms' (exact_fixed.h).
+__device__ __forceinline__ int ElementCode(const Terms& terms, int64_t i) {
+  int code = 0;
+  for (int j = 0; j <= terms.leaves; ++j) code = exact::MaxCode(code, exact::Code(terms(i, j)));
+  return code;
+}
+
+// An element's terms as integers on its code's grid, summed (0 where the code is zero or non-finite).
+__device__ __forceinline__ int32_t ElementFixed(const Terms& terms, int64_t i, int code, int log2_terms) {
+  int32_t sum = 0;
+  if (code != 0 && code != exact::kNonFinite) {
+    const int s = exact::Shift(code, log2_terms);
+    for (int j = 0; j <= terms.leaves; ++j) sum += exact::Fixed(terms(i, j), s);
+  }
+  return sum;
+}
+
 __global__ void ExactLeafSumKernel(float* __restrict__ dst, Terms terms, int log2_terms) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < terms.n; i += int64_t{gridDim.x} * blockDim.x) {
-    int code = 0;
-    for (int j = 0; j <= terms.leaves; ++j) code = exact::MaxCode(code, exact::Code(terms(i, j)));
-    int32_t q = 0;
-    if (code != 0 && code != exact::kNonFinite) {
-      const int s = exact::Shift(code, log2_terms);
-      for (int j = 0; j <= terms.leaves; ++j) q += exact::Fixed(terms(i, j), s);
-    }
-    dst[i] = exact::ToFloat(q, code, log2_terms);
+    const int code = ElementCode(terms, i);
+    dst[i] = exact::ToFloat(ElementFixed(terms, i, code, log2_terms), code, log2_terms);
   }
 }
 
 __global__ void LeafCodesKernel(uint8_t* __restrict__ codes, Terms terms) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < terms.n; i += int64_t{gridDim.x} * blockDim.x) {
-    int code = 0;
-    for (int j = 0; j <= terms.leaves; ++j) code = exact::MaxCode(code, exact::Code(terms(i, j)));
-    codes[i] = static_cast<uint8_t>(code);
+    codes[i] = static_cast<uint8_t>(ElementCode(terms, i));
   }
 }
 
@@ -76,13 +84,7 @@ __global__ void LeafCodesKernel(uint8_t* __restrict__ codes, Terms terms) {
 __global__ void FixedLeafSumKernel(int32_t* __restrict__ q, const uint8_t* __restrict__ codes, Terms terms,
                                    int log2_terms) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < terms.n; i += int64_t{gridDim.x} * blockDim.x) {
-    const int code = codes[i];
-    int32_t sum = 0;
-    if (code != 0 && code != exact::kNonFinite) {
-      const int s = exact::Shift(code, log2_terms);
-      for (int j = 0; j <= terms.leaves; ++j) sum += exact::Fixed(terms(i, j), s);
-    }
-    q[i] = sum;
+    q[i] = ElementFixed(terms, i, codes[i], log2_terms);
   }
 }
 
@@ -123,7 +125,7 @@ absl::Status LaunchExactLeafSum(float* dst, const float* parts, int leaves, int 
   if (n <= 0) return absl::OkStatus();
   absl::StatusOr<Terms> terms = MakeTerms(parts, leaves, n, finish);
   if (!terms.ok()) return terms.status();
-  ExactLeafSumKernel<<<Blocks(n), 256, 0, stream>>>(dst, *terms, exact::CeilLog2(total_terms));
+  ExactLeafSumKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(dst, *terms, exact::CeilLog2(total_terms));
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
@@ -134,7 +136,7 @@ absl::Status LaunchLeafCodes(uint8_t* codes, const float* parts, int leaves, int
   if (n <= 0) return absl::OkStatus();
   absl::StatusOr<Terms> terms = MakeTerms(parts, leaves, n, finish);
   if (!terms.ok()) return terms.status();
-  LeafCodesKernel<<<Blocks(n), 256, 0, stream>>>(codes, *terms);
+  LeafCodesKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(codes, *terms);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
@@ -145,7 +147,7 @@ absl::Status LaunchFixedLeafSum(int32_t* q, const uint8_t* codes, const float* p
   if (n <= 0) return absl::OkStatus();
   absl::StatusOr<Terms> terms = MakeTerms(parts, leaves, n, finish);
   if (!terms.ok()) return terms.status();
-  FixedLeafSumKernel<<<Blocks(n), 256, 0, stream>>>(q, codes, *terms, exact::CeilLog2(total_terms));
+  FixedLeafSumKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(q, codes, *terms, exact::CeilLog2(total_terms));
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
@@ -154,7 +156,7 @@ absl::Status LaunchFixedToFloat(float* dst, const int32_t* q, const uint8_t* cod
                                 cudaStream_t stream) {
   if (absl::Status st = CheckTerms(1, total_terms, "LaunchFixedToFloat"); !st.ok()) return st;
   if (n <= 0) return absl::OkStatus();
-  FixedToFloatKernel<<<Blocks(n), 256, 0, stream>>>(dst, q, codes, n, exact::CeilLog2(total_terms));
+  FixedToFloatKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(dst, q, codes, n, exact::CeilLog2(total_terms));
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }

@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "cuda/cuda_check.h"
+#include "cuda/grid_stride.cuh"
 #include "cuda/kernels.h"
 
 namespace lce::cuda {
@@ -21,21 +22,19 @@ __global__ void FillFloatsKernel(float* dst, float value, int64_t n) {
   }
 }
 
-unsigned Blocks(int64_t n) { return static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 132 * 16)); }
-
 }  // namespace
 
 absl::Status LaunchOrderedSum(float* dst, const float* parts, int count, int64_t n, cudaStream_t stream) {
   if (n <= 0) return absl::OkStatus();
   if (count < 1) return absl::InternalError("ordered sum of no partials");
-  OrderedSumKernel<<<Blocks(n), 256, 0, stream>>>(dst, parts, count, n);
+  OrderedSumKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(dst, parts, count, n);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
 
 absl::Status LaunchFillFloats(float* dst, float value, int64_t n, cudaStream_t stream) {
   if (n <= 0) return absl::OkStatus();
-  FillFloatsKernel<<<Blocks(n), 256, 0, stream>>>(dst, value, n);
+  FillFloatsKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(dst, value, n);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }

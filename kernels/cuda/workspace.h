@@ -40,8 +40,8 @@ struct Scratch {
   float* m = nullptr;              // [R]
   float* info = nullptr;           // [R, kRowInfo]
   float* dh = nullptr;             // [R, H] fp32 (backward only; may alias the logit tiles)
-  float* dh_parts = nullptr;       // [chunks, dh_slice, H] fp32: d_hidden's chunk partials, after the carved scratch
-  int64_t dh_slice = 0;            // rows a slice of them; 0: the chunks accumulate in place
+  float* dh_parts = nullptr;       // [leaves, dh_slice, H] fp32: d_hidden's leaf partials, after the carved scratch
+  int64_t dh_slice = 0;            // rows a slice of them (0: no room, or not on the leaves' path)
   int32_t* dh_fixed = nullptr;  // [dh_slice, H] a group's fixed-point sum in int32 (DhExactGroup), after the partials
   uint8_t* dh_codes = nullptr;  // [dh_slice, H] its elements' scale codes
   // [3]: the first non-finite row; [1] the overflow flag (float bits); [2] the first bad target (device rows)
