@@ -607,6 +607,21 @@ cudaError_t AllowSharedMemory(int device) {
   return err;
 }
 
+// The persistent schedule's raster (EpilogueStatsArgs::raster; 0: automatic). CUTLASS's heuristic goes along N
+// (a row tile's column tiles in turn) wherever the row tiles are at least as many as the column tiles; with
+// neither operand in L2, each wave then reads a W tile (twice an h tile's bytes) for every tile it runs: a TP-4
+// rank's score of 32768x8192 rows on a 65536-column shard took 1.6x its GEMM floor (bench/NOTES.md, e18). Along
+// M a wave shares its W tiles and reads h tiles, half the bytes; along N only where W's columns fit in L2 and
+// h's rows do not (the first passes over a row's first columns).
+cutlass::gemm::kernel::detail::RasterOrderOptions RasterFor(const EpilogueStatsArgs& a) {
+  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  if (a.raster == 1) return Raster::AlongM;
+  if (a.raster == 2) return Raster::AlongN;
+  constexpr int64_t kL2Resident = int64_t{32} << 20;
+  const int64_t w_bytes = a.cols * a.hidden_size * 2, h_bytes = a.rows * a.hidden_size * 2;
+  return w_bytes <= kL2Resident && h_bytes > w_bytes ? Raster::AlongN : Raster::AlongM;
+}
+
 template <class Config>
 absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
   using Gemm = typename Config::Gemm;
@@ -626,8 +641,7 @@ absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t
   LCE_CUDA_CHECK(cudaDeviceGetAttribute(&hw.sm_count, cudaDevAttrMultiProcessorCount, device));
   typename Kernel::TileSchedulerArguments sched;
   sched.max_swizzle_size = a.swizzle;
-  using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
-  sched.raster_order = a.raster == 1 ? Raster::AlongM : a.raster == 2 ? Raster::AlongN : Raster::Heuristic;
+  sched.raster_order = RasterFor(a);
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                 {M, N, K, 1},
                                 {static_cast<const cutlass::bfloat16_t*>(a.hidden), stride_a,

@@ -127,7 +127,9 @@ struct EpilogueStatsArgs {
   int config = -1;
   int64_t small_rows = 128;
   int large_config = 1;
-  int swizzle = 1;  // tile scheduler: swizzle width (1, 2, 4, 8) and raster (0 heuristic, 1 along M, 2 along N)
+  // Tile scheduler: swizzle width (1, 2, 4, 8) and raster (0 automatic: along M unless W's columns fit in L2
+  // and h's rows do not; 1 along M, 2 along N).
+  int swizzle = 1;
   int raster = 0;
 };
 int EpilogueStatsTileCols(int config);

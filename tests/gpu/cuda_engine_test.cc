@@ -1325,6 +1325,18 @@ TEST_F(EpilogueStatsTest, EveryKernelConfiguration) {
   for (int k : {2, 3}) {
     for (int64_t i = 0; i < sp.rows; ++i) ExpectRowSameBits(got[1], got[k], i, 0, 0, absl::StrCat("config ", k, " row ", i));
   }
+  // The schedule's raster (automatic: along M here; along M; along N) orders the tiles, not a tile's sums.
+  for (int raster : {1, 2}) {
+    auto e = MakeCuda(p, WithTuning(EpiTuning([&](CudaTuning& t) {
+                        t.epi_kernel = 1;
+                        t.epi_raster = raster;
+                      })));
+    ASSERT_NE(e, nullptr);
+    const Answers a = RunEngine(*e, p, MemorySpace::kDevice, {});
+    ExpectMatches(a, p, {}, absl::StrCat("raster ", raster));
+    for (int64_t i = 0; i < sp.rows; ++i)
+      ExpectRowSameBits(got[1], a, i, 0, 0, absl::StrCat("raster ", raster, " row ", i));
+  }
 }
 
 // Many row blocks (the workspace holds 32768 rows at most) and 100003 rows in all.
