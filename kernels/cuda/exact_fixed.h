@@ -33,10 +33,20 @@ LCE_HD int CeilLog2(int n) {
 }
 
 LCE_HD int Code(float x) {
+#if defined(__CUDA_ARCH__)
+  // frexpf's exponent from the bits (the kernels' hot loop): field − 126 for a normal x, below kMinExp for a
+  // subnormal one (clamped to kMinExp either way): the code the host's frexpf below gives.
+  const unsigned bits = __float_as_uint(x) & 0x7fffffffu;
+  const int field = static_cast<int>(bits >> 23);
+  if (field == 255) return kNonFinite;
+  if (bits == 0) return 0;
+  const int e = field == 0 ? kMinExp : field - 126;
+#else
   if (!(fabsf(x) <= 3.402823466e38f)) return kNonFinite;  // inf or NaN
   if (x == 0.0f) return 0;
   int e = 0;
   (void)frexpf(x, &e);  // x = m · 2^e, 0.5 ≤ |m| < 1: |x| < 2^e
+#endif
   return (e < kMinExp ? kMinExp : e) - kMinExp + 1;
 }
 
@@ -47,7 +57,18 @@ LCE_HD int Shift(int code, int log2_terms) { return 30 - log2_terms - (code - 1 
 
 // round(x · 2^s): x · 2^s exact in double, rounded to the nearest integer (ties to even); |result| ≤
 // 2^(30 − ⌈log2 L⌉), so L of them sum within int32.
-LCE_HD int32_t Fixed(float x, int s) { return static_cast<int32_t>(llrint(ldexp(static_cast<double>(x), s))); }
+LCE_HD int32_t Fixed(float x, int s) {
+#if defined(__CUDA_ARCH__)
+  // The same integer in fp32 (the double's ldexp and llrint are slow on the GPU): s ∈ [−101, 155] in two
+  // power-of-two steps of at most 2^78 each, exact wherever the result can round to a nonzero integer (an
+  // intermediate below the normal range only where |x · 2^s| < 2^−40), then rounded to nearest even.
+  const int s1 = s / 2, s2 = s - s1;
+  const float v = (x * __int_as_float((s1 + 127) << 23)) * __int_as_float((s2 + 127) << 23);
+  return __float2int_rn(v);
+#else
+  return static_cast<int32_t>(llrint(ldexp(static_cast<double>(x), s)));
+#endif
+}
 
 // The sum q / 2^s in fp32: int32 to fp32 rounds once (to nearest even), the power of 2 is exact unless the
 // result is subnormal (then it rounds again, the same way everywhere).

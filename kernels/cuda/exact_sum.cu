@@ -32,51 +32,73 @@ struct Finish {
   int64_t vocab_begin = 0, shard_rows = 0, hidden = 0;
 };
 
+// A shard's leaves (at most 4, leaf_plan.h) and the target's term: an element's terms in registers.
+constexpr int kMaxTerms = 9;
+
 struct Terms {
   const float* parts;
   int leaves;
   int64_t n;
   Finish f;
-  // Term j of element i (j = leaves: the target's, 0 where none).
-  __device__ __forceinline__ float operator()(int64_t i, int j) const {
-    if (f.info == nullptr) return j < leaves ? parts[j * n + i] : 0.0f;
-    const int64_t r = i / f.hidden;
-    if (j < leaves) return f.info[r * kRowInfo + kInfoScale] * parts[j * n + i];
+  // Element i's terms into x[0, kMaxTerms): each leaf's (scaled by s_r with a finish), the target's last, zeros
+  // between (a zero adds nothing to the code or the sum). The row's index, scale and target read once.
+  __device__ __forceinline__ void Load(int64_t i, float (&x)[kMaxTerms]) const {
+    float scale = 1.0f;
+    int64_t r = 0, col = 0;
+    if (f.info != nullptr) {
+      r = n < (int64_t{1} << 32) ? static_cast<int64_t>(static_cast<uint32_t>(i) / static_cast<uint32_t>(f.hidden))
+                                 : i / f.hidden;
+      col = i - r * f.hidden;
+      scale = f.info[r * kRowInfo + kInfoScale];
+    }
+#pragma unroll
+    for (int j = 0; j < kMaxTerms - 1; ++j) {
+      const float p = j < leaves ? parts[j * n + i] : 0.0f;
+      x[j] = f.info != nullptr ? scale * p : p;
+    }
+    x[kMaxTerms - 1] = 0.0f;
+    if (f.info == nullptr) return;
     const int32_t y = f.y[r];
     const int64_t local = y == f.ignore_index ? -1 : static_cast<int64_t>(y) - f.vocab_begin;
     const float t = f.info[r * kRowInfo + kInfoTarget];
-    if (local < 0 || local >= f.shard_rows || t == 0.0f) return 0.0f;
-    return -t * __bfloat162float(f.w[local * f.hidden + i % f.hidden]);
+    if (local >= 0 && local < f.shard_rows && t != 0.0f)
+      x[kMaxTerms - 1] = -t * __bfloat162float(f.w[local * f.hidden + col]);
   }
 };
 
 // An element's code: the largest of its terms' (exact_fixed.h).
-__device__ __forceinline__ int ElementCode(const Terms& terms, int64_t i) {
+__device__ __forceinline__ int ElementCode(const float (&x)[kMaxTerms]) {
   int code = 0;
-  for (int j = 0; j <= terms.leaves; ++j) code = exact::MaxCode(code, exact::Code(terms(i, j)));
+#pragma unroll
+  for (int j = 0; j < kMaxTerms; ++j) code = exact::MaxCode(code, exact::Code(x[j]));
   return code;
 }
 
 // An element's terms as integers on its code's grid, summed (0 where the code is zero or non-finite).
-__device__ __forceinline__ int32_t ElementFixed(const Terms& terms, int64_t i, int code, int log2_terms) {
+__device__ __forceinline__ int32_t ElementFixed(const float (&x)[kMaxTerms], int code, int log2_terms) {
   int32_t sum = 0;
   if (code != 0 && code != exact::kNonFinite) {
     const int s = exact::Shift(code, log2_terms);
-    for (int j = 0; j <= terms.leaves; ++j) sum += exact::Fixed(terms(i, j), s);
+#pragma unroll
+    for (int j = 0; j < kMaxTerms; ++j) sum += exact::Fixed(x[j], s);
   }
   return sum;
 }
 
 __global__ void ExactLeafSumKernel(float* __restrict__ dst, Terms terms, int log2_terms) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < terms.n; i += int64_t{gridDim.x} * blockDim.x) {
-    const int code = ElementCode(terms, i);
-    dst[i] = exact::ToFloat(ElementFixed(terms, i, code, log2_terms), code, log2_terms);
+    float x[kMaxTerms];
+    terms.Load(i, x);
+    const int code = ElementCode(x);
+    dst[i] = exact::ToFloat(ElementFixed(x, code, log2_terms), code, log2_terms);
   }
 }
 
 __global__ void LeafCodesKernel(uint8_t* __restrict__ codes, Terms terms) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < terms.n; i += int64_t{gridDim.x} * blockDim.x) {
-    codes[i] = static_cast<uint8_t>(ElementCode(terms, i));
+    float x[kMaxTerms];
+    terms.Load(i, x);
+    codes[i] = static_cast<uint8_t>(ElementCode(x));
   }
 }
 
@@ -84,7 +106,9 @@ __global__ void LeafCodesKernel(uint8_t* __restrict__ codes, Terms terms) {
 __global__ void FixedLeafSumKernel(int32_t* __restrict__ q, const uint8_t* __restrict__ codes, Terms terms,
                                    int log2_terms) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < terms.n; i += int64_t{gridDim.x} * blockDim.x) {
-    q[i] = ElementFixed(terms, i, codes[i], log2_terms);
+    float x[kMaxTerms];
+    terms.Load(i, x);
+    q[i] = ElementFixed(x, codes[i], log2_terms);
   }
 }
 
@@ -103,6 +127,10 @@ absl::Status CheckTerms(int leaves, int total_terms, const char* what) {
 }
 
 absl::StatusOr<Terms> MakeTerms(const float* parts, int leaves, int64_t n, const DhFinish& finish) {
+  if (leaves < 0 || leaves > kMaxTerms - 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("d_hidden's exact sum: ", leaves, " leaves in a shard (at most ", kMaxTerms - 1, ")"));
+  }
   if (finish.info != nullptr && (finish.hidden <= 0 || n % finish.hidden != 0 || finish.weight == nullptr)) {
     return absl::InvalidArgumentError("d_hidden's exact sum: a finish needs whole rows of hidden and the weight");
   }
