@@ -2,6 +2,7 @@
 // master weights start from the serving weight).
 #include "cuda/cuda_check.h"
 #include "cuda/dtype_dispatch.cuh"
+#include "cuda/grid_stride.cuh"
 #include "cuda/kernels.h"
 
 namespace lce::cuda {
@@ -27,7 +28,7 @@ __global__ void ToFloatKernel(const T* __restrict__ src, float* __restrict__ dst
 
 absl::Status LaunchDTypeToFloat(const void* src, DType dtype, float* dst, int64_t n, cudaStream_t stream) {
   if (n <= 0) return absl::OkStatus();
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 132 * 16));
+  const unsigned blocks = GridStrideBlocks(n);
   return DispatchDType(dtype, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
     ToFloatKernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(src), dst, n);
@@ -38,7 +39,7 @@ absl::Status LaunchDTypeToFloat(const void* src, DType dtype, float* dst, int64_
 
 absl::Status LaunchFloatToDType(const float* src, DType dtype, void* dst, int64_t n, cudaStream_t stream) {
   if (n <= 0) return absl::OkStatus();
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 132 * 16));
+  const unsigned blocks = GridStrideBlocks(n);
   return DispatchDType(dtype, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
     FloatToKernel<T><<<blocks, 256, 0, stream>>>(src, static_cast<T*>(dst), n);

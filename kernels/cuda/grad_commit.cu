@@ -1,14 +1,14 @@
 // Committing a pending weight gradient (lce::HeadTrainer::CommitPending): dW += s·P, or dW *= s where
 // a pending buffer became dW. Memory-bound: one read of P and one read and write of dW a float.
-#include <algorithm>
 
 #include "cuda/cuda_check.h"
+#include "cuda/grid_stride.cuh"
 #include "cuda/kernels.h"
 
 namespace lce::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;  // GridStrideBlocks counts blocks of 256
 
 // y[i] = fp32(y[i] + fp32(s·x[i])), or fp32(s·y[i]) when x is null (rounded on their own, never
 // fused, as the CPU trainer's loop).
@@ -24,8 +24,7 @@ __global__ void __launch_bounds__(kThreads) ScaleAddKernel(float* __restrict__ y
 
 absl::Status LaunchScaleAdd(float* y, const float* x, float s, int64_t n, cudaStream_t stream) {
   if (n <= 0) return absl::OkStatus();
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 132 * 16));
-  ScaleAddKernel<<<blocks, kThreads, 0, stream>>>(y, x, s, n);
+  ScaleAddKernel<<<GridStrideBlocks(n), kThreads, 0, stream>>>(y, x, s, n);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
