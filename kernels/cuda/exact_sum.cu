@@ -17,6 +17,7 @@
 #include "cuda/exact_fixed.h"
 #include "cuda/grid_stride.cuh"
 #include "cuda/kernels.h"
+#include "leaf_plan.h"
 
 namespace lce::cuda {
 namespace {
@@ -32,8 +33,9 @@ struct Finish {
   int64_t vocab_begin = 0, shard_rows = 0, hidden = 0;
 };
 
-// A shard's leaves (at most 4, leaf_plan.h) and the target's term: an element's terms in registers.
-constexpr int kMaxTerms = 9;
+// A shard's leaves (at most kMaxLeaves, leaf_plan.h) and the target's term: an element's terms in registers, each
+// slot past the call's leaves a zero that the code and the sum still spend instructions on.
+constexpr int kMaxTerms = kMaxLeaves + 1;
 
 struct Terms {
   const float* parts;

@@ -46,6 +46,19 @@ TEST(LeafPlan, EveryGroupSizesShardIsWholeLeaves) {
   EXPECT_EQ(LeafBounds(151936), (std::vector<int64_t>{0, 18 * 2048, 37 * 2048, 56 * 2048, 151936}));
 }
 
+// The exact sum keeps an element's terms in kMaxLeaves + 1 registers (exact_sum.cu): no vocabulary has more
+// leaves, and 4q + 2 tiles reach the bound (74 tiles: k = 2 cuts at 37, k = 4 at 18, 36, 55).
+TEST(LeafPlan, NoVocabularyHasMoreThanMaxLeaves) {
+  EXPECT_EQ(LeafBounds(74 * 2048), (std::vector<int64_t>{0, 18 * 2048, 36 * 2048, 37 * 2048, 55 * 2048, 74 * 2048}));
+  size_t most = 0;
+  for (int64_t tiles = 1; tiles <= 300; ++tiles) {
+    for (int64_t V : {tiles * 2048, tiles * 2048 - 777}) {
+      if (V > 0) most = std::max(most, LeafBounds(V).size() - 1);
+    }
+  }
+  EXPECT_EQ(most, static_cast<size_t>(kMaxLeaves));
+}
+
 // The element's sum as one GPU makes it (every term in one place) and as a group of ranks does (each
 // rank its share of the terms: codes max-reduced, integers summed).
 float OneGpu(const std::vector<float>& terms, int total) {
