@@ -19,12 +19,11 @@ inline constexpr int kLeafGroupSizes[] = {1, 2, 4};
 
 // The most leaves a vocabulary has: each group size k cuts at k − 1 places, and the cuts of different sizes
 // need not meet (T = 4q + 2 tiles: k = 2 cuts at 2q + 1, k = 4 at q, 2q, 3q + 1), so 1 + 0 + 1 + 3 = 5.
-constexpr int MaxLeaves() {
+inline constexpr int kMaxLeaves = [] {
   int n = 1;
   for (int k : kLeafGroupSizes) n += k - 1;
   return n;
-}
-inline constexpr int kMaxLeaves = MaxLeaves();
+}();
 
 // The leaves' global boundaries, ascending: 0, every boundary of VocabShard(V, r, k) for k in
 // kLeafGroupSizes (those with k ≤ the tile count), and V. Leaf i is [bounds[i], bounds[i + 1]).
