@@ -31,7 +31,7 @@ absl::Status LaunchDTypeToFloat(const void* src, DType dtype, float* dst, int64_
   const unsigned blocks = GridStrideBlocks(n);
   return DispatchDType(dtype, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    ToFloatKernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(src), dst, n);
+    ToFloatKernel<T><<<blocks, kGridStrideThreads, 0, stream>>>(static_cast<const T*>(src), dst, n);
     LCE_CUDA_CHECK(cudaGetLastError());
     return absl::OkStatus();
   });
@@ -42,7 +42,7 @@ absl::Status LaunchFloatToDType(const float* src, DType dtype, void* dst, int64_
   const unsigned blocks = GridStrideBlocks(n);
   return DispatchDType(dtype, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    FloatToKernel<T><<<blocks, 256, 0, stream>>>(src, static_cast<T*>(dst), n);
+    FloatToKernel<T><<<blocks, kGridStrideThreads, 0, stream>>>(src, static_cast<T*>(dst), n);
     LCE_CUDA_CHECK(cudaGetLastError());
     return absl::OkStatus();
   });

@@ -155,7 +155,7 @@ absl::Status LaunchExactLeafSum(float* dst, const float* parts, int leaves, int 
   if (n <= 0) return absl::OkStatus();
   absl::StatusOr<Terms> terms = MakeTerms(parts, leaves, n, finish);
   if (!terms.ok()) return terms.status();
-  ExactLeafSumKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(dst, *terms, exact::CeilLog2(total_terms));
+  ExactLeafSumKernel<<<GridStrideBlocks(n), kGridStrideThreads, 0, stream>>>(dst, *terms, exact::CeilLog2(total_terms));
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
@@ -166,7 +166,7 @@ absl::Status LaunchLeafCodes(uint8_t* codes, const float* parts, int leaves, int
   if (n <= 0) return absl::OkStatus();
   absl::StatusOr<Terms> terms = MakeTerms(parts, leaves, n, finish);
   if (!terms.ok()) return terms.status();
-  LeafCodesKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(codes, *terms);
+  LeafCodesKernel<<<GridStrideBlocks(n), kGridStrideThreads, 0, stream>>>(codes, *terms);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
@@ -177,7 +177,8 @@ absl::Status LaunchFixedLeafSum(int32_t* q, const uint8_t* codes, const float* p
   if (n <= 0) return absl::OkStatus();
   absl::StatusOr<Terms> terms = MakeTerms(parts, leaves, n, finish);
   if (!terms.ok()) return terms.status();
-  FixedLeafSumKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(q, codes, *terms, exact::CeilLog2(total_terms));
+  FixedLeafSumKernel<<<GridStrideBlocks(n), kGridStrideThreads, 0, stream>>>(q, codes, *terms,
+                                                                             exact::CeilLog2(total_terms));
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
@@ -186,7 +187,8 @@ absl::Status LaunchFixedToFloat(float* dst, const int32_t* q, const uint8_t* cod
                                 cudaStream_t stream) {
   if (absl::Status st = CheckTerms(1, total_terms, "LaunchFixedToFloat"); !st.ok()) return st;
   if (n <= 0) return absl::OkStatus();
-  FixedToFloatKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(dst, q, codes, n, exact::CeilLog2(total_terms));
+  FixedToFloatKernel<<<GridStrideBlocks(n), kGridStrideThreads, 0, stream>>>(dst, q, codes, n,
+                                                                             exact::CeilLog2(total_terms));
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }

@@ -8,14 +8,12 @@
 namespace lce::cuda {
 namespace {
 
-constexpr int kThreads = 256;  // GridStrideBlocks counts blocks of 256
-
 // y[i] = fp32(y[i] + fp32(s·x[i])), or fp32(s·y[i]) when x is null (rounded on their own, never
 // fused, as the CPU trainer's loop).
-__global__ void __launch_bounds__(kThreads) ScaleAddKernel(float* __restrict__ y, const float* __restrict__ x, float s,
-                                                           int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
+__global__ void __launch_bounds__(kGridStrideThreads)
+    ScaleAddKernel(float* __restrict__ y, const float* __restrict__ x, float s, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kGridStrideThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kGridStrideThreads + threadIdx.x; i < n; i += stride) {
     y[i] = x != nullptr ? __fadd_rn(y[i], __fmul_rn(s, x[i])) : __fmul_rn(s, y[i]);
   }
 }
@@ -24,7 +22,7 @@ __global__ void __launch_bounds__(kThreads) ScaleAddKernel(float* __restrict__ y
 
 absl::Status LaunchScaleAdd(float* y, const float* x, float s, int64_t n, cudaStream_t stream) {
   if (n <= 0) return absl::OkStatus();
-  ScaleAddKernel<<<GridStrideBlocks(n), kThreads, 0, stream>>>(y, x, s, n);
+  ScaleAddKernel<<<GridStrideBlocks(n), kGridStrideThreads, 0, stream>>>(y, x, s, n);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }

@@ -7,8 +7,10 @@
 
 namespace lce::cuda {
 
+inline constexpr int kGridStrideThreads = 256;  // the block size those kernels are launched with
+
 inline unsigned GridStrideBlocks(int64_t n) {
-  return static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 132 * 16));
+  return static_cast<unsigned>(std::min<int64_t>((n + kGridStrideThreads - 1) / kGridStrideThreads, 132 * 16));
 }
 
 }  // namespace lce::cuda

@@ -27,14 +27,14 @@ __global__ void FillFloatsKernel(float* dst, float value, int64_t n) {
 absl::Status LaunchOrderedSum(float* dst, const float* parts, int count, int64_t n, cudaStream_t stream) {
   if (n <= 0) return absl::OkStatus();
   if (count < 1) return absl::InternalError("ordered sum of no partials");
-  OrderedSumKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(dst, parts, count, n);
+  OrderedSumKernel<<<GridStrideBlocks(n), kGridStrideThreads, 0, stream>>>(dst, parts, count, n);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
 
 absl::Status LaunchFillFloats(float* dst, float value, int64_t n, cudaStream_t stream) {
   if (n <= 0) return absl::OkStatus();
-  FillFloatsKernel<<<GridStrideBlocks(n), 256, 0, stream>>>(dst, value, n);
+  FillFloatsKernel<<<GridStrideBlocks(n), kGridStrideThreads, 0, stream>>>(dst, value, n);
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
 }
