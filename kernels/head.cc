@@ -57,7 +57,7 @@ absl::Status ValidateHeadWeights(const HeadWeights& head) {
 }
 
 int64_t VocabTile(int64_t vocab_size) {
-  return std::clamp<int64_t>((vocab_size + 63) / 64, 1, 2048);
+  return std::clamp<int64_t>((vocab_size + 63) / 64, 1, 1536);  // 1536: cuda::kSegment (kernels/cuda/kernels.h)
 }
 
 int64_t VocabTileCount(int64_t vocab_size) {
@@ -70,7 +70,7 @@ VocabRange VocabShard(int64_t vocab_size, int rank, int world) {
   const int64_t base = tiles / world;
   const int64_t extra = tiles % world;
   // The last `extra` ranks take a tile more: the last of them holds the head's short last tile, so that a
-  // group of two with an odd T is within a short tile of even (151936 rows: 75776 / 76160, not 77824 / 74112).
+  // group of two with an odd T is within a short tile of even (151936 rows: 75264 / 76672, not 76800 / 75136).
   const int64_t more_from = world - extra;
   const int64_t first = rank * base + std::max<int64_t>(0, rank - more_from);
   const int64_t tile = VocabTile(vocab_size);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_engine_impl.h"
 
@@ -47,10 +48,10 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
   // it: only rank 0 sees the call's outputs, and their partials are merged.
   p.entropy = config_.collectives != nullptr || p.out.entropy != nullptr ||
               (p.up.mode == GradMode::kGeneric && p.up.grad_entropy != nullptr);
-  // Rankings take the epilogue GEMM with 256-column tiles (the tiles' argmax for k = 1, candidates for
+  // Rankings take the epilogue GEMM with 192- or 256-column tiles (the tiles' argmax for k = 1, candidates for
   // k > 1), in scores and training calls alike (the candidates are written before the exponentials
   // overwrite v with the training copy's e); with 128-column tiles they read the logit tiles.
-  const bool epi = UseEpilogueStats() && (o.top_k == 0 || EpiTileCols() == kRankTileCols);
+  const bool epi = UseEpilogueStats() && (o.top_k == 0 || EpiTileCols() != 128);
   // Fast loss path (fast_grad.cu): no dA pass; the per-row factors go around the GEMMs. Host rows take
   // it as device rows do (host d_weight through the device in slabs, as on the general path), so that
   // a row's d_hidden is the same computation whatever memory its hidden state came from (README.md,
@@ -80,11 +81,21 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
   // The blocks leave room for a slice of d_hidden's chunk partials: slices of a few rows, each a product of
   // its own, doubled a TP-2 training step's d_hidden (bench/RESULTS.md, 2026-11-28).
   const int64_t reserve = p.dh_chunks ? std::min(N, kDhMinSliceRows) * DhPartRowBytes() : 0;
-  int64_t want = RowsPerBlock(layout, N, config_.workspace_bytes - reserve);
+  // The side product's own cuBLAS workspace (32 MiB) where the budget holds it beside a row; else one after the
+  // other (the same bits). A budget that holds no row of this call is an error that names it, on every rank
+  // of a group (their shards, and so their rows' bytes, may differ).
+  if (layout.side && Bytes(layout, 1) + reserve > config_.workspace_bytes) layout.side = false;
+  const int64_t least = Bytes(layout, 1) + reserve;
+  int64_t want = least <= config_.workspace_bytes ? RowsPerBlock(layout, N, config_.workspace_bytes - reserve) : 0;
   if (epi && o.top_k > 1) want = std::min(want, kRankRowsPerBlock);  // the candidates' lists
   absl::StatusOr<int64_t> group_r_max = GroupMin(want);
   if (!group_r_max.ok()) return group_r_max.status();
   const int64_t r_max = *group_r_max;
+  if (r_max < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("workspace_bytes ", config_.workspace_bytes,
+                                                   " is too small for a row block of this call (a row needs ", least,
+                                                   " on this rank or another of its group)"));
+  }
   const int64_t nblocks = (N + r_max - 1) / r_max;
   int64_t R = (N + nblocks - 1) / nblocks;
   if (nblocks > 1 && RoundUp(R, 128) <= r_max) R = RoundUp(R, 128);

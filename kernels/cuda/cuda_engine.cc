@@ -126,7 +126,7 @@ absl::Status CudaEngine::ApplyTuning(const CudaTuning& tuning) {
   tile_ = std::min(tile_, RoundUp(shape_.shard_rows, kSegment));
   lds_ = RoundUp(shape_.shard_rows, 8);
   nseg_ = (shape_.shard_rows + kSegment - 1) / kSegment;
-  // Segments at fixed global offsets (VocabTile(V) == kSegment: V >= 131072, and shards of whole
+  // Segments at fixed global offsets (VocabTile(V) == kSegment: V >= 98304, and shards of whole
   // tiles): a group folds every segment in global order, as one GPU does (docs/MATH.md).
   nseg_global_ = (shape_.vocab_size + kSegment - 1) / kSegment;
   tp_invariant_ = config_.collectives != nullptr && tp_invariant_option_ && SegmentsAreGlobal();

@@ -28,9 +28,9 @@ inline constexpr int64_t kCublasWorkspace = 32 * kMiB;
 inline constexpr int64_t kHostDwSlabBytes = 64 * kMiB;
 inline constexpr int64_t kMaxRowsPerBlock = 32768;              // grid.y limit is 65535
 inline constexpr int64_t kWideLogitBytes = int64_t{256} << 20;  // small blocks' logit tiles (WideTile)
-// The epilogue GEMM's first pass, whose max sets the fast path's c_row: a row's first 1024 columns, four
-// 256-column tiles a 128-row tile, so that a block of up to 4224 rows is one wave on 132 SMs (2048
-// columns, two waves at 2816 rows, took 2.7% of the forward for 1.3% of its products). Fixed, not
+// The epilogue GEMM's first pass, whose max sets the fast path's c_row: a row's first 1024 columns rounded up
+// to whole column tiles (four of 256, six of 192), so that a block of a few thousand rows is one wave on 132
+// SMs (2048 columns, two waves at 2816 rows, took 2.7% of the forward for 1.3% of its products). Fixed, not
 // chosen by the block: c_row must depend on the row alone.
 inline constexpr int64_t kFirstPassCols = 1024;
 // Rankings on the epilogue GEMM's path: a row's candidate list holds kRankCap (v, id) pairs; blocks of
@@ -41,7 +41,6 @@ inline constexpr int64_t kRankCap = 8192;
 inline constexpr int64_t kRankRowsPerBlock = 4096;
 inline constexpr int64_t kRankDumpRows = 64;
 inline constexpr int64_t kRankCallListBytes = int64_t{64} << 20;  // the call's first pass lists at most
-inline constexpr int kRankTileCols = 256;  // the epilogue GEMM's configurations with candidates (1, 2, 3)
 // d_hidden's product over the head's canonical leaves (DHiddenProduct, leaf_plan.h), summed in fixed point
 // whatever the row count and the group; rows in slices of at most kDhSliceRows, their partials at most
 // kDhPartBytes.
@@ -242,7 +241,7 @@ class CudaEngine final : public LceEngine {
   }
   int EpiTileCols() const {
 #if defined(LCE_WITH_CUTLASS)
-    return EpilogueStatsTileCols(epi_config_);
+    return EpilogueStatsTileCols(epi_config_ >= 0 ? epi_config_ : tuning_.epi_large);
 #else
     return 0;
 #endif

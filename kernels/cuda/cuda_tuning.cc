@@ -8,7 +8,7 @@ namespace lce {
 
 const std::vector<CudaTuningVariable>& CudaTuningVariables() {
   static const std::vector<CudaTuningVariable> table = {
-      {"LCE_CUDA_VOCAB_TILE", "int", "8192", "logit tile columns of the cuBLASLt forward (whole 2048-column segments)",
+      {"LCE_CUDA_VOCAB_TILE", "int", "8192", "logit tile columns of the cuBLASLt forward (whole 1536-column segments)",
        [](CudaTuning& t, int64_t v) { t.vocab_tile = v; }},
       {"LCE_CUDA_MAX_ROWS", "int", "0", "cap on a row block's rows; 0: as many as workspace_bytes holds",
        [](CudaTuning& t, int64_t v) { t.max_rows = v; }},
@@ -35,16 +35,19 @@ const std::vector<CudaTuningVariable>& CudaTuningVariables() {
        "bf16 heads on sm_90 (CUTLASS builds): forward through the "
        "epilogue-statistics GEMM",
        [](CudaTuning& t, int64_t v) { t.epilogue_stats = v != 0; }},
-      {"LCE_CUDA_EPI_KERNEL", "int", "-1", "its kernel configuration: -1 automatic, 0-3 fixed",
+      {"LCE_CUDA_EPI_KERNEL", "int", "-1", "its kernel configuration: -1 automatic, 0-5 fixed",
        [](CudaTuning& t, int64_t v) { t.epi_kernel = static_cast<int>(v); }},
-      {"LCE_CUDA_EPI_SMALL_ROWS", "int", "128", "automatic choice: configuration 2 up to this many rows",
+      {"LCE_CUDA_EPI_SMALL_ROWS", "int", "128",
+       "automatic choice: the large configuration's few-row partner (5 for 4, 2 for 1 and 3) up to this many rows",
        [](CudaTuning& t, int64_t v) { t.epi_small_rows = v; }},
-      {"LCE_CUDA_EPI_LARGE", "int", "1", "automatic choice: the configuration above them",
+      {"LCE_CUDA_EPI_LARGE", "int", "4", "automatic choice: the configuration above them (1, 3 or 4)",
        [](CudaTuning& t, int64_t v) { t.epi_large = static_cast<int>(v); }},
-      {"LCE_CUDA_EPI_SWIZZLE", "int", "1", "its tile scheduler's swizzle width (1, 2, 4, 8)",
+      {"LCE_CUDA_EPI_SWIZZLE", "int", "0",
+       "its tile scheduler's swizzle width (0 automatic: 8 for configuration 4's scores, else 1; 1, 2, 4, 8)",
        [](CudaTuning& t, int64_t v) { t.epi_swizzle = static_cast<int>(v); }},
       {"LCE_CUDA_EPI_RASTER", "int", "0",
-       "its raster: 0 automatic (along M unless W's columns fit in L2 and h's rows do not), 1 along M, 2 along N",
+       "its raster: 0 automatic (configuration 4's scores along N; else along M unless W's columns fit in L2 and "
+       "h's rows do not), 1 along M, 2 along N",
        [](CudaTuning& t, int64_t v) { t.epi_raster = static_cast<int>(v); }},
       {"LCE_CUDA_DEBUG_SKIP", "bits", "0", "timing aid, wrong results: skip 1 TileStats, 2 WriteGrad, 4 the epilogue",
        [](CudaTuning& t, int64_t v) { t.debug_skip = static_cast<int>(v); }},

@@ -69,6 +69,8 @@ absl::Status CudaEngine::ForwardBlock(const CallPlan& p, Scratch& s, BlockIo& b)
     if (!redo.ok()) return redo.status();
     if (!*redo) return absl::OkStatus();
     b.fast = false;  // logit spread too wide for exp(z − c_row): redo this block exactly
+    if (tuning_.trace)
+      std::fprintf(stderr, "lce trace: rows from %ld redone on the general path\n", static_cast<long>(b.r0));
   }
 }
 
@@ -292,7 +294,7 @@ absl::Status CudaEngine::EpilogueStatsForward(Scratch& s, const void* h, int64_t
     const bool group = tp_invariant_ && config_.collectives->world_size() > 1;
     if (!group || config_.collectives->rank() == 0) {
       EpilogueStatsArgs first = a;
-      first.cols = std::min<int64_t>(kFirstPassCols, a.cols);
+      first.cols = std::min<int64_t>(RoundUp(kFirstPassCols, EpiTileCols()), a.cols);
       first.ntile = (first.cols + EpiTileCols() - 1) / EpiTileCols();
       first.entropy = false;  // only its max is used
       LCE_CUDA_CHECK(LaunchEpilogueStatsGemm(first, stream_));

@@ -43,7 +43,7 @@ absl::Status CudaEngine::PrepareRankings(CallPlan& p) {
   // Device rows over several blocks: one first pass for the call (its waves filled, one launch, instead
   // of a 1-2 wave GEMM a block), its lists [rows, call_cap] (a tile's four lanes' two best a row) apart.
   const int64_t n = p.rows.rows;
-  const int64_t call_cap = 8 * ((sample + kRankTileCols - 1) / kRankTileCols);
+  const int64_t call_cap = 8 * ((sample + EpiTileCols() - 1) / EpiTileCols());
   const bool call_pass = lists && !p.host && !p.layout.stage && n > R && n * call_cap * 8 <= kRankCallListBytes;
   const int64_t call_bytes = call_pass ? RoundUp(n * call_cap * 8, 256) + RoundUp(n * 8, 256) : 0;
   const int64_t need = cand_bytes + out_bytes + list_bytes + call_bytes;
@@ -72,9 +72,9 @@ absl::Status CudaEngine::PrepareRankings(CallPlan& p) {
 // A sample of 3 · k · shard / cap columns leaves ~cap / 3 candidates a row; at least 1024 columns and
 // 32 · k (its lanes' two best a 64 columns: k of them at least), at most a list's worth.
 int64_t CudaEngine::RankSample(int64_t k) const {
-  const int64_t want = tuning_.rank_sample > 0 ? RoundUp(tuning_.rank_sample, kRankTileCols)
-                                               : RoundUp(3 * k * shape_.shard_rows / kRankCap + 1, kRankTileCols);
-  return std::min({std::max<int64_t>({want, 1024, RoundUp(32 * k, kRankTileCols)}), kRankCap, shape_.shard_rows});
+  const int64_t want = tuning_.rank_sample > 0 ? RoundUp(tuning_.rank_sample, EpiTileCols())
+                                               : RoundUp(3 * k * shape_.shard_rows / kRankCap + 1, EpiTileCols());
+  return std::min({std::max<int64_t>({want, 1024, RoundUp(32 * k, EpiTileCols())}), kRankCap, shape_.shard_rows});
 }
 
 // The first pass: each lane's two best of the sample's columns into the lists (the epilogue GEMM's sampled
@@ -131,7 +131,7 @@ absl::Status CudaEngine::RankSamplePass(const CallPlan& p, Scratch& s, const voi
 absl::Status CudaEngine::RankSelect(const CallPlan& p, const Scratch& s, const BlockIo& b) {
   const RankLists& l = p.ranks;
   if (l.tile_arg != nullptr) {
-    return LaunchTileArgmax(s.tile_part, l.tile_arg, EpiTiles(), kRankTileCols, b.nr, shape_.vocab_begin, p.cand,
+    return LaunchTileArgmax(s.tile_part, l.tile_arg, EpiTiles(), EpiTileCols(), b.nr, shape_.vocab_begin, p.cand,
                             p.rank_slots, p.rank_slot0, stream_);
   }
   LCE_CUDA_CHECK(LaunchRankSelect(l.list, l.count, l.cap, b.nr, static_cast<int>(p.o.top_k), p.tf.temperature, p.cand,

@@ -8,7 +8,8 @@
 // target logit. For a training call it also writes the compact copy the backward reads, where the
 // logit-tile path wrote fp32 logits and read them back: z − m_tile in fp16 (m_tile: the row's max over
 // the CTA's column tile, the m of its partials) for the general backward, or exp(z − c_row) in bf16 for
-// the fast loss path (c_row: the max of the row's first columns, from a first pass over them (1024 columns),
+// the fast loss path (c_row: the max of the row's first columns, from a first pass over them (1024 columns in whole
+// tiles),
 // + kExpLift; a tile whose max passes c_row by more than kExpHeadroom raises the overflow flag), staged
 // through shared memory for whole-sector stores. A logit's bits depend only on its row and column
 // (fixed tile shape, fixed K order), and each tile's partials only on its rows' logits: batch invariant.
@@ -104,7 +105,7 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
 enum class Ranking { kNone, kCandidates, kSample, kArgmax };
 
 // Which of Reduce's variants a kernel holds: every one, chosen per call (kAny), or the plain logits' alone,
-// with or without the entropy. The kernels of configurations 1 and 2 come in all three (RunFor): with every
+// with or without the entropy. The kernels of configurations 1, 2, 4 and 5 come in all three (RunFor): with every
 // variant compiled in, ptxas spilled the executed one's transformed logits to local memory and read them
 // back for the candidates (1,948 bytes a thread stored, against 200 with the plain one alone), and a top-20
 // score took 4-6% longer (H200, bench/RESULTS.md 2026-11-28 session 9); the statistics alone spilled 44
@@ -322,7 +323,7 @@ class RowStatsEpilogue {
   // softcap test, see ReduceAs); kept as the cheaper of the two.
   template <int kBN>
   CUTLASS_DEVICE const float* StageBias(int n0, int N, uint32_t* slice) const {
-    static_assert(kBN <= 8 * kSliceWords && kBN % 128 == 0);
+    static_assert(kBN <= 8 * kSliceWords && kBN % 64 == 0);
     float* staged = reinterpret_cast<float*>(slice);
     __syncwarp();  // the slice's last readers (the previous tile's StoreCopy) are done
     CUTLASS_PRAGMA_UNROLL
@@ -575,23 +576,30 @@ struct StatsGemm {
 
 // 0: ping-pong, 128×128 tiles (one consumer warp group's epilogue overlaps the other's products);
 // 1: cooperative, 128×256 tiles, clusters of two along the vocabulary (h's tile multicast to both);
-// 2: ping-pong, 64×256 tiles, likewise; 3: as 1 in clusters of two along the rows (W's tile multicast).
+// 2: ping-pong, 64×256 tiles, likewise; 3: as 1 in clusters of two along the rows (W's tile multicast);
+// 4: ping-pong, 128×192 tiles a consumer warp group in clusters of two along the rows (QuACK's tile and
+// pairing: the epilogue of one warp group hides behind the other's products, bench/NOTES.md e19);
+// 5: ping-pong, 64×192 tiles in clusters of two along the vocabulary (4's few-row partner).
 // 1, 2 and 3 run the same m64n256k16 instructions over the same 64-column k-blocks and reduce the same
-// 256-column tiles with the same lanes: one row's partials are the same bits through any of them.
+// 256-column tiles with the same lanes: one row's partials are the same bits through any of them; 4 and 5
+// likewise with m64n192k16 over 192-column tiles.
 template <Ranking kRanking = Ranking::kNone, Reduction kReduction = Reduction::kAny>
 using Cooperative256With = StatsGemm<Shape<_128, _256, _64>, Shape<_1, _2, _1>,
                                      cutlass::gemm::KernelTmaWarpSpecializedCooperative, kRanking, kReduction>;
 template <Ranking kRanking = Ranking::kNone, Reduction kReduction = Reduction::kAny>
 using PingPong64x256With = StatsGemm<Shape<_64, _256, _64>, Shape<_1, _2, _1>,
                                      cutlass::gemm::KernelTmaWarpSpecializedPingpong, kRanking, kReduction>;
+template <Ranking kRanking = Ranking::kNone, Reduction kReduction = Reduction::kAny>
+using PingPong192With = StatsGemm<Shape<_128, _192, _64>, Shape<_2, _1, _1>,
+                                  cutlass::gemm::KernelTmaWarpSpecializedPingpong, kRanking, kReduction>;
+template <Ranking kRanking = Ranking::kNone, Reduction kReduction = Reduction::kAny>
+using PingPong64x192With = StatsGemm<Shape<_64, _192, _64>, Shape<_1, _2, _1>,
+                                     cutlass::gemm::KernelTmaWarpSpecializedPingpong, kRanking, kReduction>;
 using PingPong128 = StatsGemm<Shape<_128, _128, _64>, Shape<_1, _2, _1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
 using Cooperative256 = Cooperative256With<>;
 using PingPong64x256 = PingPong64x256With<>;
 using Cooperative256RowPairs =
     StatsGemm<Shape<_128, _256, _64>, Shape<_2, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
-// The rankings' first pass (the same products: a sample column's v is the main pass's bits).
-using Cooperative256Sampled = Cooperative256With<Ranking::kSample>;
-using PingPong64x256Sampled = PingPong64x256With<Ranking::kSample>;
 
 // Lets Kernel use its shared memory (over the 48 KB default) on `device`, once per device.
 template <class Kernel>
@@ -612,15 +620,21 @@ cudaError_t AllowSharedMemory(int device) {
 // neither operand in L2, each wave then reads a W tile (twice an h tile's bytes) for every tile it runs: a TP-4
 // rank's score of 32768x8192 rows on a 65536-column shard took 1.6x its GEMM floor (bench/NOTES.md, e18). Along
 // M a wave shares its W tiles and reads h tiles, half the bytes; along N only where W's columns fit in L2 and
-// h's rows do not (the first passes over a row's first columns).
+// h's rows do not (the first passes over a row's first columns). Configuration 4 without the training copy goes
+// along N in groups of eight row clusters (its swizzle, SwizzleFor): sixteen row tiles' h stays in L2 while
+// they sweep every column tile, QuACK's order, with which a score reads a third less from DRAM and runs 2-6%
+// faster than in CUTLASS's (bench/NOTES.md e19); writing the training copy, the same order took a 2816-row
+// block's forward 4.4 -> 6.3 ms (e20), so there it takes the rule above.
+bool QuackOrder(const EpilogueStatsArgs& a) { return a.config == 4 && a.store == nullptr; }
 cutlass::gemm::kernel::detail::RasterOrderOptions RasterFor(const EpilogueStatsArgs& a) {
   using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
   if (a.raster == 1) return Raster::AlongM;
-  if (a.raster == 2) return Raster::AlongN;
+  if (a.raster == 2 || (a.raster == 0 && QuackOrder(a))) return Raster::AlongN;
   constexpr int64_t kL2Resident = int64_t{32} << 20;
   const int64_t w_bytes = a.cols * a.hidden_size * 2, h_bytes = a.rows * a.hidden_size * 2;
   return w_bytes <= kL2Resident && h_bytes > w_bytes ? Raster::AlongN : Raster::AlongM;
 }
+int SwizzleFor(const EpilogueStatsArgs& a) { return a.swizzle > 0 ? a.swizzle : QuackOrder(a) ? 8 : 1; }
 
 template <class Config>
 absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
@@ -640,7 +654,7 @@ absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t
   hw.device_id = device;
   LCE_CUDA_CHECK(cudaDeviceGetAttribute(&hw.sm_count, cudaDevAttrMultiProcessorCount, device));
   typename Kernel::TileSchedulerArguments sched;
-  sched.max_swizzle_size = a.swizzle;
+  sched.max_swizzle_size = SwizzleFor(a);
   sched.raster_order = RasterFor(a);
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                 {M, N, K, 1},
@@ -663,7 +677,7 @@ absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t
   return absl::OkStatus();
 }
 
-// Configuration 1's or 2's kernel with kRanking for the call — the statistics alone (kNone), with the
+// Configuration 1's, 2's, 4's or 5's kernel with kRanking for the call — the statistics alone (kNone), with the
 // rankings' candidates (kCandidates; 3 gives 1's bits, 0 has other tiles and keeps the logit-tile path for
 // rankings), with the tiles' argmax beside the statistics and the training copy (kArgmax, all a ranking of
 // k = 1 needs) — in a kernel per Reduction: the one holding the plain logits' reduction alone, with or
@@ -676,9 +690,30 @@ absl::Status RunReduction(const EpilogueStatsArgs& a, const StatsParams& sp, cud
                     : Run<Config<kRanking, Reduction::kPlainLogprobOnly>>(a, sp, stream);
 }
 template <Ranking kRanking>
-absl::Status RunFor(int config, const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
-  return config == 2 ? RunReduction<PingPong64x256With, kRanking>(a, sp, stream)
-                     : RunReduction<Cooperative256With, kRanking>(a, sp, stream);
+absl::Status RunFor(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
+  switch (a.config) {
+    case 2: return RunReduction<PingPong64x256With, kRanking>(a, sp, stream);
+    case 4: return RunReduction<PingPong192With, kRanking>(a, sp, stream);
+    case 5: return RunReduction<PingPong64x192With, kRanking>(a, sp, stream);
+    default: return RunReduction<Cooperative256With, kRanking>(a, sp, stream);  // 1, 3 (1's bits)
+  }
+}
+// The rankings' first pass (the same products: a sample column's v is the main pass's bits).
+absl::Status RunSampled(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
+  switch (a.config) {
+    case 2: return Run<PingPong64x256With<Ranking::kSample>>(a, sp, stream);
+    case 4: return Run<PingPong192With<Ranking::kSample>>(a, sp, stream);
+    case 5: return Run<PingPong64x192With<Ranking::kSample>>(a, sp, stream);
+    default: return Run<Cooperative256With<Ranking::kSample>>(a, sp, stream);
+  }
+}
+
+// The configuration that runs a call: the fixed one, else (automatic) the large one's few-row partner of the
+// same tile width for rows <= small_rows (so that a row gets the same bits in any batch), the large one above.
+int ResolvedConfig(const EpilogueStatsArgs& a) {
+  if (a.config >= 0) return a.config;
+  if (a.rows > a.small_rows) return a.large_config;
+  return a.large_config == 4 ? 5 : a.large_config == 0 ? 0 : 2;
 }
 
 }  // namespace
@@ -686,25 +721,28 @@ absl::Status RunFor(int config, const EpilogueStatsArgs& a, const StatsParams& s
 int EpilogueStatsTileCols(int config) {
   static_assert(Cooperative256::kTileCols == PingPong64x256::kTileCols &&
                 Cooperative256::kTileCols == Cooperative256RowPairs::kTileCols &&
-                Cooperative256::kTileCols == Cooperative256Sampled::kTileCols &&
-                Cooperative256::kTileCols == PingPong64x256Sampled::kTileCols);
+                PingPong192With<>::kTileCols == PingPong64x192With<>::kTileCols);
+  if (config == 4 || config == 5) return PingPong192With<>::kTileCols;
   return config == 0 ? PingPong128::kTileCols : Cooperative256::kTileCols;
 }
 
-absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t stream) {
-  if (a.rows <= 0 || a.cols <= 0) return absl::OkStatus();
+absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& args, cudaStream_t stream) {
+  if (args.rows <= 0 || args.cols <= 0) return absl::OkStatus();
+  EpilogueStatsArgs a = args;
+  a.config = ResolvedConfig(args);
   const int64_t tile_cols = EpilogueStatsTileCols(a.config);
   const auto misaligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 != 0; };
-  if (a.rows > INT32_MAX || a.cols > INT32_MAX || a.hidden_size <= 0 || a.hidden_size % 8 != 0 ||
-      misaligned(a.hidden) || misaligned(a.weight) || misaligned(a.tile_part) || misaligned(a.tf.bias) ||
-      a.targets == nullptr || (a.store != nullptr && (misaligned(a.store) || a.lds % 8 != 0 || a.lds < a.cols)) ||
+  if (a.rows > INT32_MAX || a.cols > INT32_MAX || a.hidden_size <= 0 || a.hidden_size % 8 != 0 || a.config < 0 ||
+      a.config > 5 || misaligned(a.hidden) || misaligned(a.weight) || misaligned(a.tile_part) ||
+      misaligned(a.tf.bias) || a.targets == nullptr ||
+      (a.store != nullptr && (misaligned(a.store) || a.lds % 8 != 0 || a.lds < a.cols)) ||
       (a.first != nullptr && (a.store == nullptr || a.row_c == nullptr || a.overflow == nullptr)) ||
       (a.rank_list != nullptr && (a.rank_count == nullptr || a.rank_cap <= 0 || a.dump != nullptr)) ||
       (a.tile_arg != nullptr && (a.rank_list != nullptr || a.dump != nullptr)) ||
       (a.dump != nullptr && a.ld_dump < a.cols) || a.packed == nullptr ||
       a.ntile != (a.cols + tile_cols - 1) / tile_cols || a.tf.temperature <= 0.0f) {
     return absl::InternalError(absl::StrCat("LaunchEpilogueStatsGemm: bad shape rows=", a.rows, " cols=", a.cols,
-                                            " hidden=", a.hidden_size, " ntile=", a.ntile));
+                                            " hidden=", a.hidden_size, " ntile=", a.ntile, " config=", a.config));
   }
   if (a.tf.sum_weight != nullptr && !(a.tf.softcap > 0.0f)) {  // kWeighted applies the softcap unasked
     return absl::InternalError("LaunchEpilogueStatsGemm: weighted sums are for a softcap's calls only");
@@ -735,22 +773,20 @@ absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& a, cudaStream_t st
   sp.dump = a.dump;
   sp.ld_dump = a.ld_dump;
   sp.tile_arg = a.tile_arg;
-  // Automatic: a few rows (bound by reading W) through 64-row tiles, more through 128-row tiles.
-  const int config = a.config >= 0 ? a.config : a.rows <= a.small_rows ? 2 : a.large_config;
   if (a.rank_list != nullptr || a.dump != nullptr || a.tile_arg != nullptr) {
-    if (config == 0) return absl::InternalError("LaunchEpilogueStatsGemm: no rankings with 128-column tiles");
+    if (a.config == 0) return absl::InternalError("LaunchEpilogueStatsGemm: no rankings with 128-column tiles");
     if (a.tile_arg != nullptr) {
-      return RunFor<Ranking::kArgmax>(config, a, sp, stream);
+      return RunFor<Ranking::kArgmax>(a, sp, stream);
     }
     if (a.rank_list != nullptr && a.rank_thr == nullptr) {
-      return config == 2 ? Run<PingPong64x256Sampled>(a, sp, stream) : Run<Cooperative256Sampled>(a, sp, stream);
+      return RunSampled(a, sp, stream);
     }
-    return RunFor<Ranking::kCandidates>(config, a, sp, stream);
+    return RunFor<Ranking::kCandidates>(a, sp, stream);
   }
-  switch (config) {
+  switch (a.config) {
     case 0: return Run<PingPong128>(a, sp, stream);
     case 3: return Run<Cooperative256RowPairs>(a, sp, stream);
-    default: return RunFor<Ranking::kNone>(config, a, sp, stream);  // 1, 2
+    default: return RunFor<Ranking::kNone>(a, sp, stream);  // 1, 2, 4, 5
   }
 }
 

@@ -13,8 +13,9 @@
 namespace lce::cuda {
 
 // Columns of one reduction segment: the softmax statistics are kept per (row, segment) and merged.
-// Vocabulary tiles are whole multiples of it.
-inline constexpr int kSegment = 2048;
+// Vocabulary tiles are whole multiples of it. 1536 = 8 × 192 = 6 × 256 = 12 × 128: every epilogue GEMM
+// configuration's column tiles divide it.
+inline constexpr int kSegment = 1536;
 
 // Per-row record kept between the forward and the backward (floats, kRowInfo per row):
 // global max m, log S = lse − m, and the backward coefficients A, B, C, D of
@@ -80,8 +81,8 @@ absl::Status LaunchTileStats(const float* logits, int64_t ldz, int64_t rows, int
 // whose target lies in the shard (packed zeroed by the caller). With store, it also writes the
 // backward's copy ([rows, lds], lds a multiple of 8): z − m_tile in fp16 (m_tile the tile's m above;
 // LaunchWriteGrad with tile_part and tile_cols) or exp(z − c_row) in bf16 (below: the fast loss path). No split-K, and
-// the same arithmetic for a row in configurations 1 to 3: a row's partials are the same bits whatever
-// the batch.
+// the same arithmetic for a row in configurations 1 to 3, and in 4 and 5: a row's partials are the same bits
+// whatever the batch.
 struct EpilogueStatsArgs {
   const void* hidden = nullptr;
   const void* weight = nullptr;
@@ -122,16 +123,19 @@ struct EpilogueStatsArgs {
   // none is.
   int32_t* tile_arg = nullptr;
   // Kernel configuration (epilogue_stats_gemm.cu): 0 ping-pong 128×128 tiles, 1 cooperative 128×256,
-  // 2 ping-pong 64×256, 3 as 1 with W's tiles multicast; −1 (automatic): 2 for rows <= small_rows, else
-  // large_config. 1, 2 and 3 give a row the same bits.
+  // 2 ping-pong 64×256, 3 as 1 with W's tiles multicast, 4 ping-pong 128×192 (W's tiles multicast),
+  // 5 ping-pong 64×192; −1 (automatic): large_config's few-row partner of the same tile width (2 for 1 and 3,
+  // 5 for 4) for rows <= small_rows, else large_config. 1, 2 and 3 give a row the same bits, and 4 and 5.
   int config = -1;
   int64_t small_rows = 128;
-  int large_config = 1;
-  // Tile scheduler: swizzle width (1, 2, 4, 8) and raster (0 automatic: along M unless W's columns fit in L2
-  // and h's rows do not; 1 along M, 2 along N).
-  int swizzle = 1;
+  int large_config = 4;
+  // Tile scheduler: swizzle width (0 automatic: 8 for configuration 4 without the training copy, else 1; or 1,
+  // 2, 4, 8) and raster (0 automatic: along N for configuration 4 without the training copy, else along M
+  // unless W's columns fit in L2 and h's rows do not; 1 along M, 2 along N).
+  int swizzle = 0;
   int raster = 0;
 };
+// The column tiles' width of a configuration (0-5; automatic: of its large_config).
 int EpilogueStatsTileCols(int config);
 absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& args, cudaStream_t stream);
 

@@ -13,9 +13,9 @@
 namespace lce::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 192;                             // six warps: a 1536-column segment in two steps
 constexpr int kVec = 4;                                   // floats per load
-constexpr int kSteps = kSegment / (kThreads * kVec);      // 4 loads per thread
+constexpr int kSteps = kSegment / (kThreads * kVec);      // 2 loads per thread
 static_assert(kSteps * kThreads * kVec == kSegment);
 
 __device__ __forceinline__ void StoreShifted(__half* dst, const float* v, int n_valid) {

@@ -185,7 +185,7 @@ LCE_SERVER_FLAG(bool, batch_invariant, batch_invariant, false,
                 "always are");
 LCE_SERVER_FLAG(bool, tp_invariant, tp_invariant, true,
                 "CUDA engine (the epilogue GEMM's path, or with --batch-invariant): logprob, entropy, loss and "
-                "d_hidden one GPU's bits in TP groups of 2 and 4, V >= 131072; nothing on one GPU, within the "
+                "d_hidden one GPU's bits in TP groups of 2 and 4, V >= 98304; nothing on one GPU, within the "
                 "spread of a TP-2 train step");
 LCE_SERVER_FLAG(int32_t, device, device, 0, "CUDA device ordinal");
 LCE_SERVER_FLAG(double, shutdown_grace_seconds, shutdown_grace_seconds, 30.0,

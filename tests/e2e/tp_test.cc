@@ -70,7 +70,7 @@ double RelErr(const float* got, const float* want, size_t n) {
 
 // With the default flags, a row's logprob, entropy, loss and d_hidden are the same bits on a group as on
 // one server, and GetInfo says so (issues 17, 36): the CPU engine for any group size; the CUDA engine for
-// groups of 2 and 4 (d_hidden's leaves; a group of 3 the forward's outputs), the vocabulary >= 131072
+// groups of 2 and 4 (d_hidden's leaves; a group of 3 the forward's outputs), the vocabulary >= 98304
 // (segments at global offsets).
 TEST(TensorParallel, InvariantGroupsGiveOneServersBits) {
   const bool cuda = TpBackend() == "cuda";

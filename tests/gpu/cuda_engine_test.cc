@@ -1016,7 +1016,7 @@ TEST_F(CudaTest, Rank0OutputsSumDHiddenIntoRankZeroAlone) {
 }
 
 TEST_F(CudaTest, VocabParallelStatisticsBitForBit) {
-  // V >= 131072 and LCE_CUDA_TP_INVARIANT=1: segments at fixed global offsets, so groups of 2, 3 and 4
+  // V >= 98304 and LCE_CUDA_TP_INVARIANT=1: segments at fixed global offsets, so groups of 2, 3 and 4
   // give one GPU's logprob, entropy, lse and loss bit for bit, and groups of 2 and 4 its d_hidden too
   // (docs/MATH.md, "Order of reductions": d_hidden's leaves, cut at every shard boundary of groups of
   // 1, 2 and 4, summed exactly; a group of 3 cuts leaves of its own), on the fast loss path (c_row
@@ -1193,7 +1193,7 @@ TEST_F(CudaTest, BiasGradMatchesReference) {
 TEST_F(CudaTest, BatchInvarianceBitForBit) {
   // DESIGN.md, "Guarantees": a row's results are the same bits alone and in batches of 7, 300 and
   // 4096, on the fast loss path, the general path (label smoothing) and the generic backward; and
-  // with --tp-invariant's d_hidden tile tree (variant 3, V >= 131072).
+  // with --tp-invariant's d_hidden tile tree (variant 3, V >= 98304).
   for (int variant = 0; variant < 4; ++variant) {
     EngineConfig cfg;
     cfg.batch_invariant = true;
@@ -1309,14 +1309,15 @@ TEST_F(EpilogueStatsTest, AgreesWithTheLogitTilePath) {
 
 // Every kernel configuration (CudaTuning::epi_kernel, taken when the engine is made) against float64, on
 // ragged rows and columns; 1 (cooperative 128×256), 2 (ping-pong 64×256) and 3 (1 with W's tiles
-// multicast) the same bits, as the automatic choice between 2 and 1 by row count relies on.
+// multicast) the same bits, and 4 (ping-pong 128×192, the default) and 5 (ping-pong 64×192), as the automatic
+// choice between a large configuration and its few-row partner by row count relies on.
 TEST_F(EpilogueStatsTest, EveryKernelConfiguration) {
   ProblemSpec sp = ScoreSpec(301, 136, 20001);
   sp.bias = true;
   sp.options.temperature = 0.9f;
   const Problem p = MakeProblem(sp, 5050);
   std::vector<Answers> got;
-  for (int config : {0, 1, 2, 3}) {
+  for (int config : {0, 1, 2, 3, 4, 5}) {
     auto e = MakeCuda(p, WithTuning(EpiTuning([&](CudaTuning& t) { t.epi_kernel = config; })));
     ASSERT_NE(e, nullptr);
     got.push_back(RunEngine(*e, p, MemorySpace::kDevice, {}));
@@ -1325,17 +1326,25 @@ TEST_F(EpilogueStatsTest, EveryKernelConfiguration) {
   for (int k : {2, 3}) {
     for (int64_t i = 0; i < sp.rows; ++i) ExpectRowSameBits(got[1], got[k], i, 0, 0, absl::StrCat("config ", k, " row ", i));
   }
-  // The schedule's raster (automatic: along M here; along M; along N) orders the tiles, not a tile's sums.
-  for (int raster : {1, 2}) {
-    auto e = MakeCuda(p, WithTuning(EpiTuning([&](CudaTuning& t) {
-                        t.epi_kernel = 1;
-                        t.epi_raster = raster;
-                      })));
-    ASSERT_NE(e, nullptr);
-    const Answers a = RunEngine(*e, p, MemorySpace::kDevice, {});
-    ExpectMatches(a, p, {}, absl::StrCat("raster ", raster));
-    for (int64_t i = 0; i < sp.rows; ++i)
-      ExpectRowSameBits(got[1], a, i, 0, 0, absl::StrCat("raster ", raster, " row ", i));
+  for (int64_t i = 0; i < sp.rows; ++i) ExpectRowSameBits(got[4], got[5], i, 0, 0, absl::StrCat("config 5 row ", i));
+  // The schedule's raster and swizzle (automatic: along N in groups of 8 for 4, along M for 1) order the tiles,
+  // not a tile's sums.
+  for (int config : {1, 4}) {
+    for (int raster : {1, 2}) {
+      for (int swizzle : {1, 8}) {
+        auto e = MakeCuda(p, WithTuning(EpiTuning([&](CudaTuning& t) {
+                            t.epi_kernel = config;
+                            t.epi_raster = raster;
+                            t.epi_swizzle = swizzle;
+                          })));
+        ASSERT_NE(e, nullptr);
+        const Answers a = RunEngine(*e, p, MemorySpace::kDevice, {});
+        const std::string what = absl::StrCat("config ", config, " raster ", raster, " swizzle ", swizzle);
+        ExpectMatches(a, p, {}, what);
+        for (int64_t i = 0; i < sp.rows; ++i)
+          ExpectRowSameBits(got[config], a, i, 0, 0, absl::StrCat(what, " row ", i));
+      }
+    }
   }
 }
 
@@ -1571,7 +1580,7 @@ TEST_F(EpilogueStatsTest, DHiddenPartialsWithinTheBudget) {
   }
 }
 
-// Vocab-parallel groups of 2 and 3 (segments at global offsets, V >= 131072, tp_invariant) give one
+// Vocab-parallel groups of 2 and 3 (segments at global offsets, V >= 98304, tp_invariant) give one
 // GPU's score bits, each rank's shard through its own epilogue-statistics GEMM.
 TEST_F(EpilogueStatsTest, VocabParallelStatisticsBitForBit) {
   EngineConfig cfg;

@@ -371,10 +371,12 @@ TEST(CudaTrainer, FreshWeightGradientOverwritesWhatWasThere) {
     ASSERT_EQ(cudaMemset(fresh, 0xff, V * H * 4), cudaSuccess);  // NaN
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     GradOutputs g{dh ? d_dh : nullptr, zeroed};
-    ASSERT_TRUE((*e)->Compute(rows, options, up, {}, g).ok()) << what;
+    absl::Status st = (*e)->Compute(rows, options, up, {}, g);
+    ASSERT_TRUE(st.ok()) << what << ": " << st;
     g.d_weight = fresh;
     g.d_weight_fresh = true;
-    ASSERT_TRUE((*e)->Compute(rows, options, up, {}, g).ok()) << what;
+    st = (*e)->Compute(rows, options, up, {}, g);
+    ASSERT_TRUE(st.ok()) << what << ", fresh: " << st;
     std::vector<float> a(static_cast<size_t>(V * H)), b(a.size());
     ASSERT_EQ(cudaMemcpy(a.data(), zeroed, a.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(b.data(), fresh, b.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);

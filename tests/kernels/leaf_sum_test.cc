@@ -42,17 +42,17 @@ TEST(LeafPlan, EveryGroupSizesShardIsWholeLeaves) {
       }
     }
   }
-  // V = 151936 (75 tiles): k = 2 and 4 cut at tiles 37; 18, 37, 56: four leaves.
-  EXPECT_EQ(LeafBounds(151936), (std::vector<int64_t>{0, 18 * 2048, 37 * 2048, 56 * 2048, 151936}));
+  // V = 151936 (99 tiles of 1536, the last short): k = 2 and 4 cut at tiles 49; 24, 49, 74: four leaves.
+  EXPECT_EQ(LeafBounds(151936), (std::vector<int64_t>{0, 24 * 1536, 49 * 1536, 74 * 1536, 151936}));
 }
 
 // The exact sum keeps an element's terms in kMaxLeaves + 1 registers (exact_sum.cu): no vocabulary has more
 // leaves, and 4q + 2 tiles reach the bound (74 tiles: k = 2 cuts at 37, k = 4 at 18, 36, 55).
 TEST(LeafPlan, NoVocabularyHasMoreThanMaxLeaves) {
-  EXPECT_EQ(LeafBounds(74 * 2048), (std::vector<int64_t>{0, 18 * 2048, 36 * 2048, 37 * 2048, 55 * 2048, 74 * 2048}));
+  EXPECT_EQ(LeafBounds(74 * 1536), (std::vector<int64_t>{0, 18 * 1536, 36 * 1536, 37 * 1536, 55 * 1536, 74 * 1536}));
   size_t most = 0;
   for (int64_t tiles = 1; tiles <= 300; ++tiles) {
-    for (int64_t V : {tiles * 2048, tiles * 2048 - 777}) {
+    for (int64_t V : {tiles * 1536, tiles * 1536 - 777}) {
       if (V > 0) most = std::max(most, LeafBounds(V).size() - 1);
     }
   }

@@ -121,9 +121,9 @@ TEST(VocabParallel, ShardsAreWholeTilesWithinATileOfEven) {
       EXPECT_EQ((last.end - last.begin + tile - 1) / tile, (tiles + k - 1) / k) << what;
     }
   }
-  // Two ranks over 75 tiles of 2048 (the last 384 rows): 37 and 38 tiles, 75776 and 76160 rows.
-  EXPECT_EQ(VocabShard(151936, 0, 2).end, 75776);
-  EXPECT_EQ(VocabShard(151936, 1, 2).begin, 75776);
+  // Two ranks over 99 tiles of 1536 (the last 1408 rows): 49 and 50 tiles, 75264 and 76672 rows.
+  EXPECT_EQ(VocabShard(151936, 0, 2).end, 75264);
+  EXPECT_EQ(VocabShard(151936, 1, 2).begin, 75264);
   EXPECT_EQ(VocabShard(151936, 1, 2).end, 151936);
   // More ranks than tiles: the first ranks are empty.
   EXPECT_EQ(VocabShard(10, 0, 12).end - VocabShard(10, 0, 12).begin, 0);

@@ -17,7 +17,7 @@ namespace lce {
 class LceEngine;
 
 struct CudaTuning {
-  int64_t vocab_tile = 8192;       // logit tile columns (rounded up to whole 2048-column segments)
+  int64_t vocab_tile = 8192;       // logit tile columns (rounded up to whole 1536-column segments)
   int64_t max_rows = 0;            // cap on a row block's rows (> 0); 0: as many as the workspace holds
   int64_t backward_chunk = 16384;  // general path: dA columns written per chunk before its dW product
   int64_t stats_sms = 0;           // multiprocessors the forward GEMMs leave to TileStats (<= half)
@@ -32,8 +32,8 @@ struct CudaTuning {
   bool epilogue_stats = true;
   int epi_kernel = -1;
   int64_t epi_small_rows = 128;
-  int epi_large = 1;
-  int epi_swizzle = 1;
+  int epi_large = 4;
+  int epi_swizzle = 0;
   int epi_raster = 0;
   int debug_skip = 0;  // timing aid only, results wrong: bits 1 TileStats, 2 WriteGrad, 4 epilogue
   bool trace = false;  // phase times of a call's first row block, to stderr

@@ -128,7 +128,7 @@ struct EngineConfig {
   // on 64-row calls. tp_invariant (on the epilogue GEMM's path, or with batch_invariant): groups fold
   // their statistics in global segment order, take the fast loss path's c_row from the head's first
   // columns and sum d_hidden's leaves (leaf_plan.h) in fixed point, so logprob, entropy, lse, loss
-  // and d_hidden are one GPU's bits in groups of 2 and 4 (V >= 131072); on by default: nothing on one
+  // and d_hidden are one GPU's bits in groups of 2 and 4 (V >= 98304); on by default: nothing on one
   // GPU, within the spread of a TP-2 train step (bench/RESULTS.md). CudaTuning's batch_invariant / tp_invariant
   // (LCE_CUDA_BATCH_INVARIANT / LCE_CUDA_TP_INVARIANT) override them.
   bool batch_invariant = false;

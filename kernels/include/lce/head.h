@@ -44,8 +44,9 @@ absl::StatusOr<int64_t> TensorBytes(int64_t rows, int64_t cols, int64_t element_
 absl::Status ValidateHeadWeights(const HeadWeights& head);
 
 // The vocabulary is cut into tiles at fixed global offsets, multiples of VocabTile(V), which depends
-// on V alone: min(2048, ⌈V/64⌉) rows (the last tile may be shorter). Engines fold a row's per-tile
-// partials in global tile order, so the tiles, unlike the shards, never move with the group size.
+// on V alone: min(1536, ⌈V/64⌉) rows (the last tile may be shorter). 1536 is the CUDA engine's reduction
+// segment, so that from V = 98304 up its segments too sit at fixed global offsets. Engines fold a row's
+// per-tile partials in global tile order, so the tiles, unlike the shards, never move with the group size.
 int64_t VocabTile(int64_t vocab_size);
 int64_t VocabTileCount(int64_t vocab_size);
 
