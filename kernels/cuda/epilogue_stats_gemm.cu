@@ -8,9 +8,8 @@
 // target logit. For a training call it also writes the compact copy the backward reads, where the
 // logit-tile path wrote fp32 logits and read them back: z − m_tile in fp16 (m_tile: the row's max over
 // the CTA's column tile, the m of its partials) for the general backward, or exp(z − c_row) in bf16 for
-// the fast loss path (c_row: the max of the row's first columns, from a first pass over them (1024 columns in whole
-// tiles),
-// + kExpLift; a tile whose max passes c_row by more than kExpHeadroom raises the overflow flag), staged
+// the fast loss path (c_row: the max of the row's first columns, from a first pass over them (1024 columns in
+// whole tiles), + kExpLift; a tile whose max passes c_row by more than kExpHeadroom raises the overflow flag), staged
 // through shared memory for whole-sector stores. A logit's bits depend only on its row and column
 // (fixed tile shape, fixed K order), and each tile's partials only on its rows' logits: batch invariant.
 #include <cuda_bf16.h>
