@@ -22,12 +22,12 @@
 //             A head's bias: dB += the column sums of dL/da from the same copy (bias_grad.cu).
 // So a train step costs three GEMMs of N·H·V_shard (the floor) plus elementwise passes.
 // Epilogue statistics (bf16, sm_90, built with CUTLASS; LCE_CUDA_EPILOGUE_STATS=0 turns them off): the
-// forward is one GEMM over the whole shard whose epilogue writes per-(row, 256-column tile) partials
-// and the target logits (epilogue_stats_gemm.cu), folded into the same segment partials: no logit
-// tiles, no TileStats. A training call's epilogue also writes the compact copy: exp(z − c_row) (bf16)
-// for the fast loss path, c_row from a first pass of the same GEMM over the first kFirstPassCols columns,
-// or z − m_tile (fp16), which WriteGrad reads with the tiles' m. Score and training take the same
-// GEMM, so a row's logprob is the same bits in both, and in any batch.
+// forward is one GEMM over the whole shard whose epilogue writes per-(row, column tile) partials (192 columns: the
+// ping-pong 128×192 kernel, by default) and the target logits (epilogue_stats_gemm.cu), folded into the same segment
+// partials: no logit tiles, no TileStats. A training call's epilogue also writes the compact copy: exp(z − c_row)
+// (bf16) for the fast loss path, c_row from a first pass of the same GEMM over the first kFirstPassCols columns, or z −
+// m_tile (fp16), which WriteGrad reads with the tiles' m. Score and training take the same GEMM, so a row's logprob is
+// the same bits in both, and in any batch.
 //
 // A call is a short loop of named phases (Compute): plan (PlanCall, PrepareCall: call_plan.cc), then for
 // each row block stage, forward, merge, finalize (engine_forward.cc), backward and copy out
