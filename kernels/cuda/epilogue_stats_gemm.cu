@@ -622,9 +622,14 @@ cudaError_t AllowSharedMemory(int device) {
 // h's rows do not (the first passes over a row's first columns). Configuration 4 without the training copy goes
 // along N in groups of eight row clusters (its swizzle, SwizzleFor): sixteen row tiles' h stays in L2 while
 // they sweep every column tile, QuACK's order, with which a score reads a third less from DRAM and runs 2-6%
-// faster than in CUTLASS's (bench/NOTES.md e19); writing the training copy, the same order took a 2816-row
-// block's forward 4.4 -> 6.3 ms (e20), so there it takes the rule above.
-bool QuackOrder(const EpilogueStatsArgs& a) { return a.config == 4 && a.store == nullptr; }
+// faster than in CUTLASS's (bench/NOTES.md e19) — where those rows' h, 2048 × H × 2 bytes, fits in a third of
+// L2 (16 MiB: H <= 4096; at H = 8192, 32 MiB, a score took 15.3-15.7 ms against 14.5-14.6 along M, e20).
+// Writing the training copy, the same order took a 2816-row block's forward 4.4 -> 6.3 ms (e20): there, too,
+// the rule above.
+bool QuackOrder(const EpilogueStatsArgs& a) {
+  constexpr int64_t kGroupRows = 2048, kL2Third = int64_t{16} << 20;
+  return a.config == 4 && a.store == nullptr && kGroupRows * a.hidden_size * 2 <= kL2Third;
+}
 cutlass::gemm::kernel::detail::RasterOrderOptions RasterFor(const EpilogueStatsArgs& a) {
   using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
   if (a.raster == 1) return Raster::AlongM;

@@ -129,9 +129,9 @@ struct EpilogueStatsArgs {
   int config = -1;
   int64_t small_rows = 128;
   int large_config = 4;
-  // Tile scheduler: swizzle width (0 automatic: 8 for configuration 4 without the training copy, else 1; or 1,
-  // 2, 4, 8) and raster (0 automatic: along N for configuration 4 without the training copy, else along M
-  // unless W's columns fit in L2 and h's rows do not; 1 along M, 2 along N).
+  // Tile scheduler: swizzle width (0 automatic: 8 for configuration 4's scores at H <= 4096, else 1; or 1, 2,
+  // 4, 8) and raster (0 automatic: along N for configuration 4's scores at H <= 4096, else along M unless W's
+  // columns fit in L2 and h's rows do not; 1 along M, 2 along N).
   int swizzle = 0;
   int raster = 0;
 };
