@@ -623,7 +623,7 @@ cudaError_t AllowSharedMemory(int device) {
 // along N in groups of eight row clusters (its swizzle, SwizzleFor): sixteen row tiles' h stays in L2 while
 // they sweep every column tile, QuACK's order, with which a score reads a third less from DRAM and runs 2-6%
 // faster than in CUTLASS's (bench/NOTES.md e19) — where those rows' h, 2048 × H × 2 bytes, fits in a third of
-// L2 (16 MiB: H <= 4096; at H = 8192, 32 MiB, a score took 15.3-15.7 ms against 14.5-14.6 along M, e20).
+// L2 (16 MiB: H <= 4096). At H = 8192 (32 MiB) the two orders measured level (e21; e20's gap was spread).
 // Writing the training copy, the same order took a 2816-row block's forward 4.4 -> 6.3 ms (e20): there, too,
 // the rule above.
 bool QuackOrder(const EpilogueStatsArgs& a) {
