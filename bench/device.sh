@@ -9,7 +9,10 @@
 #   e2e-cuda[=FILTER]         e2e_test against lce_server --backend=cuda
 #   bench[=VAR=V:VAR=V]       lce_bench on $SHAPES (default: the five issue shapes), with env vars set, and
 #                             $LCE_BENCH_ARGS (e.g. --epi-ab: score and train with LCE_CUDA_EPILOGUE_STATS=0 and =1)
-#   peers                     ../shared/bench/peers.py (as .peers/peers.py) on $SHAPES
+#   stash=DIR                 copy a carried DIR to /tmp/stash (kept while the machine is warm: carry a large set over
+#                             calls made back to back, e.g. the peers' .whl/part1 and .whl/part2)
+#   peers                     ../shared/bench/peers.py (as .peers/peers.py) on $SHAPES; every peer from the stashed
+#                             .whl/part1 + part2 (bench/device_pack.sh peers), else Liger and CCE from .whl/
 #   tp                        TP process tests on every GPU, lce_tp_bench at k = 1 and all GPUs, verl's
 #                             kernel at the same k ($TP_SHAPES)
 #   dp                        one data-parallel replica a GPU (NCCL links): $DP_STEPS AdamW steps from
@@ -33,6 +36,7 @@
 #   bin=NAME[:ARGS]           any .devbin binary with ARGS (':' for spaces), output to $OUT/NAME.log
 set -u
 [ -d .rt/lib ] || tar -xJf .rtpack/rt.tar.xz
+[ -f .devbin/bin.tar.xz ] && [ ! -e .devbin/.unpacked ] && (cd .devbin && tar -xJf bin.tar.xz && touch .unpacked)
 export LD_LIBRARY_PATH=$PWD/.rt/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export LCE_SERVER_BIN=$PWD/.devbin/lce_server LCE_CLI_BIN=$PWD/.devbin/lce_cli
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -40,6 +44,26 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SHAPES=${SHAPES:-8192x4096x128256,16384x2048x151936,4096x8192x152064,16384x4096x151936,4096x2880x201088}
 N=${ROWS:-8192} H=${HIDDEN:-4096} V=${VOCAB:-128256}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+
+# The peers: every one from the stashed wheel parts (the DSL's files from several wheels merge in one --target
+# install; its .pth is not read there, so dsl_packages goes on PYTHONPATH), else Liger and CCE from .whl/.
+step_peers() {
+  local verl=.whl/verl-*.whl path=/tmp/site
+  if [ -d /tmp/stash/part1 ] && [ -d /tmp/stash/part2 ]; then
+    if [ ! -d /tmp/site/quack ]; then
+      cat /tmp/stash/part1/cu13.part.* /tmp/stash/part2/cu13.part.* > "/tmp/$(cat /tmp/stash/part2/cu13.name)"
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site "/tmp/$(cat /tmp/stash/part2/cu13.name)" \
+        $(ls /tmp/stash/part2/*.whl | grep -v /verl-) > "$OUT/pip.log" 2>&1  # verl: two files, by peers.py
+    fi
+    verl=$(ls /tmp/stash/part2/verl-*.whl) path=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+  else
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl \
+      .whl/cut_cross_entropy-*.whl > "$OUT/pip.log" 2>&1
+  fi
+  PYTHONPATH=$path timeout 400 python3 .peers/peers.py --shapes "$SHAPES" --verl-wheel $verl \
+    --json "$OUT/peers.json" > "$OUT/peers.log" 2>&1
+  echo "peers rc=$?"
+}
 
 # A CUDA server on a seeded V×H head, its port in $PORT, its pid in $SERVER; extra flags as arguments.
 start_server() {
@@ -237,11 +261,10 @@ for step in "$@"; do
       env ${arg//:/ } timeout 300 ./.devbin/lce_bench --shapes "$SHAPES" --reps ${REPS:-7} ${LCE_BENCH_ARGS:-} \
         >> "$OUT/bench.log" 2>&1
       echo "bench ${arg:-default} rc=$?" ;;
-    peers)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl \
-        .whl/cut_cross_entropy-*.whl > "$OUT/pip.log" 2>&1
-      PYTHONPATH=/tmp/site timeout 400 python3 .peers/peers.py --shapes "$SHAPES" --verl-wheel .whl/verl-*.whl \
-        --json "$OUT/peers.json" > "$OUT/peers.log" 2>&1; echo "peers rc=$?" ;;
+    stash)
+      mkdir -p /tmp/stash && rm -rf "/tmp/stash/$(basename "$arg")" && cp -r "$arg" /tmp/stash/
+      echo "stashed $arg: $(du -sh "/tmp/stash/$(basename "$arg")" | cut -f1)" ;;
+    peers) step_peers ;;
     tp) step_tp ;;
     dp) step_dp ;;
     transport) step_transport ;;
