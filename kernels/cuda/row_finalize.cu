@@ -12,24 +12,6 @@ namespace {
 
 constexpr int kThreads = 128;
 
-// Folds n partials (m, S, Q, Σz) in order into one: the max, then S and Q rescaled to it.
-__device__ float4 FoldPartials(const float4* __restrict__ p, int64_t n) {
-  float m = -INFINITY, sum_z = 0.0f;
-  for (int64_t t = 0; t < n; ++t) {
-    m = fmaxf(m, p[t].x);
-    sum_z += p[t].w;
-  }
-  float S = 0.0f, Q = 0.0f;
-  for (int64_t t = 0; t < n; ++t) {
-    const float4 v = p[t];
-    const float d = v.x - m;
-    const float scale = expf(d);
-    S += v.y * scale;
-    Q += (v.z + d * v.y) * scale;
-  }
-  return make_float4(m, S, Q, sum_z);
-}
-
 // A row's segments, a warp a row: lane l folds segments l, l + 32, ... in order, then the lanes' folds combine
 // over a fixed butterfly. The order depends on nseg alone (the same bits in any batch, and for any TP group: a
 // group merges the same global segments). A thread a row gave 4096-row calls 32 blocks on 132 SMs, with
@@ -73,10 +55,9 @@ __global__ void MergeSegmentsKernel(const float4* __restrict__ part, int64_t nse
   packed[r * kPacked + 2] = sum_z;
 }
 
-// FoldPartials over a segment's kPer tiles (the first n of them), each tile's partials loaded once into
-// registers, all loads in flight before the first use: the same operations in the same order, so the same bits.
-// The loop over a run-time count read each partial twice and one at a time (159 us at 16384 rows x 99
-// segments of 8 tiles, 1.3 TB/s, H200, ncu).
+// Folds a segment's n <= kPer tile partials (m, S, Q, Σz) in order into one: the max, then S and Q rescaled to it.
+// Each tile's partials are loaded once into registers, all loads in flight before the first use (a loop over a
+// run-time count read each twice, one at a time: 159 us at 16384 rows x 99 segments of 8 tiles, H200, ncu).
 template <int kPer>
 __device__ float4 FoldTiles(const float4* __restrict__ p, int n) {
   float4 v[kPer];
@@ -103,20 +84,15 @@ __device__ float4 FoldTiles(const float4* __restrict__ p, int n) {
   return make_float4(m, S, Q, sum_z);
 }
 
-// One thread per (row, segment): the segment's tiles folded in order. kPer = 0: any count (FoldPartials).
+// One thread per (row, segment): the segment's kPer tiles (fewer in a ragged last segment) folded in order.
 template <int kPer>
-__global__ void FoldTilePartialsKernel(const float4* __restrict__ tile_part, int64_t ntile, int per, int64_t rows,
+__global__ void FoldTilePartialsKernel(const float4* __restrict__ tile_part, int64_t ntile, int64_t rows,
                                        float4* __restrict__ part, int64_t nseg) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * nseg) return;
   const int64_t r = i / nseg, s = i % nseg;
-  const int n = static_cast<int>(ntile - s * per < per ? ntile - s * per : per);
-  const float4* p = tile_part + r * ntile + s * per;
-  if constexpr (kPer == 0) {
-    part[i] = FoldPartials(p, n);
-  } else {
-    part[i] = FoldTiles<kPer>(p, n);
-  }
+  const int n = static_cast<int>(ntile - s * kPer < kPer ? ntile - s * kPer : kPer);
+  part[i] = FoldTiles<kPer>(tile_part + r * ntile + s * kPer, n);
 }
 
 __global__ void RescaleKernel(const float* __restrict__ m_local, const float* __restrict__ m, int64_t rows,
@@ -259,15 +235,15 @@ absl::Status LaunchFoldTilePartials(const float* tile_part, int64_t ntile, int t
     return absl::InternalError(
         absl::StrCat("LaunchFoldTilePartials: ntile=", ntile, " tile_cols=", tile_cols, " nseg=", nseg));
   }
-  const int per = kSegment / tile_cols;
   const auto* in = reinterpret_cast<const float4*>(tile_part);
   auto* out = reinterpret_cast<float4*>(part);
   const unsigned blocks = Blocks(rows * nseg);
-  switch (per) {  // the epilogue's tiles of 256, 192 and 128 columns
-    case 6: FoldTilePartialsKernel<6><<<blocks, kThreads, 0, stream>>>(in, ntile, per, rows, out, nseg); break;
-    case 8: FoldTilePartialsKernel<8><<<blocks, kThreads, 0, stream>>>(in, ntile, per, rows, out, nseg); break;
-    case 12: FoldTilePartialsKernel<12><<<blocks, kThreads, 0, stream>>>(in, ntile, per, rows, out, nseg); break;
-    default: FoldTilePartialsKernel<0><<<blocks, kThreads, 0, stream>>>(in, ntile, per, rows, out, nseg);
+  switch (kSegment / tile_cols) {  // the epilogue's tiles of 256, 192 and 128 columns
+    case 6: FoldTilePartialsKernel<6><<<blocks, kThreads, 0, stream>>>(in, ntile, rows, out, nseg); break;
+    case 8: FoldTilePartialsKernel<8><<<blocks, kThreads, 0, stream>>>(in, ntile, rows, out, nseg); break;
+    case 12: FoldTilePartialsKernel<12><<<blocks, kThreads, 0, stream>>>(in, ntile, rows, out, nseg); break;
+    default:
+      return absl::InternalError(absl::StrCat("LaunchFoldTilePartials: no fold for ", tile_cols, "-column tiles"));
   }
   LCE_CUDA_CHECK(cudaGetLastError());
   return absl::OkStatus();
