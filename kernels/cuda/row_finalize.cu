@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_check.h"
+#include "cuda/dtype_dispatch.cuh"
 #include "cuda/kernels.h"
 
 namespace lce::cuda {
@@ -12,19 +13,19 @@ namespace {
 
 constexpr int kThreads = 128;
 
+// A partial (m_p, S_p, Q_p, ·) rescaled to the max m and added to S and Q: the fold's and the merge's one step.
+__device__ __forceinline__ void AddRescaled(const float4& v, float m, float& S, float& Q) {
+  const float d = v.x - m;
+  const float scale = expf(d);
+  S += v.y * scale;
+  Q += (v.z + d * v.y) * scale;
+}
+
 // A row's segments, a warp a row: lane l folds segments l, l + 32, ... in order, then the lanes' folds combine
 // over a fixed butterfly. The order depends on nseg alone (the same bits in any batch, and for any TP group: a
 // group merges the same global segments). A thread a row gave 4096-row calls 32 blocks on 132 SMs, with
 // neighbouring threads' loads nseg · 16 B apart (38 us at 4096 rows x 131 segments, H200, ncu).
-__device__ float WarpMax(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ float WarpSum(float v) {  // every lane ends with the same bits: a + b == b + a at each step
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
+// (WarpSum's xor butterfly leaves every lane the same bits: a + b == b + a at each step.)
 __global__ void MergeSegmentsKernel(const float4* __restrict__ part, int64_t nseg, int64_t rows,
                                     float* __restrict__ m_local, float* __restrict__ m_out,
                                     float* __restrict__ packed) {
@@ -38,10 +39,7 @@ __global__ void MergeSegmentsKernel(const float4* __restrict__ part, int64_t nse
   float S = 0.0f, Q = 0.0f, sum_z = 0.0f;
   for (int64_t t = lane; t < nseg; t += 32) {
     const float4 v = p[t];
-    const float d = v.x - m;
-    const float scale = expf(d);
-    S += v.y * scale;
-    Q += (v.z + d * v.y) * scale;
+    AddRescaled(v, m, S, Q);
     sum_z += v.w;
   }
   S = WarpSum(S);
@@ -74,12 +72,7 @@ __device__ float4 FoldTiles(const float4* __restrict__ p, int n) {
   float S = 0.0f, Q = 0.0f;
 #pragma unroll
   for (int t = 0; t < kPer; ++t) {
-    if (t < n) {
-      const float d = v[t].x - m;
-      const float scale = expf(d);
-      S += v[t].y * scale;
-      Q += (v[t].z + d * v[t].y) * scale;
-    }
+    if (t < n) AddRescaled(v[t], m, S, Q);
   }
   return make_float4(m, S, Q, sum_z);
 }
