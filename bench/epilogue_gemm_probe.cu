@@ -5,8 +5,8 @@
 // host from each configuration's tile partials) against the first configuration's. Under ncu, one launch a run
 // (--rounds 1 --reps 1 --warmup 1 --no-floor; the kernel to profile is the third device_kernel launch).
 //   epilogue_gemm_probe --shapes 8192x4096x128256,... --configs 1,2 --swizzles 1,4 --raster 1 --modes full,lp,skip
-// Configurations are EpilogueStatsArgs::config's (0–3; bench/NOTES.md e19 used this tool with ping-pong 128×192
-// configurations that live on branch wip/pingpong192).
+// Configurations are EpilogueStatsArgs::config's (0–5; 4 is the engine's for large calls); swizzle 0 and raster 0 are
+// the engine's automatic choices (its order, on which the kernel's cycles depend: bench/NOTES.md e19, e23).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -46,7 +46,7 @@ std::vector<std::string> Split(const std::string& s) {
 }
 
 struct Flags {
-  std::string shapes = "8192x4096x128256,16384x2048x151936", configs = "1", modes = "full,lp,skip", swizzles = "1";
+  std::string shapes = "8192x4096x128256,16384x2048x151936", configs = "4", modes = "full,lp,skip", swizzles = "0";
   int reps = 10, rounds = 3, warmup = 2, raster = 0;
   bool floor = true, floor_only = false;
 };
@@ -181,7 +181,7 @@ double FloorMs(const Problem& p, const Flags& f, cublasHandle_t cublas) {
 void CheckRows(const Problem& p, const Flags& f, const std::string& shape) {
   std::vector<double> first;
   for (const std::string& c : Split(f.configs)) {
-    const lce::cuda::EpilogueStatsArgs a = p.Args(std::atoi(c.c_str()), "full", 1, f.raster);
+    const lce::cuda::EpilogueStatsArgs a = p.Args(std::atoi(c.c_str()), "full", 0, f.raster);
     CHECK_CUDA(cudaMemset(p.packed, 0, p.n * lce::cuda::kPacked * 4));
     Launch(a);
     CHECK_CUDA(cudaDeviceSynchronize());

@@ -104,12 +104,14 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
 enum class Ranking { kNone, kCandidates, kSample, kArgmax };
 
 // Which of Reduce's variants a kernel holds: every one, chosen per call (kAny), or the plain logits' alone,
-// with or without the entropy. The kernels of configurations 1, 2, 4 and 5 come in all three (RunFor): with every
+// with or without the entropy. The kernels of configurations 1, 2, 4 and 5 come in each (RunReduction): with every
 // variant compiled in, ptxas spilled the executed one's transformed logits to local memory and read them
 // back for the candidates (1,948 bytes a thread stored, against 200 with the plain one alone), and a top-20
 // score took 4-6% longer (H200, bench/RESULTS.md 2026-11-28 session 9); the statistics alone spilled 44
-// bytes a thread with every variant, none with the plain one alone.
-enum class Reduction { kAny, kPlainWithEntropy, kPlainLogprobOnly };
+// bytes a thread with every variant, none with the plain one alone. The plain scores' kernels (kPlainScore*, no
+// ranking) also leave out the training copy: with its run-time test compiled in, every logit took a select of v or
+// e and ptxas stored ~22 of them to local memory a tile (H200 SASS, bench/NOTES.md e23).
+enum class Reduction { kAny, kPlainWithEntropy, kPlainLogprobOnly, kPlainScoreWithEntropy, kPlainScoreLogprobOnly };
 
 // The logit transform a Reduce is compiled for: kPlain, none; kBias, a bias and no softcap; kCapped, a
 // softcap (and a bias if set); kWeighted, as kCapped with Σz weighted by sum_weight (class weights with
@@ -131,6 +133,8 @@ class RowStatsEpilogue {
   static constexpr bool kRank = kRanking == Ranking::kCandidates;
   static constexpr bool kSample = kRanking == Ranking::kSample;
   static constexpr bool kArgmax = kRanking == Ranking::kArgmax;
+  static constexpr bool kScoreOnly =
+      kReduction == Reduction::kPlainScoreWithEntropy || kReduction == Reduction::kPlainScoreLogprobOnly;
 
  public:
   using EpilogueSchedule = cutlass::gemm::EpilogueDefault;
@@ -218,10 +222,11 @@ class RowStatsEpilogue {
   CUTLASS_DEVICE void ReduceAs(int tf, TA& a, TC const& c, int M, int N, int m0, int n0, int n_tile,
                                uint32_t* slice) const {
     // The plain kernels instantiate the plain Reduce alone (the switch below is not compiled into them).
-    if constexpr (kReduction == Reduction::kPlainWithEntropy) {
+    if constexpr (kReduction == Reduction::kPlainWithEntropy || kReduction == Reduction::kPlainScoreWithEntropy) {
       (void)tf;
       return Reduce<kRagged, kPlain, true, kBN>(a, c, M, N, m0, n0, n_tile, slice);
-    } else if constexpr (kReduction == Reduction::kPlainLogprobOnly) {
+    } else if constexpr (kReduction == Reduction::kPlainLogprobOnly ||
+                         kReduction == Reduction::kPlainScoreLogprobOnly) {
       (void)tf;
       return Reduce<kRagged, kPlain, false, kBN>(a, c, M, N, m0, n0, n_tile, slice);
     } else {
@@ -253,7 +258,7 @@ class RowStatsEpilogue {
     const bool lead = (threadIdx.x & 3) == 0;
     // The fast loss path's copy exp(z − c_row) is each e below times exp(m − c_row), a factor of the
     // row: v keeps e, so the copy costs a multiply a logit instead of a second exponential.
-    const bool exp_copy = p_.store != nullptr && p_.first != nullptr;
+    const bool exp_copy = !kScoreOnly && p_.store != nullptr && p_.first != nullptr;
     int row[kRows];
     int32_t y[kRows];
     // Rankings: a column of row i is a candidate where v >= thr[i] (thr: −FLT_MAX in the first pass,
@@ -308,7 +313,7 @@ class RowStatsEpilogue {
     for (int i = 0; i < kRows; ++i) {
       if (exp_copy) {  // every lane of the warp: the copy is staged
         StoreCopy<kRagged, true, kCols>(a, c, i, row[i], M, n0, N, mx[i], n_tile == 0 && lead, slice);
-      } else if (p_.store != nullptr) {
+      } else if (!kScoreOnly && p_.store != nullptr) {
         StoreCopy<kRagged, false, kCols>(a, c, i, row[i], M, n0, N, mx[i], false, slice);
       }
       if (row[i] < M && lead) {
@@ -686,10 +691,17 @@ absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t
 // rankings), with the tiles' argmax beside the statistics and the training copy (kArgmax, all a ranking of
 // k = 1 needs) — in a kernel per Reduction: the one holding the plain logits' reduction alone, with or
 // without the entropy, where the call has no bias, softcap or class weights (the same bits: the same
-// Reduce), else the one holding every variant.
+// Reduce) — and, for the statistics alone without a training copy, one without the copy's code —, else the one
+// holding every variant.
 template <template <Ranking, Reduction> class Config, Ranking kRanking>
 absl::Status RunReduction(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {
   if (LogitTransform(sp) != kPlain) return Run<Config<kRanking, Reduction::kAny>>(a, sp, stream);
+  if constexpr (kRanking == Ranking::kNone) {
+    if (sp.store == nullptr) {
+      return sp.entropy ? Run<Config<kRanking, Reduction::kPlainScoreWithEntropy>>(a, sp, stream)
+                        : Run<Config<kRanking, Reduction::kPlainScoreLogprobOnly>>(a, sp, stream);
+    }
+  }
   return sp.entropy ? Run<Config<kRanking, Reduction::kPlainWithEntropy>>(a, sp, stream)
                     : Run<Config<kRanking, Reduction::kPlainLogprobOnly>>(a, sp, stream);
 }
