@@ -17,6 +17,7 @@
 //
 // Usage: lce_bench [--shapes 8192x4096x128256,...] [--reps 10] [--warmup 3] [--json FILE] [--epi-ab]
 //                  [--score-logprob-only] [--bias] [--label-smoothing E] [--class-weights] [--softcap S]
+//                  [--workspace-mib M]  (EngineConfig::workspace_bytes, default 1024: fewer row blocks with more)
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -291,6 +292,7 @@ int main(int argc, char** argv) {
   bool logprob_only = false;
   bool score_only = false;  // times the score alone (train reported as 0)
   bool with_bias = false, class_weights = false;
+  int64_t workspace_mib = 0;  // 0: EngineConfig's default
   float label_smoothing = 0.0f, softcap = 0.0f;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -303,6 +305,8 @@ int main(int argc, char** argv) {
     else if (a == "--score-logprob-only") logprob_only = true;
     else if (a == "--score-only") score_only = true;
     else if (a == "--probe") probe_rows = std::atoll(next().c_str());
+    else if (a == "--workspace-mib")
+      workspace_mib = std::atoll(next().c_str());
     else if (a == "--bias")
       with_bias = true;
     else if (a == "--class-weights")
@@ -413,7 +417,9 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMalloc(&loss, N * 4));
     CHECK_CUDA(cudaDeviceSynchronize());
     const int64_t free0 = FreeBytes();
-    auto created = lce::CreateEngine(lce::Backend::kCuda, head, lce::EngineConfig{});
+    lce::EngineConfig engine_config;
+    if (workspace_mib > 0) engine_config.workspace_bytes = workspace_mib << 20;
+    auto created = lce::CreateEngine(lce::Backend::kCuda, head, engine_config);
     if (!created.ok()) {
       std::fprintf(stderr, "engine: %s\n", created.status().ToString().c_str());
       return 1;
