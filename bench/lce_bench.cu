@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bench_check.h"
+#include "cuda/gemm.h"
 #include "lce/cuda_tuning.h"
 #include "lce/engine.h"
 
@@ -207,23 +208,26 @@ void TimeRankings(lce::LceEngine& engine, const lce::RowsView& view, float* lp, 
   for (void* p : {static_cast<void*>(argmax), static_cast<void*>(tokens), static_cast<void*>(logprobs)}) cudaFree(p);
 }
 
-// --probe R: times the GEMM shapes the engine runs per row block of R rows (dW chunk, forward tile)
-// with cublasGemmEx (beta 1 / 0, fp32 / bf16 out) and every cuBLASLt heuristic candidate.
+// --probe R: times the GEMM shapes the engine runs per row block of R rows with cublasGemmEx (beta 1 / 0,
+// fp32 / bf16 out) and every cuBLASLt heuristic candidate (its configuration beside it): the fast path's dW
+// product whole (all V columns, as it runs) and on the R columns its timing slice holds (GemmRunner::Tune
+// times out-of-place products there: bench/NOTES.md e24), and a forward logit tile.
 void Probe(int64_t R, int64_t H, int64_t V, cublasHandle_t cublas) {
-  const int64_t nc = 16384, lds = (V + 7) / 8 * 8, tile = 8192;
+  const int64_t lds = (V + 7) / 8 * 8, tile = 8192, slice = std::min(V, R / 256 * 256);
   __nv_bfloat16 *h, *da, *w;
   float* c;
   CHECK_CUDA(cudaMalloc(&h, R * H * 2));
   CHECK_CUDA(cudaMalloc(&da, R * lds * 2));
   CHECK_CUDA(cudaMalloc(&w, tile * H * 2));
-  CHECK_CUDA(cudaMalloc(&c, std::max(H * nc, R * tile) * 4));
+  CHECK_CUDA(cudaMalloc(&c, std::max(H * V, R * tile) * 4));
   NormalBf16<<<4096, 256>>>(h, R * H, 0.5f, 11);
   NormalBf16<<<4096, 256>>>(da, R * lds, 1e-3f, 12);
   NormalBf16<<<4096, 256>>>(w, tile * H, 0.02f, 13);
-  CHECK_CUDA(cudaMemset(c, 0, std::max(H * nc, R * tile) * 4));
+  CHECK_CUDA(cudaMemset(c, 0, std::max(H * V, R * tile) * 4));
   const float one = 1.0f, zero = 0.0f;
   struct G { const char* name; cublasOperation_t ta, tb; int64_t m, n, k; const void* A; int64_t lda; const void* B; int64_t ldb; int64_t ldc; };
-  const G gs[2] = {{"dW chunk  NT", CUBLAS_OP_N, CUBLAS_OP_T, H, nc, R, h, H, da, lds, H},
+  const G gs[3] = {{"dW whole  NT", CUBLAS_OP_N, CUBLAS_OP_T, H, V, R, h, H, da, lds, H},
+                   {"dW slice  NT", CUBLAS_OP_N, CUBLAS_OP_T, H, slice, R, h, H, da, lds, H},
                    {"fwd tile  TN", CUBLAS_OP_T, CUBLAS_OP_N, tile, R, H, w, H, h, H, tile}};
   cublasLtHandle_t lt;
   CHECK_CUBLAS(cublasLtCreate(&lt));
@@ -267,7 +271,8 @@ void Probe(int64_t R, int64_t H, int64_t V, cublasHandle_t cublas) {
                                     nullptr));
       };
       const double ms = MedianMs(f, 2, 6, nullptr);
-      std::printf("probe R=%ld %s Lt algo %2d: %.3f ms (%.0f TFLOP/s)\n", R, g.name, i, ms, flop / ms / 1e9);
+      std::printf("probe R=%ld %s n=%ld Lt algo %2d (%s): %.3f ms (%.0f TFLOP/s)\n", R, g.name, g.n, i,
+                  lce::cuda::DescribeGemmAlgo(res[i].algo).c_str(), ms, flop / ms / 1e9);
     }
     cublasLtMatmulPreferenceDestroy(pref);
     cublasLtMatrixLayoutDestroy(la);

@@ -132,6 +132,7 @@ absl::Status CudaEngine::ApplyTuning(const CudaTuning& tuning) {
   tp_invariant_ = config_.collectives != nullptr && tp_invariant_option_ && SegmentsAreGlobal();
   epi_config_ = tuning_.epi_kernel;
   gemm_.set_tune(tuning_.gemm_tune);
+  gemm_.set_log(tuning_.gemm_log);
   // The smallest block must fit the budget.
   const int64_t smallest = Bytes({true, true, true, true, true}, 1);
   if (smallest > config_.workspace_bytes) {

@@ -31,6 +31,10 @@ const std::vector<CudaTuningVariable>& CudaTuningVariables() {
        [](CudaTuning& t, int64_t v) { t.gemm_ex = v != 0; }},
       {"LCE_CUDA_NO_GEMM_TUNE", "0/1", "0", "1: cuBLASLt's first heuristic algorithm, untimed",
        [](CudaTuning& t, int64_t v) { t.gemm_tune = v == 0; }},
+      {"LCE_CUDA_GEMM_LOG", "0/1", "0",
+       "1: each timed cuBLASLt product's candidates (algorithm, tile, stages, split-K), their times, the columns they "
+       "were timed on and the pick, to stderr",
+       [](CudaTuning& t, int64_t v) { t.gemm_log = v != 0; }},
       {"LCE_CUDA_EPILOGUE_STATS", "0/1", "1",
        "bf16 heads on sm_90 (CUTLASS builds): forward through the "
        "epilogue-statistics GEMM",

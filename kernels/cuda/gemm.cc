@@ -62,6 +62,21 @@ void SetAlignments(cublasLtMatmulPreference_t pref, uint32_t a, uint32_t b, uint
 
 }  // namespace
 
+std::string DescribeGemmAlgo(const cublasLtMatmulAlgo_t& algo) {
+  const cublasLtMatmulAlgoConfigAttributes_t attrs[] = {CUBLASLT_ALGO_CONFIG_ID, CUBLASLT_ALGO_CONFIG_TILE_ID,
+                                                        CUBLASLT_ALGO_CONFIG_STAGES_ID, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                        CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID};
+  const char* names[] = {"id", "tile", "stages", "splitk", "cluster"};
+  std::string out;
+  for (int i = 0; i < 5; ++i) {
+    int32_t v = -1;
+    size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&algo, attrs[i], &v, sizeof(v), &written);
+    absl::StrAppend(&out, i > 0 ? " " : "", names[i], "=", v);
+  }
+  return out;
+}
+
 GemmRunner::~GemmRunner() {
   for (auto& [key, plan] : plans_) FreePlan(&plan);
   for (cudaEvent_t e : ev_) {
@@ -247,6 +262,11 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
           LCE_CUDA_CHECK(cudaEventElapsedTime(&ms_i, ev_[0], ev_[1]));
           if (rep > 0) t_min = std::min(t_min, ms_i);  // first run warms up
         }
+        if (log_) {
+          std::fprintf(stderr, "lce gemm: m=%ld n=%ld k=%ld beta=%g timed on n=%ld: candidate %d (%s) %.4f ms\n",
+                       static_cast<long>(g.m), static_cast<long>(g.n), static_cast<long>(g.k), g.beta,
+                       static_cast<long>(tn), i, DescribeGemmAlgo(res[i].algo).c_str(), t_min);
+        }
         if (t_min < best) {
           best = t_min;
           p->algo = res[i].algo;
@@ -255,6 +275,11 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
       FreePlan(&tp);
       if (!ms.ok()) return ms;
     }
+  }
+  if (log_) {
+    std::fprintf(stderr, "lce gemm: m=%ld n=%ld k=%ld beta=%g ta=%d tb=%d: %d candidates, picked %s\n",
+                 static_cast<long>(g.m), static_cast<long>(g.n), static_cast<long>(g.k), g.beta, g.ta, g.tb, found,
+                 DescribeGemmAlgo(p->algo).c_str());
   }
   return absl::OkStatus();
 }

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "absl/status/status.h"
@@ -44,6 +45,9 @@ struct GemmSpec {
   bool fixed_k_order = false;
 };
 
+// A cuBLASLt algorithm as it is configured: its id, tile, stages, split-K and cluster shape (for logs and probes).
+std::string DescribeGemmAlgo(const cublasLtMatmulAlgo_t& algo);
+
 class GemmRunner {
  public:
   GemmRunner() = default;
@@ -54,6 +58,8 @@ class GemmRunner {
   absl::Status Init();
   // Whether Tune times cuBLASLt's candidates (CudaTuning::gemm_tune); false: its heuristic's first.
   void set_tune(bool tune) { tune_ = tune; }
+  // Whether Tune writes each candidate, its time and the pick to stderr (CudaTuning::gemm_log).
+  void set_log(bool log) { log_ = log; }
   // Runs g on stream. On the first call for a size class of problem, times the candidates: in place when g writes
   // scratch (c_is_scratch), else on tune_scratch (tune_floats floats) with n cut to fit.
   absl::Status Run(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
@@ -100,6 +106,7 @@ class GemmRunner {
 
   cublasLtHandle_t lt_ = nullptr;
   bool tune_ = true;
+  bool log_ = false;
   cudaEvent_t ev_[2] = {nullptr, nullptr};
   std::map<Key, Plan> plans_;                     // by exact problem, bounded
   std::map<Key, cublasLtMatmulAlgo_t> algos_;     // tuned, by size class of m, n, k (SizeClass in gemm.cc)

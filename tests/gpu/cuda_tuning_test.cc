@@ -52,7 +52,7 @@ TEST(CudaTuningTest, UnsetOrEmptyVariablesKeepTheDefaults) {
   EXPECT_EQ(t.max_rows, d.max_rows);
   EXPECT_EQ(t.backward_chunk, 16384);
   EXPECT_TRUE(t.fast_loss_path && t.target_apart && t.dh_beside && t.dh_fixed_order && t.gemm_tune && t.epilogue_stats);
-  EXPECT_FALSE(t.gemm_ex || t.trace);
+  EXPECT_FALSE(t.gemm_ex || t.trace || t.gemm_log);
   EXPECT_EQ(t.epi_kernel, -1);
   EXPECT_EQ(t.debug_skip, 0);
   EXPECT_FALSE(t.batch_invariant.has_value());
@@ -61,13 +61,13 @@ TEST(CudaTuningTest, UnsetOrEmptyVariablesKeepTheDefaults) {
 
 TEST(CudaTuningTest, EachVariableSetsItsField) {
   ScopedTuningEnv env(
-      {{"LCE_CUDA_VOCAB_TILE", "4096"},   {"LCE_CUDA_MAX_ROWS", "7"},       {"LCE_CUDA_BWD_CHUNK", "2048"},
-       {"LCE_CUDA_STATS_SMS", "16"},      {"LCE_CUDA_NO_FAST", "1"},        {"LCE_CUDA_TARGET_APART", "0"},
-       {"LCE_CUDA_DH_BESIDE", "0"},       {"LCE_CUDA_DH_FIXED_ORDER", "0"}, {"LCE_CUDA_GEMMEX", "1"},
-       {"LCE_CUDA_NO_GEMM_TUNE", "1"},    {"LCE_CUDA_EPILOGUE_STATS", "0"}, {"LCE_CUDA_EPI_KERNEL", "2"},
-       {"LCE_CUDA_EPI_SMALL_ROWS", "64"}, {"LCE_CUDA_EPI_LARGE", "3"},      {"LCE_CUDA_EPI_SWIZZLE", "8"},
-       {"LCE_CUDA_EPI_RASTER", "1"},      {"LCE_CUDA_DEBUG_SKIP", "5"},     {"LCE_CUDA_TRACE", "1"},
-       {"LCE_CUDA_BATCH_INVARIANT", "1"}, {"LCE_CUDA_TP_INVARIANT", "0"}});
+      {{"LCE_CUDA_VOCAB_TILE", "4096"}, {"LCE_CUDA_MAX_ROWS", "7"},        {"LCE_CUDA_BWD_CHUNK", "2048"},
+       {"LCE_CUDA_STATS_SMS", "16"},    {"LCE_CUDA_NO_FAST", "1"},         {"LCE_CUDA_TARGET_APART", "0"},
+       {"LCE_CUDA_DH_BESIDE", "0"},     {"LCE_CUDA_DH_FIXED_ORDER", "0"},  {"LCE_CUDA_GEMMEX", "1"},
+       {"LCE_CUDA_NO_GEMM_TUNE", "1"},  {"LCE_CUDA_GEMM_LOG", "1"},        {"LCE_CUDA_EPILOGUE_STATS", "0"},
+       {"LCE_CUDA_EPI_KERNEL", "2"},    {"LCE_CUDA_EPI_SMALL_ROWS", "64"}, {"LCE_CUDA_EPI_LARGE", "3"},
+       {"LCE_CUDA_EPI_SWIZZLE", "8"},   {"LCE_CUDA_EPI_RASTER", "1"},      {"LCE_CUDA_DEBUG_SKIP", "5"},
+       {"LCE_CUDA_TRACE", "1"},         {"LCE_CUDA_BATCH_INVARIANT", "1"}, {"LCE_CUDA_TP_INVARIANT", "0"}});
   const CudaTuning t = CudaTuningFromEnv();
   EXPECT_EQ(t.vocab_tile, 4096);
   EXPECT_EQ(t.max_rows, 7);
@@ -79,6 +79,7 @@ TEST(CudaTuningTest, EachVariableSetsItsField) {
   EXPECT_FALSE(t.dh_fixed_order);
   EXPECT_TRUE(t.gemm_ex);
   EXPECT_FALSE(t.gemm_tune);
+  EXPECT_TRUE(t.gemm_log);
   EXPECT_FALSE(t.epilogue_stats);
   EXPECT_EQ(t.epi_kernel, 2);
   EXPECT_EQ(t.epi_small_rows, 64);
@@ -103,7 +104,7 @@ TEST(CudaTuningTest, OperatingDocListsEveryVariable) {
     EXPECT_NE(doc.str().find(std::string("`") + var.name + "`"), std::string::npos)
         << var.name << " is not in docs/OPERATING.md's CUDA tuning table";
   }
-  EXPECT_EQ(names.size(), 21u);
+  EXPECT_EQ(names.size(), 22u);
 }
 
 }  // namespace

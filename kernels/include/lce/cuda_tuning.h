@@ -27,6 +27,7 @@ struct CudaTuning {
   bool dh_fixed_order = true;      // d_hidden over fixed vocabulary leaves in fixed point: batch and TP invariant
   bool gemm_ex = false;            // cublasGemmEx instead of tuned cuBLASLt (for comparison)
   bool gemm_tune = true;           // time cuBLASLt's candidates (else its heuristic's first)
+  bool gemm_log = false;           // each timed product's candidates, their times and the pick, to stderr
   // The epilogue-statistics GEMM (sm_90, bf16, built with CUTLASS) and its kernel choices
   // (EpilogueStatsArgs: config, small_rows, large_config, swizzle, raster; the same defaults).
   bool epilogue_stats = true;
