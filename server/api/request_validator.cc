@@ -82,6 +82,43 @@ absl::Status ReadPolicy(const v1::PolicyLossOptions& p, RequestPlan& plan) {
   return absl::OkStatus();
 }
 
+// A split request's parts (split_id, split_parts): each a partial request accumulating dW.
+absl::Status ReadSplit(const v1::RequestHeader& h, RequestPlan& plan) {
+  if (h.split_id() != 0 &&
+      (!h.partial() || !h.accumulate_weight_grad() || h.split_parts() < 2 || h.split_parts() > 64)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("split_id names the parts of a split request that accumulates dW: it "
+                     "needs partial, accumulate_weight_grad and split_parts in [2, 64] "
+                     "(got ",
+                     h.split_parts(), ")"));
+  }
+  if (h.split_id() == 0 && h.split_parts() != 0) {
+    return absl::InvalidArgumentError("split_parts needs split_id");
+  }
+  plan.split_id = h.split_id();
+  plan.split_parts = h.split_parts();
+  return absl::OkStatus();
+}
+
+// ForwardBackward's reduction (mean by default) and, for the mean, the whole request's valid-token count.
+absl::Status ReadReduction(const v1::RequestHeader& h, RequestPlan& plan) {
+  plan.reduction = h.reduction() == v1::REDUCTION_UNSPECIFIED ? v1::REDUCTION_MEAN : h.reduction();
+  if (!v1::Reduction_IsValid(plan.reduction)) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown reduction ", h.reduction()));
+  }
+  if (plan.reduction == v1::REDUCTION_MEAN) {
+    if (!h.has_num_valid_tokens() || h.num_valid_tokens() < 0) {
+      return absl::InvalidArgumentError(
+          "REDUCTION_MEAN needs header.num_valid_tokens: the number of rows of the whole request whose "
+          "target is not ignore_index (the client libraries fill it in)");
+    }
+    plan.declared_valid_tokens = h.num_valid_tokens();
+  } else if (h.has_num_valid_tokens()) {
+    return absl::InvalidArgumentError("num_valid_tokens applies to REDUCTION_MEAN only");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::RequestHeader& h) const {
@@ -117,37 +154,10 @@ absl::StatusOr<RequestPlan> StreamRequestValidator::ValidateHeader(const v1::Req
   LCE_RETURN_IF_ERROR(ValidateOptions(o));
 
   plan.partial = h.partial();
-  if (h.split_id() != 0 &&
-      (!h.partial() || !h.accumulate_weight_grad() || h.split_parts() < 2 || h.split_parts() > 64)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("split_id names the parts of a split request that accumulates dW: it "
-                     "needs partial, accumulate_weight_grad and split_parts in [2, 64] "
-                     "(got ",
-                     h.split_parts(), ")"));
-  }
-  if (h.split_id() == 0 && h.split_parts() != 0) {
-    return absl::InvalidArgumentError("split_parts needs split_id");
-  }
-  plan.split_id = h.split_id();
-  plan.split_parts = h.split_parts();
+  LCE_RETURN_IF_ERROR(ReadSplit(h, plan));
   plan.sends_ahead = h.sends_ahead();
   LCE_RETURN_IF_ERROR(ValidateOutputs(h, plan));
-  if (is_fb) {
-    plan.reduction = h.reduction() == v1::REDUCTION_UNSPECIFIED ? v1::REDUCTION_MEAN : h.reduction();
-    if (!v1::Reduction_IsValid(plan.reduction)) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown reduction ", h.reduction()));
-    }
-    if (plan.reduction == v1::REDUCTION_MEAN) {
-      if (!h.has_num_valid_tokens() || h.num_valid_tokens() < 0) {
-        return absl::InvalidArgumentError(
-            "REDUCTION_MEAN needs header.num_valid_tokens: the number of rows of the whole request whose "
-            "target is not ignore_index (the client libraries fill it in)");
-      }
-      plan.declared_valid_tokens = h.num_valid_tokens();
-    } else if (h.has_num_valid_tokens()) {
-      return absl::InvalidArgumentError("num_valid_tokens applies to REDUCTION_MEAN only");
-    }
-  }
+  if (is_fb) LCE_RETURN_IF_ERROR(ReadReduction(h, plan));
   LCE_RETURN_IF_ERROR(ValidateClassWeights(h, plan));
   return plan;
 }

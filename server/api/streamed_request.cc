@@ -242,49 +242,8 @@ absl::Status StreamedRequest::Prepare(InFlightChunk& c) {
   const int64_t n = c.rows;
   int64_t valid = 0;
   for (int32_t y : chunk.targets()) valid += y != plan_->options.ignore_index ? 1 : 0;
-  c.resp.Clear();
-  v1::ChunkResult* out = c.resp.mutable_chunk();
-  out->set_first_row(rows_seen_);
-  out->set_rows(n);
-  c.outs = RowOutputs{};
-  if (plan_->want_logprobs) c.outs.logprob = Grow(out->mutable_logprobs(), n);
-  if (plan_->want_entropy) c.outs.entropy = Grow(out->mutable_entropy(), n);
-  if (plan_->want_z_loss) c.outs.z_loss = Grow(out->mutable_z_loss(), n);
-  if (plan_->want_argmax) c.outs.argmax = Grow(out->mutable_argmax(), n);
-  if (plan_->want_top_k) {
-    c.outs.top_tokens = Grow(out->mutable_top_tokens(), n * plan_->options.top_k);
-    c.outs.top_logprobs = Grow(out->mutable_top_logprobs(), n * plan_->options.top_k);
-  }
-  c.loss.clear();
-  if (is_fb_) {
-    c.loss.assign(n, 0.0f);
-    c.outs.loss = c.loss.data();
-  }
-  c.up = Upstream{};
-  c.grads = GradOutputs{};
-  if (c.dh_slice.hold != nullptr) {
-    c.grads.d_hidden = c.dh_slice.bytes.data();
-  } else if (is_fb_ || is_bw_ || is_pl_) {
-    std::string* dh = out->mutable_d_hidden();
-    dh->resize(static_cast<size_t>(n * row_bytes_));
-    c.grads.d_hidden = dh->data();
-  }
-  if (plan_->accumulate_weight_grad) {
-    // dW goes into the request's own pending buffer (its split request's), taken at its first chunk,
-    // whose engine call writes it (the buffer comes unzeroed; engine calls run in chunk order,
-    // pipelined or not); a split request's comes zeroed, and its parts' calls add to it in any order.
-    const bool first = contribution_.id == 0;
-    if (first) {
-      absl::StatusOr<LceService::Contribution> made =
-          service_.BeginContribution(*plan_->head, plan_->split_id, plan_->split_parts);
-      if (!made.ok()) return ChunkError(c, made.status());
-      contribution_ = *made;
-    }
-    c.grads.d_weight = contribution_.d_weight;
-    c.grads.d_bias = contribution_.d_bias;
-    c.grads.d_weight_pending = contribution_.id;
-    c.grads.d_weight_fresh = first && !contribution_.zeroed;
-  }
+  PlaceRowOutputs(c);
+  if (absl::Status s = PlaceGradients(c); !s.ok()) return s;
   // ValidateChunk checked every target: the engine need not check them again.
   c.view = RowsView{c.hidden, chunk.targets().data(), n, MemorySpace::kHost, /*targets_checked=*/true};
   c.view.class_weight = plan_->class_weights.empty() ? nullptr : plan_->class_weights.data();
@@ -303,13 +262,72 @@ absl::Status StreamedRequest::Prepare(InFlightChunk& c) {
       staging_.held[k] = *std::move(st);
     }
   }
+  SetUpstream(c);
+  return absl::OkStatus();
+}
+
+// The answer's per-row arrays the engine writes into (and a forward-backward's per-row loss).
+void StreamedRequest::PlaceRowOutputs(InFlightChunk& c) {
+  const int64_t n = c.rows;
+  c.resp.Clear();
+  v1::ChunkResult* out = c.resp.mutable_chunk();
+  out->set_first_row(rows_seen_);
+  out->set_rows(n);
+  c.outs = RowOutputs{};
+  if (plan_->want_logprobs) c.outs.logprob = Grow(out->mutable_logprobs(), n);
+  if (plan_->want_entropy) c.outs.entropy = Grow(out->mutable_entropy(), n);
+  if (plan_->want_z_loss) c.outs.z_loss = Grow(out->mutable_z_loss(), n);
+  if (plan_->want_argmax) c.outs.argmax = Grow(out->mutable_argmax(), n);
+  if (plan_->want_top_k) {
+    c.outs.top_tokens = Grow(out->mutable_top_tokens(), n * plan_->options.top_k);
+    c.outs.top_logprobs = Grow(out->mutable_top_logprobs(), n * plan_->options.top_k);
+  }
+  c.loss.clear();
+  if (is_fb_) {
+    c.loss.assign(n, 0.0f);
+    c.outs.loss = c.loss.data();
+  }
+}
+
+// d_hidden (the client's region, else the answer) and the head's gradients (the request's contribution).
+absl::Status StreamedRequest::PlaceGradients(InFlightChunk& c) {
+  c.grads = GradOutputs{};
+  if (c.dh_slice.hold != nullptr) {
+    c.grads.d_hidden = c.dh_slice.bytes.data();
+  } else if (is_fb_ || is_bw_ || is_pl_) {
+    std::string* dh = c.resp.mutable_chunk()->mutable_d_hidden();
+    dh->resize(static_cast<size_t>(c.rows * row_bytes_));
+    c.grads.d_hidden = dh->data();
+  }
+  if (!plan_->accumulate_weight_grad) return absl::OkStatus();
+  // dW goes into the request's own pending buffer (its split request's), taken at its first chunk,
+  // whose engine call writes it (the buffer comes unzeroed; engine calls run in chunk order,
+  // pipelined or not); a split request's comes zeroed, and its parts' calls add to it in any order.
+  const bool first = contribution_.id == 0;
+  if (first) {
+    absl::StatusOr<LceService::Contribution> made =
+        service_.BeginContribution(*plan_->head, plan_->split_id, plan_->split_parts);
+    if (!made.ok()) return ChunkError(c, made.status());
+    contribution_ = *made;
+  }
+  c.grads.d_weight = contribution_.d_weight;
+  c.grads.d_bias = contribution_.d_bias;
+  c.grads.d_weight_pending = contribution_.id;
+  c.grads.d_weight_fresh = first && !contribution_.zeroed;
+  return absl::OkStatus();
+}
+
+// The upstream gradients: the loss's (its reduction's weights, or the client's per row), or logprob's and entropy's.
+void StreamedRequest::SetUpstream(InFlightChunk& c) {
+  const v1::RowChunk& chunk = c.msg.chunk();
+  c.up = Upstream{};
   if (is_fb_) {
     c.up.mode = GradMode::kLoss;
     if (plan_->reduction == v1::REDUCTION_NONE) {
       c.up.grad_loss = chunk.grad_loss_size() > 0 ? chunk.grad_loss().data() : nullptr;
     } else if (plan_->reduction == v1::REDUCTION_MEAN) {
       const float g = plan_->declared_valid_tokens > 0 ? 1.0f / static_cast<float>(plan_->declared_valid_tokens) : 0.0f;
-      c.grad.assign(n, g);
+      c.grad.assign(static_cast<size_t>(c.rows), g);
       c.up.grad_loss = c.grad.data();
     }
   } else if (is_bw_) {
@@ -317,7 +335,6 @@ absl::Status StreamedRequest::Prepare(InFlightChunk& c) {
     c.up.grad_logprob = chunk.grad_logprob_size() > 0 ? chunk.grad_logprob().data() : nullptr;
     c.up.grad_entropy = chunk.grad_entropy_size() > 0 ? chunk.grad_entropy().data() : nullptr;
   }
-  return absl::OkStatus();
 }
 
 absl::Status StreamedRequest::ChunkError(const InFlightChunk& c, const absl::Status& s) const {

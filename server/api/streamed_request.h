@@ -112,6 +112,9 @@ class StreamedRequest {
   absl::Status Accept(InFlightChunk& c);
   absl::Status ResolveRegions(InFlightChunk& c);
   absl::Status Prepare(InFlightChunk& c);
+  void PlaceRowOutputs(InFlightChunk& c);
+  absl::Status PlaceGradients(InFlightChunk& c);
+  void SetUpstream(InFlightChunk& c);
   // Chunk groups (streamed_request_groups.cc): the chunk staged after the open group's rows and submitted
   // at once; the wait for a staging slot; whether a chunk is staged, may share a call, fits the group.
   absl::Status Group(InFlightChunk& c);
