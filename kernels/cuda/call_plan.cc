@@ -36,7 +36,9 @@ absl::Status CudaEngine::ZeroFreshDWeight(CallPlan& p) {
   return absl::OkStatus();
 }
 
-absl::Status CudaEngine::PlanCall(CallPlan& p) {
+absl::Status CudaEngine::PlanCall(CallPlan& p) { return SizeBlocks(p, ChoosePaths(p)); }
+
+ScratchLayout CudaEngine::ChoosePaths(CallPlan& p) {
   const LceOptions& o = p.o;
   const GradOutputs& grads = p.grads;
   const bool host = p.rows.space == MemorySpace::kHost;
@@ -75,7 +77,12 @@ absl::Status CudaEngine::PlanCall(CallPlan& p) {
   // the target scatter's order is fixed (LaunchScatterTargetDW), not the GPU's schedule.
   layout.side = p.fast && !host && grads.d_weight != nullptr && grads.d_hidden != nullptr && tuning_.dh_beside &&
                 !tuning_.gemm_ex;
+  return layout;
+}
 
+absl::Status CudaEngine::SizeBlocks(CallPlan& p, ScratchLayout layout) {
+  const LceOptions& o = p.o;
+  const bool epi = layout.epi;
   // Row blocks of near-equal size, a multiple of 128 rows where that fits (whole GEMM tiles).
   const int64_t N = p.rows.rows;
   // The blocks leave room for a slice of d_hidden's chunk partials: slices of a few rows, each a product of

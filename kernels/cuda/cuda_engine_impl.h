@@ -96,6 +96,10 @@ class CudaEngine final : public LceEngine {
   absl::Status ZeroFreshDWeight(CallPlan& p);
   // Plan: the paths, the scratch layout, the block size and tile width (host only).
   absl::Status PlanCall(CallPlan& p);
+  // The call's paths (fast, epilogue statistics, target apart, d_hidden beside dW...) and their scratch layout.
+  ScratchLayout ChoosePaths(CallPlan& p);
+  // The row block (a size every rank of a group agrees on) and the logit tile's width; the plan's last fields.
+  absl::Status SizeBlocks(CallPlan& p, ScratchLayout layout);
   // The smallest of the group's ranks' values (the value itself alone): their largest row blocks and d_hidden
   // slices (their workspaces differ with their shards), so that every rank splits a call the same way: each
   // block's merge and each slice's exact sum is a collective.

@@ -239,42 +239,7 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
       tn = tn >= 256 ? tn / 256 * 256 : (tn == g.n ? tn : 0);
       tc = tune_scratch;
     }
-    if (tn > 0) {
-      Plan tp;
-      absl::Status ms = MakePlan(g, tn, &tp);
-      const float alpha = 1.0f;
-      float best = std::numeric_limits<float>::infinity();
-      for (int i = 0; ms.ok() && i < found; ++i) {
-        cublasLtMatmulHeuristicResult_t check{};
-        if (tn != g.n && cublasLtMatmulAlgoCheck(lt_, p->desc, p->la, p->lb, p->lc, p->lc, &res[i].algo, &check) !=
-                             CUBLAS_STATUS_SUCCESS) {
-          continue;  // not valid for the real problem
-        }
-        float t_min = std::numeric_limits<float>::infinity();
-        for (int rep = 0; rep < 3; ++rep) {
-          LCE_CUDA_CHECK(cudaEventRecord(ev_[0], stream));
-          const cublasStatus_t rs = cublasLtMatmul(lt_, tp.desc, &alpha, g.a, tp.la, g.b, tp.lb, &g.beta, tc, tp.lc, tc,
-                                                   tp.lc, &res[i].algo, workspace, workspace_bytes, stream);
-          if (rs != CUBLAS_STATUS_SUCCESS) break;
-          LCE_CUDA_CHECK(cudaEventRecord(ev_[1], stream));
-          LCE_CUDA_CHECK(cudaEventSynchronize(ev_[1]));
-          float ms_i = 0;
-          LCE_CUDA_CHECK(cudaEventElapsedTime(&ms_i, ev_[0], ev_[1]));
-          if (rep > 0) t_min = std::min(t_min, ms_i);  // first run warms up
-        }
-        if (log_) {
-          std::fprintf(stderr, "lce gemm: m=%ld n=%ld k=%ld beta=%g timed on n=%ld: candidate %d (%s) %.4f ms\n",
-                       static_cast<long>(g.m), static_cast<long>(g.n), static_cast<long>(g.k), g.beta,
-                       static_cast<long>(tn), i, DescribeGemmAlgo(res[i].algo).c_str(), t_min);
-        }
-        if (t_min < best) {
-          best = t_min;
-          p->algo = res[i].algo;
-        }
-      }
-      FreePlan(&tp);
-      if (!ms.ok()) return ms;
-    }
+    if (tn > 0) LCE_CUDA_CHECK(TimeOnSlice(g, tn, tc, res, found, workspace, workspace_bytes, stream, p));
   }
   if (log_) {
     std::fprintf(stderr, "lce gemm: m=%ld n=%ld k=%ld beta=%g ta=%d tb=%d: %d candidates, picked %s\n",
@@ -282,6 +247,47 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
                  DescribeGemmAlgo(p->algo).c_str());
   }
   return absl::OkStatus();
+}
+
+absl::Status GemmRunner::TimeOnSlice(const GemmSpec& g, int64_t tn, void* tc,
+                                     const cublasLtMatmulHeuristicResult_t* res, int found, void* workspace,
+                                     size_t workspace_bytes, cudaStream_t stream, Plan* p) {
+  Plan tp;
+  absl::Status ms = MakePlan(g, tn, &tp);
+  const float alpha = 1.0f;
+  float best = std::numeric_limits<float>::infinity();
+  for (int i = 0; ms.ok() && i < found; ++i) {
+    cublasLtMatmulHeuristicResult_t check{};
+    if (tn != g.n && cublasLtMatmulAlgoCheck(lt_, p->desc, p->la, p->lb, p->lc, p->lc, &res[i].algo, &check) !=
+                         CUBLAS_STATUS_SUCCESS) {
+      continue;  // not valid for the real problem
+    }
+    float t_min = std::numeric_limits<float>::infinity();
+    for (int rep = 0; ms.ok() && rep < 3; ++rep) {
+      ms = ToStatus(cudaEventRecord(ev_[0], stream), "cudaEventRecord", __FILE__, __LINE__);
+      if (!ms.ok()) break;
+      const cublasStatus_t rs = cublasLtMatmul(lt_, tp.desc, &alpha, g.a, tp.la, g.b, tp.lb, &g.beta, tc, tp.lc, tc,
+                                               tp.lc, &res[i].algo, workspace, workspace_bytes, stream);
+      if (rs != CUBLAS_STATUS_SUCCESS) break;
+      float ms_i = 0;
+      ms = ToStatus(cudaEventRecord(ev_[1], stream), "cudaEventRecord", __FILE__, __LINE__);
+      if (ms.ok()) ms = ToStatus(cudaEventSynchronize(ev_[1]), "cudaEventSynchronize", __FILE__, __LINE__);
+      if (ms.ok())
+        ms = ToStatus(cudaEventElapsedTime(&ms_i, ev_[0], ev_[1]), "cudaEventElapsedTime", __FILE__, __LINE__);
+      if (ms.ok() && rep > 0) t_min = std::min(t_min, ms_i);  // first run warms up
+    }
+    if (log_ && ms.ok()) {
+      std::fprintf(stderr, "lce gemm: m=%ld n=%ld k=%ld beta=%g timed on n=%ld: candidate %d (%s) %.4f ms\n",
+                   static_cast<long>(g.m), static_cast<long>(g.n), static_cast<long>(g.k), g.beta,
+                   static_cast<long>(tn), i, DescribeGemmAlgo(res[i].algo).c_str(), t_min);
+    }
+    if (t_min < best) {
+      best = t_min;
+      p->algo = res[i].algo;
+    }
+  }
+  FreePlan(&tp);  // on every path
+  return ms;
 }
 
 absl::Status GemmRunner::CanonicalAlgo(const GemmSpec& g, size_t workspace_bytes, cublasLtMatmulAlgo_t* algo) const {

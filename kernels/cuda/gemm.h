@@ -88,6 +88,10 @@ class GemmRunner {
   // Picks plan->algo among cuBLASLt's heuristic candidates by timing them (Run's scratch rules).
   absl::Status Tune(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream, Plan* plan);
+  // Times res[0, found) that plan can run on g's first tn columns written to tc (3 runs each, the first a warm-up)
+  // and sets plan->algo to the fastest.
+  absl::Status TimeOnSlice(const GemmSpec& g, int64_t tn, void* tc, const cublasLtMatmulHeuristicResult_t* res,
+                           int found, void* workspace, size_t workspace_bytes, cudaStream_t stream, Plan* plan);
   // fixed_k_order problems: the algorithm whose cuBLASLt algorithm id their candidates must share.
   absl::StatusOr<cublasLtMatmulAlgo_t> FixedOrderFamily(const GemmSpec& g, size_t workspace_bytes);
   // Drops res[0, *found) that fixed_k_order excludes (split-K, another algorithm id); none left: the
