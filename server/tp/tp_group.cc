@@ -603,6 +603,10 @@ class TpPeer {
   }
 
   absl::Status OnCompute(const TpControl& c);
+  // OnCompute's stages: the rows and the upstream gradients the front shares (in its order), this rank's outputs.
+  absl::StatusOr<RowsView> ShareRows(const TpControl& c, const Head& head);
+  absl::StatusOr<Upstream> ShareUpstream(const TpControl& c);
+  absl::StatusOr<GradOutputs> PlaceGrads(const TpControl& c, Head& head, const Upstream& up);
   absl::Status OnZeroGrad(const TpControl& c) {
     absl::StatusOr<Head*> h = Find(c);
     if (!h.ok()) return h.status();
@@ -644,30 +648,51 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
     return absl::DataLossError(absl::StrCat("rank ", comm_.rank(), " serves head '", GetText(c.head), "' at version ",
                                             head.version, ", the front at ", c.version));
   }
+  // The front's inputs, shared in its order: the rows (hidden, targets, class weights), then the upstream gradients.
+  absl::StatusOr<RowsView> rows = ShareRows(c, head);
+  if (!rows.ok()) return rows.status();
+  absl::StatusOr<Upstream> up = ShareUpstream(c);
+  if (!up.ok()) return up.status();
+  absl::StatusOr<GradOutputs> grads = PlaceGrads(c, head, *up);
+  if (!grads.ok()) return grads.status();
+  absl::Status st = head.engine->Compute(*rows, DecodeOptions(c.options), *up, RowOutputs{}, *grads);
+  // Other errors (bad rows) are deterministic: the front got the same one and answered the client.
+  return st.code() == absl::StatusCode::kUnavailable ? st : absl::OkStatus();
+}
+
+absl::StatusOr<RowsView> TpPeer::ShareRows(const TpControl& c, const Head& head) {
   const HeadShape& shape = head.engine->shape();
-  const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
   const int64_t n = c.rows;
-  absl::StatusOr<void*> hidden = Share(comm_, staging_, kHidden, nullptr, n * row_bytes);
+  absl::StatusOr<void*> hidden =
+      Share(comm_, staging_, kHidden, nullptr, n * shape.hidden_size * DTypeSize(shape.dtype));
   if (!hidden.ok()) return hidden.status();
   absl::StatusOr<void*> targets = Share(comm_, staging_, kTargets, nullptr, n * 4);
   if (!targets.ok()) return targets.status();
-  const void* class_weight = nullptr;  // shared right after the targets, as the front does
-  if (c.flags & kClassWeights) {
+  RowsView rows{*hidden, static_cast<const int32_t*>(*targets), n,
+                staging_.device() ? MemorySpace::kDevice : MemorySpace::kHost};
+  if (c.flags & kClassWeights) {  // shared right after the targets, as the front does
     absl::StatusOr<void*> p = Share(comm_, staging_, kClassWeightSlot, nullptr, head.weights->shape.vocab_size * 4);
     if (!p.ok()) return p.status();
-    class_weight = *p;
+    rows.class_weight = static_cast<const float*>(*p);
   }
+  return rows;
+}
+
+absl::StatusOr<Upstream> TpPeer::ShareUpstream(const TpControl& c) {
   Upstream up;
   up.mode = static_cast<GradMode>(c.mode);
   struct GradIn { uint32_t flag; int slot; const float** dst; };
   for (GradIn g : {GradIn{kGradLoss, kGradLossSlot, &up.grad_loss}, GradIn{kGradLogprob, kGradLogprobSlot, &up.grad_logprob},
                    GradIn{kGradEntropy, kGradEntropySlot, &up.grad_entropy}}) {
     if (!(c.flags & g.flag)) continue;
-    absl::StatusOr<void*> p = Share(comm_, staging_, g.slot, nullptr, n * 4);
+    absl::StatusOr<void*> p = Share(comm_, staging_, g.slot, nullptr, c.rows * 4);
     if (!p.ok()) return p.status();
     *g.dst = static_cast<const float*>(*p);
   }
-  const LceOptions o = DecodeOptions(c.options);
+  return up;
+}
+
+absl::StatusOr<GradOutputs> TpPeer::PlaceGrads(const TpControl& c, Head& head, const Upstream& up) {
   GradOutputs grads;
   if (c.flags & kAccumulateWeightGrad) {
     absl::StatusOr<HeadTrainer*> t = Trainer(head);
@@ -682,16 +707,12 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
   }
   if (up.mode != GradMode::kNone) {
     // d_hidden's sum over the ranks needs every rank's part (into the front alone: EngineConfig::rank0_outputs).
-    absl::StatusOr<void*> p = staging_.Buffer(kOutDHidden, n * row_bytes);
+    const HeadShape& shape = head.engine->shape();
+    absl::StatusOr<void*> p = staging_.Buffer(kOutDHidden, c.rows * shape.hidden_size * DTypeSize(shape.dtype));
     if (!p.ok()) return p.status();
     grads.d_hidden = *p;
   }
-  RowsView rows{*hidden, static_cast<const int32_t*>(*targets), n,
-                staging_.device() ? MemorySpace::kDevice : MemorySpace::kHost};
-  rows.class_weight = static_cast<const float*>(class_weight);
-  absl::Status st = head.engine->Compute(rows, o, up, RowOutputs{}, grads);
-  // Other errors (bad rows) are deterministic: the front got the same one and answered the client.
-  return st.code() == absl::StatusCode::kUnavailable ? st : absl::OkStatus();
+  return grads;
 }
 
 absl::Status TpPeer::OnStep(const TpControl& c) {
