@@ -1,6 +1,7 @@
 #include "cuda/gemm.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -255,6 +256,19 @@ absl::Status GemmRunner::TimeOnSlice(const GemmSpec& g, int64_t tn, void* tc,
   Plan tp;
   absl::Status ms = MakePlan(g, tn, &tp);
   const float alpha = 1.0f;
+  // One run of a candidate on the slice: its time, or +inf where cuBLASLt refuses to run it.
+  const auto time_once = [&](const cublasLtMatmulAlgo_t& algo) -> absl::StatusOr<float> {
+    LCE_CUDA_CHECK(cudaEventRecord(ev_[0], stream));
+    if (cublasLtMatmul(lt_, tp.desc, &alpha, g.a, tp.la, g.b, tp.lb, &g.beta, tc, tp.lc, tc, tp.lc, &algo, workspace,
+                       workspace_bytes, stream) != CUBLAS_STATUS_SUCCESS) {
+      return std::numeric_limits<float>::infinity();
+    }
+    LCE_CUDA_CHECK(cudaEventRecord(ev_[1], stream));
+    LCE_CUDA_CHECK(cudaEventSynchronize(ev_[1]));
+    float run_ms = 0;
+    LCE_CUDA_CHECK(cudaEventElapsedTime(&run_ms, ev_[0], ev_[1]));
+    return run_ms;
+  };
   float best = std::numeric_limits<float>::infinity();
   for (int i = 0; ms.ok() && i < found; ++i) {
     cublasLtMatmulHeuristicResult_t check{};
@@ -263,18 +277,11 @@ absl::Status GemmRunner::TimeOnSlice(const GemmSpec& g, int64_t tn, void* tc,
       continue;  // not valid for the real problem
     }
     float t_min = std::numeric_limits<float>::infinity();
-    for (int rep = 0; ms.ok() && rep < 3; ++rep) {
-      ms = ToStatus(cudaEventRecord(ev_[0], stream), "cudaEventRecord", __FILE__, __LINE__);
-      if (!ms.ok()) break;
-      const cublasStatus_t rs = cublasLtMatmul(lt_, tp.desc, &alpha, g.a, tp.la, g.b, tp.lb, &g.beta, tc, tp.lc, tc,
-                                               tp.lc, &res[i].algo, workspace, workspace_bytes, stream);
-      if (rs != CUBLAS_STATUS_SUCCESS) break;
-      float ms_i = 0;
-      ms = ToStatus(cudaEventRecord(ev_[1], stream), "cudaEventRecord", __FILE__, __LINE__);
-      if (ms.ok()) ms = ToStatus(cudaEventSynchronize(ev_[1]), "cudaEventSynchronize", __FILE__, __LINE__);
-      if (ms.ok())
-        ms = ToStatus(cudaEventElapsedTime(&ms_i, ev_[0], ev_[1]), "cudaEventElapsedTime", __FILE__, __LINE__);
-      if (ms.ok() && rep > 0) t_min = std::min(t_min, ms_i);  // first run warms up
+    for (int rep = 0; rep < 3; ++rep) {
+      absl::StatusOr<float> t = time_once(res[i].algo);
+      if (!t.ok()) ms = t.status();
+      if (!t.ok() || std::isinf(*t)) break;
+      if (rep > 0) t_min = std::min(t_min, *t);  // first run warms up
     }
     if (log_ && ms.ok()) {
       std::fprintf(stderr, "lce gemm: m=%ld n=%ld k=%ld beta=%g timed on n=%ld: candidate %d (%s) %.4f ms\n",
