@@ -72,7 +72,7 @@ absl::Status LceService::RunEngineOnDevice(const char* method, const char* op, L
                                            const RowsView& rows, bool hidden_on_device, const LceOptions& options,
                                            const Upstream& up, const RowOutputs& out, const GradOutputs& grads,
                                            bool d_hidden_on_device) {
-  const int64_t row_bytes = engine.shape().hidden_size * DTypeSize(engine.shape().dtype);
+  const int64_t row_bytes = engine.shape().row_bytes();
   absl::StatusOr<StagedCall> call = StageOnDevice(st, rows, hidden_on_device, row_bytes, engine.shape().vocab_size,
                                                   options.top_k, up, out, grads, d_hidden_on_device);
   if (!call.ok()) return call.status();

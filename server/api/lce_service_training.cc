@@ -70,7 +70,7 @@ std::shared_ptr<HeadWeights> ShardOf(const HeadWeights& full, const HeadWeights&
   if (!full.bias.empty()) {
     w->bias.assign(full.bias.begin() + base.shape.vocab_begin, full.bias.begin() + base.shape.vocab_end());
   }
-  const int64_t row_bytes = base.shape.hidden_size * DTypeSize(base.shape.dtype);
+  const int64_t row_bytes = base.shape.row_bytes();
   const auto first = full.weight.begin() + base.shape.vocab_begin * row_bytes;
   w->weight.assign(first, first + base.shape.shard_rows * row_bytes);
   return w;
@@ -127,7 +127,7 @@ absl::StatusOr<HeadWeights> ReadWholeWeight(const UpdateReader& next, const Head
   full.shape = shape;
   full.shape.vocab_begin = 0;
   full.shape.shard_rows = shape.vocab_size;
-  const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
+  const int64_t row_bytes = shape.row_bytes();
   full.weight.reserve(static_cast<size_t>(shape.vocab_size * row_bytes));
   int64_t rows = 0;
   v1::UpdateWeightsRequest msg;

@@ -231,7 +231,7 @@ absl::StatusOr<int64_t> StreamRequestValidator::ValidateChunk(const RequestPlan&
   const int64_t rows = c.targets_size();
   const std::string where = absl::StrCat("chunk ", chunk_index, ": ");
   if (rows == 0) return absl::InvalidArgumentError(absl::StrCat(where, "no rows (targets is empty)"));
-  const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
+  const int64_t row_bytes = shape.row_bytes();
   if (c.has_hidden_region()) {
     // Co-located: the hidden states are in a shared-memory region; the service resolves and
     // bounds-checks the slice (RegionRegistry::Resolve).

@@ -92,7 +92,7 @@ absl::Status StreamedRequest::Admit() {
   LCE_RETURN_IF_ERROR(TakeSlot());
   validator_.emplace(rpc_, *service_.heads_, config_.limits);
   const HeadShape& shape = plan_->head->engine->shape();
-  row_bytes_ = shape.hidden_size * DTypeSize(shape.dtype);
+  row_bytes_ = shape.row_bytes();
   num_seq_ = static_cast<int64_t>(plan_->sequence_valid_tokens.size());
   seq_seen_.assign(static_cast<size_t>(num_seq_), 0);
   // Pipelined streams: calls and answers on threads of their own, on GPU engines (one GPU, or a

@@ -17,9 +17,6 @@ enum class TpOp : uint32_t { kCompute = 1, kStop, kZeroGrad, kStep, kGetGrad, kS
 
 namespace {
 
-// Bytes of one row of hidden states (and of d_hidden) for a head of this shape.
-int64_t HiddenRowBytes(const HeadShape& shape) { return shape.hidden_size * DTypeSize(shape.dtype); }
-
 constexpr uint32_t kMagic = 0x4c434536;  // "LCE6": this layout of the control block and these flags
 enum Flags : uint32_t {
   // kCompute
@@ -340,7 +337,7 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
   const HeadShape& shape = local.shape();
   const int64_t n = rows.rows;
-  const int64_t row_bytes = HiddenRowBytes(shape);
+  const int64_t row_bytes = shape.row_bytes();
   // Rows (and their targets, upstream gradients and class weights) that the request staged on the
   // device, outside this lock, go to the peers from there; host rows through the staging.
   const bool dev = rows.space == MemorySpace::kDevice;
@@ -382,7 +379,7 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
 absl::Status TpGroup::ComputeStaged(LceEngine& local, const RowsView& view, const LceOptions& o, const Upstream& up,
                                     const RowOutputs& outputs, const GradOutputs& grads) {
   const int64_t n = view.rows;
-  const int64_t row_bytes = HiddenRowBytes(local.shape());
+  const int64_t row_bytes = local.shape().row_bytes();
   RowOutputs dev_out = outputs;
   const int64_t k = std::max<int32_t>(o.top_k, 1);
   struct Out {
@@ -533,7 +530,7 @@ absl::Status TpGroup::Update(const std::string& head, int64_t version, const Hea
     LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
     LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
     const int64_t vocab = full.shape.vocab_size;
-    LCE_RETURN_IF_ERROR(ScatterRows(*comm_, *staging_, vocab, full.weight.data(), HiddenRowBytes(full.shape)));
+    LCE_RETURN_IF_ERROR(ScatterRows(*comm_, *staging_, vocab, full.weight.data(), full.shape.row_bytes()));
     if (!full.bias.empty()) {
       LCE_RETURN_IF_ERROR(
           ScatterRows(*comm_, *staging_, vocab, reinterpret_cast<const uint8_t*>(full.bias.data()), sizeof(float)));
@@ -664,7 +661,7 @@ absl::Status TpPeer::OnCompute(const TpControl& c) {
 
 absl::StatusOr<RowsView> TpPeer::ShareRows(const TpControl& c, const Head& head) {
   const int64_t n = c.rows;
-  absl::StatusOr<void*> hidden = Share(comm_, staging_, kHidden, nullptr, n * HiddenRowBytes(head.engine->shape()));
+  absl::StatusOr<void*> hidden = Share(comm_, staging_, kHidden, nullptr, n * head.engine->shape().row_bytes());
   if (!hidden.ok()) return hidden.status();
   absl::StatusOr<void*> targets = Share(comm_, staging_, kTargets, nullptr, n * 4);
   if (!targets.ok()) return targets.status();
@@ -707,7 +704,7 @@ absl::StatusOr<GradOutputs> TpPeer::PlaceGrads(const TpControl& c, Head& head, c
   }
   if (up.mode != GradMode::kNone) {
     // d_hidden's sum over the ranks needs every rank's part (into the front alone: EngineConfig::rank0_outputs).
-    absl::StatusOr<void*> p = staging_.Buffer(kOutDHidden, c.rows * HiddenRowBytes(head.engine->shape()));
+    absl::StatusOr<void*> p = staging_.Buffer(kOutDHidden, c.rows * head.engine->shape().row_bytes());
     if (!p.ok()) return p.status();
     grads.d_hidden = *p;
   }
@@ -793,7 +790,7 @@ absl::Status TpPeer::OnUpdate(const TpControl& c) {
   if (!found.ok()) return found.status();
   Head& head = **found;
   const HeadShape& shape = head.weights->shape;
-  const int64_t row_bytes = shape.hidden_size * DTypeSize(shape.dtype);
+  const int64_t row_bytes = shape.row_bytes();
   auto next = std::make_shared<HeadWeights>();
   next->shape = shape;
   next->bias = head.weights->bias;  // kept unless a new one follows

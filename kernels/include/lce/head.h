@@ -25,6 +25,8 @@ struct HeadShape {
   bool has_bias = false;
 
   int64_t vocab_end() const { return vocab_begin + shard_rows; }
+  // Bytes of one row of H values in dtype: a hidden state, a d_hidden row or a weight row.
+  int64_t row_bytes() const { return hidden_size * DTypeSize(dtype); }
 };
 
 // Host copy of a head shard. `weight` holds shard_rows * hidden_size elements of `dtype`,
