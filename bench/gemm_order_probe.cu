@@ -148,149 +148,187 @@ std::vector<float> Host(const float* d, int64_t count) {
   return h;
 }
 
+constexpr int64_t kMaxN = 8192;
+constexpr int64_t kRowCounts[] = {1, 7, 64, 300, 1000, 4096, 8192};
+
+// The probe's inputs (W [H, Vs] and dA [Vs, n] of random bf16, zero-padded to ldb) and the reference product.
+struct Run {
+  Probe pr{};
+  int64_t H = 0, Vs = 0, ldb = 0;
+  __nv_bfloat16 *W = nullptr, *dA = nullptr;
+  float *C = nullptr, *ref = nullptr, *parts = nullptr;
+  cublasLtMatmulAlgo_t ref_algo{};
+  std::vector<float> ref_h;
+
+  // Whether the [H, n] product at dev equals the reference's first n columns bit for bit.
+  bool Same(const float* dev, int64_t n) const {
+    const std::vector<float> h = Host(dev, H * n);
+    return std::memcmp(h.data(), ref_h.data(), h.size() * 4) == 0;
+  }
+};
+
+void SetUp(Run* r) {
+  r->ldb = (r->Vs + 8 * 64 + 63) / 64 * 64;  // room for the chunks' zero padding
+  CK(cublasLtCreate(&r->pr.lt));
+  CK(cudaStreamCreate(&r->pr.st));
+  r->pr.ws_bytes = 64u << 20;
+  CK(cudaMalloc(&r->pr.ws, r->pr.ws_bytes));
+  CK(cudaEventCreate(&r->pr.e0));
+  CK(cudaEventCreate(&r->pr.e1));
+  const int64_t H = r->H, Vs = r->Vs, ldb = r->ldb;
+  CK(cudaMalloc(&r->W, H * ldb * 2));
+  CK(cudaMalloc(&r->dA, ldb * kMaxN * 2));
+  CK(cudaMalloc(&r->C, H * kMaxN * 4));
+  CK(cudaMalloc(&r->ref, H * kMaxN * 4));
+  CK(cudaMalloc(&r->parts, 8 * H * kMaxN * 4));
+  Fill<<<1024, 256>>>(r->W, H * Vs, 0.03f, 1);
+  Fill<<<1024, 256>>>(r->dA, ldb * kMaxN, 1e-3f, 2);
+  CK(cudaMemset(r->W + H * Vs, 0, H * (ldb - Vs) * 2));
+  CK(cudaMemset2D(r->dA + Vs, ldb * 2, 0, (ldb - Vs) * 2, kMaxN));
+  CK(cudaDeviceSynchronize());
+}
+
+// Reference: the first no-split-K candidate at n = kMaxN; false if there is none.
+bool MakeReference(Run* r) {
+  cublasLtMatmulHeuristicResult_t res[1];
+  Layouts l;
+  Make(&l, r->H, kMaxN, r->Vs, r->ldb, 1, 0, 0, 0);
+  if (Heuristics(r->pr.lt, l, true, r->pr.ws_bytes, res, 1) < 1) return false;
+  r->ref_algo = res[0].algo;
+  const float t = r->pr.Time(l, &r->ref_algo, r->W, r->dA, r->ref, 0.0f);
+  char d[160];
+  Describe(r->ref_algo, d, sizeof d);
+  std::printf("reference n=%ld: %s  %.3f ms\n", static_cast<long>(kMaxN), d, t);
+  r->ref_h = Host(r->ref, r->H * kMaxN);
+  return true;
+}
+
+// 1. Every heuristic candidate at n rows: its time and whether it gives the reference's bits.
+void CompareCandidates(Run& r, int64_t n) {
+  cublasLtMatmulHeuristicResult_t res[32];
+  Layouts l;
+  Make(&l, r.H, n, r.Vs, r.ldb, 1, 0, 0, 0);
+  const int found = Heuristics(r.pr.lt, l, false, r.pr.ws_bytes, res, 32);
+  float best_all = 1e30f, best_same = 1e30f;
+  int n_same = 0, n_nosplit = 0, n_nosplit_same = 0;
+  for (int i = 0; i < found; ++i) {
+    const float t = r.pr.Time(l, &res[i].algo, r.W, r.dA, r.C, 0.0f);
+    if (t < 0) continue;
+    const bool eq = r.Same(r.C, n);
+    char d[160];
+    Describe(res[i].algo, d, sizeof d);
+    int32_t splitk = 1;
+    size_t w;
+    cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof(splitk), &w);
+    const bool nosplit = splitk <= 1;
+    n_nosplit += nosplit;
+    n_same += eq;
+    n_nosplit_same += nosplit && eq;
+    best_all = std::min(best_all, t);
+    if (eq) best_same = std::min(best_same, t);
+    std::printf("  n=%-5ld %-58s %8.3f ms  %s\n", static_cast<long>(n), d, t, eq ? "SAME" : "differs");
+  }
+  // The reference's own algorithm at this n.
+  const float t_ref = r.pr.Time(l, &r.ref_algo, r.W, r.dA, r.C, 0.0f);
+  const bool ref_eq = t_ref >= 0 && r.Same(r.C, n);
+  std::printf(
+      "n=%-5ld candidates %d (no split-K %d): same bits %d (no split-K %d); best %.3f ms, best same-bits %.3f,"
+      " reference algo %.3f (%s)\n",
+      static_cast<long>(n), found, n_nosplit, n_same, n_nosplit_same, best_all, best_same, t_ref,
+      ref_eq ? "same" : "DIFFERS");
+}
+
+// S products of c-column chunks accumulated in place into r.C (beta 1 after the first), best of two after a
+// warm-up, ms.
+float InPlaceMs(Run& r, const Layouts& l1, const cublasLtMatmulAlgo_t& canon, int S, int64_t c) {
+  const float alpha = 1.0f;
+  float t_in = -1;
+  for (int rep = 0; rep < 3; ++rep) {
+    CK(cudaEventRecord(r.pr.e0, r.pr.st));
+    for (int s = 0; s < S; ++s) {
+      const float beta = s == 0 ? 0.0f : 1.0f;
+      CK(cublasLtMatmul(r.pr.lt, l1.desc, &alpha, r.W + s * c * r.H, l1.a, r.dA + s * c, l1.b, &beta, r.C, l1.c, r.C,
+                        l1.c, &canon, r.pr.ws, r.pr.ws_bytes, r.pr.st));
+    }
+    CK(cudaEventRecord(r.pr.e1, r.pr.st));
+    CK(cudaEventSynchronize(r.pr.e1));
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, r.pr.e0, r.pr.e1));
+    if (rep > 0) t_in = t_in < 0 ? t : std::min(t_in, t);
+  }
+  return t_in;
+}
+
+// 2. At n rows, S chunks of c columns: S partials by one strided-batched GEMM (the chunk's canonical algorithm,
+// then the batched problem's own heuristic pick), each then summed in order, against S products in place.
+void CompareChunks(Run& r, int S, int64_t c, const cublasLtMatmulAlgo_t& canon, int64_t n) {
+  Layouts lb, l1;
+  Make(&lb, r.H, n, c, r.ldb, S, c * r.H, c, r.H * n);
+  Make(&l1, r.H, n, c, r.ldb, 1, 0, 0, 0);
+  const auto sum = [&]() {
+    OrderedSum<<<1024, 256, 0, r.pr.st>>>(r.C, r.parts, S, r.H * n);
+    CK(cudaStreamSynchronize(r.pr.st));
+    return Host(r.C, r.H * n);
+  };
+  const float t_bc = r.pr.Time(lb, &canon, r.W, r.dA, r.parts, 0.0f);
+  const std::vector<float> a = t_bc >= 0 ? sum() : std::vector<float>{};
+  float t_bh = -1;
+  bool bh_same = false;
+  char dh[160] = "-";
+  cublasLtMatmulHeuristicResult_t res[1];
+  if (Heuristics(r.pr.lt, lb, true, r.pr.ws_bytes, res, 1) >= 1) {
+    Describe(res[0].algo, dh, sizeof dh);
+    t_bh = r.pr.Time(lb, &res[0].algo, r.W, r.dA, r.parts, 0.0f);
+    bh_same = t_bh >= 0 && sum() == a;
+  }
+  const float t_in = InPlaceMs(r, l1, canon, S, c);
+  const bool in_same = Host(r.C, r.H * n) == a;
+  std::printf(
+      "  S=%d n=%-5ld batched canonical %.3f ms | batched heuristic %.3f ms (%s) %s | in place canonical"
+      " %.3f ms %s\n",
+      S, static_cast<long>(n), t_bc, t_bh, dh, bh_same ? "SAME" : "differs", t_in, in_same ? "SAME" : "differs");
+}
+
+// Fixed chunks of c = RoundUp(ceil(Vs / S), 64) columns (W's pad rows and dA's pad columns zero); false if the
+// chunk has no no-split-K algorithm.
+bool CompareChunkCount(Run& r, int S) {
+  const int64_t c = ((r.Vs + S - 1) / S + 63) / 64 * 64;
+  if (S * c > r.ldb) return true;
+  cublasLtMatmulHeuristicResult_t res[1];
+  Layouts lc;
+  Make(&lc, r.H, kMaxN, c, r.ldb, 1, 0, 0, 0);
+  if (Heuristics(r.pr.lt, lc, true, r.pr.ws_bytes, res, 1) < 1) return false;
+  const cublasLtMatmulAlgo_t canon = res[0].algo;
+  char d[160];
+  Describe(canon, d, sizeof d);
+  std::printf("S=%d chunk %ld: canonical (n=%ld, no split-K) %s\n", S, static_cast<long>(c), static_cast<long>(kMaxN),
+              d);
+  for (int64_t n : kRowCounts) CompareChunks(r, S, c, canon, n);
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int64_t H = argc > 1 ? std::atoll(argv[1]) : 4096;
-  const int64_t Vs = argc > 2 ? std::atoll(argv[2]) : 151936;
-  const int64_t kMaxN = 8192;
+  Run r;
+  r.H = argc > 1 ? std::atoll(argv[1]) : 4096;
+  r.Vs = argc > 2 ? std::atoll(argv[2]) : 151936;
   std::vector<int> chunk_counts;
   for (const char* p = argc > 3 ? argv[3] : "4,5,8"; *p != 0;) {
     chunk_counts.push_back(std::atoi(p));
     while (*p != 0 && *p != ',') ++p;
     if (*p == ',') ++p;
   }
-  const int64_t ldb = (Vs + 8 * 64 + 63) / 64 * 64;  // room for the chunks' zero padding
-  Probe pr{};
-  CK(cublasLtCreate(&pr.lt));
-  CK(cudaStreamCreate(&pr.st));
-  pr.ws_bytes = 64u << 20;
-  CK(cudaMalloc(&pr.ws, pr.ws_bytes));
-  CK(cudaEventCreate(&pr.e0));
-  CK(cudaEventCreate(&pr.e1));
-  __nv_bfloat16 *W, *dA;
-  float *C, *ref, *parts;
-  CK(cudaMalloc(&W, H * ldb * 2));
-  CK(cudaMalloc(&dA, ldb * kMaxN * 2));
-  CK(cudaMalloc(&C, H * kMaxN * 4));
-  CK(cudaMalloc(&ref, H * kMaxN * 4));
-  CK(cudaMalloc(&parts, 8 * H * kMaxN * 4));
-  Fill<<<1024, 256>>>(W, H * Vs, 0.03f, 1);
-  Fill<<<1024, 256>>>(dA, ldb * kMaxN, 1e-3f, 2);
-  CK(cudaMemset(W + H * Vs, 0, H * (ldb - Vs) * 2));
-  CK(cudaMemset2D(dA + Vs, ldb * 2, 0, (ldb - Vs) * 2, kMaxN));
-  CK(cudaDeviceSynchronize());
+  SetUp(&r);
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s  H=%ld Vs=%ld\n", prop.name, static_cast<long>(H), static_cast<long>(Vs));
-
-  // Reference: the first no-split-K candidate at n = kMaxN.
-  cublasLtMatmulHeuristicResult_t res[32];
-  cublasLtMatmulAlgo_t ref_algo;
-  {
-    Layouts l;
-    Make(&l, H, kMaxN, Vs, ldb, 1, 0, 0, 0);
-    if (Heuristics(pr.lt, l, true, pr.ws_bytes, res, 1) < 1) return 1;
-    ref_algo = res[0].algo;
-    const float t = pr.Time(l, &ref_algo, W, dA, ref, 0.0f);
-    char d[160];
-    Describe(ref_algo, d, sizeof d);
-    std::printf("reference n=%ld: %s  %.3f ms\n", static_cast<long>(kMaxN), d, t);
+  std::printf("%s  H=%ld Vs=%ld\n", prop.name, static_cast<long>(r.H), static_cast<long>(r.Vs));
+  if (!MakeReference(&r)) return 1;
+  if (argc <= 4) {
+    for (int64_t n : kRowCounts) CompareCandidates(r, n);
   }
-  const std::vector<float> ref_h = Host(ref, H * kMaxN);
-  const auto same = [&](const float* dev, int64_t n) {
-    const std::vector<float> h = Host(dev, H * n);
-    return std::memcmp(h.data(), ref_h.data(), h.size() * 4) == 0;
-  };
-
-  // 1. Every candidate, every n.
-  for (int64_t n : {1, 7, 64, 300, 1000, 4096, 8192}) {
-    if (argc > 4) break;
-    Layouts l;
-    Make(&l, H, n, Vs, ldb, 1, 0, 0, 0);
-    const int found = Heuristics(pr.lt, l, false, pr.ws_bytes, res, 32);
-    float best_all = 1e30f, best_same = 1e30f;
-    int n_same = 0, n_nosplit = 0, n_nosplit_same = 0;
-    for (int i = 0; i < found; ++i) {
-      const float t = pr.Time(l, &res[i].algo, W, dA, C, 0.0f);
-      if (t < 0) continue;
-      const bool eq = same(C, n);
-      char d[160];
-      Describe(res[i].algo, d, sizeof d);
-      int32_t splitk = 1;
-      size_t w;
-      cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof(splitk), &w);
-      const bool nosplit = splitk <= 1;
-      n_nosplit += nosplit;
-      n_same += eq;
-      n_nosplit_same += nosplit && eq;
-      best_all = std::min(best_all, t);
-      if (eq) best_same = std::min(best_same, t);
-      std::printf("  n=%-5ld %-58s %8.3f ms  %s\n", static_cast<long>(n), d, t, eq ? "SAME" : "differs");
-    }
-    // The reference's own algorithm at this n.
-    const float t_ref = pr.Time(l, &ref_algo, W, dA, C, 0.0f);
-    const bool ref_eq = t_ref >= 0 && same(C, n);
-    std::printf(
-        "n=%-5ld candidates %d (no split-K %d): same bits %d (no split-K %d); best %.3f ms, best same-bits %.3f,"
-        " reference algo %.3f (%s)\n",
-        static_cast<long>(n), found, n_nosplit, n_same, n_nosplit_same, best_all, best_same, t_ref,
-        ref_eq ? "same" : "DIFFERS");
-  }
-
-  // 2. Fixed chunks of c = RoundUp(ceil(Vs / S), 64) columns (W's pad rows and dA's pad columns zero):
-  // S partials by one strided-batched GEMM, then an ordered sum; or S products accumulated in place.
   for (int S : chunk_counts) {
-    const int64_t c = ((Vs + S - 1) / S + 63) / 64 * 64;
-    if (S * c > ldb) continue;
-    Layouts lc;
-    Make(&lc, H, kMaxN, c, ldb, 1, 0, 0, 0);
-    if (Heuristics(pr.lt, lc, true, pr.ws_bytes, res, 1) < 1) return 1;
-    const cublasLtMatmulAlgo_t canon = res[0].algo;
-    char d[160];
-    Describe(canon, d, sizeof d);
-    std::printf("S=%d chunk %ld: canonical (n=%ld, no split-K) %s\n", S, static_cast<long>(c), static_cast<long>(kMaxN),
-                d);
-    for (int64_t n : {1, 7, 64, 300, 1000, 4096, 8192}) {
-      Layouts lb, l1;
-      Make(&lb, H, n, c, ldb, S, c * H, c, H * n);
-      Make(&l1, H, n, c, ldb, 1, 0, 0, 0);
-      const auto sum = [&]() {
-        OrderedSum<<<1024, 256, 0, pr.st>>>(C, parts, S, H * n);
-        CK(cudaStreamSynchronize(pr.st));
-        return Host(C, H * n);
-      };
-      const float t_bc = pr.Time(lb, &canon, W, dA, parts, 0.0f);
-      const std::vector<float> a = t_bc >= 0 ? sum() : std::vector<float>{};
-      float t_bh = -1;
-      bool bh_same = false;
-      char dh[160] = "-";
-      if (Heuristics(pr.lt, lb, true, pr.ws_bytes, res, 1) >= 1) {
-        Describe(res[0].algo, dh, sizeof dh);
-        t_bh = pr.Time(lb, &res[0].algo, W, dA, parts, 0.0f);
-        bh_same = t_bh >= 0 && sum() == a;
-      }
-      const float alpha = 1.0f;
-      float t_in = -1;
-      for (int rep = 0; rep < 3; ++rep) {
-        CK(cudaEventRecord(pr.e0, pr.st));
-        for (int s = 0; s < S; ++s) {
-          const float beta = s == 0 ? 0.0f : 1.0f;
-          CK(cublasLtMatmul(pr.lt, l1.desc, &alpha, W + s * c * H, l1.a, dA + s * c, l1.b, &beta, C, l1.c, C, l1.c,
-                            &canon, pr.ws, pr.ws_bytes, pr.st));
-        }
-        CK(cudaEventRecord(pr.e1, pr.st));
-        CK(cudaEventSynchronize(pr.e1));
-        float t = 0;
-        CK(cudaEventElapsedTime(&t, pr.e0, pr.e1));
-        if (rep > 0) t_in = t_in < 0 ? t : std::min(t_in, t);
-      }
-      const bool in_same = Host(C, H * n) == a;
-      std::printf(
-          "  S=%d n=%-5ld batched canonical %.3f ms | batched heuristic %.3f ms (%s) %s | in place canonical"
-          " %.3f ms %s\n",
-          S, static_cast<long>(n), t_bc, t_bh, dh, bh_same ? "SAME" : "differs", t_in, in_same ? "SAME" : "differs");
-    }
+    if (!CompareChunkCount(r, S)) return 1;
   }
   return 0;
 }

@@ -175,14 +175,12 @@ T Check(absl::StatusOr<T> r) {
   return *std::move(r);
 }
 
-}  // namespace
+using Flags = std::map<std::string, std::string>;
 
-int main(int argc, char** argv) {
-  const auto f = ParseFlags(argc, argv);
-  if (!f.count("target") || !f.count("metrics")) Die("--target and --metrics are required");
+// --channel-args=NAME=INT,...: gRPC channel arguments of the client (the server's: --grpc-channel-args).
+lce::client::ClientOptions ClientOptionsFromFlags(const Flags& f) {
   lce::client::ClientOptions o;
   o.target = f.at("target");
-  // --channel-args=NAME=INT,...: gRPC channel arguments of the client (the server's: --grpc-channel-args).
   if (f.count("channel-args")) {
     for (absl::string_view kv : absl::StrSplit(f.at("channel-args"), ',', absl::SkipEmpty())) {
       const std::pair<absl::string_view, absl::string_view> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
@@ -191,77 +189,92 @@ int main(int argc, char** argv) {
       o.channel_args.emplace_back(std::string(p.first), value);
     }
   }
-  absl::StatusOr<std::unique_ptr<lce::client::LceClient>> client = lce::client::LceClient::Create(o);
-  if (!client.ok()) Die(std::string(client.status().message()));
-  absl::StatusOr<lce::v1::GetInfoResponse> info = (*client)->GetInfo();
-  if (!info.ok()) Die(std::string(info.status().message()));
-  const lce::v1::HeadDescription& head = info->head();
-  MetricsReader metrics(f.at("metrics"));
-  const std::string label = f.count("label") ? f.at("label") : "";
-  const int64_t iters = Int(f, "iterations", 200), warmup = Int(f, "warmup", 20);
+  return o;
+}
+
+// What every stage uses: the flags (each parsed where it is used), the client and the server's /metrics.
+struct Bench {
+  const Flags& f;
+  const lce::client::ClientOptions& o;  // of `client`; the rate's other clients start from them
+  lce::client::LceClient& client;
+  MetricsReader& metrics;
+  const lce::v1::HeadDescription& head;
+  int64_t iters, warmup;
+};
+
+void PrintHeader(const Bench& b, const lce::v1::GetInfoResponse& info) {
+  const std::string label = b.f.count("label") ? b.f.at("label") : "";
   std::printf("C++ client, %s head %lldx%lld (%s), %s: sequential Scores, one Call each, %lld after %lld warm-ups\n\n",
-              info->backend().c_str(), static_cast<long long>(head.vocab_size()),
-              static_cast<long long>(head.hidden_size()), lce::v1::DType_Name(head.dtype()).c_str(), label.c_str(),
-              static_cast<long long>(iters), static_cast<long long>(warmup));
-  std::printf("| client | rows | mean ms | p50 ms | p99 ms | engine ms | mean - engine ms |\n| --- | --- | --- | --- | --- | --- | --- |\n");
-  {
-    // The floor under every row below: a unary GetInfo, no engine, through the same channel.
-    const Latency l = TimeCalls(warmup, iters, [&] {
-      if (!(*client)->GetInfo().ok()) Die("GetInfo failed");
-    });
-    std::printf("| C++ GetInfo (no engine) | - | %.3f | %.3f | %.3f | - | - |\n", l.mean, l.p50, l.p99);
-  }
-  // Sequential Scores of `r`, against the server's engine time of the same calls.
-  auto time_scores = [&](const char* name, const Rows& r) {
-    auto score = [&] { Check((*client)->Score(r.batch, lce::v1::RequestHeader())); };
-    for (int64_t i = 0; i < warmup; ++i) score();
-    const std::string before = metrics.Scrape();
-    const Latency l = TimeCalls(0, iters, score);
-    const std::string after = metrics.Scrape();
-    const double calls = MetricsReader::Sum(after, kEngineCount) - MetricsReader::Sum(before, kEngineCount);
-    const double engine = calls > 0 ? 1e3 * (MetricsReader::Sum(after, kEngineSum) - MetricsReader::Sum(before, kEngineSum)) / calls : 0;
-    std::printf("| %s | %lld | %.3f | %.3f | %.3f | %.3f | %+.3f |\n", name, static_cast<long long>(r.batch.rows), l.mean,
-                l.p50, l.p99, engine, l.mean - engine);
-  };
-  std::unique_ptr<lce::client::SharedMemorySession> session;
-  if (Int(f, "shm", 0) != 0) session = Check((*client)->OpenSession());
-  for (absl::string_view rows_text : absl::StrSplit(f.count("rows") ? f.at("rows") : "1,16,64", ',')) {
+              info.backend().c_str(), static_cast<long long>(b.head.vocab_size()),
+              static_cast<long long>(b.head.hidden_size()), lce::v1::DType_Name(b.head.dtype()).c_str(), label.c_str(),
+              static_cast<long long>(b.iters), static_cast<long long>(b.warmup));
+  std::printf(
+      "| client | rows | mean ms | p50 ms | p99 ms | engine ms | mean - engine ms |\n"
+      "| --- | --- | --- | --- | --- | --- | --- |\n");
+}
+
+// The floor under every row below: a unary GetInfo, no engine, through the same channel.
+void TimeGetInfo(Bench& b) {
+  const Latency l = TimeCalls(b.warmup, b.iters, [&] {
+    if (!b.client.GetInfo().ok()) Die("GetInfo failed");
+  });
+  std::printf("| C++ GetInfo (no engine) | - | %.3f | %.3f | %.3f | - | - |\n", l.mean, l.p50, l.p99);
+}
+
+// Sequential Scores of `r`, against the server's engine time of the same calls.
+void TimeScores(Bench& b, const char* name, const Rows& r) {
+  auto score = [&] { Check(b.client.Score(r.batch, lce::v1::RequestHeader())); };
+  for (int64_t i = 0; i < b.warmup; ++i) score();
+  const std::string before = b.metrics.Scrape();
+  const Latency l = TimeCalls(0, b.iters, score);
+  const std::string after = b.metrics.Scrape();
+  const double calls = MetricsReader::Sum(after, kEngineCount) - MetricsReader::Sum(before, kEngineCount);
+  const double engine =
+      calls > 0 ? 1e3 * (MetricsReader::Sum(after, kEngineSum) - MetricsReader::Sum(before, kEngineSum)) / calls : 0;
+  std::printf("| %s | %lld | %.3f | %.3f | %.3f | %.3f | %+.3f |\n", name, static_cast<long long>(r.batch.rows), l.mean,
+              l.p50, l.p99, engine, l.mean - engine);
+}
+
+// Each row count of --rows; with a co-located `session` (--shm=1), a second time from a region of it.
+void TimeRowCounts(Bench& b, lce::client::SharedMemorySession* session) {
+  for (absl::string_view rows_text : absl::StrSplit(b.f.count("rows") ? b.f.at("rows") : "1,16,64", ',')) {
     int64_t rows = 0;
     if (!absl::SimpleAtoi(rows_text, &rows) || rows < 1) Die("bad --rows");
-    Rows r = MakeRows(head, rows, 7 + rows);
-    time_scores("C++", r);
+    Rows r = MakeRows(b.head, rows, 7 + rows);
+    TimeScores(b, "C++", r);
     if (session == nullptr) continue;
     const lce::client::SharedMemorySession::Region region =
         Check(session->CreateRegion(static_cast<int64_t>(r.hidden.size()), "bench"));
     std::memcpy(region.bytes.data(), r.hidden.data(), r.hidden.size());
     r.batch.hidden = {};
     r.batch.hidden_region = region.Ref();
-    time_scores("C++ shm", r);
+    TimeScores(b, "C++ shm", r);
     Check(session->ReleaseRegion(region.id));
   }
+}
 
-  // The rate of small Scores from `concurrency` callers at once.
-  const int64_t concurrency = Int(f, "concurrency", 64), seconds = Int(f, "seconds", 5);
-  Rows r = MakeRows(head, Int(f, "rate-rows", 1), 99);
-  // --clients=K: the callers spread over K clients, each its own connection (a distinct channel
-  // argument keeps gRPC from sharing one subchannel between them).
+// --clients=K: the callers spread over K clients, each its own connection (a distinct channel
+// argument keeps gRPC from sharing one subchannel between them); these are the K - 1 besides b.client.
+std::vector<std::unique_ptr<lce::client::LceClient>> OtherClients(const Bench& b) {
   std::vector<std::unique_ptr<lce::client::LceClient>> clients;
-  for (int64_t k = 1; k < Int(f, "clients", 1); ++k) {
-    lce::client::ClientOptions ok = o;
+  for (int64_t k = 1; k < Int(b.f, "clients", 1); ++k) {
+    lce::client::ClientOptions ok = b.o;
     ok.channel_args.emplace_back("lce.bench_client", static_cast<int>(k));
     clients.push_back(Check(lce::client::LceClient::Create(ok)));
   }
+  return clients;
+}
+
+// `concurrency` callers Score `r` back to back for `seconds`, spread over b.client and `clients`; the
+// calls they made.
+int64_t CallFor(Bench& b, const std::vector<std::unique_ptr<lce::client::LceClient>>& clients, int64_t concurrency,
+                int64_t seconds, const Rows& r) {
   std::atomic<int64_t> done{0};
   std::atomic<bool> stop{false};
-  // --server-pid: the server's CPU time too (a profile where none can run: CPU per call).
-  const int64_t server_pid = Int(f, "server-pid", -1);
-  const double client_cpu0 = CpuSeconds(0), server_cpu0 = server_pid > 0 ? CpuSeconds(server_pid) : 0;
-  const std::string before = metrics.Scrape();
-  const auto t0 = Clock::now();
   std::vector<std::thread> callers;
   for (int64_t c = 0; c < concurrency; ++c) {
     const size_t k = static_cast<size_t>(c) % (clients.size() + 1);
-    lce::client::LceClient& mine = k == 0 ? **client : *clients[k - 1];
+    lce::client::LceClient& mine = k == 0 ? b.client : *clients[k - 1];
     callers.emplace_back([&, &mine = mine] {
       while (!stop.load()) {
         Check(mine.Score(r.batch, lce::v1::RequestHeader()));
@@ -272,21 +285,58 @@ int main(int argc, char** argv) {
   std::this_thread::sleep_for(std::chrono::seconds(seconds));
   stop = true;
   for (auto& t : callers) t.join();
+  return done.load();
+}
+
+// The rate of small Scores from `concurrency` callers at once.
+void RunRate(Bench& b) {
+  const int64_t concurrency = Int(b.f, "concurrency", 64), seconds = Int(b.f, "seconds", 5);
+  Rows r = MakeRows(b.head, Int(b.f, "rate-rows", 1), 99);
+  const std::vector<std::unique_ptr<lce::client::LceClient>> clients = OtherClients(b);
+  // --server-pid: the server's CPU time too (a profile where none can run: CPU per call).
+  const int64_t server_pid = Int(b.f, "server-pid", -1);
+  const double client_cpu0 = CpuSeconds(0), server_cpu0 = server_pid > 0 ? CpuSeconds(server_pid) : 0;
+  const std::string before = b.metrics.Scrape();
+  const auto t0 = Clock::now();
+  const int64_t done = CallFor(b, clients, concurrency, seconds, r);
   const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
-  const std::string after = metrics.Scrape();
-  const double calls = static_cast<double>(std::max<int64_t>(done.load(), 1));
+  const std::string after = b.metrics.Scrape();
+  const double calls = static_cast<double>(std::max<int64_t>(done, 1));
   const double client_us = 1e6 * (CpuSeconds(0) - client_cpu0) / calls;
   const std::string server_us =
       server_pid > 0 ? absl::StrFormat("%.0f", 1e6 * (CpuSeconds(server_pid) - server_cpu0) / calls) : "-";
-  auto delta = [&](const std::string& name) { return MetricsReader::Sum(after, name) - MetricsReader::Sum(before, name); };
+  auto delta = [&](const std::string& name) {
+    return MetricsReader::Sum(after, name) - MetricsReader::Sum(before, name);
+  };
   const double engine_calls = delta(kEngineCount);
   const double batched = delta("lce_batch_requests_count{op=\"score\"}");
-  std::printf("\n| client | callers | rows a call | calls/s | engine calls/s | requests an engine call | engine busy "
-              "| client CPU us a call | server CPU us a call |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  std::printf(
+      "\n| client | callers | rows a call | calls/s | engine calls/s | requests an engine call | engine busy "
+      "| client CPU us a call | server CPU us a call |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   std::printf("| C++ threads (%zu connections) | %lld | %lld | %.0f | %.0f | %.2f | %.0f%% | %.0f | %s |\n",
               clients.size() + 1, static_cast<long long>(concurrency), static_cast<long long>(r.batch.rows),
-              static_cast<double>(done.load()) / wall, engine_calls / wall,
+              static_cast<double>(done) / wall, engine_calls / wall,
               batched > 0 ? delta("lce_batch_requests_sum{op=\"score\"}") / batched : 1.0,
               100 * delta(kEngineSum) / wall, client_us, server_us.c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags f = ParseFlags(argc, argv);
+  if (!f.count("target") || !f.count("metrics")) Die("--target and --metrics are required");
+  const lce::client::ClientOptions o = ClientOptionsFromFlags(f);
+  const std::unique_ptr<lce::client::LceClient> client = Check(lce::client::LceClient::Create(o));
+  const lce::v1::GetInfoResponse info = Check(client->GetInfo());
+  MetricsReader metrics(f.at("metrics"));
+  const int64_t iters = Int(f, "iterations", 200), warmup = Int(f, "warmup", 20);
+  Bench b{f, o, *client, metrics, info.head(), iters, warmup};
+  PrintHeader(b, info);
+  TimeGetInfo(b);
+  // Held by main, so that the session stays open through the rate run as well.
+  std::unique_ptr<lce::client::SharedMemorySession> session;
+  if (Int(f, "shm", 0) != 0) session = Check(client->OpenSession());
+  TimeRowCounts(b, session.get());
+  RunRate(b);
   return 0;
 }
