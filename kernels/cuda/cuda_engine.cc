@@ -15,7 +15,9 @@
 //   backward  general path: WriteGrad turns the compact copy into dL/da in the head dtype in place
 //             (aux_, chunk by chunk, each chunk's dW product on stream_ behind it), then
 //             d_hidden = dA[R, V_shard] · W (fp32, all-reduced across ranks, converted), summed in fixed
-//             vocabulary chunks so that a row's bits do not depend on R (DHiddenProduct).
+//             vocabulary chunks so that a row's bits do not depend on R (DHiddenProduct); where one chunk's
+//             product leaves most of a wave idle, the chunks' products run at once on streams of their own
+//             (LeafProducts).
 //             fast loss path (bf16, kLoss, no softcap, no label smoothing): no dA pass at all;
 //             dW += qᵀ·(s ⊙ h) − scatter(t ⊙ h) and d_hidden = s ⊙ (q·W) − t ⊙ W[y] (fast_grad.cu); on
 //             device rows the two products run at once, d_hidden's on aux_ (FastGradsBeside).
@@ -65,6 +67,13 @@ CudaEngine::~CudaEngine() {
   for (cudaEvent_t e : trace_) {
     if (e != nullptr) cudaEventDestroy(e);
   }
+  if (leaf_fork_ != nullptr) cudaEventDestroy(leaf_fork_);
+  for (cudaEvent_t e : leaf_join_) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  for (cudaStream_t ls : leaf_streams_) {
+    if (ls != nullptr) cudaStreamDestroy(ls);
+  }
   if (aux_ != nullptr) cudaStreamDestroy(aux_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
@@ -81,6 +90,9 @@ absl::Status CudaEngine::Init() {
   LCE_CUDA_CHECK(cudaStreamCreateWithFlags(&aux_, cudaStreamNonBlocking));
   for (cudaEvent_t& e : events_) LCE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   for (cudaEvent_t& e : trace_) LCE_CUDA_CHECK(cudaEventCreate(&e));
+  for (cudaStream_t& ls : leaf_streams_) LCE_CUDA_CHECK(cudaStreamCreateWithFlags(&ls, cudaStreamNonBlocking));
+  LCE_CUDA_CHECK(cudaEventCreateWithFlags(&leaf_fork_, cudaEventDisableTiming));
+  for (cudaEvent_t& e : leaf_join_) LCE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   LCE_CUDA_CHECK(cublasCreate(&cublas_));
   LCE_CUDA_CHECK(cublasSetStream(cublas_, stream_));
   LCE_CUDA_CHECK(cublasSetPointerMode(cublas_, CUBLAS_POINTER_MODE_HOST));
@@ -251,10 +263,9 @@ absl::Status CudaEngine::Gemm(cublasOperation_t ta, cublasOperation_t tb, int64_
 absl::Status CudaEngine::RunGemm(const GemmSpec& g, bool c_is_scratch, const GemmPlace& place) {
   cudaStream_t stream = place.stream != nullptr ? place.stream : stream_;
   void* ws = place.workspace != nullptr ? place.workspace : cublas_ws_;
-  if (place.prepare_only) {
-    return gemm_.Prepare(g, c_is_scratch, tune_scratch_, tune_floats_, ws, kCublasWorkspace, stream);
-  }
-  return gemm_.Run(g, c_is_scratch, tune_scratch_, tune_floats_, ws, kCublasWorkspace, stream);
+  const size_t ws_bytes = static_cast<size_t>(place.workspace_bytes > 0 ? place.workspace_bytes : kCublasWorkspace);
+  if (place.prepare_only) return gemm_.Prepare(g, c_is_scratch, tune_scratch_, tune_floats_, ws, ws_bytes, stream);
+  return gemm_.Run(g, c_is_scratch, tune_scratch_, tune_floats_, ws, ws_bytes, stream);
 }
 
 absl::Status CudaEngine::CheckCall(const RowsView& rows, const LceOptions& o, const Upstream& up) const {

@@ -20,6 +20,7 @@
 #include "lce/cuda_tuning.h"
 #include "lce/device_memory.h"
 #include "lce/engine.h"
+#include "leaf_plan.h"
 
 namespace lce::cuda {
 
@@ -47,6 +48,8 @@ inline constexpr int64_t kRankCallListBytes = int64_t{64} << 20;  // the call's 
 inline constexpr int64_t kDhSliceRows = 2048;
 inline constexpr int64_t kDhMinSliceRows = 512;  // room a row block leaves for them (PlanCall)
 inline constexpr int64_t kDhPartBytes = 128 * kMiB;
+// Leaves' products run at once (LeafProducts), each with this share of the d_hidden product's cuBLAS workspace.
+inline constexpr int64_t kLeafWorkspace = kCublasWorkspace / kMaxLeaves / 256 * 256;
 
 // Where a product goes (CudaEngine::Gemm): stream_ and its cuBLAS workspace unless another stream is named,
 // with a workspace of its own (two products running at once must not share one); prepare_only chooses
@@ -55,6 +58,7 @@ struct GemmPlace {
   cudaStream_t stream = nullptr;
   void* workspace = nullptr;
   bool prepare_only = false;
+  int64_t workspace_bytes = 0;  // of `workspace`; 0: kCublasWorkspace
 };
 
 inline cudaDataType_t CudaType(DType d) {
@@ -177,6 +181,10 @@ class CudaEngine final : public LceEngine {
   // else one product, cuBLAS's choice for nr).
   absl::Status DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const GemmPlace& place,
                               const DhFinish* finish = nullptr);
+  // Rows [r0, r0 + n)'s product a leaf into s.dh_parts, on place's stream, or at once on the leaf streams
+  // (LeavesAtOnce) joined to it.
+  bool LeavesAtOnce(int64_t n) const;
+  absl::Status LeafProducts(Scratch& s, int64_t r0, int64_t n, bool tf32, const GemmPlace& place);
   DhFinish Finish(const Scratch& s, const int32_t* y, int32_t ignore_index) const;  // for a block's rows
   // Where it buys batch invariance: after the epilogue GEMM's forward, or with batch-invariant GEMMs. (Its
   // partials' batch stride, H·rows floats, stays 16-byte aligned for H a multiple of 4.)
@@ -273,6 +281,9 @@ class CudaEngine final : public LceEngine {
   enum { kEvGemm0, kEvGemm1, kEvStats0, kEvStats1, kEvHandoff, kEvDHidden, kNumEvents };
   cudaEvent_t events_[kNumEvents] = {};
   cudaEvent_t trace_[8] = {};  // CudaTuning::trace: phase timings of the first row block, to stderr
+  // LeafProducts at once: leaves after the first on streams of their own, forked from and joined to the product's.
+  cudaStream_t leaf_streams_[kMaxLeaves - 1] = {};
+  cudaEvent_t leaf_fork_ = nullptr, leaf_join_[kMaxLeaves - 1] = {};
   cublasHandle_t cublas_ = nullptr;
   GemmRunner gemm_;
   float* tune_scratch_ = nullptr;  // the logit tiles, free during the backward: where GEMMs are tuned

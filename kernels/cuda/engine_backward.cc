@@ -231,46 +231,96 @@ DhFinish CudaEngine::Finish(const Scratch& s, const int32_t* y, int32_t ignore_i
 // group's leaves, the group size (bench/RESULTS.md).
 absl::Status CudaEngine::DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const GemmPlace& place,
                                         const DhFinish* finish) {
-  const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows, sesz = StoreBytes();
-  const int64_t esz = DTypeSize(shape_.dtype);
-  const uint8_t* w = weight_->data();
+  const int64_t H = shape_.hidden_size, Vs = shape_.shard_rows;
   const cudaDataType_t dt = CudaType(shape_.dtype);
   if (!DHiddenChunked()) {
-    return Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, w, dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F, H, tf32,
-                /*c_is_scratch=*/true, 0, /*rows_in_n=*/true, false, place);
+    return Gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, nr, Vs, weight_->data(), dt, H, s.store, dt, lds_, 0.0f, s.dh, CUDA_R_32F,
+                H, tf32, /*c_is_scratch=*/true, 0, /*rows_in_n=*/true, false, place);
   }
   if (s.dh_parts == nullptr || s.dh_slice == 0) return absl::InternalError("d_hidden's leaves: no room for partials");
   cudaStream_t stream = place.stream != nullptr ? place.stream : stream_;
-  const uint8_t* store = static_cast<const uint8_t*>(s.store);
-  GemmSpec g;
-  g.m = H;
-  g.lda = H;
-  g.ldb = lds_;
-  g.ldc = H;
-  g.ab_type = dt;
-  g.c_type = CUDA_R_32F;
-  g.compute = ComputeType(tf32);
-  g.fixed_k_order = true;
   const int leaves = static_cast<int>(dh_leaves_.size());
   for (int64_t r0 = 0; r0 < nr; r0 += s.dh_slice) {
-    g.n = std::min(s.dh_slice, nr - r0);
-    for (int l = 0; l < leaves; ++l) {
-      const VocabRange leaf = dh_leaves_[static_cast<size_t>(l)];
-      g.k = leaf.end - leaf.begin;
-      g.a = w + leaf.begin * H * esz;
-      g.b = store + (r0 * lds_ + leaf.begin) * sesz;
-      g.c = s.dh_parts + l * g.n * H;
-      LCE_CUDA_CHECK(RunGemm(g, /*c_is_scratch=*/true, place));
-    }
+    const int64_t n = std::min(s.dh_slice, nr - r0);
+    LCE_CUDA_CHECK(LeafProducts(s, r0, n, tf32, place));
     DhFinish f = finish != nullptr ? *finish : DhFinish{};
     if (f.info != nullptr) f.info += r0 * kRowInfo, f.targets += r0;
     if (DhExactGroup()) {
-      LCE_CUDA_CHECK(GroupLeafSum(s, s.dh + r0 * H, leaves, g.n * H, f, stream));
+      LCE_CUDA_CHECK(GroupLeafSum(s, s.dh + r0 * H, leaves, n * H, f, stream));
     } else {
-      LCE_CUDA_CHECK(LaunchExactLeafSum(s.dh + r0 * H, s.dh_parts, leaves, dh_terms_, g.n * H, f, stream));
+      LCE_CUDA_CHECK(LaunchExactLeafSum(s.dh + r0 * H, s.dh_parts, leaves, dh_terms_, n * H, f, stream));
     }
   }
   return absl::OkStatus();
+}
+
+// Whether a slice of n rows runs its leaves' products at once: where one alone leaves more than a tenth of its
+// waves' slots idle (its tiles taken as 128 rows by 256 columns of d_hidden). 2816-row blocks slice as 2048 + 768
+// rows: at H = 2048 the 768-row leaves are 48 tiles each, a third of a wave of 132 SMs, and 4 of them in turn take
+// 4 waves' time for 1.5 waves' work. Products that fill their waves run one after the other, as before (at
+// H = 8192 at once measured +1.4% of a train step: bench/NOTES.md e26).
+bool CudaEngine::LeavesAtOnce(int64_t n) const {
+  if (dh_leaves_.size() < 2 || sm_count_ < 1) return false;
+  const int64_t tiles = (n + 127) / 128 * ((shape_.hidden_size + 255) / 256);
+  const int64_t slots = (tiles + sm_count_ - 1) / sm_count_ * sm_count_;
+  return (slots - tiles) * 10 > slots;
+}
+
+// Rows [r0, r0 + n)'s product a leaf, each into its partial. LeavesAtOnce: their algorithms are chosen (timed)
+// one after the other first, on the product's stream; then they run at once, leaf l > 0 on leaf_streams_[l − 1],
+// each with its share of the workspace, all joined back to place's stream. Each product is the same computation
+// wherever it runs: the same bits.
+absl::Status CudaEngine::LeafProducts(Scratch& s, int64_t r0, int64_t n, bool tf32, const GemmPlace& place) {
+  const int64_t H = shape_.hidden_size, sesz = StoreBytes(), esz = DTypeSize(shape_.dtype);
+  cudaStream_t stream = place.stream != nullptr ? place.stream : stream_;
+  const int leaves = static_cast<int>(dh_leaves_.size());
+  const auto spec = [&](int l) {
+    const VocabRange leaf = dh_leaves_[static_cast<size_t>(l)];
+    GemmSpec g;
+    g.m = H;
+    g.n = n;
+    g.k = leaf.end - leaf.begin;
+    g.a = weight_->data() + leaf.begin * H * esz;
+    g.lda = H;
+    g.b = static_cast<const uint8_t*>(s.store) + (r0 * lds_ + leaf.begin) * sesz;
+    g.ldb = lds_;
+    g.c = s.dh_parts + l * n * H;
+    g.ldc = H;
+    g.ab_type = CudaType(shape_.dtype);
+    g.c_type = CUDA_R_32F;
+    g.compute = ComputeType(tf32);
+    g.fixed_k_order = true;
+    return g;
+  };
+  if (!LeavesAtOnce(n)) {
+    for (int l = 0; l < leaves; ++l) LCE_CUDA_CHECK(RunGemm(spec(l), /*c_is_scratch=*/true, place));
+    return absl::OkStatus();
+  }
+  uint8_t* ws = static_cast<uint8_t*>(place.workspace != nullptr ? place.workspace : cublas_ws_);
+  // Timing on first sight writes the partial and runs on the product's stream, behind the last slice's sum.
+  const auto at = [&](int l, bool prepare_only) {
+    cudaStream_t on = l == 0 || prepare_only ? stream : leaf_streams_[l - 1];
+    return GemmPlace{on, ws + l * kLeafWorkspace, prepare_only, kLeafWorkspace};
+  };
+  for (int l = 0; l < leaves; ++l) LCE_CUDA_CHECK(RunGemm(spec(l), /*c_is_scratch=*/true, at(l, true)));
+  LCE_CUDA_CHECK(cudaEventRecord(leaf_fork_, stream));
+  absl::Status st = absl::OkStatus();
+  int forked = 0;
+  for (int l = 0; l < leaves && st.ok(); ++l) {
+    if (l > 0) {
+      st =
+          ToStatus(cudaStreamWaitEvent(leaf_streams_[l - 1], leaf_fork_, 0), "cudaStreamWaitEvent", __FILE__, __LINE__);
+      if (!st.ok()) break;
+      forked = l;
+    }
+    st = RunGemm(spec(l), /*c_is_scratch=*/true, at(l, false));
+  }
+  // Joined whatever failed: the slice's sum, the next slice and a later call rewrite the partials.
+  for (int l = 1; l <= forked; ++l) {
+    LCE_CUDA_CHECK(cudaEventRecord(leaf_join_[l - 1], leaf_streams_[l - 1]));
+    LCE_CUDA_CHECK(cudaStreamWaitEvent(stream, leaf_join_[l - 1], 0));
+  }
+  return st;
 }
 
 // The group's scale an element (the largest code of every rank's terms), every rank's terms at it as
