@@ -679,87 +679,112 @@ class Client(_ClientBase):
         """A request split over len(parts) streams (header.partial), one thread and one channel each.
         The first failing part cancels the others; its error is raised once all have stopped. Progress
         is reported from the calling thread. Returns the parts' summaries combined (or None)."""
-        events: "queue.Queue" = queue.Queue()
-        lock = threading.Lock()
-        calls: list = [None] * len(parts)
-        stopping = [False]
-
-        def cancel_all():
-            with lock:
-                stopping[0] = True
-                live = [c for c in calls if c is not None]
-            for c in live:
-                c.cancel()
+        run = _Parts(len(parts))
+        headers = _part_headers(header, len(parts))
 
         def worker(i, r0, r1, stub, hdr):
-            def on_call(call):
-                with lock:
-                    calls[i] = call
-                    stop = stopping[0]
-                if stop:
-                    call.cancel()
-
             try:
-                s = self._run_part(stub, hdr, r0, r1, lambda done, rows: events.put(("rows", rows)), on_call,
-                                   rpc, *args, route=routes[i] if routes else None)
-                events.put(("done", i, s))
+                s = self._run_part(stub, hdr, r0, r1, lambda done, rows: run.events.put(("rows", rows)),
+                                   functools.partial(run.on_call, i), rpc, *args, route=routes[i] if routes else None)
+                run.events.put(("done", i, s))
             except BaseException as e:  # handed to the calling thread
-                events.put(("error", i, e))
+                run.events.put(("error", i, e))
 
-        threads = []
-        # The parts of a request that accumulates dW fill one contribution on the server, added only when
-        # every part succeeds (RequestHeader.split_id).
-        split_id = 0
-        while header.accumulate_weight_grad and split_id == 0:
-            split_id = secrets.randbits(64)
-        for i, (r0, r1) in enumerate(parts):
-            hdr = pb.RequestHeader()
-            hdr.CopyFrom(header)
-            hdr.partial = True
-            if split_id:
-                hdr.split_id = split_id
-                hdr.split_parts = len(parts)
-            t = threading.Thread(target=worker, args=(i, r0, r1, self._stream_stub(i, replica), hdr),
-                                 name=f"lce-{rpc}-part{i}", daemon=True)
-            threads.append(t)
-        summaries: list = [None] * len(parts)
-        error: Optional[BaseException] = None
+        run.threads = [threading.Thread(target=worker, args=(i, r0, r1, self._stream_stub(i, replica), headers[i]),
+                                        name=f"lce-{rpc}-part{i}", daemon=True)
+                       for i, (r0, r1) in enumerate(parts)]
         try:
-            for t in threads:
+            for t in run.threads:
                 t.start()
-            remaining, done = len(parts), 0
-            while remaining:
-                try:
-                    ev = events.get(timeout=0.25)
-                except queue.Empty:
-                    continue
-                if ev[0] == "rows":
-                    done += ev[1]
-                    if prog is not None and error is None:
-                        prog.update(done, ev[1])
-                elif ev[0] == "done":
-                    remaining -= 1
-                    summaries[ev[1]] = ev[2]
-                else:
-                    remaining -= 1
-                    if error is None:
-                        error = ev[2]
-                        cancel_all()
+            summaries, error = run.collect(prog)
         except BaseException:  # e.g. KeyboardInterrupt, or the progress callback raised
-            cancel_all()
+            run.cancel_all()
             # The parts stop at once (their calls are cancelled); wait for them, so that none is still
             # using the data plane's sockets, or its uploaders, once the caller gets the error.
-            for t in threads:
-                if t.ident is not None:  # (started)
-                    t.join()
+            run.join_started()
             raise
-        for t in threads:
-            t.join()
+        run.join_started()
         if error is not None:
             raise error
         if all(s is None for s in summaries):
             return None
         return _combine_summaries(rpc, parts, summaries, expect_valid)
+
+
+def _part_headers(header: pb.RequestHeader, n: int) -> List[pb.RequestHeader]:
+    """Each part's header: partial, and where the request accumulates dW one split_id for all n, so that
+    its parts fill one contribution on the server, added only when every part succeeds."""
+    split_id = 0
+    while header.accumulate_weight_grad and split_id == 0:
+        split_id = secrets.randbits(64)
+    headers = []
+    for _ in range(n):
+        hdr = pb.RequestHeader()
+        hdr.CopyFrom(header)
+        hdr.partial = True
+        if split_id:
+            hdr.split_id = split_id
+            hdr.split_parts = n
+        headers.append(hdr)
+    return headers
+
+
+class _Parts:
+    """The streams of one split request (Client._run_parts): their threads, the events they send the
+    calling thread ("rows", "done" or "error"), and their calls, cancelled together."""
+
+    def __init__(self, n: int):
+        self.events: "queue.Queue" = queue.Queue()
+        self.threads: List[threading.Thread] = []
+        self._n = n
+        self._lock = threading.Lock()
+        self._calls: list = [None] * n
+        self._stopping = False
+
+    def on_call(self, i: int, call) -> None:
+        """Part i's call has started: kept to cancel, or cancelled now if the request is stopping."""
+        with self._lock:
+            self._calls[i] = call
+            stop = self._stopping
+        if stop:
+            call.cancel()
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            self._stopping = True
+            live = [c for c in self._calls if c is not None]
+        for c in live:
+            c.cancel()
+
+    def collect(self, prog) -> Tuple[list, Optional[BaseException]]:
+        """The parts' events until every part has ended: their summaries and the first error (which
+        cancels the others); rows done go to `prog` until then."""
+        summaries: list = [None] * self._n
+        error: Optional[BaseException] = None
+        remaining, done = self._n, 0
+        while remaining:
+            try:
+                ev = self.events.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            if ev[0] == "rows":
+                done += ev[1]
+                if prog is not None and error is None:
+                    prog.update(done, ev[1])
+            elif ev[0] == "done":
+                remaining -= 1
+                summaries[ev[1]] = ev[2]
+            else:
+                remaining -= 1
+                if error is None:
+                    error = ev[2]
+                    self.cancel_all()
+        return summaries, error
+
+    def join_started(self) -> None:
+        for t in self.threads:
+            if t.ident is not None:  # (started)
+                t.join()
 
 
 @dataclass
