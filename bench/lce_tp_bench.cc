@@ -144,9 +144,8 @@ RankRows MakeRows(int64_t N, int64_t H, int64_t V) {
 
 // The floor: one GEMM over ceil(V/k) rows (an even share; a shard holds whole tiles, rank 0's may be smaller),
 // on a device copy of this rank's shard padded with zeros to that share.
-double TimeFloor(TpBench& b, const lce::HeadWeights& shard, const RankRows& in, int64_t N) {
-  const int64_t H = shard.shape.hidden_size, V = shard.shape.vocab_size, rows = shard.shape.shard_rows;
-  const int64_t floor_rows = (V + b.world - 1) / b.world;
+double TimeFloor(TpBench& b, const lce::HeadWeights& shard, const RankRows& in, int64_t N, int64_t floor_rows) {
+  const int64_t H = shard.shape.hidden_size, rows = shard.shape.shard_rows;
   void *wdev, *floor_out;
   const int64_t wdev_bytes = std::max(rows, floor_rows) * H * 2;
   CHECK(cudaMalloc(&wdev, wdev_bytes));
@@ -197,9 +196,9 @@ void BenchShape(TpBench& b, int64_t N, int64_t H, int64_t V) {
   const double score = b.TimeMs([&] {
     Ok((*engine)->Compute(view, opts, {}, {lp, ent, nullptr, nullptr}, {}), "score");
   });
-  const double gemm = TimeFloor(b, *shard, in, N);
+  const int64_t floor_rows = (V + b.world - 1) / b.world;
+  const double gemm = TimeFloor(b, *shard, in, N, floor_rows);
   if (b.rank == 0) {
-    const int64_t floor_rows = (V + b.world - 1) / b.world;
     std::printf(
         "k=%d %ldx%ldx%ld  train %8.2f ms (x%.3f of 3 GEMMs of V/k)  score %8.2f ms (x%.3f)  "
         "floor GEMM %7.2f ms (%4.0f TFLOP/s)  in collectives %.2f ms/train (barriers included)\n",

@@ -397,17 +397,23 @@ void Secure(const Config& cfg, lce::client::ClientOptions& o) {
   o.data_plane_tls_ca = cfg.tls_ca;
 }
 
-// A remote client's options: the request over `streams` streams, chunked as the flags say.
-lce::client::ClientOptions Streamed(const Config& cfg, const std::string& streams) {
+// A client's options as the flags say: the server, the chunk size, TLS, and each stream traced (--trace-file).
+lce::client::ClientOptions BaseOptions(const Config& cfg) {
   lce::client::ClientOptions o;
   o.target = cfg.target;
   o.chunk_bytes = cfg.chunk_bytes;
+  o.stream_trace = [](const lce::client::StreamTrace& t) { tracer.OnStream(t); };
+  Secure(cfg, o);
+  return o;
+}
+
+// A remote client's options: the request over `streams` streams, chunked as the flags say.
+lce::client::ClientOptions Streamed(const Config& cfg, const std::string& streams) {
+  lce::client::ClientOptions o = BaseOptions(cfg);
   o.first_chunk_bytes = std::stoll(cfg.first_chunk_bytes);
   o.last_chunk_bytes = std::stoll(cfg.last_chunk_bytes);
   o.streams = std::stoi(streams);
   o.min_stream_bytes = std::min<int64_t>(8 << 20, cfg.bytes / o.streams);
-  o.stream_trace = [](const lce::client::StreamTrace& t) { tracer.OnStream(t); };
-  Secure(cfg, o);
   return o;
 }
 
@@ -440,16 +446,6 @@ void RunTcpPaths(Bench& b) {
               *c, b.wire, nullptr);
     }
   }
-}
-
-// The one-stream client of the wire, shm and ipc stages.
-lce::client::ClientOptions OneStream(const Config& cfg) {
-  lce::client::ClientOptions o;
-  o.target = cfg.target;
-  o.chunk_bytes = cfg.chunk_bytes;
-  o.stream_trace = [](const lce::client::StreamTrace& t) { tracer.OnStream(t); };
-  Secure(cfg, o);
-  return o;
 }
 
 // One wire row's sockets: k per direction, into the server memory regions `in` and `out` of a session.
@@ -612,7 +608,7 @@ int main(int argc, char** argv) {
   if (cfg.Has("engine")) RunEngineOnly(b);
   if (cfg.Has("grpc")) RunGrpcPaths(b);
   if (cfg.Has("tcp")) RunTcpPaths(b);
-  auto c1 = Check(lce::client::LceClient::Create(OneStream(cfg)), "client");
+  auto c1 = Check(lce::client::LceClient::Create(BaseOptions(cfg)), "client");  // wire, shm, ipc
   if (cfg.Has("wire")) RunWire(b, *c1);
   if (cfg.Has("shm")) RunShm(b, *c1);
   if (cfg.Has("ipc")) RunIpc(b, *c1);

@@ -262,7 +262,7 @@ absl::Status CudaEngine::DHiddenProduct(Scratch& s, int64_t nr, bool tf32, const
 bool CudaEngine::LeavesAtOnce(int64_t n) const {
   if (dh_leaves_.size() < 2 || sm_count_ < 1) return false;
   const int64_t tiles = (n + 127) / 128 * ((shape_.hidden_size + 255) / 256);
-  const int64_t slots = (tiles + sm_count_ - 1) / sm_count_ * sm_count_;
+  const int64_t slots = RoundUp(tiles, sm_count_);
   return (slots - tiles) * 10 > slots;
 }
 

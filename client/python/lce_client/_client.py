@@ -736,7 +736,6 @@ class _Parts:
     def __init__(self, n: int):
         self.events: "queue.Queue" = queue.Queue()
         self.threads: List[threading.Thread] = []
-        self._n = n
         self._lock = threading.Lock()
         self._calls: list = [None] * n
         self._stopping = False
@@ -759,9 +758,9 @@ class _Parts:
     def collect(self, prog) -> Tuple[list, Optional[BaseException]]:
         """The parts' events until every part has ended: their summaries and the first error (which
         cancels the others); rows done go to `prog` until then."""
-        summaries: list = [None] * self._n
+        summaries: list = [None] * len(self._calls)
         error: Optional[BaseException] = None
-        remaining, done = self._n, 0
+        remaining, done = len(summaries), 0
         while remaining:
             try:
                 ev = self.events.get(timeout=0.25)
