@@ -97,7 +97,7 @@ absl::Status CudaEngine::SizeBlocks(CallPlan& p, ScratchLayout layout) {
   if (epi && o.top_k > 1) want = std::min(want, kRankRowsPerBlock);  // the candidates' lists
   absl::StatusOr<int64_t> group_r_max = GroupMin(want);
   if (!group_r_max.ok()) return group_r_max.status();
-  const int64_t r_max = *group_r_max;
+  const int64_t r_max = WholeSliceRows(p, *group_r_max);
   if (r_max < 1) {
     return absl::InvalidArgumentError(absl::StrCat("workspace_bytes ", config_.workspace_bytes,
                                                    " is too small for a row block of this call (a row needs ", least,
@@ -121,6 +121,19 @@ absl::Status CudaEngine::SizeBlocks(CallPlan& p, ScratchLayout layout) {
   p.tf = LogitTransform{shape_.has_bias ? reinterpret_cast<const float*>(bias_->data()) : nullptr, o.softcap,
                         o.temperature};
   return absl::OkStatus();
+}
+
+// On one GPU at 2048 <= H <= 3584, a training call's blocks hold whole d_hidden slices (kDhSliceRows): at 16384
+// rows the 1 GiB budget's 2816-row block is a 2048-row slice and a 768-row one whose leaf products leave most of
+// their waves idle, which costs more there than two more blocks' dW read-modify-writes (bench/NOTES.md e27, train:
+// 16384×2048 −1.8%, 32768×2048 −5%, 16384×3584 −1.3%; but 16384×1536 +1.2% and 16384×896 level, hence not below
+// 2048). H = 4096 (2048-row blocks level or slower, e26) and TP groups (not measured) keep the budget's blocks.
+int64_t CudaEngine::WholeSliceRows(const CallPlan& p, int64_t r_max) const {
+  const int64_t H = shape_.hidden_size;
+  const bool one_gpu = config_.collectives == nullptr || config_.collectives->world_size() < 2;
+  if (!tuning_.slice_blocks || !p.dh_chunks || !one_gpu || H < 2048 || H > 3584) return r_max;
+  if (p.rows.rows <= r_max || r_max < kDhSliceRows) return r_max;
+  return r_max / kDhSliceRows * kDhSliceRows;
 }
 
 absl::StatusOr<int64_t> CudaEngine::GroupMin(int64_t value) {

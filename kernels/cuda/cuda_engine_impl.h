@@ -104,6 +104,7 @@ class CudaEngine final : public LceEngine {
   ScratchLayout ChoosePaths(CallPlan& p);
   // The row block (a size every rank of a group agrees on) and the logit tile's width; the plan's last fields.
   absl::Status SizeBlocks(CallPlan& p, ScratchLayout layout);
+  int64_t WholeSliceRows(const CallPlan& p, int64_t r_max) const;  // r_max, or whole d_hidden slices of it
   // The smallest of the group's ranks' values (the value itself alone): their largest row blocks and d_hidden
   // slices (their workspaces differ with their shards), so that every rank splits a call the same way: each
   // block's merge and each slice's exact sum is a collective.

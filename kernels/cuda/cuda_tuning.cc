@@ -12,6 +12,10 @@ const std::vector<CudaTuningVariable>& CudaTuningVariables() {
        [](CudaTuning& t, int64_t v) { t.vocab_tile = v; }},
       {"LCE_CUDA_MAX_ROWS", "int", "0", "cap on a row block's rows; 0: as many as workspace_bytes holds",
        [](CudaTuning& t, int64_t v) { t.max_rows = v; }},
+      {"LCE_CUDA_SLICE_BLOCKS", "0/1", "1",
+       "one GPU, 2048 <= H <= 3584: a training call's row blocks hold whole 2048-row d_hidden slices (0: as many "
+       "rows as workspace_bytes holds)",
+       [](CudaTuning& t, int64_t v) { t.slice_blocks = v != 0; }},
       {"LCE_CUDA_BWD_CHUNK", "int", "16384", "general backward: dA columns a chunk (each chunk's dW product behind it)",
        [](CudaTuning& t, int64_t v) { t.backward_chunk = v; }},
       {"LCE_CUDA_STATS_SMS", "int", "0", "multiprocessors the forward GEMMs leave to the tile reductions (<= half)",

@@ -1580,6 +1580,48 @@ TEST_F(EpilogueStatsTest, DHiddenPartialsWithinTheBudget) {
   }
 }
 
+// Row blocks of whole d_hidden slices (CudaTuning::slice_blocks, one GPU at 2048 <= H <= 3584): capped at 3000
+// rows, 6000 rows are 3 blocks of 2048 with them and 2 of 3000 (a 2048-row slice and a 952-row one) without,
+// one block of 6000 under the default budget. Every per-row output and d_hidden is the same bits in all three,
+// the slice blocks take less scratch, and dW (summed a block at a time) agrees within fp32 rounding.
+TEST_F(EpilogueStatsTest, WholeSliceBlocksGiveTheSameBits) {
+  ProblemSpec sp;
+  sp.rows = 6000;
+  sp.hidden = 2048;
+  sp.vocab = 20011;  // 4 leaves
+  sp.mode = GradMode::kLoss;
+  const Problem p = MakeProblem(sp, 6300);
+  const std::vector<float> dw0(sp.vocab * sp.hidden, 0.0f);
+  auto one_block = MakeCuda(p, Epi());
+  ASSERT_NE(one_block, nullptr);
+  const Answers want = RunEngine(*one_block, p, MemorySpace::kDevice, dw0);
+  ASSERT_TRUE(want.status.ok()) << want.status;
+  std::vector<Answers> got;
+  std::vector<int64_t> scratch;
+  for (const bool slices : {true, false}) {
+    auto e = MakeCuda(p, WithTuning(EpiTuning([slices](CudaTuning& t) {
+                        t.max_rows = 3000;
+                        t.slice_blocks = slices;
+                      })));
+    ASSERT_NE(e, nullptr);
+    got.push_back(RunEngine(*e, p, MemorySpace::kDevice, dw0));
+    ASSERT_TRUE(got.back().status.ok()) << got.back().status;
+    scratch.push_back(e->memory().workspace_bytes);
+    for (int64_t i = 0; i < sp.rows; i += 5)
+      ExpectRowSameBits(want, got.back(), i, 0, sp.hidden,
+                        absl::StrCat(slices ? "slice" : "3000-row", " blocks, row ", i));
+  }
+  EXPECT_LT(scratch[0], scratch[1]) << "2048-row blocks take less scratch than 3000-row ones";
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < want.d_weight.size(); ++i) {
+    scale = std::max(scale, static_cast<double>(std::fabs(want.d_weight[i])));
+    for (const Answers& a : got)
+      worst = std::max(worst, std::fabs(static_cast<double>(a.d_weight[i]) - want.d_weight[i]));
+  }
+  EXPECT_GT(scale, 0.0);
+  EXPECT_LE(worst, 1e-5 * scale) << "dW over other blocks: " << worst << " of " << scale;
+}
+
 // Vocab-parallel groups of 2 and 3 (segments at global offsets, V >= 98304, tp_invariant) give one
 // GPU's score bits, each rank's shard through its own epilogue-statistics GEMM.
 TEST_F(EpilogueStatsTest, VocabParallelStatisticsBitForBit) {

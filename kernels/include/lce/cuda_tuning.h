@@ -19,6 +19,7 @@ class LceEngine;
 struct CudaTuning {
   int64_t vocab_tile = 8192;       // logit tile columns (rounded up to whole 1536-column segments)
   int64_t max_rows = 0;            // cap on a row block's rows (> 0); 0: as many as the workspace holds
+  bool slice_blocks = true;        // one GPU, 2048 <= H <= 3584: training blocks of whole d_hidden slices
   int64_t backward_chunk = 16384;  // general path: dA columns written per chunk before its dW product
   int64_t stats_sms = 0;           // multiprocessors the forward GEMMs leave to TileStats (<= half)
   bool fast_loss_path = true;      // bf16 kLoss without softcap or smoothing skips the dA pass
