@@ -438,6 +438,7 @@ void RunTcpPaths(Bench& b) {
     for (const std::string& s : b.cfg.tcp_streams) {
       lce::client::ClientOptions o = Streamed(b.cfg, s);
       o.data_plane = true;
+      o.data_plane_streams = o.streams;  // the path's own stream count (the client's default is 1)
       o.data_plane_sockets = std::stoi(b.cfg.tcp_sockets);
       o.grow_chunks = grow != "0";
       auto c = Check(lce::client::LceClient::Create(o), "client");

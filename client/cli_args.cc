@@ -36,6 +36,8 @@ ABSL_FLAG(bool, data_plane, false,
           "carry hidden states and d_hidden over the server's data plane (plain TCP beside gRPC;\n"
           "the server runs with --data-port)");
 ABSL_FLAG(int32_t, data_plane_sockets, 4, "sockets per direction per stream on the data plane, 1 to 16");
+ABSL_FLAG(int32_t, data_plane_streams, 1,
+          "streams a request over the data plane is split over, at most --streams, 1 to 64 (1: measured best)");
 
 ABSL_FLAG(std::string, head, "",
           "the head (unset: the server's default head; load-head: the head to add or replace)");
@@ -118,9 +120,19 @@ ABSL_FLAG(std::string, directory, "",
 namespace lce::client::cli {
 namespace {
 
-const std::vector<std::string> kConnectionFlags = {
-    "target",   "load_balancing", "max_attempts", "timeout_seconds", "token_file", "admin_token_file",
-    "tls_ca",   "tls_cert",       "tls_key",      "streams",         "data_plane", "data_plane_sockets"};
+const std::vector<std::string> kConnectionFlags = {"target",
+                                                   "load_balancing",
+                                                   "max_attempts",
+                                                   "timeout_seconds",
+                                                   "token_file",
+                                                   "admin_token_file",
+                                                   "tls_ca",
+                                                   "tls_cert",
+                                                   "tls_key",
+                                                   "streams",
+                                                   "data_plane",
+                                                   "data_plane_sockets",
+                                                   "data_plane_streams"};
 const std::vector<std::string> kBatchFlags = {"head",         "hidden_file", "targets_file",      "rows",
                                               "seed",         "temperature", "softcap",           "head_version",
                                               "ignore_index", "chunk_bytes", "first_chunk_bytes", "last_chunk_bytes",
@@ -181,17 +193,29 @@ absl::Status CheckRanges() {
   if (const double t = absl::GetFlag(FLAGS_timeout_seconds); !(t > 0 && t <= kMax)) {
     return absl::InvalidArgumentError(absl::StrCat("--timeout-seconds must be a finite number > 0, got ", t));
   }
-  for (const absl::Status& s :
-       {InRange(FLAGS_max_attempts, 1, 100), InRange(FLAGS_streams, 1, 64), InRange(FLAGS_data_plane_sockets, 1, 16),
-        InRange(FLAGS_rows, 1, int64_t{1} << 31), InRange(FLAGS_temperature, -kMax, kMax),
-        InRange(FLAGS_softcap, -kMax, kMax), InRange(FLAGS_head_version, 0, kMaxInt),
-        InRange(FLAGS_chunk_bytes, 1, kMaxInt), InRange(FLAGS_first_chunk_bytes, 0, kMaxInt),
-        InRange(FLAGS_last_chunk_bytes, 0, kMaxInt), InRange(FLAGS_show, 0, kMaxInt),
-        InRange(FLAGS_label_smoothing, -kMax, kMax), InRange(FLAGS_z_loss, -kMax, kMax),
-        InRange(FLAGS_iterations, 1, kMaxInt), InRange(FLAGS_warmup, 0, kMaxInt), InRange(FLAGS_lr, 0, kMax),
-        InRange(FLAGS_beta1, 0, kMax), InRange(FLAGS_beta2, 0, kMax), InRange(FLAGS_eps, 0, kMax),
-        InRange(FLAGS_weight_decay, 0, kMax), InRange(FLAGS_max_grad_norm, 0, kMax),
-        InRange(FLAGS_expected_version, 0, kMaxInt)}) {
+  for (const absl::Status& s : {InRange(FLAGS_max_attempts, 1, 100),
+                                InRange(FLAGS_streams, 1, 64),
+                                InRange(FLAGS_data_plane_sockets, 1, 16),
+                                InRange(FLAGS_data_plane_streams, 1, 64),
+                                InRange(FLAGS_rows, 1, int64_t{1} << 31),
+                                InRange(FLAGS_temperature, -kMax, kMax),
+                                InRange(FLAGS_softcap, -kMax, kMax),
+                                InRange(FLAGS_head_version, 0, kMaxInt),
+                                InRange(FLAGS_chunk_bytes, 1, kMaxInt),
+                                InRange(FLAGS_first_chunk_bytes, 0, kMaxInt),
+                                InRange(FLAGS_last_chunk_bytes, 0, kMaxInt),
+                                InRange(FLAGS_show, 0, kMaxInt),
+                                InRange(FLAGS_label_smoothing, -kMax, kMax),
+                                InRange(FLAGS_z_loss, -kMax, kMax),
+                                InRange(FLAGS_iterations, 1, kMaxInt),
+                                InRange(FLAGS_warmup, 0, kMaxInt),
+                                InRange(FLAGS_lr, 0, kMax),
+                                InRange(FLAGS_beta1, 0, kMax),
+                                InRange(FLAGS_beta2, 0, kMax),
+                                InRange(FLAGS_eps, 0, kMax),
+                                InRange(FLAGS_weight_decay, 0, kMax),
+                                InRange(FLAGS_max_grad_norm, 0, kMax),
+                                InRange(FLAGS_expected_version, 0, kMaxInt)}) {
     if (!s.ok()) return s;
   }
   return absl::OkStatus();

@@ -29,6 +29,7 @@ ABSL_DECLARE_FLAG(std::string, tls_key);
 ABSL_DECLARE_FLAG(int32_t, streams);
 ABSL_DECLARE_FLAG(bool, data_plane);
 ABSL_DECLARE_FLAG(int32_t, data_plane_sockets);
+ABSL_DECLARE_FLAG(int32_t, data_plane_streams);
 // The batch of score, forward-backward and bench.
 ABSL_DECLARE_FLAG(std::string, head);
 ABSL_DECLARE_FLAG(std::string, hidden_file);

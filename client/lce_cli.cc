@@ -163,6 +163,7 @@ absl::StatusOr<lce::client::ClientOptions> Options() {
   o.streams = absl::GetFlag(FLAGS_streams);
   o.data_plane = absl::GetFlag(FLAGS_data_plane);
   o.data_plane_sockets = absl::GetFlag(FLAGS_data_plane_sockets);
+  o.data_plane_streams = absl::GetFlag(FLAGS_data_plane_streams);
   o.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_seconds));
   o.load_balancing = absl::GetFlag(FLAGS_load_balancing);
   o.max_attempts = absl::GetFlag(FLAGS_max_attempts).value_or(0);  // 0: the client's default

@@ -141,6 +141,10 @@ absl::StatusOr<std::unique_ptr<LceClient>> LceClient::Create(const ClientOptions
   if (options.streams < 1 || options.streams > 64) {
     return absl::InvalidArgumentError(absl::StrCat("ClientOptions.streams must be in [1, 64], got ", options.streams));
   }
+  if (options.data_plane_streams < 1 || options.data_plane_streams > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions.data_plane_streams must be in [1, 64], got ", options.data_plane_streams));
+  }
   if (options.max_attempts < 0) {
     return absl::InvalidArgumentError(absl::StrCat("ClientOptions.max_attempts must be >= 0, got ", options.max_attempts));
   }
@@ -346,14 +350,16 @@ absl::Status LceClient::StreamOn(Replica& replica, const char* rpc, const Hidden
   if (absl::Status s = CheckBatch(batch, grads); !s.ok()) return s;
   const int64_t row_bytes = batch.hidden_size * WireDTypeSize(batch.dtype);
   const bool hidden_in_region = batch.hidden_region.has_value();
-  const auto parts = hidden_in_region ? std::vector<std::pair<int64_t, int64_t>>{{0, batch.rows}}
-                                      : PlanStreams(batch.rows, row_bytes, options_.chunk_bytes,
-                                                    1 + static_cast<int>(replica.extra_stubs.size()),
-                                                    options_.min_stream_bytes);
-  const bool split = parts.size() > 1;
-  const bool wants_d_hidden = std::string(rpc) != "Score";
   // Over the data plane: the bytes go through server memory, the messages name slices of it.
   const bool via_data_plane = options_.data_plane && !hidden_in_region && !batch.d_hidden_region && batch.rows > 0;
+  const int streams = 1 + static_cast<int>(replica.extra_stubs.size());
+  const auto parts = hidden_in_region
+                         ? std::vector<std::pair<int64_t, int64_t>>{{0, batch.rows}}
+                         : PlanStreams(batch.rows, row_bytes, options_.chunk_bytes,
+                                       via_data_plane ? std::min(streams, options_.data_plane_streams) : streams,
+                                       options_.min_stream_bytes);
+  const bool split = parts.size() > 1;
+  const bool wants_d_hidden = std::string(rpc) != "Score";
   // The request then goes out as a region-backed one whose bytes the lanes carry.
   std::unique_lock<std::mutex> data_plane_lock;
   std::vector<DataPlaneLane> lanes;

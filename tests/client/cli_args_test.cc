@@ -136,6 +136,7 @@ TEST(CliArgs, BadValuesNameTheFlag) {
       {{"bench", "--rows=0"}, "--rows must be in [1, 2147483648], got 0"},
       {{"bench", "--iterations=0"}, "--iterations must be >= 1, got 0"},
       {{"bench", "--streams=65"}, "--streams must be in [1, 64]"},
+      {{"bench", "--data-plane-streams=0"}, "--data-plane-streams must be in [1, 64]"},
       {{"bench", "--timeout-seconds=0"}, "--timeout-seconds must be a finite number > 0"},
       {{"step", "--lr=-1"}, "--lr must be >= 0"},
       {{"step", "--eps=nan"}, "--eps must be >= 0"},

@@ -144,13 +144,12 @@ TEST(Cli, TrainingCommandsAgainstNoServerExitOne) {
 }
 
 TEST(Cli, UsageErrorsExitTwo) {
-  for (const char* args : {"", "frobnicate", "score --rows", "score --row=3", "health --rows=3",
-                           "score --target=127.0.0.1:1 --rows=abc", "score --target 127.0.0.1:1 extra",
-                           "forward-backward --target=127.0.0.1:1 --reduction=avg",
-                           "score --target=127.0.0.1:1 --streams=0",
-                           "score --target=127.0.0.1:1 --data-plane=1 --data-plane-sockets=17",
-                           "score --target=127.0.0.1:1 --first-chunk-bytes=-1",
-                           "score --target=127.0.0.1:1 --grow-chunks=2"}) {
+  for (const char* args :
+       {"", "frobnicate", "score --rows", "score --row=3", "health --rows=3", "score --target=127.0.0.1:1 --rows=abc",
+        "score --target 127.0.0.1:1 extra", "forward-backward --target=127.0.0.1:1 --reduction=avg",
+        "score --target=127.0.0.1:1 --streams=0", "score --target=127.0.0.1:1 --data-plane=1 --data-plane-sockets=17",
+        "score --target=127.0.0.1:1 --data-plane=1 --data-plane-streams=0",
+        "score --target=127.0.0.1:1 --first-chunk-bytes=-1", "score --target=127.0.0.1:1 --grow-chunks=2"}) {
     CliRun r = Cli(args);
     EXPECT_EQ(r.code, 2) << "'" << args << "': " << r.output;
     EXPECT_FALSE(r.output.empty()) << args;

@@ -299,7 +299,7 @@ TEST_F(BadInput, ClientProcessKilledMidStream) {
   // One stream, then one request split over four connections (300000 rows: above two 8 MiB parts),
   // then over the data plane (sockets cut mid-transfer; the session's server memory must go).
   for (const char* flags : {"--rows=4000", "--rows=300000 --streams=4",
-                            "--rows=300000 --streams=2 --data-plane=1 --data-plane-sockets=3 "
+                            "--rows=300000 --streams=2 --data-plane=1 --data-plane-streams=2 --data-plane-sockets=3 "
                             "--first-chunk-bytes=65536 --last-chunk-bytes=65536 --grow-chunks=1"}) {
     const std::string cmd = cli + " bench --target=" + server_->target + " --op=train " + flags +
                             " --iterations=100000 >/dev/null 2>&1 & pid=$!; sleep 1.5; kill -9 $pid; wait $pid";

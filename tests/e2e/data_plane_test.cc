@@ -8,13 +8,15 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "data_plane_connection.h"
 #include "lce/v1/data_plane_wire.h"
@@ -36,7 +38,7 @@ std::unique_ptr<LceClient> Connect(const TestServer& ts, int streams, bool data_
                                    int sockets = 2) {
   return ConnectClient(ts.target, chunk_bytes, [&](ClientOptions& o) {
     o.data_plane_sockets = sockets;
-    o.streams = streams;
+    o.streams = o.data_plane_streams = streams;
     o.min_stream_bytes = 2 * chunk_bytes;  // small, so that a test-sized batch splits
     o.data_plane = data_plane;
   });
@@ -121,6 +123,31 @@ TEST(DataPlane, AnswersEqualTheBytesPathOverOneAndSeveralStreams) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     EXPECT_EQ(ts->server->regions().counts().server, 0u);
+  }
+}
+
+// A request over the data plane goes as one stream by default (ClientOptions.data_plane_streams) where the same
+// client splits it over the wire; data_plane_streams, up to `streams`, splits it there too.
+TEST(DataPlane, OneStreamByDefault) {
+  auto ts = StartTestServer();
+  const int64_t row_bytes = kHidden * 2;
+  const Batch b = MakeBatch(600, v1::DTYPE_BFLOAT16, 34);
+  for (const auto& [data_plane, data_plane_streams, want] :
+       {std::tuple{false, 1, 4}, std::tuple{true, 1, 1}, std::tuple{true, 3, 3}, std::tuple{true, 8, 4}}) {
+    SCOPED_TRACE(testing::Message() << "data plane " << data_plane << ", data_plane_streams " << data_plane_streams);
+    std::atomic<int> streams{0};
+    auto c = ConnectClient(ts->target, 16 * row_bytes, [&](ClientOptions& o) {
+      o.streams = 4;
+      o.min_stream_bytes = 32 * row_bytes;
+      o.data_plane = data_plane;
+      o.data_plane_streams = data_plane_streams;
+      o.stream_trace = [&streams](const client::StreamTrace&) { ++streams; };
+    });
+    v1::RequestHeader fb;
+    fb.add_outputs(v1::OUTPUT_LOSS);
+    auto got = c->ForwardBackward(View(b), fb);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(streams.load(), want);
   }
 }
 

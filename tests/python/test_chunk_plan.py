@@ -249,7 +249,7 @@ def make_client(head, path, chunk_rows, first_rows, last_rows, streams, sockets)
               last_chunk_bytes=last_rows * rb + (rb - 1 if last_rows else 0), streams=streams,
               min_stream_bytes=100 * rb)
     if path == "data-plane":
-        kw.update(data_plane=True, data_plane_sockets=sockets)
+        kw.update(data_plane=True, data_plane_sockets=sockets, data_plane_streams=streams)
     return head.client(**kw)
 
 

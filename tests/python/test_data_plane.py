@@ -46,7 +46,7 @@ def clients(head, chunk_rows, streams=1, sockets=2, min_rows=None):
     makes the same engine calls for both."""
     rb = ROW_BYTES[head.dtype]
     kw = dict(chunk_bytes=chunk_rows * rb, streams=streams, min_stream_bytes=(min_rows or chunk_rows) * rb)
-    return head.client(**kw), head.client(data_plane=True, data_plane_sockets=sockets, **kw)
+    return head.client(**kw), head.client(data_plane=True, data_plane_sockets=sockets, data_plane_streams=streams, **kw)
 
 
 def server_regions(head) -> float:
@@ -76,6 +76,27 @@ CASES = {
     "3-streams-3-sockets": (2300, 700, 3, 3),
     "2-streams-4-sockets": (2300, 700, 2, 4),
 }
+
+
+def test_one_stream_by_default(dp_head):
+    """A call over the data plane goes as one stream (data_plane_streams, default 1) where the same request
+    splits over the wire; a call's own streams= still splits it."""
+    head = dp_head
+    rows, chunk_rows = 2800, 700
+    st, _ = head.hidden(rows, seed=24, shape=(rows,))
+    y = targets_for_rows(rows, seed=25)
+    rb = ROW_BYTES[head.dtype]
+    kw = dict(chunk_bytes=chunk_rows * rb, streams=4, min_stream_bytes=chunk_rows * rb)
+    with head.client(**kw) as plain, head.client(data_plane=True, **kw) as dp:
+        assert dp.data_plane_streams == 1
+        assert len(plain._plan_parts(rows, rb, chunk_rows, None)) == 4  # the wire would split it
+        lp0, _ = plain.score(st, y)
+        lp1, _ = dp.score(st, y)
+        np.testing.assert_array_equal(lp1, lp0)
+        assert len(dp._data_plane.lanes) == 1
+        lp2, _ = dp.score(st, y, streams=3)
+        np.testing.assert_array_equal(lp2, lp0)
+        assert len(dp._data_plane.lanes) == 3
 
 
 @pytest.mark.parametrize("case", list(CASES))

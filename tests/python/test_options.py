@@ -79,6 +79,7 @@ def test_unknown_setting_is_named():
     (dict(chunk_bytes=0), "chunk_bytes must be positive"),
     (dict(first_chunk_bytes=-1), "first_chunk_bytes must be an integer >= 0"),
     (dict(data_plane_sockets=17), r"data_plane_sockets must be an integer in \[1, 16\]"),
+    (dict(data_plane_streams=0), "data_plane_streams must be an integer >= 1"),
     (dict(max_attempts=0), "max_attempts must be an integer >= 1"),
     (dict(retry_backoff=-1.0), "retry_backoff must be >= 0"),
     (dict(data_plane=True, load_balancing="round_robin"), "data_plane needs the replicas listed"),

@@ -251,6 +251,7 @@ class _ClientBase:
         self.streams = int(o.streams)
         self.min_stream_bytes = int(o.min_stream_bytes)
         self.data_plane_sockets = int(o.data_plane_sockets)
+        self.data_plane_streams = int(o.data_plane_streams)
         self._options = [("grpc.max_receive_message_length", _MAX_RECV),
                          ("grpc.max_send_message_length", _MAX_RECV)] + list(o.channel_options)
         self._creds = None

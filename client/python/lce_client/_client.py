@@ -161,6 +161,10 @@ class Client(_ClientBase):
         bytes are split over them in page-aligned shares (below 64 KiB all on the first): each
         stream uploads with a thread per socket that moves its share of every chunk in turn, without
         waiting for the other sockets, and a chunk's message goes once all its shares are in.
+      data_plane_streams: streams a call over the data plane is split over, at most `streams` (a call's
+        own `streams=` overrides both): 1 by default, one stream's chunks merging into the server's largest
+        engine calls (bench/RESULTS.md, 2026-11-29 session 21: a 16384 x 4096 train request over 1 stream
+        7-25% faster than over 4, on one GPU and a TP-4 group).
     """
 
     def __init__(self, target: Union[str, Sequence[str]], *, options: Optional[ClientOptions] = None, **kwargs):
@@ -502,11 +506,13 @@ class Client(_ClientBase):
             return at.out
         _wait_for_cuda_work(hidden_region, d_hidden_region)
         row_bytes = h.hidden_size * h.itemsize
-        parts = self._plan_parts(n, row_bytes, self._rows_per_chunk(h), streams)
         # Over the data plane the bytes go through server memory and the messages name slices of it.
         dp = replica.data_plane
         if hidden_region is not None or d_hidden_region is not None:
             dp = None
+        if streams is None and dp is not None:
+            streams = min(self.streams, self.data_plane_streams)
+        parts = self._plan_parts(n, row_bytes, self._rows_per_chunk(h), streams)
         prog = _Progress(n, progress, use_tqdm, rpc) if (progress or use_tqdm) else None
         try:
             routes = self._take_data_plane(replica, dp, at, len(parts), n * row_bytes, want_dhidden)

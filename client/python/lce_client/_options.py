@@ -14,6 +14,11 @@ DEFAULT_MIN_STREAM_BYTES = 8 << 20
 # loopback (bench/RESULTS.md, 2026-11-27 session 6: 4 streams took a 16384-row train request from 178 to
 # 138 ms end to end on one H200, and a TP-4 group's from 172 to 123).
 DEFAULT_STREAMS = 4
+# Streams a request over the data plane is split over (at most `streams`): one stream's chunks merge into the
+# server's largest engine calls (bench/RESULTS.md, 2026-11-29 session 21, 4x H200, lce_cli: a 16384x4096 train
+# request over the data plane 97.9-99.2 ms over 1 stream against 105.7-105.8 over 4; a TP-4 group's 39.5-40.9
+# against 50.1-51.4).
+DEFAULT_DATA_PLANE_STREAMS = 1
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class ClientOptions:
     min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES
     data_plane: bool = False
     data_plane_sockets: int = 4
+    data_plane_streams: int = DEFAULT_DATA_PLANE_STREAMS
     first_chunk_bytes: int = 0
     last_chunk_bytes: int = 0
     grow_chunks: bool = False
@@ -71,6 +77,7 @@ class ClientOptions:
                 raise ValueError(f"{name} must be an integer >= 0 (0: off), got {v!r}")
         if int(self.streams) < 1:
             raise ValueError("streams must be >= 1")
+        _check_int("data_plane_streams", self.data_plane_streams, 1)
         if self.min_stream_bytes < 0:
             raise ValueError("min_stream_bytes must be >= 0")
         v = self.data_plane_sockets

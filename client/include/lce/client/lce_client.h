@@ -129,6 +129,11 @@ struct ClientOptions {
   // Measured best there for 8192×4096 bf16 (bench/RESULTS.md): one stream, 4 sockets; for train a
   // first and last chunk of 1 MiB and 16 MiB chunks, for score growing chunks (see grow_chunks).
   int data_plane_sockets = 4;
+  // Streams a request over the data plane is split over (at most `streams`): 1 by default, one stream's chunks
+  // merging into the server's largest engine calls. Measured on 4× H200 (bench/RESULTS.md, 2026-11-29 session 21,
+  // 16384×4096 bf16 train requests end to end): one GPU 97.9–99.2 ms over 1 stream, 101.5–102.8 over 2 and 105.7–105.8
+  // over 4; a TP-4 group 39.5–40.9, 43.7–48.6 and 50.1–51.4.
+  int data_plane_streams = 1;
   // A server whose data plane speaks TLS (lce_server --data-plane-tls, GetInfoResponse.data_plane_tls)
   // gets TLS sockets, its certificate checked against this PEM CA file and the target's host ("": the
   // system's CAs). TLS costs throughput: lce_transport_bench --data-plane-tls measures it.
