@@ -136,13 +136,15 @@ TEST(DataPlane, OneStreamByDefault) {
        {std::tuple{false, 1, 4}, std::tuple{true, 1, 1}, std::tuple{true, 3, 3}, std::tuple{true, 8, 4}}) {
     SCOPED_TRACE(testing::Message() << "data plane " << data_plane << ", data_plane_streams " << data_plane_streams);
     std::atomic<int> streams{0};
-    auto c = ConnectClient(ts->target, 16 * row_bytes, [&](ClientOptions& o) {
-      o.streams = 4;
-      o.min_stream_bytes = 32 * row_bytes;
-      o.data_plane = data_plane;
-      o.data_plane_streams = data_plane_streams;
-      o.stream_trace = [&streams](const client::StreamTrace&) { ++streams; };
-    });
+    // Copies of the bindings: clang 14 cannot capture a structured binding.
+    auto c =
+        ConnectClient(ts->target, 16 * row_bytes, [&, dp = data_plane, dps = data_plane_streams](ClientOptions& o) {
+          o.streams = 4;
+          o.min_stream_bytes = 32 * row_bytes;
+          o.data_plane = dp;
+          o.data_plane_streams = dps;
+          o.stream_trace = [&streams](const client::StreamTrace&) { ++streams; };
+        });
     v1::RequestHeader fb;
     fb.add_outputs(v1::OUTPUT_LOSS);
     auto got = c->ForwardBackward(View(b), fb);
