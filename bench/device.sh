@@ -15,6 +15,11 @@
 #                             .whl/part1 + part2 (bench/device_pack.sh peers), else Liger and CCE from .whl/
 #   tp                        TP process tests on every GPU, lce_tp_bench at k = 1 and all GPUs, verl's
 #                             kernel at the same k ($TP_SHAPES)
+#   tp-server                 one GPU, then a TP group of every GPU ($TP_K), each a seeded VOCAB x HIDDEN bf16 head
+#                             (151936 x 4096 by default): lce_cli bench --rows=$ROWS (16384) training requests that
+#                             accumulate dW over the data plane for each of $DP_STREAMS (default 1) and over gRPC (the
+#                             clients' defaults), then scores over the data plane, $ROUNDS (2) rounds; each server's
+#                             request log summarised (bench/transport_log_summary.py); BACKEND=cpu for a dry run
 #   dp                        one data-parallel replica a GPU (NCCL links): $DP_STEPS AdamW steps from
 #                             lce_cli, then each replica's SaveHead compared byte for byte
 #   transport                 the IPC test, then lce_transport_bench over every path (ROWS, HIDDEN,
@@ -99,6 +104,39 @@ step_tp() {
       echo "verl k=$k rc=$?"
     done
   fi
+}
+
+step_tp_server() {
+  local k g r st P sv flags rows=${ROWS:-16384} hv=${VOCAB:-151936}x${HIDDEN:-4096} backend=${BACKEND:-cuda}
+  k=${TP_K:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+  flags="--backend=$backend --seed-head=$hv --seed=0 --head-dtype=bf16 --data-port=0 --log-requests=true"
+  for g in 1 $k; do
+    rm -f /tmp/tps.port
+    if [ "$g" = 1 ]; then
+      CUDA_VISIBLE_DEVICES=0 ./.devbin/lce_server --port=0 --port-file=/tmp/tps.port $flags > "$OUT/tp_server_k$g.log" 2>&1 &
+    else
+      LCE_SERVER=$PWD/.devbin/lce_server LCE_TP_BIND_GPUS=$([ "$backend" = cpu ] && echo 0 || echo 1) \
+        bash deploy/lce_tp_launch.sh "$g" -- --port=0 --port-file=/tmp/tps.port $flags > "$OUT/tp_server_k$g.log" 2>&1 &
+    fi
+    sv=$!
+    for _ in $(seq 900); do [ -s /tmp/tps.port ] && break; sleep 0.2; done
+    P=127.0.0.1:$(cat /tmp/tps.port)
+    for ((r = 1; r <= ${ROUNDS:-2}; r++)); do
+      for st in ${DP_STREAMS:-1}; do
+        echo -n "k=$g data plane, $st stream(s), train r$r: "
+        timeout 120 ./.devbin/lce_cli bench --target=$P --op=train --accumulate-weight-grad --rows="$rows" --iterations=5 \
+          --warmup=2 --data-plane=true --data-plane-streams="$st" --streams="$st" 2>&1 | tail -1
+      done
+      echo -n "k=$g gRPC (client defaults), train r$r: "
+      timeout 120 ./.devbin/lce_cli bench --target=$P --op=train --accumulate-weight-grad --rows="$rows" --iterations=5 \
+        --warmup=2 2>&1 | tail -1
+      echo -n "k=$g data plane, score r$r: "
+      timeout 120 ./.devbin/lce_cli bench --target=$P --op=score --rows="$rows" --iterations=5 --warmup=2 \
+        --data-plane=true 2>&1 | tail -1
+    done
+    kill -TERM $sv; wait $sv 2>/dev/null
+    echo "== k=$g request log"; python3 bench/transport_log_summary.py "$OUT/tp_server_k$g.log"
+  done
 }
 
 step_dp() {
@@ -266,6 +304,7 @@ for step in "$@"; do
       echo "stashed $arg: $(du -sh "/tmp/stash/$(basename "$arg")" | cut -f1)" ;;
     peers) step_peers ;;
     tp) step_tp ;;
+    tp-server) step_tp_server >> "$OUT/tp_server.log" 2>&1; echo "tp-server done" ;;
     dp) step_dp ;;
     transport) step_transport ;;
     grpc-sweep) step_grpc_sweep ;;
@@ -288,5 +327,5 @@ for f in gpu_test e2e_cuda tp_test; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|rror|tests ran|^\[  FAILED" "$OUT/$f.log" | head -40; }
 done
 [ -f "$OUT/sanitizer.log" ] && { echo "== sanitizer"; tail -4 "$OUT/sanitizer.log"; }
-for f in bench tp_bench peers transport dp py_gpu small_calls; do [ -f "$OUT/$f.log" ] && { echo "== $f"; cat "$OUT/$f.log"; }; done
+for f in bench tp_bench tp_server peers transport dp py_gpu small_calls; do [ -f "$OUT/$f.log" ] && { echo "== $f"; cat "$OUT/$f.log"; }; done
 exit 0
