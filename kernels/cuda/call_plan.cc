@@ -130,14 +130,13 @@ absl::Status CudaEngine::SizeBlocks(CallPlan& p, ScratchLayout layout) {
 // 2048). H = 4096 (2048-row blocks level or slower, e26) and TP groups (not measured) keep the budget's blocks.
 int64_t CudaEngine::WholeSliceRows(const CallPlan& p, int64_t r_max) const {
   const int64_t H = shape_.hidden_size;
-  const bool one_gpu = config_.collectives == nullptr || config_.collectives->world_size() < 2;
-  if (!tuning_.slice_blocks || !p.dh_chunks || !one_gpu || H < 2048 || H > 3584) return r_max;
+  if (!tuning_.slice_blocks || !p.dh_chunks || GroupSize() > 1 || H < 2048 || H > 3584) return r_max;
   if (p.rows.rows <= r_max || r_max < kDhSliceRows) return r_max;
   return r_max / kDhSliceRows * kDhSliceRows;
 }
 
 absl::StatusOr<int64_t> CudaEngine::GroupMin(int64_t value) {
-  if (config_.collectives == nullptr || config_.collectives->world_size() < 2) return value;
+  if (GroupSize() < 2) return value;
   if (agree_ == nullptr) {
     absl::StatusOr<std::unique_ptr<DeviceBuffer>> b = AllocateDeviceBuffer(sizeof(float), config_.device);
     if (!b.ok()) return b.status();

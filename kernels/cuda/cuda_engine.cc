@@ -169,7 +169,7 @@ EngineInvariance CudaEngine::invariance() const {
   // A group of three or more sums its ranks' partials through NCCL, whose order for an element changes with
   // the message's size (the row count): nothing per row holds unless the partials are gathered and folded
   // in one order (tp_invariant_). Two ranks' a + b is the same bits either way.
-  if (config_.collectives != nullptr && config_.collectives->world_size() > 2 && !tp_invariant_) return {};
+  if (GroupSize() > 2 && !tp_invariant_) return {};
   // The epilogue GEMM's forward is batch invariant by construction, and so is d_hidden over the leaves
   // (DHiddenProduct) after it; on the logit tiles, only with batch-invariant GEMMs.
   if (!batch_invariant_ && !UseEpilogueStats()) return {};
@@ -180,7 +180,7 @@ EngineInvariance CudaEngine::invariance() const {
   // shards are whole leaves.
   if (tp_invariant_option_ && SegmentsAreGlobal()) {
     inv.across_tp_sizes = {"logprob", "entropy", "lse", "loss"};
-    const int world = config_.collectives != nullptr ? config_.collectives->world_size() : 1;
+    const int world = GroupSize();
     const bool leaf_group =
         std::find(std::begin(kLeafGroupSizes), std::end(kLeafGroupSizes), world) != std::end(kLeafGroupSizes);
     if (DHiddenChunked() && leaf_group) inv.across_tp_sizes.push_back("d_hidden");

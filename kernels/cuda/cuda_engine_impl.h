@@ -193,10 +193,10 @@ class CudaEngine final : public LceEngine {
     return tuning_.dh_fixed_order && !tuning_.gemm_ex && shape_.hidden_size % 4 == 0 &&
            (UseEpilogueStats() || batch_invariant_);
   }
+  // The ranks of this engine's TP group (1: no group).
+  int GroupSize() const { return config_.collectives != nullptr ? config_.collectives->world_size() : 1; }
   // A group sums d_hidden's leaves in fixed point over its ranks (GroupLeafSum) rather than all-reducing floats.
-  bool DhExactGroup() const {
-    return DHiddenChunked() && config_.collectives != nullptr && config_.collectives->world_size() > 1;
-  }
+  bool DhExactGroup() const { return DHiddenChunked() && GroupSize() > 1; }
   int64_t DhPartRowBytes() const {  // a row's leaf partials (and in a group its int32 sum and codes)
     return static_cast<int64_t>(dh_leaves_.size()) * shape_.hidden_size * 4 +
            (DhExactGroup() ? shape_.hidden_size * 5 : 0);

@@ -25,7 +25,7 @@
 namespace lce::cuda {
 
 absl::Status CudaEngine::PrepareRankings(CallPlan& p) {
-  const int world = config_.collectives != nullptr ? config_.collectives->world_size() : 1;
+  const int world = GroupSize();
   const int rank = config_.collectives != nullptr ? config_.collectives->rank() : 0;
   const int64_t k = p.o.top_k, R = p.R;
   // The logit-tile path keeps a segment's k best a slot; the epilogue GEMM's, its shard's k best in one
