@@ -51,7 +51,8 @@ TEST(CudaTuningTest, UnsetOrEmptyVariablesKeepTheDefaults) {
   EXPECT_EQ(t.vocab_tile, 8192);
   EXPECT_EQ(t.max_rows, d.max_rows);
   EXPECT_EQ(t.backward_chunk, 16384);
-  EXPECT_TRUE(t.fast_loss_path && t.target_apart && t.dh_beside && t.dh_fixed_order && t.gemm_tune && t.epilogue_stats);
+  EXPECT_TRUE(t.fast_loss_path && t.target_apart && t.dh_beside && t.dh_fixed_order && t.gemm_tune &&
+              t.epilogue_stats && t.slice_blocks);
   EXPECT_FALSE(t.gemm_ex || t.trace || t.gemm_log);
   EXPECT_EQ(t.epi_kernel, -1);
   EXPECT_EQ(t.debug_skip, 0);
@@ -67,11 +68,13 @@ TEST(CudaTuningTest, EachVariableSetsItsField) {
        {"LCE_CUDA_NO_GEMM_TUNE", "1"},  {"LCE_CUDA_GEMM_LOG", "1"},        {"LCE_CUDA_EPILOGUE_STATS", "0"},
        {"LCE_CUDA_EPI_KERNEL", "2"},    {"LCE_CUDA_EPI_SMALL_ROWS", "64"}, {"LCE_CUDA_EPI_LARGE", "3"},
        {"LCE_CUDA_EPI_SWIZZLE", "8"},   {"LCE_CUDA_EPI_RASTER", "1"},      {"LCE_CUDA_DEBUG_SKIP", "5"},
-       {"LCE_CUDA_TRACE", "1"},         {"LCE_CUDA_BATCH_INVARIANT", "1"}, {"LCE_CUDA_TP_INVARIANT", "0"}});
+       {"LCE_CUDA_TRACE", "1"},         {"LCE_CUDA_BATCH_INVARIANT", "1"}, {"LCE_CUDA_TP_INVARIANT", "0"},
+       {"LCE_CUDA_SLICE_BLOCKS", "0"}});
   const CudaTuning t = CudaTuningFromEnv();
   EXPECT_EQ(t.vocab_tile, 4096);
   EXPECT_EQ(t.max_rows, 7);
   EXPECT_EQ(t.backward_chunk, 2048);
+  EXPECT_FALSE(t.slice_blocks);
   EXPECT_EQ(t.stats_sms, 16);
   EXPECT_FALSE(t.fast_loss_path);
   EXPECT_FALSE(t.target_apart);
