@@ -9,6 +9,9 @@
 #   e2e-cuda[=FILTER]         e2e_test against lce_server --backend=cuda
 #   bench[=VAR=V:VAR=V]       lce_bench on $SHAPES (default: the five issue shapes), with env vars set, and
 #                             $LCE_BENCH_ARGS (e.g. --epi-ab: score and train with LCE_CUDA_EPILOGUE_STATS=0 and =1)
+#   gemm-picks                $PROCS (8) lce_bench processes on $SHAPES, each with LCE_CUDA_GEMM_LOG=1: its times and the
+#                             pick of each tuned product (a pick that differs between processes splits a shape's
+#                             speed: bench/NOTES.md e28); every candidate's slice time in $OUT/picks_N.err
 #   stash=DIR                 copy a carried DIR to /tmp/stash (kept while the machine is warm: carry a large set over
 #                             calls made back to back, e.g. the peers' .whl/part1 and .whl/part2)
 #   peers                     ../shared/bench/peers.py (as .peers/peers.py) on $SHAPES; every peer from the stashed
@@ -136,6 +139,17 @@ step_tp_server() {
     done
     kill -TERM $sv; wait $sv 2>/dev/null
     echo "== k=$g request log"; python3 bench/transport_log_summary.py "$OUT/tp_server_k$g.log"
+  done
+}
+
+step_gemm_picks() {
+  local i
+  for ((i = 1; i <= ${PROCS:-8}; i++)); do
+    LCE_CUDA_GEMM_LOG=1 timeout 300 ./.devbin/lce_bench --shapes "$SHAPES" --reps ${REPS:-5} > "$OUT/picks_$i.out" \
+      2> "$OUT/picks_$i.err"
+    echo "## process $i"
+    grep "^N=" "$OUT/picks_$i.out" | sed 's/ | extra.*//'
+    grep "picked" "$OUT/picks_$i.err" | sed 's/^lce gemm: //'
   done
 }
 
@@ -305,6 +319,7 @@ for step in "$@"; do
     peers) step_peers ;;
     tp) step_tp ;;
     tp-server) step_tp_server >> "$OUT/tp_server.log" 2>&1; echo "tp-server done" ;;
+    gemm-picks) step_gemm_picks >> "$OUT/gemm_picks.log" 2>&1; echo "gemm-picks done" ;;
     dp) step_dp ;;
     transport) step_transport ;;
     grpc-sweep) step_grpc_sweep ;;
@@ -327,5 +342,5 @@ for f in gpu_test e2e_cuda tp_test; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|rror|tests ran|^\[  FAILED" "$OUT/$f.log" | head -40; }
 done
 [ -f "$OUT/sanitizer.log" ] && { echo "== sanitizer"; tail -4 "$OUT/sanitizer.log"; }
-for f in bench tp_bench tp_server peers transport dp py_gpu small_calls; do [ -f "$OUT/$f.log" ] && { echo "== $f"; cat "$OUT/$f.log"; }; done
+for f in bench tp_bench tp_server gemm_picks peers transport dp py_gpu small_calls; do [ -f "$OUT/$f.log" ] && { echo "== $f"; cat "$OUT/$f.log"; }; done
 exit 0
