@@ -73,13 +73,24 @@ step_peers() {
   echo "peers rc=$?"
 }
 
-# A CUDA server on a seeded V×H head, its port in $PORT, its pid in $SERVER; extra flags as arguments.
+# Waits until every port FILE is written, at most TRIES × 0.2 s.
+wait_ports() {
+  local tries=$1 f
+  shift
+  for ((; tries > 0; tries--)); do
+    for f in "$@"; do [ -s "$f" ] || { sleep 0.2; continue 2; }; done
+    return 0
+  done
+}
+
+# A server ($BACKEND, default cuda) on a seeded V×H head, its port in $PORT, its pid in $SERVER; extra flags as
+# arguments.
 start_server() {
   rm -f /tmp/lce.port
-  ./.devbin/lce_server --port=0 --port-file=/tmp/lce.port --backend=cuda --seed-head="${V}x${H}" --seed=0 \
-    --head-dtype=bf16 "$@" &
+  ./.devbin/lce_server --port=0 --port-file=/tmp/lce.port --backend="${BACKEND:-cuda}" --seed-head="${V}x${H}" \
+    --seed=0 --head-dtype=bf16 "$@" &
   SERVER=$!
-  for _ in $(seq 600); do [ -s /tmp/lce.port ] && break; sleep 0.2; done
+  wait_ports 600 /tmp/lce.port
   PORT=$(cat /tmp/lce.port)
 }
 stop_server() { kill $SERVER; wait $SERVER 2>/dev/null; }
@@ -110,20 +121,22 @@ step_tp() {
 }
 
 step_tp_server() {
-  local k g r st P sv flags rows=${ROWS:-16384} hv=${VOCAB:-151936}x${HIDDEN:-4096} backend=${BACKEND:-cuda}
+  local k g r st P rows=${ROWS:-16384} V=${VOCAB:-151936} backend=${BACKEND:-cuda}  # V: start_server's head too
   k=${TP_K:-$(nvidia-smi -L 2>/dev/null | wc -l)}
-  flags="--backend=$backend --seed-head=$hv --seed=0 --head-dtype=bf16 --data-port=0 --log-requests=true"
   for g in 1 $k; do
-    rm -f /tmp/tps.port
     if [ "$g" = 1 ]; then
-      CUDA_VISIBLE_DEVICES=0 ./.devbin/lce_server --port=0 --port-file=/tmp/tps.port $flags > "$OUT/tp_server_k$g.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=0 start_server --data-port=0 --log-requests=true > "$OUT/tp_server_k$g.log" 2>&1
     else
+      rm -f /tmp/tps.port
       LCE_SERVER=$PWD/.devbin/lce_server LCE_TP_BIND_GPUS=$([ "$backend" = cpu ] && echo 0 || echo 1) \
-        bash deploy/lce_tp_launch.sh "$g" -- --port=0 --port-file=/tmp/tps.port $flags > "$OUT/tp_server_k$g.log" 2>&1 &
+        bash deploy/lce_tp_launch.sh "$g" -- --port=0 --port-file=/tmp/tps.port --backend="$backend" \
+        --seed-head="${V}x${H}" --seed=0 --head-dtype=bf16 --data-port=0 --log-requests=true \
+        > "$OUT/tp_server_k$g.log" 2>&1 &
+      SERVER=$!
+      wait_ports 900 /tmp/tps.port
+      PORT=$(cat /tmp/tps.port)
     fi
-    sv=$!
-    for _ in $(seq 900); do [ -s /tmp/tps.port ] && break; sleep 0.2; done
-    P=127.0.0.1:$(cat /tmp/tps.port)
+    P=127.0.0.1:$PORT
     for ((r = 1; r <= ${ROUNDS:-2}; r++)); do
       for st in ${DP_STREAMS:-1}; do
         echo -n "k=$g data plane, $st stream(s), train r$r: "
@@ -137,7 +150,7 @@ step_tp_server() {
       timeout 120 ./.devbin/lce_cli bench --target=$P --op=score --rows="$rows" --iterations=5 --warmup=2 \
         --data-plane=true 2>&1 | tail -1
     done
-    kill -TERM $sv; wait $sv 2>/dev/null
+    kill -TERM $SERVER; wait $SERVER 2>/dev/null
     echo "== k=$g request log"; python3 bench/transport_log_summary.py "$OUT/tp_server_k$g.log"
   done
 }
@@ -160,7 +173,7 @@ step_dp() {
   LCE_SERVER=$PWD/.devbin/lce_server LCE_TP_BIND_GPUS=1 bash deploy/lce_dp_launch.sh "$ngpu" 1 -- --port=$port \
     --port-file=/tmp/dp.port --backend=cuda --seed-head="${V}x${H}" --seed=0 --head-dtype=bf16 > "$OUT/dp_job.log" 2>&1 &
   local job=$!
-  for _ in $(seq 600); do [ -s /tmp/dp.port.$((ngpu - 1)) ] && [ -s /tmp/dp.port.0 ] && break; sleep 0.2; done
+  wait_ports 600 /tmp/dp.port.$((ngpu - 1)) /tmp/dp.port.0
   local cli=./.devbin/lce_cli
   {
     for ((s = 1; s <= steps; s++)); do
