@@ -33,6 +33,12 @@ int64_t SizeClass(int64_t x) {
   return (x + step - 1) / step * step;
 }
 
+// Out-of-place candidates are timed on a slice of C at least this wide, in at most this many bytes: narrower,
+// an fp32 C fits in the L2 and candidates that tie there are 15% apart on the whole product (bench/NOTES.md
+// e29: dW at H = 2048 timed on 2048 columns picked tile 24 or 23 by chance; from 8192 columns up, 29).
+constexpr int64_t kTuneColumns = 16384;
+constexpr int64_t kTuneBytes = int64_t{256} << 20;
+
 // Exact problems whose plans (descriptors and layouts, cheap to remake) stay cached.
 constexpr size_t kMaxPlans = 512;
 
@@ -231,16 +237,15 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
   p->algo = res[0].algo;
   p->has_algo = true;
   if (found > 1 && tune_) {
-    // Where to time: in place on scratch output, else on tune_scratch with n cut to fit.
-    int64_t tn = g.n;
-    void* tc = g.c;
-    if (!c_is_scratch) {
-      tn = tune_scratch == nullptr ? 0 : std::min<int64_t>(g.n, tune_floats / std::max<int64_t>(g.ldc, 1));
-      if (g.c_type != CUDA_R_32F) tn = 0;  // scratch is fp32-sized; only fp32 outputs are tuned out of place
-      tn = tn >= 256 ? tn / 256 * 256 : (tn == g.n ? tn : 0);
-      tc = tune_scratch;
+    const OutOfPlaceSlice slice =
+        c_is_scratch ? OutOfPlaceSlice{g.n, g.c, nullptr} : SliceToTimeOn(g, tune_scratch, tune_floats, stream);
+    absl::Status ts = slice.n > 0 ? TimeOnSlice(g, slice.n, slice.c, res, found, workspace, workspace_bytes, stream, p)
+                                  : absl::OkStatus();
+    if (slice.owned != nullptr) {
+      const cudaError_t fe = cudaFreeAsync(slice.owned, stream);
+      if (ts.ok() && fe != cudaSuccess) ts = absl::InternalError(cudaGetErrorString(fe));
     }
-    if (tn > 0) LCE_CUDA_CHECK(TimeOnSlice(g, tn, tc, res, found, workspace, workspace_bytes, stream, p));
+    if (!ts.ok()) return ts;
   }
   if (log_) {
     std::fprintf(stderr, "lce gemm: m=%ld n=%ld k=%ld beta=%g ta=%d tb=%d: %d candidates, picked %s\n",
@@ -248,6 +253,28 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
                  DescribeGemmAlgo(p->algo).c_str());
   }
   return absl::OkStatus();
+}
+
+GemmRunner::OutOfPlaceSlice GemmRunner::SliceToTimeOn(const GemmSpec& g, float* tune_scratch, int64_t tune_floats,
+                                                      cudaStream_t stream) const {
+  OutOfPlaceSlice slice;
+  if (g.c_type != CUDA_R_32F) return slice;  // scratch is fp32-sized; only fp32 outputs are tuned out of place
+  const int64_t ldc = std::max<int64_t>(g.ldc, 1);
+  const int64_t want = std::min(g.n, std::max<int64_t>(256, std::min(kTuneColumns, kTuneBytes / 4 / ldc)));
+  int64_t have = tune_scratch == nullptr ? 0 : std::min<int64_t>(g.n, tune_floats / ldc);
+  slice.c = tune_scratch;
+  if (have < want) {
+    void* buf = nullptr;
+    if (cudaMallocAsync(&buf, static_cast<size_t>(want * ldc) * sizeof(float), stream) == cudaSuccess) {
+      slice.owned = slice.c = buf;
+      have = want;
+    } else {
+      cudaGetLastError();  // no room on the device: the scratch's narrower slice (not an error)
+    }
+  }
+  have = std::min(have, want);
+  slice.n = have >= 256 ? have / 256 * 256 : (have == g.n ? have : 0);
+  return slice;
 }
 
 absl::Status GemmRunner::TimeOnSlice(const GemmSpec& g, int64_t tn, void* tc,

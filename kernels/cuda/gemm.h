@@ -61,7 +61,8 @@ class GemmRunner {
   // Whether Tune writes each candidate, its time and the pick to stderr (CudaTuning::gemm_log).
   void set_log(bool log) { log_ = log; }
   // Runs g on stream. On the first call for a size class of problem, times the candidates: in place when g writes
-  // scratch (c_is_scratch), else on tune_scratch (tune_floats floats) with n cut to fit.
+  // scratch (c_is_scratch), else on a slice of n columns in tune_scratch (tune_floats floats) or, where that is
+  // too narrow to rank them, in a buffer allocated on stream for the timing.
   absl::Status Run(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
                    size_t workspace_bytes, cudaStream_t stream);
   // Chooses g's algorithm as Run does (on first sight: times the candidates, waiting for them) without
@@ -88,6 +89,16 @@ class GemmRunner {
   // Picks plan->algo among cuBLASLt's heuristic candidates by timing them (Run's scratch rules).
   absl::Status Tune(const GemmSpec& g, bool c_is_scratch, float* tune_scratch, int64_t tune_floats, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream, Plan* plan);
+  // Where an out-of-place product is timed: n columns of c (n = 0: nowhere), owned (freed after the timing)
+  // when c was allocated for it.
+  struct OutOfPlaceSlice {
+    int64_t n = 0;
+    void* c = nullptr;
+    void* owned = nullptr;
+  };
+  // tune_scratch where it holds a slice of kTuneColumns (gemm.cc), else a stream-ordered buffer that does;
+  // without room on the device for one, tune_scratch's narrower slice.
+  OutOfPlaceSlice SliceToTimeOn(const GemmSpec& g, float* tune_scratch, int64_t tune_floats, cudaStream_t stream) const;
   // Times res[0, found) that plan can run on g's first tn columns written to tc (3 runs each, the first a warm-up)
   // and sets plan->algo to the fastest.
   absl::Status TimeOnSlice(const GemmSpec& g, int64_t tn, void* tc, const cublasLtMatmulHeuristicResult_t* res,
