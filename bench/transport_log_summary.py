@@ -38,6 +38,9 @@ for (m, calls), rs in sorted(by.items()):
           f"(first chunk {med('first_chunk_wait_ms'):.2f}) + staging {med('staging_ms'):.2f} + write wait "
           f"{med('write_wait_ms'):.2f} + drain {med('drain_ms'):.2f} + other {other:.2f}"
           + (" (pipelined: waits overlap the engine)" if other < 0 else ""))
+    if any("tp_control_ms" in r for r in rs):
+        print(f"    of the engine's, sharing each call with the TP peers: control blocks {med('tp_control_ms'):.2f} ms, "
+              f"inputs {med('tp_inputs_ms'):.2f} ms")
     if any("before_first_call_ms" in r for r in rs):
         print(f"    head (start to first engine call) {med('before_first_call_ms'):.2f} ms, tail (last call's end to "
               f"the end) {med('after_last_call_ms'):.2f} ms, outputs back (unstage) {med('unstage_ms'):.2f} ms")

@@ -58,6 +58,10 @@ void LogRequest(const std::string& request_id, const char* method, grpc::ServerC
     line["write_wait_ms"] = work.write_wait_seconds * 1e3;
     line["drain_ms"] = work.drain_seconds * 1e3;
     line["unstage_ms"] = work.unstage_seconds * 1e3;
+    if (work.tp_control_seconds > 0) {
+      line["tp_control_ms"] = work.tp_control_seconds * 1e3;
+      line["tp_inputs_ms"] = work.tp_inputs_seconds * 1e3;
+    }
     const auto ms = [](auto d) { return std::chrono::duration<double, std::milli>(d).count(); };
     line["before_first_call_ms"] = ms(work.first_call_start - work.start);
     line["after_last_call_ms"] = seconds * 1e3 - ms(work.last_call_end - work.start);

@@ -30,6 +30,9 @@ struct RequestWork {
   double staging_seconds = 0;
   // Of staging_seconds, bringing outputs back after the calls (the rest: inputs up, before them).
   double unstage_seconds = 0;
+  // Of engine_seconds, a tensor-parallel group's front sharing each call with its peers before its own part:
+  // the control block (its round trip), then the call's inputs (rows, targets, upstream gradients).
+  double tp_control_seconds = 0, tp_inputs_seconds = 0;
   // When the request began, its first engine call began, and its last one ended: the request's
   // head (reading the header and first chunk, staging it) and tail (outputs back, the last answer
   // written) are what a one-call engine-only run does not pay.

@@ -15,7 +15,8 @@ namespace lce::server {
 
 class TpCommunicator : public Collectives {
  public:
-  // Broadcasts `bytes` bytes from rank `root` to every rank, in place.
+  // Broadcasts `bytes` bytes from rank `root` to every rank, in place; complete on return (device memory:
+  // with everything queued on `stream` before it).
   virtual absl::Status Broadcast(void* data, int64_t bytes, bool device_memory, void* stream, int root = 0) = 0;
   // Makes every later collective fail at once with UNAVAILABLE (after a peer failure).
   virtual void Abort() = 0;

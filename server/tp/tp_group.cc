@@ -1,5 +1,6 @@
 #include "tp_group.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <iostream>
@@ -9,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "engine_options.h"
 #include "head_store.h"
+#include "request_log.h"
 #include "status_macros.h"
 
 namespace lce::server {
@@ -105,17 +107,20 @@ absl::StatusOr<void*> Share(TpCommunicator& comm, ChunkStaging& staging, int slo
   }
   absl::StatusOr<void*> buf = staging.Buffer(slot, std::max<int64_t>(bytes, 1));
   if (!buf.ok()) return buf.status();
-  if (src != nullptr) {
-    LCE_RETURN_IF_ERROR(staging.Upload(*buf, src, bytes));
+  // The root's copy up is ordered before the broadcast on the staging's stream, which the broadcast
+  // waits for: one wait a share, not two.
+  if (src != nullptr) LCE_RETURN_IF_ERROR(staging.UploadAsync(*buf, src, bytes));
+  if (absl::Status s = comm.Broadcast(*buf, bytes, staging.device(), staging.stream()); !s.ok()) {
+    staging.Sync().IgnoreError();  // src must outlive the copy
+    return s;
   }
-  LCE_RETURN_IF_ERROR(comm.Broadcast(*buf, bytes, staging.device(), staging.stream()));
   return *buf;
 }
 
-// The control block, host side.
+// The control block, host side: the root sends its own, the others receive it.
 absl::Status ShareControl(TpCommunicator& comm, ChunkStaging& staging, TpControl& c, bool send) {
   absl::StatusOr<void*> buf = Share(comm, staging, kControl, send ? &c : nullptr, sizeof(c));
-  if (!buf.ok()) return buf.status();
+  if (!buf.ok() || send) return buf.status();
   return staging.Download(&c, *buf, sizeof(c));
 }
 
@@ -324,6 +329,7 @@ absl::Status TpGroup::Compute(const std::string& head, int64_t version, LceEngin
 absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, LceEngine& local, const RowsView& rows,
                                     const LceOptions& o, const Upstream& up, const RowOutputs& outputs,
                                     const GradOutputs& grads) {
+  const auto t0 = std::chrono::steady_clock::now();
   TpControl c;
   LCE_RETURN_IF_ERROR(PutText(c.head, head, "head name"));
   c.version = version;
@@ -335,43 +341,53 @@ absl::Status TpGroup::ComputeLocked(const std::string& head, int64_t version, Lc
   c.pending = grads.d_weight_pending;
   c.options = EncodeOptions(o);
   LCE_RETURN_IF_ERROR(ShareControl(*comm_, *staging_, c, true));
-  const HeadShape& shape = local.shape();
+  const auto t1 = std::chrono::steady_clock::now();
+  absl::StatusOr<SharedInputs> in = ShareInputs(local.shape(), rows, up);
+  if (!in.ok()) return in.status();
+  if (RequestWork* w = RequestWork::Current(); w != nullptr) {
+    w->tp_control_seconds += std::chrono::duration<double>(t1 - t0).count();
+    w->tp_inputs_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  }
+  // Staged rows come with device outputs (LceService::StageOnDevice), which the request downloads
+  // itself after the call.
+  if (!staging_->device() || rows.space == MemorySpace::kDevice) {
+    return local.Compute(in->rows, o, in->up, outputs, grads);
+  }
+  return ComputeStaged(local, in->rows, o, in->up, outputs, grads);
+}
+
+// Rows (and their targets, upstream gradients and class weights) that the request staged on the
+// device, outside the group's lock, go to the peers from there; host rows through the staging.
+absl::StatusOr<TpGroup::SharedInputs> TpGroup::ShareInputs(const HeadShape& shape, const RowsView& rows,
+                                                           const Upstream& up) {
   const int64_t n = rows.rows;
-  const int64_t row_bytes = shape.row_bytes();
-  // Rows (and their targets, upstream gradients and class weights) that the request staged on the
-  // device, outside this lock, go to the peers from there; host rows through the staging.
   const bool dev = rows.space == MemorySpace::kDevice;
-  absl::StatusOr<void*> hidden = Share(*comm_, *staging_, kHidden, rows.hidden, n * row_bytes, dev);
+  absl::StatusOr<void*> hidden = Share(*comm_, *staging_, kHidden, rows.hidden, n * shape.row_bytes(), dev);
   if (!hidden.ok()) return hidden.status();
   absl::StatusOr<void*> targets = Share(*comm_, *staging_, kTargets, rows.targets, n * 4, dev);
   if (!targets.ok()) return targets.status();
-  const void* class_weight = nullptr;
+  SharedInputs in{RowsView{*hidden, static_cast<const int32_t*>(*targets), n,
+                           staging_->device() ? MemorySpace::kDevice : MemorySpace::kHost, rows.targets_checked},
+                  up};
   if (rows.class_weight != nullptr) {
     absl::StatusOr<void*> p = Share(*comm_, *staging_, kClassWeightSlot, rows.class_weight, shape.vocab_size * 4, dev);
     if (!p.ok()) return p.status();
-    class_weight = *p;
+    in.rows.class_weight = static_cast<const float*>(*p);
   }
-  Upstream staged_up = up;
   struct GradIn {
     const float* src;
     int slot;
     const float** dst;
   };
-  for (GradIn g : {GradIn{up.grad_loss, kGradLossSlot, &staged_up.grad_loss},
-                   GradIn{up.grad_logprob, kGradLogprobSlot, &staged_up.grad_logprob},
-                   GradIn{up.grad_entropy, kGradEntropySlot, &staged_up.grad_entropy}}) {
+  for (GradIn g : {GradIn{up.grad_loss, kGradLossSlot, &in.up.grad_loss},
+                   GradIn{up.grad_logprob, kGradLogprobSlot, &in.up.grad_logprob},
+                   GradIn{up.grad_entropy, kGradEntropySlot, &in.up.grad_entropy}}) {
     if (g.src == nullptr) continue;
     absl::StatusOr<void*> p = Share(*comm_, *staging_, g.slot, g.src, n * 4, dev);
     if (!p.ok()) return p.status();
     *g.dst = static_cast<const float*>(*p);
   }
-  RowsView view{*hidden, static_cast<const int32_t*>(*targets), n,
-                staging_->device() ? MemorySpace::kDevice : MemorySpace::kHost, rows.targets_checked};
-  view.class_weight = static_cast<const float*>(class_weight);
-  // Staged rows come with device outputs (LceService::StageOnDevice), which the request downloads
-  // itself after the call.
-  if (!staging_->device() || dev) return local.Compute(view, o, staged_up, outputs, grads);
-  return ComputeStaged(local, view, o, staged_up, outputs, grads);
+  return in;
 }
 
 // Device staging: outputs land in device buffers, then come back to the caller's host memory; dW

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "chunk_staging.h"
 #include "dp_grad_reducer.h"
 #include "head_source.h"
@@ -138,6 +139,12 @@ class TpGroup {
   T Locked(F&& op);
   absl::Status ComputeLocked(const std::string& head, int64_t version, LceEngine& local, const RowsView& rows,
                              const LceOptions& o, const Upstream& up, const RowOutputs& outputs, const GradOutputs& grads);
+  // ComputeLocked's inputs as this rank's engine takes them, after they went to the peers.
+  struct SharedInputs {
+    RowsView rows;
+    Upstream up;
+  };
+  absl::StatusOr<SharedInputs> ShareInputs(const HeadShape& shape, const RowsView& rows, const Upstream& up);
   absl::Status ComputeStaged(LceEngine& local, const RowsView& view, const LceOptions& o, const Upstream& up,
                              const RowOutputs& outputs, const GradOutputs& grads);
   absl::Status Fail(absl::Status s);

@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
+#include <iterator>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -52,7 +54,9 @@ TpGroup::TpGroup(int k, double timeout_seconds, const std::string& head_file, co
     posix_spawn_file_actions_t out;
     posix_spawn_file_actions_init(&out);
     const std::string log = (dir_ / ("rank_" + std::to_string(r) + ".out")).string();
+    const std::string err = (dir_ / ("rank_" + std::to_string(r) + ".err")).string();
     posix_spawn_file_actions_addopen(&out, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_addopen(&out, STDERR_FILENO, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     pid_t pid = 0;
     EXPECT_EQ(posix_spawn(&pid, server.c_str(), &out, nullptr, argv.data(), environ), 0);
     posix_spawn_file_actions_destroy(&out);
@@ -73,6 +77,9 @@ TpGroup::~TpGroup() {
   for (pid_t p : pids_) {
     if (p > 0) ::waitpid(p, nullptr, 0);
   }
+  if (::testing::Test::HasFailure()) {  // what the ranks said, for the failure's story
+    for (size_t r = 0; r < pids_.size(); ++r) std::cerr << "---- rank " << r << "'s stderr:\n" << Stderr(r);
+  }
   fs::remove_all(dir_);
 }
 
@@ -84,6 +91,11 @@ int TpGroup::FrontMetricsPort() const {
     if (at != std::string::npos) return std::atoi(line.c_str() + at + marker.size());
   }
   return 0;
+}
+
+std::string TpGroup::Stderr(int rank) const {
+  std::ifstream in(dir_ / ("rank_" + std::to_string(rank) + ".err"));
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 void TpGroup::Signal(int rank, int sig) const {

@@ -29,6 +29,9 @@ class TpGroup {
   // The port of the front's /metrics, read from its output (each rank's stdout goes to a file of the
   // group's directory); 0 when the ranks were started without --metrics-port.
   int FrontMetricsPort() const;
+  // What `rank` wrote to stderr so far (its request log, with --log-requests=true); every rank's is
+  // printed when the test has failed.
+  std::string Stderr(int rank) const;
   pid_t pid(int rank) const { return pids_[rank]; }
   void Signal(int rank, int sig) const;
   // Exit code of `rank` once it exits within `seconds`, or -1.

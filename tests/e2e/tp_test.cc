@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include "grpcpp/client_context.h"
@@ -21,6 +22,7 @@
 #include "head_source.h"
 #include "httplib.h"
 #include "lce/client/lce_client.h"
+#include "nlohmann/json.hpp"
 #include "test_server.h"
 #include "tp_processes.h"
 #include "training_rpcs.h"
@@ -289,6 +291,43 @@ void ExpectSame(const std::vector<float>& got, const std::vector<float>& want, b
     EXPECT_EQ(got, want) << what;
   } else {
     EXPECT_LE(RelErr(got.data(), want.data(), want.size()), tol) << what;
+  }
+}
+
+// The front's request log splits, out of each request's engine time, what sharing its calls with the peers
+// took: the control blocks (tp_control_ms) and the inputs (tp_inputs_ms) — where a group's time goes
+// besides its shards' compute (bench/NOTES.md e30).
+TEST(TensorParallel, TheFrontsRequestLogTimesSharingWithThePeers) {
+  TpGroup group(2, 30.0, "", {"--log-requests=true"});
+  auto c = Connect(group.target(), 4 * kHidden * 37);  // several chunks, so several engine calls
+  const Batch b = MakeBatch(300, v1::DTYPE_FLOAT32, 5);
+  auto score = c->Score(View(b), v1::RequestHeader());
+  ASSERT_TRUE(score.ok()) << score.status();
+  v1::RequestHeader h;
+  h.set_reduction(v1::REDUCTION_NONE);
+  auto fb = c->ForwardBackward(View(b), h, std::vector<float>(b.rows, 1.0f));
+  ASSERT_TRUE(fb.ok()) << fb.status();
+  std::vector<nlohmann::json> lines;  // the two requests' lines (written as each RPC ends)
+  for (int tries = 0; tries < 100 && lines.size() < 2; ++tries) {
+    lines.clear();
+    std::istringstream err(group.Stderr(0));
+    for (std::string line; std::getline(err, line);) {
+      nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object() && (j.value("method", "") == "Score" || j.value("method", "") == "ForwardBackward")) {
+        lines.push_back(j);
+      }
+    }
+    if (lines.size() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(lines.size(), 2u) << group.Stderr(0);
+  for (const nlohmann::json& j : lines) {
+    const std::string tag = j.dump();
+    EXPECT_EQ(j.value("code", ""), "OK") << tag;
+    EXPECT_GT(j.value("engine_calls", 0), 1) << tag;
+    const double control = j.value("tp_control_ms", -1.0), inputs = j.value("tp_inputs_ms", -1.0);
+    EXPECT_GT(control, 0.0) << tag;
+    EXPECT_GT(inputs, 0.0) << tag;
+    EXPECT_LE(control + inputs, j.value("engine_ms", 0.0)) << tag;
   }
 }
 
