@@ -51,8 +51,8 @@ const std::vector<CudaTuningVariable>& CudaTuningVariables() {
       {"LCE_CUDA_EPI_LARGE", "int", "4", "automatic choice: the configuration above them (1, 3 or 4)",
        [](CudaTuning& t, int64_t v) { t.epi_large = static_cast<int>(v); }},
       {"LCE_CUDA_EPI_SWIZZLE", "int", "0",
-       "its tile scheduler's swizzle width (0 automatic: 8 for configuration 4's scores at H <= 4096, else 1; 1, 2, "
-       "4, 8)",
+       "its tile scheduler's swizzle width (0 automatic: 8 for configuration 4's scores at H <= 4096, else 1; -1 "
+       "the same, fitted to each call's rows for those scores; 1, 2, 4, 8)",
        [](CudaTuning& t, int64_t v) { t.epi_swizzle = static_cast<int>(v); }},
       {"LCE_CUDA_EPI_RASTER", "int", "0",
        "its raster: 0 automatic (configuration 4's scores at H <= 4096 along N; else along M unless W's columns fit "

@@ -643,7 +643,11 @@ cutlass::gemm::kernel::detail::RasterOrderOptions RasterFor(const EpilogueStatsA
   const int64_t w_bytes = a.cols * a.hidden_size * 2, h_bytes = a.rows * a.hidden_size * 2;
   return w_bytes <= kL2Resident && h_bytes > w_bytes ? Raster::AlongN : Raster::AlongM;
 }
-int SwizzleFor(const EpilogueStatsArgs& a) { return a.swizzle > 0 ? a.swizzle : QuackOrder(a) ? 8 : 1; }
+int SwizzleFor(const EpilogueStatsArgs& a) {
+  if (a.swizzle > 0) return a.swizzle;
+  if (!QuackOrder(a)) return 1;
+  return a.swizzle == -1 ? FittedEpilogueSwizzle(a.rows, a.cols) : 8;
+}
 
 template <class Config>
 absl::Status Run(const EpilogueStatsArgs& a, const StatsParams& sp, cudaStream_t stream) {

@@ -129,12 +129,18 @@ struct EpilogueStatsArgs {
   int config = -1;
   int64_t small_rows = 128;
   int large_config = 4;
-  // Tile scheduler: swizzle width (0 automatic: 8 for configuration 4's scores at H <= 4096, else 1; or 1, 2,
-  // 4, 8) and raster (0 automatic: along N for configuration 4's scores at H <= 4096, else along M unless W's
-  // columns fit in L2 and h's rows do not; 1 along M, 2 along N).
+  // Tile scheduler: swizzle width (0 automatic: 8 for configuration 4's scores at H <= 4096, else 1; −1 the same
+  // but FittedEpilogueSwizzle's width for those scores; or 1, 2, 4, 8) and raster (0 automatic: along N for
+  // configuration 4's scores at H <= 4096, else along M unless W's columns fit in L2 and h's rows do not; 1 along
+  // M, 2 along N).
   int swizzle = 0;
   int raster = 0;
 };
+// The swizzle width for configuration 4's scores in QuACK's order fitted to a call of rows × cols: CUTLASS's
+// persistent scheduler pads the grid's CTA rows to swizzle × 2 (its clusters) and its column tiles to swizzle,
+// and the padded tiles run (a 2560-row call at width 8 takes a 4096-row call's time, bench/NOTES.md e31). The
+// widest of 8, 4, 2 whose grid is within 3% of the least padded one, else 1.
+int FittedEpilogueSwizzle(int64_t rows, int64_t cols);
 // The column tiles' width of a configuration (0-5; automatic: of its large_config).
 int EpilogueStatsTileCols(int config);
 absl::Status LaunchEpilogueStatsGemm(const EpilogueStatsArgs& args, cudaStream_t stream);

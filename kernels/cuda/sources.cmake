@@ -7,6 +7,7 @@ set(LCE_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/engine_backward.cc
   ${CMAKE_CURRENT_LIST_DIR}/engine_rankings.cc
   ${CMAKE_CURRENT_LIST_DIR}/gemm.cc
+  ${CMAKE_CURRENT_LIST_DIR}/swizzle_fit.cc
   ${CMAKE_CURRENT_LIST_DIR}/tile_stats.cu
   ${CMAKE_CURRENT_LIST_DIR}/row_finalize.cu
   ${CMAKE_CURRENT_LIST_DIR}/write_grad.cu
