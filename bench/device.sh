@@ -12,6 +12,10 @@
 #   gemm-picks                $PROCS (8) lce_bench processes on $SHAPES, each with LCE_CUDA_GEMM_LOG=1: its times and the
 #                             pick of each tuned product (a pick that differs between processes splits a shape's
 #                             speed: bench/NOTES.md e28); every candidate's slice time in $OUT/picks_N.err
+#   swizzle-ab                lce_bench's score at row counts the server's merged calls take ($SWIZZLE_SHAPES: 2560, 3072,
+#                             1536 and 16384 rows of 4096 x 151936) with LCE_CUDA_EPI_SWIZZLE=0 (width 8) and -1 (fitted
+#                             to each call: bench/NOTES.md e31), alternated, $ROUNDS (2) rounds; for a TP group the same
+#                             variable before tp-server reaches its ranks
 #   stash=DIR                 copy a carried DIR to /tmp/stash (kept while the machine is warm: carry a large set over
 #                             calls made back to back, e.g. the peers' .whl/part1 and .whl/part2)
 #   peers                     ../shared/bench/peers.py (as .peers/peers.py) on $SHAPES; every peer from the stashed
@@ -163,6 +167,17 @@ step_gemm_picks() {
     echo "## process $i"
     grep "^N=" "$OUT/picks_$i.out" | sed 's/ | extra.*//'
     grep "picked" "$OUT/picks_$i.err" | sed 's/^lce gemm: //'
+  done
+}
+
+step_swizzle_ab() {
+  local r v shapes=${SWIZZLE_SHAPES:-2560x4096x151936,3072x4096x151936,1536x4096x151936,16384x4096x151936}
+  for ((r = 1; r <= ${ROUNDS:-2}; r++)); do
+    for v in 0 -1; do
+      echo "## round $r LCE_CUDA_EPI_SWIZZLE=$v"
+      LCE_CUDA_EPI_SWIZZLE=$v timeout 300 ./.devbin/lce_bench --shapes "$shapes" --reps "${REPS:-5}" 2>&1 | grep "^N=" |
+        sed 's/ | extra.*//'
+    done
   done
 }
 
@@ -333,6 +348,7 @@ for step in "$@"; do
     tp) step_tp ;;
     tp-server) step_tp_server >> "$OUT/tp_server.log" 2>&1; echo "tp-server done" ;;
     gemm-picks) step_gemm_picks >> "$OUT/gemm_picks.log" 2>&1; echo "gemm-picks done" ;;
+    swizzle-ab) step_swizzle_ab >> "$OUT/swizzle_ab.log" 2>&1; echo "swizzle-ab done" ;;
     dp) step_dp ;;
     transport) step_transport ;;
     grpc-sweep) step_grpc_sweep ;;
