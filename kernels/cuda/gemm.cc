@@ -237,8 +237,10 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
   p->algo = res[0].algo;
   p->has_algo = true;
   if (found > 1 && tune_) {
-    const OutOfPlaceSlice slice =
-        c_is_scratch ? OutOfPlaceSlice{g.n, g.c, nullptr} : SliceToTimeOn(g, tune_scratch, tune_floats, stream);
+    absl::StatusOr<OutOfPlaceSlice> where = OutOfPlaceSlice{g.n, g.c, nullptr};  // in place on scratch output
+    if (!c_is_scratch) where = SliceToTimeOn(g, tune_scratch, tune_floats, stream);
+    if (!where.ok()) return where.status();
+    const OutOfPlaceSlice& slice = *where;
     absl::Status ts = slice.n > 0 ? TimeOnSlice(g, slice.n, slice.c, res, found, workspace, workspace_bytes, stream, p)
                                   : absl::OkStatus();
     if (slice.owned != nullptr) {
@@ -255,8 +257,8 @@ absl::Status GemmRunner::Tune(const GemmSpec& g, bool c_is_scratch, float* tune_
   return absl::OkStatus();
 }
 
-GemmRunner::OutOfPlaceSlice GemmRunner::SliceToTimeOn(const GemmSpec& g, float* tune_scratch, int64_t tune_floats,
-                                                      cudaStream_t stream) const {
+absl::StatusOr<GemmRunner::OutOfPlaceSlice> GemmRunner::SliceToTimeOn(const GemmSpec& g, float* tune_scratch,
+                                                                      int64_t tune_floats, cudaStream_t stream) const {
   OutOfPlaceSlice slice;
   if (g.c_type != CUDA_R_32F) return slice;  // scratch is fp32-sized; only fp32 outputs are tuned out of place
   const int64_t ldc = std::max<int64_t>(g.ldc, 1);
@@ -265,9 +267,15 @@ GemmRunner::OutOfPlaceSlice GemmRunner::SliceToTimeOn(const GemmSpec& g, float* 
   slice.c = tune_scratch;
   if (have < want) {
     void* buf = nullptr;
-    if (cudaMallocAsync(&buf, static_cast<size_t>(want * ldc) * sizeof(float), stream) == cudaSuccess) {
+    const size_t bytes = static_cast<size_t>(want * ldc) * sizeof(float);
+    if (cudaMallocAsync(&buf, bytes, stream) == cudaSuccess) {
       slice.owned = slice.c = buf;
       have = want;
+      // A beta product reads it: defined values (compute-sanitizer's initcheck). Tune frees it after the timing.
+      if (const cudaError_t e = cudaMemsetAsync(buf, 0, bytes, stream); e != cudaSuccess) {
+        cudaFreeAsync(buf, stream);
+        LCE_CUDA_CHECK(e);
+      }
     } else {
       cudaGetLastError();  // no room on the device: the scratch's narrower slice (not an error)
     }

@@ -98,7 +98,8 @@ class GemmRunner {
   };
   // tune_scratch where it holds a slice of kTuneColumns (gemm.cc), else a stream-ordered buffer that does;
   // without room on the device for one, tune_scratch's narrower slice.
-  OutOfPlaceSlice SliceToTimeOn(const GemmSpec& g, float* tune_scratch, int64_t tune_floats, cudaStream_t stream) const;
+  absl::StatusOr<OutOfPlaceSlice> SliceToTimeOn(const GemmSpec& g, float* tune_scratch, int64_t tune_floats,
+                                                cudaStream_t stream) const;
   // Times res[0, found) that plan can run on g's first tn columns written to tc (3 runs each, the first a warm-up)
   // and sets plan->algo to the fastest.
   absl::Status TimeOnSlice(const GemmSpec& g, int64_t tn, void* tc, const cublasLtMatmulHeuristicResult_t* res,
