@@ -179,7 +179,9 @@ LCE_SERVER_FLAG(std::string, admin_token_file, admin_token_file, "",
 LCE_SERVER_FLAG(int64_t, workspace_bytes, workspace_bytes, int64_t{1} << 30,
                 "engine scratch budget: a call's rows run in blocks that fit it (a training row takes ~2 bytes a "
                 "vocabulary row for its dL/dlogits copy); a larger one means fewer blocks, e.g. 1.5 GiB trains ~4% "
-                "faster at 16384-row calls on an H200 (bench/RESULTS.md)");
+                "faster at 16384-row calls on an H200 (bench/RESULTS.md); the first call of a shape also takes up to "
+                "256 MiB for a moment, beside it, to time the weight gradient's GEMM candidates (none free: a "
+                "narrower timing in the budget)");
 LCE_SERVER_FLAG(int32_t, cpu_threads, cpu_threads, 0, "CPU engine threads (0: all cores)");
 LCE_SERVER_FLAG(bool, batch_invariant, batch_invariant, false,
                 "CUDA engine's logit-tile path (no epilogue GEMM: fp32 heads, builds without CUTLASS, training calls "
