@@ -2,11 +2,10 @@
 #include <cstdint>
 
 #include "cuda/kernels.h"
+#include "cuda/workspace.h"  // RoundUp
 
 namespace lce::cuda {
 namespace {
-
-int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // CUTLASS's PersistentTileSchedulerSm90Params::get_log_swizzle_size: the width it takes for a maximum of
 // `widest` on a grid of blocks_m × blocks_n CTAs.

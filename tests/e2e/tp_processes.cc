@@ -53,8 +53,8 @@ TpGroup::TpGroup(int k, double timeout_seconds, const std::string& head_file, co
     argv.push_back(nullptr);
     posix_spawn_file_actions_t out;
     posix_spawn_file_actions_init(&out);
-    const std::string log = (dir_ / ("rank_" + std::to_string(r) + ".out")).string();
-    const std::string err = (dir_ / ("rank_" + std::to_string(r) + ".err")).string();
+    const std::string log = RankFile(r, ".out").string();
+    const std::string err = RankFile(r, ".err").string();
     posix_spawn_file_actions_addopen(&out, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     posix_spawn_file_actions_addopen(&out, STDERR_FILENO, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     pid_t pid = 0;
@@ -84,7 +84,7 @@ TpGroup::~TpGroup() {
 }
 
 int TpGroup::FrontMetricsPort() const {
-  std::ifstream in(dir_ / "rank_0.out");
+  std::ifstream in(RankFile(0, ".out"));
   const std::string marker = "metrics on http://127.0.0.1:";
   for (std::string line; std::getline(in, line);) {
     const size_t at = line.find(marker);
@@ -94,9 +94,11 @@ int TpGroup::FrontMetricsPort() const {
 }
 
 std::string TpGroup::Stderr(int rank) const {
-  std::ifstream in(dir_ / ("rank_" + std::to_string(rank) + ".err"));
+  std::ifstream in(RankFile(rank, ".err"));
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
+
+fs::path TpGroup::RankFile(int rank, const char* ext) const { return dir_ / ("rank_" + std::to_string(rank) + ext); }
 
 void TpGroup::Signal(int rank, int sig) const {
   if (pids_[rank] > 0) ::kill(pids_[rank], sig);

@@ -38,6 +38,8 @@ class TpGroup {
   int WaitExit(int rank, double seconds);
 
  private:
+  // Where `rank`'s stdout (ext ".out") or stderr (".err") goes.
+  std::filesystem::path RankFile(int rank, const char* ext) const;
   static inline int counter_ = 0;
   std::filesystem::path dir_;
   std::vector<pid_t> pids_;
